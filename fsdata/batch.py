@@ -1,0 +1,289 @@
+"""The sample and the jagged batch: the one data type every FreeScale stage passes along.
+
+Schema (one training sample, a user's interaction history (UIH) plus the candidates to score):
+
+    sample_id          int64              globally unique; the balancer's exactly-once invariant is stated on it
+    user_id            int64
+    uih_item_ids       int64[L]           L = UIH length, oldest event first
+    uih_action_types   int64[L] | absent  per-event side feature, same length as uih_item_ids
+    uih_timestamps     int64[L] | absent  per-event side feature (seconds), same length
+    candidate_labels   float32[C, T]      C candidates (variable per sample), T label columns (tasks)
+    content_ids        jagged int64       per candidate a variable-length list; by convention the first
+                                          id is the candidate item itself, then its content (tags, author...)
+    dense              float32[D]         dense features
+
+A :class:`Batch` stores B samples jagged, as values + offsets (int64 offsets, ``offsets[0] == 0``):
+``uih_offsets`` [B+1] into the UIH values, ``candidate_offsets`` [B+1] into the candidate rows, and
+``content_offsets`` [C_total+1] into ``content_ids`` (candidate-major, in sample order).
+Side features are either present for every sample or absent for all (``None``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # torchrec is optional: the training path must work without it (GPU machine).
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# Keys of the KeyedJaggedTensor form, per-sample lengths for every key (KJT requires B lengths per key).
+UIH_ITEM_KEY = "uih_item_ids"
+UIH_ACTION_KEY = "uih_action_types"
+UIH_TIME_KEY = "uih_timestamps"
+CONTENT_LENGTHS_KEY = "candidate_content_lengths"  # one value per candidate: its number of content ids
+CONTENT_KEY = "content_ids"  # all content ids of a sample's candidates, candidate-major
+
+
+@dataclass
+class Sample:
+    """One sample in plain arrays (numpy or torch); see the module docstring for the schema."""
+
+    sample_id: int
+    user_id: int
+    uih_item_ids: np.ndarray
+    candidate_labels: np.ndarray  # [C, T]
+    content_ids: list[np.ndarray]  # C arrays
+    dense: np.ndarray
+    uih_action_types: Optional[np.ndarray] = None
+    uih_timestamps: Optional[np.ndarray] = None
+
+    @property
+    def uih_length(self) -> int:
+        return int(len(self.uih_item_ids))
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self.candidate_labels.shape[0])
+
+
+def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [n+1] int64 offsets starting at 0."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
+    return out
+
+
+def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    return offsets[1:] - offsets[:-1]
+
+
+def _cat(parts: Sequence[np.ndarray], dtype) -> torch.Tensor:
+    if not parts:
+        return torch.zeros(0, dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts))).to(dtype)
+
+
+@dataclass
+class Batch:
+    """B samples in jagged form. Field order and meaning: see the module docstring."""
+
+    sample_ids: torch.Tensor  # int64[B]
+    user_ids: torch.Tensor  # int64[B]
+    uih_offsets: torch.Tensor  # int64[B+1]
+    uih_item_ids: torch.Tensor  # int64[N]
+    candidate_offsets: torch.Tensor  # int64[B+1]
+    candidate_labels: torch.Tensor  # float32[C_total, T]
+    content_offsets: torch.Tensor  # int64[C_total+1]
+    content_ids: torch.Tensor  # int64[M]
+    dense: torch.Tensor  # float32[B, D]
+    uih_action_types: Optional[torch.Tensor] = None  # int64[N]
+    uih_timestamps: Optional[torch.Tensor] = None  # int64[N]
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def batch_size(self) -> int:
+        return int(self.sample_ids.numel())
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def uih_lengths(self) -> torch.Tensor:
+        return offsets_to_lengths(self.uih_offsets)
+
+    @property
+    def num_candidates(self) -> torch.Tensor:
+        return offsets_to_lengths(self.candidate_offsets)
+
+    @property
+    def candidate_lengths(self) -> torch.Tensor:
+        """Content length of every candidate, [C_total] (Algorithm 1's candidate_lens)."""
+        return offsets_to_lengths(self.content_offsets)
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.candidate_labels.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.uih_item_ids.device
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], num_labels: int = 1, dense_dim: int = 0) -> "Batch":
+        """Packs samples into one batch. ``num_labels``/``dense_dim`` size an empty batch."""
+        if samples:
+            num_labels = int(samples[0].candidate_labels.shape[1])
+            dense_dim = int(np.asarray(samples[0].dense).shape[0])
+        has_actions = bool(samples) and samples[0].uih_action_types is not None
+        has_times = bool(samples) and samples[0].uih_timestamps is not None
+        for s in samples:
+            if (s.uih_action_types is not None) != has_actions or (s.uih_timestamps is not None) != has_times:
+                raise ValueError(f"sample {s.sample_id}: side features must be present in all samples or none")
+        uih_lengths = torch.tensor([s.uih_length for s in samples], dtype=torch.int64)
+        num_cands = torch.tensor([s.num_candidates for s in samples], dtype=torch.int64)
+        content_parts = [c for s in samples for c in s.content_ids]
+        content_lengths = torch.tensor([len(c) for c in content_parts], dtype=torch.int64)
+        return cls(
+            sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+            user_ids=torch.tensor([s.user_id for s in samples], dtype=torch.int64),
+            uih_offsets=lengths_to_offsets(uih_lengths),
+            uih_item_ids=_cat([s.uih_item_ids for s in samples], torch.int64),
+            candidate_offsets=lengths_to_offsets(num_cands),
+            candidate_labels=(
+                _cat([s.candidate_labels for s in samples], torch.float32).reshape(-1, num_labels)
+            ),
+            content_offsets=lengths_to_offsets(content_lengths),
+            content_ids=_cat(content_parts, torch.int64),
+            dense=(
+                torch.from_numpy(np.stack([np.asarray(s.dense, dtype=np.float32) for s in samples]))
+                if samples
+                else torch.zeros(0, dense_dim, dtype=torch.float32)
+            ),
+            uih_action_types=_cat([s.uih_action_types for s in samples], torch.int64) if has_actions else None,
+            uih_timestamps=_cat([s.uih_timestamps for s in samples], torch.int64) if has_times else None,
+        )
+
+    def to_samples(self) -> list[Sample]:
+        """Unpacks into per-sample arrays (tests and tooling; not on the hot path)."""
+        b = self.to("cpu")
+        uo, co, xo = b.uih_offsets.tolist(), b.candidate_offsets.tolist(), b.content_offsets.tolist()
+        out = []
+        for i in range(b.batch_size):
+            u0, u1, c0, c1 = uo[i], uo[i + 1], co[i], co[i + 1]
+            out.append(
+                Sample(
+                    sample_id=int(b.sample_ids[i]),
+                    user_id=int(b.user_ids[i]),
+                    uih_item_ids=b.uih_item_ids[u0:u1].numpy(),
+                    candidate_labels=b.candidate_labels[c0:c1].numpy(),
+                    content_ids=[b.content_ids[xo[c] : xo[c + 1]].numpy() for c in range(c0, c1)],
+                    dense=b.dense[i].numpy(),
+                    uih_action_types=None if b.uih_action_types is None else b.uih_action_types[u0:u1].numpy(),
+                    uih_timestamps=None if b.uih_timestamps is None else b.uih_timestamps[u0:u1].numpy(),
+                )
+            )
+        return out
+
+    @classmethod
+    def concat(cls, batches: Sequence["Batch"]) -> "Batch":
+        """Concatenates batches in order (samples of batches[0] first)."""
+        if not batches:
+            raise ValueError("Batch.concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+
+        def cat_offsets(name: str) -> torch.Tensor:
+            lengths = [offsets_to_lengths(getattr(b, name)) for b in batches]
+            return lengths_to_offsets(torch.cat(lengths))
+
+        def cat_opt(name: str) -> Optional[torch.Tensor]:
+            vals = [getattr(b, name) for b in batches]
+            if all(v is None for v in vals):
+                return None
+            if any(v is None for v in vals):
+                raise ValueError(f"Batch.concat: {name} present in some batches and absent in others")
+            return torch.cat(vals)
+
+        return cls(
+            sample_ids=torch.cat([b.sample_ids for b in batches]),
+            user_ids=torch.cat([b.user_ids for b in batches]),
+            uih_offsets=cat_offsets("uih_offsets"),
+            uih_item_ids=torch.cat([b.uih_item_ids for b in batches]),
+            candidate_offsets=cat_offsets("candidate_offsets"),
+            candidate_labels=torch.cat([b.candidate_labels for b in batches]),
+            content_offsets=cat_offsets("content_offsets"),
+            content_ids=torch.cat([b.content_ids for b in batches]),
+            dense=torch.cat([b.dense for b in batches]),
+            uih_action_types=cat_opt("uih_action_types"),
+            uih_timestamps=cat_opt("uih_timestamps"),
+        )
+
+    # ------------------------------------------------------------------ movement
+    def _map(self, fn) -> "Batch":
+        return dataclasses.replace(
+            self, **{f.name: (None if (v := getattr(self, f.name)) is None else fn(v)) for f in dataclasses.fields(self)}
+        )
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> "Batch":
+        return self._map(lambda t: t.pin_memory())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Named tensors (absent side features omitted): for checksums, state and transport."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def equals(self, other: "Batch") -> bool:
+        """Exact equality of every field (dtype, shape and values)."""
+        a, b = self.tensors(), other.tensors()
+        return a.keys() == b.keys() and all(
+            a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k].cpu(), b[k].cpu()) for k in a
+        )
+
+    # ------------------------------------------------------------------ torchrec interop
+    def to_kjt(self) -> "KeyedJaggedTensor":
+        """The sparse part as torchrec's KeyedJaggedTensor (per-sample lengths for every key).
+
+        ``CONTENT_LENGTHS_KEY`` carries one value per candidate (its content length), so the jagged-of-jagged
+        candidate content survives the round trip; labels, dense features and ids travel beside the KJT,
+        as in torchrec's own ``Batch(dense_features, sparse_features, labels)``.
+        """
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        uih_len = self.uih_lengths
+        content_per_sample = offsets_to_lengths(self.content_offsets[self.candidate_offsets])
+        keys, values, lengths = [UIH_ITEM_KEY], [self.uih_item_ids], [uih_len]
+        for key, side in ((UIH_ACTION_KEY, self.uih_action_types), (UIH_TIME_KEY, self.uih_timestamps)):
+            if side is not None:
+                keys.append(key), values.append(side), lengths.append(uih_len)
+        keys += [CONTENT_LENGTHS_KEY, CONTENT_KEY]
+        values += [self.candidate_lengths, self.content_ids]
+        lengths += [self.num_candidates, content_per_sample]
+        return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+    @classmethod
+    def from_kjt(
+        cls,
+        kjt: "KeyedJaggedTensor",
+        *,
+        sample_ids: torch.Tensor,
+        user_ids: torch.Tensor,
+        candidate_labels: torch.Tensor,
+        dense: torch.Tensor,
+    ) -> "Batch":
+        """Inverse of :meth:`to_kjt`."""
+        jt = kjt.to_dict()
+        missing = {UIH_ITEM_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY} - set(jt)
+        if missing:
+            raise ValueError(f"KeyedJaggedTensor lacks FreeScale keys {sorted(missing)} (has {kjt.keys()})")
+        uih = jt[UIH_ITEM_KEY]
+        cand = jt[CONTENT_LENGTHS_KEY]
+        return cls(
+            sample_ids=sample_ids,
+            user_ids=user_ids,
+            uih_offsets=lengths_to_offsets(uih.lengths()),
+            uih_item_ids=uih.values(),
+            candidate_offsets=lengths_to_offsets(cand.lengths()),
+            candidate_labels=candidate_labels,
+            content_offsets=lengths_to_offsets(cand.values()),
+            content_ids=jt[CONTENT_KEY].values(),
+            dense=dense,
+            uih_action_types=jt[UIH_ACTION_KEY].values() if UIH_ACTION_KEY in jt else None,
+            uih_timestamps=jt[UIH_TIME_KEY].values() if UIH_TIME_KEY in jt else None,
+        )

@@ -1,0 +1,1 @@
+"""fsembed: row-wise sharded embedding tables, sparse optimizers, synchronous and prioritized updates."""

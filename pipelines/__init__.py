@@ -1,0 +1,1 @@
+"""pipelines: the staged train pipeline, reference model, CLI, benchmarks and simulator."""

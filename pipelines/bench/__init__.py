@@ -1,0 +1,1 @@
+"""Benchmarks: each prints one table and writes JSON (--json PATH)."""

@@ -1,0 +1,58 @@
+"""The `freescale` command. Each subcommand lives in its own module exposing
+``add_arguments(parser)`` and ``main(args) -> int``; this file only routes to them (imported lazily, so
+`freescale data ...` does not pay for what `freescale train` needs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+# (command path, module, one-line help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("train",), "pipelines.train", "train the reference model on local ranks (or under torchrun)"),
+    (("data", "synth"), "pipelines.commands.data_synth", "write synthetic heavy-tailed UIH data to Parquet"),
+    (("data", "convert"), "pipelines.commands.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),
+    (("data", "stats"), "pipelines.commands.data_stats", "length, sparsity and collision statistics of a dataset"),
+    (("bench", "kernels"), "pipelines.bench.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
+    (("bench", "transport"), "pipelines.bench.transport", "transport latency, bandwidth and compute contention"),
+    (("bench", "embedding"), "pipelines.bench.embedding", "exposed embedding communication: sync vs prioritized"),
+    (("bench", "e2e"), "pipelines.bench.e2e", "every train mode on the same data, bubbles side by side"),
+    (("simulate",), "pipelines.simulate", "straggler simulation of N ranks (cost model or replay)"),
+]
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="freescale",
+        description="FreeScale: balanced, prefetched, SM-free distributed training of sequence recommenders.",
+    )
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module, help_text in COMMANDS:
+        if not _available(module):
+            continue
+        sub = top
+        if len(path) == 2:
+            if path[0] not in groups:
+                group_parser = top.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = group_parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            sub = groups[path[0]]
+        cmd = sub.add_parser(path[-1], help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(cmd)
+        cmd.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of `freescale` that are not training or benchmarks."""

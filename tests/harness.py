@@ -1,0 +1,148 @@
+"""Multi-process test harness: runs a function on N real gloo ranks on CPU, with a timeout that names the rank
+and the stage it was stuck in, so a hang fails fast instead of eating the CI budget.
+
+    def body(rank, world_size, n):      # module-level, picklable
+        stage("all_gather")              # optional: what the rank is doing now, shown if it hangs
+        ...
+        return something_picklable
+
+    results = run_ranks(body, world_size=2, args=(5,), timeout=60)
+
+Processes come from a forkserver that has imported torch once, so a rank starts in well under a second and no
+child inherits a parent's OpenMP pool. Each rank runs with one intra-op thread (2 cores, up to 4 ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+_STAGE_DIR_ENV = "FREESCALE_TEST_STAGE_DIR"
+_ctx: Optional[mp.context.BaseContext] = None
+
+
+def _context() -> mp.context.BaseContext:
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return _ctx
+
+
+def stage(name: str) -> None:
+    """Records the calling rank's current stage (read by the parent only when the rank hangs or dies)."""
+    d = os.environ.get(_STAGE_DIR_ENV)
+    if d is None:
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    with open(os.path.join(d, f"rank{rank}.stage"), "w") as f:
+        f.write(name)
+
+
+def _read_stage(stage_dir: str, rank: int) -> str:
+    try:
+        with open(os.path.join(stage_dir, f"rank{rank}.stage")) as f:
+            return f.read() or "start"
+    except FileNotFoundError:
+        return "start (before init_process_group)"
+
+
+def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results):
+    os.environ.update(env)
+    os.environ.update({_STAGE_DIR_ENV: stage_dir, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        stage("init_process_group")
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+        stage("running")
+        out = fn(rank, world_size, *args)
+        stage("done")
+        results.put((rank, "ok", out))
+    except BaseException:  # carried to the parent as a value, re-raised there with the rank named
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float = 60.0,
+    backend: str = "gloo",
+    env: Optional[dict[str, str]] = None,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results in rank order.
+
+    Raises RankFailure naming the rank (and its traceback) if any rank raised or died, and TimeoutError naming
+    every unfinished rank and its last stage if the ranks did not all finish within ``timeout`` seconds.
+    """
+    ctx = _context()
+    stage_dir = tempfile.mkdtemp(prefix="fs-ranks-")
+    store_path = os.path.join(stage_dir, "store")
+    results = ctx.Queue()
+    base_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world_size, tuple(args), stage_dir, store_path, timeout, backend, base_env, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stuck = [f"rank {r} in stage '{_read_stage(stage_dir, r)}'" for r in range(world_size) if r not in outcome]
+                raise TimeoutError(f"{fn.__name__}: ranks did not finish within {timeout:.0f} s: " + "; ".join(stuck))
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 0.5))
+                outcome[rank] = (status, payload)
+                if status == "error":  # fail fast: the other ranks are likely blocked on this one
+                    break
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outcome and not p.is_alive() and p.exitcode not in (None, 0):
+                        raise RankFailure(
+                            f"{fn.__name__}: rank {r} died with exit code {p.exitcode} "
+                            f"in stage '{_read_stage(stage_dir, r)}'"
+                        )
+    finally:
+        for p in procs:
+            p.join(timeout=0.05 if len(outcome) < world_size else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [(r, tb) for r, (s, tb) in sorted(outcome.items()) if s == "error"]
+    if errors:
+        r, tb = errors[0]
+        raise RankFailure(f"{fn.__name__}: rank {r} raised:\n{tb}")
+    return [outcome[r][1] for r in range(world_size)]
