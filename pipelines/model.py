@@ -1,0 +1,166 @@
+"""The reference sequence model: a causal transformer over the jagged UIH, candidates scored by target attention.
+
+    UIH tokens  = item embedding + action embedding         (jagged, [N_uih, d])
+    encoder     = num_layers pre-norm transformer blocks     (causal softmax attention over each sample's UIH)
+    candidates  = sum of their content-id embeddings         ([C_total, d], content ids are jagged per candidate)
+    target attn = each candidate attends over its sample's encoded UIH
+    head        = MLP(candidate, attended UIH, dense) -> one logit per label column; BCE loss; NE metric
+
+Attention runs through torch's scaled_dot_product_attention over padded batches with masks (CPU and GPU: on
+CUDA it picks the fused kernels), so no fbgemm kernel is needed anywhere. The padding is exactly what the
+balancer's sparsity metric (Eq. 1) measures, and what variable-batch-size balancing reduces.
+Embedding tables are plain ``nn.Embedding`` modules named ``item_embedding`` and ``action_embedding``; the
+FreeScale pipeline finds and swaps them by name, so this model's code never changes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdata.batch import Batch
+
+
+@dataclass
+class ModelConfig:
+    """Sizes of the reference model. Presets: :data:`MODEL_PRESETS`."""
+
+    num_items: int = 20_000
+    """Rows of the item table (ids are taken modulo this)."""
+    num_actions: int = 8
+    """Rows of the action-type table."""
+    dim: int = 32
+    """Embedding and model width d."""
+    num_layers: int = 1
+    num_heads: int = 2
+    num_labels: int = 1
+    """Label columns (tasks) per candidate."""
+    dense_dim: int = 4
+    """Dense feature width of the data."""
+    max_uih: int = 21_000
+    """Longest UIH the encoder sees (the most recent items are kept); positional table size."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"model dim {self.dim} is not divisible by num_heads {self.num_heads}")
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    "tiny": dict(num_items=20_000, dim=32, num_layers=1, num_heads=2, max_uih=512),
+    "small": dict(num_items=200_000, dim=64, num_layers=2, num_heads=4, max_uih=4_096),
+    "production": dict(num_items=10_000_000, dim=512, num_layers=4, num_heads=8, max_uih=21_000),
+}
+
+
+def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged [N, d] -> padded [B, max_len, d] and a bool mask [B, max_len] (True = real token)."""
+    lengths = offsets[1:] - offsets[:-1]
+    b = lengths.numel()
+    positions = torch.arange(max_len, device=values.device)
+    mask = positions.unsqueeze(0) < lengths.unsqueeze(1)
+    padded = values.new_zeros(b, max_len, values.shape[-1])
+    padded[mask] = values
+    return padded, mask
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.num_heads
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        attn_mask = causal & mask[:, None, None, :]  # padded keys never attend
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        x = x + self.proj(out.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class SequenceModel(nn.Module):
+    """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.dim
+        self.item_embedding = nn.Embedding(config.num_items, d)
+        self.action_embedding = nn.Embedding(config.num_actions, d)
+        self.position = nn.Embedding(config.max_uih, d)
+        self.blocks = nn.ModuleList(Block(d, config.num_heads) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(d)
+        self.target_q = nn.Linear(d, d)
+        self.dense_proj = nn.Linear(config.dense_dim, d)
+        self.head = nn.Sequential(nn.Linear(3 * d, d), nn.GELU(), nn.Linear(d, config.num_labels))
+        for emb in (self.item_embedding, self.action_embedding, self.position):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keeps each sample's most recent ``max_uih`` events (offsets and the flat index of kept tokens)."""
+        lengths = batch.uih_lengths
+        kept = lengths.clamp(max=self.config.max_uih)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(kept, 0, out=offsets[1:])
+        sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept)
+        pos = torch.arange(int(offsets[-1]), device=lengths.device) - offsets[:-1][sample]
+        flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
+        return offsets, flat, pos
+
+    def encode_uih(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoded UIH, padded [B, L, d], with its mask [B, L]."""
+        offsets, flat, pos = self._truncate(batch)
+        ids = batch.uih_item_ids[flat] % self.config.num_items
+        tokens = self.item_embedding(ids) + self.position(pos)
+        if batch.uih_action_types is not None:
+            tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
+        max_len = int((offsets[1:] - offsets[:-1]).max()) if batch.batch_size else 0
+        x, mask = _pad(tokens, offsets, max(max_len, 1))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x), mask
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if batch.batch_size == 0:
+            return torch.zeros(0, self.config.num_labels, device=self.item_embedding.weight.device)
+        uih, uih_mask = self.encode_uih(batch)
+        # Candidate vectors: sum of content-id embeddings (empty content -> zero vector).
+        content_ids = batch.content_ids % self.config.num_items
+        cand = F.embedding_bag(
+            content_ids, self.item_embedding.weight, batch.content_offsets[:-1], mode="sum",
+            include_last_offset=False,
+        ) if batch.content_ids.numel() else self.item_embedding.weight.new_zeros(batch.candidate_labels.shape[0], self.config.dim)
+        # Target attention: candidates padded per sample query their own sample's encoded UIH.
+        c_max = int(batch.num_candidates.max())
+        q, cand_mask = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
+        b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
+        heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
+        attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
+        attended = attended.transpose(1, 2).reshape(b, -1, d)[cand_mask]  # back to jagged [C_total, d]
+        sample_of_cand = torch.repeat_interleave(torch.arange(b, device=cand.device), batch.num_candidates)
+        dense = self.dense_proj(batch.dense)[sample_of_cand]
+        return self.head(torch.cat([cand, attended, dense], dim=-1))
+
+
+def bce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of per-label BCE over the local candidates (the trainer scales it to the global mean)."""
+    return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+
+
+def normalized_entropy(bce_total: float, positives: float, count: float) -> float:
+    """NE = mean BCE / entropy of the base rate (lower is better, 1.0 = predicting the base rate)."""
+    if count <= 0:
+        return float("nan")
+    p = min(max(positives / count, 1e-7), 1 - 1e-7)
+    base = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    return (bce_total / count) / base
