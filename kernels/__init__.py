@@ -1,1 +1,4 @@
-"""kernels: jagged ops, each a dispatcher over a Triton kernel and a vectorized PyTorch twin."""
+"""kernels: jagged ops, each a dispatcher over a Triton kernel and a vectorized PyTorch twin.
+
+Public entry point: ``from kernels import ops`` (see kernels/ops.py); ``ops.Impl`` picks an implementation.
+"""

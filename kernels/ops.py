@@ -1,0 +1,261 @@
+"""The one dispatch point of the jagged kernels: ``from kernels import ops``.
+
+Every op validates its inputs once, here, then runs one implementation chosen by :class:`Impl`:
+
+- ``Impl.TRITON``: the Triton kernel (default for CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
+  which is how the tests run it).
+- ``Impl.TORCH``: the vectorized PyTorch twin (default for CPU tensors; the reference in tests).
+- ``Impl.EAGER``: the naive per-segment loop; the benchmark's baseline, never the training path.
+
+Shape and dtype checks always run. Checks that read tensor *values* (offsets non-decreasing, indices in range,
+a permutation really being one) need a device-to-host sync, so they run on CPU tensors always and on CUDA
+tensors only when ``FREESCALE_CHECK_KERNEL_INPUTS=1`` (a debugging switch: the hot path must not sync).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Optional, Union
+
+import torch
+
+from kernels import eager
+from kernels.pytorch import pt_jagged_gather, pt_ranged, pt_segment
+
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+CHECK_ENV = "FREESCALE_CHECK_KERNEL_INPUTS"
+
+
+class Impl(enum.Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+    EAGER = "eager"
+
+
+def _resolve(impl: Union[Impl, str, None], tensor: torch.Tensor) -> Impl:
+    if impl is None:
+        return Impl.TRITON if tensor.is_cuda else Impl.TORCH
+    if isinstance(impl, str):
+        try:
+            return Impl(impl.lower())
+        except ValueError:
+            raise ValueError(f"unknown kernel impl {impl!r}; expected one of {[i.value for i in Impl]}") from None
+    if isinstance(impl, Impl):
+        return impl
+    raise ValueError(f"impl must be an Impl, a string or None, got {type(impl).__name__}")
+
+
+def _check_values(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors) or os.environ.get(CHECK_ENV, "") == "1"
+
+
+def _require(cond: bool, op: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"kernels.ops.{op}: {message}")
+
+
+def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    _require(len(set(devices.values())) == 1, op, f"all inputs must be on one device, got {devices}")
+
+
+def _check_offsets(op: str, offsets: torch.Tensor, num_values: int, name: str = "offsets", cover: bool = False) -> None:
+    _require(offsets.dim() == 1 and offsets.numel() >= 1, op, f"{name} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}")
+    _require(offsets.dtype in _OFFSET_DTYPES, op, f"{name} must be int32 or int64, got {offsets.dtype}")
+    if not _check_values(offsets):
+        return
+    if offsets.numel() > 1:
+        bad = torch.nonzero(offsets[1:] < offsets[:-1]).flatten()
+        _require(bad.numel() == 0, op, f"{name} must be non-decreasing; segment {int(bad[0]) if bad.numel() else -1} has negative length")
+    first, last = int(offsets[0]), int(offsets[-1])
+    _require(first >= 0, op, f"{name}[0] = {first} is negative")
+    _require(last <= num_values, op, f"{name}[-1] = {last} exceeds the {num_values} value rows")
+    if cover:
+        _require(first == 0 and last == num_values, op, f"{name} must span all {num_values} value rows, got [{first}, {last}]")
+
+
+def _check_values_tensor(op: str, values: torch.Tensor) -> None:
+    _require(values.dim() >= 1, op, f"values must have at least one dimension, got a scalar")
+
+
+# --------------------------------------------------------------------------------------------------------------
+def indexed_permute(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    *,
+    output_size: Optional[int] = None,
+    impl: Union[Impl, str, None] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate segments ``order[0], order[1], ...`` of the jagged tensor (values [N, *], offsets [S+1]).
+
+    ``order`` [K] int64 may be a permutation or a selection (repeats allowed). Returns (out_values,
+    out_offsets [K+1], offsets' dtype). ``output_size`` (the sum of the selected lengths), when the caller
+    knows it, saves the device-to-host sync that sizing the output otherwise needs.
+    """
+    op = "indexed_permute"
+    _check_values_tensor(op, values)
+    _check_offsets(op, offsets, values.shape[0])
+    _require(order.dim() == 1 and order.dtype == torch.int64, op, f"order must be a 1-D int64 tensor, got {order.dtype} of shape {tuple(order.shape)}")
+    _check_same_device(op, values=values, offsets=offsets, order=order)
+    num_segments = offsets.numel() - 1
+    if order.numel() and _check_values(order):
+        lo, hi = int(order.min()), int(order.max())
+        _require(lo >= 0 and hi < num_segments, op, f"order holds segment {lo if lo < 0 else hi}, outside [0, {num_segments})")
+    _require(output_size is None or output_size >= 0, op, f"output_size must be >= 0, got {output_size}")
+    match _resolve(impl, values):
+        case Impl.TRITON:
+            from kernels.triton import triton_jagged_gather
+
+            return triton_jagged_gather.indexed_permute(values, offsets, order, output_size)
+        case Impl.TORCH:
+            return pt_jagged_gather.indexed_permute(values, offsets, order, output_size)
+        case Impl.EAGER:
+            return eager.indexed_permute(values, offsets, order)
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+def keyed_transpose(
+    values: torch.Tensor, lengths: torch.Tensor, *, impl: Union[Impl, str, None] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feature-major jagged layout (KeyedJaggedTensor order: lengths [F, B], all samples of key 0, then key 1,
+    ...) -> batch-major (sample 0's keys, then sample 1's, ...). Returns (out_values, out_lengths [B, F])."""
+    op = "keyed_transpose"
+    _check_values_tensor(op, values)
+    _require(lengths.dim() == 2, op, f"lengths must be 2-D [num_keys, batch_size], got shape {tuple(lengths.shape)}")
+    _require(lengths.dtype in _OFFSET_DTYPES, op, f"lengths must be int32 or int64, got {lengths.dtype}")
+    _check_same_device(op, values=values, lengths=lengths)
+    if lengths.numel() and _check_values(lengths):
+        _require(int(lengths.min()) >= 0, op, "lengths must be non-negative")
+        total = int(lengths.sum())
+        _require(total == values.shape[0], op, f"lengths sum to {total} but values has {values.shape[0]} rows")
+    match _resolve(impl, values):
+        case Impl.TRITON:
+            from kernels.triton import triton_jagged_gather
+
+            return triton_jagged_gather.keyed_transpose(values, lengths)
+        case Impl.TORCH:
+            return pt_jagged_gather.keyed_transpose(values, lengths)
+        case Impl.EAGER:
+            return eager.keyed_transpose(values, lengths)
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+def ranged_dispatch(
+    ids: torch.Tensor, boundaries: torch.Tensor, *, impl: Union[Impl, str, None] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group ids by owning shard (shard r owns rows [boundaries[r], boundaries[r+1])), stably.
+
+    Returns (send_ids [N], splits [W] int64, perm [N] int64) with ``send_ids[j] == ids[perm[j]]``: the send
+    buffer and splits of the ID AllToAll; ``perm`` is what :func:`ranged_combine` inverts on the way back.
+    """
+    op = "ranged_dispatch"
+    _require(ids.dim() == 1 and ids.dtype == torch.int64, op, f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
+    _require(boundaries.dim() == 1 and boundaries.numel() >= 2 and boundaries.dtype == torch.int64, op,
+             f"boundaries must be 1-D int64 with world_size + 1 >= 2 entries, got {boundaries.dtype} of shape {tuple(boundaries.shape)}")
+    _check_same_device(op, ids=ids, boundaries=boundaries)
+    if _check_values(boundaries, ids):
+        bad = torch.nonzero(boundaries[1:] < boundaries[:-1]).flatten()
+        _require(bad.numel() == 0, op, f"boundaries must be sorted; shard {int(bad[0]) if bad.numel() else -1} ends before it starts")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            b0, bw = int(boundaries[0]), int(boundaries[-1])
+            _require(lo >= b0 and hi < bw, op, f"id {lo if lo < b0 else hi} is outside the sharded rows [{b0}, {bw})")
+    match _resolve(impl, ids):
+        case Impl.TRITON:
+            from kernels.triton import triton_ranged
+
+            return triton_ranged.ranged_dispatch(ids, boundaries)
+        case Impl.TORCH:
+            return pt_ranged.ranged_dispatch(ids, boundaries)
+        case Impl.EAGER:
+            return eager.ranged_dispatch(ids, boundaries)
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+def ranged_combine(
+    values: torch.Tensor,
+    perm: torch.Tensor,
+    *,
+    splits: Optional[torch.Tensor] = None,
+    impl: Union[Impl, str, None] = None,
+) -> torch.Tensor:
+    """Inverse of the dispatch permutation: ``out[perm[j]] = values[j]`` (values [N, *], e.g. the embeddings
+    that came back in shard-major order). Differentiable: the backward gathers ``grad_out[perm]``.
+    ``splits`` is used only by the eager baseline (one scatter per shard)."""
+    op = "ranged_combine"
+    _check_values_tensor(op, values)
+    _require(perm.dim() == 1 and perm.dtype == torch.int64, op, f"perm must be a 1-D int64 tensor, got {perm.dtype} of shape {tuple(perm.shape)}")
+    _require(perm.numel() == values.shape[0], op, f"perm has {perm.numel()} entries but values has {values.shape[0]} rows")
+    _check_same_device(op, values=values, perm=perm)
+    if perm.numel() and _check_values(perm):
+        lo, hi = int(perm.min()), int(perm.max())
+        _require(lo >= 0 and hi < perm.numel(), op, f"perm holds {lo if lo < 0 else hi}, outside [0, {perm.numel()})")
+        _require(bool((torch.bincount(perm, minlength=perm.numel()) == 1).all()), op, "perm is not a permutation (an index repeats)")
+    match _resolve(impl, values):
+        case Impl.TRITON:
+            from kernels.triton import triton_ranged
+
+            return triton_ranged.ranged_combine(values, perm)
+        case Impl.TORCH:
+            return pt_ranged.ranged_combine(values, perm)
+        case Impl.EAGER:
+            return eager.ranged_combine(values, perm, splits)
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+def segment_sum(values: torch.Tensor, offsets: torch.Tensor, *, impl: Union[Impl, str, None] = None) -> torch.Tensor:
+    """Sum of each jagged segment (values [N, *], offsets [S+1] spanning all N rows) -> [S, *].
+
+    Integers sum in (and return) int64; floats accumulate in fp32 and return in their own dtype. E.g. the
+    AllToAll send splits from per-sample lengths in plan order and the plan's dest_offsets.
+    """
+    op = "segment_sum"
+    _check_values_tensor(op, values)
+    _require(values.dtype != torch.bool, op, "values must be numeric, got bool")
+    _check_offsets(op, offsets, values.shape[0], cover=True)
+    _check_same_device(op, values=values, offsets=offsets)
+    match _resolve(impl, values):
+        case Impl.TRITON:
+            from kernels.triton import triton_segment
+
+            return triton_segment.segment_sum(values, offsets)
+        case Impl.TORCH:
+            return pt_segment.segment_sum(values, offsets)
+        case Impl.EAGER:
+            return eager.segment_sum(values, offsets)
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+def collision_mask(
+    ids: torch.Tensor,
+    other: torch.Tensor,
+    *,
+    offsets: Optional[torch.Tensor] = None,
+    impl: Union[Impl, str, None] = None,
+) -> torch.Tensor:
+    """BoolTensor[len(ids)]: ``ids[i] in other`` (Algorithm 2's collision marking between batch i and i+1).
+    ``offsets`` is used only by the eager baseline (one membership test per segment, e.g. per source rank)."""
+    op = "collision_mask"
+    _require(ids.dim() == 1 and other.dim() == 1, op, f"ids and other must be 1-D, got shapes {tuple(ids.shape)} and {tuple(other.shape)}")
+    _require(ids.dtype in _OFFSET_DTYPES and other.dtype == ids.dtype, op, f"ids and other must share an integer dtype (int32/int64), got {ids.dtype} and {other.dtype}")
+    _check_same_device(op, ids=ids, other=other)
+    match _resolve(impl, ids):
+        case Impl.TRITON:
+            from kernels.triton import triton_segment
+
+            return triton_segment.collision_mask(ids, other)
+        case Impl.TORCH:
+            return pt_segment.collision_mask(ids, other)
+        case Impl.EAGER:
+            return eager.collision_mask(ids, other, offsets)
+        case other_impl:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other_impl}")
