@@ -1,0 +1,52 @@
+"""Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [user stages] -> pin memory.
+
+Each stage is a torchdata.nodes BaseNode wrapping the one before it, so the chain checkpoints through the one
+``Loader.state_dict()`` (the StatefulDataLoader protocol: ``state_dict()`` / ``load_state_dict()``).
+Later stages (gather lengths, partition, shuffle samples, ID prefetch) are passed in ``stages``: each is a
+callable ``node -> node`` applied in order after the prefetcher, which keeps batches ``prefetch_depth`` ahead
+of the model so the balancer's collectives have a step of compute to hide under.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
+
+from fsdata.batch import Batch
+from fsdata.nodes.reader import GlobalBatchReader
+from fsdata.source import SampleSource
+
+Stage = Callable[[BaseNode[Batch]], BaseNode]
+
+
+@dataclass
+class LoaderConfig:
+    batch_size: int = field(default=16, metadata={"help": "local batch size B per rank (samples)"})
+    prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model (0 = none)"})
+    pin_memory: bool = field(default=False, metadata={"help": "pin host memory of batches (CUDA training)"})
+
+    def validate(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+
+
+def build_loader(
+    source: SampleSource,
+    config: LoaderConfig,
+    rank: int,
+    world_size: int,
+    stages: Sequence[Stage] = (),
+) -> Loader:
+    config.validate()
+    node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size)
+    if config.prefetch_depth > 0:
+        node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
+    for wrap in stages:
+        node = wrap(node)
+    if config.pin_memory:
+        node = PinMemory(node)
+    return Loader(node)

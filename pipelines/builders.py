@@ -1,0 +1,42 @@
+"""build_* functions: each builds one component from its own config section only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fsdata.source import SampleSource
+from pipelines.config import DataConfig, ModelSection
+from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
+
+
+def build_source(config: DataConfig) -> SampleSource:
+    if config.data == "synthetic":
+        from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+        overrides = {"collision_rate": config.collision_rate} if config.collision_rate is not None else {}
+        return SyntheticSource(
+            SyntheticConfig.from_preset(
+                config.preset, num_samples=config.num_samples, seed=config.data_seed, uih_cap=config.uih_cap, **overrides
+            )
+        )
+    from fsdata.parquet import ParquetSource
+
+    path = Path(config.data)
+    paths = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    if not paths:
+        raise ValueError(f"{path}: directory holds no *.parquet files")
+    return ParquetSource(paths, uih_cap=config.uih_cap)
+
+
+def build_model(config: ModelSection, source: SampleSource, seed: int) -> SequenceModel:
+    """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank."""
+    if config.model not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)}")
+    probe = source.read(0, 0, min(1, source.num_samples(0)))
+    sizes = dict(MODEL_PRESETS[config.model])
+    sizes.update({k: v for k, v in (("dim", config.dim), ("num_layers", config.num_layers), ("max_uih", config.max_uih)) if v is not None})
+    model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1], **sizes)
+    torch.manual_seed(seed)
+    return SequenceModel(model_config)

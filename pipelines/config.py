@@ -1,0 +1,124 @@
+"""Job configuration: small nested dataclasses, one per builder, with a help string per field.
+
+Precedence: command-line flags > TOML file (``--config job.toml``, one table per section) > defaults. Every
+field is a flag named after it (``--batch-size``, ``--steps``...); names are unique across sections so the flags
+stay short. All validation happens in :meth:`JobConfig.validate`, once, with ValueErrors that name the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from fsdata.loader import LoaderConfig
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class DataConfig:
+    data: str = _f("synthetic", "'synthetic' or a Parquet file / directory of Parquet files")
+    preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, movielens-20m)")
+    num_samples: int = _f(100_000, "synthetic samples per epoch")
+    collision_rate: Optional[float] = _f(None, "synthetic: fraction of rows shared by consecutive batches")
+    uih_cap: int = _f(21_000, "longest UIH kept (most recent items); longer ones are truncated and counted")
+    data_seed: int = _f(0, "seed of the synthetic generator")
+
+
+@dataclass
+class ModelSection:
+    model: str = _f("tiny", "reference model preset (tiny, small, production)")
+    dim: Optional[int] = _f(None, "override the preset's width d")
+    num_layers: Optional[int] = _f(None, "override the preset's number of transformer blocks")
+    max_uih: Optional[int] = _f(None, "override the preset's longest UIH seen by the encoder")
+
+
+@dataclass
+class TrainConfig:
+    nproc: int = _f(2, "local ranks launched by `freescale train` (ignored under torchrun)")
+    steps: int = _f(20, "training steps (global batches)")
+    lr: float = _f(1e-3, "Adam learning rate of the dense part (and SGD rate of embeddings)")
+    seed: int = _f(0, "model initialisation seed (same on every rank)")
+    device: str = _f("auto", "cpu, cuda or auto (cuda when available)")
+    summary_json: Optional[str] = _f(None, "write the final run summary here")
+    metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step here (rank 0)")
+    threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks)")
+    progress: bool = _f(True, "progress bar on rank 0")
+
+
+SECTIONS = {"data": DataConfig, "model": ModelSection, "loader": LoaderConfig, "train": TrainConfig}
+
+
+@dataclass
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "JobConfig":
+        if self.train.nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {self.train.nproc}")
+        if self.train.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.train.steps}")
+        if self.train.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be cpu, cuda or auto, got {self.train.device!r}")
+        if self.data.collision_rate is not None and not 0.0 <= self.data.collision_rate <= 1.0:
+            raise ValueError(f"collision_rate must lie in [0, 1], got {self.data.collision_rate}")
+        if self.data.uih_cap < 1:
+            raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
+        if self.data.data != "synthetic" and not Path(self.data.data).exists():
+            raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
+        self.loader.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of every section (default None: an unset flag never overrides the TOML file)."""
+    parser.add_argument("--config", help="TOML file with [data], [model], [loader], [train] tables")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            help_text = f"{f.metadata['help']} (default: {f.default})"
+            if kind == "bool":
+                group.add_argument(_flag(f.name), dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                conv = int if "int" in kind else float if "float" in kind else str
+                group.add_argument(_flag(f.name), dest=f.name, default=None, type=conv, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    file_values: dict[str, dict] = {}
+    if getattr(args, "config", None):
+        path = Path(args.config)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        with path.open("rb") as fh:
+            file_values = tomllib.load(fh)
+        unknown = set(file_values) - set(SECTIONS)
+        if unknown:
+            raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(SECTIONS)}")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = dict(file_values.get(section, {}))
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"{args.config}: [{section}] has unknown key(s) {sorted(unknown)}")
+        values.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+        sections[section] = cls(**values)
+    return JobConfig(**sections).validate()

@@ -1,0 +1,102 @@
+"""`freescale train` and `torchrun -m pipelines.train`: the training entry point.
+
+    freescale train --nproc 2 --steps 20 --summary-json out.json     # launches 2 local ranks itself
+    torchrun --nproc-per-node 2 -m pipelines.train --steps 20         # or under torchrun
+
+Data parallel for now: every rank holds the whole model; after backward one all-reduce carries the gradients
+and the step's bookkeeping (label counts, per-rank compute times), so a step has exactly one blocking
+collective and the straggler wait is measured where it happens (see pipelines.trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pipelines.config import JobConfig, add_config_arguments, config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def worker(config: JobConfig) -> Optional[dict]:
+    """One rank's job. Returns the run summary on rank 0 (None elsewhere)."""
+    from pipelines.trainer import Trainer
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    use_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks.
+    torch.set_num_threads(config.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        return Trainer(config, rank=rank, world_size=world_size, device=device).train()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(config: JobConfig) -> Optional[dict]:
+    """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.train.nproc,
+        run_id=f"freescale-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    results = elastic_launch(launch_config, worker)(config)
+    return results.get(0)
+
+
+def print_summary(summary: dict) -> None:
+    print("\n=== FreeScale run summary ===")
+    for key in ("steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct"):
+        value = summary.get(key)
+        print(f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {value}")
+    for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
+        print(f"  rank {rank} compute  {t * 1e3:.1f} ms/step (mean)")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    summary = worker(config) if _under_launcher() else launch(config)
+    if summary is None:
+        return 0
+    print_summary(summary)
+    if config.train.summary_json:
+        path = Path(config.train.summary_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2))
+        print(f"  summary written to {path}")
+    return 0
+
+
+if __name__ == "__main__":  # torchrun -m pipelines.train ...
+    parser = argparse.ArgumentParser(prog="pipelines.train", description="FreeScale training (one rank)")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
