@@ -1,0 +1,38 @@
+"""Helpers shared by the Triton kernels: bit-level views (a copy kernel needs no arithmetic on the values, so
+any dtype travels as an integer of its width) and launch-size arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(values: torch.Tensor) -> torch.Tensor:
+    """Contiguous [N, D] integer view of ``values`` [N, *] with the same bytes (bool, bf16, fp32, int64 ...)."""
+    flat = values.contiguous().reshape(values.shape[0], -1)
+    width = flat.element_size()
+    if width not in _INT_OF_WIDTH:
+        raise ValueError(f"kernels: values of dtype {values.dtype} ({width}-byte elements) are not supported")
+    return flat.view(_INT_OF_WIDTH[width])
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def search_steps(size: int) -> int:
+    """Binary-search iterations that narrow ``size`` candidates to one: ceil(log2(size))."""
+    return max(0, int(size) - 1).bit_length()
+
+
+def tile_shape(width: int, elements_per_program: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) for copying rows of ``width`` elements: whole rows (up to 256 columns) per tile,
+    about ``elements_per_program`` elements per program."""
+    block_d = min(next_power_of_2(max(width, 1)), 256)
+    block_r = max(1, elements_per_program // block_d)
+    return block_r, block_d
