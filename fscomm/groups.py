@@ -1,0 +1,131 @@
+"""Process groups of the pipeline's stages, and the one-issuing-thread-per-group guard.
+
+Why a group per stage: a collective queues behind every earlier collective of its group, so the balancer's
+exchanges must not share a group with the dense AllReduce (they would wait for it), and two threads must never
+issue collectives on one group: each rank would interleave them in its own thread order, rank 0 running op A
+while rank 1 runs op B, and both hang. Every stage therefore asks for its own group at set-up, and the first
+thread that issues a collective on a group owns it; another thread is refused with an error that says so.
+
+Groups are made collectively: every rank calls ``new_stage_group`` with the same names in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+DEFAULT_GROUP_NAME = "fscomm-default"
+
+
+@dataclass
+class GroupState:
+    """What fscomm knows about one group: its name for messages, its timeout, the owning thread and the
+    sequence number of the next collective (identical on every rank, since ranks issue in the same order)."""
+
+    name: str
+    group: dist.ProcessGroup
+    timeout_s: float
+    owner: Optional[threading.Thread] = None
+    next_seq: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_seq(self) -> int:
+        with self.lock:
+            seq = self.next_seq
+            self.next_seq += 1
+            return seq
+
+
+_lock = threading.Lock()
+_by_name: dict[str, GroupState] = {}
+_by_group: dict[int, GroupState] = {}
+
+
+def _default_timeout_s() -> float:
+    return dist.default_pg_timeout.total_seconds()
+
+
+def new_stage_group(
+    name: str, *, backend: str = "gloo", timeout: Optional[datetime.timedelta] = None
+) -> dist.ProcessGroup:
+    """A new process group over all ranks, for one stage (one issuing thread).
+
+    Collective: call it on every rank with the same names in the same order, at set-up. ``backend`` is
+    "gloo" for the host-staged and CPU paths, "nccl" for the NCCL backends. ``timeout`` bounds every collective
+    of the group: a peer that dies or never issues its part ends in an error after it, never in a hang.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"new_stage_group: name must be a non-empty string, got {name!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(f"new_stage_group({name!r}): torch.distributed is not initialised (init_process_group first)")
+    with _lock:
+        if name in _by_name:
+            raise ValueError(
+                f"new_stage_group: a group named {name!r} exists already on rank {dist.get_rank()}; "
+                "each stage makes its group once, at set-up"
+            )
+    timeout_s = timeout.total_seconds() if timeout is not None else _default_timeout_s()
+    try:
+        group = dist.new_group(backend=backend, timeout=timeout, group_desc=name)
+    except Exception as exc:  # the store barrier of new_group names the ranks that joined; keep its text
+        raise RuntimeError(
+            f"new_stage_group({name!r}) on rank {dist.get_rank()} of {dist.get_world_size()}: not every rank "
+            f"joined within {timeout_s:.1f} s ({exc})"
+        ) from exc
+    state = GroupState(name=name, group=group, timeout_s=timeout_s)
+    with _lock:
+        _by_name[name] = state
+        _by_group[id(group)] = state
+    return group
+
+
+def group_state(group: dist.ProcessGroup) -> GroupState:
+    """fscomm's state of ``group``; a group made outside fscomm is adopted under its torch group name."""
+    with _lock:
+        state = _by_group.get(id(group))
+        if state is None:
+            name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"group@{id(group):x}"
+            state = GroupState(name=str(name), group=group, timeout_s=_default_timeout_s())
+            _by_group[id(group)] = state
+        return state
+
+
+def default_group(backend: str = "gloo") -> dist.ProcessGroup:
+    """fscomm's own group for ``backend`` (made on first use, collectively, so every rank must reach the
+    first ``get_transport`` of each backend in the same order). It is never the world group, so fscomm traffic
+    does not queue behind the dense AllReduce."""
+    name = DEFAULT_GROUP_NAME if backend == "gloo" else f"{DEFAULT_GROUP_NAME}-{backend}"
+    with _lock:
+        state = _by_name.get(name)
+    if state is not None:
+        return state.group
+    return new_stage_group(name, backend=backend)
+
+
+def claim(group: dist.ProcessGroup, op: str) -> GroupState:
+    """Binds ``group`` to the calling thread on first use; refuses any other living thread.
+
+    A thread that has ended releases its groups (a loader restarted after a resume gets a new thread)."""
+    state = group_state(group)
+    me = threading.current_thread()
+    with state.lock:
+        owner = state.owner
+        if owner is None or owner is me or not owner.is_alive():
+            state.owner = me
+            return state
+    raise RuntimeError(
+        f"fscomm {op}: group {state.name!r} is used by thread {owner.name!r}; thread {me.name!r} may not issue "
+        "collectives on it (two threads interleaving collectives on one group deadlock). Give this thread its "
+        f"own group: fscomm.groups.new_stage_group('<stage name>') at set-up, on every rank"
+    )
+
+
+def forget_all() -> None:
+    """Drops fscomm's records of groups (after destroy_process_group, e.g. between tests in one process)."""
+    with _lock:
+        _by_name.clear()
+        _by_group.clear()
