@@ -7,14 +7,34 @@ import torch
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
+# Tests set this so that every output buffer starts as 0xFF bytes (NaN for floats, -1 for integers, an invalid
+# byte for bools): an element a kernel forgot to write then fails the comparison instead of passing by luck.
+POISON_OUTPUTS = False
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Uninitialised output buffer (poisoned when POISON_OUTPUTS is set)."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if POISON_OUTPUTS and out.numel():
+        out.view(torch.uint8).fill_(0xFF)
+    return out
+
 
 def as_bits(values: torch.Tensor) -> torch.Tensor:
     """Contiguous [N, D] integer view of ``values`` [N, *] with the same bytes (bool, bf16, fp32, int64 ...)."""
-    flat = values.contiguous().reshape(values.shape[0], -1)
+    flat = values.contiguous().reshape(values.shape[0], flat_width(values))
     width = flat.element_size()
     if width not in _INT_OF_WIDTH:
         raise ValueError(f"kernels: values of dtype {values.dtype} ({width}-byte elements) are not supported")
     return flat.view(_INT_OF_WIDTH[width])
+
+
+def flat_width(values: torch.Tensor) -> int:
+    """Elements per row of ``values`` [N, *] (1 for 1-D values)."""
+    width = 1
+    for size in values.shape[1:]:
+        width *= int(size)
+    return width
 
 
 def next_power_of_2(n: int) -> int:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.pytorch.pt_jagged_gather import lengths_to_offsets
-from kernels.triton.common import as_bits, cdiv, tile_shape
+from kernels.triton.common import as_bits, cdiv, new_output, tile_shape
 
 # Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
 ELEMENTS_PER_PROGRAM = 4096
@@ -65,7 +65,7 @@ def gather_segments(
     values: torch.Tensor, src_starts: torch.Tensor, out_offsets: torch.Tensor, total: int
 ) -> torch.Tensor:
     """Rows values[src_starts[k] : src_starts[k] + len_k] for k = 0.., concatenated; len_k from out_offsets."""
-    out = values.new_empty((total,) + tuple(values.shape[1:]))
+    out = new_output((total,) + tuple(values.shape[1:]), values.dtype, values.device)
     bits = as_bits(values)
     width = bits.shape[1]
     num_segments = src_starts.numel()

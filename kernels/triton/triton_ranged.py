@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import as_bits, cdiv, search_steps, tile_shape
+from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
 
 DISPATCH_BLOCK = 128
 DISPATCH_WARPS = 4
@@ -70,8 +70,8 @@ def _dispatch_scatter_kernel(
 def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n = ids.numel()
     world_size = boundaries.numel() - 1
-    send = torch.empty_like(ids)
-    perm = torch.empty(n, dtype=torch.int64, device=ids.device)
+    send = new_output((n,), ids.dtype, ids.device)
+    perm = new_output((n,), torch.int64, ids.device)
     if n == 0:
         return send, torch.zeros(world_size, dtype=torch.int64, device=ids.device), perm
     ids = ids.contiguous()
@@ -112,7 +112,7 @@ def _permute_rows_kernel(src_ptr, out_ptr, perm_ptr, n, width, SCATTER: tl.const
 
 
 def _permute_rows(values: torch.Tensor, perm: torch.Tensor, scatter: bool) -> torch.Tensor:
-    out = torch.empty_like(values, memory_format=torch.contiguous_format)
+    out = new_output(values.shape, values.dtype, values.device)
     bits = as_bits(values)
     n, width = bits.shape
     if n == 0 or width == 0:

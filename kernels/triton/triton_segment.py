@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import cdiv, next_power_of_2, search_steps
+from kernels.triton.common import cdiv, flat_width, new_output, next_power_of_2, search_steps
 
 SEGMENT_BLOCK_R = 64
 SEGMENT_MAX_BLOCK_D = 64
@@ -44,8 +44,8 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     num_segments = offsets.numel() - 1
     floating = values.is_floating_point()
     out_dtype = values.dtype if floating else torch.int64
-    out = torch.empty((num_segments,) + tuple(values.shape[1:]), dtype=out_dtype, device=values.device)
-    flat = values.contiguous().reshape(values.shape[0], -1)
+    out = new_output((num_segments,) + tuple(values.shape[1:]), out_dtype, values.device)
+    flat = values.contiguous().reshape(values.shape[0], flat_width(values))
     width = flat.shape[1]
     if num_segments == 0 or width == 0:
         return out
@@ -76,8 +76,10 @@ def _member_kernel(ids_ptr, sorted_ptr, out_ptr, n, m, steps, BLOCK: tl.constexp
 
 
 def collision_mask(ids: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
-    if ids.numel() == 0 or other.numel() == 0:
+    if other.numel() == 0:
+        return torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)
+    out = new_output((ids.numel(),), torch.bool, ids.device)
+    if ids.numel() == 0:
         return out
     sorted_other = torch.sort(other).values
     m = sorted_other.numel()
