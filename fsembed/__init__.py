@@ -1,1 +1,23 @@
 """fsembed: row-wise sharded embedding tables, sparse optimizers, synchronous and prioritized updates."""
+
+from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optimizer
+from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
+from fsembed.prioritized import PrioritizedEmbeddingCollection
+from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, ShardedEmbeddingCollection
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "RowWiseAdagrad",
+    "RowWiseOptimizer",
+    "get_optimizer",
+    "GroupLayout",
+    "ShardingPlan",
+    "TableConfig",
+    "row_wise_boundaries",
+    "PrioritizedEmbeddingCollection",
+    "ShardedEmbeddingCollection",
+    "IDS_A2A",
+    "EMB_A2A",
+    "GRAD_A2A",
+]

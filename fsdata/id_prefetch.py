@@ -1,0 +1,157 @@
+"""ID prefetch: the loader stage that starts a batch's ID AllToAll (batch-major -> shard-major) ahead of its step.
+
+The embedding stage of step i needs the shard-major ids of batch i+1 (Algorithm 2 computes the collisions
+between i and i+1 on the shards). This node sends them while batch i+1 waits in the loader, so the step finds
+them there, with nothing to wait for but the handle.
+
+fsdata knows nothing of tables. The node is built with plain data from fsembed's sharding plan:
+
+    boundaries         {key: Tensor[W+1] int64}, sorted: rank r owns ids [b[r], b[r+1]) of that key
+                       (a key is an embedding group of tables that travel together)
+    feature_extractor  batch -> {key: (ids Tensor[N] int64 batch-major, segments list[int])}; ``segments``
+                       is carried along opaquely (fsembed puts the per-feature id counts there)
+    transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
+
+and yields ``(batch, PrefetchedIds)``. The exchange in flight is not loader state: once a batch is yielded,
+its ids belong to the consumer; on resume the source restarts after the last yielded batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
+
+import torch
+
+try:  # the node needs torchdata; the exchange helpers below do not (the GPU machine has no torchdata)
+    from torchdata.nodes import BaseNode
+except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata is absent
+    BaseNode = None
+
+T = TypeVar("T")
+
+
+@dataclass
+class ShardedIds:
+    """One key's ID AllToAll in flight, with what both directions of the later exchanges need.
+
+    ``perm``/``send_splits`` describe the batch-major side (this rank's ids grouped by owning shard);
+    ``recv_splits`` the shard-major side (how many ids every source rank sends here, in rank order).
+    """
+
+    key: str
+    num_ids: int
+    segments: list[int]
+    perm: torch.Tensor  # [N] int64, send order -> batch-major position
+    send_splits: list[int]  # [W]
+    recv_splits: list[int]  # [W]
+    handle: Any  # -> shard-major ids [sum(recv_splits)] int64
+    sizes_wait_s: float = 0.0  # time blocked on the size exchange (counted as ID exchange time)
+    _shard_ids: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def wait(self) -> torch.Tensor:
+        """The shard-major ids (blocks until they arrived; later calls return at once)."""
+        if self._shard_ids is None:
+            self._shard_ids = self.handle.wait()
+        return self._shard_ids
+
+    @property
+    def wait_time_s(self) -> float:
+        return float(getattr(self.handle, "wait_time_s", 0.0))
+
+
+@dataclass
+class PrefetchedIds:
+    """Every key's exchange for one batch."""
+
+    keys: dict[str, ShardedIds]
+
+    def __getitem__(self, key: str) -> ShardedIds:
+        if key not in self.keys:
+            raise ValueError(f"PrefetchedIds: no key {key!r} (has {sorted(self.keys)})")
+        return self.keys[key]
+
+
+def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
+    from kernels import ops
+
+    return ops.ranged_dispatch(ids, boundaries)
+
+
+def start_id_exchange(
+    key: str, ids: torch.Tensor, segments: list[int], boundaries: torch.Tensor, transport, rank: int
+) -> ShardedIds:
+    """Groups ``ids`` by owning shard and starts their AllToAll; returns at once after the size exchange.
+
+    The size exchange (every rank tells every shard how many ids follow) is the one step that must finish
+    before the ids can be posted; it is tiny and, when this runs in the loader, off the training step.
+    """
+    world_size = boundaries.numel() - 1
+    if ids.dim() != 1 or ids.dtype != torch.int64:
+        raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}")
+    if sum(segments) != ids.numel():
+        raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: segments {segments} do not add up to {ids.numel()} ids")
+    send_ids, splits, perm = _dispatch(ids, boundaries.to(ids.device))
+    t0 = time.perf_counter()
+    recv = transport.all_to_all(splits.to(torch.int64).reshape(world_size, 1), [1] * world_size, [1] * world_size).wait()
+    sizes_wait = time.perf_counter() - t0
+    send_splits = [int(x) for x in splits.tolist()]
+    recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
+    handle = transport.all_to_all(send_ids, send_splits, recv_splits)
+    return ShardedIds(key, int(ids.numel()), list(segments), perm, send_splits, recv_splits, handle, sizes_wait)
+
+
+def start_prefetch(
+    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
+) -> PrefetchedIds:
+    """Starts the exchange of every key, in sorted key order (the same collective order on every rank)."""
+    missing = set(boundaries) - set(keyed_ids)
+    if missing:
+        raise ValueError(f"ID prefetch, rank {rank}: the feature extractor gave no ids for keys {sorted(missing)}")
+    return PrefetchedIds(
+        {k: start_id_exchange(k, keyed_ids[k][0], keyed_ids[k][1], boundaries[k], transport, rank) for k in sorted(boundaries)}
+    )
+
+
+if BaseNode is not None:
+
+    class IdPrefetch(BaseNode, Generic[T]):
+        """Passes every batch through, paired with its ID exchange already started: yields (batch, PrefetchedIds)."""
+
+        SOURCE_KEY = "source"
+
+        def __init__(
+            self,
+            source: "BaseNode[T]",
+            boundaries: Mapping[str, torch.Tensor],
+            transport,
+            feature_extractor: Callable[[T], Mapping[str, tuple[torch.Tensor, list[int]]]],
+            rank: int = 0,
+        ):
+            super().__init__()
+            for k, b in boundaries.items():
+                if b.dim() != 1 or b.numel() < 2 or b.dtype != torch.int64 or bool((b[1:] < b[:-1]).any()):
+                    raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
+            self.source = source
+            self.boundaries = dict(boundaries)
+            self.transport = transport
+            self.feature_extractor = feature_extractor
+            self.rank = rank
+
+        def reset(self, initial_state: Optional[dict] = None) -> None:
+            super().reset(initial_state)
+            self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
+
+        def next(self) -> tuple[T, PrefetchedIds]:
+            batch = next(self.source)
+            return batch, start_prefetch(self.feature_extractor(batch), self.boundaries, self.transport, self.rank)
+
+        def get_state(self) -> dict:
+            return {self.SOURCE_KEY: self.source.state_dict()}
+
+else:  # pragma: no cover
+
+    class IdPrefetch:  # type: ignore[no-redef]
+        def __init__(self, *args, **kwargs):
+            raise ModuleNotFoundError("IdPrefetch is a torchdata.nodes node: install torchdata==0.11.0")

@@ -1,0 +1,113 @@
+"""Sparse row-wise optimizers, applied on the shard to the rows a step touched (torchrec's "fused" optimizers).
+
+Duplicate ids of one step are summed first, deterministically: the shard-major gradient rows are stably sorted
+by row id and every row's contributions are summed in their arrival order (source rank, then batch-major
+position) by ``kernels.ops.segment_sum``, never by atomics. A row's update therefore depends only on that
+ordered list of contributions, which is what lets the prioritized path, which updates the same rows at other
+moments and in other subsets, match the synchronous one bit for bit. For the same reason the per-row
+arithmetic below is written so that a row's result never depends on which other rows are updated with it
+(no reductions across rows; the row-wise mean is a per-row sum over the dim).
+
+State lives beside the weight, one entry per local row (or per element for Adam), so it shards with the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import ops
+
+
+def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [U] sorted unique, summed gradients [U, D]) from shard-major (ids [M], gradient rows [M, D])."""
+    sorted_ids, order = torch.sort(local_ids, stable=True)
+    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=local_ids.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return rows, ops.segment_sum(grads.index_select(0, order), offsets)
+
+
+class RowWiseOptimizer:
+    """Updates rows [U] of a local weight with their summed gradients [U, D]."""
+
+    name = "base"
+
+    def init_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {}
+
+    def update_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor, grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def apply(self, weight: torch.Tensor, state: dict[str, torch.Tensor], local_ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Sums duplicates of shard-major (local_ids, grads) and updates those rows in place."""
+        if local_ids.numel() == 0:
+            return
+        rows, summed = sum_duplicate_rows(local_ids, grads)
+        self.update_rows(weight, state, rows, summed)
+
+
+@dataclass
+class SGD(RowWiseOptimizer):
+    lr: float = 0.01
+    name = "sgd"
+
+    def update_rows(self, weight, state, rows, grad):
+        w = weight.index_select(0, rows).float()
+        weight.index_copy_(0, rows, (w - self.lr * grad.float()).to(weight.dtype))
+
+
+@dataclass
+class RowWiseAdagrad(RowWiseOptimizer):
+    """fbgemm's EXACT_ROWWISE_ADAGRAD: one accumulator per row, ``acc += mean(g^2)``, ``w -= lr g / (sqrt(acc) + eps)``."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+    name = "rowwise_adagrad"
+
+    def init_state(self, weight):
+        return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
+
+    def update_rows(self, weight, state, rows, grad):
+        g = grad.float()
+        acc = state["sum"].index_select(0, rows) + (g * g).sum(1) / g.shape[1]
+        state["sum"].index_copy_(0, rows, acc)
+        mult = self.lr / (acc.sqrt() + self.eps)
+        w = weight.index_select(0, rows).float()
+        weight.index_copy_(0, rows, (w - mult.unsqueeze(1) * g).to(weight.dtype))
+
+
+@dataclass
+class Adam(RowWiseOptimizer):
+    """Lazy (sparse) Adam: moments of the touched rows only, bias correction by each row's own step count."""
+
+    lr: float = 0.001
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    name = "adam"
+
+    def init_state(self, weight):
+        z = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        return {"m": z, "v": z.clone(), "step": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
+
+    def update_rows(self, weight, state, rows, grad):
+        g = grad.float()
+        step = state["step"].index_select(0, rows) + 1
+        m = state["m"].index_select(0, rows) * self.beta1 + g * (1 - self.beta1)
+        v = state["v"].index_select(0, rows) * self.beta2 + g * g * (1 - self.beta2)
+        state["step"].index_copy_(0, rows, step)
+        state["m"].index_copy_(0, rows, m)
+        state["v"].index_copy_(0, rows, v)
+        m_hat = m / (1 - self.beta1 ** step).unsqueeze(1)
+        v_hat = v / (1 - self.beta2 ** step).unsqueeze(1)
+        w = weight.index_select(0, rows).float()
+        weight.index_copy_(0, rows, (w - self.lr * m_hat / (v_hat.sqrt() + self.eps)).to(weight.dtype))
+
+
+def get_optimizer(name: str, **kwargs) -> RowWiseOptimizer:
+    table = {"sgd": SGD, "rowwise_adagrad": RowWiseAdagrad, "adagrad": RowWiseAdagrad, "adam": Adam}
+    if name not in table:
+        raise ValueError(f"fsembed optimizer {name!r} unknown; choose one of {sorted(table)}")
+    return table[name](**kwargs)

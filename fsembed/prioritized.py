@@ -1,0 +1,279 @@
+"""Prioritized (collision-aware) embedding updates: Algorithm 2 of the paper, bit-exact with the synchronous path.
+
+A persistent context per embedding group carries values across steps. Step i's forward receives the ids of
+step i+1 (already in shard-major form, from the loader's ID-prefetch stage) and, on every shard:
+
+    line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
+    line 10    marks step i's rows that step i+1 uses again (collision) and step i+1's rows that step i does
+               not use (exclusive of i+1, "fresh");
+    line 12    looks up the fresh rows of i+1 now: nothing of step i will write them, and line 7 came first,
+               so they already hold their step-(i+1) values;
+    line 13-14 sends back, per id, the flags that tell the batch-major side which of its positions are
+               collision rows of step i (line 14's superscript is i) and fresh rows of step i+1;
+    line 15    returns step i's embeddings: the fresh rows prefetched one step earlier, merged with the
+               collision rows sent after step i-1's update.
+
+Step i's backward splits the gradient by those flags: collision rows are exchanged, summed and updated at once
+(line 19-20) and their new values are sent for step i+1 (line 21); exclusive gradients are sent but applied
+only at the next forward (lines 6-7). Every row therefore receives exactly the updates of the synchronous path,
+in the same order, with the same summation (optim.py), and is read only after all of them: tables and losses
+are equal bit for bit.
+
+Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
+stage (early); every later exchange's sizes are derived locally: the shard counts flags per source rank, the
+source counts the flags it received per shard. The flags exchange (one byte per id) is the only addition; its
+wait is counted as ID exchange time.
+
+Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
+(``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
+collects the exchanges in flight; it runs before every checkpoint (get_extra_state), evaluation forward and
+``full_tables``; afterwards the tables equal the synchronous ones and the context still holds step i+1's
+embeddings, so training continues where it was. Evaluation forwards look up synchronously and leave the
+context alone. The state in flight (step i+1's ids and embeddings) is part of the checkpoint.
+
+On CPU the side work progresses in the transport's threads behind handles; the model thread only blocks in
+``wait()``, and those waits are the exposed time (Timer spans ids_a2a, emb_a2a, grad_a2a).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
+from kernels import ops
+
+
+def _offsets(splits: list[int], device) -> torch.Tensor:
+    out = torch.zeros(len(splits) + 1, dtype=torch.int64, device=device)
+    torch.cumsum(torch.tensor(splits, dtype=torch.int64, device=device), 0, out=out[1:])
+    return out
+
+
+def _seg_counts(mask: torch.Tensor, splits: list[int]) -> list[int]:
+    """Number of set flags in every segment of ``splits`` (the split sizes of a masked exchange)."""
+    return [int(x) for x in ops.segment_sum(mask.to(torch.int64), _offsets(splits, mask.device)).tolist()]
+
+
+def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
+    """Per rank r: a's segment r then b's segment r (two exchanges in one AllToAll)."""
+    pa, pb = a.split(a_splits), b.split(b_splits)
+    return torch.cat([x for pair in zip(pa, pb) for x in pair])
+
+
+@dataclass
+class _Step:
+    """One step's ids of one group, on both sides, and its embeddings on their way to the batch-major side."""
+
+    sid: ShardedIds
+    local: torch.Tensor  # shard-major local rows [M]
+    fresh_pos: Optional[torch.Tensor] = None  # send-order bool [N]: rows the previous step did not use
+    fresh_handle: object = None  # -> fresh rows, send order
+    carried_handle: object = None  # -> the other rows, updated by the previous step's backward
+    ready: Optional[torch.Tensor] = None  # all rows, send order, when already at hand
+
+
+class _GroupContext:
+    """Algorithm 2's persistent context C for one group."""
+
+    def __init__(self) -> None:
+        self.cur: Optional[_Step] = None  # step i (between forward i and backward i), or i+1 after backward i
+        self.nxt: Optional[_Step] = None  # step i+1, set by forward i
+        self.flags_handle = None
+        self.co_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i]: rows of i used by i+1
+        self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
+        self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
+        self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
+        self.awaiting_backward = False
+
+
+class _PrioritizedLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, coll: "PrioritizedEmbeddingCollection", name: str, out: torch.Tensor):
+        ctx.coll, ctx.name = coll, name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.coll._backward_group(ctx.name, grad_out)
+        return None, None, None, None
+
+
+class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
+    """``forward(ids, next_ids)``: ``ids`` are needed only at the first step (later they are in the context);
+    ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
+    the last step. Every training forward must be followed by its backward before the next forward."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ctx = {name: _GroupContext() for name in self.shards}
+        self.collision_rates: list[float] = []  # per step, this rank's shards: collided / all shard-major ids
+        # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
+        # (line 21), gradients deferred (line 18's exclusive part)
+        self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
+        self._misorder_for_test = False  # test-only: apply deferred gradients after line 12 (must break parity)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids: Optional[Ids], next_ids: Optional[Ids] = None) -> dict[str, torch.Tensor]:
+        if not (self.training and torch.is_grad_enabled()):
+            return self._eval_forward(ids)
+        busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
+        if busy:
+            raise ValueError(f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one (groups {busy})")
+        first = any(c.cur is None for c in self.ctx.values())
+        if first and ids is None:
+            raise ValueError(f"rank {self.rank}: prioritized embeddings: the first step (and the step after a last one) needs its ids")
+        pre_now = self._as_prefetched(ids) if first else None
+        pre_next = None if next_ids is None else self._as_prefetched(next_ids)
+        out: dict[str, torch.Tensor] = {}
+        collided = total = 0
+        for name, shard in self.shards.items():
+            c = self.ctx[name]
+            if c.cur is None:
+                c.cur = self._first_step(shard, pre_now[name])
+            emb = self._forward_group(c, shard, None if pre_next is None else pre_next[name])
+            if c.co_shard is not None:
+                collided += int(c.co_shard.sum())
+            total += int(c.cur.local.numel())
+            out.update(self._split(c.cur.sid, _PrioritizedLookup.apply(self._anchor, self, name, emb), shard.layout))
+            c.awaiting_backward = True
+        self.collision_rates.append(collided / total if total else 0.0)
+        return out
+
+    def _first_step(self, shard: GroupShard, sid: ShardedIds) -> _Step:
+        """No previous step: every row is looked up and returned synchronously."""
+        local = self._wait_ids(sid, shard)
+        h = self.transport.all_to_all(shard.lookup(local), sid.recv_splits, sid.send_splits)
+        with self.timer.span(EMB_A2A):
+            ready = h.wait()
+        return _Step(sid, local, ready=ready)
+
+    def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
+        step = c.cur
+        if not self._misorder_for_test:
+            self._apply_pending(c, shard)  # lines 6-7: before line 12 reads any row
+        c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
+        if sid_next is not None:
+            nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
+            c.co_shard = ops.collision_mask(step.local, nlocal)  # line 10
+            c.fresh_shard = ~ops.collision_mask(nlocal, step.local)
+            flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
+            c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
+                flags,
+                [a + b for a, b in zip(step.sid.recv_splits, sid_next.recv_splits)],
+                [a + b for a, b in zip(step.sid.send_splits, sid_next.send_splits)],
+            )
+            c.fresh_rows = shard.lookup(nlocal[c.fresh_shard])  # line 12's lookup
+            self.row_counts["early"] += int(c.fresh_rows.shape[0])
+            self.row_counts["collision"] += int(nlocal.numel()) - int(c.fresh_rows.shape[0])
+            c.nxt = _Step(sid_next, nlocal)
+        if self._misorder_for_test:
+            self._apply_pending(c, shard)
+        return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
+
+    def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
+        if step.ready is None:
+            with self.timer.span(EMB_A2A):
+                fresh = step.fresh_handle.wait()
+                carried = step.carried_handle.wait()
+            out = torch.empty(step.sid.num_ids, shard.layout.dim, dtype=shard.weight.dtype, device=shard.weight.device)
+            out[step.fresh_pos] = fresh
+            out[~step.fresh_pos] = carried
+            step.ready = out
+            step.fresh_handle = step.carried_handle = None
+        return step.ready
+
+    def _apply_pending(self, c: _GroupContext, shard: GroupShard) -> None:
+        if c.pending_ex is None:
+            return
+        handle, rows = c.pending_ex
+        with self.timer.span(GRAD_A2A):
+            grads = handle.wait()
+        self.optimizer.apply(shard.weight, shard.state, rows, grads)
+        c.pending_ex = None
+
+    # ------------------------------------------------------------------ backward
+    def _backward_group(self, name: str, grad_out: torch.Tensor) -> None:
+        c, shard = self.ctx[name], self.shards[name]
+        step, nxt = c.cur, c.nxt
+        sid = step.sid
+        g = self._to_send_order(grad_out, sid)
+        if nxt is None:  # last step: everything is a collision row, nothing is deferred
+            co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
+            co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
+        else:
+            with self.timer.span(IDS_A2A):
+                flags = c.flags_handle.wait().to(torch.bool)
+            parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
+            co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
+            nxt.fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
+            co_shard = c.co_shard
+            nxt.fresh_handle = self.transport.all_to_all(  # line 12's AllToAll, sizes now known on both sides
+                c.fresh_rows, _seg_counts(c.fresh_shard, nxt.sid.recv_splits), _seg_counts(nxt.fresh_pos, nxt.sid.send_splits)
+            )
+        # lines 18-20: collision gradients first, updated at once
+        h = self.transport.all_to_all(g[co_pos], _seg_counts(co_pos, sid.send_splits), _seg_counts(co_shard, sid.recv_splits))
+        with self.timer.span(GRAD_A2A):
+            g_co = h.wait()
+        self.optimizer.apply(shard.weight, shard.state, step.local[co_shard], g_co)
+        if nxt is not None:
+            carried = ~c.fresh_shard
+            nxt.carried_handle = self.transport.all_to_all(  # line 21
+                shard.lookup(nxt.local[carried]), _seg_counts(carried, nxt.sid.recv_splits), _seg_counts(~nxt.fresh_pos, nxt.sid.send_splits)
+            )
+            ex_pos, ex_shard = ~co_pos, ~co_shard  # line 18's deferred part, applied by the next forward
+            h_ex = self.transport.all_to_all(g[ex_pos], _seg_counts(ex_pos, sid.send_splits), _seg_counts(ex_shard, sid.recv_splits))
+            c.pending_ex = (h_ex, step.local[ex_shard])
+            self.row_counts["deferred"] += int(ex_shard.sum())
+        c.cur, c.nxt = nxt, None
+        c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
+        c.awaiting_backward = False
+
+    # ------------------------------------------------------------------ flush, eval, state
+    def flush(self) -> None:
+        """Applies deferred gradients and collects the exchanges in flight (end of training, checkpoint, eval,
+        reshard). Afterwards the tables equal the synchronous path's; training continues unchanged."""
+        busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
+        if busy:
+            raise ValueError(f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})")
+        for name, c in self.ctx.items():
+            self._apply_pending(c, self.shards[name])
+            if c.cur is not None:
+                self._merged(c.cur, self.shards[name])
+
+    def _eval_forward(self, ids: Ids) -> dict[str, torch.Tensor]:
+        """Synchronous lookup of up-to-date rows; the training context does not advance."""
+        if ids is None:
+            raise ValueError(f"rank {self.rank}: prioritized embeddings: an evaluation forward needs its ids")
+        self.flush()
+        return super().forward(ids)
+
+    def get_extra_state(self) -> dict:
+        state = super().get_extra_state()  # flushes
+        in_flight = {}
+        for name, c in self.ctx.items():
+            if c.cur is not None:
+                s = c.cur
+                in_flight[name] = {
+                    "num_ids": s.sid.num_ids, "segments": list(s.sid.segments), "perm": s.sid.perm.clone(),
+                    "send_splits": list(s.sid.send_splits), "recv_splits": list(s.sid.recv_splits),
+                    "local": s.local.clone(), "embeddings": s.ready.clone(),
+                }
+        state["in_flight"] = in_flight
+        return state
+
+    def set_extra_state(self, state: dict) -> None:
+        super().set_extra_state(state)
+        for name, c in self.ctx.items():
+            c.__init__()
+            saved = state.get("in_flight", {}).get(name)
+            if saved is None:
+                continue
+            shard = self.shards[name]
+            dev = shard.weight.device
+            sid = ShardedIds(name, saved["num_ids"], saved["segments"], saved["perm"].to(dev), saved["send_splits"], saved["recv_splits"], None)
+            sid._shard_ids = saved["local"].to(dev) + shard.base
+            c.cur = _Step(sid, saved["local"].to(dev), ready=saved["embeddings"].to(dev))
