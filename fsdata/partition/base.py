@@ -1,0 +1,234 @@
+"""The partitioner's inputs and output: gathered lengths (Algorithm 1, Stages I and II), runtime info R, the plan.
+
+A partitioner is a pure function ``(GatheredLengths, RuntimeInfo) -> Plan``. Every rank holds the same gathered
+lengths and the same (itself gathered) runtime info, so every rank computes the same plan without talking to the
+others. Plans are computed on the CPU in numpy: they are small (one int per sample) and sorting there is cheaper
+than launching device kernels for a few thousand elements.
+
+Global sample index ``g``: samples numbered in source-rank order, i.e. source rank ``r`` held global samples
+``rank_offsets[r]:rank_offsets[r+1]`` in its local order. The plan speaks only in these indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+
+import numpy as np
+import torch
+
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
+
+
+def as_numpy(values: ArrayLike, dtype, name: str) -> np.ndarray:
+    """A 1-D numpy view (zero-copy for CPU tensors) of ``values``; ValueError naming ``name`` if not 1-D."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    out = np.asarray(values, dtype=dtype)
+    if out.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(out.shape)}")
+    return out
+
+
+def _int64_tensor(values: ArrayLike) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64)
+    return torch.as_tensor(np.asarray(values, dtype=np.int64))
+
+
+@dataclass
+class GatheredLengths:
+    """What Stages I and II of Algorithm 1 gathered: the lengths of every sample of one global step.
+
+    All tensors are int64 on the CPU (converted on construction), indexed by global sample index ``g``.
+    """
+
+    uih_lengths: torch.Tensor  # [G] UIH length of every sample
+    num_candidates: torch.Tensor  # [G] number of candidates of every sample
+    candidate_lengths: torch.Tensor  # [sum(num_candidates)] content length of every candidate, sample-major
+    sample_ids: torch.Tensor  # [G] globally unique sample ids (the tie-breaker of every sort)
+    rank_offsets: torch.Tensor  # [W+1] source rank r held samples rank_offsets[r]:rank_offsets[r+1]
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("uih_lengths", "num_candidates", "candidate_lengths", "sample_ids", "rank_offsets"):
+            setattr(self, name, _int64_tensor(getattr(self, name)))
+            if getattr(self, name).dim() != 1:
+                raise ValueError(f"GatheredLengths.{name} must be 1-D, got shape {tuple(getattr(self, name).shape)}")
+        w = int(self.world_size)
+        if w < 1:
+            raise ValueError(f"GatheredLengths.world_size must be >= 1, got {self.world_size}")
+        self.world_size = w
+        g = self.uih_lengths.numel()
+        if self.rank_offsets.numel() != w + 1:
+            raise ValueError(f"rank_offsets has {self.rank_offsets.numel()} entries, expected world_size+1 = {w + 1}")
+        offs = self.rank_offsets
+        if int(offs[0]) != 0 or int(offs[-1]) != g or bool((offs[1:] < offs[:-1]).any()):
+            raise ValueError(f"rank_offsets must rise from 0 to G={g}, got {offs.tolist()[:8]}...")
+        for name in ("num_candidates", "sample_ids"):
+            if getattr(self, name).numel() != g:
+                raise ValueError(f"{name} has {getattr(self, name).numel()} entries, expected G={g} (one per sample)")
+        total_candidates = int(self.num_candidates.sum())
+        if self.candidate_lengths.numel() != total_candidates:
+            raise ValueError(
+                f"candidate_lengths has {self.candidate_lengths.numel()} entries, expected sum(num_candidates)="
+                f"{total_candidates}"
+            )
+        for name in ("uih_lengths", "num_candidates", "candidate_lengths"):
+            values = getattr(self, name)
+            if values.numel() and int(values.min()) < 0:
+                bad = int(torch.nonzero(values < 0)[0])
+                raise ValueError(f"{name}[{bad}] = {int(values[bad])} is negative")
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.uih_lengths.numel())
+
+    def source_counts(self) -> torch.Tensor:
+        """[W] number of samples each source rank held."""
+        return self.rank_offsets[1:] - self.rank_offsets[:-1]
+
+    def content_lengths_per_sample(self) -> np.ndarray:
+        """[G] total content length of each sample's candidates (segment sum of candidate_lengths)."""
+        cand = self.candidate_lengths.numpy()
+        prefix = np.zeros(cand.size + 1, dtype=np.int64)
+        np.cumsum(cand, out=prefix[1:])
+        ends = np.cumsum(self.num_candidates.numpy())
+        starts = ends - self.num_candidates.numpy()
+        return prefix[ends] - prefix[starts]
+
+    @classmethod
+    def from_rank_lengths(
+        cls,
+        per_rank_uih_lengths: Sequence[ArrayLike],
+        per_rank_num_candidates: Optional[Sequence[ArrayLike]] = None,
+        candidate_lengths: Optional[ArrayLike] = None,
+        sample_ids: Optional[ArrayLike] = None,
+    ) -> "GatheredLengths":
+        """Builds the gathered view from each rank's local lengths (tests, the simulator).
+
+        Missing candidates default to none per sample; missing sample ids to the global index.
+        """
+        uih = [as_numpy(x, np.int64, f"rank {r} uih_lengths") for r, x in enumerate(per_rank_uih_lengths)]
+        counts = np.array([x.size for x in uih], dtype=np.int64)
+        offsets = np.zeros(len(uih) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        all_uih = np.concatenate(uih) if uih else np.zeros(0, np.int64)
+        if per_rank_num_candidates is None:
+            num_cands = np.zeros_like(all_uih)
+        else:
+            num_cands = np.concatenate(
+                [as_numpy(x, np.int64, f"rank {r} num_candidates") for r, x in enumerate(per_rank_num_candidates)]
+            ) if len(per_rank_num_candidates) else np.zeros(0, np.int64)
+        if candidate_lengths is None:
+            candidate_lengths = np.ones(int(num_cands.sum()), dtype=np.int64)
+        ids = np.arange(all_uih.size, dtype=np.int64) if sample_ids is None else sample_ids
+        return cls(all_uih, num_cands, candidate_lengths, ids, offsets, len(uih))
+
+
+@dataclass
+class RuntimeInfo:
+    """Runtime execution-time info R of Algorithm 1, identical on every rank (it is gathered, never local).
+
+    Under the loader's lookahead the plan of step ``step`` is computed while step ``step - 2`` runs, so the
+    newest measurement it can see is of step ``step - 2`` or older: ``measured_step`` says which.
+    """
+
+    step: int = 0  # global step whose batch is being planned
+    measured_step: int = -1  # global step that step_times measure; -1: nothing measured yet
+    step_times: Optional[torch.Tensor] = None  # float64 [W] gathered per-rank compute time of measured_step (s)
+    budget_shares: Optional[torch.Tensor] = None  # float64 [W] VBS autotune: share of total weight per rank
+    cost_coefficients: Optional[torch.Tensor] = None  # float64 [4] fitted (a, b, c, d) of cost.OnlineCostFit
+    extra: dict = field(default_factory=dict)  # for custom partitioners; must be identical on every rank
+
+    def shares(self, world_size: int) -> np.ndarray:
+        """Per-rank weight shares (summing to 1): autotune's when present, equal otherwise."""
+        if self.budget_shares is None:
+            return np.full(world_size, 1.0 / world_size)
+        shares = as_numpy(self.budget_shares, np.float64, "RuntimeInfo.budget_shares")
+        if shares.size != world_size:
+            raise ValueError(f"RuntimeInfo.budget_shares has {shares.size} entries for world_size {world_size}")
+        if not np.all(np.isfinite(shares)) or shares.min() < 0 or shares.sum() <= 0:
+            raise ValueError(f"RuntimeInfo.budget_shares must be finite, >= 0 and not all 0, got {shares[:8]}...")
+        return shares / shares.sum()
+
+
+@dataclass
+class Plan:
+    """Destination rank r receives global samples ``order[dest_offsets[r]:dest_offsets[r+1]]``, in that order.
+
+    The built-in partitioners list each rank's samples in ascending global index, i.e. grouped by source rank
+    in rank order: that is the order in which an AllToAll delivers them, so the receiver needs no permute.
+    """
+
+    order: torch.Tensor  # int64 [G]
+    dest_offsets: torch.Tensor  # int64 [W+1]
+
+    def __post_init__(self) -> None:
+        self.order = _int64_tensor(self.order)
+        self.dest_offsets = _int64_tensor(self.dest_offsets)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.dest_offsets.numel()) - 1
+
+    def counts(self) -> torch.Tensor:
+        """[W] number of samples each destination rank receives."""
+        return self.dest_offsets[1:] - self.dest_offsets[:-1]
+
+    def destinations(self) -> torch.Tensor:
+        """[G] destination rank of every global sample."""
+        dest = torch.empty(self.order.numel(), dtype=torch.int64)
+        dest[self.order] = torch.repeat_interleave(torch.arange(self.world_size), self.counts())
+        return dest
+
+    def rank_samples(self, rank: int) -> torch.Tensor:
+        return self.order[int(self.dest_offsets[rank]) : int(self.dest_offsets[rank + 1])]
+
+    def validate(self, num_samples: int, world_size: Optional[int] = None, who: str = "plan") -> None:
+        """Raises ValueError unless every one of ``num_samples`` samples goes to exactly one rank."""
+        order, offs = self.order, self.dest_offsets
+        if order.dim() != 1 or offs.dim() != 1 or offs.numel() < 2:
+            raise ValueError(f"{who}: order must be 1-D and dest_offsets 1-D with >= 2 entries")
+        if world_size is not None and offs.numel() != world_size + 1:
+            raise ValueError(f"{who}: dest_offsets has {offs.numel()} entries, expected world_size+1 = {world_size + 1}")
+        if int(offs[0]) != 0 or int(offs[-1]) != order.numel() or bool((offs[1:] < offs[:-1]).any()):
+            raise ValueError(f"{who}: dest_offsets must rise from 0 to len(order)={order.numel()}, got {offs.tolist()}")
+        if order.numel() != num_samples:
+            raise ValueError(f"{who}: order has {order.numel()} entries for {num_samples} samples")
+        if num_samples and (int(order.min()) < 0 or int(order.max()) >= num_samples):
+            raise ValueError(f"{who}: order holds indices outside [0, {num_samples})")
+        seen = torch.bincount(order, minlength=num_samples)
+        if bool((seen != 1).any()):
+            missing = torch.nonzero(seen == 0).flatten()[:5].tolist()
+            repeated = torch.nonzero(seen > 1).flatten()[:5].tolist()
+            raise ValueError(f"{who}: order is not a permutation (missing {missing}, repeated {repeated})")
+
+    @classmethod
+    def from_destinations(cls, dest: ArrayLike, world_size: int) -> "Plan":
+        """The plan that sends global sample g to ``dest[g]``, each rank's samples in ascending global index."""
+        d = as_numpy(dest, np.int64, "destinations")
+        if d.size and (d.min() < 0 or d.max() >= world_size):
+            bad = int(np.nonzero((d < 0) | (d >= world_size))[0][0])
+            raise ValueError(f"destination of sample {bad} is {int(d[bad])}, outside [0, {world_size})")
+        order = np.argsort(d, kind="stable")
+        offsets = np.zeros(world_size + 1, dtype=np.int64)
+        np.cumsum(np.bincount(d, minlength=world_size), out=offsets[1:])
+        return cls(torch.from_numpy(order.astype(np.int64)), torch.from_numpy(offsets))
+
+    @classmethod
+    def identity(cls, lengths: GatheredLengths) -> "Plan":
+        return cls(torch.arange(lengths.num_samples, dtype=torch.int64), lengths.rank_offsets.clone())
+
+
+@runtime_checkable
+class Partitioner(Protocol):
+    """A pure, deterministic map from one step's gathered lengths (and R) to a plan."""
+
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan: ...
+
+
+def cost_sort_order(costs: np.ndarray, lengths: GatheredLengths) -> np.ndarray:
+    """Global indices sorted by cost, largest first; ties by sample id, then global index (deterministic)."""
+    g = np.arange(costs.size, dtype=np.int64)
+    return np.lexsort((g, lengths.sample_ids.numpy(), -costs))

@@ -1,0 +1,87 @@
+"""A user's own partitioner, named as ``"module.path:function"`` (on the command line: ``--partitioner``).
+
+The callable has the partitioner signature ``fn(lengths: GatheredLengths, runtime: RuntimeInfo, **kwargs)`` and
+returns one of
+
+- a :class:`Plan`;
+- a pair ``(order, dest_offsets)`` (the two fields of a Plan);
+- a 1-D integer array of length G: the destination rank of every global sample (each rank then receives its
+  samples in ascending global index).
+
+Whatever it returns is checked on every call (exactly once, offsets consistent, ranks in range), and a failure
+names the callable, because a wrong plan would otherwise surface much later as lost or duplicated samples.
+The callable must be deterministic: every rank calls it on the same inputs and must get the same plan.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo
+
+
+def load_callable(spec: str) -> Callable[..., Any]:
+    """Imports ``"module.path:attribute"``; ValueError naming what is missing."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"custom partitioner {spec!r} must be written 'module.path:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"custom partitioner {spec!r}: cannot import module {module_name!r}: {error}") from error
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"custom partitioner {spec!r}: {target.__name__!r} has no attribute {part!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"custom partitioner {spec!r} is a {type(target).__name__}, not a callable")
+    return target
+
+
+class CustomPartitioner:
+    """Wraps a user callable and validates its result."""
+
+    def __init__(self, spec: str, **kwargs: Any) -> None:
+        self.spec = spec
+        self.fn = load_callable(spec)
+        self.kwargs = kwargs
+        self.name = spec
+
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        result = self.fn(lengths, runtime, **self.kwargs)
+        plan = self._to_plan(result, lengths)
+        plan.validate(lengths.num_samples, lengths.world_size, who=f"custom partitioner {self.spec!r}")
+        return plan
+
+    def _to_plan(self, result: Any, lengths: GatheredLengths) -> Plan:
+        who = f"custom partitioner {self.spec!r}"
+        if isinstance(result, Plan):
+            return result
+        if isinstance(result, tuple) and len(result) == 2:
+            try:
+                return Plan(*result)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{who} returned a pair that is not (order, dest_offsets): {error}") from error
+        if isinstance(result, (torch.Tensor, np.ndarray, list)):
+            dest = np.asarray(result.cpu() if isinstance(result, torch.Tensor) else result)
+            if dest.ndim != 1 or dest.size != lengths.num_samples or not np.issubdtype(dest.dtype, np.integer):
+                raise ValueError(
+                    f"{who} returned an array of shape {dest.shape} and dtype {dest.dtype}; a destination array must be"
+                    f" 1-D integer with one rank per sample (G={lengths.num_samples})"
+                )
+            try:
+                return Plan.from_destinations(dest, lengths.world_size)
+            except ValueError as error:
+                raise ValueError(f"{who}: {error}") from error
+        raise ValueError(
+            f"{who} returned {type(result).__name__}; expected a Plan, an (order, dest_offsets) pair or a"
+            " destination-rank array"
+        )
+
+    def __repr__(self) -> str:
+        return f"CustomPartitioner({self.spec!r})"

@@ -1,0 +1,48 @@
+"""FBS, fixed batch size (section 4.1): global sort by cost, zig-zag assignment, equal counts per rank.
+
+Samples are sorted by cost, largest first (ties: sample id, then global index, so every rank sorts alike).
+With n ranks, rank i takes sorted positions
+
+    i, 2n-1-i, 2n+i, 4n-1-i, 4n+i, ...
+
+i.e. round k of n positions is dealt left to right when k is even and right to left when k is odd. The paper
+writes the list as ``[i, 2n-i, 2n+i, 4n-i, ...]``; taken literally (0-based) rank 0 would take position 2n twice
+(as ``2n-i`` and as ``2n+i``) and position n (and 3n, ...) would go to no rank. We use ``2n-1-i``, the mirror of
+``i`` in the second round, which is what a zig-zag deal means.
+
+Counts: every rank gets ``G // n`` samples, and the ``m = G % n`` positions of the last, partial round (the
+cheapest samples) go to ranks ``0..m-1`` when that round is even-numbered and to ranks ``n-m..n-1`` when it is
+odd, following the zig-zag; counts therefore differ by at most one. A rank's samples are listed in ascending
+global index (source order), which is the order an AllToAll delivers them in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo, cost_sort_order
+from fsdata.partition.cost import CostModel
+
+
+def zigzag_ranks(num_positions: int, world_size: int) -> np.ndarray:
+    """[num_positions] rank that takes each sorted position under the zig-zag deal."""
+    pos = np.arange(num_positions, dtype=np.int64)
+    round_index, within = np.divmod(pos, world_size)
+    return np.where(round_index % 2 == 0, within, world_size - 1 - within)
+
+
+class FBSPartitioner:
+    name = "fbs"
+
+    def __init__(self, cost_model: CostModel | None = None) -> None:
+        self.cost_model = cost_model or CostModel()
+
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        costs = self.cost_model.sample_costs(lengths, runtime)
+        sorted_index = cost_sort_order(costs, lengths)
+        dest = np.empty(lengths.num_samples, dtype=np.int64)
+        dest[sorted_index] = zigzag_ranks(lengths.num_samples, lengths.world_size)
+        return Plan.from_destinations(dest, lengths.world_size)
+
+    def __repr__(self) -> str:
+        return f"FBSPartitioner({self.cost_model})"

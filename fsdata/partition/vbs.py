@@ -1,0 +1,178 @@
+"""VBS, variable batch size (section 4.1): contiguous segments of the cost-sorted samples, equal total weight.
+
+Weights are the cost model's per-sample cost (``L ** alpha`` by default). Samples are sorted by weight, largest
+first (the same deterministic order as FBS), and cut into n contiguous segments; segment r goes to rank r, so
+rank 0 gets the fewest, longest samples and the last rank the most, shortest ones. Similar lengths within a
+rank mean little padding (low sparsity, Eq. 1), which is VBS's point.
+
+Cuts. Segment r should weigh ``share_r * total`` (equal shares unless autotune says otherwise). Every cut is
+placed at the sample boundary nearest to its ideal position on the prefix sum of weights, so each boundary is
+off by at most half the weight of the sample it falls in, and each segment's weight is within the largest
+single sample weight of its ideal (the bound the tests check). When ``G >= n``, cuts are then pushed apart so no
+rank is left empty (``ensure_nonempty``, default on): an empty rank would still pay the step's fixed costs and
+its gradient would be all zero. Pushing only happens where two ideal cuts round to the same boundary, i.e. where
+a segment's ideal weight is below one sample's weight. With equal shares the bound survives the push (tested);
+with unequal (autotuned) shares a chain of pushes can move a cut by several samples, so there the bound is only
+promised when every ideal segment outweighs the largest sample (then nothing is pushed). With ``G < n`` some
+ranks are necessarily empty; that is legal (Stage III handles empty batches) and cuts are left where they fall.
+
+Autotune (:class:`AutoTune`) corrects the per-rank *weight budget share* ``share_r``: the fraction of the step's
+total weight a rank is given. It does not change the weights themselves (that is the cost model's job, see
+``cost.OnlineCostFit``); it absorbs whatever the weights get wrong per rank position (e.g. alpha too low makes
+the long-sample segment slow) and per device (a slower GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo, as_numpy, cost_sort_order
+from fsdata.partition.cost import CostModel
+
+
+def segment_cuts(sorted_weights: np.ndarray, shares: np.ndarray, ensure_nonempty: bool = True) -> np.ndarray:
+    """[n+1] cut positions of ``sorted_weights`` into n segments whose weights follow ``shares`` (sum 1).
+
+    All-zero weights fall back to equal counts (every sample the same weight).
+    """
+    count = sorted_weights.size
+    world_size = shares.size
+    weights = sorted_weights if sorted_weights.sum() > 0 else np.ones(count)
+    prefix = np.zeros(count + 1)
+    np.cumsum(weights, out=prefix[1:])
+    targets = prefix[-1] * np.cumsum(shares)[:-1]
+    hi = np.searchsorted(prefix, targets, side="left")
+    lo = np.maximum(hi - 1, 0)
+    hi = np.minimum(hi, count)
+    inner = np.where(targets - prefix[lo] <= prefix[hi] - targets, lo, hi)
+    if ensure_nonempty and count >= world_size:
+        # Strictly increasing cuts inside [r, G - (n - r)]: cummax of (cut - r) keeps the order and the gaps >= 1.
+        r = np.arange(1, world_size)
+        inner = np.minimum(np.maximum.accumulate(np.maximum(inner - r, 0)), count - world_size) + r
+    cuts = np.empty(world_size + 1, dtype=np.int64)
+    cuts[0], cuts[-1] = 0, count
+    cuts[1:-1] = inner
+    return cuts
+
+
+class VBSPartitioner:
+    name = "vbs"
+
+    def __init__(self, cost_model: Optional[CostModel] = None, ensure_nonempty: bool = True) -> None:
+        self.cost_model = cost_model or CostModel()
+        self.ensure_nonempty = ensure_nonempty
+
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        weights = self.cost_model.sample_costs(lengths, runtime)
+        sorted_index = cost_sort_order(weights, lengths)
+        cuts = segment_cuts(weights[sorted_index], runtime.shares(lengths.world_size), self.ensure_nonempty)
+        dest = np.empty(lengths.num_samples, dtype=np.int64)
+        dest[sorted_index] = np.repeat(np.arange(lengths.world_size, dtype=np.int64), np.diff(cuts))
+        return Plan.from_destinations(dest, lengths.world_size)
+
+    def __repr__(self) -> str:
+        return f"VBSPartitioner({self.cost_model}, ensure_nonempty={self.ensure_nonempty})"
+
+
+class AutoTune:
+    """Moves each rank's weight budget share up or down from its measured compute time vs the global mean.
+
+    Use, on every rank alike (the inputs are gathered, so every rank holds the same state)::
+
+        shares = autotune.shares_for_step(j)      # when planning step j: RuntimeInfo(budget_shares=shares)
+        autotune.observe(i, step_times)           # once step i's per-rank times are gathered (i <= j - 2)
+
+    ``step_times`` must be each rank's own busy time up to the gradient synchronisation (not including the wait
+    there, which would make every rank look alike).
+
+    Lag. Under the loader's lookahead the plan of step j is fixed before step j-1 finishes, so a measurement
+    feeds a plan at least two steps later; a plain "share *= mean / time" rule would react to the same error
+    twice (once per plan in flight) and oscillate. Instead every measurement is turned into an estimate of the
+    balanced shares *against the shares that measured step actually used* (kept in a small history):
+    ``target_r ∝ used_r * mean(t) / t_r``, which is independent of any update made since. The state then moves a
+    damped step towards it, ``share = (1 - step_size) * share + step_size * target``: an exponential average of
+    independent estimates, which cannot overshoot when time is proportional to weight, and converges
+    (geometrically, no oscillation) when it is not, e.g. with a fixed per-step overhead. Per-update ratios are
+    clipped to ``[1/max_ratio, max_ratio]`` so one hiccup does not starve a rank, and shares never fall below
+    ``min_share_frac / n`` so no rank is starved for good.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        step_size: float = 0.5,
+        max_ratio: float = 1.5,
+        min_share_frac: float = 0.1,
+        history: int = 16,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"AutoTune world_size must be >= 1, got {world_size}")
+        if not 0.0 < step_size <= 1.0:
+            raise ValueError(f"AutoTune step_size must be in (0, 1], got {step_size}")
+        if max_ratio < 1.0:
+            raise ValueError(f"AutoTune max_ratio must be >= 1, got {max_ratio}")
+        if not 0.0 <= min_share_frac < 1.0:
+            raise ValueError(f"AutoTune min_share_frac must be in [0, 1), got {min_share_frac}")
+        self.world_size = int(world_size)
+        self.step_size = float(step_size)
+        self.max_ratio = float(max_ratio)
+        self.min_share_frac = float(min_share_frac)
+        self.history = int(history)
+        self._shares = np.full(self.world_size, 1.0 / self.world_size)
+        self._used: dict[int, np.ndarray] = {}  # step -> shares its plan used, until that step is observed
+        self._observed = 0
+
+    def shares(self) -> torch.Tensor:
+        """Current per-rank shares (float64 [W], sum 1)."""
+        return torch.from_numpy(self._shares.copy())
+
+    def shares_for_step(self, step: int) -> torch.Tensor:
+        """The shares to plan ``step`` with; remembered so its measurement is judged against them."""
+        self._used[int(step)] = self._shares.copy()
+        while len(self._used) > self.history:
+            del self._used[min(self._used)]
+        return self.shares()
+
+    def observe(self, measured_step: int, step_times) -> None:
+        """Feeds the gathered per-rank busy times of ``measured_step``."""
+        times = as_numpy(step_times, np.float64, "AutoTune step_times")
+        if times.size != self.world_size:
+            raise ValueError(f"AutoTune.observe: {times.size} step times for world_size {self.world_size}")
+        if not np.all(np.isfinite(times)) or times.min() < 0:
+            raise ValueError(f"AutoTune.observe: step {measured_step} has non-finite or negative times {times[:8]}")
+        used = self._used.pop(int(measured_step), None)
+        for old in [s for s in self._used if s < measured_step]:  # never measured now: forget
+            del self._used[old]
+        if used is None:
+            used = self._shares
+        mean = times.mean()
+        if mean <= 0:
+            return
+        ratio = np.clip(mean / np.maximum(times, mean * 1e-6), 1.0 / self.max_ratio, self.max_ratio)
+        target = used * ratio
+        target /= target.sum()
+        shares = (1.0 - self.step_size) * self._shares + self.step_size * target
+        shares = np.maximum(shares, self.min_share_frac / self.world_size)
+        self._shares = shares / shares.sum()
+        self._observed += 1
+
+    def state_dict(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "shares": self._shares.tolist(),
+            "used": {int(k): v.tolist() for k, v in self._used.items()},
+            "observed": self._observed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(
+                f"AutoTune state is for world_size {state['world_size']}, this run has {self.world_size}: per-rank"
+                " shares do not carry over to another world size (start from equal shares instead)"
+            )
+        self._shares = np.asarray(state["shares"], dtype=np.float64)
+        self._used = {int(k): np.asarray(v, dtype=np.float64) for k, v in state["used"].items()}
+        self._observed = int(state["observed"])
