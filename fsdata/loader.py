@@ -1,10 +1,12 @@
-"""Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [user stages] -> pin memory.
+"""Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [stages] -> pin memory.
 
 Each stage is a torchdata.nodes BaseNode wrapping the one before it, so the chain checkpoints through the one
 ``Loader.state_dict()`` (the StatefulDataLoader protocol: ``state_dict()`` / ``load_state_dict()``).
-Later stages (gather lengths, partition, shuffle samples, ID prefetch) are passed in ``stages``: each is a
-callable ``node -> node`` applied in order after the prefetcher, which keeps batches ``prefetch_depth`` ahead
-of the model so the balancer's collectives have a step of compute to hide under.
+The prefetcher reads local batches ``prefetch_depth`` ahead in a thread (file I/O, generation: no
+collectives). The balancer's stages (gather lengths, partition, shuffle samples; fsdata.balancer) come after it,
+passed in ``stages`` as callables ``node -> node`` applied in order. They run in the consumer's thread and
+overlap their exchanges with compute by starting each one a step before it is needed (fsdata.nodes.async_stage),
+on the balancer's own process group, never on the dense all-reduce's.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -71,7 +72,9 @@ def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backe
         stage("running")
         out = fn(rank, world_size, *args)
         stage("done")
-        results.put((rank, "ok", out))
+        # Plain pickle (bytes), not the queue's ForkingPickler: that one shares tensors through file
+        # descriptors that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # carried to the parent as a value, re-raised there with the rank named
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -145,4 +148,4 @@ def run_ranks(
     if errors:
         r, tb = errors[0]
         raise RankFailure(f"{fn.__name__}: rank {r} raised:\n{tb}")
-    return [outcome[r][1] for r in range(world_size)]
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

@@ -1,0 +1,57 @@
+"""The sequence load balancer (paper section 3.1, Algorithm 1) as three loader stages.
+
+    reader -> prefetch -> GatherLengths (I) -> GatherCandidateLengths (II) -> PartitionStage (P) -> ShuffleSamples (III)
+
+``balancer_stages`` returns the wrappers for ``fsdata.loader.build_loader(stages=...)``. Each exchanging
+stage starts its collective one ``next()`` before its result is needed (fsdata.nodes.async_stage), so while
+step i computes, Stage III of batch i+1, Stage II of batch i+2 and Stage I of batch i+3 are in flight; the model
+waits only on handles. The collectives go through ``transport`` on a process group of the balancer's own.
+
+Semantics. Balancing permutes samples within one global step only (every sample of global step s stays in
+step s), so the temporal order of training across steps is kept. Local batch sizes may differ afterwards
+(VBS; also the last global batch of an epoch): the trainer backpropagates the sum of its local losses and
+divides the summed gradients by the global label count, so the gradient is the global mean's whatever the
+split (pipelines.trainer). Embedding gradients follow the same scaling since they flow from the same loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fscomm.timing import Timer
+from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
+from fsdata.nodes.partition_stage import PartitionStage
+from fsdata.nodes.shuffle import ShuffleSamples
+from fsdata.partition import AutoTune, get_partitioner
+
+
+@dataclass
+class BalancerConfig:
+    partitioner: str = field(default="none", metadata={"help": "none, fbs, vbs, kk or module:function"})
+    alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
+    autotune: bool = field(default=False, metadata={"help": "VBS: tune per-rank budgets from measured step times"})
+
+
+def balancer_stages(
+    config: BalancerConfig,
+    transport: Any,
+    rank: int,
+    world_size: int,
+    capacity: int,
+    feedback: Optional[StepFeedback] = None,
+    timer: Optional[Timer] = None,
+) -> list:
+    """The three stage wrappers, or none when the partitioner is 'none' (no exchange at all)."""
+    if config.autotune and config.partitioner != "vbs":
+        raise ValueError(f"--autotune applies to the vbs partitioner, not {config.partitioner!r}")
+    if config.partitioner == "none":
+        return []
+    partitioner = get_partitioner(config.partitioner, alpha=config.alpha)
+    autotune = AutoTune(world_size) if config.autotune else None
+    return [
+        lambda node: GatherLengths(node, transport, rank, world_size, capacity, feedback, timer),
+        lambda node: GatherCandidateLengths(node, transport, world_size, timer),
+        lambda node: PartitionStage(node, partitioner, autotune),
+        lambda node: ShuffleSamples(node, transport, rank, world_size, timer),
+    ]

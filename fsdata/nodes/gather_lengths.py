@@ -1,0 +1,182 @@
+"""Stages I and II of Algorithm 1: gather every rank's sample lengths, so every rank can plan the same partition.
+
+Both are :class:`AsyncStage` nodes: each exchange starts one ``next()`` before its result is needed.
+
+Stage I  — one AllGather of a fixed-size int64 block per rank: a header row (local batch size, the rank's latest
+           measured step time, the step it measures, a schema code) and one row per sample (UIH length,
+           number of candidates, sample id), padded to ``capacity`` rows. Fixed size, so no size exchange first.
+Stage II — one AllGather of the candidates' content lengths, sized per rank from Stage I's candidate counts.
+
+The runtime measurements ride along in Stage I, so the runtime info R that autotune and the online cost model
+read is itself gathered: identical on every rank, hence the same plan everywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torchdata.nodes import BaseNode
+
+from fscomm.timing import Timer
+from fsdata.batch import Batch
+from fsdata.nodes.async_stage import AsyncStage
+from fsdata.partition.base import GatheredLengths
+
+_ROW = 4  # int64 columns per row: (uih_length, num_candidates, sample_id, unused) / header
+
+
+class StepFeedback:
+    """Where the trainer reports each step's measured compute time for the balancer (thread-safe).
+
+    The balancer reads the newest report when it gathers lengths for a batch ahead of the model, so with the
+    loader's lookahead the plan of step s sees the measurement of step s-2 or older (RuntimeInfo.measured_step).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest = (-1, 0.0)
+
+    def report(self, step: int, seconds: float) -> None:
+        with self._lock:
+            self._latest = (int(step), float(seconds))
+
+    def latest(self) -> tuple[int, float]:
+        with self._lock:
+            return self._latest
+
+
+@dataclass
+class Gathered:
+    """A local batch with the whole global step's lengths and runtime measurements (identical on all ranks)."""
+
+    batch: Batch
+    lengths: GatheredLengths
+    measured_steps: torch.Tensor  # int64 [W]: the step each rank's step_time measures (-1: none yet)
+    step_times: torch.Tensor  # float64 [W]
+
+
+def _schema_code(batch: Batch) -> int:
+    """Packs what every rank's batches must agree on to be exchanged: side features and widths."""
+    return (
+        int(batch.uih_action_types is not None)
+        | int(batch.uih_timestamps is not None) << 1
+        | int(batch.dense.shape[1]) << 2
+        | int(batch.num_labels) << 32
+    )
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+@dataclass
+class _StageOne:
+    batch: Batch
+    handle: Any
+
+
+@dataclass
+class _StageTwo:
+    batch: Batch
+    world: torch.Tensor  # Stage I result [W, capacity+1, 4]
+    handle: Any
+
+
+class GatherLengths(AsyncStage[Batch, _StageOne, "_StageOneDone"]):
+    """Stage I: AllGather of every rank's per-sample lengths and sample ids, plus its runtime measurement."""
+
+    span_name = "balancer_stage1_wait"
+
+    def __init__(
+        self,
+        source: BaseNode[Batch],
+        transport: Any,
+        rank: int,
+        world_size: int,
+        capacity: int,
+        feedback: Optional[StepFeedback] = None,
+        timer: Optional[Timer] = None,
+    ) -> None:
+        super().__init__(source, timer)
+        if capacity < 1:
+            raise ValueError(f"GatherLengths: capacity must be >= 1, got {capacity}")
+        self.transport, self.rank, self.world_size, self.capacity = transport, rank, world_size, capacity
+        self.feedback = feedback
+
+    def start(self, batch: Batch) -> _StageOne:
+        b = batch.batch_size
+        if b > self.capacity:
+            raise ValueError(
+                f"GatherLengths on rank {self.rank}: local batch of {b} samples exceeds the gather capacity "
+                f"{self.capacity} (set capacity to the largest local batch the loader can produce)"
+            )
+        measured_step, seconds = self.feedback.latest() if self.feedback is not None else (-1, 0.0)
+        block = torch.zeros(self.capacity + 1, _ROW, dtype=torch.int64)
+        block[0] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch)])
+        block[1 : b + 1, 0] = batch.uih_lengths
+        block[1 : b + 1, 1] = batch.num_candidates
+        block[1 : b + 1, 2] = batch.sample_ids
+        return _StageOne(batch, self.transport.all_gather(block))
+
+    def finish(self, started: _StageOne) -> "_StageOneDone":
+        world = started.handle.wait()  # [W, capacity+1, 4]
+        codes = world[:, 0, 3]
+        mismatched = torch.nonzero(codes != codes[self.rank]).flatten().tolist()
+        if mismatched:
+            raise ValueError(
+                f"GatherLengths on rank {self.rank}: ranks {mismatched} send batches of another layout "
+                "(side features, dense width or label columns differ); every rank must read the same schema"
+            )
+        return _StageOneDone(started.batch, world)
+
+
+@dataclass
+class _StageOneDone:
+    batch: Batch
+    world: torch.Tensor
+
+
+class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
+    """Stage II: AllGather of every candidate's content length, each rank's size known from Stage I."""
+
+    span_name = "balancer_stage2_wait"
+
+    def __init__(self, source: BaseNode[_StageOneDone], transport: Any, world_size: int, timer: Optional[Timer] = None):
+        super().__init__(source, timer)
+        self.transport, self.world_size = transport, world_size
+
+    def start(self, item: _StageOneDone) -> _StageTwo:
+        counts = item.world[:, 0, 0]
+        capacity = item.world.shape[1] - 1
+        rows = item.world[:, 1:][torch.arange(capacity).unsqueeze(0) < counts.unsqueeze(1)]
+        source_rank = torch.repeat_interleave(torch.arange(self.world_size), counts)
+        per_rank = torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, source_rank, rows[:, 1])
+        handle = self.transport.all_gather(item.batch.candidate_lengths.to(torch.int64), sizes=per_rank.tolist())
+        return _StageTwo(item.batch, item.world, handle)
+
+    def finish(self, started: _StageTwo) -> Gathered:
+        candidate_lengths = started.handle.wait()
+        world = started.world
+        header, counts = world[:, 0], world[:, 0, 0]
+        capacity = world.shape[1] - 1
+        rows = world[:, 1:][torch.arange(capacity).unsqueeze(0) < counts.unsqueeze(1)]  # [G, 4]
+        rank_offsets = torch.zeros(self.world_size + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=rank_offsets[1:])
+        lengths = GatheredLengths(
+            uih_lengths=rows[:, 0],
+            num_candidates=rows[:, 1],
+            candidate_lengths=candidate_lengths,
+            sample_ids=rows[:, 2],
+            rank_offsets=rank_offsets,
+            world_size=self.world_size,
+        )
+        return Gathered(
+            batch=started.batch,
+            lengths=lengths,
+            measured_steps=header[:, 2].clone(),
+            step_times=header[:, 1].clone().view(torch.float64),
+        )
