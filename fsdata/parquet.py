@@ -1,0 +1,329 @@
+"""A Parquet sample source: random access by global index, streaming one row group at a time.
+
+The global index runs over every row of every file, files in sorted path order, so it is the same whatever
+the world size; a rank asking for ``[start, stop)`` reads (and decodes) only the row groups that overlap that
+range, and the last decoded row groups stay in a small cache because consecutive reads of one rank usually
+fall in the same row group. Counts come from the footers, so ``num_samples`` costs no data reads.
+
+Decoding is columnar: list offsets and values buffers become tensors without a per-sample Python loop, and
+the value buffers are shared with arrow (zero-copy) unless a UIH had to be cut.
+
+Bad input (see docs/schema.md):
+* missing path, unreadable/corrupt/truncated file, wrong schema: ValueError / FileNotFoundError naming the
+  file (and the column);
+* negative ids, empty UIH, inconsistent list lengths, nulls: ValueError naming file, row group and sample id;
+* UIH longer than ``uih_cap``: not an error. The most recent ``uih_cap`` events are kept (the history is
+  stored oldest first, so the tail) and the sample is counted in ``stats()['truncated_uih']``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from fsdata.batch import Batch
+from fsdata.schema import (
+    CANDIDATE_CONTENT_IDS,
+    CANDIDATE_LABELS,
+    COLUMNS,
+    DENSE,
+    SAMPLE_ID,
+    UIH_ACTION_TYPES,
+    UIH_ITEM_IDS,
+    UIH_TIMESTAMPS,
+    USER_ID,
+    Columns,
+    metadata_dims,
+    validate_columns,
+    validate_schema,
+)
+from fsdata.synthetic import segment_arange
+
+PathLike = Union[str, os.PathLike]
+
+
+def expand_paths(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
+    """Files and directories (all ``*.parquet`` inside, not recursive) -> sorted list of files."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[str] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(str(f) for f in path.glob("*.parquet"))
+            if not found:
+                raise ValueError(f"{path}: directory holds no *.parquet files")
+            out.extend(found)
+        elif path.exists():
+            out.append(str(path))
+        else:
+            raise FileNotFoundError(f"{path}: no such Parquet file or directory")
+    if not out:
+        raise ValueError("ParquetSource needs at least one file")
+    return sorted(out)
+
+
+@dataclass
+class _RowGroup:
+    """One decoded row group as tensors (offsets zero-based); sliced into batches by views."""
+
+    sample_ids: torch.Tensor
+    user_ids: torch.Tensor
+    uih_offsets: torch.Tensor
+    uih_item_ids: torch.Tensor
+    uih_action_types: Optional[torch.Tensor]
+    uih_timestamps: Optional[torch.Tensor]
+    candidate_offsets: torch.Tensor
+    candidate_labels: torch.Tensor
+    content_offsets: torch.Tensor
+    content_ids: torch.Tensor
+    dense: torch.Tensor
+    truncated: torch.Tensor  # bool [n]: UIH was cut to the cap
+
+    def slice(self, a: int, b: int) -> Batch:
+        uo = self.uih_offsets[a : b + 1]
+        co = self.candidate_offsets[a : b + 1]
+        c0, c1 = int(co[0]), int(co[-1])
+        xo = self.content_offsets[c0 : c1 + 1]
+        u0, u1 = int(uo[0]), int(uo[-1])
+
+        def side(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[u0:u1]
+
+        return Batch(
+            sample_ids=self.sample_ids[a:b],
+            user_ids=self.user_ids[a:b],
+            uih_offsets=uo - u0,
+            uih_item_ids=self.uih_item_ids[u0:u1],
+            candidate_offsets=co - c0,
+            candidate_labels=self.candidate_labels[c0:c1],
+            content_offsets=xo - int(xo[0]),
+            content_ids=self.content_ids[int(xo[0]) : int(xo[-1])],
+            dense=self.dense[a:b],
+            uih_action_types=side(self.uih_action_types),
+            uih_timestamps=side(self.uih_timestamps),
+        )
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    # Arrow buffers are read-only; torch shares them anyway (nothing downstream writes into a batch in place).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
+class ParquetSource:
+    """Random access over the rows of Parquet files of the FreeScale schema (fsdata.schema).
+
+    ``epoch`` does not change the order (shuffling is a later stage's job); every epoch has the same samples.
+    """
+
+    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], uih_cap: int = 21_000, cache_row_groups: int = 2):
+        if uih_cap < 1:
+            raise ValueError(f"uih_cap must be >= 1, got {uih_cap}")
+        if cache_row_groups < 1:
+            raise ValueError(f"cache_row_groups must be >= 1, got {cache_row_groups}")
+        self.paths = expand_paths(paths)
+        self.uih_cap = uih_cap
+        self._cache_size = cache_row_groups
+        self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
+        self._files: dict[int, pq.ParquetFile] = {}
+        self.side_features: Optional[tuple[str, ...]] = None
+        self.num_labels: Optional[int] = None
+        self.dense_dim: Optional[int] = None
+        rg_file, rg_local, rg_rows = [], [], []
+        for f, path in enumerate(self.paths):
+            pf = self._open(f)
+            side = validate_schema(pf.schema_arrow, path)
+            if self.side_features is None:
+                self.side_features = side
+            elif side != self.side_features:
+                raise ValueError(
+                    f"{path}: side-feature columns {list(side)} differ from {self.paths[0]}'s "
+                    f"{list(self.side_features)} (present in every file or in none)"
+                )
+            self._agree(path, *metadata_dims(pf.schema_arrow))
+            md = pf.metadata
+            for i in range(md.num_row_groups):
+                rg_file.append(f), rg_local.append(i), rg_rows.append(md.row_group(i).num_rows)
+        self._rg_file = np.asarray(rg_file, dtype=np.int64)
+        self._rg_local = np.asarray(rg_local, dtype=np.int64)
+        self._rg_start = np.zeros(len(rg_rows) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(rg_rows, dtype=np.int64), out=self._rg_start[1:])
+        self._columns = [c for c in COLUMNS if c not in (UIH_ACTION_TYPES, UIH_TIMESTAMPS) or c in self.side_features]
+        self._stats = {"samples_read": 0, "truncated_uih": 0, "row_groups_decoded": 0, "cache_hits": 0}
+
+    # ------------------------------------------------------------------ protocol
+    def num_samples(self, epoch: int) -> int:
+        return int(self._rg_start[-1])
+
+    def describe(self) -> str:
+        return (
+            f"parquet({len(self.paths)} files, {self.num_samples(0)} samples, {len(self._rg_file)} row groups, "
+            f"side features {list(self.side_features or ())}, uih_cap={self.uih_cap})"
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction; ``truncated_uih`` counts served samples whose UIH was cut to the cap."""
+        return dict(self._stats)
+
+    def read(self, epoch: int, start: int, stop: int) -> Batch:
+        total = self.num_samples(epoch)
+        if not (0 <= start <= stop <= total):
+            raise ValueError(f"parquet source: range [{start}, {stop}) outside [0, {total}) ({self.paths[0]} ...)")
+        if start == stop:
+            return self._empty()
+        first = int(np.searchsorted(self._rg_start, start, side="right") - 1)
+        last = int(np.searchsorted(self._rg_start, stop - 1, side="right") - 1)
+        parts = []
+        for g in range(first, last + 1):
+            rg = self._row_group(g)
+            lo, hi = max(start, self._rg_start[g]) - self._rg_start[g], min(stop, self._rg_start[g + 1]) - self._rg_start[g]
+            parts.append(rg.slice(int(lo), int(hi)))
+            self._stats["truncated_uih"] += int(rg.truncated[lo:hi].sum())
+        self._stats["samples_read"] += stop - start
+        return parts[0] if len(parts) == 1 else Batch.concat(parts)
+
+    # ------------------------------------------------------------------ internals
+    def _agree(self, where: str, num_labels: Optional[int], dense_dim: Optional[int]) -> None:
+        """Label count T and dense width D must be the same in every file (a Batch has one of each)."""
+        for name, value in (("num_labels", num_labels), ("dense_dim", dense_dim)):
+            if value is None:
+                continue
+            seen = getattr(self, name)
+            if seen is None:
+                setattr(self, name, value)
+            elif seen != value:
+                raise ValueError(f"{where}: {name} is {value} but earlier files have {seen}")
+
+    def _open(self, f: int) -> pq.ParquetFile:
+        if f not in self._files:
+            path = self.paths[f]
+            try:  # one open handle at a time: thousands of files would exhaust file descriptors
+                self._files = {f: pq.ParquetFile(path)}
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path}: no such Parquet file") from None
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{path}: not a readable Parquet file (corrupt or truncated?): {e}") from e
+        return self._files[f]
+
+    def _empty(self) -> Batch:
+        t, d = self.num_labels or 1, self.dense_dim or 0
+        z = torch.zeros(0, dtype=torch.int64)
+        o = torch.zeros(1, dtype=torch.int64)
+        side = {c: (z.clone() if c in (self.side_features or ()) else None) for c in (UIH_ACTION_TYPES, UIH_TIMESTAMPS)}
+        return Batch(
+            sample_ids=z, user_ids=z.clone(), uih_offsets=o, uih_item_ids=z.clone(), candidate_offsets=o.clone(),
+            candidate_labels=torch.zeros(0, t), content_offsets=o.clone(), content_ids=z.clone(),
+            dense=torch.zeros(0, d), **side,
+        )
+
+    def _row_group(self, g: int) -> _RowGroup:
+        if g in self._cache:
+            self._cache.move_to_end(g)
+            self._stats["cache_hits"] += 1
+            return self._cache[g]
+        f, i = int(self._rg_file[g]), int(self._rg_local[g])
+        path = self.paths[f]
+        where = f"{path} row group {i}"
+        try:
+            table = self._open(f).read_row_group(i, columns=self._columns)
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{where}: cannot be read (corrupt file?): {e}") from e
+        rg = self._decode(table, where)
+        self._stats["row_groups_decoded"] += 1
+        self._cache[g] = rg
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return rg
+
+    def _decode(self, table: pa.Table, where: str) -> _RowGroup:
+        def array(name: str) -> pa.Array:
+            col = table.column(name)
+            arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+            if arr.null_count:
+                raise ValueError(f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed")
+            return arr
+
+        def leaf_np(name: str, leaf: pa.Array) -> np.ndarray:
+            if leaf.null_count:
+                raise ValueError(f"{where}: column '{name}' holds null values inside its lists")
+            return leaf.to_numpy(zero_copy_only=True)
+
+        def level1(name: str) -> tuple[np.ndarray, np.ndarray]:
+            arr = array(name)
+            off = arr.offsets.to_numpy().astype(np.int64)
+            leaf = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
+            return off - off[0], leaf_np(name, leaf)
+
+        def level2(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            arr = array(name)
+            off1 = arr.offsets.to_numpy().astype(np.int64)
+            inner = arr.values.slice(int(off1[0]), int(off1[-1] - off1[0]))
+            if inner.null_count:
+                raise ValueError(f"{where}: column '{name}' holds null inner lists")
+            off2 = inner.offsets.to_numpy().astype(np.int64)
+            leaf = inner.values.slice(int(off2[0]), int(off2[-1] - off2[0]))
+            return off1 - off1[0], off2 - off2[0], leaf_np(name, leaf)
+
+        uih_off, uih = level1(UIH_ITEM_IDS)
+        act_off, act = level1(UIH_ACTION_TYPES) if UIH_ACTION_TYPES in self._columns else (None, None)
+        ts_off, ts = level1(UIH_TIMESTAMPS) if UIH_TIMESTAMPS in self._columns else (None, None)
+        cand_off, label_off, labels = level2(CANDIDATE_LABELS)
+        ccand_off, content_off, content = level2(CANDIDATE_CONTENT_IDS)
+        dense_off, dense = level1(DENSE)
+        cols = Columns(
+            sample_ids=array(SAMPLE_ID).to_numpy(zero_copy_only=True),
+            user_ids=array(USER_ID).to_numpy(zero_copy_only=True),
+            uih_offsets=uih_off, uih_item_ids=uih, candidate_offsets=cand_off, label_offsets=label_off, labels=labels,
+            content_candidate_offsets=ccand_off, content_offsets=content_off, content_ids=content,
+            dense_offsets=dense_off, dense=dense, action_offsets=act_off, uih_action_types=act,
+            timestamp_offsets=ts_off, uih_timestamps=ts,
+        )
+        num_labels, dense_dim = validate_columns(cols, where, self.num_labels, self.dense_dim)
+        if len(label_off) > 1:
+            self._agree(where, num_labels, None)
+        if len(dense_off) > 1:
+            self._agree(where, None, dense_dim)
+        n = len(cols.sample_ids)
+
+        uih_len = np.diff(uih_off)
+        truncated = uih_len > self.uih_cap
+        uih_t, act_t, ts_t = _tensor(uih), (None if act is None else _tensor(act)), (None if ts is None else _tensor(ts))
+        uih_off_t = torch.from_numpy(uih_off)
+        if truncated.any():  # keep the most recent uih_cap events (the tail: histories are stored oldest first)
+            kept = np.minimum(uih_len, self.uih_cap)
+            index = torch.from_numpy(segment_arange(uih_off[1:] - kept, kept))
+            uih_t = uih_t[index]
+            act_t = None if act_t is None else act_t[index]
+            ts_t = None if ts_t is None else ts_t[index]
+            uih_off_t = torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]).astype(np.int64))
+        t = self.num_labels or 1
+        return _RowGroup(
+            sample_ids=_tensor(cols.sample_ids),
+            user_ids=_tensor(cols.user_ids),
+            uih_offsets=uih_off_t,
+            uih_item_ids=uih_t,
+            uih_action_types=act_t,
+            uih_timestamps=ts_t,
+            candidate_offsets=torch.from_numpy(cand_off),
+            candidate_labels=_tensor(labels).reshape(-1, t),
+            content_offsets=torch.from_numpy(content_off),
+            content_ids=_tensor(content),
+            dense=_tensor(dense).reshape(n, self.dense_dim or 0),
+            truncated=torch.from_numpy(truncated),
+        )
+
+
+def _first_null(arr: pa.Array) -> int:
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    return int(np.argmin(valid))
