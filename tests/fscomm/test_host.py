@@ -33,10 +33,10 @@ def _splits(step: int, world_size: int) -> torch.Tensor:
     return s
 
 
-def _many_all_to_all(rank, world_size, n_ops):
+def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
     from fscomm import get_transport
 
-    t = get_transport("host")
+    t = get_transport("host", stage_cpu=stage_cpu)
     cases = []
     handles = []
     stage("issue")
@@ -55,18 +55,29 @@ def _many_all_to_all(rank, world_size, n_ops):
         assert got.dtype == dtype and got.shape == want.shape, (step, got.shape, want.shape)
         assert torch.equal(got, want), step
         assert h.is_completed() and h.wait_time_s >= 0
+    if stage_cpu:  # the same traffic twice more: the pool grows with the ops in flight, not with the ops done
+        for _ in range(2):
+            again = []
+            for step, s, shape, dtype in cases:
+                x = torch.cat([_payload(rank, d, step, int(s[rank, d]), shape, dtype) for d in range(world_size)])
+                again.append(t.all_to_all(x, s[rank], s[:, rank]))
+            for h in again:
+                h.wait()
+        stats = t.pool_stats()
+        assert stats["acquires"] == 3 * n_ops and stats["allocations"] <= n_ops and stats["bytes_in_use"] == 0, stats
     return len(handles)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_all_to_all_uneven_zero_splits_many_outstanding(world_size):
-    assert run_ranks(_many_all_to_all, world_size, args=(15,), timeout=60) == [15] * world_size
+@pytest.mark.parametrize("world_size,stage_cpu", [(2, False), (3, False), (3, True)])
+def test_all_to_all_uneven_zero_splits_many_outstanding(world_size, stage_cpu):
+    """stage_cpu runs the work-buffer layout of the CUDA path (copy out, exchange, copy back) on CPU."""
+    assert run_ranks(_many_all_to_all, world_size, args=(15, stage_cpu), timeout=60) == [15] * world_size
 
 
-def _all_gather_cases(rank, world_size):
+def _all_gather_cases(rank, world_size, stage_cpu):
     from fscomm import get_transport
 
-    t = get_transport("host")
+    t = get_transport("host", stage_cpu=stage_cpu)
     sizes = [0 if r == 1 else 2 * r + 1 for r in range(world_size)]  # rank 1 contributes nothing
     hs = []
     for dtype in DTYPES:
@@ -87,8 +98,9 @@ def _all_gather_cases(rank, world_size):
     return True
 
 
-def test_all_gather_equal_and_variable_sizes():
-    assert all(run_ranks(_all_gather_cases, 4, timeout=60))
+@pytest.mark.parametrize("stage_cpu", [False, True])
+def test_all_gather_equal_and_variable_sizes(stage_cpu):
+    assert all(run_ranks(_all_gather_cases, 4, args=(stage_cpu,), timeout=60))
 
 
 def _large(rank, world_size):
@@ -203,11 +215,11 @@ def test_peer_that_never_joins_times_out_naming_op_and_rank():
         assert took < 3 + 3, took
 
 
-def _dies(rank, world_size):
+def _dies(rank, world_size, stage_cpu):
     from fscomm import CollectiveError, get_transport, groups, new_stage_group
 
     g = new_stage_group("ids", timeout=datetime.timedelta(seconds=5))
-    t = get_transport("host", g)
+    t = get_transport("host", g, stage_cpu=stage_cpu)
     t.all_gather(torch.ones(2)).wait()
     if rank == 1:  # its connections close as a crashed process's would; the process stays to report
         groups.forget_all()
@@ -226,7 +238,8 @@ def _dies(rank, world_size):
     return "no error", 0.0
 
 
-def test_peer_that_dies_fails_fast_naming_op_and_rank():
-    msg, took = run_ranks(_dies, 2, timeout=40)[0]
+@pytest.mark.parametrize("stage_cpu", [False, True])
+def test_peer_that_dies_fails_fast_naming_op_and_rank(stage_cpu):
+    msg, took = run_ranks(_dies, 2, args=(stage_cpu,), timeout=40)[0]
     assert "all_gather #1" in msg and "rank(s) [1]" in msg, msg
     assert took < 5, took  # a closed connection is seen at once, well before the group timeout

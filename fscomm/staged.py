@@ -1,0 +1,124 @@
+"""One exchange through a host work buffer: copies out of the device, a host-side exchange, copies back.
+
+Shared by the host (gloo) and RDMA backends. On CUDA tensors the copies run on a dedicated copy stream, so the
+copy engines do them and no kernel is launched; the caller's stream is only made to wait on events. The host
+exchange runs in the group's worker thread, so the call returns a handle at once, and exchanges complete in
+issue order. The work buffer comes from the pinned pool and goes back to it once the copies back have read it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import torch
+
+from fscomm import groups
+from fscomm.staging import PinnedPool
+from fscomm.transport import Handle, diagnose
+from fscomm.worker import worker_for
+
+# (source bytes, destination bytes): views of equal length
+Pieces = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StagedHandle(Handle):
+    """An exchange in flight in the worker thread; on CUDA ``wait()`` orders the caller's stream after the copy
+    back (an event wait: the host does not block on the GPU)."""
+
+    def __init__(self, future: Future, copied_back: Optional["torch.cuda.Event"], device: torch.device):
+        self._future = future
+        self._copied_back = copied_back
+        self._device = device
+        self.wait_time_s = 0.0
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            out = self._future.result()
+        finally:
+            self.wait_time_s += time.perf_counter() - t0
+        if self._copied_back is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._copied_back)
+        return out
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class Stager:
+    def __init__(self, pool: Optional[PinnedPool] = None):
+        self.pool = pool if pool is not None else PinnedPool()
+        self._copy_streams: dict[int, "torch.cuda.Stream"] = {}
+
+    def copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._copy_streams.get(idx)
+        if stream is None:
+            stream = self._copy_streams[idx] = torch.cuda.Stream(device=idx)
+        return stream
+
+    def run(
+        self,
+        state: groups.GroupState,
+        op: str,
+        seq: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        work_nbytes: int,
+        copy_out: Callable[[torch.Tensor], Pieces],
+        exchange: Callable[[torch.Tensor], None],
+        copy_back: Callable[[torch.Tensor], Pieces],
+    ) -> Handle:
+        """``copy_out(work)`` lists (x bytes, work bytes) copies, ``exchange(work)`` runs on the host in the
+        worker thread, ``copy_back(work)`` lists (work bytes, out bytes) copies."""
+        work_buf = self.pool.acquire(work_nbytes)
+        work = work_buf.view
+        if not x.is_cuda:
+
+            def cpu_job() -> torch.Tensor:
+                for src, dst in copy_out(work):
+                    dst.copy_(src)
+                try:
+                    exchange(work)
+                except Exception as exc:
+                    raise diagnose(state, op, seq, exc) from exc
+                for src, dst in copy_back(work):
+                    dst.copy_(src)
+                self.pool.release(work_buf)
+                return out
+
+            return StagedHandle(worker_for(state).submit(cpu_job), None, x.device)
+
+        device = x.device
+        copy_stream = self.copy_stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        copy_stream.wait_event(ready)
+        with torch.cuda.stream(copy_stream):
+            for src, dst in copy_out(work):
+                dst.copy_(src, non_blocking=True)
+        staged_out = torch.cuda.Event()
+        staged_out.record(copy_stream)
+        # The caching allocator must not give x's or out's memory to the caller's stream while the copy stream
+        # still reads or writes it (x may be freed right after this call, out if the handle is dropped).
+        x.record_stream(copy_stream)
+        out.record_stream(copy_stream)
+        copied_back = torch.cuda.Event()
+
+        def job() -> torch.Tensor:
+            try:
+                staged_out.synchronize()
+                exchange(work)
+            except Exception as exc:  # the work buffer stays out of the pool: the peer may still write it
+                raise diagnose(state, op, seq, exc) from exc
+            with torch.cuda.stream(copy_stream):
+                for src, dst in copy_back(work):
+                    dst.copy_(src, non_blocking=True)
+                copied_back.record(copy_stream)
+            copied_back.synchronize()  # the work buffer may be reused only once the copies back have read it
+            self.pool.release(work_buf)
+            return out
+
+        return StagedHandle(worker_for(state).submit(job), copied_back, device)
