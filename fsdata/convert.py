@@ -1,0 +1,353 @@
+"""Converters from public interaction logs to the FreeScale Parquet schema (fsdata.schema).
+
+Supported raw formats:
+
+* ``movielens``: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``, ML-1M/10M) or ``ratings.csv``
+  (``userId,movieId,rating,timestamp`` with a header, ML-20M/25M/32M). Label: rating >= 4.
+* ``amazon``: reviews as JSON lines (optionally .gz), either the 2014/2018 form
+  (``reviewerID, asin, overall, unixReviewTime``) or the 2023 form (``user_id, parent_asin, rating,
+  timestamp`` in ms). Label: rating >= 4.
+* ``kuairand``: KuaiRand log CSVs (``user_id, video_id, time_ms`` or ``date`` + ``hourmin``, ``is_click``,
+  ...). Labels: the columns named by ``label_columns`` (default ``is_click``).
+
+Every format becomes one event table (user, item, time, labels, action type); then, per user, events are
+ordered by time (ties keep file order) and cut into samples: the last ``candidates`` events are a sample's
+candidates and everything before them its UIH; ``samples_per_user`` windows are taken backwards from the
+end (0 = all), each UIH at least ``min_history`` long. User and item keys (strings or numbers) are mapped to
+dense int ids in order of first appearance; the mappings are written next to the output
+(``<out>.user_ids.csv``, ``<out>.item_ids.csv``). Samples are written in the order of their first candidate's
+timestamp, as a streaming trainer would see them. The whole event table is held in memory (about 40 bytes an
+event: 20M MovieLens ratings need about 1 GB).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import torch
+from tqdm import tqdm
+
+from fsdata.batch import Batch
+from fsdata.schema import write_parquet
+from fsdata.synthetic import segment_arange
+
+FORMATS = ("movielens", "amazon", "kuairand")
+KUAIRAND_ACTIONS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
+_BLOCK = 64 << 20
+
+
+@dataclass
+class Events:
+    """An interaction log in columns; ``user`` and ``item`` keep the raw keys (any arrow type)."""
+
+    user: pa.ChunkedArray
+    item: pa.ChunkedArray
+    time: np.ndarray  # int64 seconds
+    labels: np.ndarray  # float32 [N, T]
+    action: np.ndarray  # int64 [N], >= 0
+    label_names: tuple[str, ...]
+
+
+# ---------------------------------------------------------------------- raw readers
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _blocks(path: str, progress: bool, skip_first_line: bool = False) -> Iterator[bytes]:
+    """The file in blocks of whole lines, with a progress bar over its bytes."""
+    size = os.path.getsize(path)
+    with _open(path) as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress) as bar:
+        raw = f.fileobj if hasattr(f, "fileobj") else f  # gzip: count compressed bytes
+        if skip_first_line:
+            f.readline()
+        rest, last = b"", raw.tell()
+        while True:
+            chunk = f.read(_BLOCK)
+            bar.update(raw.tell() - last)
+            last = raw.tell()
+            if not chunk:
+                break
+            chunk = rest + chunk
+            cut = chunk.rfind(b"\n") + 1
+            rest = chunk[cut:]
+            if cut:
+                yield chunk[:cut]
+            else:
+                rest = chunk
+        if rest.strip():
+            yield rest + b"\n"
+
+
+def _first_line(path: str) -> bytes:
+    with _open(path) as f:
+        return f.readline()
+
+
+def _concat(tables: list[pa.Table], path: str) -> pa.Table:
+    if not tables:
+        raise ValueError(f"{path}: no events")
+    return pa.concat_tables(tables)
+
+
+def _read_delimited(path: str, names: list[str], types: dict, delimiter: str, header: bool, progress: bool, replace: Optional[bytes] = None) -> pa.Table:
+    tables = []
+    for block in _blocks(path, progress, skip_first_line=header):
+        if replace is not None:
+            block = block.replace(replace, delimiter.encode())
+        try:
+            tables.append(
+                pacsv.read_csv(
+                    io.BytesIO(block),
+                    read_options=pacsv.ReadOptions(column_names=names),
+                    parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                    convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(types)),
+                )
+            )
+        except pa.ArrowInvalid as e:
+            raise ValueError(f"{path}: cannot parse as {'header + ' if header else ''}'{delimiter}'-separated columns {names}: {e}") from e
+    return _concat(tables, path)
+
+
+def read_movielens(paths: Sequence[str], progress: bool = True) -> Events:
+    tables = []
+    types = {"user": pa.int64(), "item": pa.int64(), "rating": pa.float64(), "timestamp": pa.int64()}
+    for path in paths:
+        if path.endswith(".csv"):
+            header = _first_line(path).decode().strip().split(",")
+            if header[:4] != ["userId", "movieId", "rating", "timestamp"]:
+                raise ValueError(f"{path}: expected the header userId,movieId,rating,timestamp, got {header}")
+            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"] + header[4:], types, ",", True, progress))
+        else:  # ratings.dat: '::' is not a single-character delimiter, so swap it for a tab first
+            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"], types, "\t", False, progress, replace=b"::"))
+    t = pa.concat_tables(tables)
+    rating = t.column("rating").to_numpy()
+    return Events(
+        user=t.column("user"),
+        item=t.column("item"),
+        time=t.column("timestamp").to_numpy(),
+        labels=(rating >= 4).astype(np.float32)[:, None],
+        action=np.rint(rating * 2).astype(np.int64),  # half stars: 0.5 -> 1 ... 5 -> 10
+        label_names=("rating>=4",),
+    )
+
+
+_AMAZON_FORMS = {
+    # key fields -> (user, item, rating, time, time divisor)
+    "2018": ("reviewerID", "asin", "overall", "unixReviewTime", 1),
+    "2023": ("user_id", "parent_asin", "rating", "timestamp", 1000),
+}
+
+
+def read_amazon(paths: Sequence[str], progress: bool = True) -> Events:
+    users, items, ratings, times = [], [], [], []
+    for path in paths:
+        try:
+            keys = set(json.loads(_first_line(path)))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: the first line is not a JSON object ({e}); expected Amazon reviews as JSON lines") from e
+        form = next((f for f, cols in _AMAZON_FORMS.items() if set(cols[:4]) <= keys), None)
+        if form is None:
+            raise ValueError(
+                f"{path}: JSON lines without the Amazon review fields; expected {_AMAZON_FORMS['2018'][:4]} or "
+                f"{_AMAZON_FORMS['2023'][:4]}, got {sorted(keys)}"
+            )
+        u, i, r, ts, div = _AMAZON_FORMS[form]
+        schema = pa.schema([(u, pa.string()), (i, pa.string()), (r, pa.float64()), (ts, pa.int64())])
+        opts = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        tables = []
+        for block in _blocks(path, progress):
+            try:
+                tables.append(pajson.read_json(io.BytesIO(block), parse_options=opts))
+            except pa.ArrowInvalid as e:
+                raise ValueError(f"{path}: cannot parse JSON lines: {e}") from e
+        t = _concat(tables, path)
+        for name in (u, i, r, ts):
+            if t.column(name).null_count:
+                raise ValueError(f"{path}: {t.column(name).null_count} reviews lack '{name}'")
+        users.append(t.column(u)), items.append(t.column(i))
+        ratings.append(t.column(r).to_numpy()), times.append(t.column(ts).to_numpy() // div)
+    rating = np.concatenate(ratings)
+    return Events(
+        user=pa.chunked_array([c for a in users for c in a.chunks], pa.string()),
+        item=pa.chunked_array([c for a in items for c in a.chunks], pa.string()),
+        time=np.concatenate(times),
+        labels=(rating >= 4).astype(np.float32)[:, None],
+        action=np.clip(np.rint(rating), 0, None).astype(np.int64),
+        label_names=("rating>=4",),
+    )
+
+
+def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_click",), progress: bool = True) -> Events:
+    tables = []
+    for path in paths:
+        header = _first_line(path).decode().strip().split(",")
+        need = {"user_id", "video_id", *label_columns}
+        missing = need - set(header)
+        has_time = "time_ms" in header or {"date", "hourmin"} <= set(header)
+        if missing or not has_time:
+            raise ValueError(
+                f"{path}: KuaiRand log lacks columns {sorted(missing) + ([] if has_time else ['time_ms or date+hourmin'])}; "
+                f"header is {header}"
+            )
+        types = {"user_id": pa.int64(), "video_id": pa.int64()}
+        types.update({c: pa.float64() for c in {*label_columns, *KUAIRAND_ACTIONS} & set(header)})
+        types.update({c: pa.int64() for c in ("time_ms", "date", "hourmin") if c in header})
+        t = _read_delimited(path, header, types, ",", True, progress)
+        if "time_ms" in header:
+            seconds = t.column("time_ms").to_numpy() // 1000
+        else:
+            day = pc.strptime(pc.cast(t.column("date"), pa.string()), format="%Y%m%d", unit="s").cast(pa.int64()).to_numpy()
+            hm = t.column("hourmin").to_numpy()
+            seconds = day + (hm // 100) * 3600 + (hm % 100) * 60
+        action = np.zeros(len(t), dtype=np.int64)
+        for bit, name in enumerate(KUAIRAND_ACTIONS):
+            if name in t.column_names:
+                action |= (np.nan_to_num(t.column(name).to_numpy(zero_copy_only=False)) > 0).astype(np.int64) << bit
+        labels = np.stack([np.nan_to_num(t.column(c).to_numpy(zero_copy_only=False)) > 0 for c in label_columns], axis=1)
+        tables.append(pa.table({
+            "user": t.column("user_id"), "item": t.column("video_id"), "time": seconds,
+            "action": action, **{f"label{j}": labels[:, j].astype(np.float32) for j in range(len(label_columns))},
+        }))
+    t = pa.concat_tables(tables)
+    return Events(
+        user=t.column("user"),
+        item=t.column("item"),
+        time=t.column("time").to_numpy(),
+        labels=np.stack([t.column(f"label{j}").to_numpy() for j in range(len(label_columns))], axis=1),
+        action=t.column("action").to_numpy(),
+        label_names=tuple(label_columns),
+    )
+
+
+# ---------------------------------------------------------------------- events -> samples
+def _encode(keys: pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """Dense ids in order of first appearance, and the key of every id."""
+    enc = keys.combine_chunks().dictionary_encode() if keys.num_chunks != 1 else keys.chunk(0).dictionary_encode()
+    return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), enc.dictionary
+
+
+def _write_mapping(path: Path, dictionary: pa.Array) -> None:
+    pacsv.write_csv(pa.table({"id": np.arange(len(dictionary), dtype=np.int64), "original": dictionary}), str(path))
+
+
+@dataclass
+class ConvertReport:
+    events: int
+    users: int
+    items: int
+    samples: int
+    skipped_users: int
+    """Users with at most ``min_history`` events (no sample)."""
+    positive_rate: list[float]
+    outputs: list[str]
+
+
+def events_to_parquet(
+    events: Events,
+    out: str,
+    candidates: int = 10,
+    samples_per_user: int = 1,
+    min_history: int = 1,
+    max_uih: Optional[int] = None,
+    row_group_size: int = 1024,
+    progress: bool = True,
+) -> ConvertReport:
+    """Cuts the per-user, time-ordered event sequences into samples and writes them (see the module docstring)."""
+    if candidates < 1 or min_history < 1 or samples_per_user < 0 or (max_uih is not None and max_uih < 1):
+        raise ValueError(f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})")
+    n = len(events.time)
+    if n == 0:
+        raise ValueError("no events to convert")
+    if events.action.min() < 0:
+        raise ValueError(f"negative action type {int(events.action.min())} in the events")
+    user, user_keys = _encode(events.user)
+    item, item_keys = _encode(events.item)
+    order = np.lexsort((np.arange(n), events.time, user))
+    user, item, time = user[order], item[order], events.time[order]
+    labels, action = events.labels[order], events.action[order]
+
+    counts = np.bincount(user, minlength=len(user_keys))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    windows = np.where(counts > min_history, -(-(counts - min_history) // candidates), 0)
+    if samples_per_user:
+        windows = np.minimum(windows, samples_per_user)
+    s_user = np.repeat(np.arange(len(counts)), windows)
+    j = segment_arange(np.zeros(len(windows), dtype=np.int64), windows)  # window j counted back from the end
+    cand_end = counts[s_user] - j * candidates
+    cand_start = np.maximum(min_history, cand_end - candidates)
+    uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
+    base = first[s_user]
+    sample_order = np.lexsort((cand_start, s_user, time[base + cand_start]))
+    s_user, cand_start, cand_end, uih_start, base = (a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base))
+    num = len(s_user)
+    if num == 0:
+        raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
+
+    def batches() -> Iterator[Batch]:
+        with tqdm(total=num, unit="sample", desc=f"write {Path(out).name}", disable=not progress) as bar:
+            for lo in range(0, num, row_group_size):
+                sl = slice(lo, min(num, lo + row_group_size))
+                uih_len, n_cand = cand_start[sl] - uih_start[sl], cand_end[sl] - cand_start[sl]
+                uih_idx = segment_arange(base[sl] + uih_start[sl], uih_len)
+                cand_idx = segment_arange(base[sl] + cand_start[sl], n_cand)
+                t = torch.from_numpy
+                yield Batch(
+                    sample_ids=torch.arange(sl.start, sl.stop, dtype=torch.int64),
+                    user_ids=t(s_user[sl].copy()),
+                    uih_offsets=t(np.concatenate([[0], np.cumsum(uih_len)]).astype(np.int64)),
+                    uih_item_ids=t(item[uih_idx]),
+                    candidate_offsets=t(np.concatenate([[0], np.cumsum(n_cand)]).astype(np.int64)),
+                    candidate_labels=t(np.ascontiguousarray(labels[cand_idx], dtype=np.float32)),
+                    content_offsets=torch.arange(len(cand_idx) + 1, dtype=torch.int64),
+                    content_ids=t(item[cand_idx]),
+                    dense=t(np.log1p(uih_len).astype(np.float32)[:, None]),
+                    uih_action_types=t(action[uih_idx]),
+                    uih_timestamps=t(time[uih_idx].astype(np.int64)),
+                )
+                bar.update(sl.stop - sl.start)
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    written = write_parquet(batches(), out, row_group_size=row_group_size)
+    stem = str(out)[: -len(".parquet")] if str(out).endswith(".parquet") else str(out)
+    user_map, item_map = Path(stem + ".user_ids.csv"), Path(stem + ".item_ids.csv")
+    _write_mapping(user_map, user_keys)
+    _write_mapping(item_map, item_keys)
+    return ConvertReport(
+        events=n,
+        users=len(user_keys),
+        items=len(item_keys),
+        samples=written,
+        skipped_users=int((windows == 0).sum()),
+        positive_rate=[float(x) for x in labels.mean(axis=0)],
+        outputs=[str(out), str(user_map), str(item_map)],
+    )
+
+
+def convert(
+    fmt: str, inputs: Sequence[str], out: str, label_columns: Sequence[str] = ("is_click",), progress: bool = True, **options
+) -> ConvertReport:
+    """Reads raw files of format ``fmt`` and writes the Parquet dataset; ``options`` go to :func:`events_to_parquet`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
+    inputs = [str(p) for p in inputs]
+    for p in inputs:
+        if not Path(p).is_file():
+            raise FileNotFoundError(f"{p}: no such input file")
+    if fmt == "movielens":
+        events = read_movielens(inputs, progress)
+    elif fmt == "amazon":
+        events = read_amazon(inputs, progress)
+    else:
+        events = read_kuairand(inputs, label_columns, progress)
+    return events_to_parquet(events, out, progress=progress, **options)

@@ -1,0 +1,122 @@
+"""Converters: small fixture logs written here -> Parquet, checked against a plain-Python reference."""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow.csv as pacsv
+import pytest
+
+from fsdata.convert import convert
+from fsdata.parquet import ParquetSource
+
+# (user, item, rating, time): deliberately out of time order, with a tie, a one-event user and string-like keys
+EVENTS = [
+    (1, 10, 5.0, 300), (1, 11, 3.0, 100), (2, 10, 4.0, 50), (1, 12, 4.5, 200), (1, 13, 1.0, 400),
+    (3, 14, 2.0, 10), (1, 14, 4.0, 400), (2, 15, 5.0, 60), (1, 16, 2.0, 500), (2, 11, 3.5, 70),
+]
+
+
+def reference(events, k, samples_per_user, min_history=1):
+    """Per user (first-appearance order): time-sorted events cut into windows of k candidates from the end."""
+    users, items = {}, {}
+    for u, i, *_ in events:
+        users.setdefault(u, len(users))
+        items.setdefault(i, len(items))
+    out = []
+    for u in users:
+        ev = sorted([e for e in events if e[0] == u], key=lambda e: e[3])  # stable: ties keep file order
+        end, taken = len(ev), 0
+        while end > min_history and (samples_per_user == 0 or taken < samples_per_user):
+            start = max(min_history, end - k)
+            out.append((ev[start][3], users[u], start, [items[e[1]] for e in ev[:start]], [items[e[1]] for e in ev[start:end]], [float(e[2] >= 4) for e in ev[start:end]]))
+            end, taken = start, taken + 1
+    out.sort(key=lambda s: (s[0], s[1], s[2]))
+    return [s[1:] for s in out]
+
+
+def check(path, events, k, samples_per_user, labels_of=None):
+    batch = ParquetSource(path).read(0, 0, ParquetSource(path).num_samples(0))
+    got = []
+    for s in batch.to_samples():
+        cands = [int(c[0]) for c in s.content_ids]
+        got.append((int(s.user_id), len(s.uih_item_ids), s.uih_item_ids.tolist(), cands, s.candidate_labels[:, 0].tolist()))
+        assert np.all(np.diff(s.uih_timestamps) >= 0)
+        assert s.dense[0] == pytest.approx(np.log1p(len(s.uih_item_ids)))
+    assert got == reference(events, k, samples_per_user)
+    assert batch.sample_ids.tolist() == list(range(batch.batch_size))
+
+
+@pytest.mark.parametrize("samples_per_user,k", [(1, 2), (0, 2), (0, 1), (2, 3)])
+def test_movielens_dat(tmp_path, samples_per_user, k):
+    src = tmp_path / "ratings.dat"
+    src.write_text("".join(f"{u}::{i}::{int(r) if r.is_integer() else r}::{t}\n" for u, i, r, t in EVENTS))
+    report = convert("movielens", [src], tmp_path / "ml.parquet", progress=False, candidates=k, samples_per_user=samples_per_user)
+    check(tmp_path / "ml.parquet", EVENTS, k, samples_per_user)
+    assert (report.events, report.users, report.items, report.skipped_users) == (10, 3, 7, 1)
+    items = pacsv.read_csv(tmp_path / "ml.item_ids.csv")
+    assert items.column("original").to_pylist() == [10, 11, 12, 13, 14, 15, 16] and items.column("id").to_pylist() == list(range(7))
+
+
+def test_movielens_csv_matches_dat(tmp_path):
+    (tmp_path / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in EVENTS))
+    convert("movielens", [tmp_path / "ratings.dat"], tmp_path / "a.parquet", progress=False, samples_per_user=0)
+    convert("movielens", [tmp_path / "ratings.csv"], tmp_path / "b.parquet", progress=False, samples_per_user=0)
+    a, b = (ParquetSource(tmp_path / f"{x}.parquet") for x in "ab")
+    assert a.read(0, 0, a.num_samples(0)).equals(b.read(0, 0, b.num_samples(0)))
+    assert a.read(0, 0, 1).uih_action_types.tolist()  # half-star action types present
+
+
+@pytest.mark.parametrize("form", ["2018", "2023", "2018.gz"])
+def test_amazon_json_lines(tmp_path, form):
+    def row(u, i, r, t):
+        if form.startswith("2018"):
+            return {"reviewerID": f"A{u}X", "asin": f"B00{i}", "overall": r, "unixReviewTime": t, "reviewText": "ok"}
+        return {"user_id": f"A{u}X", "parent_asin": f"B00{i}", "rating": r, "timestamp": t * 1000, "title": "t"}
+
+    text = "".join(json.dumps(row(*e)) + "\n" for e in EVENTS).encode()
+    src = tmp_path / ("reviews.json.gz" if form.endswith(".gz") else "reviews.jsonl")
+    src.write_bytes(gzip.compress(text) if form.endswith(".gz") else text)
+    convert("amazon", [src], tmp_path / "amz.parquet", progress=False, candidates=2, samples_per_user=0)
+    check(tmp_path / "amz.parquet", EVENTS, 2, 0)
+    users = pacsv.read_csv(tmp_path / "amz.user_ids.csv").column("original").to_pylist()
+    assert users == ["A1X", "A2X", "A3X"]
+
+
+@pytest.mark.parametrize("clock", ["time_ms", "date+hourmin"])
+def test_kuairand_csv(tmp_path, clock):
+    header = "user_id,video_id,date,hourmin,time_ms,is_click,is_like,long_view,tab"
+    lines = []
+    for u, i, r, t in EVENTS:
+        minutes = t  # one event per minute of a day
+        lines.append(f"{u},{i},20220408,{minutes // 60:02d}{minutes % 60:02d},{1649376000000 + minutes * 60_000},{int(r >= 4)},{int(r >= 5)},1,0")
+    if clock == "date+hourmin":
+        header = header.replace(",time_ms", "")
+        lines = [",".join(p for j, p in enumerate(line.split(",")) if j != 4) for line in lines]
+    src = tmp_path / "log_standard.csv"
+    src.write_text(header + "\n" + "\n".join(lines) + "\n")
+    convert("kuairand", [src], tmp_path / "kr.parquet", label_columns=("is_click", "is_like"), progress=False, candidates=2, samples_per_user=0)
+    check(tmp_path / "kr.parquet", EVENTS, 2, 0)
+    b = ParquetSource(tmp_path / "kr.parquet").read(0, 0, 2)
+    assert b.num_labels == 2
+    assert int(b.uih_action_types.max()) & (1 << 6)  # long_view bit of the action bitmask
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.dat"):
+        convert("movielens", [tmp_path / "missing.dat"], tmp_path / "o.parquet", progress=False)
+    with pytest.raises(ValueError, match="unknown format"):
+        convert("netflix", [], tmp_path / "o.parquet")
+    (tmp_path / "ratings.csv").write_text("user,item,score,ts\n1,2,3,4\n")
+    with pytest.raises(ValueError, match="ratings.csv: expected the header"):
+        convert("movielens", [tmp_path / "ratings.csv"], tmp_path / "o.parquet", progress=False)
+    (tmp_path / "r.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(ValueError, match="r.jsonl: JSON lines without the Amazon review fields"):
+        convert("amazon", [tmp_path / "r.jsonl"], tmp_path / "o.parquet", progress=False)
+    (tmp_path / "k.csv").write_text("user_id,video_id,is_click\n1,2,1\n")
+    with pytest.raises(ValueError, match="k.csv: KuaiRand log lacks columns .*time_ms or date\\+hourmin"):
+        convert("kuairand", [tmp_path / "k.csv"], tmp_path / "o.parquet", progress=False)
+    (tmp_path / "one.dat").write_text("1::2::3::4\n")
+    with pytest.raises(ValueError, match="no user has more than min_history"):
+        convert("movielens", [tmp_path / "one.dat"], tmp_path / "o.parquet", progress=False)
