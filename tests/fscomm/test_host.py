@@ -140,13 +140,18 @@ def _validation(rank, world_size):
         nccl = "available"
     except TransportUnavailableError as exc:
         nccl = str(exc)
+    try:
+        get_transport("rdma")
+        rdma = "available"
+    except TransportUnavailableError as exc:
+        rdma = str(exc)
     # the group still works after refused calls: nothing was half-issued
     ok = torch.equal(t.all_gather(torch.tensor([rank])).wait().reshape(-1), torch.arange(world_size))
-    return msgs, nccl, ok
+    return msgs, nccl, rdma, ok
 
 
 def test_input_errors_are_clear_value_errors():
-    msgs, nccl, ok = run_ranks(_validation, 2, timeout=60)[0]
+    msgs, nccl, rdma, ok = run_ranks(_validation, 2, timeout=60)[0]
     assert ok
     assert "send_splits sum to 2 but the tensor has 3 rows" in msgs[0] and "rank 0" in msgs[0]
     assert "3 entries, world size is 2" in msgs[1]
@@ -154,6 +159,7 @@ def test_input_errors_are_clear_value_errors():
     assert "sizes[0]=5" in msgs[3]
     assert "unknown transport" in msgs[4]
     assert "'nccl' cannot run on this machine: no CUDA device" in nccl
+    assert "'rdma' cannot run on this machine: no verbs device" in rdma
 
 
 def _thread_guard(rank, world_size):
