@@ -14,11 +14,12 @@ from fsembed.plan import ShardingPlan, TableConfig
 FEATURES = ("uih", "cand", "user")
 
 
-def small_plan(world_size: int) -> ShardingPlan:
+def small_plan(world_size: int, user_dim: int = 4) -> ShardingPlan:
+    """Two tables; with the default dims they form two groups (two sets of exchanges)."""
     return ShardingPlan(
         [
-            TableConfig("items", num_rows=61, dim=8, features=("uih", "cand")),
-            TableConfig("users", num_rows=13, dim=4, features=("user",)),
+            TableConfig("item_table", num_rows=61, dim=8, features=("uih", "cand")),
+            TableConfig("user_table", num_rows=13, dim=user_dim, features=("user",)),
         ],
         world_size,
     )
