@@ -120,3 +120,18 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "one.dat").write_text("1::2::3::4\n")
     with pytest.raises(ValueError, match="no user has more than min_history"):
         convert("movielens", [tmp_path / "one.dat"], tmp_path / "o.parquet", progress=False)
+
+
+def test_cli_convert(tmp_path, capsys):
+    import argparse
+
+    from pipelines.commands import data_convert
+
+    src = tmp_path / "ratings.dat"
+    src.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
+    parser = argparse.ArgumentParser()
+    data_convert.add_arguments(parser)
+    args = parser.parse_args(["--format", "movielens", str(src), "--out", str(tmp_path / "o.parquet"), "--candidates", "2", "--samples-per-user", "0", "--no-progress"])
+    assert data_convert.main(args) == 0
+    check(tmp_path / "o.parquet", EVENTS, 2, 0)
+    assert "10 events of 3 users and 7 items" in capsys.readouterr().out

@@ -1,0 +1,45 @@
+"""`freescale data convert`: MovieLens / Amazon / KuaiRand raw logs -> the FreeScale Parquet schema."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", required=True, choices=["movielens", "amazon", "kuairand"], help="raw format")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw file(s): ratings.dat|csv, reviews .jsonl[.gz], KuaiRand log CSVs")
+    parser.add_argument("--out", required=True, help="output Parquet file (id mappings are written beside it)")
+    parser.add_argument("--candidates", type=int, default=10, help="events per sample that become its candidates (default 10)")
+    parser.add_argument(
+        "--samples-per-user", type=int, default=1,
+        help="windows per user, taken backwards from the latest events; 0 = all (output grows with history length squared)",
+    )
+    parser.add_argument("--min-history", type=int, default=1, help="shortest UIH of a sample (default 1)")
+    parser.add_argument("--max-uih", type=int, default=None, help="store at most this many most recent UIH events (default: all)")
+    parser.add_argument("--labels", default="is_click", help="KuaiRand: comma-separated label columns (default is_click)")
+    parser.add_argument("--row-group-size", type=int, default=1024, help="samples per row group (default 1024)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def main(args: argparse.Namespace) -> int:
+    from fsdata.convert import convert
+
+    report = convert(
+        args.format,
+        args.inputs,
+        args.out,
+        label_columns=tuple(c for c in args.labels.split(",") if c),
+        progress=not args.no_progress,
+        candidates=args.candidates,
+        samples_per_user=args.samples_per_user,
+        min_history=args.min_history,
+        max_uih=args.max_uih,
+        row_group_size=args.row_group_size,
+    )
+    print(
+        f"{report.events} events of {report.users} users and {report.items} items -> {report.samples} samples "
+        f"({report.skipped_users} users with too short a history skipped); positive rate {report.positive_rate}"
+    )
+    for path in report.outputs:
+        print(f"  wrote {path}")
+    return 0
