@@ -4,8 +4,13 @@ tensor.
 Work is split by *output rows*, not by segment: UIH lengths are heavy-tailed (a few thousand typical, up to
 21,000), so one program per segment would leave most SMs idle behind the longest ones (the intra-kernel
 straggler of paper section 4.1). Each program copies a fixed block of output rows; the segment of each row is
-found by a binary search over the output offsets, narrowed first to the segments that this block spans (one
-``searchsorted`` over the block starts), so most blocks need zero or one search step.
+found by a binary search over the output offsets, narrowed first to the segments that this block spans (a
+small kernel searches every block's first row once), so most blocks need zero or one search step.
+
+Host overhead matters as much as the copy at these sizes (a local batch is tens of MB, the launches cost tens
+of microseconds each): the per-segment metadata (lengths in output order, source starts) is one small kernel,
+the prefix sum one in-place cumsum, so an op is four launches (plus a host sync for the output size when the
+caller does not pass it).
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pytorch.pt_jagged_gather import lengths_to_offsets
-from kernels.triton.common import as_bits, cdiv, new_output, tile_shape
+from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
 
 # Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
 ELEMENTS_PER_PROGRAM = 4096
@@ -61,6 +65,54 @@ def _gather_segments_kernel(
         tl.store(out_ptr + rows[:, None] * width + cols[None, :], v, mask=mask)
 
 
+@triton.jit
+def _block_segment_kernel(out_offsets_ptr, block_segment_ptr, num_blocks, num_segments, total, steps, BLOCK_R: tl.constexpr, LANES: tl.constexpr):
+    """block_segment[b] = segment of output row b * BLOCK_R (the last entry: of the last row)."""
+    b = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
+    mask = b <= num_blocks
+    row = tl.minimum(b * BLOCK_R, total - 1)
+    lo = tl.zeros([LANES], dtype=tl.int64)
+    hi = tl.zeros([LANES], dtype=tl.int64) + (num_segments - 1)
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        start = tl.load(out_offsets_ptr + mid, mask=mask, other=0).to(tl.int64)
+        right = start <= row
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid - 1)
+    tl.store(block_segment_ptr + b, lo, mask=mask)
+
+
+@triton.jit
+def _permute_meta_kernel(offsets_ptr, order_ptr, out_offsets_ptr, src_starts_ptr, num_picked, LANES: tl.constexpr):
+    """out_offsets[1 + k] = length of segment order[k] (prefix-summed afterwards), src_starts[k] = its start."""
+    k = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
+    mask = k < num_picked
+    seg = tl.load(order_ptr + k, mask=mask, other=0)
+    start = tl.load(offsets_ptr + seg, mask=mask, other=0)
+    end = tl.load(offsets_ptr + seg + 1, mask=mask, other=0)
+    tl.store(src_starts_ptr + k, start.to(tl.int64), mask=mask)
+    tl.store(out_offsets_ptr + 1 + k, end - start, mask=mask)
+    tl.store(out_offsets_ptr + k, tl.zeros([LANES], dtype=end.dtype), mask=k == 0)
+
+
+@triton.jit
+def _transpose_meta_kernel(lengths_ptr, in_offsets_ptr, out_lengths_ptr, out_offsets_ptr, src_starts_ptr, num_keys, batch_size, LANES: tl.constexpr):
+    """Output segment j = b * F + f is input segment f * B + b: its length and input start."""
+    j = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
+    mask = j < num_keys * batch_size
+    b = j // num_keys
+    f = j - b * num_keys
+    src = f * batch_size + b
+    length = tl.load(lengths_ptr + src, mask=mask, other=0)
+    tl.store(out_lengths_ptr + j, length, mask=mask)
+    tl.store(out_offsets_ptr + 1 + j, length.to(tl.int64), mask=mask)
+    tl.store(out_offsets_ptr + j, tl.zeros([LANES], dtype=tl.int64), mask=j == 0)
+    tl.store(src_starts_ptr + j, tl.load(in_offsets_ptr + src, mask=mask, other=0), mask=mask)
+
+
+META_LANES = 1024
+
+
 def gather_segments(
     values: torch.Tensor, src_starts: torch.Tensor, out_offsets: torch.Tensor, total: int
 ) -> torch.Tensor:
@@ -73,9 +125,11 @@ def gather_segments(
         return out
     block_r, block_d = tile_shape(width, ELEMENTS_PER_PROGRAM)
     num_blocks = cdiv(total, block_r)
-    block_starts = torch.arange(num_blocks + 1, device=values.device, dtype=torch.int64) * block_r
-    block_starts[-1] = total - 1
-    block_segment = torch.searchsorted(out_offsets.to(torch.int64), block_starts, right=True) - 1
+    block_segment = torch.empty(num_blocks + 1, dtype=torch.int64, device=values.device)
+    _block_segment_kernel[(cdiv(num_blocks + 1, META_LANES),)](
+        out_offsets, block_segment, num_blocks, num_segments, total, search_steps(num_segments),
+        BLOCK_R=block_r, LANES=META_LANES,
+    )
     _gather_segments_kernel[(num_blocks,)](
         bits,
         out.view(bits.dtype).reshape(total, width),
@@ -94,18 +148,33 @@ def gather_segments(
 def indexed_permute(
     values: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, output_size: Optional[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = offsets[1:] - offsets[:-1]
-    out_offsets = lengths_to_offsets(lengths[order], offsets.dtype)
+    num_picked = order.numel()
+    out_offsets = new_output((num_picked + 1,), offsets.dtype, offsets.device)
+    src_starts = torch.empty(num_picked, dtype=torch.int64, device=offsets.device)
+    if num_picked == 0:
+        out_offsets.zero_()
+    else:
+        _permute_meta_kernel[(cdiv(num_picked, META_LANES),)](
+            offsets.contiguous(), order.contiguous(), out_offsets, src_starts, num_picked, LANES=META_LANES
+        )
+        out_offsets.cumsum_(0)
     total = int(out_offsets[-1]) if output_size is None else int(output_size)
-    src_starts = offsets[:-1][order].contiguous()
     return gather_segments(values, src_starts, out_offsets, total), out_offsets
 
 
 def keyed_transpose(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_keys, batch_size = lengths.shape
-    offsets = lengths_to_offsets(lengths.reshape(-1), torch.int64)
-    out_lengths = lengths.t().contiguous()
-    out_offsets = lengths_to_offsets(out_lengths.reshape(-1), torch.int64)
-    # Segment (sample b, key f) of the batch-major output starts at (f, b) of the feature-major input.
-    src_starts = offsets[:-1].view(num_keys, batch_size).t().contiguous().reshape(-1)
+    count = num_keys * batch_size
+    device = lengths.device
+    out_lengths = new_output((batch_size, num_keys), lengths.dtype, device)
+    out_offsets = torch.empty(count + 1, dtype=torch.int64, device=device)
+    src_starts = torch.empty(count, dtype=torch.int64, device=device)
+    if count == 0:
+        return values.clone(), out_lengths
+    lengths = lengths.contiguous()
+    in_offsets = torch.cumsum(lengths.view(-1), 0, dtype=torch.int64) - lengths.view(-1)  # exclusive
+    _transpose_meta_kernel[(cdiv(count, META_LANES),)](
+        lengths, in_offsets, out_lengths, out_offsets, src_starts, num_keys, batch_size, LANES=META_LANES
+    )
+    out_offsets.cumsum_(0)
     return gather_segments(values, src_starts, out_offsets, values.shape[0]), out_lengths

@@ -4,8 +4,8 @@ scatter, an autograd.Function whose backward gathers the gradients back).
 Dispatch runs in two passes over the ids, each program owning one block of BLOCK ids:
 1. count: each id's shard by binary search over the boundaries; the block's per-shard counts go to a
    shard-major table counts[shard, block].
-2. an exclusive prefix sum over that table (shard-major, so entry [s, b] is where block b's ids of shard s
-   start in the send buffer), then scatter: each id goes to its block's base for its shard plus its rank
+2. a prefix sum over that table (shard-major, so entry [s, b] minus block b's own count is where block b's
+   ids of shard s start in the send buffer), then scatter (which also writes the splits): each id goes to its block's base for its shard plus its rank
    among the block's earlier ids of the same shard (a BLOCK x BLOCK comparison, which keeps the sort stable).
 The cost is independent of the world size apart from the log2(W) search and the W x blocks table, unlike the
 per-shard loop whose cost grows linearly with W.
@@ -19,10 +19,11 @@ import triton.language as tl
 
 from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
 
-DISPATCH_BLOCK = 128
-DISPATCH_WARPS = 4
+# Tuned on the H200 (docs/bench/kernels.md): a 64 x 64 rank comparison per block is cheapest.
+DISPATCH_BLOCK = 64
+DISPATCH_WARPS = 2
 COMBINE_ELEMENTS_PER_PROGRAM = 4096
-COMBINE_WARPS = 8
+COMBINE_WARPS = 4
 
 
 @triton.jit
@@ -57,14 +58,23 @@ def _dispatch_count_kernel(ids_ptr, boundaries_ptr, counts_ptr, n, world_size, n
 
 @triton.jit
 def _dispatch_scatter_kernel(
-    ids_ptr, boundaries_ptr, base_ptr, send_ptr, perm_ptr, n, world_size, num_blocks, steps, BLOCK: tl.constexpr
+    ids_ptr, boundaries_ptr, inclusive_ptr, send_ptr, perm_ptr, splits_ptr, n, world_size, num_blocks, steps,
+    BLOCK: tl.constexpr, SPLIT_LANES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx, mask, ids, shard, rank, count = _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK)
-    base = tl.load(base_ptr + shard * num_blocks + pid, mask=mask, other=0)
+    # inclusive[s, b] - count = where block b's ids of shard s start (the exclusive prefix sum).
+    base = tl.load(inclusive_ptr + shard * num_blocks + pid, mask=mask, other=0) - count
     dest = base + rank
     tl.store(send_ptr + dest, ids, mask=mask)
     tl.store(perm_ptr + dest, idx, mask=mask)
+    if pid == 0:  # splits[s] = inclusive[s, last block] - inclusive[s - 1, last block]
+        for s0 in range(0, world_size, SPLIT_LANES):
+            s = s0 + tl.arange(0, SPLIT_LANES).to(tl.int64)
+            smask = s < world_size
+            end = tl.load(inclusive_ptr + s * num_blocks + num_blocks - 1, mask=smask, other=0)
+            begin = tl.load(inclusive_ptr + s * num_blocks - 1, mask=smask & (s > 0), other=0)
+            tl.store(splits_ptr + s, end - begin, mask=smask)
 
 
 def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,6 +84,7 @@ def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.
     perm = new_output((n,), torch.int64, ids.device)
     if n == 0:
         return send, torch.zeros(world_size, dtype=torch.int64, device=ids.device), perm
+    splits = new_output((world_size,), torch.int64, ids.device)
     ids = ids.contiguous()
     boundaries = boundaries.contiguous()
     num_blocks = cdiv(n, DISPATCH_BLOCK)
@@ -84,12 +95,10 @@ def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.
         ids, boundaries, counts, n, world_size, num_blocks, steps, BLOCK=DISPATCH_BLOCK, num_warps=DISPATCH_WARPS
     )
     inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
-    base = inclusive - counts
     _dispatch_scatter_kernel[grid](
-        ids, boundaries, base, send, perm, n, world_size, num_blocks, steps, BLOCK=DISPATCH_BLOCK, num_warps=DISPATCH_WARPS
+        ids, boundaries, inclusive, send, perm, splits, n, world_size, num_blocks, steps,
+        BLOCK=DISPATCH_BLOCK, SPLIT_LANES=256, num_warps=DISPATCH_WARPS,
     )
-    ends = inclusive.view(world_size, num_blocks)[:, -1]
-    splits = torch.diff(ends, prepend=ends.new_zeros(1))
     return send, splits, perm
 
 
