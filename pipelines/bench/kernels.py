@@ -301,7 +301,7 @@ def bench_world_size(args: argparse.Namespace, world_size: int, device: torch.de
 
 HEADER = (
     f"{'op':<24}{'W':>5}{'triton_us':>11}{'twin_us':>11}{'eager_us':>13}{'vs_eager':>10}{'vs_twin':>9}"
-    f"{'gpu_us':>9}{'MB':>9}{'GB/s':>8}{'of 4.3T':>8}  ok"
+    f"{'gpu_us':>9}{'MB':>9}{'GB/s':>8}{'%4.3T':>8}  ok"
 )
 
 
@@ -313,7 +313,7 @@ def _format_row(r: Row) -> str:
     return (
         f"{r.op:<24}{r.world_size:>5}{_fmt(r.triton_us, '11.1f')}{r.twin_us:>11.1f}{r.eager_us:>13.1f}"
         f"{_fmt(r.speedup_vs_eager, '10.1f')}{_fmt(r.speedup_vs_twin, '9.2f')}{_fmt(r.triton_gpu_us, '9.1f')}"
-        f"{r.bytes_moved / 1e6:>9.2f}{_fmt(r.achieved_gbps, '8.0f')}{_fmt(None if r.bandwidth_fraction is None else 100 * r.bandwidth_fraction, '7.1f')}%"
+        f"{r.bytes_moved / 1e6:>9.2f}{_fmt(r.achieved_gbps, '8.0f')}{_fmt(None if r.bandwidth_fraction is None else 100 * r.bandwidth_fraction, '7.1f')}"
         f"  {'yes' if r.agree else 'NO'}"
     )
 
