@@ -193,6 +193,12 @@ class ParquetSource:
         self._stats["samples_read"] += stop - start
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
+    def __getstate__(self) -> dict:
+        # Open file handles and decoded row groups stay behind when the source is sent to another process.
+        state = dict(self.__dict__)
+        state["_files"], state["_cache"] = {}, OrderedDict()
+        return state
+
     # ------------------------------------------------------------------ internals
     def _agree(self, where: str, num_labels: Optional[int], dense_dim: Optional[int]) -> None:
         """Label count T and dense width D must be the same in every file (a Batch has one of each)."""

@@ -86,6 +86,16 @@ def test_list_values_are_shared_with_arrow(tmp_path):
     assert np.array_equal(b.uih_item_ids.numpy(), np_values)
 
 
+def test_source_pickles_without_open_handles(tmp_path):
+    import pickle
+
+    write_parquet(synth(64).read(0, 0, 64), tmp_path / "a.parquet", row_group_size=16)
+    ps = ParquetSource(tmp_path / "a.parquet")
+    first = ps.read(0, 10, 40)
+    clone = pickle.loads(pickle.dumps(ps))
+    assert clone._cache == {} and clone.read(0, 10, 40).equals(first)
+
+
 def test_side_features_are_optional(tmp_path):
     write_parquet(synth(40, side_features=False).read(0, 0, 40), tmp_path / "a.parquet")
     b = ParquetSource(tmp_path / "a.parquet").read(0, 0, 40)
