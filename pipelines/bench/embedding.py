@@ -1,0 +1,304 @@
+"""`freescale bench embedding`: exposed embedding communication, synchronous vs prioritized (paper section 5.2,
+Figure 9).
+
+Every configuration trains the same synthetic batches twice on ``--nproc`` local ranks: once with the
+synchronous collection ("vanilla TorchRec": ID AllToAll inside the step, blocking embedding and gradient
+AllToAlls) and once with prioritized updates (ids prefetched one step ahead, only collision rows waited for).
+Exposed time is the time the training thread spends blocked in ``wait()`` on each part (Timer spans ids_a2a,
+emb_a2a, grad_a2a), per step, averaged over ranks and steps after a warm-up.
+
+Sweeps: the generator's collision knob (fraction of a global batch's unique rows that the previous global batch
+also used) at ``--max-uih``, and the UIH length at ``--fit-collision``; a least-squares line of prioritized
+exposed time against the measured collision rate (the paper: linear). Every record carries ``parity`` (true
+only when both runs' losses and final tables were equal bit for bit) and ``exposed_reduction`` (synchronous
+over prioritized exposed time).
+
+A small dense model (``--dense-layers`` tanh layers over every embedding row) gives the exchanges something to
+overlap with. Needs neither torchdata nor torchrec (the GPU machine has neither).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+PARTS = ("ids_a2a", "emb_a2a", "grad_a2a")
+
+
+@dataclass
+class BenchConfig:
+    nproc: int = 2
+    zipf: float = 1.05
+    max_uih: int = 256
+    batch_size: int = 16
+    dim: int = 64
+    vocab: int = 200_003
+    steps: int = 12
+    warmup: int = 3
+    dense_layers: int = 4
+    collisions: list[float] = field(default_factory=lambda: [0.0, 0.02, 0.05, 0.1, 0.2, 0.5])
+    fit_collision: float = 0.05
+    device: str = "cpu"
+    seed: int = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--nproc", type=int, default=d.nproc, help="local ranks (gloo / host transport)")
+    parser.add_argument("--zipf", type=float, default=d.zipf, help="Zipf exponent of within-batch popularity")
+    parser.add_argument("--max-uih", type=int, default=d.max_uih, help="longest UIH; the UIH sweep runs L/4, L/2, L")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per rank and step")
+    parser.add_argument("--dim", type=int, default=d.dim, help="embedding dim")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per configuration (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--dense-layers", type=int, default=d.dense_layers, help="tanh layers of the toy dense model")
+    parser.add_argument("--collisions", type=str, default=",".join(map(str, d.collisions)), help="collision knob sweep")
+    parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
+    parser.add_argument("--json", type=str, default=None, help="write the records here")
+
+
+def _config_from_args(args) -> BenchConfig:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = BenchConfig(
+        nproc=args.nproc, zipf=args.zipf, max_uih=args.max_uih, batch_size=args.batch_size, dim=args.dim,
+        steps=args.steps, warmup=args.warmup, dense_layers=args.dense_layers,
+        collisions=[float(x) for x in args.collisions.split(",") if x.strip()], fit_collision=args.fit_collision, device=device,
+    )
+    if cfg.nproc < 2:
+        raise ValueError(f"bench embedding: --nproc must be >= 2 (exchanges need peers), got {cfg.nproc}")
+    if cfg.max_uih < 4 or cfg.batch_size < 1 or cfg.steps < 1:
+        raise ValueError("bench embedding: need --max-uih >= 4, --batch-size >= 1, --steps >= 1")
+    if any(not 0.0 <= c <= 1.0 for c in cfg.collisions):
+        raise ValueError(f"bench embedding: collision rates must lie in [0, 1], got {cfg.collisions}")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------- one rank
+def _plan(cfg: BenchConfig, world_size: int):
+    from fsembed.plan import ShardingPlan, TableConfig
+
+    return ShardingPlan(
+        [TableConfig("items", cfg.vocab, cfg.dim, ("uih", "cand")), TableConfig("users", 1000, cfg.dim, ("user",))], world_size
+    )
+
+
+def _batches(cfg: BenchConfig, rank: int, world_size: int, collision: float, max_uih: int, device) -> list[dict]:
+    from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+    n_steps = cfg.warmup + cfg.steps
+    gb = cfg.batch_size * world_size
+    source = SyntheticSource(
+        SyntheticConfig(
+            num_samples=gb * n_steps, seed=cfg.seed, uih_median=max(2.0, max_uih / 4), uih_max=max_uih, vocab_size=cfg.vocab,
+            zipf_exponent=cfg.zipf, collision_rate=collision, collision_block_size=gb, side_features=False,
+        )
+    )
+    out = []
+    for s in range(n_steps):
+        b = source.read(0, s * gb + rank * cfg.batch_size, s * gb + (rank + 1) * cfg.batch_size)
+        out.append({"uih": b.uih_item_ids.to(device), "cand": b.content_ids.to(device), "user": (b.user_ids % 1000).to(device)})
+    return out
+
+
+def _dense(cfg: BenchConfig, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 17)
+    return [(torch.randn(cfg.dim, cfg.dim, generator=g) / cfg.dim**0.5).to(device) for _ in range(cfg.dense_layers)]
+
+
+def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor]) -> torch.Tensor:
+    total = 0.0
+    for e in emb.values():
+        h = e
+        for w in dense:
+            h = torch.tanh(h @ w)
+        total = total + h.square().mean() * 1e3 if h.numel() else total + e.sum()
+    return total
+
+
+def _train(coll, batches, dense, prefetch: bool, warmup: int, sync_device):
+    losses, step_s = [], []
+    ahead = coll.exchange_ids if prefetch else (lambda f: f)
+    nxt = ahead(batches[0])
+    for s in range(len(batches)):
+        if s == warmup:
+            if sync_device:
+                torch.cuda.synchronize()
+            coll.timer.reset()
+        t0 = time.perf_counter()
+        cur = nxt
+        # Prioritized: the next batch's ids leave before this step's compute (the ID-prefetch stage's job).
+        nxt = (ahead(batches[s + 1]) if s + 1 < len(batches) else None) if prefetch else None
+        emb = coll(cur, nxt)
+        loss = _loss(emb, dense)
+        loss.backward()
+        losses.append(loss.detach())
+        if s + 1 < len(batches) and not prefetch:
+            nxt = batches[s + 1]
+        if sync_device:
+            torch.cuda.synchronize()
+        if s >= warmup:
+            step_s.append(time.perf_counter() - t0)
+    return losses, step_s
+
+
+def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[float, int]]) -> list[dict]:
+    import torch.distributed as dist
+
+    from fsembed._fallback import transport_for
+    from fsembed.optim import RowWiseAdagrad
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+    from fsembed.sharded import ShardedEmbeddingCollection
+
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    transport = transport_for()
+    plan = _plan(cfg, world_size)
+    dense = _dense(cfg, device)
+    records = []
+    for collision, max_uih in points:
+        batches = _batches(cfg, rank, world_size, collision, max_uih, device)
+        runs = {}
+        for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
+            coll = cls(plan, rank, transport=transport, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+            dist.barrier()
+            losses, step_s = _train(coll, batches, dense, prefetch=(mode == "prioritized"), warmup=cfg.warmup, sync_device=device.type == "cuda")
+            summary = coll.timer.summary()
+            exposed = {p: summary.get(p, {"total_s": 0.0})["total_s"] / cfg.steps for p in PARTS}
+            runs[mode] = dict(
+                losses=torch.stack(losses).cpu(), tables=coll.full_tables(), exposed=exposed, step_s=float(np.mean(step_s)),
+                collision=float(np.mean(coll.collision_rates[cfg.warmup:-1])) if mode == "prioritized" else None,
+                ids=int(sum(v.numel() for b in batches for v in b.values())),
+            )
+        s, p = runs["sync"], runs["prioritized"]
+        parity = torch.equal(s["losses"], p["losses"]) and all(torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"])
+        records.append(dict(
+            collision_knob=collision, max_uih=max_uih, parity=parity, collision_measured=p["collision"],
+            ids_per_step=s["ids"] / len(batches),
+            sync_exposed=s["exposed"], prioritized_exposed=p["exposed"], sync_step_s=s["step_s"], prioritized_step_s=p["step_s"],
+        ))
+    return records
+
+
+def _worker(rank, world_size, cfg, points, store_dir, queue):
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+        out = _rank_run(rank, world_size, cfg, points)
+        queue.put((rank, "ok", out))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _launch(cfg: BenchConfig, points) -> list[list[dict]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="fs-bench-emb-")
+    procs = [ctx.Process(target=_worker, args=(r, cfg.nproc, cfg, points, store_dir, queue)) for r in range(cfg.nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, list[dict]] = {}
+    try:
+        while len(results) < cfg.nproc:
+            rank, status, payload = queue.get(timeout=1800)
+            if status != "ok":
+                raise RuntimeError(f"bench embedding: rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(cfg.nproc)]
+
+
+# ----------------------------------------------------------------------------------------------------- summary
+def _merge(per_rank: list[list[dict]]) -> list[dict]:
+    """Averages exposed times over ranks; parity must hold on every rank."""
+    out = []
+    for recs in zip(*per_rank):
+        r0 = recs[0]
+        rec = dict(collision_knob=r0["collision_knob"], max_uih=r0["max_uih"], parity=all(r["parity"] for r in recs))
+        rec["collision_measured"] = float(np.mean([r["collision_measured"] for r in recs]))
+        rec["ids_per_rank_step"] = float(np.mean([r["ids_per_step"] for r in recs]))
+        for mode in ("sync", "prioritized"):
+            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in PARTS}
+            rec[f"{mode}_exposed_ms"] = {**parts, "total": sum(parts.values())}
+            rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
+        p_total = rec["prioritized_exposed_ms"]["total"]
+        rec["exposed_reduction"] = rec["sync_exposed_ms"]["total"] / p_total if p_total > 0 else float("inf")
+        out.append(rec)
+    return out
+
+
+def _fit(records: list[dict], key: str) -> Optional[dict]:
+    xs = np.array([r["collision_measured"] for r in records])
+    ys = np.array([r[key]["total"] for r in records])
+    if len(xs) < 2 or np.ptp(xs) == 0:
+        return None
+    slope, intercept = np.polyfit(xs, ys, 1)
+    pred = slope * xs + intercept
+    ss_tot = float(((ys - ys.mean()) ** 2).sum())
+    r2 = 1.0 - float(((ys - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+    return {"slope_ms_per_unit": float(slope), "intercept_ms": float(intercept), "r2": r2}
+
+
+def run(cfg: BenchConfig) -> dict:
+    uih_sweep = sorted({max(4, cfg.max_uih // 4), max(4, cfg.max_uih // 2), cfg.max_uih})
+    points = [(c, cfg.max_uih) for c in cfg.collisions] + [(cfg.fit_collision, L) for L in uih_sweep if L != cfg.max_uih]
+    records = _merge(_launch(cfg, points))
+    by_collision = [r for r in records if r["max_uih"] == cfg.max_uih]
+    return {
+        "config": asdict(cfg),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None},
+        "records": records,
+        "fit_vs_collision": {"prioritized": _fit(by_collision, "prioritized_exposed_ms"), "sync": _fit(by_collision, "sync_exposed_ms")},
+    }
+
+
+def _table(result: dict) -> str:
+    head = (f"{'coll.knob':>9} {'measured':>8} {'max_uih':>7} {'ids/rk':>7} | {'sync ids/emb/grad = total ms':>30} | "
+            f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13}")
+    lines = [head, "-" * len(head)]
+    for r in result["records"]:
+        s, p = r["sync_exposed_ms"], r["prioritized_exposed_ms"]
+        lines.append(
+            f"{r['collision_knob']:>9.3f} {r['collision_measured']:>8.3f} {r['max_uih']:>7d} {r['ids_per_rank_step']:>7.0f} | "
+            f"{s['ids_a2a']:>6.2f}/{s['emb_a2a']:>6.2f}/{s['grad_a2a']:>6.2f} = {s['total']:>6.2f} | "
+            f"{p['ids_a2a']:>6.2f}/{p['emb_a2a']:>6.2f}/{p['grad_a2a']:>6.2f} = {p['total']:>6.2f} | "
+            f"{r['exposed_reduction']:>6.1f}x {str(r['parity']):>6} | {r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f}"
+        )
+    for mode, fit in result["fit_vs_collision"].items():
+        if fit:
+            lines.append(f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 {fit['r2']:.3f})")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    cfg = _config_from_args(args)
+    result = run(cfg)
+    print(_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if all(r["parity"] for r in result["records"]) else 1
