@@ -268,22 +268,30 @@ class Batch:
         dense: torch.Tensor,
     ) -> "Batch":
         """Inverse of :meth:`to_kjt`."""
-        jt = kjt.to_dict()
-        missing = {UIH_ITEM_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY} - set(jt)
+        # Split per key by hand (KJT.to_dict() fails on a zero-sample KJT).
+        keys = list(kjt.keys())
+        missing = {UIH_ITEM_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY} - set(keys)
         if missing:
-            raise ValueError(f"KeyedJaggedTensor lacks FreeScale keys {sorted(missing)} (has {kjt.keys()})")
-        uih = jt[UIH_ITEM_KEY]
-        cand = jt[CONTENT_LENGTHS_KEY]
+            raise ValueError(f"KeyedJaggedTensor lacks FreeScale keys {sorted(missing)} (has {keys})")
+        b = int(sample_ids.numel())
+        if kjt.lengths().numel() != b * len(keys):
+            raise ValueError(f"KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x {b} samples")
+        ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
+        starts = [0] + ends[:-1]
+        all_values, all_lengths = kjt.values(), kjt.lengths()
+        jt = {k: (all_values[s:e], all_lengths[i * b : (i + 1) * b]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))}
+        uih_values, uih_lengths = jt[UIH_ITEM_KEY]
+        cand_values, cand_lengths = jt[CONTENT_LENGTHS_KEY]
         return cls(
             sample_ids=sample_ids,
             user_ids=user_ids,
-            uih_offsets=lengths_to_offsets(uih.lengths()),
-            uih_item_ids=uih.values(),
-            candidate_offsets=lengths_to_offsets(cand.lengths()),
+            uih_offsets=lengths_to_offsets(uih_lengths),
+            uih_item_ids=uih_values,
+            candidate_offsets=lengths_to_offsets(cand_lengths),
             candidate_labels=candidate_labels,
-            content_offsets=lengths_to_offsets(cand.values()),
-            content_ids=jt[CONTENT_KEY].values(),
+            content_offsets=lengths_to_offsets(cand_values),
+            content_ids=jt[CONTENT_KEY][0],
             dense=dense,
-            uih_action_types=jt[UIH_ACTION_KEY].values() if UIH_ACTION_KEY in jt else None,
-            uih_timestamps=jt[UIH_TIME_KEY].values() if UIH_TIME_KEY in jt else None,
+            uih_action_types=jt[UIH_ACTION_KEY][0] if UIH_ACTION_KEY in jt else None,
+            uih_timestamps=jt[UIH_TIME_KEY][0] if UIH_TIME_KEY in jt else None,
         )

@@ -11,11 +11,15 @@ from pipelines.config import DataConfig, ModelSection
 from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
 
 
-def build_source(config: DataConfig) -> SampleSource:
+def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
+    """The data source. Synthetic data keys its collision knob to ``global_batch_size`` (B x world size), so
+    the configured share of rows is shared between consecutive global batches."""
     if config.data == "synthetic":
         from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
-        overrides = {"collision_rate": config.collision_rate} if config.collision_rate is not None else {}
+        overrides = {"collision_block_size": global_batch_size}
+        if config.collision_rate is not None:
+            overrides["collision_rate"] = config.collision_rate
         return SyntheticSource(
             SyntheticConfig.from_preset(
                 config.preset, num_samples=config.num_samples, seed=config.data_seed, uih_cap=config.uih_cap, **overrides

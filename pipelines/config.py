@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
 
 
@@ -50,9 +51,16 @@ class TrainConfig:
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step here (rank 0)")
     threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks)")
     progress: bool = _f(True, "progress bar on rank 0")
+    transport: str = _f("host", "transport of the overlapped exchanges: host (SM-free), nccl, nccl-ce, rdma")
 
 
-SECTIONS = {"data": DataConfig, "model": ModelSection, "loader": LoaderConfig, "train": TrainConfig}
+SECTIONS = {
+    "data": DataConfig,
+    "model": ModelSection,
+    "loader": LoaderConfig,
+    "balancer": BalancerConfig,
+    "train": TrainConfig,
+}
 
 
 @dataclass
@@ -60,6 +68,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelSection = field(default_factory=ModelSection)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> "JobConfig":
@@ -75,6 +84,10 @@ class JobConfig:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():
             raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
+        if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):
+            raise ValueError(f"transport must be host, nccl, nccl-ce or rdma, got {self.train.transport!r}")
+        if self.balancer.autotune and self.balancer.partitioner != "vbs":
+            raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
         self.loader.validate()
         return self
 
@@ -88,7 +101,7 @@ def _flag(name: str) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field of every section (default None: an unset flag never overrides the TOML file)."""
-    parser.add_argument("--config", help="TOML file with [data], [model], [loader], [train] tables")
+    parser.add_argument("--config", help="TOML file with [data], [model], [loader], [balancer], [train] tables")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section)
         for f in dataclasses.fields(cls):

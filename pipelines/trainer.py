@@ -27,7 +27,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fscomm import get_transport
+from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
+from fsdata.balancer import balancer_stages
+from fsdata.nodes.gather_lengths import StepFeedback
 from fsdata.batch import Batch
 from fsdata.metrics import sparsity
 from fsdata.loader import build_loader
@@ -51,14 +55,24 @@ class Trainer:
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.source = build_source(config.data)
-        self.loader = build_loader(self.source, config.loader, rank, world_size)
+        self.timer = Timer("cpu")  # host wall clock of the step's parts (the step synchronises on CUDA anyway)
+        self.source = build_source(config.data, config.loader.batch_size * world_size)
+        self.feedback = StepFeedback()
+        self.loader = build_loader(self.source, config.loader, rank, world_size, self._balancer_stages())
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)
-        self.timer = Timer("cpu")  # host wall clock of the step's parts (the step synchronises on CUDA anyway)
         self.step = 0
         self.history: list[dict] = []
         self._metrics_file = None
+
+    def _balancer_stages(self) -> list:
+        if self.config.balancer.partitioner == "none":
+            return []
+        transport = get_transport(self.config.train.transport, group=new_stage_group("balancer"))
+        capacity = self.config.loader.batch_size
+        return balancer_stages(
+            self.config.balancer, transport, self.rank, self.world_size, capacity, self.feedback, self.timer
+        )
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
@@ -72,10 +86,12 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                batch = self._next_batch(batches)
+                batch, balance = self._next_batch(batches)
                 data_wait = time.perf_counter() - t0
                 record = self.train_step(batch.to(self.device, non_blocking=True))
                 record["data_wait_s"] = data_wait
+                if balance is not None:
+                    record["balance"] = balance
                 self.timer.add("data_wait", data_wait)
                 record["step_time_s"] = time.perf_counter() - t0
                 self.step += 1
@@ -87,11 +103,13 @@ class Trainer:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
 
-    def _next_batch(self, batches) -> Batch:
+    def _next_batch(self, batches) -> tuple[Batch, Optional[dict]]:
+        """The next local batch, and the balancer's metrics of its step when balancing is on."""
         try:
-            return next(batches)
+            item = next(batches)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
-            return next(iter(self.loader))
+            item = next(iter(self.loader))
+        return item if isinstance(item, tuple) else (item, None)
 
     def forward_backward(self, batch: Batch) -> tuple[float, float, float]:
         """Backward of the local BCE *sum*; returns (label count, BCE sum, positives)."""
@@ -120,6 +138,7 @@ class Trainer:
         t1 = time.perf_counter()
         book = self._sync(labels, bce, positives, mine)
         sync_time = time.perf_counter() - t1
+        self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)
         self.timer.add("dense_allreduce", sync_time)
         self.optimizer.step()

@@ -1,0 +1,84 @@
+"""`freescale train` end to end (launcher and torchrun), the job config, and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import build_parser
+from pipelines.config import config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parse(*argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text('[loader]\nbatch_size = 7\nprefetch_depth = 3\n[train]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n')
+    cfg = _parse("--config", str(toml), "--batch-size", "9")
+    assert cfg.loader.batch_size == 9 and cfg.loader.prefetch_depth == 3 and cfg.train.steps == 5
+    assert cfg.balancer.partitioner == "fbs" and cfg.train.lr == 1e-3
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--steps", "-1"], "steps"),
+        (["--collision-rate", "1.5"], "collision_rate"),
+        (["--data", "/no/such/file.parquet"], "does not exist"),
+        (["--autotune", "--partitioner", "fbs"], "autotune"),
+        (["--transport", "carrier-pigeon"], "transport"),
+    ],
+)
+def test_bad_config_is_a_clear_error(argv, match):
+    with pytest.raises(ValueError, match=match):
+        _parse(*argv)
+
+
+def test_unknown_toml_key(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text("[train]\nstepz = 5\n")
+    with pytest.raises(ValueError, match="stepz"):
+        _parse("--config", str(toml))
+
+
+def _run(cmd, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.multiprocess
+def test_freescale_train_two_ranks_with_balancing(tmp_path):
+    summary = tmp_path / "s.json"
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--steps", "6", "--partitioner", "fbs",
+           "--summary-json", str(summary), "--metrics-jsonl", str(metrics), "--no-progress"]
+    proc = _run(cmd, tmp_path)
+    assert "run summary" in proc.stdout
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
+    assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(6))
+    assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 for r in lines)
+
+
+@pytest.mark.multiprocess
+def test_torchrun_entry(tmp_path):
+    summary = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pipelines.train", "--steps", "3", "--summary-json", str(summary), "--no-progress"]
+    _run(cmd, tmp_path)
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 3 and s["world_size"] == 2
