@@ -76,7 +76,13 @@ def _check_offsets(op: str, offsets: torch.Tensor, num_values: int, name: str = 
 
 
 def _check_values_tensor(op: str, values: torch.Tensor) -> None:
-    _require(values.dim() >= 1, op, f"values must have at least one dimension, got a scalar")
+    _require(values.dim() >= 1, op, "values must have at least one dimension, got a scalar")
+
+
+def _no_grad_through_triton(op: str, values: torch.Tensor) -> None:
+    """Only ranged_combine has a Triton backward; elsewhere a silently detached output would lose gradients."""
+    _require(not (values.requires_grad and torch.is_grad_enabled()), op,
+             "the Triton kernel is not differentiable; pass impl=Impl.TORCH for values that require grad")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -108,6 +114,7 @@ def indexed_permute(
         case Impl.TRITON:
             from kernels.triton import triton_jagged_gather
 
+            _no_grad_through_triton(op, values)
             return triton_jagged_gather.indexed_permute(values, offsets, order, output_size)
         case Impl.TORCH:
             return pt_jagged_gather.indexed_permute(values, offsets, order, output_size)
@@ -135,6 +142,7 @@ def keyed_transpose(
         case Impl.TRITON:
             from kernels.triton import triton_jagged_gather
 
+            _no_grad_through_triton(op, values)
             return triton_jagged_gather.keyed_transpose(values, lengths)
         case Impl.TORCH:
             return pt_jagged_gather.keyed_transpose(values, lengths)
@@ -226,6 +234,7 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor, *, impl: Union[Impl
         case Impl.TRITON:
             from kernels.triton import triton_segment
 
+            _no_grad_through_triton(op, values)
             return triton_segment.segment_sum(values, offsets)
         case Impl.TORCH:
             return pt_segment.segment_sum(values, offsets)

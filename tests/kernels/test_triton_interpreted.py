@@ -162,6 +162,15 @@ def test_large_heavy_tailed_segments(monkeypatch):
     assert_same_bits(out_offsets, ref_offsets, "offsets")
 
 
+def test_non_differentiable_kernels_refuse_grad():
+    values = torch.randn(4, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="not differentiable"):
+        ops.indexed_permute(values, torch.tensor([0, 4]), torch.tensor([0]), impl=Impl.TRITON)
+    with torch.no_grad():
+        out, _ = ops.indexed_permute(values, torch.tensor([0, 4]), torch.tensor([0]), impl=Impl.TRITON)
+    assert torch.equal(out, values.detach())
+
+
 def test_outputs_are_poisoned():
     """The guard the comparisons above rely on: a fresh output buffer holds no plausible value."""
     out = common.new_output((4,), torch.float32, "cpu")
