@@ -50,13 +50,14 @@ def _default_timeout_s() -> float:
 
 
 def new_stage_group(
-    name: str, *, backend: str = "gloo", timeout: Optional[datetime.timedelta] = None
+    name: str, *, backend: str = "gloo", timeout: Optional[datetime.timedelta] = None, pg_options=None
 ) -> dist.ProcessGroup:
     """A new process group over all ranks, for one stage (one issuing thread).
 
     Collective: call it on every rank with the same names in the same order, at set-up. ``backend`` is
     "gloo" for the host-staged and CPU paths, "nccl" for the NCCL backends. ``timeout`` bounds every collective
     of the group: a peer that dies or never issues its part ends in an error after it, never in a hang.
+    ``pg_options``: backend options (the copy-engine backend sets NCCL's zero-CTA policy through them).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"new_stage_group: name must be a non-empty string, got {name!r}")
@@ -70,7 +71,7 @@ def new_stage_group(
             )
     timeout_s = timeout.total_seconds() if timeout is not None else _default_timeout_s()
     try:
-        group = dist.new_group(backend=backend, timeout=timeout, group_desc=name)
+        group = dist.new_group(backend=backend, timeout=timeout, group_desc=name, pg_options=pg_options)
     except Exception as exc:  # the store barrier of new_group names the ranks that joined; keep its text
         raise RuntimeError(
             f"new_stage_group({name!r}) on rank {dist.get_rank()} of {dist.get_world_size()}: not every rank "
@@ -94,16 +95,17 @@ def group_state(group: dist.ProcessGroup) -> GroupState:
         return state
 
 
-def default_group(backend: str = "gloo") -> dist.ProcessGroup:
-    """fscomm's own group for ``backend`` (made on first use, collectively, so every rank must reach the
+def default_group(backend: str = "gloo", kind: Optional[str] = None, pg_options=None) -> dist.ProcessGroup:
+    """fscomm's own group for ``backend`` (``kind`` names variants, e.g. NCCL with zero-CTA options; made on first use, collectively, so every rank must reach the
     first ``get_transport`` of each backend in the same order). It is never the world group, so fscomm traffic
     does not queue behind the dense AllReduce."""
-    name = DEFAULT_GROUP_NAME if backend == "gloo" else f"{DEFAULT_GROUP_NAME}-{backend}"
+    kind = kind or backend
+    name = DEFAULT_GROUP_NAME if kind == "gloo" else f"{DEFAULT_GROUP_NAME}-{kind}"
     with _lock:
         state = _by_name.get(name)
     if state is not None:
         return state.group
-    return new_stage_group(name, backend=backend)
+    return new_stage_group(name, backend=backend, pg_options=pg_options)
 
 
 def claim(group: dist.ProcessGroup, op: str) -> GroupState:

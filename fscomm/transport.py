@@ -227,5 +227,6 @@ def get_transport(name: str = "host", group: Optional[dist.ProcessGroup] = None,
     if reason is not None:
         raise TransportUnavailableError(f"transport {name!r} cannot run on this machine: {reason}")
     if group is None:
-        group = groups.default_group(cls.group_backend)
+        make = getattr(cls, "default_group", None)
+        group = make() if make is not None else groups.default_group(cls.group_backend)
     return cls(group, **options)

@@ -1,0 +1,469 @@
+"""`freescale bench transport`: latency and bandwidth of each transport, and how much each slows the compute it
+overlaps (paper section 6.3: SM-free communication left the overlapped kernels about 10% faster than NCCL).
+
+(a) latency / bandwidth: all_to_all (equal blocks) and all_gather per backend and block size, rank 0's median.
+(b) contention: a compute kernel (20 causal SDPA calls B8 H16 L4096 D128 bf16; 20 bf16 8192^3 GEMMs) alone and
+    overlapped with each kind of traffic, as interleaved pairs (alone/overlapped, then overlapped/alone), median
+    of the per-pair ratios. A pair counts only if the traffic outlasted the kernel; when it did not, the traffic
+    is lengthened for the next pairs. Traffic kinds: each available transport between the ranks, and, on the
+    compute rank alone: pinned D2H/H2D copies on a side stream (copy engines: the host backend's GPU part),
+    an SM copy kernel with NCCL-like block count (16 blocks x 512 threads: the *proxy* for NCCL where NCCL
+    cannot run, e.g. on one GPU), and an elementwise copy over all SMs.
+(c) the host backend under torch.profiler: kernels it launches (must be 0), the streams of its copies, and
+    the share of copy time that overlaps compute kernels.
+
+Ranks: under torchrun, one GPU per rank (2-8 GPUs run unchanged). Otherwise it starts --nproc local ranks
+itself; with fewer GPUs than ranks, rank 0 takes the GPU and the others are CPU peers (gloo over loopback),
+which is the only way to run the host backend between two ranks on one GPU; NCCL backends are then skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fscomm import TransportUnavailableError, get_transport, new_stage_group
+
+SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
+TRAFFIC_BLOCK = 16 << 20
+PEER_KINDS = ("host", "nccl", "nccl-ce", "rdma")
+LOCAL_KINDS = ("ce-copies", "nccl-proxy-sm16", "sm-copy-all")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--backends", default="host,nccl,nccl-ce,rdma", help="comma-separated transports")
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
+    parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="block bytes per destination")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per latency point")
+    parser.add_argument("--pairs", type=int, default=9, help="interleaved alone/overlapped pairs per contention point")
+    parser.add_argument("--kernels", default="sdpa,gemm", help="contention kernels: sdpa, gemm")
+    parser.add_argument("--proxy-blocks", type=int, default=16, help="thread blocks of the NCCL proxy copy kernel")
+    parser.add_argument("--no-contention", action="store_true", help="latency/bandwidth only")
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+
+
+# --- rank set-up ---------------------------------------------------------------------------------------
+
+
+class Ctx:
+    """One rank's view: its device, whether it computes, the control group, the transports."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int):
+        self.args, self.rank, self.world = args, rank, world
+        want = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ValueError("bench transport: --device cuda but no CUDA device here")
+        n_gpus = torch.cuda.device_count() if want == "cuda" else 0
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        self.gpu_per_rank = want == "cuda" and world <= n_gpus
+        if want == "cuda" and (self.gpu_per_rank or rank == 0):
+            self.device = torch.device("cuda", local if self.gpu_per_rank else 0)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.computes = self.device.type == "cuda"
+        self.any_cuda = want == "cuda"
+        self.transports: dict[str, Any] = {}
+        self.skipped: dict[str, str] = {}
+
+    def bcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: Any) -> list:
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def sync(self) -> None:
+        if self.computes:
+            torch.cuda.synchronize(self.device)
+
+    def open_transports(self) -> None:
+        timeout = datetime.timedelta(seconds=self.args.timeout)
+        for name in [b.strip() for b in self.args.backends.split(",") if b.strip()]:
+            if name not in PEER_KINDS:
+                raise ValueError(f"bench transport: unknown backend {name!r}; choose from {PEER_KINDS}")
+            if name.startswith("nccl") and not self.gpu_per_rank:
+                self.skipped[name] = (f"needs one GPU per rank ({torch.cuda.device_count()} GPU(s) for {self.world} "
+                                      "ranks); on one GPU see the nccl-proxy-sm16 contention row")
+                continue
+            reasons = self.gather(_reason(name))  # every rank must agree before a collective group is made
+            reason = next((r for r in reasons if r), None)
+            if reason:
+                self.skipped[name] = reason
+                continue
+            if name == "nccl-ce":
+                from fscomm.nccl_ce import ce_group_options
+
+                group = new_stage_group(f"bench-{name}", backend="nccl", timeout=timeout, pg_options=ce_group_options())
+            else:
+                group = new_stage_group(f"bench-{name}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
+            try:
+                self.transports[name] = get_transport(name, group)
+            except TransportUnavailableError as exc:
+                self.skipped[name] = str(exc)
+
+
+def _reason(name: str) -> Optional[str]:
+    from fscomm.transport import BACKENDS
+    import importlib
+
+    module, cls = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls).unavailable_reason()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+# --- (a) latency and bandwidth ----------------------------------------------------------------------------
+
+
+def bench_latency(ctx: Ctx) -> list[dict]:
+    rows = []
+    sizes = [int(s) for s in ctx.args.sizes.split(",")]
+    for name, t in ctx.transports.items():
+        for size in sizes:
+            for op in ("all_to_all", "all_gather"):
+                x = torch.empty(size * (ctx.world if op == "all_to_all" else 1), dtype=torch.uint8, device=ctx.device)
+                splits = [size] * ctx.world
+                run = (lambda: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all" else (lambda: t.all_gather(x).wait())
+                times = []
+                for i in range(ctx.args.reps + 2):
+                    t0 = time.perf_counter()
+                    run()
+                    ctx.sync()
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
+                med = statistics.median(times)
+                rows.append({"backend": name, "op": op, "block_bytes": size, "median_us": med * 1e6,
+                             "min_us": min(times) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
+    return rows
+
+
+# --- traffic ---------------------------------------------------------------------------------------------
+
+
+class PeerTraffic:
+    """n all_to_all exchanges of a transport, two in flight, from a thread of their own (as a loader would)."""
+
+    def __init__(self, ctx: Ctx, name: str):
+        self.ctx, self.t = ctx, ctx.transports[name]
+        self.x = torch.empty(TRAFFIC_BLOCK * ctx.world, dtype=torch.uint8, device=ctx.device)
+        self.splits = [TRAFFIC_BLOCK] * ctx.world
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
+
+    def start(self, n: int) -> "PeerTraffic":
+        self.started, self.times, self.error = threading.Event(), {}, None
+        self.thread = threading.Thread(target=self._loop, args=(n,), name="bench-traffic")
+        self.thread.start()
+        self.started.wait()
+        return self
+
+    def _loop(self, n: int) -> None:
+        try:
+            if self.stream is not None:
+                torch.cuda.set_stream(self.stream)
+            self.times["start"] = time.perf_counter()
+            inflight: deque = deque()
+            for i in range(n):
+                inflight.append(self.t.all_to_all(self.x, self.splits, self.splits))
+                if i == 0:
+                    self.started.set()
+                if len(inflight) >= 2:
+                    inflight.popleft().wait()
+            while inflight:
+                inflight.popleft().wait()
+            if self.stream is not None:
+                self.stream.synchronize()
+            self.times["end"] = time.perf_counter()
+        except BaseException as exc:  # carried to join()
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def join(self, compute_end: Optional[float]) -> bool:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return compute_end is None or self.times["end"] >= compute_end
+
+    def seconds(self) -> float:
+        return self.times["end"] - self.times["start"]
+
+
+class LocalTraffic:
+    """n units of GPU-local traffic on a side stream of the compute rank."""
+
+    def __init__(self, ctx: Ctx, kind: str):
+        self.ctx, self.kind = ctx, kind
+        self.stream = torch.cuda.Stream(ctx.device)
+        n = 64 << 20
+        if kind == "ce-copies":
+            self.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            self.dev = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+        else:
+            self.src = torch.empty(4 * n // 4, dtype=torch.float32, device=ctx.device)
+            self.dst = torch.empty_like(self.src)
+        if kind == "nccl-proxy-sm16":
+            self.copy = _proxy_copy_kernel(ctx.args.proxy_blocks)
+
+    def _unit(self) -> None:
+        if self.kind == "ce-copies":
+            self.host.copy_(self.dev, non_blocking=True)
+            self.dev.copy_(self.host, non_blocking=True)
+        elif self.kind == "nccl-proxy-sm16":
+            self.copy(self.src, self.dst)
+        else:
+            torch.mul(self.src, 1.0, out=self.dst)  # an elementwise kernel over every SM
+
+    def start(self, n: int) -> "LocalTraffic":
+        self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.begin.record()
+            for _ in range(n):
+                self._unit()
+            self.end.record()
+        return self
+
+    def join(self, compute_end_event: Optional["torch.cuda.Event"]) -> bool:
+        self.end.synchronize()
+        return compute_end_event is None or compute_end_event.elapsed_time(self.end) >= 0
+
+    def seconds(self) -> float:
+        return self.begin.elapsed_time(self.end) / 1e3
+
+
+def _proxy_copy_kernel(blocks: int):
+    """A Triton copy kernel on exactly ``blocks`` thread blocks of 512 threads (NCCL runs one block of 512
+    threads per channel; 16 channels is typical for an intra-node AllToAll): it holds that many SMs."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_kernel(src, dst, n, BLOCK: tl.constexpr, NPROG: tl.constexpr):
+        pid = tl.program_id(0)
+        for start in range(pid * BLOCK, n, NPROG * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    def run(src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_kernel[(blocks,)](src, dst, src.numel(), BLOCK=4096, NPROG=blocks, num_warps=16)
+
+    return run
+
+
+# --- (b) contention ---------------------------------------------------------------------------------------
+
+
+def _kernel(name: str, device: torch.device):
+    if name == "sdpa":
+        q, k, v = (torch.randn(8, 16, 4096, 128, dtype=torch.bfloat16, device=device) for _ in range(3))
+        f = torch.nn.functional.scaled_dot_product_attention
+        return lambda: [f(q, k, v, is_causal=True) for _ in range(20)][-1]
+    if name == "gemm":
+        a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) for _ in range(2))
+        return lambda: [a @ b for _ in range(20)][-1]
+    raise ValueError(f"bench transport: unknown kernel {name!r}; choose sdpa or gemm")
+
+
+def _trial(ctx: Ctx, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
+    """All ranks: start the traffic (if any), run the kernel on compute ranks; (kernel seconds, outlasted)."""
+    if traffic is not None:
+        traffic.start(n)
+    seconds, end_evt, end_host = None, None, None
+    if ctx.computes:
+        start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_evt.record()
+        kernel()
+        end_evt.record()
+        end_evt.synchronize()
+        end_host = time.perf_counter()
+        seconds = start_evt.elapsed_time(end_evt) / 1e3
+    outlasted = True
+    if traffic is not None:
+        outlasted = traffic.join(end_evt if isinstance(traffic, LocalTraffic) else end_host)
+    return seconds, outlasted
+
+
+def bench_contention(ctx: Ctx) -> list[dict]:
+    rows = []
+    for kname in [k.strip() for k in ctx.args.kernels.split(",") if k.strip()]:
+        kernel = _kernel(kname, ctx.device) if ctx.computes else None
+        for _ in range(2):
+            _trial(ctx, kernel, None, 0)  # warm-up
+        alone = ctx.gather(statistics.median([_trial(ctx, kernel, None, 0)[0] or 0.0 for _ in range(3)]))
+        t_alone = max(alone)
+        kinds = [k for k in PEER_KINDS if k in ctx.transports] + list(LOCAL_KINDS)
+        for kind in kinds:
+            local = kind in LOCAL_KINDS
+            if local and not ctx.any_cuda:
+                continue
+            traffic = None
+            if local and ctx.computes:
+                try:
+                    traffic = LocalTraffic(ctx, kind)
+                except Exception as exc:  # e.g. no Triton for the proxy kernel
+                    traffic = exc
+            elif not local:
+                traffic = PeerTraffic(ctx, kind)
+            errs = ctx.gather(str(traffic) if isinstance(traffic, Exception) else None)
+            if any(errs):
+                rows.append({"kernel": kname, "traffic": kind, "skipped": next(e for e in errs if e)})
+                continue
+            # calibrate: how long one unit of traffic takes alone (slowest rank)
+            if traffic is not None:
+                traffic.start(4).join(None)
+            unit = max(ctx.gather(traffic.seconds() / 4 if traffic is not None else 0.0))
+            n = max(2, math.ceil(1.5 * t_alone / max(unit, 1e-6)) + 1)
+            ratios, dropped = [], 0
+            for p in range(ctx.args.pairs):
+                order = (False, True) if p % 2 == 0 else (True, False)
+                got = {}
+                for overlapped in order:
+                    got[overlapped] = _trial(ctx, kernel, traffic if overlapped else None, n)
+                ok = all(ctx.gather(got[True][1]))
+                if not ok:
+                    dropped += 1
+                    n = int(n * 1.5) + 1
+                elif ctx.computes:
+                    ratios.append(got[True][0] / got[False][0])
+            all_ratios = [r for rs in ctx.gather(ratios) for r in rs]
+            rows.append({
+                "kernel": kname, "traffic": kind, "kernel_alone_ms": t_alone * 1e3,
+                "median_ratio": statistics.median(all_ratios) if all_ratios else None,
+                "min_ratio": min(all_ratios) if all_ratios else None, "max_ratio": max(all_ratios) if all_ratios else None,
+                "pairs": len(all_ratios), "pairs_dropped_traffic_too_short": dropped, "traffic_units": n,
+                "unit_ms": unit * 1e3, "proxy": kind == "nccl-proxy-sm16",
+            })
+            del traffic
+    return rows
+
+
+# --- (c) the host backend under the profiler -------------------------------------------------------------
+
+
+def trace_host(ctx: Ctx) -> Optional[dict]:
+    if "host" not in ctx.transports or not ctx.any_cuda:
+        return None
+    from fscomm.gpu_trace import trace
+
+    traffic = PeerTraffic(ctx, "host")
+    traffic.start(2).join(None)  # warm the pool before tracing
+    out: dict = {}
+    if ctx.computes:
+        out["host_only"] = trace(lambda: traffic.start(4).join(None)).summary()
+    else:
+        traffic.start(4).join(None)
+    kernel = _kernel("sdpa", ctx.device) if ctx.computes else None
+    if ctx.computes:
+        out["overlapped_with_sdpa"] = trace(lambda: _trial(ctx, kernel, traffic, 4)).summary()
+        out["compute_stream"] = torch.cuda.current_stream(ctx.device).stream_id
+    else:
+        _trial(ctx, kernel, traffic, 4)
+    out["pool"] = ctx.transports["host"].pool_stats()
+    return out
+
+
+# --- driver ----------------------------------------------------------------------------------------------
+
+
+def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict]:
+    ctx = Ctx(args, rank, world)
+    ctx.open_transports()
+    result: dict = {"world_size": world, "devices": ctx.gather(str(ctx.device)), "skipped": ctx.skipped,
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(ctx.device) if ctx.computes else None,
+                    "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.computes else None}
+    result["latency"] = bench_latency(ctx)
+    if ctx.any_cuda and not args.no_contention:
+        result["host_trace"] = trace_host(ctx)
+        result["contention"] = bench_contention(ctx)
+    return result if rank == 0 else None
+
+
+def _spawned(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        result = _rank_main(args, rank, world)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print(result: dict) -> None:
+    print(f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}")
+    for name, why in result["skipped"].items():
+        print(f"  skipped {name}: {why}")
+    print(f"\n{'backend':<9} {'op':<11} {'block':>10} {'median us':>11} {'min us':>9} {'GB/s':>8}")
+    for r in result["latency"]:
+        print(f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} {r['gb_per_s']:>8.2f}")
+    if result.get("host_trace"):
+        print("\nhost backend under the profiler:", json.dumps(result["host_trace"]))
+    if result.get("contention"):
+        print(f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8} {'units':>6}")
+        for r in result["contention"]:
+            if "skipped" in r:
+                print(f"{r['kernel']:<6} {r['traffic']:<16} skipped: {r['skipped']}")
+                continue
+            med = f"{r['median_ratio']:.3f}" if r["median_ratio"] else "-"
+            lo = f"{r['min_ratio']:.3f}" if r["min_ratio"] else "-"
+            hi = f"{r['max_ratio']:.3f}" if r["max_ratio"] else "-"
+            label = r["traffic"] + (" (proxy)" if r["proxy"] else "")
+            print(f"{r['kernel']:<6} {label:<16} {r['kernel_alone_ms']:>9.2f} {med:>10} {lo:>6} {hi:>6} {r['pairs']:>6} {r['pairs_dropped_traffic_too_short']:>8} {r['traffic_units']:>6}")
+
+
+def main(args: argparse.Namespace) -> int:
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            result = _rank_main(args, dist.get_rank(), dist.get_world_size())
+        finally:
+            dist.destroy_process_group()
+    else:
+        if args.nproc < 2:
+            raise ValueError("bench transport: --nproc must be at least 2 (an exchange needs a peer)")
+        import torch.multiprocessing as mp
+
+        tmp = tempfile.mkdtemp(prefix="fs-bench-transport-")
+        out_path = os.path.join(tmp, "result.json")
+        mp.spawn(_spawned, args=(args.nproc, args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc)
+        with open(out_path) as f:
+            result = json.load(f)
+    if result is None:  # torchrun ranks other than 0
+        return 0
+    _print(result)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":  # `python -m pipelines.bench.transport ...` where the `freescale` script is not installed
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="freescale bench transport", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
