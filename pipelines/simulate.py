@@ -209,7 +209,7 @@ class SimSettings:
     batch_size: int
     max_uih: int
     steps: int
-    warmup: int = 5
+    warmup: int = 10
     lookahead: int = 2
     sync_s: float = 0.0
     alpha: float = 1.5
@@ -223,17 +223,17 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
     autotune = AutoTune(s.ranks) if (s.autotune and partitioner == "vbs") else None
     fit = OnlineCostFit() if s.fit_cost else None
     cost_model = CostModel(alpha=s.alpha)
-    pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # step -> (busy [W], rank features [W, 4])
+    pending: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # step -> busy [W], features [W, 4], weights [W]
     latest: Optional[tuple[int, np.ndarray]] = None
     total_step = total_idle = samples = 0.0
     imbalance, bounds, sparsity, plan_s = [], [], [], []
     for step in range(s.steps + s.warmup):
         # Lookahead: the plan of `step` is made while step - lookahead + 1 runs: only older steps are measured.
         for measured in sorted(m for m in pending if m <= step - s.lookahead):
-            busy, features = pending.pop(measured)
+            busy, features, weights = pending.pop(measured)
             latest = (measured, busy)
             if autotune is not None:
-                autotune.observe(measured, busy)
+                autotune.observe(measured, busy, weights)
             if fit is not None:
                 fit.update(features, busy)
         lengths = source.step(step)
@@ -249,7 +249,9 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
         elapsed = time.perf_counter() - start
         busy = np.asarray(step_time(lengths, plan), dtype=np.float64)
         tokens = cost_model.token_lengths(lengths)
-        pending[step] = (busy, rank_features(tokens, plan.destinations().numpy(), s.ranks))
+        dest = plan.destinations().numpy()
+        weights = np.bincount(dest, weights=cost_model.sample_costs(lengths, runtime), minlength=s.ranks)
+        pending[step] = (busy, rank_features(tokens, dest, s.ranks), weights)
         if step < s.warmup:
             continue
         longest = busy.max()
@@ -332,6 +334,7 @@ SWEEPS = {
 
 
 def run_sweeps(args: argparse.Namespace, out_dir: str) -> list[dict]:
+    """Every sweep point for every partitioner; PNGs into ``out_dir``, records to ``--json`` (or ``out_dir``)."""
     import os
 
     os.makedirs(out_dir, exist_ok=True)
@@ -343,8 +346,9 @@ def run_sweeps(args: argparse.Namespace, out_dir: str) -> list[dict]:
                 record["sweep"] = axis
                 records.append(record)
             print_table([r for r in records if r["sweep"] == axis and r[axis] == value])
-    with open(os.path.join(out_dir, "balancer_sweep.json"), "w") as f:
-        json.dump(records, f, indent=1)
+    if not args.json:
+        with open(os.path.join(out_dir, "balancer_sweep.json"), "w") as f:
+            json.dump(records, f, indent=1)
     plot_sweeps(records, out_dir)
     return records
 
@@ -397,7 +401,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-uih", type=int, default=21000, help="UIH length cap (default 21000)")
     parser.add_argument("--partitioner", default="none,fbs,vbs,kk", help="comma-separated (default none,fbs,vbs,kk)")
     parser.add_argument("--steps", type=int, default=50, help="measured global steps per partitioner (default 50)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps run before measuring (autotune, cost fit)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps run before measuring (autotune, cost fit)")
     parser.add_argument("--lookahead", type=int, default=2, help="a step's times feed the plan this many steps later")
     parser.add_argument("--alpha", type=float, default=1.5, help="cost exponent of the partitioners' L^alpha")
     parser.add_argument("--no-autotune", action="store_true", help="VBS without autotune")
@@ -418,7 +422,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-pad", type=float, default=defaults.pad, help="seconds per padded token")
     parser.add_argument("--json", default=None, help="write the records (a JSON list) here")
     parser.add_argument("--sweep", default=None, metavar="DIR",
-                        help="run the max-UIH, batch-size and rank sweeps; write records and PNG plots into DIR")
+                        help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
+                        " --max-uih); PNG plots into DIR, records to --json (default DIR/balancer_sweep.json)")
 
 
 def _validate(args: argparse.Namespace) -> None:

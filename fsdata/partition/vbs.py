@@ -83,7 +83,7 @@ class AutoTune:
     Use, on every rank alike (the inputs are gathered, so every rank holds the same state)::
 
         shares = autotune.shares_for_step(j)      # when planning step j: RuntimeInfo(budget_shares=shares)
-        autotune.observe(i, step_times)           # once step i's per-rank times are gathered (i <= j - 2)
+        autotune.observe(i, step_times, rank_weights)   # once step i's per-rank times are gathered (i <= j - 2)
 
     ``step_times`` must be each rank's own busy time up to the gradient synchronisation (not including the wait
     there, which would make every rank look alike).
@@ -136,8 +136,14 @@ class AutoTune:
             del self._used[min(self._used)]
         return self.shares()
 
-    def observe(self, measured_step: int, step_times) -> None:
-        """Feeds the gathered per-rank busy times of ``measured_step``."""
+    def observe(self, measured_step: int, step_times, rank_weights=None) -> None:
+        """Feeds the gathered per-rank busy times of ``measured_step``.
+
+        ``rank_weights`` (optional, [W]): the weight each rank actually received in that step's plan
+        (``metrics.per_rank_cost(plan, weights)``). With it the estimate uses what the rank really got instead of
+        its share, so the cut granularity (up to one sample's weight per rank) does not enter as noise; this
+        matters when a rank holds few heavy samples.
+        """
         times = as_numpy(step_times, np.float64, "AutoTune step_times")
         if times.size != self.world_size:
             raise ValueError(f"AutoTune.observe: {times.size} step times for world_size {self.world_size}")
@@ -148,11 +154,19 @@ class AutoTune:
             del self._used[old]
         if used is None:
             used = self._shares
+        if rank_weights is not None:
+            got = as_numpy(rank_weights, np.float64, "AutoTune rank_weights")
+            if got.size != self.world_size or not np.all(np.isfinite(got)) or got.min() < 0:
+                raise ValueError(f"AutoTune.observe: rank_weights must be {self.world_size} finite values >= 0")
+            if got.sum() > 0:
+                used = got / got.sum()
         mean = times.mean()
         if mean <= 0:
             return
         ratio = np.clip(mean / np.maximum(times, mean * 1e-6), 1.0 / self.max_ratio, self.max_ratio)
         target = used * ratio
+        if target.sum() <= 0:
+            return
         target /= target.sum()
         shares = (1.0 - self.step_size) * self._shares + self.step_size * target
         shares = np.maximum(shares, self.min_share_frac / self.world_size)

@@ -331,7 +331,9 @@ def test_online_cost_fit_recovers_coefficients_and_resumes_exactly():
 
 
 # ---------------------------------------------------------------------------------------------- autotune
-def simulate_autotune(autotune: AutoTune, speed: np.ndarray, steps: int, seed: int, start: int = 0, overhead=0.0):
+def simulate_autotune(
+    autotune: AutoTune, speed: np.ndarray, steps: int, seed: int, start: int = 0, overhead=0.0, with_weights=False
+):
     """Lookahead lag 2: step j is planned with shares_for_step(j); its times are observed before planning j+2."""
     world = speed.size
     rng = np.random.default_rng(seed)
@@ -339,20 +341,22 @@ def simulate_autotune(autotune: AutoTune, speed: np.ndarray, steps: int, seed: i
     pending, history = {}, []
     for step in range(start, start + steps):
         if step - 2 in pending:
-            autotune.observe(step - 2, pending.pop(step - 2))
+            times, work = pending.pop(step - 2)
+            autotune.observe(step - 2, times, work if with_weights else None)
         lengths = random_lengths(world, 64, seed=seed * 1000 + step, cap=6000)
         plan = vbs(lengths, RuntimeInfo(step=step, budget_shares=autotune.shares_for_step(step)))
         work = per_rank_cost(plan, lengths.uih_lengths.numpy().astype(float))
-        pending[step] = (overhead + speed * work) * (1 + 0.002 * rng.standard_normal(world))
+        pending[step] = ((overhead + speed * work) * (1 + 0.002 * rng.standard_normal(world)), work)
         history.append(autotune.shares().numpy())
     return np.array(history)
 
 
-def test_autotune_converges_to_rank_speed_skew_without_oscillating_under_lag():
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_autotune_converges_to_rank_speed_skew_without_oscillating_under_lag(with_weights):
     world = 8
     speed = np.array([1.0, 1.5, 0.7, 1.0, 1.2, 0.8, 1.0, 1.3])
     balanced = (1 / speed) / (1 / speed).sum()
-    shares = simulate_autotune(AutoTune(world), speed, steps=40, seed=1)
+    shares = simulate_autotune(AutoTune(world), speed, steps=40, seed=1, with_weights=with_weights)
     error = np.abs(shares / balanced - 1).max(axis=1)
     assert error[0] > 0.2
     assert error[-1] < 0.03
@@ -361,10 +365,11 @@ def test_autotune_converges_to_rank_speed_skew_without_oscillating_under_lag():
     assert np.all(np.diff(error[:12]) < 0.01)
 
 
-def test_autotune_converges_with_a_fixed_per_step_overhead():
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_autotune_converges_with_a_fixed_per_step_overhead(with_weights):
     speed = np.array([1.0, 2.0, 1.0, 0.5])
     autotune = AutoTune(4)
-    simulate_autotune(autotune, speed, steps=60, seed=2, overhead=3e4)
+    simulate_autotune(autotune, speed, steps=60, seed=2, overhead=3e4, with_weights=with_weights)
     balanced = (1 / speed) / (1 / speed).sum()
     assert np.abs(autotune.shares().numpy() / balanced - 1).max() < 0.05
 
