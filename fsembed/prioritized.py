@@ -3,21 +3,27 @@
 A persistent context per embedding group carries values across steps. Step i's forward receives the ids of
 step i+1 (already in shard-major form, from the loader's ID-prefetch stage) and, on every shard:
 
-    line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
     line 10    marks step i's rows that step i+1 uses again (collision) and step i+1's rows that step i does
                not use (exclusive of i+1, "fresh");
-    line 12    looks up the fresh rows of i+1 now: nothing of step i will write them, and line 7 came first,
-               so they already hold their step-(i+1) values;
     line 13-14 sends back, per id, the flags that tell the batch-major side which of its positions are
                collision rows of step i (line 14's superscript is i) and fresh rows of step i+1;
     line 15    returns step i's embeddings: the fresh rows prefetched one step earlier, merged with the
                collision rows sent after step i-1's update.
 
-Step i's backward splits the gradient by those flags: collision rows are exchanged, summed and updated at once
-(line 19-20) and their new values are sent for step i+1 (line 21); exclusive gradients are sent but applied
-only at the next forward (lines 6-7). Every row therefore receives exactly the updates of the synchronous path,
-in the same order, with the same summation (optim.py), and is read only after all of them: tables and losses
-are equal bit for bit.
+Step i's backward then
+
+    line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
+    line 12    looks up the fresh rows of i+1 (nothing of step i writes them, and line 7 came first, so they
+               hold their step-(i+1) values) and sends them (the sizes are known now, from the flags);
+    line 18-20 splits the gradient by the flags; collision rows are exchanged, summed and updated at once;
+    line 21    sends the collision rows' new values for step i+1;
+               and sends the exclusive gradients, which the next backward applies (lines 6-7).
+
+Lines 6-7 and 12 sit in the backward rather than the forward (the paper puts them on a side stream during the
+forward): step i's output needs neither, so on CPU the model thread only meets them once the deferred
+gradients had the whole forward to arrive. Every row still receives exactly the updates of the synchronous
+path, in the same order, with the same summation (optim.py), and is read only after all of them: tables and
+losses are equal bit for bit.
 
 Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
 stage (early); every later exchange's sizes are derived locally: the shard counts flags per source rank, the
@@ -70,7 +76,8 @@ class _Step:
 
     sid: ShardedIds
     local: torch.Tensor  # shard-major local rows [M]
-    fresh_pos: Optional[torch.Tensor] = None  # send-order bool [N]: rows the previous step did not use
+    fresh_idx: Optional[torch.Tensor] = None  # send-order positions of rows the previous step did not use
+    carried_idx: Optional[torch.Tensor] = None  # send-order positions of the other rows
     fresh_handle: object = None  # -> fresh rows, send order
     carried_handle: object = None  # -> the other rows, updated by the previous step's backward
     ready: Optional[torch.Tensor] = None  # all rows, send order, when already at hand
@@ -110,7 +117,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ctx = {name: _GroupContext() for name in self.shards}
-        self.collision_rates: list[float] = []  # per step, this rank's shards: collided / all shard-major ids
+        self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
         # (line 21), gradients deferred (line 18's exclusive part)
         self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
@@ -129,19 +136,25 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         pre_now = self._as_prefetched(ids) if first else None
         pre_next = None if next_ids is None else self._as_prefetched(next_ids)
         out: dict[str, torch.Tensor] = {}
-        collided = total = 0
+        collided, total = torch.zeros((), dtype=torch.int64, device=self.device), 0
         for name, shard in self.shards.items():
             c = self.ctx[name]
             if c.cur is None:
                 c.cur = self._first_step(shard, pre_now[name])
             emb = self._forward_group(c, shard, None if pre_next is None else pre_next[name])
             if c.co_shard is not None:
-                collided += int(c.co_shard.sum())
-            total += int(c.cur.local.numel())
+                collided = collided + c.co_shard.sum()  # stays on the device: no host sync per step
+                total += int(c.cur.local.numel())
             out.update(self._split(c.cur.sid, _PrioritizedLookup.apply(self._anchor, self, name, emb), shard.layout))
             c.awaiting_backward = True
-        self.collision_rates.append(collided / total if total else 0.0)
+        self._collisions.append((collided, total))
         return out
+
+    @property
+    def collision_rates(self) -> list[float]:
+        """Per training step: the share of this rank's shard-major ids whose row the next step uses again
+        (Figure 3's collision %; 0 for a last step, which has no next one)."""
+        return [float(c) / t if t else 0.0 for c, t in self._collisions]
 
     def _first_step(self, shard: GroupShard, sid: ShardedIds) -> _Step:
         """No previous step: every row is looked up and returned synchronously."""
@@ -153,8 +166,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
         step = c.cur
-        if not self._misorder_for_test:
-            self._apply_pending(c, shard)  # lines 6-7: before line 12 reads any row
         c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
         if sid_next is not None:
             nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
@@ -166,12 +177,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 [a + b for a, b in zip(step.sid.recv_splits, sid_next.recv_splits)],
                 [a + b for a, b in zip(step.sid.send_splits, sid_next.send_splits)],
             )
-            c.fresh_rows = shard.lookup(nlocal[c.fresh_shard])  # line 12's lookup
-            self.row_counts["early"] += int(c.fresh_rows.shape[0])
-            self.row_counts["collision"] += int(nlocal.numel()) - int(c.fresh_rows.shape[0])
             c.nxt = _Step(sid_next, nlocal)
-        if self._misorder_for_test:
-            self._apply_pending(c, shard)
         return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
 
     def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
@@ -180,8 +186,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 fresh = step.fresh_handle.wait()
                 carried = step.carried_handle.wait()
             out = torch.empty(step.sid.num_ids, shard.layout.dim, dtype=shard.weight.dtype, device=shard.weight.device)
-            out[step.fresh_pos] = fresh
-            out[~step.fresh_pos] = carried
+            out.index_copy_(0, step.fresh_idx, fresh)
+            out.index_copy_(0, step.carried_idx, carried)
             step.ready = out
             step.fresh_handle = step.carried_handle = None
         return step.ready
@@ -201,33 +207,56 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         step, nxt = c.cur, c.nxt
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
-        if nxt is None:  # last step: everything is a collision row, nothing is deferred
-            co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
-            co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
-        else:
-            with self.timer.span(IDS_A2A):
+        # Lines 6-7 and 12 run here, at the start of the backward rather than in the forward: step i's output
+        # needs neither, and by now the deferred gradients had the whole forward to arrive (on CPU the model
+        # thread would otherwise block on them). Line 7 still precedes line 12, and neither touches a row of
+        # step i, so the collision update below is unaffected.
+        if not self._misorder_for_test:
+            self._apply_pending(c, shard)
+        if nxt is not None:
+            c.fresh_rows = shard.lookup(nxt.local[c.fresh_shard])  # line 12's lookup
+        if self._misorder_for_test:
+            self._apply_pending(c, shard)
+
+        # Sizes and positions of every exchange below, derived locally from the flags (host work that waits
+        # for the flags: counted as ID exchange time).
+        with self.timer.span(IDS_A2A):
+            if nxt is None:  # last step: everything is a collision row, nothing is deferred
+                co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
+                co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
+            else:
                 flags = c.flags_handle.wait().to(torch.bool)
-            parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
-            co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
-            nxt.fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
-            co_shard = c.co_shard
-            nxt.fresh_handle = self.transport.all_to_all(  # line 12's AllToAll, sizes now known on both sides
-                c.fresh_rows, _seg_counts(c.fresh_shard, nxt.sid.recv_splits), _seg_counts(nxt.fresh_pos, nxt.sid.send_splits)
-            )
+                parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
+                co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
+                fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
+                co_shard = c.co_shard
+                fresh_send = _seg_counts(c.fresh_shard, nxt.sid.recv_splits)
+                fresh_recv = _seg_counts(fresh_pos, nxt.sid.send_splits)
+                carried_send = [a - b for a, b in zip(nxt.sid.recv_splits, fresh_send)]
+                carried_recv = [a - b for a, b in zip(nxt.sid.send_splits, fresh_recv)]
+                nxt.fresh_idx = fresh_pos.nonzero().squeeze(1)
+                nxt.carried_idx = (~fresh_pos).nonzero().squeeze(1)
+            co_send, co_recv = _seg_counts(co_pos, sid.send_splits), _seg_counts(co_shard, sid.recv_splits)
+            co_idx, ex_idx = co_pos.nonzero().squeeze(1), (~co_pos).nonzero().squeeze(1)
+            co_rows, ex_rows = step.local[co_shard], step.local[~co_shard]
+
+        if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
+            nxt.fresh_handle = self.transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
         # lines 18-20: collision gradients first, updated at once
-        h = self.transport.all_to_all(g[co_pos], _seg_counts(co_pos, sid.send_splits), _seg_counts(co_shard, sid.recv_splits))
+        h = self.transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         with self.timer.span(GRAD_A2A):
             g_co = h.wait()
-        self.optimizer.apply(shard.weight, shard.state, step.local[co_shard], g_co)
+        self.optimizer.apply(shard.weight, shard.state, co_rows, g_co)
         if nxt is not None:
-            carried = ~c.fresh_shard
             nxt.carried_handle = self.transport.all_to_all(  # line 21
-                shard.lookup(nxt.local[carried]), _seg_counts(carried, nxt.sid.recv_splits), _seg_counts(~nxt.fresh_pos, nxt.sid.send_splits)
+                shard.lookup(nxt.local[~c.fresh_shard]), carried_send, carried_recv
             )
-            ex_pos, ex_shard = ~co_pos, ~co_shard  # line 18's deferred part, applied by the next forward
-            h_ex = self.transport.all_to_all(g[ex_pos], _seg_counts(ex_pos, sid.send_splits), _seg_counts(ex_shard, sid.recv_splits))
-            c.pending_ex = (h_ex, step.local[ex_shard])
-            self.row_counts["deferred"] += int(ex_shard.sum())
+            ex_send = [a - b for a, b in zip(sid.send_splits, co_send)]
+            ex_recv = [a - b for a, b in zip(sid.recv_splits, co_recv)]
+            c.pending_ex = (self.transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
+            self.row_counts["early"] += sum(fresh_send)
+            self.row_counts["collision"] += sum(carried_send)
+            self.row_counts["deferred"] += sum(ex_recv)
         c.cur, c.nxt = nxt, None
         c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
         c.awaiting_backward = False
