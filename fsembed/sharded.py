@@ -23,7 +23,7 @@ from torch import nn
 
 from fscomm.timing import Timer
 from fsdata.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
-from fsembed._fallback import transport_for
+from fsembed.comm import stage_transports
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
 from kernels import ops
@@ -80,7 +80,7 @@ class _SyncLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         coll, shard, sid = ctx.coll, ctx.shard, ctx.sid
         grads = coll._to_send_order(grad_out, sid)
-        h = coll.transport.all_to_all(grads, sid.send_splits, sid.recv_splits)
+        h = coll.backward_transport.all_to_all(grads, sid.send_splits, sid.recv_splits)
         with coll.timer.span(GRAD_A2A):
             shard_grads = h.wait()
         coll.optimizer.apply(shard.weight, shard.state, ctx.local_ids, shard_grads)
@@ -93,6 +93,8 @@ class ShardedEmbeddingCollection(nn.Module):
     ``forward(ids, next_ids=None) -> {feature: Tensor[n_f, dim]}`` (rows in the order of the feature's ids).
     ``grad_scale`` multiplies every gradient row before the gradient AllToAll: torchrec uses 1/world_size
     (its embedding gradients are divided by the world size); 1.0 gives the plain gradient of the loss.
+    ``transport``/``backward_transport``: by default the stage's own pair (comm.py); a single ``transport``
+    serves both directions on CPU, but not on CUDA, where autograd's backward thread needs a group of its own.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: Optional[int] = None,
         *,
         transport=None,
+        backward_transport=None,
         optimizer: Optional[RowWiseOptimizer] = None,
         init_tables: Optional[Mapping[str, torch.Tensor]] = None,
         seed: int = 0,
@@ -116,7 +119,10 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError(f"ShardedEmbeddingCollection: plan is for {plan.world_size} ranks, the job has {dist.get_world_size()}")
         self.plan = plan
         self.device = torch.device(device)
-        self.transport = transport if transport is not None else transport_for()
+        if transport is None:
+            transport, backward_transport = stage_transports()
+        self.transport = transport  # exchanges issued by forwards
+        self.backward_transport = backward_transport if backward_transport is not None else transport  # by backwards
         self.optimizer = optimizer if optimizer is not None else SGD()
         self.grad_scale = float(grad_scale)
         self.timer = timer if timer is not None else Timer(self.device)

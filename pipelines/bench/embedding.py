@@ -156,13 +156,13 @@ def _train(coll, batches, dense, prefetch: bool, warmup: int, sync_device):
 def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[float, int]]) -> list[dict]:
     import torch.distributed as dist
 
-    from fsembed._fallback import transport_for
+    from fsembed.comm import stage_transports
     from fsembed.optim import RowWiseAdagrad
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    transport = transport_for()
+    transport, backward_transport = stage_transports()
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
     records = []
@@ -170,7 +170,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
         batches = _batches(cfg, rank, world_size, collision, max_uih, device)
         runs = {}
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
-            coll = cls(plan, rank, transport=transport, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+            coll = cls(plan, rank, transport=transport, backward_transport=backward_transport, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
             dist.barrier()
             losses, step_s = _train(coll, batches, dense, prefetch=(mode == "prioritized"), warmup=cfg.warmup, sync_device=device.type == "cuda")
             summary = coll.timer.summary()

@@ -43,10 +43,10 @@ def _make_loader(rank, world_size, transport):
 
 
 def _body(rank, world_size):
-    from fsembed._fallback import transport_for
+    from fsembed.comm import stage_transports
     from tests.stateful import run_test_save_load_state
 
-    transport = transport_for()
+    transport = stage_transports()[0]
     plan = _plan(world_size)
     stage("one epoch")
     sent = received = 0
