@@ -44,13 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[path[0]] = group_parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
             sub = groups[path[0]]
         cmd = sub.add_parser(path[-1], help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(cmd)
+        try:
+            importlib.import_module(module).add_arguments(cmd)
+        except ImportError as exc:  # e.g. torchdata absent on a GPU machine: the other commands still work
+            cmd.description = f"{help_text} [unavailable here: {exc}]"
+            cmd.set_defaults(_unavailable=f"freescale {' '.join(path)} cannot run here: {exc}")
         cmd.set_defaults(_module=module)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        raise SystemExit(args._unavailable)
     return int(importlib.import_module(args._module).main(args) or 0)
 
 

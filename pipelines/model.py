@@ -117,11 +117,19 @@ class SequenceModel(nn.Module):
         flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
         return offsets, flat, pos
 
-    def encode_uih(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoded UIH, padded [B, L, d], with its mask [B, L]."""
+    def item_ids(self, batch: Batch) -> torch.Tensor:
+        """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids.
+
+        One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
+        of the whole step at once (pipelines use this same function to prefetch the next batch's ids).
+        """
+        _, flat, _ = self._truncate(batch)
+        return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
+
+    def encode_uih(self, batch: Batch, uih_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoded UIH, padded [B, L, d], with its mask [B, L], from the kept UIH items' embedding rows."""
         offsets, flat, pos = self._truncate(batch)
-        ids = batch.uih_item_ids[flat] % self.config.num_items
-        tokens = self.item_embedding(ids) + self.position(pos)
+        tokens = uih_rows + self.position(pos)
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
         max_len = int((offsets[1:] - offsets[:-1]).max()) if batch.batch_size else 0
@@ -132,14 +140,13 @@ class SequenceModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         if batch.batch_size == 0:
-            return torch.zeros(0, self.config.num_labels, device=self.item_embedding.weight.device)
-        uih, uih_mask = self.encode_uih(batch)
-        # Candidate vectors: sum of content-id embeddings (empty content -> zero vector).
-        content_ids = batch.content_ids % self.config.num_items
-        cand = F.embedding_bag(
-            content_ids, self.item_embedding.weight, batch.content_offsets[:-1], mode="sum",
-            include_last_offset=False,
-        ) if batch.content_ids.numel() else self.item_embedding.weight.new_zeros(batch.candidate_labels.shape[0], self.config.dim)
+            return torch.zeros(0, self.config.num_labels, device=self.position.weight.device)
+        rows = self.item_embedding(self.item_ids(batch))
+        num_content = batch.content_ids.numel()
+        uih_rows, content_rows = rows[: rows.shape[0] - num_content], rows[rows.shape[0] - num_content :]
+        uih, uih_mask = self.encode_uih(batch, uih_rows)
+        # Candidate vectors: sum of their content-id rows (a candidate without content gets a zero vector).
+        cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         # Target attention: candidates padded per sample query their own sample's encoded UIH.
         c_max = int(batch.num_candidates.max())
         q, cand_mask = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]

@@ -41,13 +41,16 @@ def worker(config: JobConfig) -> Optional[dict]:
     use_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
     if config.train.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    # NCCL needs a GPU per rank; ranks sharing a GPU (e.g. 2 ranks on one H200) exchange through gloo.
+    backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks.
     torch.set_num_threads(config.train.threads or max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend)
     try:
         return Trainer(config, rank=rank, world_size=world_size, device=device).train()
     finally:
