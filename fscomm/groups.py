@@ -70,12 +70,20 @@ def new_stage_group(
                 "each stage makes its group once, at set-up"
             )
     timeout_s = timeout.total_seconds() if timeout is not None else _default_timeout_s()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"fscomm/joined/{name}/{rank}", "1")  # set-up only: lets a failure name who never came
     try:
         group = dist.new_group(backend=backend, timeout=timeout, group_desc=name, pg_options=pg_options)
-    except Exception as exc:  # the store barrier of new_group names the ranks that joined; keep its text
+    except Exception as exc:
+        try:
+            missing = [r for r in range(world) if not store.check([f"fscomm/joined/{name}/{r}"])]
+            who = f"rank(s) {missing} never called it" if missing else "every rank called it"
+        except Exception:
+            who = "the store is unreachable"
         raise RuntimeError(
-            f"new_stage_group({name!r}) on rank {dist.get_rank()} of {dist.get_world_size()}: not every rank "
-            f"joined within {timeout_s:.1f} s ({exc})"
+            f"new_stage_group({name!r}) on rank {rank} of {world}: not every rank joined within {timeout_s:.1f} s; "
+            f"{who} ({exc})"
         ) from exc
     state = GroupState(name=name, group=group, timeout_s=timeout_s)
     with _lock:

@@ -77,7 +77,8 @@ class Ctx:
             self.device = torch.device("cpu")
         self.computes = self.device.type == "cuda"
         self.any_cuda = want == "cuda"
-        self.transports: dict[str, Any] = {}
+        self.transports: dict[str, Any] = {}  # driven by the main thread (latency)
+        self.traffic_transports: dict[str, Any] = {}  # driven by the traffic thread: a group of its own
         self.skipped: dict[str, str] = {}
 
     def bcast(self, obj: Any) -> Any:
@@ -108,16 +109,20 @@ class Ctx:
             if reason:
                 self.skipped[name] = reason
                 continue
-            if name == "nccl-ce":
-                from fscomm.nccl_ce import ce_group_options
-
-                group = new_stage_group(f"bench-{name}", backend="nccl", timeout=timeout, pg_options=ce_group_options())
-            else:
-                group = new_stage_group(f"bench-{name}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
             try:
-                self.transports[name] = get_transport(name, group)
+                self.transports[name] = get_transport(name, self._group(name, "main", timeout))
+                self.traffic_transports[name] = get_transport(name, self._group(name, "traffic", timeout))
             except TransportUnavailableError as exc:
                 self.skipped[name] = str(exc)
+                self.transports.pop(name, None)
+
+    def _group(self, name: str, role: str, timeout: datetime.timedelta):
+        """One group per backend and issuing thread (fscomm refuses a second thread on a group)."""
+        if name == "nccl-ce":
+            from fscomm.nccl_ce import ce_group_options
+
+            return new_stage_group(f"bench-{name}-{role}", backend="nccl", timeout=timeout, pg_options=ce_group_options())
+        return new_stage_group(f"bench-{name}-{role}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
 
 
 def _reason(name: str) -> Optional[str]:
@@ -163,7 +168,7 @@ class PeerTraffic:
     """n all_to_all exchanges of a transport, two in flight, from a thread of their own (as a loader would)."""
 
     def __init__(self, ctx: Ctx, name: str):
-        self.ctx, self.t = ctx, ctx.transports[name]
+        self.ctx, self.t = ctx, ctx.traffic_transports[name]
         self.x = torch.empty(TRAFFIC_BLOCK * ctx.world, dtype=torch.uint8, device=ctx.device)
         self.splits = [TRAFFIC_BLOCK] * ctx.world
         self.stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
@@ -319,6 +324,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
             if local and ctx.computes:
                 try:
                     traffic = LocalTraffic(ctx, kind)
+                    traffic.start(1).join(None)  # compiles the proxy kernel here, where a failure is caught
                 except Exception as exc:  # e.g. no Triton for the proxy kernel
                     traffic = exc
             elif not local:
@@ -327,8 +333,10 @@ def bench_contention(ctx: Ctx) -> list[dict]:
             if any(errs):
                 rows.append({"kernel": kname, "traffic": kind, "skipped": next(e for e in errs if e)})
                 continue
-            # calibrate: how long one unit of traffic takes alone (slowest rank)
+            # calibrate: how long one unit of traffic takes alone (slowest rank), after a warm-up (kernel
+            # compilation, staging pool)
             if traffic is not None:
+                traffic.start(2).join(None)
                 traffic.start(4).join(None)
             unit = max(ctx.gather(traffic.seconds() / 4 if traffic is not None else 0.0))
             n = max(2, math.ceil(1.5 * t_alone / max(unit, 1e-6)) + 1)
@@ -341,7 +349,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
                 ok = all(ctx.gather(got[True][1]))
                 if not ok:
                     dropped += 1
-                    n = int(n * 1.5) + 1
+                    n = 2 * n
                 elif ctx.computes:
                     ratios.append(got[True][0] / got[False][0])
             all_ratios = [r for rs in ctx.gather(ratios) for r in rs]
@@ -373,11 +381,13 @@ def trace_host(ctx: Ctx) -> Optional[dict]:
         traffic.start(4).join(None)
     kernel = _kernel("sdpa", ctx.device) if ctx.computes else None
     if ctx.computes:
+        kernel()  # build cuDNN's plan outside the trace, or the copies finish before the first attention kernel
+        torch.cuda.synchronize(ctx.device)
         out["overlapped_with_sdpa"] = trace(lambda: _trial(ctx, kernel, traffic, 4)).summary()
         out["compute_stream"] = torch.cuda.current_stream(ctx.device).stream_id
     else:
         _trial(ctx, kernel, traffic, 4)
-    out["pool"] = ctx.transports["host"].pool_stats()
+    out["pool"] = ctx.traffic_transports["host"].pool_stats()
     return out
 
 

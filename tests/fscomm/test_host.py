@@ -249,3 +249,24 @@ def test_peer_that_dies_fails_fast_naming_op_and_rank(stage_cpu):
     msg, took = run_ranks(_dies, 2, args=(stage_cpu,), timeout=40)[0]
     assert "all_gather #1" in msg and "rank(s) [1]" in msg, msg
     assert took < 5, took  # a closed connection is seen at once, well before the group timeout
+
+
+def _skips_group(rank, world_size):
+    from fscomm import new_stage_group
+
+    if rank == 1:  # never joins the stage group
+        time.sleep(4)
+        return None
+    t0 = time.monotonic()
+    try:
+        new_stage_group("embedding", timeout=datetime.timedelta(seconds=2))
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - t0
+    return "no error", 0.0
+
+
+def test_peer_that_never_joins_a_stage_group_is_an_error():
+    msg, took = run_ranks(_skips_group, 2, timeout=40)[0]
+    assert "new_stage_group('embedding') on rank 0 of 2: not every rank joined within 2.0 s" in msg, msg
+    assert "rank(s) [1] never called it" in msg, msg
+    assert took < 4, took
