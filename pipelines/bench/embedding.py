@@ -47,6 +47,7 @@ class BenchConfig:
     steps: int = 12
     warmup: int = 3
     dense_layers: int = 4
+    compute_ms: float = 0.0
     collisions: list[float] = field(default_factory=lambda: [0.0, 0.02, 0.05, 0.1, 0.2, 0.5])
     fit_collision: float = 0.05
     device: str = "cpu"
@@ -63,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per configuration (after warm-up)")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--dense-layers", type=int, default=d.dense_layers, help="tanh layers of the toy dense model")
+    parser.add_argument("--compute-ms", type=float, default=d.compute_ms,
+                        help="emulated dense compute per step (1/3 forward, 2/3 backward) for the exchanges to overlap")
     parser.add_argument("--collisions", type=str, default=",".join(map(str, d.collisions)), help="collision knob sweep")
     parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
@@ -73,7 +76,7 @@ def _config_from_args(args) -> BenchConfig:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = BenchConfig(
         nproc=args.nproc, zipf=args.zipf, max_uih=args.max_uih, batch_size=args.batch_size, dim=args.dim,
-        steps=args.steps, warmup=args.warmup, dense_layers=args.dense_layers,
+        steps=args.steps, warmup=args.warmup, dense_layers=args.dense_layers, compute_ms=args.compute_ms,
         collisions=[float(x) for x in args.collisions.split(",") if x.strip()], fit_collision=args.fit_collision, device=device,
     )
     if cfg.nproc < 2:
@@ -117,7 +120,47 @@ def _dense(cfg: BenchConfig, device) -> list[torch.Tensor]:
     return [(torch.randn(cfg.dim, cfg.dim, generator=g) / cfg.dim**0.5).to(device) for _ in range(cfg.dense_layers)]
 
 
-def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor]) -> torch.Tensor:
+class _Busy(torch.autograd.Function):
+    """Emulated dense compute of a fixed duration: on GPU a sleep kernel on the compute stream (the stream is
+    busy, the host is free, as under a real model's kernels); on CPU a sleep that leaves the cores to the
+    exchange threads (as a GPU model would). Isolates what the paper's section 5.2 measures: how much of the
+    embedding communication the step's compute hides."""
+
+    cycles_per_ms: Optional[float] = None
+
+    @staticmethod
+    def _spend(ms: float, device) -> None:
+        if ms <= 0:
+            return
+        if device.type == "cuda":
+            if _Busy.cycles_per_ms is None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(10_000_000)
+                end.record()
+                end.synchronize()
+                _Busy.cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+            torch.cuda._sleep(int(ms * _Busy.cycles_per_ms))
+        else:
+            time.sleep(ms / 1e3)
+
+    @staticmethod
+    def forward(ctx, x, fwd_ms: float, bwd_ms: float):
+        ctx.bwd_ms = bwd_ms
+        _Busy._spend(fwd_ms, x.device)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Busy._spend(ctx.bwd_ms, grad.device)
+        return grad, None, None
+
+
+def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor], compute_ms: float = 0.0) -> torch.Tensor:
+    if compute_ms > 0:
+        emb = dict(emb)
+        first = next(iter(emb))
+        emb[first] = _Busy.apply(emb[first], compute_ms / 3, 2 * compute_ms / 3)
     total = 0.0
     for e in emb.values():
         h = e
@@ -127,10 +170,23 @@ def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor]) -> torch.Tens
     return total
 
 
-def _train(coll, batches, dense, prefetch: bool, warmup: int, sync_device):
+def _train(coll, batches, dense, prefetcher, warmup: int, sync_device, compute_ms: float = 0.0):
+    """Trains over ``batches`` with a one-step lookahead. ``prefetcher`` (prioritized runs): the ID-prefetch
+    stage in a thread of its own, two batches ahead, as the loader runs it; waiting for its result is counted
+    as ID exchange time. Without it (synchronous runs) the ids are exchanged inside the step."""
     losses, step_s = [], []
-    ahead = coll.exchange_ids if prefetch else (lambda f: f)
-    nxt = ahead(batches[0])
+    futures = {}
+
+    def ids_of(s):
+        if prefetcher is None:
+            return batches[s]
+        for k in range(s, min(s + 2, len(batches))):  # keep two batches in flight
+            if k not in futures:
+                futures[k] = prefetcher(batches[k])
+        with coll.timer.span("ids_a2a"):
+            return futures.pop(s).result()
+
+    nxt = ids_of(0)
     for s in range(len(batches)):
         if s == warmup:
             if sync_device:
@@ -138,14 +194,11 @@ def _train(coll, batches, dense, prefetch: bool, warmup: int, sync_device):
             coll.timer.reset()
         t0 = time.perf_counter()
         cur = nxt
-        # Prioritized: the next batch's ids leave before this step's compute (the ID-prefetch stage's job).
-        nxt = (ahead(batches[s + 1]) if s + 1 < len(batches) else None) if prefetch else None
-        emb = coll(cur, nxt)
-        loss = _loss(emb, dense)
+        nxt = ids_of(s + 1) if s + 1 < len(batches) else None
+        emb = coll(cur, nxt if prefetcher is not None else None)
+        loss = _loss(emb, dense, compute_ms)
         loss.backward()
         losses.append(loss.detach())
-        if s + 1 < len(batches) and not prefetch:
-            nxt = batches[s + 1]
         if sync_device:
             torch.cuda.synchronize()
         if s >= warmup:
@@ -163,6 +216,14 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
 
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
     transport, backward_transport = stage_transports()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.id_prefetch import start_prefetch
+
+    prefetch_transport = get_transport("host", group=new_stage_group("bench-id-prefetch"))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="id-prefetch")
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
     records = []
@@ -172,7 +233,12 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
             coll = cls(plan, rank, transport=transport, backward_transport=backward_transport, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
             dist.barrier()
-            losses, step_s = _train(coll, batches, dense, prefetch=(mode == "prioritized"), warmup=cfg.warmup, sync_device=device.type == "cuda")
+            prefetcher = None
+            if mode == "prioritized":
+                def prefetcher(features, plan=plan):
+                    return pool.submit(start_prefetch, plan.stack_ids(features), plan.group_boundaries, prefetch_transport, rank)
+            losses, step_s = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup,
+                                    sync_device=device.type == "cuda", compute_ms=cfg.compute_ms)
             summary = coll.timer.summary()
             exposed = {p: summary.get(p, {"total_s": 0.0})["total_s"] / cfg.steps for p in PARTS}
             runs[mode] = dict(
@@ -187,6 +253,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
             ids_per_step=s["ids"] / len(batches),
             sync_exposed=s["exposed"], prioritized_exposed=p["exposed"], sync_step_s=s["step_s"], prioritized_step_s=p["step_s"],
         ))
+    pool.shutdown()
     return records
 
 
