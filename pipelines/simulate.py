@@ -369,11 +369,12 @@ def plot_sweeps(records: list[dict], out_dir: str) -> list[str]:
         if not rows:
             continue
         fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for name in dict.fromkeys(r["partitioner"] for r in rows):
+        for i, name in enumerate(dict.fromkeys(r["partitioner"] for r in rows)):
             pts = sorted((r[axis], r["sparsity"], r["straggler_pct"]) for r in rows if r["partitioner"] == name)
             xs = [p[0] for p in pts]
-            left.plot(xs, [p[1] for p in pts], marker="o", label=name)
-            right.plot(xs, [p[2] for p in pts], marker="o", label=name)
+            style = dict(marker="os^xdv"[i % 6], linestyle=("-", "--", "-.", ":")[i % 4], label=name)  # overlaps stay visible
+            left.plot(xs, [p[1] for p in pts], **style)
+            right.plot(xs, [p[2] for p in pts], **style)
         for ax, title in ((left, "sparsity (Eq. 1) of the local batches"), (right, "straggler %")):
             ax.set_xlabel(label)
             ax.set_title(title)
