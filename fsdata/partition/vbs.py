@@ -73,6 +73,11 @@ class VBSPartitioner:
         dest[sorted_index] = np.repeat(np.arange(lengths.world_size, dtype=np.int64), np.diff(cuts))
         return Plan.from_destinations(dest, lengths.world_size)
 
+    def rank_weights(self, lengths: GatheredLengths, runtime: RuntimeInfo, plan: Plan) -> np.ndarray:
+        """[W] total weight each rank receives under ``plan`` (for ``AutoTune.record_weights``)."""
+        weights = self.cost_model.sample_costs(lengths, runtime)
+        return np.bincount(plan.destinations().numpy(), weights=weights, minlength=lengths.world_size)
+
     def __repr__(self) -> str:
         return f"VBSPartitioner({self.cost_model}, ensure_nonempty={self.ensure_nonempty})"
 
@@ -83,7 +88,8 @@ class AutoTune:
     Use, on every rank alike (the inputs are gathered, so every rank holds the same state)::
 
         shares = autotune.shares_for_step(j)      # when planning step j: RuntimeInfo(budget_shares=shares)
-        autotune.observe(i, step_times, rank_weights)   # once step i's per-rank times are gathered (i <= j - 2)
+        autotune.record_weights(j, vbs.rank_weights(lengths, runtime, plan))   # optional, after planning j
+        autotune.observe(i, step_times)           # once step i's per-rank times are gathered (i <= j - 2)
 
     ``step_times`` must be each rank's own busy time up to the gradient synchronisation (not including the wait
     there, which would make every rank look alike).
@@ -136,12 +142,26 @@ class AutoTune:
             del self._used[min(self._used)]
         return self.shares()
 
+    def record_weights(self, step: int, rank_weights) -> None:
+        """Remembers the weight each rank really received in ``step``'s plan (optional, after planning it).
+
+        ``rank_weights`` [W]: ``VBSPartitioner.rank_weights(lengths, runtime, plan)``. The later measurement of
+        ``step`` is then judged against these instead of the planned shares: see :meth:`observe`.
+        """
+        got = as_numpy(rank_weights, np.float64, "AutoTune rank_weights")
+        if got.size != self.world_size or not np.all(np.isfinite(got)) or got.min() < 0:
+            raise ValueError(f"AutoTune.record_weights: step {step} needs {self.world_size} finite weights >= 0")
+        if got.sum() > 0:
+            self._used[int(step)] = got / got.sum()
+            while len(self._used) > self.history:
+                del self._used[min(self._used)]
+
     def observe(self, measured_step: int, step_times, rank_weights=None) -> None:
         """Feeds the gathered per-rank busy times of ``measured_step``.
 
-        ``rank_weights`` (optional, [W]): the weight each rank actually received in that step's plan
-        (``metrics.per_rank_cost(plan, weights)``). With it the estimate uses what the rank really got instead of
-        its share, so the cut granularity (up to one sample's weight per rank) does not enter as noise; this
+        ``rank_weights`` (optional, [W]): the weight each rank actually received in that step's plan, if not
+        given to :meth:`record_weights` already. With it the estimate uses what the rank really got instead of its
+        planned share, so the cut granularity (up to one sample's weight per rank) does not enter as noise; this
         matters when a rank holds few heavy samples.
         """
         times = as_numpy(step_times, np.float64, "AutoTune step_times")

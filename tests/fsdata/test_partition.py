@@ -342,10 +342,13 @@ def simulate_autotune(
     for step in range(start, start + steps):
         if step - 2 in pending:
             times, work = pending.pop(step - 2)
-            autotune.observe(step - 2, times, work if with_weights else None)
+            autotune.observe(step - 2, times)
         lengths = random_lengths(world, 64, seed=seed * 1000 + step, cap=6000)
-        plan = vbs(lengths, RuntimeInfo(step=step, budget_shares=autotune.shares_for_step(step)))
+        runtime = RuntimeInfo(step=step, budget_shares=autotune.shares_for_step(step))
+        plan = vbs(lengths, runtime)
         work = per_rank_cost(plan, lengths.uih_lengths.numpy().astype(float))
+        if with_weights:
+            autotune.record_weights(step, vbs.rank_weights(lengths, runtime, plan))
         pending[step] = ((overhead + speed * work) * (1 + 0.002 * rng.standard_normal(world)), work)
         history.append(autotune.shares().numpy())
     return np.array(history)
