@@ -12,7 +12,7 @@ on the balancer's own process group, never on the dense all-reduce's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
@@ -42,9 +42,11 @@ def build_loader(
     rank: int,
     world_size: int,
     stages: Sequence[Stage] = (),
+    start: Optional[dict] = None,
 ) -> Loader:
+    """``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader)."""
     config.validate()
-    node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size)
+    node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size, start)
     if config.prefetch_depth > 0:
         node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
     for wrap in stages:

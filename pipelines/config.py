@@ -51,6 +51,9 @@ class TrainConfig:
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step here (rank 0)")
     threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks)")
     progress: bool = _f(True, "progress bar on rank 0")
+    checkpoint_dir: Optional[str] = _f(None, "directory of checkpoints (model, optimizer, loader state, step)")
+    checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: never)")
+    resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
     transport: str = _f("host", "transport of the overlapped exchanges: host (SM-free), nccl, nccl-ce, rdma")
 
 
@@ -84,6 +87,10 @@ class JobConfig:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():
             raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
+        if self.train.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
+        if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:
+            raise ValueError("checkpoint_every and resume=latest need --checkpoint-dir")
         if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):
             raise ValueError(f"transport must be host, nccl, nccl-ce or rdma, got {self.train.transport!r}")
         if self.balancer.autotune and self.balancer.partitioner != "vbs":

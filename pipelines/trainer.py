@@ -35,6 +35,7 @@ from fsdata.nodes.gather_lengths import StepFeedback
 from fsdata.batch import Batch
 from fsdata.metrics import sparsity
 from fsdata.loader import build_loader
+from pipelines import checkpoint
 from pipelines.builders import build_model, build_source
 from pipelines.config import JobConfig
 from pipelines.model import bce_sum, normalized_entropy
@@ -58,10 +59,17 @@ class Trainer:
         self.timer = Timer("cpu")  # host wall clock of the step's parts (the step synchronises on CUDA anyway)
         self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
-        self.loader = build_loader(self.source, config.loader, rank, world_size, self._balancer_stages())
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)
         self.step = 0
+        self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
+        resumed = self._load_checkpoint()
+        self.loader = build_loader(
+            self.source, config.loader, rank, world_size, self._balancer_stages(),
+            start={"epoch": self.epoch, "cursor": self.cursor},
+        )
+        if resumed is not None:
+            self.loader.load_state_dict(resumed)
         self.history: list[dict] = []
         self._metrics_file = None
 
@@ -95,7 +103,10 @@ class Trainer:
                 self.timer.add("data_wait", data_wait)
                 record["step_time_s"] = time.perf_counter() - t0
                 self.step += 1
+                self._advance_cursor(batch_samples=sum(record["samples_per_rank"]))
                 self._log(record, progress)
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
         finally:
             if progress is not None:
                 progress.close()
@@ -109,6 +120,7 @@ class Trainer:
             item = next(batches)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item = next(iter(self.loader))
+            self.epoch, self.cursor = self.epoch + 1, 0
         return item if isinstance(item, tuple) else (item, None)
 
     def forward_backward(self, batch: Batch) -> tuple[float, float, float]:
@@ -180,6 +192,43 @@ class Trainer:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad) * scale)
             offset += n
         return flat[offset:].double().cpu()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _advance_cursor(self, batch_samples: int) -> None:
+        self.cursor += batch_samples  # every global step consumes exactly its samples, whatever the balancing
+
+    def save_checkpoint(self) -> None:
+        checkpoint.save(
+            self.config.train.checkpoint_dir,
+            self.step,
+            self.rank,
+            self.world_size,
+            {
+                checkpoint.MODEL_KEY: self.model.state_dict(),
+                checkpoint.OPTIMIZER_KEY: self.optimizer.state_dict(),
+                checkpoint.LOADER_KEY: self.loader.state_dict(),
+                checkpoint.CURSOR_KEY: {"epoch": self.epoch, "cursor": self.cursor},
+            },
+        )
+
+    def _load_checkpoint(self) -> Optional[dict]:
+        """Restores model, optimizer, step and data position; returns the loader state to restore, if any."""
+        resume = self.config.train.resume
+        if not resume:
+            return None
+        directory = checkpoint.latest(self.config.train.checkpoint_dir) if resume == "latest" else Path(resume)
+        if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
+            return None
+        payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
+        self.model.load_state_dict(payload[checkpoint.MODEL_KEY])
+        self.optimizer.load_state_dict(payload[checkpoint.OPTIMIZER_KEY])
+        self.step = int(payload[checkpoint.STEP_KEY])
+        position = payload[checkpoint.CURSOR_KEY]
+        self.epoch, self.cursor = int(position["epoch"]), int(position["cursor"])
+        if self.rank == 0:
+            print(f"[freescale] resumed from {directory} at step {self.step} (epoch {self.epoch}, sample {self.cursor})"
+                  + ("" if same_world else f"; loader state rebuilt for world size {self.world_size}"))
+        return payload[checkpoint.LOADER_KEY] if same_world else None
 
     # ------------------------------------------------------------------ output
     def _progress_bar(self):

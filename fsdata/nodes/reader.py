@@ -23,7 +23,15 @@ class GlobalBatchReader(BaseNode[Batch]):
     EPOCH_KEY = "epoch"
     CURSOR_KEY = "cursor"
 
-    def __init__(self, source: SampleSource, batch_size: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        source: SampleSource,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        start: Optional[Dict[str, int]] = None,
+    ) -> None:
+        """``start``: ``{epoch, cursor}`` to begin from (e.g. a checkpoint of a run on another world size)."""
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -33,8 +41,11 @@ class GlobalBatchReader(BaseNode[Batch]):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
-        self._epoch = 0
-        self._cursor = 0
+        self._start = dict(start) if start is not None else {self.EPOCH_KEY: 0, self.CURSOR_KEY: 0}
+        if set(self._start) != {self.EPOCH_KEY, self.CURSOR_KEY}:
+            raise ValueError(f"GlobalBatchReader start must hold exactly 'epoch' and 'cursor', got {sorted(self._start)}")
+        self._epoch = int(self._start[self.EPOCH_KEY])
+        self._cursor = int(self._start[self.CURSOR_KEY])
         self._started = False
 
     @property
@@ -53,6 +64,9 @@ class GlobalBatchReader(BaseNode[Batch]):
         elif self._started:  # a plain reset after a (possibly partial) epoch starts the next epoch
             self._epoch += 1
             self._cursor = 0
+        else:
+            self._epoch = int(self._start[self.EPOCH_KEY])
+            self._cursor = int(self._start[self.CURSOR_KEY])
         self._started = True
 
     def next(self) -> Batch:
