@@ -114,12 +114,10 @@ class GatheredLengths:
         offsets = np.zeros(len(uih) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         all_uih = np.concatenate(uih) if uih else np.zeros(0, np.int64)
-        if per_rank_num_candidates is None:
-            num_cands = np.zeros_like(all_uih)
-        else:
-            num_cands = np.concatenate(
-                [as_numpy(x, np.int64, f"rank {r} num_candidates") for r, x in enumerate(per_rank_num_candidates)]
-            ) if len(per_rank_num_candidates) else np.zeros(0, np.int64)
+        num_cands = np.zeros_like(all_uih)
+        if per_rank_num_candidates is not None and len(per_rank_num_candidates):
+            parts = [as_numpy(x, np.int64, f"rank {r} num_candidates") for r, x in enumerate(per_rank_num_candidates)]
+            num_cands = np.concatenate(parts)
         if candidate_lengths is None:
             candidate_lengths = np.ones(int(num_cands.sum()), dtype=np.int64)
         ids = np.arange(all_uih.size, dtype=np.int64) if sample_ids is None else sample_ids

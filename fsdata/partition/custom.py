@@ -36,7 +36,8 @@ def load_callable(spec: str) -> Callable[..., Any]:
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"custom partitioner {spec!r}: {target.__name__!r} has no attribute {part!r}")
+            owner = getattr(target, "__name__", type(target).__name__)
+            raise ValueError(f"custom partitioner {spec!r}: {owner!r} has no attribute {part!r}")
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"custom partitioner {spec!r} is a {type(target).__name__}, not a callable")

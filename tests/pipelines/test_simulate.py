@@ -72,3 +72,17 @@ def test_sweep_plots_are_written(tmp_path):
     ]
     paths = simulate.plot_sweeps(records, str(tmp_path))
     assert len(paths) == 3 and all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
+
+
+def test_parquet_lengths_are_read_capped_and_wrapped(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    uih = [[1] * n for n in (3, 50, 7, 1, 20)]
+    labels = [[[1.0]] * c for c in (1, 2, 1, 3, 1)]
+    pq.write_table(pa.table({"uih_item_ids": uih, "candidate_labels": labels}), tmp_path / "part.parquet")
+    source = simulate.ParquetLengths(str(tmp_path), ranks=2, batch_size=2, max_uih=10)
+    step0, step1 = source.step(0), source.step(1)
+    assert step0.uih_lengths.tolist() == [3, 10, 7, 1] and step0.num_candidates.tolist() == [1, 2, 1, 3]
+    assert step1.uih_lengths.tolist() == [10, 3, 10, 7]  # sample 4, then wrapped to 0, 1, 2
+    assert step1.rank_offsets.tolist() == [0, 2, 4]
