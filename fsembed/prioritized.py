@@ -241,7 +241,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             co_rows, ex_rows = step.local[co_shard], step.local[~co_shard]
 
         if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
-            nxt.fresh_handle = self.backward_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
+            nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
         # lines 18-20: collision gradients first, updated at once
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         with self.timer.span(GRAD_A2A):
@@ -253,7 +253,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             )
             ex_send = [a - b for a, b in zip(sid.send_splits, co_send)]
             ex_recv = [a - b for a, b in zip(sid.recv_splits, co_recv)]
-            c.pending_ex = (self.backward_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
+            c.pending_ex = (self.bulk_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)

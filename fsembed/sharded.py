@@ -23,7 +23,7 @@ from torch import nn
 
 from fscomm.timing import Timer
 from fsdata.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
-from fsembed.comm import stage_transports
+from fsembed.comm import StageTransports, stage_transports
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
 from kernels import ops
@@ -93,8 +93,9 @@ class ShardedEmbeddingCollection(nn.Module):
     ``forward(ids, next_ids=None) -> {feature: Tensor[n_f, dim]}`` (rows in the order of the feature's ids).
     ``grad_scale`` multiplies every gradient row before the gradient AllToAll: torchrec uses 1/world_size
     (its embedding gradients are divided by the world size); 1.0 gives the plain gradient of the loss.
-    ``transport``/``backward_transport``: by default the stage's own pair (comm.py); a single ``transport``
-    serves both directions on CPU, but not on CUDA, where autograd's backward thread needs a group of its own.
+    ``transport``: by default the stage's own transports (comm.StageTransports, three groups); a single
+    transport serves every exchange on CPU, but not on CUDA, where autograd's backward thread needs a group
+    of its own.
     """
 
     def __init__(
@@ -103,7 +104,6 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: Optional[int] = None,
         *,
         transport=None,
-        backward_transport=None,
         optimizer: Optional[RowWiseOptimizer] = None,
         init_tables: Optional[Mapping[str, torch.Tensor]] = None,
         seed: int = 0,
@@ -120,9 +120,13 @@ class ShardedEmbeddingCollection(nn.Module):
         self.plan = plan
         self.device = torch.device(device)
         if transport is None:
-            transport, backward_transport = stage_transports()
-        self.transport = transport  # exchanges issued by forwards
-        self.backward_transport = backward_transport if backward_transport is not None else transport  # by backwards
+            transport = stage_transports()
+        elif not isinstance(transport, StageTransports):
+            transport = StageTransports.single(transport)
+        self.transports = transport
+        self.transport = transport.forward  # exchanges issued by forwards
+        self.backward_transport = transport.backward  # urgent exchanges issued by backwards
+        self.bulk_transport = transport.bulk  # overlapped exchanges issued by backwards (prioritized)
         self.optimizer = optimizer if optimizer is not None else SGD()
         self.grad_scale = float(grad_scale)
         self.timer = timer if timer is not None else Timer(self.device)

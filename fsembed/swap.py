@@ -37,10 +37,11 @@ class EmbeddingHub:
         self._ids: dict[str, torch.Tensor] = {}
         self._out: dict[str, torch.Tensor] = {}
 
-    def prepare(self, features: Mapping[str, torch.Tensor], next_features=None) -> None:
-        """Looks up every feature of this step (``next_features``: the next step's, for prioritized updates)."""
+    def prepare(self, features: Mapping[str, torch.Tensor], next_features=None, *, prefetched=None) -> None:
+        """Looks up every feature of this step (``next_features``: the next step's, for prioritized updates;
+        ``prefetched``: this step's ID exchange started earlier by ``collection.exchange_ids(features)``)."""
         self._ids = {k: v.reshape(-1) for k, v in features.items()}
-        self._out = self.collection(features, next_features)
+        self._out = self.collection(prefetched if prefetched is not None else features, next_features)
 
     def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
         if feature not in self._out:

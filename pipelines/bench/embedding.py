@@ -215,7 +215,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     from fsembed.sharded import ShardedEmbeddingCollection
 
     device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    transport, backward_transport = stage_transports()
+    transports = stage_transports()
     from concurrent.futures import ThreadPoolExecutor
 
     from fscomm import get_transport
@@ -231,7 +231,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
         batches = _batches(cfg, rank, world_size, collision, max_uih, device)
         runs = {}
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
-            coll = cls(plan, rank, transport=transport, backward_transport=backward_transport, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+            coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
             dist.barrier()
             prefetcher = None
             if mode == "prioritized":

@@ -46,7 +46,7 @@ def _body(rank, world_size):
     from fsembed.comm import stage_transports
     from tests.stateful import run_test_save_load_state
 
-    transport = stage_transports()[0]
+    transport = stage_transports().forward
     plan = _plan(world_size)
     stage("one epoch")
     sent = received = 0
