@@ -1,11 +1,17 @@
 """fsembed: row-wise sharded embedding tables, sparse optimizers, synchronous and prioritized updates."""
 
+from fsembed.comm import StageTransports, stage_transports
 from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optimizer
 from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, ShardedEmbeddingCollection
+from fsembed.swap import EmbeddingHub, swap_embeddings
 
 __all__ = [
+    "StageTransports",
+    "stage_transports",
+    "EmbeddingHub",
+    "swap_embeddings",
     "SGD",
     "Adam",
     "RowWiseAdagrad",

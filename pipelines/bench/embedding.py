@@ -5,7 +5,8 @@ Every configuration trains the same synthetic batches twice on ``--nproc`` local
 synchronous collection ("vanilla TorchRec": ID AllToAll inside the step, blocking embedding and gradient
 AllToAlls) and once with prioritized updates (ids prefetched one step ahead, only collision rows waited for).
 Exposed time is the time the training thread spends blocked in ``wait()`` on each part (Timer spans ids_a2a,
-emb_a2a, grad_a2a), per step, averaged over ranks and steps after a warm-up.
+emb_a2a, grad_a2a) per step: on each rank the median over the timed steps (after a warm-up), then the mean
+over ranks; ``total`` is the median of the per-step sums, so the parts need not add up to it exactly.
 
 Sweeps: the generator's collision knob (fraction of a global batch's unique rows that the previous global batch
 also used) at ``--max-uih``, and the UIH length at ``--fit-collision``; a least-squares line of prioritized
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
     parser.add_argument("--json", type=str, default=None, help="write the records here")
+    parser.add_argument("--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)")
 
 
 def _config_from_args(args) -> BenchConfig:
@@ -174,7 +176,7 @@ def _train(coll, batches, dense, prefetcher, warmup: int, sync_device, compute_m
     """Trains over ``batches`` with a one-step lookahead. ``prefetcher`` (prioritized runs): the ID-prefetch
     stage in a thread of its own, two batches ahead, as the loader runs it; waiting for its result is counted
     as ID exchange time. Without it (synchronous runs) the ids are exchanged inside the step."""
-    losses, step_s = [], []
+    losses, step_s, exposed = [], [], []
     futures = {}
 
     def ids_of(s):
@@ -203,7 +205,10 @@ def _train(coll, batches, dense, prefetcher, warmup: int, sync_device, compute_m
             torch.cuda.synchronize()
         if s >= warmup:
             step_s.append(time.perf_counter() - t0)
-    return losses, step_s
+            summary = coll.timer.summary()
+            exposed.append({p: summary.get(p, {"total_s": 0.0})["total_s"] for p in PARTS})
+        coll.timer.reset()
+    return losses, step_s, exposed
 
 
 def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[float, int]]) -> list[dict]:
@@ -237,14 +242,17 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
             if mode == "prioritized":
                 def prefetcher(features, plan=plan):
                     return pool.submit(start_prefetch, plan.stack_ids(features), plan.group_boundaries, prefetch_transport, rank)
-            losses, step_s = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup,
+            losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup,
                                     sync_device=device.type == "cuda", compute_ms=cfg.compute_ms)
-            summary = coll.timer.summary()
-            exposed = {p: summary.get(p, {"total_s": 0.0})["total_s"] / cfg.steps for p in PARTS}
+            # Median over steps: the CPU machines are shared, and one step that lost its core to another
+            # process would otherwise dominate a mean of a dozen steps.
+            exposed = {p: float(np.median([e[p] for e in per_step])) for p in PARTS}
+            exposed["total"] = float(np.median([sum(e.values()) for e in per_step]))
             runs[mode] = dict(
-                losses=torch.stack(losses).cpu(), tables=coll.full_tables(), exposed=exposed, step_s=float(np.mean(step_s)),
+                losses=torch.stack(losses).cpu(), tables=coll.full_tables(), exposed=exposed, step_s=float(np.median(step_s)),
                 collision=float(np.mean(coll.collision_rates[cfg.warmup:-1])) if mode == "prioritized" else None,
                 ids=int(sum(v.numel() for b in batches for v in b.values())),
+
             )
         s, p = runs["sync"], runs["prioritized"]
         parity = torch.equal(s["losses"], p["losses"]) and all(torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"])
@@ -308,8 +316,8 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
         rec["collision_measured"] = float(np.mean([r["collision_measured"] for r in recs]))
         rec["ids_per_rank_step"] = float(np.mean([r["ids_per_step"] for r in recs]))
         for mode in ("sync", "prioritized"):
-            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in PARTS}
-            rec[f"{mode}_exposed_ms"] = {**parts, "total": sum(parts.values())}
+            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total")}
+            rec[f"{mode}_exposed_ms"] = parts
             rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
         p_total = rec["prioritized_exposed_ms"]["total"]
         rec["exposed_reduction"] = rec["sync_exposed_ms"]["total"] / p_total if p_total > 0 else float("inf")
@@ -361,6 +369,30 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list[tuple[str, dict]], path: str) -> None:
+    """Exposed embedding communication against the measured collision rate (Figure 9's right half), one pair of
+    lines (synchronous, prioritized) per labelled result."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, result in results:
+        recs = sorted((r for r in result["records"] if r["max_uih"] == result["config"]["max_uih"]), key=lambda r: r["collision_measured"])
+        xs = [100 * r["collision_measured"] for r in recs]
+        for mode, style in (("sync", "o--"), ("prioritized", "s-")):
+            ax.plot(xs, [r[f"{mode}_exposed_ms"]["total"] for r in recs], style, label=f"{label}: {mode}")
+    ax.set_xlabel("collision rate (% of shard-major ids)")
+    ax.set_ylabel("exposed embedding communication per step (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(args) -> int:
     cfg = _config_from_args(args)
     result = run(cfg)
@@ -368,4 +400,6 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.plot:
+        plot([(cfg.device, result)], args.plot)
     return 0 if all(r["parity"] for r in result["records"]) else 1
