@@ -28,7 +28,9 @@ from fsdata.partition import AutoTune, get_partitioner
 
 @dataclass
 class BalancerConfig:
-    partitioner: str = field(default="none", metadata={"help": "none, fbs, vbs, kk or module:function"})
+    partitioner: str = field(
+        default="fbs", metadata={"help": "none, fbs, vbs, kk or module:function (modes replicated and freescale)"}
+    )
     alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
     autotune: bool = field(default=False, metadata={"help": "VBS: tune per-rank budgets from measured step times"})
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from fsdata.source import SampleSource
-from pipelines.config import DataConfig, ModelSection
+from pipelines.config import DataConfig, ModelSection, TrainConfig
 from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
 
 
@@ -44,3 +44,23 @@ def build_model(config: ModelSection, source: SampleSource, seed: int) -> Sequen
     model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1], **sizes)
     torch.manual_seed(seed)
     return SequenceModel(model_config)
+
+
+def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: torch.device):
+    """The staged pipeline around ``model`` for the sharded-embedding modes (None for ``replicated``)."""
+    if config.mode == "replicated":
+        return None
+    from fsembed import get_optimizer
+    from pipelines.staged import StagedPipeline
+
+    optimizer = get_optimizer(config.embedding_optimizer, lr=config.embedding_lr)
+    return StagedPipeline(
+        model,
+        config.mode,
+        features=lambda batch: {"item_embedding": model.item_ids(batch)},
+        table_names=["item_embedding"],
+        optimizer=optimizer,
+        transport_name=config.transport,
+        timer=timer,
+        device=device,
+    )

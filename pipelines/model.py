@@ -139,9 +139,10 @@ class SequenceModel(nn.Module):
         return self.norm(x), mask
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        if batch.batch_size == 0:
-            return torch.zeros(0, self.config.num_labels, device=self.position.weight.device)
         rows = self.item_embedding(self.item_ids(batch))
+        if batch.batch_size == 0:
+            # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
+            return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0
         num_content = batch.content_ids.numel()
         uih_rows, content_rows = rows[: rows.shape[0] - num_content], rows[rows.shape[0] - num_content :]
         uih, uih_mask = self.encode_uih(batch, uih_rows)

@@ -1,28 +1,39 @@
 """The Trainer: reads top-down like a plain training loop.
 
-    train():  for each step: batch = next(loader) (timed: data wait) -> train_step(batch) -> log -> progress
+    train():       fetch batch i+1 (one batch of lookahead) -> train_step(batch i) -> log -> checkpoint
     train_step():  forward_backward (timed: compute) -> sync (one all-reduce, timed) -> optimizer step
 
-Gradient semantics. Local batches may differ in size (the last global batch of an epoch, and later variable
-batch size balancing), so each rank backpropagates the *sum* of its candidates' BCE, and the gradients are
-summed across ranks and divided by the global label count: exactly the gradient of the global mean loss,
-however the samples are spread over ranks.
+Modes (``--mode``), one harness:
+    replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
+                balanced when ``--partitioner`` is not none
+    sync        tables row-wise sharded, blocking ID/embedding/gradient AllToAlls in the step (vanilla TorchRec)
+    sdd         sync, with the next batch's ID AllToAll overlapped (TorchRec's TrainPipelineSparseDist)
+    freescale   balancer (``--partitioner``, default fbs) + prioritized embedding updates + SM-free transport
 
-The one all-reduce of a step carries, after the flat gradients, a bookkeeping block: the label count, the BCE
-sum and positives (for loss and NE), and per-rank slots (each rank writes only its own) with compute time,
-tokens, samples and sparsity. So per-rank timings reach every rank with no extra collective.
+Gradient semantics. Local batches may differ in size (the last global batch of an epoch, variable batch size
+balancing), so each rank backpropagates the sum of its candidates' BCE divided by the *global* label count,
+and the gradients are summed across ranks: exactly the gradient of the global mean loss however the samples
+are spread. The sharded tables' gradients come from the same scaled loss, so they follow the same semantics.
+The global label count comes free with the balancer's gathered lengths; without the balancer it costs one
+tiny all-reduce before the forward (timed as ``label_count``).
+
+The one all-reduce of a step carries, after the flat dense gradients, a bookkeeping block: the label count,
+the BCE sum and positives (for loss and NE), and per-rank slots (each rank writes only its own) with compute
+time, tokens, samples and sparsity. So per-rank timings reach every rank with no extra collective.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's
-definition (the mean idle wait across ranks relative to the iteration's duration).
+definition. Bubbles = exposed communication (IDs, embeddings, gradients, balancer waits, label count, the
+all-reduce itself net of straggler wait) + straggler wait.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,18 +42,34 @@ from fscomm import get_transport
 from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
-from fsdata.nodes.gather_lengths import StepFeedback
 from fsdata.batch import Batch
-from fsdata.metrics import sparsity
 from fsdata.loader import build_loader
+from fsdata.metrics import sparsity
+from fsdata.nodes.gather_lengths import StepFeedback
 from pipelines import checkpoint
-from pipelines.builders import build_model, build_source
+from pipelines.builders import build_model, build_pipeline, build_source
 from pipelines.config import JobConfig
 from pipelines.model import bce_sum, normalized_entropy
 
 # Bookkeeping block of the step all-reduce: global scalars, then PER_RANK_FIELDS slots per rank.
 _GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
 PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity")
+# Exposed-time spans (Timer names) per part; fsembed's names for its three exchanges.
+EXPOSED_SPANS = {
+    "ids_a2a": "ids_a2a",
+    "emb_a2a": "emb_a2a",
+    "grad_a2a": "grad_a2a",
+    "balancer": ("balancer_stage1_wait", "balancer_stage2_wait", "balancer_stage3_wait"),
+    "label_count": "label_count",
+}
+
+
+@dataclass
+class _Fetched:
+    batch: Batch
+    balance: Optional[dict]
+    new_epoch: bool
+    loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
 
 class Trainer:
@@ -60,7 +87,8 @@ class Trainer:
         self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)
+        self.pipeline = build_pipeline(self.model, config.train, self.timer, device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
@@ -73,8 +101,12 @@ class Trainer:
         self.history: list[dict] = []
         self._metrics_file = None
 
+    @property
+    def balancing(self) -> bool:
+        return self.config.train.mode in ("replicated", "freescale") and self.config.balancer.partitioner != "none"
+
     def _balancer_stages(self) -> list:
-        if self.config.balancer.partitioner == "none":
+        if not self.balancing:
             return []
         transport = get_transport(self.config.train.transport, group=new_stage_group("balancer"))
         capacity = self.config.loader.batch_size
@@ -89,24 +121,35 @@ class Trainer:
         if self.rank == 0 and cfg.metrics_jsonl:
             Path(cfg.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
             self._metrics_file = open(cfg.metrics_jsonl, "w")
-        batches = iter(self.loader)
+        items = iter(self.loader)
         start = time.perf_counter()
+        upcoming = self._fetch(items) if self.step < cfg.steps else None
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                batch, balance = self._next_batch(batches)
+                before = self._exposed_totals()
+                current = upcoming
+                upcoming = self._fetch(items) if self.step + 1 < cfg.steps else None
                 data_wait = time.perf_counter() - t0
-                record = self.train_step(batch.to(self.device, non_blocking=True))
+                if self.pipeline is not None:
+                    self.pipeline.upcoming = upcoming.batch if upcoming is not None else None
+                record = self.train_step(current)
+                record["exposed_s"] = self._exposed_delta(before, record)
                 record["data_wait_s"] = data_wait
-                if balance is not None:
-                    record["balance"] = balance
-                self.timer.add("data_wait", data_wait)
                 record["step_time_s"] = time.perf_counter() - t0
+                record["bubble_s"] = sum(record["exposed_s"].values()) + record["straggler_wait_s"]
+                if current.balance is not None:
+                    record["balance"] = current.balance
+                self.timer.add("data_wait", data_wait)
                 self.step += 1
-                self._advance_cursor(batch_samples=sum(record["samples_per_rank"]))
+                if current.new_epoch:
+                    self.epoch, self.cursor = self.epoch + 1, 0
+                self.cursor += sum(record["samples_per_rank"])  # a global step consumes exactly its samples
                 self._log(record, progress)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
+                    self.save_checkpoint(upcoming)
+            if self.pipeline is not None:
+                self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
         finally:
             if progress is not None:
                 progress.close()
@@ -114,25 +157,36 @@ class Trainer:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
 
-    def _next_batch(self, batches) -> tuple[Batch, Optional[dict]]:
-        """The next local batch, and the balancer's metrics of its step when balancing is on."""
+    def _fetch(self, items: Iterator) -> _Fetched:
+        """The next local batch (on the device), with the balancer's metrics of its step when balancing."""
+        new_epoch = False
+        loader_state = self.loader.state_dict()
         try:
-            item = next(batches)
+            item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
-            item = next(iter(self.loader))
-            self.epoch, self.cursor = self.epoch + 1, 0
-        return item if isinstance(item, tuple) else (item, None)
+            item, new_epoch = next(iter(self.loader)), True
+        batch, balance = item if isinstance(item, tuple) else (item, None)
+        return _Fetched(batch.to(self.device, non_blocking=True), balance, new_epoch, loader_state)
 
-    def forward_backward(self, batch: Batch) -> tuple[float, float, float]:
-        """Backward of the local BCE *sum*; returns (label count, BCE sum, positives)."""
+    def _global_labels(self, fetched: _Fetched) -> float:
+        if fetched.balance is not None:
+            return float(fetched.balance["global_candidates"] * fetched.batch.num_labels)
+        with self.timer.span("label_count"):
+            count = torch.tensor([float(fetched.batch.candidate_labels.numel())], device=self.device)
+            dist.all_reduce(count)
+        return float(count)
+
+    def forward_backward(self, batch: Batch, global_labels: float) -> tuple[float, float, float]:
+        """Backward of the local BCE sum over the global label count; returns (labels, BCE sum, positives).
+
+        Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
-        if labels.numel() == 0:  # an empty local batch contributes nothing but still joins the all-reduce
-            return 0.0, 0.0, 0.0
         loss = bce_sum(self.model(batch), labels)
-        loss.backward()
+        (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), float(loss.detach()), float(labels.sum())
 
-    def train_step(self, batch: Batch) -> dict:
+    def train_step(self, fetched: _Fetched) -> dict:
+        batch = fetched.batch
         # Every parameter gets a gradient buffer, even one this rank's batch did not touch (an empty batch):
         # the flat all-reduce must have the same layout on every rank.
         for p in self.model.parameters():
@@ -140,8 +194,9 @@ class Trainer:
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.zero_()
+        global_labels = self._global_labels(fetched)
         t0 = time.perf_counter()
-        labels, bce, positives = self.forward_backward(batch)
+        labels, bce, positives = self.forward_backward(batch, global_labels)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         compute = time.perf_counter() - t0
@@ -170,12 +225,13 @@ class Trainer:
             "sparsity_per_rank": per_rank[:, 3].tolist(),
             "imbalance_max_over_mean": float(per_rank[:, 1].max() / per_rank[:, 1].mean().clamp(min=1)),
             "allreduce_s": sync_time,
+            "allreduce_exposed_s": max(sync_time - float(wait[self.rank]), 0.0),
             "straggler_wait_s": float(wait.mean()),
             "straggler_pct": 100.0 * float(wait.mean()) / max(step_time, 1e-9),
         }
 
     def _sync(self, labels: float, bce: float, positives: float, mine: tuple) -> torch.Tensor:
-        """One SUM all-reduce of [flat gradients | bookkeeping]; grads become the global-mean gradient."""
+        """One SUM all-reduce of [flat dense gradients | bookkeeping] (the loss is already globally scaled)."""
         params = list(self.model.parameters())
         book = torch.zeros(len(_GLOBAL_FIELDS) + self.world_size * len(PER_RANK_FIELDS), dtype=torch.float64)
         book[:3] = torch.tensor([labels, bce, positives], dtype=torch.float64)
@@ -184,20 +240,33 @@ class Trainer:
         flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [book.to(self.device, torch.float32)])
         # float64 bookkeeping travels as float32 in the buffer: exact for counts below 2^24 per step.
         dist.all_reduce(flat)
-        total_labels = float(flat[-book.numel()])
-        scale = 1.0 / total_labels if total_labels > 0 else 0.0
         offset = 0
         for p in params:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad) * scale)
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
         return flat[offset:].double().cpu()
 
-    # ------------------------------------------------------------------ checkpoints
-    def _advance_cursor(self, batch_samples: int) -> None:
-        self.cursor += batch_samples  # every global step consumes exactly its samples, whatever the balancing
+    # ------------------------------------------------------------------ exposed time
+    def _exposed_totals(self) -> dict[str, float]:
+        totals = {name: s["total_s"] for name, s in self.timer.summary().items()}
+        return {
+            part: sum(totals.get(n, 0.0) for n in (spans if isinstance(spans, tuple) else (spans,)))
+            for part, spans in EXPOSED_SPANS.items()
+        }
 
-    def save_checkpoint(self) -> None:
+    def _exposed_delta(self, before: dict[str, float], record: dict) -> dict[str, float]:
+        after = self._exposed_totals()
+        out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
+        out["dense_allreduce"] = record["allreduce_exposed_s"]
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, upcoming: Optional[_Fetched]) -> None:
+        """``upcoming``: the batch already fetched for the next step (the lookahead): the saved loader state is
+        from before it, so the resumed run fetches it again."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
         checkpoint.save(
             self.config.train.checkpoint_dir,
             self.step,
@@ -206,7 +275,7 @@ class Trainer:
             {
                 checkpoint.MODEL_KEY: self.model.state_dict(),
                 checkpoint.OPTIMIZER_KEY: self.optimizer.state_dict(),
-                checkpoint.LOADER_KEY: self.loader.state_dict(),
+                checkpoint.LOADER_KEY: upcoming.loader_state if upcoming is not None else self.loader.state_dict(),
                 checkpoint.CURSOR_KEY: {"epoch": self.epoch, "cursor": self.cursor},
             },
         )
@@ -220,6 +289,11 @@ class Trainer:
         if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
             return None
         payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
+        if not same_world and self.pipeline is not None:
+            raise ValueError(
+                f"{directory}: resuming mode {self.config.train.mode!r} onto another world size needs its sharded "
+                "tables resharded, which is not supported yet; resume on the same world size, or use --mode replicated"
+            )
         self.model.load_state_dict(payload[checkpoint.MODEL_KEY])
         self.optimizer.load_state_dict(payload[checkpoint.OPTIMIZER_KEY])
         self.step = int(payload[checkpoint.STEP_KEY])
@@ -236,7 +310,8 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.config.train.steps, desc=f"train ({self.world_size} ranks)", unit="step")
+        return tqdm(total=self.config.train.steps, initial=self.step, desc=f"train {self.config.train.mode} "
+                    f"({self.world_size} ranks)", unit="step")
 
     def _log(self, record: dict, progress) -> None:
         self.history.append(record)
@@ -253,8 +328,10 @@ class Trainer:
         tail = h[len(h) // 2 :] or h
         labels = sum(r["labels"] for r in tail)
         timed = h[1:] or h  # the first step pays for warm-up
+        n = max(len(timed), 1)
         step_times = [r["step_time_s"] for r in timed]
         return {
+            "mode": self.config.train.mode,
             "steps": len(h),
             "world_size": self.world_size,
             "samples": samples,
@@ -263,11 +340,12 @@ class Trainer:
             "loss": (sum(r["bce_sum"] for r in tail) / labels) if labels else float("nan"),
             "loss_first_step": h[0]["loss"] if h else float("nan"),
             "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
-            "straggler_pct": sum(r["straggler_pct"] for r in timed) / max(len(timed), 1),
-            "step_time_s": sum(step_times) / max(len(step_times), 1),
-            "per_rank_compute_s": [
-                sum(r["compute_s"][q] for r in timed) / max(len(timed), 1) for q in range(self.world_size)
-            ],
+            "straggler_pct": sum(r["straggler_pct"] for r in timed) / n,
+            "step_time_s": sum(step_times) / n,
+            "bubble_s": sum(r["bubble_s"] for r in timed) / n,
+            "exposed_s": {k: sum(r["exposed_s"][k] for r in timed) / n for k in (timed[0]["exposed_s"] if timed else {})},
+            "per_rank_compute_s": [sum(r["compute_s"][q] for r in timed) / n for q in range(self.world_size)],
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             "timing": self.timer.summary(),
             "source": self.source.describe(),
             "config": self.config.to_dict(),

@@ -159,6 +159,7 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
         return {
             "step": p.step,
             "global_samples": p.lengths.num_samples,
+            "global_candidates": int(p.lengths.num_candidates.sum()),
             "tokens_before": [int(x.sum()) for x in before],
             "tokens_after": [int(x.sum()) for x in after],
             "imbalance_before": imbalance([float(x.sum()) for x in before]),

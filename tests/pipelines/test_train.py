@@ -84,18 +84,27 @@ def test_torchrun_entry(tmp_path):
     assert s["steps"] == 3 and s["world_size"] == 2
 
 
+def _train_cmd(tmp_path, *extra):
+    return [sys.executable, "-m", "pipelines.cli", "train", "--no-progress", "--batch-size", "8",
+            "--checkpoint-dir", str(tmp_path / "ck"), *extra]
+
+
 @pytest.mark.multiprocess
-def test_checkpoint_resume_is_exact_and_reshards(tmp_path):
-    """6 steps straight vs 3 + resume 3 (same losses); then resume the step-3 checkpoint on 3 ranks."""
-    ck = tmp_path / "ck"
-    base = [sys.executable, "-m", "pipelines.cli", "train", "--steps", "6", "--partitioner", "fbs", "--no-progress",
-            "--batch-size", "8", "--checkpoint-dir", str(ck)]
-    _run(base + ["--nproc", "2", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "full.jsonl")], tmp_path)
-    full = [json.loads(line)["loss"] for line in (tmp_path / "full.jsonl").read_text().splitlines()]
-    step3 = ck / "step_000003"
+def test_checkpoint_resume_is_exact(tmp_path):
+    """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3."""
+    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
+    full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
-    _run(base + ["--nproc", "2", "--resume", str(step3), "--metrics-jsonl", str(tmp_path / "resumed.jsonl")], tmp_path)
-    resumed = [json.loads(line)["loss"] for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert resumed == full[3:]
-    proc = _run(base + ["--nproc", "3", "--resume", str(step3), "--steps", "4"], tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_resume_onto_another_world_size(tmp_path):
+    """A replicated-mode checkpoint of 2 ranks resumes on 3 at the same global sample; sharded modes refuse."""
+    _run(_train_cmd(tmp_path, "--mode", "replicated", "--steps", "3", "--checkpoint-every", "3"), tmp_path)
+    step3 = str(tmp_path / "ck" / "step_000003")
+    proc = _run(_train_cmd(tmp_path, "--mode", "replicated", "--nproc", "3", "--resume", step3, "--steps", "4"), tmp_path)
     assert "resumed from" in proc.stdout and "sample 48" in proc.stdout and "world size 3" in proc.stdout
