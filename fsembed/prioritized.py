@@ -37,12 +37,15 @@ collects the exchanges in flight; it runs before every checkpoint (get_extra_sta
 embeddings, so training continues where it was. Evaluation forwards look up synchronously and leave the
 context alone. The state in flight (step i+1's ids and embeddings) is part of the checkpoint.
 
-On CPU the side work progresses in the transport's threads behind handles; the model thread only blocks in
-``wait()``, and those waits are the exposed time (Timer spans ids_a2a, emb_a2a, grad_a2a).
+On GPU the side work (lines 6-7 and 12) runs on the context's own CUDA stream (see ``_side`` for why it never
+races the compute stream); the transfers themselves are the transport's (copy stream and CPU thread for the
+host transport). On CPU the side work progresses in the transport's threads behind handles; the model thread
+only blocks in ``wait()``. Those waits are the exposed time (Timer spans ids_a2a, emb_a2a, grad_a2a).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -122,6 +125,23 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # (line 21), gradients deferred (line 18's exclusive part)
         self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
         self._misorder_for_test = False  # test-only: apply deferred gradients after line 12 (must break parity)
+        # Algorithm 2's C.stream: the side work of lines 6-7 and 12 on GPU (None on CPU, where the exchanges
+        # progress behind handles in the transport's threads).
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def _side(self, *from_compute: Optional[torch.Tensor]):
+        """Context for side work: on GPU the side stream, after everything the compute stream has queued so far
+        (rows written by earlier steps, the ids and masks computed there), with the compute stream's tensors
+        marked as used by the side stream so the allocator does not hand their memory out early. Nothing on the
+        compute stream waits for the side stream except flush() and the next step's early rows, whose handle's
+        copy starts after the side stream's lookup."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in from_compute:
+            if t is not None:
+                t.record_stream(self._stream)
+        return torch.cuda.stream(self._stream)
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids: Optional[Ids], next_ids: Optional[Ids] = None) -> dict[str, torch.Tensor]:
@@ -158,6 +178,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _first_step(self, shard: GroupShard, sid: ShardedIds) -> _Step:
         """No previous step: every row is looked up and returned synchronously."""
+        if self._stream is not None:  # after a last step, the side stream may still be applying its updates
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         local = self._wait_ids(sid, shard)
         h = self.transport.all_to_all(shard.lookup(local), sid.recv_splits, sid.send_splits)
         with self.timer.span(EMB_A2A):
@@ -192,12 +214,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             step.fresh_handle = step.carried_handle = None
         return step.ready
 
-    def _apply_pending(self, c: _GroupContext, shard: GroupShard) -> None:
+    def _apply_pending(self, c: _GroupContext, shard: GroupShard, timed: bool = True) -> None:
+        """Lines 6-7. ``timed=False`` on the side stream: its wait stalls no compute, so it is not exposed."""
         if c.pending_ex is None:
             return
         handle, rows = c.pending_ex
-        with self.timer.span(GRAD_A2A):
+        with self.timer.span(GRAD_A2A) if timed else contextlib.nullcontext():
             grads = handle.wait()
+        if self._stream is not None:
+            grads.record_stream(torch.cuda.current_stream(grads.device))
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
         c.pending_ex = None
 
@@ -207,16 +232,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         step, nxt = c.cur, c.nxt
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
-        # Lines 6-7 and 12 run here, at the start of the backward rather than in the forward: step i's output
-        # needs neither, and by now the deferred gradients had the whole forward to arrive (on CPU the model
-        # thread would otherwise block on them). Line 7 still precedes line 12, and neither touches a row of
-        # step i, so the collision update below is unaffected.
-        if not self._misorder_for_test:
-            self._apply_pending(c, shard)
-        if nxt is not None:
-            c.fresh_rows = shard.lookup(nxt.local[c.fresh_shard])  # line 12's lookup
-        if self._misorder_for_test:
-            self._apply_pending(c, shard)
 
         # Sizes and positions of every exchange below, derived locally from the flags (host work that waits
         # for the flags: counted as ID exchange time).
@@ -236,12 +251,27 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 carried_recv = [a - b for a, b in zip(nxt.sid.send_splits, fresh_recv)]
                 nxt.fresh_idx = fresh_pos.nonzero().squeeze(1)
                 nxt.carried_idx = (~fresh_pos).nonzero().squeeze(1)
+                fresh_rows_local = nxt.local[c.fresh_shard]
             co_send, co_recv = _seg_counts(co_pos, sid.send_splits), _seg_counts(co_shard, sid.recv_splits)
             co_idx, ex_idx = co_pos.nonzero().squeeze(1), (~co_pos).nonzero().squeeze(1)
             co_rows, ex_rows = step.local[co_shard], step.local[~co_shard]
 
-        if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
-            nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
+        # Side work (lines 6-7 and 12), on the side stream on GPU. It runs here, in the backward rather than
+        # the forward: step i's output needs neither, and by now the deferred gradients had the whole forward
+        # to arrive (on CPU the model thread would otherwise block on them). Line 7 precedes line 12; both
+        # touch only rows that step i does not use, so the collision update below, on the compute stream,
+        # never races them (see _side).
+        pending_rows = None if c.pending_ex is None else c.pending_ex[1]
+        with self._side(pending_rows, fresh_rows_local if nxt is not None else None):
+            if not self._misorder_for_test:
+                self._apply_pending(c, shard, timed=self._stream is None)
+            if nxt is not None:
+                c.fresh_rows = shard.lookup(fresh_rows_local)  # line 12's lookup
+            if self._misorder_for_test:
+                self._apply_pending(c, shard, timed=self._stream is None)
+            if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
+                nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
+
         # lines 18-20: collision gradients first, updated at once
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         with self.timer.span(GRAD_A2A):
@@ -268,6 +298,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
             raise ValueError(f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})")
+        if self._stream is not None:  # the side stream's updates and lookups come first
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         for name, c in self.ctx.items():
             self._apply_pending(c, self.shards[name])
             if c.cur is not None:
