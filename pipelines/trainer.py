@@ -304,6 +304,14 @@ class Trainer:
                   + ("" if same_world else f"; loader state rebuilt for world size {self.world_size}"))
         return payload[checkpoint.LOADER_KEY] if same_world else None
 
+    def _peak_memory(self) -> int:
+        """Rank 0's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
     # ------------------------------------------------------------------ output
     def _progress_bar(self):
         if self.rank != 0 or not self.config.train.progress:
@@ -345,7 +353,7 @@ class Trainer:
             "bubble_s": sum(r["bubble_s"] for r in timed) / n,
             "exposed_s": {k: sum(r["exposed_s"][k] for r in timed) / n for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [sum(r["compute_s"][q] for r in timed) / n for q in range(self.world_size)],
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            "peak_memory_bytes": self._peak_memory(),
             "timing": self.timer.summary(),
             "source": self.source.describe(),
             "config": self.config.to_dict(),

@@ -1,0 +1,111 @@
+"""`freescale bench e2e`: every train mode on the same data in one invocation, bubbles side by side.
+
+For each case (a workload) and each mode it launches the same job (`pipelines.train.launch`), then prints one
+table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
+bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles).
+
+Cases:
+    heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
+    light   short sequences, tiny tables (where FreeScale should not help: it must cost nothing there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+from pipelines.config import JobConfig
+
+MODES = ("sync", "sdd", "freescale", "replicated")
+CASES = {
+    "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),
+    "light": dict(preset="tiny", uih_cap=64, batch_size=16, model="tiny", max_uih=64),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="local ranks per run")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (the first is warm-up)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {sorted(CASES)}")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
+    parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
+    parser.add_argument("--model", default=None, help="override every case's model preset")
+    parser.add_argument("--json", help="write the records here")
+
+
+def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
+    c = dict(CASES[case])
+    if args.uih_cap and case == "heavy":
+        c["uih_cap"] = c["max_uih"] = args.uih_cap
+    cfg = JobConfig()
+    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = c["preset"], c["uih_cap"], 1_000_000
+    cfg.loader.batch_size = args.batch_size or c["batch_size"]
+    cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
+    cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
+    cfg.train.device, cfg.train.progress = args.device, False
+    cfg.balancer.partitioner = "fbs"
+    return copy.deepcopy(cfg.validate())
+
+
+def _row(case: str, s: dict) -> dict:
+    exposed = s["exposed_s"]
+    return {
+        "case": case,
+        "mode": s["mode"],
+        "samples_per_s": s["samples_per_s"],
+        "step_time_ms": 1e3 * s["step_time_s"],
+        "exposed_ms": {k: 1e3 * v for k, v in exposed.items()},
+        "exposed_total_ms": 1e3 * sum(exposed.values()),
+        "straggler_pct": s["straggler_pct"],
+        "bubble_ms": 1e3 * s["bubble_s"],
+        "ne": s["ne"],
+        "loss": s["loss"],
+        "peak_memory_mib": (s["peak_memory_bytes"] or 0) / 2**20,
+        "steps": s["steps"],
+        "world_size": s["world_size"],
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from pipelines.train import launch
+
+    modes = [m for m in args.modes.split(",") if m]
+    cases = [c for c in args.cases.split(",") if c]
+    for c in cases:
+        if c not in CASES:
+            raise SystemExit(f"unknown case {c!r}; choose from {sorted(CASES)}")
+    rows = []
+    for case in cases:
+        for mode in modes:
+            print(f"[bench e2e] case {case}, mode {mode}: {args.nproc} ranks x {args.steps} steps on {args.device}", flush=True)
+            rows.append(_row(case, launch(case_config(case, mode, args))))
+    for case in cases:
+        by_mode = {r["mode"]: r for r in rows if r["case"] == case}
+        if "sync" in by_mode and "freescale" in by_mode and by_mode["sync"]["bubble_ms"] > 0:
+            reduction = 1.0 - by_mode["freescale"]["bubble_ms"] / by_mode["sync"]["bubble_ms"]
+            for r in by_mode.values():
+                r["bubble_reduction"] = reduction if r["mode"] == "freescale" else None
+    _print_table(rows)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _print_table(rows: list[dict]) -> None:
+    parts = ("ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
+    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} " + " ".join(f"{p[:9]:>9}" for p in parts)
+    head += f" {'strag %':>7} {'bubble ms':>9} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
+    print(head)
+    for r in rows:
+        red = r.get("bubble_reduction")
+        print(
+            f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
+            + " ".join(f"{r['exposed_ms'].get(p, 0.0):>9.2f}" for p in parts)
+            + f" {r['straggler_pct']:>7.1f} {r['bubble_ms']:>9.2f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
+            + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
+        )
