@@ -37,8 +37,8 @@ collects the exchanges in flight; it runs before every checkpoint (get_extra_sta
 embeddings, so training continues where it was. Evaluation forwards look up synchronously and leave the
 context alone. The state in flight (step i+1's ids and embeddings) is part of the checkpoint.
 
-On GPU the side work (lines 6-7 and 12) runs on the context's own CUDA stream (see ``_side`` for why it never
-races the compute stream); the transfers themselves are the transport's (copy stream and CPU thread for the
+On GPU the side work (lines 6-7 and 12) runs on the context's own CUDA stream (see ``_side`` for how it is ordered
+against the compute stream); the transfers themselves are the transport's (copy stream and CPU thread for the
 host transport). On CPU the side work progresses in the transport's threads behind handles; the model thread
 only blocks in ``wait()``. Those waits are the exposed time (Timer spans ids_a2a, emb_a2a, grad_a2a).
 """
@@ -132,9 +132,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def _side(self, *from_compute: Optional[torch.Tensor]):
         """Context for side work: on GPU the side stream, after everything the compute stream has queued so far
         (rows written by earlier steps, the ids and masks computed there), with the compute stream's tensors
-        marked as used by the side stream so the allocator does not hand their memory out early. Nothing on the
-        compute stream waits for the side stream except flush() and the next step's early rows, whose handle's
-        copy starts after the side stream's lookup."""
+        marked as used by the side stream so the allocator does not hand their memory out early. The compute
+        stream waits for the side stream before the collision update (same tensors), in flush() and at a first
+        step; the next step's early rows come through a handle whose copy starts after the side lookup."""
         if self._stream is None:
             return contextlib.nullcontext()
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -259,8 +259,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # Side work (lines 6-7 and 12), on the side stream on GPU. It runs here, in the backward rather than
         # the forward: step i's output needs neither, and by now the deferred gradients had the whole forward
         # to arrive (on CPU the model thread would otherwise block on them). Line 7 precedes line 12; both
-        # touch only rows that step i does not use, so the collision update below, on the compute stream,
-        # never races them (see _side).
+        # touch only rows that step i does not use, and overlap the collision exchange below (see _side).
         pending_rows = None if c.pending_ex is None else c.pending_ex[1]
         with self._side(pending_rows, fresh_rows_local if nxt is not None else None):
             if not self._misorder_for_test:
@@ -276,6 +275,11 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         with self.timer.span(GRAD_A2A):
             g_co = h.wait()
+            if self._stream is not None:
+                # The side stream's rows are disjoint from the collision rows, but they live in the same weight
+                # and state tensors; TORCH_CUDA_SANITIZER (tensor-granular) flagged the concurrent access on the
+                # H200, so the compute stream waits here for the side work (a stall, if any, counts as exposed).
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.optimizer.apply(shard.weight, shard.state, co_rows, g_co)
         if nxt is not None:
             nxt.carried_handle = self.backward_transport.all_to_all(  # line 21
