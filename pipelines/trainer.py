@@ -304,6 +304,14 @@ class Trainer:
                   + ("" if same_world else f"; loader state rebuilt for world size {self.world_size}"))
         return payload[checkpoint.LOADER_KEY] if same_world else None
 
+    def _ne_curve(self) -> list[float]:
+        """Cumulative NE after every step (what the NE-parity plot draws)."""
+        out, bce, pos, n = [], 0.0, 0.0, 0.0
+        for r in self.history:
+            bce, pos, n = bce + r["bce_sum"], pos + r["positives"], n + r["labels"]
+            out.append(normalized_entropy(bce, pos, n))
+        return out
+
     def _peak_memory(self) -> int:
         """Rank 0's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
         if self.device.type == "cuda":
@@ -347,6 +355,8 @@ class Trainer:
             "samples_per_s": sum(sum(r["samples_per_rank"]) for r in timed) / max(sum(step_times), 1e-9),
             "loss": (sum(r["bce_sum"] for r in tail) / labels) if labels else float("nan"),
             "loss_first_step": h[0]["loss"] if h else float("nan"),
+            "loss_curve": [r["loss"] for r in h],
+            "ne_curve": self._ne_curve(),
             "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
             "straggler_pct": sum(r["straggler_pct"] for r in timed) / n,
             "step_time_s": sum(step_times) / n,

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
 
 
 def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
@@ -66,6 +67,7 @@ def _row(case: str, s: dict) -> dict:
         "loss": s["loss"],
         "peak_memory_mib": (s["peak_memory_bytes"] or 0) / 2**20,
         "steps": s["steps"],
+        "ne_curve": s["ne_curve"],
         "world_size": s["world_size"],
     }
 
@@ -90,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
             for r in by_mode.values():
                 r["bubble_reduction"] = reduction if r["mode"] == "freescale" else None
     _print_table(rows)
+    if args.plot:
+        _plot_ne(rows, args.plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2))
@@ -109,3 +113,24 @@ def _print_table(rows: list[dict]) -> None:
             + f" {r['straggler_pct']:>7.1f} {r['bubble_ms']:>9.2f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
+
+
+def _plot_ne(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({r["case"] for r in rows})
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 3.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        for r in (r for r in rows if r["case"] == case):
+            ax.plot(range(1, len(r["ne_curve"]) + 1), r["ne_curve"], label=r["mode"], linestyle="--" if r["mode"] == "freescale" else "-")
+        ax.set_title(f"cumulative NE, case {case}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("NE")
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"NE parity plot written to {path}")
