@@ -421,6 +421,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-c", type=float, default=defaults.c, help="seconds per sample")
     cost.add_argument("--cost-d", type=float, default=defaults.d, help="seconds per step")
     cost.add_argument("--cost-pad", type=float, default=defaults.pad, help="seconds per padded token")
+    replay = parser.add_argument_group("replay model (--model replay; see pipelines/replay.py)")
+    replay.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model is timed")
+    replay.add_argument("--replay-model-preset", default="replay", help="tiny|small|production|replay (default replay:"
+                        " d=256, 2 layers, 4 heads); max_uih always follows --max-uih")
+    replay.add_argument("--replay-dim", type=int, default=None, help="override the preset's width d")
+    replay.add_argument("--replay-layers", type=int, default=None, help="override the preset's layer count")
+    replay.add_argument("--replay-heads", type=int, default=None, help="override the preset's head count")
+    replay.add_argument("--replay-mode", default="fit", choices=["fit", "direct"],
+                        help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank")
+    replay.add_argument("--replay-kernel", default="padded", choices=["padded", "jagged"],
+                        help="padded: the model as it is (pads to the local max UIH); jagged: timed on equal-length"
+                        " batches (no padding), the cost of a variable-length kernel")
+    replay.add_argument("--replay-timings", type=int, default=300, help="fresh timings for the fit (fit + held-out)")
+    replay.add_argument("--replay-heldout", type=float, default=0.25, help="share of the timings held out")
+    replay.add_argument("--replay-time-budget", type=float, default=240.0,
+                        help="stop timing after this many seconds (the records say how many timings were made)")
+    replay.add_argument("--replay-timing-ranks", type=int, default=8, help="ranks of the plans timed batches come from")
+    replay.add_argument("--replay-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="auto: bf16 autocast on cuda, fp32 on cpu")
+    replay.add_argument("--replay-mem-gib", type=float, default=90.0, help="device memory one timed batch may use")
+    replay.add_argument("--replay-max-pairs", type=float, default=None,
+                        help="cap on count * max_L^2 (padded attention pairs) of one timed batch")
     parser.add_argument("--json", default=None, help="write the records (a JSON list) here")
     parser.add_argument("--sweep", default=None, metavar="DIR",
                         help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
