@@ -33,11 +33,11 @@ def train(coll, feats, prefetch: bool):
     return losses
 
 
-def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True):
+def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None):
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
-    plan = small_plan(world_size)
+    plan = small_plan(world_size, item_dtype=item_dtype or torch.float32)
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
@@ -65,7 +65,7 @@ CASES_2 = [
     (opt, collision, empty, False, prefetch)
     for opt in ("sgd", "rowwise_adagrad")
     for collision, empty, prefetch in (("none", -1, True), ("zipf", 1, True), ("all", -1, False), ("zipf", -1, False))
-] + [("adam", "zipf", -1, False, True)]
+] + [("adam", "zipf", -1, False, True), ("rowwise_adagrad", "zipf", 0, False, True, torch.bfloat16)]
 
 
 def test_parity_two_ranks():

@@ -89,3 +89,39 @@ def test_swap_rejects_unknown_module():
         swap_embeddings(UserModel(), ["nope"], world_size=1, rank=0)
     with pytest.raises(ValueError, match="expected nn.Embedding"):
         swap_embeddings(UserModel(), ["head"], world_size=1, rank=0)
+
+
+def _torchrec_body(rank, world_size):
+    import copy
+
+    from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+
+    from fsembed.swap import ShardedCollectionView, swap_embeddings
+
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.ec = EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(name="t_items", embedding_dim=8, num_embeddings=30, feature_names=["uih", "cand"]),
+            EmbeddingConfig(name="t_users", embedding_dim=8, num_embeddings=7, feature_names=["user"]),
+        ],
+        device=torch.device("cpu"),
+    )
+    original = copy.deepcopy(model.ec)
+    g = torch.Generator().manual_seed(rank)
+    feats = {"uih": torch.randint(0, 30, (9,), generator=g), "cand": torch.randint(0, 30, (4,), generator=g), "user": torch.randint(0, 7, (2,), generator=g)}
+    kjt = KeyedJaggedTensor(
+        keys=["uih", "cand", "user"], values=torch.cat([feats[k] for k in ("uih", "cand", "user")]),
+        lengths=torch.tensor([5, 4, 1, 3, 1, 1], dtype=torch.int32),  # two samples per key
+    )
+    hub = swap_embeddings(model, ["ec"])
+    hub.prepare(feats)
+    got, want = model.ec(kjt), original(kjt)
+    return isinstance(model.ec, ShardedCollectionView) and all(
+        torch.equal(got[k].values().detach(), want[k].values().detach()) and torch.equal(got[k].lengths(), want[k].lengths()) for k in want
+    )
+
+
+def test_swap_torchrec_embedding_collection_gives_its_lookups():
+    pytest.importorskip("torchrec")
+    assert all(run_ranks(_torchrec_body, 2, timeout=90))

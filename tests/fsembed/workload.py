@@ -14,11 +14,11 @@ from fsembed.plan import ShardingPlan, TableConfig
 FEATURES = ("uih", "cand", "user")
 
 
-def small_plan(world_size: int, user_dim: int = 4) -> ShardingPlan:
+def small_plan(world_size: int, user_dim: int = 4, item_dtype: torch.dtype = torch.float32) -> ShardingPlan:
     """Two tables; with the default dims they form two groups (two sets of exchanges)."""
     return ShardingPlan(
         [
-            TableConfig("item_table", num_rows=61, dim=8, features=("uih", "cand")),
+            TableConfig("item_table", num_rows=61, dim=8, features=("uih", "cand"), dtype=item_dtype),
             TableConfig("user_table", num_rows=13, dim=user_dim, features=("user",)),
         ],
         world_size,
@@ -52,6 +52,6 @@ def loss_of(emb: dict[str, torch.Tensor]) -> torch.Tensor:
     """Depends on the embedding values non-linearly, so a stale row changes the gradients and the loss."""
     total = torch.zeros(())
     for k, f in enumerate(FEATURES):
-        e = emb[f]
+        e = emb[f].float()
         total = total + (torch.tanh(e * (k + 1)) ** 2).sum() + e.sum() * 0.1
     return total
