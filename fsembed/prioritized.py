@@ -62,9 +62,21 @@ def _offsets(splits: list[int], device) -> torch.Tensor:
     return out
 
 
-def _seg_counts(mask: torch.Tensor, splits: list[int]) -> list[int]:
-    """Number of set flags in every segment of ``splits`` (the split sizes of a masked exchange)."""
-    return [int(x) for x in ops.segment_sum(mask.to(torch.int64), _offsets(splits, mask.device)).tolist()]
+def _seg_counts_many(pairs: list[tuple[torch.Tensor, list[int]]]) -> list[list[int]]:
+    """Set flags per segment of ``splits`` (the split sizes of a masked exchange), for several (mask, splits)
+    pairs with a single device-to-host transfer."""
+    sums = [ops.segment_sum(m.to(torch.int64), _offsets(sp, m.device)) for m, sp in pairs]
+    flat = torch.cat(sums).tolist() if sums else []
+    out, k = [], 0
+    for _, sp in pairs:
+        out.append([int(x) for x in flat[k : k + len(sp)]])
+        k += len(sp)
+    return out
+
+
+def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the set entries of a 1-D mask whose count is already known (no host sync on GPU)."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
 def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
@@ -239,22 +251,31 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if nxt is None:  # last step: everything is a collision row, nothing is deferred
                 co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
                 co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
+                co_send, co_recv = list(sid.send_splits), list(sid.recv_splits)
             else:
                 flags = c.flags_handle.wait().to(torch.bool)
                 parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
                 co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
                 fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
                 co_shard = c.co_shard
-                fresh_send = _seg_counts(c.fresh_shard, nxt.sid.recv_splits)
-                fresh_recv = _seg_counts(fresh_pos, nxt.sid.send_splits)
+                # Every split size of this backward in one device-to-host transfer (one sync, not four).
+                counts = _seg_counts_many(
+                    [(co_pos, sid.send_splits), (co_shard, sid.recv_splits),
+                     (c.fresh_shard, nxt.sid.recv_splits), (fresh_pos, nxt.sid.send_splits)]
+                )
+                co_send, co_recv, fresh_send, fresh_recv = counts
                 carried_send = [a - b for a, b in zip(nxt.sid.recv_splits, fresh_send)]
                 carried_recv = [a - b for a, b in zip(nxt.sid.send_splits, fresh_recv)]
-                nxt.fresh_idx = fresh_pos.nonzero().squeeze(1)
-                nxt.carried_idx = (~fresh_pos).nonzero().squeeze(1)
-                fresh_rows_local = nxt.local[c.fresh_shard]
-            co_send, co_recv = _seg_counts(co_pos, sid.send_splits), _seg_counts(co_shard, sid.recv_splits)
-            co_idx, ex_idx = co_pos.nonzero().squeeze(1), (~co_pos).nonzero().squeeze(1)
-            co_rows, ex_rows = step.local[co_shard], step.local[~co_shard]
+                # Positions with their counts known: no further syncs (nonzero_static).
+                nxt.fresh_idx = _positions(fresh_pos, sum(fresh_recv))
+                nxt.carried_idx = _positions(~fresh_pos, sum(carried_recv))
+                fresh_rows_local = nxt.local.index_select(0, _positions(c.fresh_shard, sum(fresh_send)))
+                carried_rows_local = nxt.local.index_select(0, _positions(~c.fresh_shard, sum(carried_send)))
+            ex_send = [a - b for a, b in zip(sid.send_splits, co_send)]
+            ex_recv = [a - b for a, b in zip(sid.recv_splits, co_recv)]
+            co_idx, ex_idx = _positions(co_pos, sum(co_send)), _positions(~co_pos, sum(ex_send))
+            co_rows = step.local.index_select(0, _positions(co_shard, sum(co_recv)))
+            ex_rows = step.local.index_select(0, _positions(~co_shard, sum(ex_recv)))
 
         # Side work (lines 6-7 and 12), on the side stream on GPU. It runs here, in the backward rather than
         # the forward: step i's output needs neither, and by now the deferred gradients had the whole forward
@@ -283,10 +304,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self.optimizer.apply(shard.weight, shard.state, co_rows, g_co)
         if nxt is not None:
             nxt.carried_handle = self.backward_transport.all_to_all(  # line 21
-                shard.lookup(nxt.local[~c.fresh_shard]), carried_send, carried_recv
+                shard.lookup(carried_rows_local), carried_send, carried_recv
             )
-            ex_send = [a - b for a, b in zip(sid.send_splits, co_send)]
-            ex_recv = [a - b for a, b in zip(sid.recv_splits, co_recv)]
             c.pending_ex = (self.bulk_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
