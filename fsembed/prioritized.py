@@ -51,7 +51,7 @@ from typing import Optional
 
 import torch
 
-from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+from fsdata.id_prefetch import ShardedIds
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
 

@@ -238,10 +238,11 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
             coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
             dist.barrier()
-            prefetcher = None
-            if mode == "prioritized":
-                def prefetcher(features, plan=plan):
-                    return pool.submit(start_prefetch, plan.stack_ids(features), plan.group_boundaries, prefetch_transport, rank)
+            prefetcher = (
+                (lambda f: pool.submit(start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank))
+                if mode == "prioritized"
+                else None
+            )
             losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup,
                                     sync_device=device.type == "cuda", compute_ms=cfg.compute_ms)
             # Median over steps: the CPU machines are shared, and one step that lost its core to another
