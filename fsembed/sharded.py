@@ -95,7 +95,7 @@ class ShardedEmbeddingCollection(nn.Module):
     (its embedding gradients are divided by the world size); 1.0 gives the plain gradient of the loss.
     ``transport``: by default the stage's own transports (comm.StageTransports, three groups); a single
     transport serves every exchange on CPU, but not on CUDA, where autograd's backward thread needs a group
-    of its own.
+    of its own (``backward_transport``, which then also carries the bulk exchanges).
     """
 
     def __init__(
@@ -104,6 +104,7 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: Optional[int] = None,
         *,
         transport=None,
+        backward_transport=None,
         optimizer: Optional[RowWiseOptimizer] = None,
         init_tables: Optional[Mapping[str, torch.Tensor]] = None,
         seed: int = 0,
@@ -122,7 +123,8 @@ class ShardedEmbeddingCollection(nn.Module):
         if transport is None:
             transport = stage_transports()
         elif not isinstance(transport, StageTransports):
-            transport = StageTransports.single(transport)
+            back = backward_transport if backward_transport is not None else transport
+            transport = StageTransports(transport, back, back)
         self.transports = transport
         self.transport = transport.forward  # exchanges issued by forwards
         self.backward_transport = transport.backward  # urgent exchanges issued by backwards

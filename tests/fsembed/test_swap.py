@@ -125,3 +125,26 @@ def _torchrec_body(rank, world_size):
 def test_swap_torchrec_embedding_collection_gives_its_lookups():
     pytest.importorskip("torchrec")
     assert all(run_ranks(_torchrec_body, 2, timeout=90))
+
+
+def _prefetched_body(rank, world_size):
+    from fsembed.optim import SGD
+    from fsembed.swap import swap_embeddings
+
+    model = UserModel()
+    hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], optimizer=SGD(lr=LR))
+    items, users = _data(0, rank)
+    feats = {"towers.item_emb": items.reshape(-1), "user_emb": users}
+    early = hub.collection.exchange_ids(feats)  # started before the step, as TorchRec's SparseDist pipeline does
+    hub.prepare(feats, prefetched=early)
+    with_prefetch = model(items, users).detach()
+    model.eval()
+    with torch.no_grad():
+        hub.prepare(feats)
+        plain = model(items, users)
+    return with_prefetch, plain
+
+
+def test_swap_prepare_with_prefetched_ids():
+    for with_prefetch, plain in run_ranks(_prefetched_body, 2, timeout=60):
+        assert torch.equal(with_prefetch, plain)
