@@ -62,6 +62,9 @@ REPLAY_MODEL_PRESETS: dict[str, dict] = {
 }
 FEATURES = ("const", "count", "sum_L", "sum_L2", "max_L", "count_x_max_L", "count_x_max_L2")
 TIMING_PARTITIONERS = ("none", "fbs", "vbs", "kk")
+KERNELS = ("padded", "jagged")
+JITTERS = ("residual", "repeat")
+REPEAT_EVERY = 5  # every 5th timed batch is timed twice: the run-to-run noise apart from the fit's error
 
 
 def features(uih_lengths_per_rank: list[np.ndarray]) -> np.ndarray:
@@ -153,8 +156,9 @@ class Timer:
 @dataclass
 class Fit:
     coefficients: np.ndarray
-    residuals: np.ndarray  # relative residuals y / pred - 1 of the fit set: the jitter
+    residuals: np.ndarray  # relative residuals y / pred - 1 of the fit set: jitter "residual"
     info: dict = field(default_factory=dict)
+    repeats: np.ndarray = field(default_factory=lambda: np.zeros(0))  # one timing's relative noise: jitter "repeat"
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return x @ self.coefficients
@@ -169,16 +173,21 @@ class ReplayStepTime:
     """Mode fit: ``step_time(lengths, plan) -> [W]`` busy seconds predicted by a :class:`Fit`, times one resampled
     relative residual per rank and step."""
 
-    def __init__(self, fit: Fit, seed: int) -> None:
-        self.fit = fit
+    def __init__(self, fit: Fit, seed: int, jitter: str = "residual") -> None:
+        if jitter not in JITTERS:
+            raise ValueError(f"--replay-jitter {jitter!r}: choose from {JITTERS}")
+        if jitter == "repeat" and fit.repeats.size < 2:
+            raise ValueError(f"--replay-jitter repeat: only {fit.repeats.size} repeated timings; raise --replay-timings")
+        self.fit, self.jitter = fit, jitter
+        self.noise = fit.residuals if jitter == "residual" else fit.repeats
         self.params = fit  # simulate reads params.d as the fixed per-rank cost of the lower bound
         self.rng = np.random.default_rng([seed, 11])
 
     def __call__(self, lengths: GatheredLengths, plan: Plan) -> np.ndarray:
         uih = lengths.uih_lengths.numpy()
         busy = self.fit.predict(features([uih[plan.rank_samples(r).numpy()] for r in range(plan.world_size)]))
-        if self.fit.residuals.size:
-            busy = busy * np.maximum(1.0 + self.rng.choice(self.fit.residuals, size=busy.size), 0.0)
+        if self.noise.size:
+            busy = busy * np.maximum(1.0 + self.rng.choice(self.noise, size=busy.size), 0.0)
         return busy
 
     def sample_costs(self, lengths: GatheredLengths) -> np.ndarray:
@@ -189,7 +198,7 @@ class ReplayStepTime:
 
     def record(self) -> dict:
         """What the figures rest on, for the JSON records."""
-        return dict(self.fit.info)
+        return {**self.fit.info, "jitter": self.jitter}
 
     def describe(self) -> str:
         return f"replay({self.record()})"
@@ -276,20 +285,20 @@ _CACHE: dict[tuple, object] = {}
 def _key(args: argparse.Namespace) -> tuple:
     names = ("device", "preset", "max_uih", "batch_size", "seed", "alpha", "replay_model_preset", "replay_dim",
              "replay_layers", "replay_heads", "replay_kernel", "replay_timings", "replay_heldout", "replay_mode", "replay_dtype",
-             "replay_mem_gib", "replay_time_budget", "replay_timing_ranks", "replay_max_pairs", "ranks", "steps",
-             "warmup")
-    return tuple(getattr(args, n, None) for n in names)
+             "replay_mem_gib", "replay_time_budget", "replay_timing_ranks", "replay_max_pairs")
+    direct = ("ranks", "steps", "warmup") if args.replay_mode == "direct" else ()  # a fit serves every rank count
+    return tuple(getattr(args, n, None) for n in names + direct)
 
 
 def _pair_budget(args: argparse.Namespace, timer: Timer, batch: Batch) -> float:
     """Attention pairs (count * max L^2) one timed batch may hold: --replay-max-pairs, and on CUDA what
-    --replay-mem-gib allows, from the peak memory of one probe batch (a sample at the longest UIH)."""
+    --replay-mem-gib allows, from the peak memory of one probe (the longest sample alone; everything it allocates
+    is charged to its attention pairs, which over-estimates per pair for shorter samples: on the safe side)."""
     budget = float(args.replay_max_pairs) if args.replay_max_pairs else np.inf
     if timer.device.type == "cuda":
         longest = int(np.argmax(batch.uih_lengths.numpy()))
-        probe = select(batch, np.array([longest, longest]))
         length = float(batch.uih_lengths[longest])
-        per_pair = timer.peak_bytes(probe) / (2 * length * length)
+        per_pair = timer.peak_bytes(select(batch, np.array([longest]))) / (length * length)
         budget = min(budget, args.replay_mem_gib * 2**30 / per_pair)
         timer.info_bytes_per_pair = per_pair
     return budget
@@ -366,12 +375,14 @@ def build_fit(args: argparse.Namespace) -> Fit:
     # Warm-up: first calls (allocator, cuBLAS/SDPA kernel selection) at a few shapes, not recorded.
     for k in (1, 2, 4):
         timer(select(first, rng.permutation(first.batch_size)[:k]))
-    ys, xs, names, n_oom = [], [], [], 0
+    ys, xs, names, repeats, n_oom = [], [], [], [], 0
     for name, batch in _timing_batches(args, source, rng, budget):
         if len(ys) >= args.replay_timings or time.perf_counter() - started > args.replay_time_budget:
             break
         try:
             ys.append(timer(batch))
+            if len(ys) % REPEAT_EVERY == 0:  # the same batch again: pure run-to-run noise, no fit error in it
+                repeats.append(timer(batch) / ys[-1] - 1.0)
         except torch.cuda.OutOfMemoryError:  # fragmentation beyond the probe's estimate: shrink the budget
             n_oom += 1
             budget[0] *= 0.8
@@ -416,10 +427,13 @@ def build_fit(args: argparse.Namespace) -> Fit:
         "r2_heldout": 1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"),
         "median_rel_err_heldout": float(np.median(rel_err)),
         "p90_rel_err_heldout": float(np.quantile(rel_err, 0.9)),
+        "n_timings_repeat": len(repeats),
+        # std of t2/t1 - 1 is sqrt(2) times the noise of one timing
+        "repeat_rel_std": float(np.std(repeats) / np.sqrt(2)) if len(repeats) > 1 else float("nan"),
         "jitter_rel_std_fit": float(residuals.std()),
         "jitter_rel_p5_p95_fit": [float(np.quantile(residuals, 0.05)), float(np.quantile(residuals, 0.95))],
     }
-    return Fit(coef, residuals, info)
+    return Fit(coef, residuals, info, repeats=np.asarray(repeats) / np.sqrt(2))
 
 
 def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
@@ -430,6 +444,8 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
         raise ValueError(f"--replay-mode must be 'fit' or 'direct', got {args.replay_mode!r}")
     if args.replay_timings < 1 or not 0.0 < args.replay_heldout < 1.0 or args.replay_timing_ranks < 1:
         raise ValueError("need --replay-timings >= 1, 0 < --replay-heldout < 1, --replay-timing-ranks >= 1")
+    if args.replay_kernel not in KERNELS:
+        raise ValueError(f"--replay-kernel {args.replay_kernel!r}: choose from {KERNELS} (one per fit)")
     if args.replay_mode == "direct" and args.replay_kernel != "padded":
         raise ValueError("--replay-mode direct times the model as it is: only --replay-kernel padded")
     key = _key(args)
@@ -448,7 +464,9 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
             _CACHE[key] = _Direct(source, timer, max_pairs, {"replay_mode": "direct", "device": str(device),
                                                              "dtype": _dtype(args)})
     cached = _CACHE[key]
-    return ReplayStepTime(cached, args.seed) if isinstance(cached, Fit) else DirectStepTime(cached)
+    if isinstance(cached, Fit):
+        return ReplayStepTime(cached, args.seed, args.replay_jitter)
+    return DirectStepTime(cached)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -458,20 +476,36 @@ def main(args: argparse.Namespace) -> int:
 
     args.model = "replay"
     simulate._validate(args)
+    ranks_list = [int(r) for r in str(getattr(args, "replay_ranks", None) or args.ranks).split(",")]
+    kernels, jitters = args.replay_kernel.split(","), args.replay_jitter.split(",")
     records = []
-    for name in args.partitioner.split(","):
-        args_one = argparse.Namespace(**{**vars(args), "partitioner": name})
-        for record in simulate.run_grid(args_one, args.ranks, args.batch_size, args.max_uih):
-            record.update(build_step_time(args).record())
+    grid = itertools.product(kernels, jitters, ranks_list, args.partitioner.split(","))
+    for kernel, jitter, ranks, name in grid:
+        change = {"partitioner": name, "ranks": ranks, "replay_kernel": kernel, "replay_jitter": jitter}
+        args_one = argparse.Namespace(**{**vars(args), **change})
+        simulate._validate(args_one)
+        for record in simulate.run_grid(args_one, ranks, args.batch_size, args.max_uih):
+            record.update(build_step_time(args_one).record())
             if record["replay_mode"] == "direct":  # the timings this partitioner's run made
-                record["n_timings_sim"] = args.ranks * (args.steps + args.warmup)
+                record["n_timings_sim"] = ranks * (args.steps + args.warmup)
             records.append(record)
     simulate.print_table(records)
-    fit = records[0]
-    if fit.get("replay_mode") == "fit":
-        print(f"fit on {fit['n_timings_fit']} timings, held-out {fit['n_timings_heldout']}: R^2 {fit['r2_heldout']:.4f}, "
-              f"median rel err {fit['median_rel_err_heldout']:.4f}, jitter std {fit['jitter_rel_std_fit']:.4f}; "
-              f"coefficients {fit['coefficients']}")
+    for kernel, jitter in itertools.product(kernels, jitters):
+        group = [r for r in records if r.get("replay_kernel", "padded") == kernel and r.get("jitter") == jitter]
+        fit = group[0] if group else {}
+        if fit.get("replay_mode") == "fit" and jitter == jitters[0]:
+            print(f"{kernel} kernel, {fit['device']} {fit['dtype']}: fit on {fit['n_timings_fit']} timings "
+                  f"({fit['n_timings_fit_outliers_dropped']} outliers dropped), held-out {fit['n_timings_heldout']}: "
+                  f"R^2 {fit['r2_heldout']:.4f}, median rel err {fit['median_rel_err_heldout']:.4f}, p90 "
+                  f"{fit['p90_rel_err_heldout']:.4f}; residual std {fit['jitter_rel_std_fit']:.4f}, repeat std "
+                  f"{fit['repeat_rel_std']:.4f} ({fit['n_timings_repeat']} repeats); timing wall "
+                  f"{fit['timing_wall_s']:.0f} s; timed count {fit['timed_count_range']}, max L "
+                  f"{fit['timed_max_L_range']}; coefficients {fit['coefficients']}")
+        for ranks in ranks_list:
+            by = {r["partitioner"]: r["straggler_pct"] for r in group if r["ranks"] == ranks}
+            if "none" in by:
+                print(f"{kernel}/{jitter} jitter, ranks {ranks}: straggler none {by['none']:.2f}% / " + ", ".join(
+                    f"{p} {v:.2f}% ({by['none'] / max(v, 1e-12):.1f}x lower)" for p, v in by.items() if p != "none"))
     if args.json:
         import json
 
@@ -485,4 +519,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m pipelines.replay")
     add_arguments(parser)
+    parser.add_argument("--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit "
+                        "(default: --ranks)")
     sys.exit(main(parser.parse_args()))

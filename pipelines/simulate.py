@@ -430,14 +430,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--replay-heads", type=int, default=None, help="override the preset's head count")
     replay.add_argument("--replay-mode", default="fit", choices=["fit", "direct"],
                         help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank")
-    replay.add_argument("--replay-kernel", default="padded", choices=["padded", "jagged"],
+    replay.add_argument("--replay-kernel", default="padded",
                         help="padded: the model as it is (pads to the local max UIH); jagged: timed on equal-length"
-                        " batches (no padding), the cost of a variable-length kernel")
+                        " batches (no padding), the cost of a variable-length kernel (python -m pipelines.replay"
+                        " takes a comma-separated list)")
     replay.add_argument("--replay-timings", type=int, default=300, help="fresh timings for the fit (fit + held-out)")
     replay.add_argument("--replay-heldout", type=float, default=0.25, help="share of the timings held out")
     replay.add_argument("--replay-time-budget", type=float, default=240.0,
                         help="stop timing after this many seconds (the records say how many timings were made)")
     replay.add_argument("--replay-timing-ranks", type=int, default=8, help="ranks of the plans timed batches come from")
+    replay.add_argument("--replay-jitter", default="residual",
+                        help="noise per rank and step: residual (the fit's relative residuals) or repeat (repeated"
+                        " timings' spread); python -m pipelines.replay takes a list")
     replay.add_argument("--replay-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="auto: bf16 autocast on cuda, fp32 on cpu")
     replay.add_argument("--replay-mem-gib", type=float, default=90.0, help="device memory one timed batch may use")

@@ -68,6 +68,7 @@ def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, ker
     assert [r["partitioner"] for r in records] == ["none", "fbs", "vbs", "kk"]
     for r in records:
         assert r["model"] == "replay" and r["replay_mode"] == "fit" and r["replay_kernel"] == kernel
+        assert r["jitter"] == "residual" and r["n_timings_repeat"] == 3  # every 5th of 16 timed twice
         assert r["n_timings_fit"] == 12 and r["n_timings_heldout"] == 4  # 16 timings, a quarter held out
         assert sum(r["timings_by_partitioner"].values()) == 16
         assert np.isfinite(r["r2_heldout"]) and r["median_rel_err_heldout"] >= 0 and r["jitter_rel_std_fit"] >= 0
@@ -86,6 +87,8 @@ def test_replay_step_time_from_a_fit_predicts_per_rank_and_jitters():
     lengths = GatheredLengths.from_rank_lengths([np.array([100, 200]), np.array([1000])])
     plan = Plan.from_destinations(np.array([0, 0, 1]), 2)
     np.testing.assert_allclose(step_time(lengths, plan), [1e-3 + 300e-6, 1e-3 + 1000e-6])
+    noisy = replay.ReplayStepTime(replay.Fit(coef, np.array([0.0]), repeats=np.array([0.5])), seed=0, jitter="repeat")
+    np.testing.assert_allclose(noisy(lengths, plan), 1.5 * np.array([1e-3 + 300e-6, 1e-3 + 1000e-6]))
     np.testing.assert_allclose(step_time.sample_costs(lengths), [100e-6, 200e-6, 1000e-6])
     assert step_time.params.d == 1e-3  # simulate's lower bound adds the fixed cost to every rank
 
@@ -105,6 +108,13 @@ def test_direct_mode_times_every_rank_through_simulate(tmp_path):
 def test_bad_settings_are_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="direct"):
         replay.build_step_time(parse(*TINY, "--replay-mode", "direct", "--replay-kernel", "jagged"))
+    with pytest.raises(ValueError, match="replay-kernel"):
+        replay.build_step_time(parse(*TINY, "--replay-kernel", "dense"))
+    fit = replay.Fit(np.zeros(7), residuals=np.zeros(3), repeats=np.zeros(1))
+    with pytest.raises(ValueError, match="repeated timings"):
+        replay.ReplayStepTime(fit, seed=0, jitter="repeat")
+    with pytest.raises(ValueError, match="replay-jitter"):
+        replay.ReplayStepTime(fit, seed=0, jitter="gaussian")
     with pytest.raises(ValueError, match="replay-model-preset"):
         replay.build_step_time(parse("--preset", "tiny", "--replay-model-preset", "huge"))
     with pytest.raises(ValueError, match="--data"):
