@@ -87,7 +87,7 @@ def test_replay_step_time_from_a_fit_predicts_per_rank_and_jitters():
     lengths = GatheredLengths.from_rank_lengths([np.array([100, 200]), np.array([1000])])
     plan = Plan.from_destinations(np.array([0, 0, 1]), 2)
     np.testing.assert_allclose(step_time(lengths, plan), [1e-3 + 300e-6, 1e-3 + 1000e-6])
-    noisy = replay.ReplayStepTime(replay.Fit(coef, np.array([0.0]), repeats=np.array([0.5])), seed=0, jitter="repeat")
+    noisy = replay.ReplayStepTime(replay.Fit(coef, np.array([0.0]), repeats=np.array([0.5, 0.5])), seed=0, jitter="repeat")
     np.testing.assert_allclose(noisy(lengths, plan), 1.5 * np.array([1e-3 + 300e-6, 1e-3 + 1000e-6]))
     np.testing.assert_allclose(step_time.sample_costs(lengths), [100e-6, 200e-6, 1000e-6])
     assert step_time.params.d == 1e-3  # simulate's lower bound adds the fixed cost to every rank
