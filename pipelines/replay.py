@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -433,6 +434,8 @@ def build_fit(args: argparse.Namespace) -> Fit:
         "jitter_rel_std_fit": float(residuals.std()),
         "jitter_rel_p5_p95_fit": [float(np.quantile(residuals, 0.05)), float(np.quantile(residuals, 0.95))],
     }
+    print(f"replay fit ({args.replay_kernel} kernel): {n} timings in {info['timing_wall_s']:.0f} s, held-out R^2 "
+          f"{info['r2_heldout']:.4f}, median rel err {info['median_rel_err_heldout']:.4f}", file=sys.stderr, flush=True)
     return Fit(coef, residuals, info, repeats=np.asarray(repeats) / np.sqrt(2))
 
 
@@ -489,6 +492,9 @@ def main(args: argparse.Namespace) -> int:
             if record["replay_mode"] == "direct":  # the timings this partitioner's run made
                 record["n_timings_sim"] = ranks * (args.steps + args.warmup)
             records.append(record)
+            if args.json:  # after every record: a run cut short still leaves what it measured
+                with open(args.json, "w") as f:
+                    json.dump(records, f, indent=1)
     simulate.print_table(records)
     for kernel, jitter in itertools.product(kernels, jitters):
         group = [r for r in records if r.get("replay_kernel", "padded") == kernel and r.get("jitter") == jitter]
@@ -506,11 +512,6 @@ def main(args: argparse.Namespace) -> int:
             if "none" in by:
                 print(f"{kernel}/{jitter} jitter, ranks {ranks}: straggler none {by['none']:.2f}% / " + ", ".join(
                     f"{p} {v:.2f}% ({by['none'] / max(v, 1e-12):.1f}x lower)" for p, v in by.items() if p != "none"))
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
     return 0
 
 
