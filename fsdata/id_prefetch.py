@@ -12,8 +12,9 @@ fsdata knows nothing of tables. The node is built with plain data from fsembed's
                        is carried along opaquely (fsembed puts the per-feature id counts there)
     transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
-and yields ``(batch, PrefetchedIds)``. The exchange in flight is not loader state: once a batch is yielded,
-its ids belong to the consumer; on resume the source restarts after the last yielded batch.
+and yields ``(batch, PrefetchedIds)``. The node is an AsyncStage: the exchange in flight is not loader state
+(a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its ids belong to
+the consumer.
 """
 
 from __future__ import annotations
@@ -115,11 +116,18 @@ def start_prefetch(
 
 
 if BaseNode is not None:
+    from fsdata.nodes.async_stage import AsyncStage
 
-    class IdPrefetch(BaseNode, Generic[T]):
-        """Passes every batch through, paired with its ID exchange already started: yields (batch, PrefetchedIds)."""
+    class IdPrefetch(AsyncStage):
+        """Starts each batch's ID exchange one ``next()`` before handing the batch out.
 
-        SOURCE_KEY = "source"
+        Yields ``(*item, PrefetchedIds)`` where ``item`` is what the source yields (a batch, or a tuple whose
+        first element is the batch). With the trainer's one batch of lookahead, batch i+1's ids leave when batch
+        i+1 is pulled here, during step i-1, and have a whole step to arrive before step i's forward needs them.
+        ``device``: where the ids travel from (the embedding tables' device).
+        """
+
+        span_name = "id_prefetch_wait"
 
         def __init__(
             self,
@@ -128,27 +136,28 @@ if BaseNode is not None:
             transport,
             feature_extractor: Callable[[T], Mapping[str, tuple[torch.Tensor, list[int]]]],
             rank: int = 0,
+            device: Optional[torch.device] = None,
+            timer=None,
         ):
-            super().__init__()
+            super().__init__(source, timer)
             for k, b in boundaries.items():
                 if b.dim() != 1 or b.numel() < 2 or b.dtype != torch.int64 or bool((b[1:] < b[:-1]).any()):
                     raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
-            self.source = source
             self.boundaries = dict(boundaries)
             self.transport = transport
             self.feature_extractor = feature_extractor
             self.rank = rank
+            self.device = device
 
-        def reset(self, initial_state: Optional[dict] = None) -> None:
-            super().reset(initial_state)
-            self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
+        def start(self, item) -> tuple:
+            parts = item if isinstance(item, tuple) else (item,)
+            keyed = self.feature_extractor(parts[0])
+            if self.device is not None:
+                keyed = {k: (ids.to(self.device), segments) for k, (ids, segments) in keyed.items()}
+            return (*parts, start_prefetch(keyed, self.boundaries, self.transport, self.rank))
 
-        def next(self) -> tuple[T, PrefetchedIds]:
-            batch = next(self.source)
-            return batch, start_prefetch(self.feature_extractor(batch), self.boundaries, self.transport, self.rank)
-
-        def get_state(self) -> dict:
-            return {self.SOURCE_KEY: self.source.state_dict()}
+        def finish(self, started: tuple) -> tuple:
+            return started  # the ids are waited for by the embedding stage, where they are needed
 
 else:  # pragma: no cover
 

@@ -16,13 +16,14 @@ modules are named). FreeScale installs itself around it:
   optimizer step, forward and backward; here they ride the data-loading stage, with the same overlap);
 * the backward of the swapped modules runs the gradient AllToAll and the row-wise update (fused optimizer).
 
-The trainer keeps one batch of lookahead and sets ``upcoming`` (batch i+1) before step i's forward, which is
-what both ``sdd`` and ``freescale`` need: section 6.1's one extra batch in memory.
+The loader's ID-prefetch stage (fsdata.id_prefetch) starts every batch's ID AllToAll one loader call early, and
+the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
+i (``current_ids``, for sdd) and batch i+1 (``upcoming_ids``, for freescale): section 6.1's one extra batch.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -63,8 +64,10 @@ class StagedPipeline:
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
-        self.upcoming: Optional[Batch] = None  # batch i+1, set by the trainer before step i's forward
-        self._next_ids = None  # sdd: the next batch's ID exchange, started one step early
+        # Set by the trainer before step i's forward: the ID exchanges (PrefetchedIds) that the loader's
+        # ID-prefetch stage started for batch i and batch i+1.
+        self.current_ids = None
+        self.upcoming_ids = None
         self._hook = model.register_forward_pre_hook(self._before_forward)
 
     @staticmethod
@@ -73,23 +76,30 @@ class StagedPipeline:
             return {}  # the collection's own pair of host transports
         from fsembed.comm import stage_transports
 
-        forward, backward = stage_transports(name)
-        return {"transport": forward, "backward_transport": backward}
+        return {"transport": stage_transports(name)}
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
         batch = args[0]
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
             return
-        upcoming = self.features(self.upcoming) if self.upcoming is not None else None
-        if self.mode == "freescale":
-            self.hub.prepare(self.features(batch), upcoming)
-        elif self.mode == "sdd":
-            current = self._next_ids if self._next_ids is not None else self.features(batch)
-            self.hub.prepare(self.features(batch), prefetched=current)
-            self._next_ids = self.collection.exchange_ids(upcoming) if upcoming is not None else None
+        if self.mode == "freescale":  # the next batch's ids, already sent by the ID-prefetch stage
+            self.hub.prepare(self.features(batch), self.upcoming_ids)
+        elif self.mode == "sdd":  # this batch's ids, sent by the ID-prefetch stage during the previous step
+            self.hub.prepare(self.features(batch), prefetched=self.current_ids)
         else:
             self.hub.prepare(self.features(batch))
+
+    def id_prefetch_stage(self, rank: int, timer=None):
+        """The loader stage that starts each batch's ID AllToAll a step ahead (sdd and freescale), or None."""
+        if self.mode == "sync":
+            return None
+        from fsdata.id_prefetch import IdPrefetch
+
+        plan, coll = self.collection.plan, self.collection
+        return lambda node: IdPrefetch(
+            node, plan.group_boundaries, coll.transport, plan.extractor(self.features), rank, coll.device, timer
+        )
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end)."""

@@ -68,6 +68,7 @@ EXPOSED_SPANS = {
 class _Fetched:
     batch: Batch
     balance: Optional[dict]
+    ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
@@ -93,7 +94,7 @@ class Trainer:
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
         self.loader = build_loader(
-            self.source, config.loader, rank, world_size, self._balancer_stages(),
+            self.source, config.loader, rank, world_size, self._loader_stages(),
             start={"epoch": self.epoch, "cursor": self.cursor},
         )
         if resumed is not None:
@@ -105,14 +106,17 @@ class Trainer:
     def balancing(self) -> bool:
         return self.config.train.mode in ("replicated", "freescale") and self.config.balancer.partitioner != "none"
 
-    def _balancer_stages(self) -> list:
-        if not self.balancing:
-            return []
-        transport = get_transport(self.config.train.transport, group=new_stage_group("balancer"))
-        capacity = self.config.loader.batch_size
-        return balancer_stages(
-            self.config.balancer, transport, self.rank, self.world_size, capacity, self.feedback, self.timer
-        )
+    def _loader_stages(self) -> list:
+        """The balancer's stages (when balancing), then the ID-prefetch stage (sdd, freescale)."""
+        stages = []
+        if self.balancing:
+            transport = get_transport(self.config.train.transport, group=new_stage_group("balancer"))
+            stages += balancer_stages(
+                self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
+                self.feedback, self.timer,
+            )
+        id_prefetch = self.pipeline.id_prefetch_stage(self.rank, self.timer) if self.pipeline is not None else None
+        return stages + ([id_prefetch] if id_prefetch is not None else [])
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
@@ -132,7 +136,8 @@ class Trainer:
                 upcoming = self._fetch(items) if self.step + 1 < cfg.steps else None
                 data_wait = time.perf_counter() - t0
                 if self.pipeline is not None:
-                    self.pipeline.upcoming = upcoming.batch if upcoming is not None else None
+                    self.pipeline.current_ids = current.ids
+                    self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
                 record = self.train_step(current)
                 record["exposed_s"] = self._exposed_delta(before, record)
                 record["data_wait_s"] = data_wait
@@ -165,8 +170,11 @@ class Trainer:
             item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item, new_epoch = next(iter(self.loader)), True
-        batch, balance = item if isinstance(item, tuple) else (item, None)
-        return _Fetched(batch.to(self.device, non_blocking=True), balance, new_epoch, loader_state)
+        parts = item if isinstance(item, tuple) else (item,)
+        batch = parts[0]
+        balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
+        ids = parts[-1] if self.pipeline is not None and self.pipeline.mode != "sync" else None
+        return _Fetched(batch.to(self.device, non_blocking=True), balance, ids, new_epoch, loader_state)
 
     def _global_labels(self, fetched: _Fetched) -> float:
         if fetched.balance is not None:
