@@ -383,7 +383,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
         try:
             ys.append(timer(batch))
             if len(ys) % REPEAT_EVERY == 0:  # the same batch again: pure run-to-run noise, no fit error in it
-                repeats.append(timer(batch) / ys[-1] - 1.0)
+                repeats.append((len(ys) - 1, timer(batch) / ys[-1] - 1.0))
         except torch.cuda.OutOfMemoryError:  # fragmentation beyond the probe's estimate: shrink the budget
             n_oom += 1
             budget[0] *= 0.8
@@ -402,7 +402,11 @@ def build_fit(args: argparse.Namespace) -> Fit:
     order = rng.permutation(n)
     held, fit_idx = order[:n_held], order[n_held:]
     coef, keep = _trim(x[fit_idx], y[fit_idx], cols)
-    residuals = (y[fit_idx] / np.maximum(x[fit_idx] @ coef, 1e-12) - 1.0)[keep]
+    # Jitter pools from the larger half of the timings only: a millisecond batch's relative noise (launches, the
+    # host) says little about a rank's second-long step, which is what the simulation draws noise for.
+    big = x @ coef >= np.median(x @ coef)
+    residuals = (y[fit_idx] / np.maximum(x[fit_idx] @ coef, 1e-12) - 1.0)[keep & big[fit_idx]]
+    repeat_noise = np.array([d for i, d in repeats if big[i]]) / np.sqrt(2)  # std(t2/t1 - 1) = sqrt(2) x one timing's
     pred, truth = x[held] @ coef, y[held]
     rel_err = np.abs(pred - truth) / truth
     ss_res, ss_tot = float(np.sum((truth - pred) ** 2)), float(np.sum((truth - truth.mean()) ** 2))
@@ -429,14 +433,16 @@ def build_fit(args: argparse.Namespace) -> Fit:
         "median_rel_err_heldout": float(np.median(rel_err)),
         "p90_rel_err_heldout": float(np.quantile(rel_err, 0.9)),
         "n_timings_repeat": len(repeats),
-        # std of t2/t1 - 1 is sqrt(2) times the noise of one timing
-        "repeat_rel_std": float(np.std(repeats) / np.sqrt(2)) if len(repeats) > 1 else float("nan"),
+        "jitter_pool_min_s": float(np.median(x @ coef)),
+        "n_jitter_residuals": int(residuals.size),
+        "n_jitter_repeats": int(repeat_noise.size),
+        "repeat_rel_std": float(repeat_noise.std()) if repeat_noise.size > 1 else float("nan"),
         "jitter_rel_std_fit": float(residuals.std()),
         "jitter_rel_p5_p95_fit": [float(np.quantile(residuals, 0.05)), float(np.quantile(residuals, 0.95))],
     }
     print(f"replay fit ({args.replay_kernel} kernel): {n} timings in {info['timing_wall_s']:.0f} s, held-out R^2 "
           f"{info['r2_heldout']:.4f}, median rel err {info['median_rel_err_heldout']:.4f}", file=sys.stderr, flush=True)
-    return Fit(coef, residuals, info, repeats=np.asarray(repeats) / np.sqrt(2))
+    return Fit(coef, residuals, info, repeats=repeat_noise)
 
 
 def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
