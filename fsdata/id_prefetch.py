@@ -61,6 +61,34 @@ class ShardedIds:
     def wait_time_s(self) -> float:
         return float(getattr(self.handle, "wait_time_s", 0.0))
 
+    def to(self, device: torch.device) -> "ShardedIds":
+        """The same exchange, its results delivered on ``device`` (the loader exchanges ids on the CPU, off
+        the GPU streams, so it never waits behind queued compute; the tables may live on a GPU)."""
+        if self.perm.device == torch.device(device):
+            return self
+        return ShardedIds(
+            self.key, self.num_ids, self.segments, self.perm.to(device, non_blocking=True), self.send_splits,
+            self.recv_splits, _OnDevice(self.handle, device), self.sizes_wait_s,
+            None if self._shard_ids is None else self._shard_ids.to(device, non_blocking=True),
+        )
+
+
+class _OnDevice:
+    """A handle whose result is moved to ``device`` when waited for."""
+
+    def __init__(self, inner: Any, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+
+    def wait(self) -> torch.Tensor:
+        return self.inner.wait().to(self.device, non_blocking=True)
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    @property
+    def wait_time_s(self) -> float:
+        return float(getattr(self.inner, "wait_time_s", 0.0))
+
 
 @dataclass
 class PrefetchedIds:
@@ -72,6 +100,9 @@ class PrefetchedIds:
         if key not in self.keys:
             raise ValueError(f"PrefetchedIds: no key {key!r} (has {sorted(self.keys)})")
         return self.keys[key]
+
+    def to(self, device: torch.device) -> "PrefetchedIds":
+        return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
 
 
 def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
@@ -124,7 +155,9 @@ if BaseNode is not None:
         Yields ``(*item, PrefetchedIds)`` where ``item`` is what the source yields (a batch, or a tuple whose
         first element is the batch). With the trainer's one batch of lookahead, batch i+1's ids leave when batch
         i+1 is pulled here, during step i-1, and have a whole step to arrive before step i's forward needs them.
-        ``device``: where the ids travel from (the embedding tables' device).
+        The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would
+        order its copies behind the compute already queued on the GPU and stall the loader; the consumer moves
+        the results to the tables' device (``PrefetchedIds.to``).
         """
 
         span_name = "id_prefetch_wait"
@@ -136,7 +169,6 @@ if BaseNode is not None:
             transport,
             feature_extractor: Callable[[T], Mapping[str, tuple[torch.Tensor, list[int]]]],
             rank: int = 0,
-            device: Optional[torch.device] = None,
             timer=None,
         ):
             super().__init__(source, timer)
@@ -147,13 +179,10 @@ if BaseNode is not None:
             self.transport = transport
             self.feature_extractor = feature_extractor
             self.rank = rank
-            self.device = device
 
         def start(self, item) -> tuple:
             parts = item if isinstance(item, tuple) else (item,)
             keyed = self.feature_extractor(parts[0])
-            if self.device is not None:
-                keyed = {k: (ids.to(self.device), segments) for k, (ids, segments) in keyed.items()}
             return (*parts, start_prefetch(keyed, self.boundaries, self.transport, self.rank))
 
         def finish(self, started: tuple) -> tuple:

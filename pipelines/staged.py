@@ -98,7 +98,7 @@ class StagedPipeline:
 
         plan, coll = self.collection.plan, self.collection
         return lambda node: IdPrefetch(
-            node, plan.group_boundaries, coll.transport, plan.extractor(self.features), rank, coll.device, timer
+            node, plan.group_boundaries, coll.transport, plan.extractor(self.features), rank, timer
         )
 
     def flush(self) -> None:

@@ -73,6 +73,10 @@ class _Fetched:
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
 
+def _median(values: list[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median()) if values else float("nan")
+
+
 class Trainer:
     config: JobConfig
     rank: int
@@ -139,8 +143,8 @@ class Trainer:
                     self.pipeline.current_ids = current.ids
                     self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
                 record = self.train_step(current)
-                record["exposed_s"] = self._exposed_delta(before, record)
                 record["data_wait_s"] = data_wait
+                record["exposed_s"] = self._exposed_delta(before, record)
                 record["step_time_s"] = time.perf_counter() - t0
                 record["bubble_s"] = sum(record["exposed_s"].values()) + record["straggler_wait_s"]
                 if current.balance is not None:
@@ -173,7 +177,7 @@ class Trainer:
         parts = item if isinstance(item, tuple) else (item,)
         batch = parts[0]
         balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
-        ids = parts[-1] if self.pipeline is not None and self.pipeline.mode != "sync" else None
+        ids = parts[-1].to(self.device) if self.pipeline is not None and self.pipeline.mode != "sync" else None
         return _Fetched(batch.to(self.device, non_blocking=True), balance, ids, new_epoch, loader_state)
 
     def _global_labels(self, fetched: _Fetched) -> float:
@@ -267,6 +271,9 @@ class Trainer:
         after = self._exposed_totals()
         out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
         out["dense_allreduce"] = record["allreduce_exposed_s"]
+        # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
+        # loader's next(); their collective waits are the parts above, counted once).
+        out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -368,6 +375,9 @@ class Trainer:
             "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
             "straggler_pct": sum(r["straggler_pct"] for r in timed) / n,
             "step_time_s": sum(step_times) / n,
+            "step_time_median_s": _median(step_times),
+            "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
+            "compute_median_s": _median([r["compute_s"][self.rank] for r in timed]),
             "bubble_s": sum(r["bubble_s"] for r in timed) / n,
             "exposed_s": {k: sum(r["exposed_s"][k] for r in timed) / n for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [sum(r["compute_s"][q] for r in timed) / n for q in range(self.world_size)],

@@ -59,6 +59,9 @@ def _row(case: str, s: dict) -> dict:
         "mode": s["mode"],
         "samples_per_s": s["samples_per_s"],
         "step_time_ms": 1e3 * s["step_time_s"],
+        "step_time_median_ms": 1e3 * s["step_time_median_s"],
+        "data_wait_median_ms": 1e3 * s["data_wait_median_s"],
+        "compute_median_ms": 1e3 * s["compute_median_s"],
         "exposed_ms": {k: 1e3 * v for k, v in exposed.items()},
         "exposed_total_ms": 1e3 * sum(exposed.values()),
         "straggler_pct": s["straggler_pct"],
@@ -101,14 +104,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_table(rows: list[dict]) -> None:
-    parts = ("ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
-    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} " + " ".join(f"{p[:9]:>9}" for p in parts)
+    parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
+    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
     head += f" {'strag %':>7} {'bubble ms':>9} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
         print(
             f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
+            f"{r['step_time_median_ms']:>7.1f} {r['compute_median_ms']:>7.1f} "
             + " ".join(f"{r['exposed_ms'].get(p, 0.0):>9.2f}" for p in parts)
             + f" {r['straggler_pct']:>7.1f} {r['bubble_ms']:>9.2f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
