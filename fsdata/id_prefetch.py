@@ -111,85 +111,127 @@ def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
     return ops.ranged_dispatch(ids, boundaries)
 
 
-def start_id_exchange(
-    key: str, ids: torch.Tensor, segments: list[int], boundaries: torch.Tensor, transport, rank: int
-) -> ShardedIds:
-    """Groups ``ids`` by owning shard and starts their AllToAll; returns at once after the size exchange.
+@dataclass
+class SizedIds:
+    """One key's ids grouped by owning shard, with the size exchange (how many ids each shard receives) started.
 
-    The size exchange (every rank tells every shard how many ids follow) is the one step that must finish
-    before the ids can be posted; it is tiny and, when this runs in the loader, off the training step.
+    The size exchange is the one step that must finish before the ids can be posted; ``post()`` waits for it
+    and starts the id AllToAll. Issued a step apart, neither wait blocks.
     """
+
+    key: str
+    num_ids: int
+    segments: list[int]
+    perm: torch.Tensor
+    send_ids: torch.Tensor
+    send_splits: list[int]
+    sizes_handle: Any
+    transport: Any
+
+    def post(self) -> ShardedIds:
+        t0 = time.perf_counter()
+        recv = self.sizes_handle.wait()
+        sizes_wait = time.perf_counter() - t0
+        recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
+        handle = self.transport.all_to_all(self.send_ids, self.send_splits, recv_splits)
+        return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait)
+
+
+def start_size_exchange(
+    key: str, ids: torch.Tensor, segments: list[int], boundaries: torch.Tensor, transport, rank: int
+) -> SizedIds:
+    """Groups ``ids`` by owning shard and starts the size exchange; returns at once."""
     world_size = boundaries.numel() - 1
     if ids.dim() != 1 or ids.dtype != torch.int64:
         raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}")
     if sum(segments) != ids.numel():
         raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: segments {segments} do not add up to {ids.numel()} ids")
     send_ids, splits, perm = _dispatch(ids, boundaries.to(ids.device))
-    t0 = time.perf_counter()
-    recv = transport.all_to_all(splits.to(torch.int64).reshape(world_size, 1), [1] * world_size, [1] * world_size).wait()
-    sizes_wait = time.perf_counter() - t0
-    send_splits = [int(x) for x in splits.tolist()]
-    recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
-    handle = transport.all_to_all(send_ids, send_splits, recv_splits)
-    return ShardedIds(key, int(ids.numel()), list(segments), perm, send_splits, recv_splits, handle, sizes_wait)
+    sizes = transport.all_to_all(splits.to(torch.int64).reshape(world_size, 1), [1] * world_size, [1] * world_size)
+    return SizedIds(key, int(ids.numel()), list(segments), perm, send_ids, [int(x) for x in splits.tolist()], sizes, transport)
+
+
+def start_id_exchange(
+    key: str, ids: torch.Tensor, segments: list[int], boundaries: torch.Tensor, transport, rank: int
+) -> ShardedIds:
+    """The whole exchange now: sizes (waited for at once), then the ids' AllToAll (returned in flight)."""
+    return start_size_exchange(key, ids, segments, boundaries, transport, rank).post()
+
+
+def start_sizes(
+    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
+) -> dict[str, SizedIds]:
+    """Starts the size exchange of every key, in sorted key order (the same collective order on every rank)."""
+    missing = set(boundaries) - set(keyed_ids)
+    if missing:
+        raise ValueError(f"ID prefetch, rank {rank}: the feature extractor gave no ids for keys {sorted(missing)}")
+    return {k: start_size_exchange(k, keyed_ids[k][0], keyed_ids[k][1], boundaries[k], transport, rank) for k in sorted(boundaries)}
 
 
 def start_prefetch(
     keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
 ) -> PrefetchedIds:
-    """Starts the exchange of every key, in sorted key order (the same collective order on every rank)."""
-    missing = set(boundaries) - set(keyed_ids)
-    if missing:
-        raise ValueError(f"ID prefetch, rank {rank}: the feature extractor gave no ids for keys {sorted(missing)}")
-    return PrefetchedIds(
-        {k: start_id_exchange(k, keyed_ids[k][0], keyed_ids[k][1], boundaries[k], transport, rank) for k in sorted(boundaries)}
-    )
+    """Starts the exchange of every key now (sizes waited for at once), in sorted key order."""
+    return PrefetchedIds({k: sized.post() for k, sized in start_sizes(keyed_ids, boundaries, transport, rank).items()})
 
 
 if BaseNode is not None:
     from fsdata.nodes.async_stage import AsyncStage
 
-    class IdPrefetch(AsyncStage):
-        """Starts each batch's ID exchange one ``next()`` before handing the batch out.
+    def _check_boundaries(boundaries: Mapping[str, torch.Tensor]) -> dict:
+        for k, b in boundaries.items():
+            if b.dim() != 1 or b.numel() < 2 or b.dtype != torch.int64 or bool((b[1:] < b[:-1]).any()):
+                raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
+        return dict(boundaries)
 
-        Yields ``(*item, PrefetchedIds)`` where ``item`` is what the source yields (a batch, or a tuple whose
-        first element is the batch). With the trainer's one batch of lookahead, batch i+1's ids leave when batch
-        i+1 is pulled here, during step i-1, and have a whole step to arrive before step i's forward needs them.
-        The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would
-        order its copies behind the compute already queued on the GPU and stall the loader; the consumer moves
-        the results to the tables' device (``PrefetchedIds.to``).
+    class IdSizeExchange(AsyncStage):
+        """First half of the ID prefetch: groups each batch's ids by shard and starts the size exchange.
+
+        Yields ``(*item, {key: SizedIds})``; the size exchange was started one ``next()`` earlier.
+        """
+
+        span_name = "id_sizes_wait"
+
+        def __init__(self, source, boundaries, transport, feature_extractor, rank: int = 0, timer=None):
+            super().__init__(source, timer)
+            self.boundaries = _check_boundaries(boundaries)
+            self.transport, self.feature_extractor, self.rank = transport, feature_extractor, rank
+
+        def start(self, item) -> tuple:
+            parts = item if isinstance(item, tuple) else (item,)
+            return (*parts, start_sizes(self.feature_extractor(parts[0]), self.boundaries, self.transport, self.rank))
+
+        def finish(self, started: tuple) -> tuple:
+            return started
+
+    class IdPrefetch(AsyncStage):
+        """Second half: posts each batch's id AllToAll (its sizes known) one ``next()`` before handing it out.
+
+        Yields ``(*item, PrefetchedIds)``. Chained after :class:`IdSizeExchange` (``id_prefetch_stages``), batch
+        k's sizes leave two loader calls and its ids one call before batch k is handed out: with the trainer's
+        one batch of lookahead, batch i+1's ids travel during step i-1 and are there for step i's forward.
+        The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would order
+        its copies behind the compute queued on the GPU and stall the loader; the consumer moves the results to
+        the tables' device (``PrefetchedIds.to``).
         """
 
         span_name = "id_prefetch_wait"
 
-        def __init__(
-            self,
-            source: "BaseNode[T]",
-            boundaries: Mapping[str, torch.Tensor],
-            transport,
-            feature_extractor: Callable[[T], Mapping[str, tuple[torch.Tensor, list[int]]]],
-            rank: int = 0,
-            timer=None,
-        ):
-            super().__init__(source, timer)
-            for k, b in boundaries.items():
-                if b.dim() != 1 or b.numel() < 2 or b.dtype != torch.int64 or bool((b[1:] < b[:-1]).any()):
-                    raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
-            self.boundaries = dict(boundaries)
-            self.transport = transport
-            self.feature_extractor = feature_extractor
-            self.rank = rank
-
-        def start(self, item) -> tuple:
-            parts = item if isinstance(item, tuple) else (item,)
-            keyed = self.feature_extractor(parts[0])
-            return (*parts, start_prefetch(keyed, self.boundaries, self.transport, self.rank))
+        def start(self, item: tuple) -> tuple:
+            *parts, sized = item
+            return (*parts, PrefetchedIds({k: s.post() for k, s in sized.items()}))
 
         def finish(self, started: tuple) -> tuple:
             return started  # the ids are waited for by the embedding stage, where they are needed
 
+    def id_prefetch_stages(boundaries, transport, feature_extractor, rank: int = 0, timer=None) -> list:
+        """The two loader stages of the ID prefetch, for ``fsdata.loader.build_loader(stages=...)``."""
+        return [
+            lambda node: IdSizeExchange(node, boundaries, transport, feature_extractor, rank, timer),
+            lambda node: IdPrefetch(node, timer),
+        ]
+
 else:  # pragma: no cover
 
-    class IdPrefetch:  # type: ignore[no-redef]
-        def __init__(self, *args, **kwargs):
-            raise ModuleNotFoundError("IdPrefetch is a torchdata.nodes node: install torchdata==0.11.0")
+    def id_prefetch_stages(*args, **kwargs):
+        raise ModuleNotFoundError("the ID prefetch stages are torchdata.nodes nodes: install torchdata==0.11.0")

@@ -57,6 +57,7 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = _f(None, "directory of checkpoints (model, optimizer, loader state, step)")
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: never)")
     resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
+    trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
     transport: str = _f("host", "transport of the overlapped exchanges: host (SM-free), nccl, nccl-ce, rdma")
 
 

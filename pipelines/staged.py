@@ -90,16 +90,14 @@ class StagedPipeline:
         else:
             self.hub.prepare(self.features(batch))
 
-    def id_prefetch_stage(self, rank: int, timer=None):
-        """The loader stage that starts each batch's ID AllToAll a step ahead (sdd and freescale), or None."""
+    def id_prefetch_stages(self, rank: int, timer=None) -> list:
+        """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if self.mode == "sync":
-            return None
-        from fsdata.id_prefetch import IdPrefetch
+            return []
+        from fsdata.id_prefetch import id_prefetch_stages
 
-        plan, coll = self.collection.plan, self.collection
-        return lambda node: IdPrefetch(
-            node, plan.group_boundaries, coll.transport, plan.extractor(self.features), rank, timer
-        )
+        plan = self.collection.plan
+        return id_prefetch_stages(plan.group_boundaries, self.collection.transport, plan.extractor(self.features), rank, timer)
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end)."""

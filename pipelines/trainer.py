@@ -119,8 +119,9 @@ class Trainer:
                 self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
                 self.feedback, self.timer,
             )
-        id_prefetch = self.pipeline.id_prefetch_stage(self.rank, self.timer) if self.pipeline is not None else None
-        return stages + ([id_prefetch] if id_prefetch is not None else [])
+        if self.pipeline is not None:
+            stages += self.pipeline.id_prefetch_stages(self.rank, self.timer)
+        return stages
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
@@ -130,6 +131,7 @@ class Trainer:
             Path(cfg.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
             self._metrics_file = open(cfg.metrics_jsonl, "w")
         items = iter(self.loader)
+        profiler = self._profiler()
         start = time.perf_counter()
         upcoming = self._fetch(items) if self.step < cfg.steps else None
         try:
@@ -137,7 +139,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 before = self._exposed_totals()
                 current = upcoming
-                upcoming = self._fetch(items) if self.step + 1 < cfg.steps else None
+                with torch.profiler.record_function("freescale/data"):
+                    upcoming = self._fetch(items) if self.step + 1 < cfg.steps else None
                 data_wait = time.perf_counter() - t0
                 if self.pipeline is not None:
                     self.pipeline.current_ids = current.ids
@@ -157,9 +160,13 @@ class Trainer:
                 self._log(record, progress)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
+                if profiler is not None:
+                    profiler.step()
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
         finally:
+            if profiler is not None:
+                profiler.stop()
             if progress is not None:
                 progress.close()
             if self._metrics_file is not None:
@@ -208,14 +215,16 @@ class Trainer:
                 p.grad.zero_()
         global_labels = self._global_labels(fetched)
         t0 = time.perf_counter()
-        labels, bce, positives = self.forward_backward(batch, global_labels)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with torch.profiler.record_function("freescale/forward_backward"):
+            labels, bce, positives = self.forward_backward(batch, global_labels)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         compute = time.perf_counter() - t0
         lengths = batch.uih_lengths.cpu()
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
-        book = self._sync(labels, bce, positives, mine)
+        with torch.profiler.record_function("freescale/dense_allreduce"):
+            book = self._sync(labels, bce, positives, mine)
         sync_time = time.perf_counter() - t1
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)
@@ -258,6 +267,25 @@ class Trainer:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
         return flat[offset:].double().cpu()
+
+    def _profiler(self):
+        """--trace: a torch.profiler window of a few steps after warm-up, one Chrome trace per rank (Perfetto)."""
+        path = self.config.train.trace
+        if not path:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        target = Path(f"{path}.rank{self.rank}.json")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        active = max(1, min(5, self.config.train.steps - 2))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        profiler = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=1, active=active, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(str(target)),
+        )
+        profiler.start()
+        return profiler
 
     # ------------------------------------------------------------------ exposed time
     def _exposed_totals(self) -> dict[str, float]:

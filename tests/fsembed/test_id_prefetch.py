@@ -27,13 +27,15 @@ def _features(batch):
 def _make_loader(rank, world_size, transport):
     from torchdata.nodes import Loader, Mapper
 
-    from fsdata.id_prefetch import IdPrefetch
+    from fsdata.id_prefetch import id_prefetch_stages
     from fsdata.nodes.reader import GlobalBatchReader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
     plan = _plan(world_size)
     source = SyntheticSource(SyntheticConfig(num_samples=37, seed=4, collision_block_size=8))
-    node = IdPrefetch(GlobalBatchReader(source, 4, rank, world_size), plan.group_boundaries, transport, plan.extractor(_features), rank)
+    node = GlobalBatchReader(source, 4, rank, world_size)
+    for wrap in id_prefetch_stages(plan.group_boundaries, transport, plan.extractor(_features), rank):
+        node = wrap(node)
 
     def settle(item):  # comparable items: the batch and every key's shard-major ids and splits
         batch, pre = item

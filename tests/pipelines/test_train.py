@@ -63,8 +63,11 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     summary = tmp_path / "s.json"
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--steps", "6", "--partitioner", "fbs",
-           "--summary-json", str(summary), "--metrics-jsonl", str(metrics), "--no-progress"]
+           "--summary-json", str(summary), "--metrics-jsonl", str(metrics), "--no-progress",
+           "--mode", "replicated", "--trace", str(tmp_path / "trace")]
     proc = _run(cmd, tmp_path)
+    trace = json.loads((tmp_path / "trace.rank1.json").read_text())
+    assert {"freescale/data", "freescale/forward_backward"} <= {e.get("name") for e in trace["traceEvents"]}
     assert "run summary" in proc.stdout
     s = json.loads(summary.read_text())
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
