@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fscomm import groups
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, check_all_to_all, row_bytes
+from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -56,11 +56,7 @@ class HostTransport:
 
     def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits) -> Handle:
         state = groups.claim(self.group, "all_to_all")
-        send, recv = check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
-        x = tensor.contiguous()
-        rb = row_bytes(x)
-        send_b, recv_b = [s * rb for s in send], [r * rb for r in recv]
-        out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         seq = state.take_seq()
 
         def exchange(send_view: torch.Tensor, recv_view: torch.Tensor, async_op: bool):

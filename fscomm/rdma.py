@@ -22,7 +22,7 @@ from fscomm import groups
 from fscomm.ring import AllToAllPlan, RingError, RingLink, all_to_all_plan, exchange_rows, ring_all_gather, ring_all_to_all
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, check_all_to_all, row_bytes
+from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
 
 _QUEUE_DEPTH = 64  # receives posted up front per exchange: at most W-1 <= 63 steps
 
@@ -259,11 +259,7 @@ class RdmaTransport:
 
     def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits) -> Handle:
         state = groups.claim(self.group, "all_to_all")
-        send, recv = check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
-        x = tensor.contiguous()
-        rb = row_bytes(x)
-        send_b, recv_b = [s * rb for s in send], [r * rb for r in recv]
-        out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         n_in, n_out = sum(send_b), sum(recv_b)
         pool, timeout = self.stager.pool, self.state.timeout_s
         exchange = lambda w: ring_all_to_all_bytes(self.link, pool, self._register, w[:n_in], w[n_in:], send_b,

@@ -142,6 +142,17 @@ def check_all_to_all(tensor: torch.Tensor, send_splits: Splits, recv_splits: Spl
     return send, recv
 
 
+def prepare_all_to_all(
+    tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, world_size: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Checks an all_to_all's arguments; returns (contiguous input, output, send bytes, recv bytes per rank)."""
+    send, recv = check_all_to_all(tensor, send_splits, recv_splits, world_size, rank)
+    x = tensor.contiguous()
+    rb = row_bytes(x)
+    out = torch.empty((sum(recv), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return x, out, [s * rb for s in send], [r * rb for r in recv]
+
+
 def check_all_gather(tensor: torch.Tensor, sizes: Optional[Sequence[int]], world_size: int, rank: int) -> Optional[list[int]]:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"fscomm all_gather on rank {rank}: need a tensor, got {type(tensor).__name__}")
