@@ -57,7 +57,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "_unavailable", None):
         raise SystemExit(args._unavailable)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except ValueError as error:  # bad user input: the message says what and where; no traceback
+        print(f"freescale {' '.join(a for a in (args.command, getattr(args, 'subcommand', None)) if a)}: error: {error}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

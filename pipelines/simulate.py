@@ -308,6 +308,7 @@ def run_grid(args: argparse.Namespace, ranks: int, batch_size: int, max_uih: int
         record = simulate(name.strip(), source, step_time, settings)
         record["model"] = args.model
         record["source"] = source.describe()
+        record.update(getattr(step_time, "record", dict)())  # replay: how many fresh timings the figure rests on
         records.append(record)
     return records
 

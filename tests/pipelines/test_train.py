@@ -111,3 +111,11 @@ def test_resume_onto_another_world_size(tmp_path):
     step3 = str(tmp_path / "ck" / "step_000003")
     proc = _run(_train_cmd(tmp_path, "--mode", "replicated", "--nproc", "3", "--resume", step3, "--steps", "4"), tmp_path)
     assert "resumed from" in proc.stdout and "sample 48" in proc.stdout and "world size 3" in proc.stdout
+
+
+def test_cli_reports_bad_input_without_traceback(capsys):
+    from pipelines.cli import main
+
+    assert main(["train", "--steps", "-3"]) == 2
+    err = capsys.readouterr().err
+    assert "freescale train: error: steps must be >= 0" in err and "Traceback" not in err
