@@ -7,9 +7,15 @@ out per destination field by field:
     [sample_ids | user_ids | dense | uih_item_ids | uih_action_types? | uih_timestamps? | labels | content_ids]
 
 The lengths themselves (UIH, candidates, content) are not sent: the receiver rebuilds every offset from the
-gathered lengths. The sender groups its samples by destination in plan order with the jagged indexed permute;
-the receiver gets them grouped by source rank, and permutes once more into plan order only when the plan asks
-for an order that is not source-major (the built-in partitioners never do).
+gathered lengths.
+
+Each side reorders its words in one gather, not one per field and rank, because this stage runs in the
+training thread (fsdata.nodes.async_stage). A (field, sample) pair is one segment of a [F, n] grid of words. The
+sender concatenates its fields (field-major, local order) and gathers the segments in (destination, field, plan
+position) order with one jagged indexed permute. The receiver gets (source, field) chunks; when the plan lists
+the rank's samples source-major (the built-in partitioners always do) one concatenation of those chunks makes
+the fields, otherwise one indexed permute of the (field, sample) segments puts them field-major in plan order.
+The fields of the balanced batch are views of that one buffer.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torchdata.nodes import BaseNode
 
 from fscomm.timing import Timer
 from fsdata.batch import Batch, lengths_to_offsets
-from fsdata.metrics import imbalance, sparsity
+from fsdata.metrics import imbalance
 from fsdata.nodes.async_stage import AsyncStage
 from fsdata.nodes.partition_stage import Planned
 from kernels import ops
@@ -41,14 +47,45 @@ def _from_words(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return words if dtype == torch.int64 else words.to(torch.int32).view(torch.float32)
 
 
+def _rank_major(rank_of: torch.Tensor, num_fields: int) -> torch.Tensor:
+    """Cells ``f * n + k`` of a [F, n] grid ordered by (rank_of[k], f, k); ``rank_of`` [n] must not decrease.
+
+    That is the wire order of an AllToAll buffer: per rank, every field in turn, samples in order within a field.
+    """
+    key = (rank_of * num_fields).unsqueeze(0) + torch.arange(num_fields).unsqueeze(1)  # [F, n]
+    return torch.argsort(key.reshape(-1), stable=True)
+
+
+def _rank_splits(offsets: torch.Tensor, per_rank: torch.Tensor, num_fields: int) -> list:
+    """Words per rank, from the offsets of segments laid out rank-major with ``num_fields`` segments per sample."""
+    bounds = torch.zeros(per_rank.numel() + 1, dtype=torch.int64)
+    torch.cumsum(per_rank * num_fields, 0, out=bounds[1:])
+    return offsets[bounds].diff().tolist()
+
+
+def _per_rank_stats(values: list, offsets: list) -> tuple[list, list]:
+    """Per rank ``r`` (values[offsets[r]:offsets[r+1]]): token sum and Eq. 1 sparsity (as fsdata.metrics.sparsity).
+
+    Plain Python on lists: for a step's few dozen to few thousand lengths it is cheaper than tensor ops per rank.
+    """
+    tokens, sparse = [], []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        part = values[lo:hi]
+        total, longest = sum(part), max(part, default=0)
+        tokens.append(total)
+        sparse.append(1.0 - float(total) / (longest * (hi - lo)) if longest > 0 else 0.0)
+    return tokens, sparse
+
+
 @dataclass
 class _InFlight:
     planned: Planned
     handle: Any
-    recv_counts: list
-    field_sizes: list
+    chunk_sizes: list  # [W*F] words received per (source, field), source-major
+    recv_offsets: Optional[torch.Tensor]  # [F*m+1] received segments' offsets (arrival order), or None: source-major
+    recv_order: Optional[torch.Tensor]  # [F*m] the received segments in (field, plan position) order
+    field_totals: list  # [F] words of each field in the balanced batch
     mine: torch.Tensor
-    arrival: torch.Tensor
     has_actions: bool
     has_times: bool
     dense_dim: int
@@ -68,20 +105,23 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
         batch, lengths, plan, r, w = p.batch, p.lengths, p.plan, self.rank, self.world_size
         dense_dim, num_labels = batch.dense.shape[1], batch.num_labels
 
-        # Per global sample: words of every field (in wire order).
+        # [F, G] words of every field (in wire order) of every global sample.
         g_uih, g_cand = lengths.uih_lengths, lengths.num_candidates
         g_content = torch.from_numpy(lengths.content_lengths_per_sample())
         ones = torch.ones_like(g_uih)
         n_uih_fields = 1 + (batch.uih_action_types is not None) + (batch.uih_timestamps is not None)
-        field_sizes = [ones, ones, ones * dense_dim] + [g_uih] * n_uih_fields + [g_cand * num_labels, g_content]
+        sizes = torch.stack([ones, ones, ones * dense_dim] + [g_uih] * n_uih_fields + [g_cand * num_labels, g_content])
+        num_fields = sizes.shape[0]
 
-        # Sender: local samples sorted by plan position, i.e. grouped by destination.
+        # Sender: my fields back to back; segment f * n + i is field f of local sample i. Send them grouped by
+        # destination, then field, then plan position.
+        lo, hi = int(lengths.rank_offsets[r]), int(lengths.rank_offsets[r + 1])
+        n = hi - lo
         position = torch.empty_like(plan.order)
         position[plan.order] = torch.arange(plan.order.numel())
-        lo, hi = int(lengths.rank_offsets[r]), int(lengths.rank_offsets[r + 1])
-        send_order = torch.argsort(position[lo:hi])
+        send_order = torch.argsort(position[lo:hi])  # local samples by plan position, i.e. by destination
         send_dest = plan.destinations()[lo:hi][send_order]
-        local_fields = [
+        local = torch.cat([
             batch.sample_ids,
             batch.user_ids,
             _as_words(batch.dense),
@@ -89,39 +129,56 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
             *[t for t in (batch.uih_action_types, batch.uih_timestamps) if t is not None],
             _as_words(batch.candidate_labels),
             batch.content_ids,
-        ]
-        send_parts, send_counts = [], []
-        for values, sizes in zip(local_fields, field_sizes):
-            permuted, _ = ops.indexed_permute(values, lengths_to_offsets(sizes[lo:hi]), send_order)
-            send_parts.append(permuted)
-            send_counts.append(torch.zeros(w, dtype=torch.int64).index_add_(0, send_dest, sizes[lo:hi][send_order]))
-        send = self._interleave(send_parts, send_counts)
+        ])
+        local_sizes = sizes[:, lo:hi]
+        cell_segment = (torch.arange(num_fields).unsqueeze(1) * n + send_order.unsqueeze(0)).reshape(-1)
+        send_segments = cell_segment[_rank_major(send_dest, num_fields)]
+        send, send_offsets = ops.indexed_permute(
+            local, lengths_to_offsets(local_sizes.reshape(-1)), send_segments, output_size=int(local_sizes.sum())
+        )
+        send_splits = _rank_splits(send_offsets, torch.bincount(send_dest, minlength=w), num_fields)
 
-        # Receiver: my samples in plan order arrive grouped by source rank.
+        # Receiver: my samples (plan order) arrive grouped by source rank, each source's field by field.
         mine = plan.rank_samples(r)
         source_rank = torch.searchsorted(lengths.rank_offsets, mine, right=True) - 1
-        arrival = torch.argsort(source_rank, stable=True)  # arrival k holds mine[arrival[k]]
-        arrived = mine[arrival]
-        recv_counts = [
-            torch.zeros(w, dtype=torch.int64).index_add_(0, source_rank[arrival], sizes[arrived]) for sizes in field_sizes
-        ]
-        handle = self.transport.all_to_all(
-            send, torch.stack(send_counts).sum(0).tolist(), torch.stack(recv_counts).sum(0).tolist()
-        )
+        mine_sizes = sizes[:, mine]  # [F, m]
+        chunks = torch.zeros(num_fields, w, dtype=torch.int64).index_add_(1, source_rank, mine_sizes)  # [F, W]
+        recv_offsets = recv_order = None
+        if not bool((source_rank.diff() >= 0).all()):  # a plan with its own order within a rank
+            recv_offsets, recv_order = self._arrival_segments(source_rank, mine_sizes)
+        handle = self.transport.all_to_all(send, send_splits, chunks.sum(0).tolist())
         return _InFlight(
-            p, handle, recv_counts, field_sizes, mine, arrival,
+            p, handle, chunks.t().reshape(-1).tolist(), recv_offsets, recv_order, chunks.sum(1).tolist(), mine,
             batch.uih_action_types is not None, batch.uih_timestamps is not None, dense_dim, num_labels,
         )
 
+    @staticmethod
+    def _arrival_segments(source_rank: torch.Tensor, mine_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offsets of the received (field, sample) segments in arrival order, and those segments in plan order.
+
+        Arrival order is (source, field, plan position); the batch wants (field, plan position).
+        """
+        num_fields, m = mine_sizes.shape
+        arrival = torch.argsort(source_rank, stable=True)  # arrival k holds my plan position arrival[k]
+        wire = _rank_major(source_rank[arrival], num_fields)  # received segment t is cell wire[t] of [F, arrival]
+        cell_to_segment = torch.empty_like(wire)
+        cell_to_segment[wire] = torch.arange(wire.numel())
+        back = torch.empty_like(arrival)
+        back[arrival] = torch.arange(m)  # plan position j arrives at back[j]
+        order = cell_to_segment[(torch.arange(num_fields).unsqueeze(1) * m + back.unsqueeze(0)).reshape(-1)]
+        return lengths_to_offsets(mine_sizes[:, arrival].reshape(-1)[wire]), order
+
     def finish(self, f: _InFlight) -> tuple:
-        lengths, mine, arrival, field_sizes = f.planned.lengths, f.mine, f.arrival, f.field_sizes
-        arrived = mine[arrival]
+        lengths, mine = f.planned.lengths, f.mine
         g_uih, g_cand = lengths.uih_lengths, lengths.num_candidates
         n_uih_fields = 1 + f.has_actions + f.has_times
-        fields = self._deinterleave(f.handle.wait(), f.recv_counts)
-        if not torch.equal(arrival, torch.arange(arrival.numel())):  # a plan with its own order within a rank
-            back = torch.argsort(arrival)
-            fields = [ops.indexed_permute(v, lengths_to_offsets(s[arrived]), back)[0] for v, s in zip(fields, field_sizes)]
+        received = f.handle.wait()
+        if f.recv_order is None:  # source-major: (source, field) chunks to field-major, one copy
+            pieces, nf = received.split(f.chunk_sizes), len(f.field_totals)
+            words = torch.cat([pieces[s * nf + k] for k in range(nf) for s in range(self.world_size)])
+        else:
+            words, _ = ops.indexed_permute(received, f.recv_offsets, f.recv_order, output_size=received.numel())
+        fields = words.split(f.field_totals)
 
         candidate_offsets_global = lengths_to_offsets(g_cand)
         candidate_lengths, _ = ops.indexed_permute(lengths.candidate_lengths, candidate_offsets_global, mine)
@@ -141,29 +198,19 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
         )
         return balanced, self._info(f.planned, g_uih)
 
-    def _interleave(self, parts: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor:
-        """Field-major per-destination layout: for each destination, its slice of every field in turn."""
-        splits = [part.split(c.tolist()) for part, c in zip(parts, counts)]
-        return torch.cat([s[d] for d in range(self.world_size) for s in splits])
-
-    def _deinterleave(self, received: torch.Tensor, counts: list[torch.Tensor]) -> list[torch.Tensor]:
-        per_source = torch.stack(counts, 1).reshape(-1).tolist()  # source-major, then field
-        pieces = received.split(per_source)
-        nf = len(counts)
-        return [torch.cat([pieces[s * nf + f] for s in range(self.world_size)]) for f in range(nf)]
-
     def _info(self, p: Planned, g_uih: torch.Tensor) -> dict:
         """Balance metrics of this step, before (source ranks) and after (the plan), from the gathered lengths."""
-        before = [g_uih[int(a) : int(b)] for a, b in zip(p.lengths.rank_offsets[:-1], p.lengths.rank_offsets[1:])]
-        after = [g_uih[p.plan.rank_samples(q)] for q in range(self.world_size)]
+        uih = g_uih.tolist()
+        tokens_before, sparsity_before = _per_rank_stats(uih, p.lengths.rank_offsets.tolist())
+        tokens_after, sparsity_after = _per_rank_stats([uih[g] for g in p.plan.order.tolist()], p.plan.dest_offsets.tolist())
         return {
             "step": p.step,
             "global_samples": p.lengths.num_samples,
             "global_candidates": int(p.lengths.num_candidates.sum()),
-            "tokens_before": [int(x.sum()) for x in before],
-            "tokens_after": [int(x.sum()) for x in after],
-            "imbalance_before": imbalance([float(x.sum()) for x in before]),
-            "imbalance_after": imbalance([float(x.sum()) for x in after]),
-            "sparsity_before": [sparsity(x) for x in before],
-            "sparsity_after": [sparsity(x) for x in after],
+            "tokens_before": tokens_before,
+            "tokens_after": tokens_after,
+            "imbalance_before": imbalance([float(x) for x in tokens_before]),
+            "imbalance_after": imbalance([float(x) for x in tokens_after]),
+            "sparsity_before": sparsity_before,
+            "sparsity_after": sparsity_after,
         }

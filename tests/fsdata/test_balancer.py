@@ -112,3 +112,67 @@ def _resume_body(rank, world_size):
 @pytest.mark.multiprocess
 def test_resume_is_exact():
     assert run_ranks(_resume_body, 2, timeout=120) == [True, True]
+
+
+_PLANNED_IDS: list = []  # per call of reversed_fbs in this process: every rank's sample ids in plan order
+
+
+def reversed_fbs(lengths, runtime):
+    """FBS with each rank's samples listed backwards: an order within a rank that is not source-major."""
+    from fsdata.partition import Plan, get_partitioner
+
+    plan = get_partitioner("fbs")(lengths, runtime)
+    offs = plan.dest_offsets.tolist()
+    order = torch.cat([plan.order[a:b].flip(0) for a, b in zip(offs[:-1], offs[1:])])
+    reversed_plan = Plan(order, plan.dest_offsets.clone())
+    source = torch.searchsorted(lengths.rank_offsets, order, right=True) - 1
+    _PLANNED_IDS.append(
+        (
+            [lengths.sample_ids[reversed_plan.rank_samples(q)].tolist() for q in range(lengths.world_size)],
+            any(bool((source[a:b].diff() < 0).any()) for a, b in zip(offs[:-1], offs[1:])),
+        )
+    )
+    return reversed_plan
+
+
+def _custom_order_body(rank, world_size):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+
+    transport = get_transport("host", group=new_stage_group("balancer"))
+    loader, _ = _loader(rank, world_size, "tests.fsdata.test_balancer:reversed_fbs", transport)
+    batches = []
+    for batch, _ in loader:
+        stage(f"step {len(batches)}")
+        batches.append(batch)
+    return batches, list(_PLANNED_IDS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_custom_order_within_rank(world_size):
+    """A plan whose order within a rank is not source-major: samples arrive intact, in the plan's order."""
+    from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+    results = run_ranks(_custom_order_body, world_size, timeout=90)
+    source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=NUM_SAMPLES, seed=3, uih_max=200))
+    global_batch = BATCH * world_size
+    num_steps = -(-NUM_SAMPLES // global_batch)
+    planned = results[0][1]
+    assert len(planned) == num_steps
+    assert any(not_source_major for _, not_source_major in planned), "the test plan never left source-major order"
+    for rank, (batches, rank_planned) in enumerate(results):
+        assert len(batches) == num_steps
+        assert rank_planned == planned  # every rank computed the same plans
+        for step, batch in enumerate(batches):
+            assert batch.sample_ids.tolist() == planned[step][0][rank], f"rank {rank} step {step}: not in plan order"
+            expected = source.read(0, step * global_batch, min((step + 1) * global_batch, NUM_SAMPLES))
+            by_id = {s.sample_id: s for s in expected.to_samples()}
+            for s in batch.to_samples():
+                ref = by_id[s.sample_id]
+                assert (s.uih_item_ids == ref.uih_item_ids).all() and (s.uih_timestamps == ref.uih_timestamps).all()
+                assert s.user_id == ref.user_id and (s.uih_action_types is None) == (ref.uih_action_types is None)
+                assert s.uih_action_types is None or (s.uih_action_types == ref.uih_action_types).all()
+                assert (s.candidate_labels == ref.candidate_labels).all() and (s.dense == ref.dense).all()
+                assert len(s.content_ids) == len(ref.content_ids)
+                assert all((a == b).all() for a, b in zip(s.content_ids, ref.content_ids))
