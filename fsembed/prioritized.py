@@ -108,6 +108,7 @@ class _GroupContext:
         self.co_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i]: rows of i used by i+1
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
         self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
+        self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
         self.awaiting_backward = False
 
@@ -129,8 +130,12 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, stale: bool = False, **kwargs):
+        """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
+        of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
+        Not FreeScale's numerics: it exists to measure what staleness costs."""
         super().__init__(*args, **kwargs)
+        self.stale = bool(stale)
         self.ctx = {name: _GroupContext() for name in self.shards}
         self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
@@ -175,7 +180,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 c.cur = self._first_step(shard, pre_now[name])
             emb = self._forward_group(c, shard, None if pre_next is None else pre_next[name])
             if c.co_shard is not None:
-                collided = collided + c.co_shard.sum()  # stays on the device: no host sync per step
+                collided = collided + c.collided  # stays on the device: no host sync per step
                 total += int(c.cur.local.numel())
             out.update(self._split(c.cur.sid, _PrioritizedLookup.apply(self._anchor, self, name, emb), shard.layout))
             c.awaiting_backward = True
@@ -205,6 +210,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
             c.co_shard = ops.collision_mask(step.local, nlocal)  # line 10
             c.fresh_shard = ~ops.collision_mask(nlocal, step.local)
+            c.collided = c.co_shard.sum()  # the measured collisions (Figure 3), whatever the routing below
+            if self.stale:  # semi-sync: no row waits for this step's update
+                c.co_shard = torch.zeros_like(c.co_shard)
+                c.fresh_shard = torch.ones_like(c.fresh_shard)
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,

@@ -42,7 +42,7 @@ class ModelSection:
 
 @dataclass
 class TrainConfig:
-    mode: str = _f("freescale", "replicated, sync, sdd or freescale (see pipelines.trainer)")
+    mode: str = _f("freescale", "replicated, sync, sdd, semisync or freescale (see pipelines.trainer)")
     embedding_optimizer: str = _f("sgd", "row-wise optimizer of sharded tables: sgd, rowwise_adagrad, adam")
     embedding_lr: float = _f(0.05, "learning rate of the sharded tables")
     nproc: int = _f(2, "local ranks launched by `freescale train` (ignored under torchrun)")
@@ -91,8 +91,8 @@ class JobConfig:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():
             raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
-        if self.train.mode not in ("replicated", "sync", "sdd", "freescale"):
-            raise ValueError(f"mode must be replicated, sync, sdd or freescale, got {self.train.mode!r}")
+        if self.train.mode not in ("replicated", "sync", "sdd", "semisync", "freescale"):
+            raise ValueError(f"mode must be replicated, sync, sdd, semisync or freescale, got {self.train.mode!r}")
         if self.train.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
         if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:

@@ -8,6 +8,9 @@ modules are named). FreeScale installs itself around it:
     - ``sync``       ID AllToAll, lookup, embedding AllToAll, all blocking, inside the step (vanilla TorchRec);
     - ``sdd``        the next batch's ID AllToAll was started during the previous step (TorchRec's
                      TrainPipelineSparseDist): only the lookup and the embedding AllToAll remain in the step;
+    - ``semisync``   every embedding of the next batch prefetched during this step, the rows this step updates
+                     included, so they arrive stale (TorchRec's TrainPipelineSemiSync): shows what staleness
+                     costs in NE, next to freescale, which waits for exactly those rows;
     - ``freescale``  prioritized updates (Algorithm 2): this step's embeddings were prefetched during the
                      previous step, only rows shared with the previous batch waited; the pre-hook hands the
                      collection the next batch's ids so it can prefetch again;
@@ -30,7 +33,7 @@ from torch import nn
 
 from fsdata.batch import Batch
 
-EMBEDDING_MODES = ("sync", "sdd", "freescale")
+EMBEDDING_MODES = ("sync", "sdd", "semisync", "freescale")
 FeatureFn = Callable[[Batch], Mapping[str, torch.Tensor]]
 
 
@@ -57,10 +60,11 @@ class StagedPipeline:
         self.hub = swap_embeddings(
             model,
             table_names,
-            mode="prioritized" if mode == "freescale" else "sync",
+            mode="prioritized" if mode in ("freescale", "semisync") else "sync",
             optimizer=optimizer,
             timer=timer,
             device=device,
+            **({"stale": True} if mode == "semisync" else {}),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
@@ -83,7 +87,7 @@ class StagedPipeline:
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
             return
-        if self.mode == "freescale":  # the next batch's ids, already sent by the ID-prefetch stage
+        if self.mode in ("freescale", "semisync"):  # the next batch's ids, already sent by the ID-prefetch stage
             self.hub.prepare(self.features(batch), self.upcoming_ids)
         elif self.mode == "sdd":  # this batch's ids, sent by the ID-prefetch stage during the previous step
             self.hub.prepare(self.features(batch), prefetched=self.current_ids)

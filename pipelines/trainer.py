@@ -8,6 +8,7 @@ Modes (``--mode``), one harness:
                 balanced when ``--partitioner`` is not none
     sync        tables row-wise sharded, blocking ID/embedding/gradient AllToAlls in the step (vanilla TorchRec)
     sdd         sync, with the next batch's ID AllToAll overlapped (TorchRec's TrainPipelineSparseDist)
+    semisync    next batch's embeddings prefetched before this step's update: stale rows (TrainPipelineSemiSync)
     freescale   balancer (``--partitioner``, default fbs) + prioritized embedding updates + SM-free transport
 
 Gradient semantics. Local batches may differ in size (the last global batch of an epoch, variable batch size

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipelines.config import JobConfig
 
-MODES = ("sync", "sdd", "freescale", "replicated")
+MODES = ("sync", "sdd", "semisync", "freescale", "replicated")
 CASES = {
     "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),
     "light": dict(preset="tiny", uih_cap=64, batch_size=16, model="tiny", max_uih=64),
