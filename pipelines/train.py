@@ -32,6 +32,24 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _init_process_group(backend: str, rank: int, world_size: int) -> None:
+    """init_process_group, with the store keys of a restarted attempt (torchrun --max-restarts) kept apart.
+
+    A restarted attempt talks to the launcher's same store. Without a prefix of its own, the stage groups made
+    at set-up (fscomm.groups.new_stage_group) would find the previous attempt's keys there and try to connect to
+    its dead processes ("Connection refused"): every attempt's keys get the attempt number as prefix.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        dist.init_process_group(backend)
+        return
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=not agent_store and rank == 0
+    )
+    dist.init_process_group(backend, store=dist.PrefixStore(f"freescale/attempt{attempt}", store), rank=rank, world_size=world_size)
+
+
 def worker(config: JobConfig) -> Optional[dict]:
     """One rank's job. Returns the run summary on rank 0 (None elsewhere)."""
     from pipelines.trainer import Trainer
@@ -50,7 +68,7 @@ def worker(config: JobConfig) -> Optional[dict]:
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks.
     torch.set_num_threads(config.train.threads or max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        _init_process_group(backend, rank, world_size)
     try:
         return Trainer(config, rank=rank, world_size=world_size, device=device).train()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,26 @@ def test_cli_reports_bad_input_without_traceback(capsys):
     assert main(["train", "--steps", "-3"]) == 2
     err = capsys.readouterr().err
     assert "freescale train: error: steps must be >= 0" in err and "Traceback" not in err
+
+
+def _torchrun(tmp_path, restarts, *flags):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "-m", "tests.pipelines.faulty_train", "--fault-rank", "1",
+           "--fault-step", "5", "--steps", "8", "--no-progress", "--batch-size", "8",
+           "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--resume", "latest", *flags]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp_path):
+    failed = _torchrun(tmp_path, 0)
+    assert failed.returncode != 0
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", failed.stderr), failed.stderr[-2000:]
+    assert re.search(r"exitcode\s*: 17", failed.stderr), failed.stderr[-2000:]
+    # Same job with one restart allowed: the restarted ranks resume from step 4's checkpoint and finish.
+    (tmp_path / "again").mkdir()
+    restarted = _torchrun(tmp_path / "again", 1, "--summary-json", str(tmp_path / "s.json"))
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "resumed from" in restarted.stdout and "step_000004 at step 4" in restarted.stdout
+    assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
