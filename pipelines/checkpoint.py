@@ -7,7 +7,8 @@ Each rank stores its own loader state (torchtitan's habit): the loader's state i
 prefetcher's snapshot, balancer state in flight). On load it is checked against the world size: the same world
 size restores every rank's loader exactly; another world size restores only what is world-size independent —
 the dense model and optimizer (replicated) and the global data cursor (epoch, samples consumed), so no sample is
-lost or repeated — and starts the loader's balancer state afresh.
+lost or repeated — and starts the loader's balancer state afresh. Row-wise sharded tables are resharded from
+every old rank's shard (fsembed.reshard), with their optimizer state.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def latest(root: str | Path) -> Optional[Path]:
     return steps[-1][1] if steps else None
 
 
+def saved_world_size(directory: str | Path) -> int:
+    marker = Path(directory) / COMPLETE_MARKER
+    if not marker.exists():
+        raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    return int(marker.read_text().split()[0])
+
+
+def load_all(directory: str | Path) -> list[dict[str, Any]]:
+    """Every old rank's payload, in rank order (resharding row-wise tables needs all their shards)."""
+    return [torch.load(Path(directory) / f"rank{r}.pt", map_location="cpu", weights_only=False)
+            for r in range(saved_world_size(directory))]
+
+
 def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
     """This rank's checkpoint payload and whether it was written by the same world size.
 
@@ -69,10 +83,7 @@ def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, A
     the caller must take only world-size independent parts from it).
     """
     directory = Path(directory)
-    marker = directory / COMPLETE_MARKER
-    if not marker.exists():
-        raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-    saved_world = int(marker.read_text().split()[0])
+    saved_world = saved_world_size(directory)
     path = directory / f"rank{rank % saved_world}.pt"
     if not path.exists():
         raise ValueError(f"checkpoint {directory} lacks {path.name} (written by {saved_world} ranks)")

@@ -333,12 +333,10 @@ class Trainer:
         if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
             return None
         payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
+        model_state = payload[checkpoint.MODEL_KEY]
         if not same_world and self.pipeline is not None:
-            raise ValueError(
-                f"{directory}: resuming mode {self.config.train.mode!r} onto another world size needs its sharded "
-                "tables resharded, which is not supported yet; resume on the same world size, or use --mode replicated"
-            )
-        self.model.load_state_dict(payload[checkpoint.MODEL_KEY])
+            model_state = self._resharded(directory, model_state)
+        self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(payload[checkpoint.OPTIMIZER_KEY])
         self.step = int(payload[checkpoint.STEP_KEY])
         position = payload[checkpoint.CURSOR_KEY]
@@ -363,6 +361,16 @@ class Trainer:
         import resource
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    def _resharded(self, directory: Path, model_state: dict) -> dict:
+        """The model state with the sharded tables cut anew for this world size from every old rank's shard."""
+        from fsembed.reshard import reshard_tables_state
+        from fsembed.swap import COLLECTION_NAME
+
+        key = f"{COLLECTION_NAME}._extra_state"
+        shards = [p[checkpoint.MODEL_KEY][key]["tables"] for p in checkpoint.load_all(directory)]
+        tables = reshard_tables_state(shards, self.pipeline.collection.plan, self.rank)
+        return {**model_state, key: {"world_size": self.world_size, "rank": self.rank, "tables": tables}}
 
     # ------------------------------------------------------------------ output
     def _progress_bar(self):

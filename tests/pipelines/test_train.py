@@ -107,11 +107,14 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 @pytest.mark.multiprocess
 def test_resume_onto_another_world_size(tmp_path):
-    """A replicated-mode checkpoint of 2 ranks resumes on 3 at the same global sample; sharded modes refuse."""
-    _run(_train_cmd(tmp_path, "--mode", "replicated", "--steps", "3", "--checkpoint-every", "3"), tmp_path)
+    """A freescale checkpoint of 2 ranks resumes on 3 at the same global sample, its sharded tables resharded."""
+    _run(_train_cmd(tmp_path, "--steps", "3", "--checkpoint-every", "3"), tmp_path)
     step3 = str(tmp_path / "ck" / "step_000003")
-    proc = _run(_train_cmd(tmp_path, "--mode", "replicated", "--nproc", "3", "--resume", step3, "--steps", "4"), tmp_path)
+    proc = _run(_train_cmd(tmp_path, "--nproc", "3", "--resume", step3, "--steps", "5",
+                           "--summary-json", str(tmp_path / "s.json")), tmp_path)
     assert "resumed from" in proc.stdout and "sample 48" in proc.stdout and "world size 3" in proc.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 3 and math.isfinite(summary["loss"])
 
 
 def test_cli_reports_bad_input_without_traceback(capsys):
