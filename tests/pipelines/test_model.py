@@ -1,0 +1,52 @@
+"""The reference model: padding invariance, truncation to the most recent events, empty batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fsdata.batch import Batch, Sample
+from pipelines.model import ModelConfig, SequenceModel, bce_sum
+
+
+def _sample(i: int, length: int, rng) -> Sample:
+    return Sample(
+        sample_id=i, user_id=i, uih_item_ids=rng.integers(0, 500, length),
+        candidate_labels=rng.integers(0, 2, (2, 1)).astype(np.float32),
+        content_ids=[rng.integers(0, 500, 2), rng.integers(0, 500, 1)], dense=rng.random(4, dtype=np.float32),
+        uih_action_types=rng.integers(0, 4, length), uih_timestamps=np.arange(length),
+    )
+
+
+def _model(max_uih=64) -> SequenceModel:
+    torch.manual_seed(0)
+    return SequenceModel(ModelConfig(num_items=500, dim=16, num_layers=2, num_heads=2, max_uih=max_uih)).eval()
+
+
+def test_a_sample_scores_the_same_whatever_it_is_batched_with():
+    rng = np.random.default_rng(0)
+    short, long_ = _sample(1, 5, rng), _sample(2, 40, rng)
+    model = _model()
+    with torch.no_grad():
+        alone = model(Batch.from_samples([short]))
+        together = model(Batch.from_samples([long_, short]))
+    torch.testing.assert_close(together[2:], alone, rtol=1e-5, atol=1e-6)  # padding to 40 changes nothing
+
+
+def test_long_histories_keep_their_most_recent_events():
+    rng = np.random.default_rng(1)
+    s = _sample(3, 30, rng)
+    recent = Sample(**{**s.__dict__, "uih_item_ids": s.uih_item_ids[-8:], "uih_action_types": s.uih_action_types[-8:],
+                       "uih_timestamps": s.uih_timestamps[-8:]})
+    model = _model(max_uih=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(Batch.from_samples([s])), model(Batch.from_samples([recent])))
+
+
+def test_empty_batch_still_reaches_the_embedding_table():
+    model = _model().train()
+    empty = Batch.from_samples([], num_labels=1, dense_dim=4)
+    logits = model(empty)
+    assert logits.shape == (0, 1)
+    bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
+    assert model.item_embedding.weight.grad is not None
