@@ -46,7 +46,9 @@ from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.loader import build_loader
 from fsdata.metrics import sparsity
-from fsdata.nodes.gather_lengths import StepFeedback
+from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
+from fsdata.nodes.shuffle import ShuffleSamples
+from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
 from pipelines.builders import build_model, build_pipeline, build_source
 from pipelines.config import JobConfig
@@ -55,12 +57,12 @@ from pipelines.model import bce_sum, normalized_entropy
 # Bookkeeping block of the step all-reduce: global scalars, then PER_RANK_FIELDS slots per rank.
 _GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
 PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity")
-# Exposed-time spans (Timer names) per part; fsembed's names for its three exchanges.
+# Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
 EXPOSED_SPANS = {
-    "ids_a2a": "ids_a2a",
-    "emb_a2a": "emb_a2a",
-    "grad_a2a": "grad_a2a",
-    "balancer": ("balancer_stage1_wait", "balancer_stage2_wait", "balancer_stage3_wait"),
+    "ids_a2a": IDS_A2A,
+    "emb_a2a": EMB_A2A,
+    "grad_a2a": GRAD_A2A,
+    "balancer": (GatherLengths.span_name, GatherCandidateLengths.span_name, ShuffleSamples.span_name),
     "label_count": "label_count",
 }
 

@@ -69,6 +69,10 @@ class PartitionStage(BaseNode[Planned]):
             runtime.budget_shares = self.autotune.shares_for_step(self._step)
         plan = self.partitioner(item.lengths, runtime)
         plan.validate(item.lengths.num_samples, item.lengths.world_size, who=f"partitioner {self.partitioner!r}")
+        if self.autotune is not None and hasattr(self.partitioner, "rank_weights"):
+            # Judge this step's later measurement against the weight each rank really got, not its planned
+            # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
+            self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
         planned = Planned(batch=item.batch, lengths=item.lengths, plan=plan, step=self._step)
         self._step += 1
         return planned

@@ -176,3 +176,30 @@ def test_custom_order_within_rank(world_size):
                 assert (s.candidate_labels == ref.candidate_labels).all() and (s.dense == ref.dense).all()
                 assert len(s.content_ids) == len(ref.content_ids)
                 assert all((a == b).all() for a, b in zip(s.content_ids, ref.content_ids))
+
+
+def _autotune_body(rank, world_size):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.balancer import BalancerConfig, balancer_stages
+    from fsdata.loader import LoaderConfig, build_loader
+    from fsdata.nodes.gather_lengths import StepFeedback
+    from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+    source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=400, seed=5, uih_max=200))
+    feedback = StepFeedback()
+    transport = get_transport("host", group=new_stage_group("balancer"))
+    stages = balancer_stages(BalancerConfig("vbs", autotune=True), transport, rank, world_size, BATCH, feedback)
+    counts = []
+    for step, (batch, _) in enumerate(build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)):
+        # Rank 1 is twice as slow per token: autotune must move work to rank 0.
+        feedback.report(step, float(batch.uih_lengths.sum()) * (2.0 if rank == 1 else 1.0) * 1e-4)
+        counts.append(int(batch.uih_lengths.sum()))
+    return counts
+
+
+@pytest.mark.multiprocess
+def test_vbs_autotune_moves_work_off_a_slow_rank():
+    fast, slow = run_ranks(_autotune_body, 2, timeout=90)
+    late = slice(len(fast) // 2, None)
+    assert sum(fast[late]) > 1.3 * sum(slow[late]), (fast, slow)
