@@ -96,7 +96,7 @@ def launch(config: JobConfig) -> Optional[dict]:
 
 def print_summary(summary: dict) -> None:
     print("\n=== FreeScale run summary ===")
-    for key in ("steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct"):
+    for key in ("mode", "steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct", "bubble_s"):
         value = summary.get(key)
         print(f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {value}")
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
