@@ -33,14 +33,14 @@ def train(coll, feats, prefetch: bool):
     return losses
 
 
-def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None):
+def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False):
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
     plan = small_plan(world_size, item_dtype=item_dtype or torch.float32)
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale)
     prio._misorder_for_test = misorder
     ls, lp = train(sync, feats, prefetch), train(prio, feats, prefetch)
     ts, tp = sync.full_tables(), prio.full_tables()
@@ -101,29 +101,12 @@ def test_misordered_exclusive_update_breaks_parity():
     assert not all(r[0]["tables_equal"] and r[0]["losses_equal"] for r in results)
 
 
-def _stale(rank, world_size, collision):
-    from fsembed.prioritized import PrioritizedEmbeddingCollection
-    from fsembed.sharded import ShardedEmbeddingCollection
-
-    plan = small_plan(world_size)
-    feats = [step_features(plan, s, rank, collision) for s in range(STEPS)]
-    sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
-    semi = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, stale=True)
-    ls, lm = train(sync, feats, True), train(semi, feats, True)
-    ts, tm = sync.full_tables(), semi.full_tables()
-    return {
-        "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lm)),
-        "tables_equal": all(torch.equal(ts[k], tm[k]) for k in ts),
-        "collision_rates": semi.collision_rates,
-        "row_counts": dict(semi.row_counts),
-    }
-
-
 def test_semisync_baseline_is_stale_exactly_where_batches_collide():
     """The semi-synchronous baseline (stale=True) fetches every next row early: with no collisions it equals
     sync bit for bit; with every row colliding it must not (those rows miss one update), which is the cost
     FreeScale's prioritized updates avoid. Collisions are still measured."""
-    none, every = (run_ranks(_stale, 2, args=(c,), timeout=60) for c in ("none", "all"))
+    cases = [("sgd", collision, -1, False, True, None, True) for collision in ("none", "all")]
+    none, every = zip(*run_ranks(_cases, 2, args=(cases,), timeout=60))
     assert all(r["losses_equal"] and r["tables_equal"] for r in none)
     assert not all(r["losses_equal"] and r["tables_equal"] for r in every)
     assert all(r["row_counts"]["collision"] == 0 for r in every)  # nothing waited for an update

@@ -34,6 +34,18 @@ def offsets_of(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype)
 
 
+def permute_case(seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation, max_length):
+    """(values, offsets, order) of an indexed_permute: a permutation of the segments, or a selection with repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = random_lengths(gen, num_segments, max_length)
+    values = random_values(gen, int(lengths.sum()), value_dtype, width)
+    if permutation or num_segments == 0:
+        order = torch.randperm(num_segments, generator=gen)
+    else:
+        order = torch.randint(0, num_segments, (num_picked,), generator=gen)
+    return values, offsets_of(lengths, offset_dtype), order
+
+
 def random_boundaries(gen: torch.Generator, world_size: int, num_rows: int) -> torch.Tensor:
     """Row-wise shard ranges [0, num_rows) split at random points (some shards may be empty)."""
     cuts = torch.sort(torch.randint(0, num_rows + 1, (world_size - 1,), generator=gen)).values

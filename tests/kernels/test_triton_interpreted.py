@@ -30,6 +30,7 @@ from tests.kernels.cases import (  # noqa: E402
     WIDTHS,
     assert_same_bits,
     offsets_of,
+    permute_case,
     random_boundaries,
     random_lengths,
     random_values,
@@ -65,14 +66,9 @@ def small_tiles(monkeypatch):
 @given(seeds, st.integers(0, 12), st.integers(0, 16), st.sampled_from(OFFSET_DTYPES), st.sampled_from(VALUE_DTYPES),
        st.sampled_from(WIDTHS), st.booleans())
 def test_indexed_permute(seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation):
-    gen = torch.Generator().manual_seed(seed)
-    lengths = random_lengths(gen, num_segments, 20)
-    offsets = offsets_of(lengths, offset_dtype)
-    values = random_values(gen, int(lengths.sum()), value_dtype, width)
-    if permutation or num_segments == 0:
-        order = torch.randperm(num_segments, generator=gen)
-    else:
-        order = torch.randint(0, num_segments, (num_picked,), generator=gen)
+    values, offsets, order = permute_case(
+        seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation, max_length=20
+    )
     out, out_offsets = ops.indexed_permute(values, offsets, order, impl=Impl.TRITON)
     ref, ref_offsets = ops.indexed_permute(values, offsets, order, impl=Impl.TORCH)
     assert_same_bits(out, ref, "values")
