@@ -6,7 +6,8 @@ The prefetcher reads local batches ``prefetch_depth`` ahead in a thread (file I/
 collectives). The balancer's stages (gather lengths, partition, shuffle samples; fsdata.balancer) come after it,
 passed in ``stages`` as callables ``node -> node`` applied in order. They run in the consumer's thread and
 overlap their exchanges with compute by starting each one a step before it is needed (fsdata.nodes.async_stage),
-on the balancer's own process group, never on the dense all-reduce's.
+on the balancer's own process group, never on the dense all-reduce's. With ``background_stages`` (default) their
+CPU work runs one batch ahead in a demand-driven worker thread (fsdata.nodes.background), off the training thread.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Optional, Sequence
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
 from fsdata.batch import Batch
+from fsdata.nodes.background import Background
 from fsdata.nodes.reader import GlobalBatchReader
 from fsdata.source import SampleSource
 
@@ -28,6 +30,9 @@ class LoaderConfig:
     batch_size: int = field(default=16, metadata={"help": "local batch size B per rank (samples)"})
     prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model (0 = none)"})
     pin_memory: bool = field(default=False, metadata={"help": "pin host memory of batches (CUDA training)"})
+    background_stages: bool = field(
+        default=True, metadata={"help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread"}
+    )
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -51,6 +56,18 @@ def build_loader(
         node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
     for wrap in stages:
         node = wrap(node)
+    if stages and config.background_stages:
+        node = Background(node)
     if config.pin_memory:
         node = PinMemory(node)
     return Loader(node)
+
+
+def shutdown_loader(loader: Loader) -> None:
+    """Lets the loader's stage worker finish its item in flight (every rank alike) and stop: call it before
+    destroying the process groups."""
+    node = loader.root
+    while node is not None:
+        if isinstance(node, Background):
+            node.shutdown()
+        node = getattr(node, "source", None)

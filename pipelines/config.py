@@ -58,7 +58,7 @@ class TrainConfig:
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: never)")
     resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
     trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
-    transport: str = _f("host", "transport of the overlapped exchanges: host (SM-free), nccl, nccl-ce, rdma")
+    transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
 
 SECTIONS = {

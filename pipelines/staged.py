@@ -98,10 +98,15 @@ class StagedPipeline:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if self.mode == "sync":
             return []
+        from fscomm import get_transport
+        from fscomm.groups import new_stage_group
         from fsdata.id_prefetch import id_prefetch_stages
 
+        # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
+        # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
+        transport = get_transport("host", group=new_stage_group("id-prefetch"))
         plan = self.collection.plan
-        return id_prefetch_stages(plan.group_boundaries, self.collection.transport, plan.extractor(self.features), rank, timer)
+        return id_prefetch_stages(plan.group_boundaries, transport, plan.extractor(self.features), rank, timer)
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end)."""

@@ -44,7 +44,7 @@ from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
-from fsdata.loader import build_loader
+from fsdata.loader import build_loader, shutdown_loader
 from fsdata.metrics import sparsity
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.shuffle import ShuffleSamples
@@ -116,8 +116,8 @@ class Trainer:
     def _loader_stages(self) -> list:
         """The balancer's stages (when balancing), then the ID-prefetch stage (sdd, freescale)."""
         stages = []
-        if self.balancing:
-            transport = get_transport(self.config.train.transport, group=new_stage_group("balancer"))
+        if self.balancing:  # the loader's batches are on the CPU: the host transport carries them
+            transport = get_transport("host", group=new_stage_group("balancer"))
             stages += balancer_stages(
                 self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
                 self.feedback, self.timer,
@@ -168,6 +168,7 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
         finally:
+            shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             if profiler is not None:
                 profiler.stop()
             if progress is not None:

@@ -1,0 +1,60 @@
+"""The demand-driven stage worker: exact resume, exactly one item ahead, errors re-raised in the consumer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torchdata.nodes import BaseNode, Loader
+
+from fsdata.nodes.background import Background
+from fsdata.nodes.reader import GlobalBatchReader
+from fsdata.synthetic import SyntheticConfig, SyntheticSource
+from tests.stateful import run_test_save_load_state
+
+
+class Counting(BaseNode):
+    """Counts how many items were pulled from it; raises on item ``fail_at``."""
+
+    def __init__(self, source, fail_at=None):
+        super().__init__()
+        self.source, self.fail_at, self.pulled = source, fail_at, 0
+
+    def reset(self, initial_state=None):
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self):
+        item = next(self.source)
+        self.pulled += 1
+        if self.pulled == self.fail_at:
+            raise RuntimeError(f"stage failed on item {self.pulled}")
+        return item
+
+    def get_state(self):
+        return self.source.state_dict()
+
+
+def _reader():
+    return GlobalBatchReader(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=2)), 4, 0, 1)
+
+
+def test_background_resumes_exactly():
+    run_test_save_load_state(lambda: Loader(Background(_reader())), midpoint=4)
+
+
+def test_worker_stays_exactly_one_item_ahead():
+    counting = Counting(_reader())
+    it = iter(Loader(Background(counting)))
+    for taken in range(1, 4):
+        next(it)
+        time.sleep(0.05)  # give the worker time to run ahead, if it would
+        assert counting.pulled == taken + 1
+
+
+def test_worker_errors_reach_the_consumer():
+    it = iter(Loader(Background(Counting(_reader(), fail_at=3))))
+    next(it)
+    with pytest.raises(RuntimeError, match="stage failed on item 3"):
+        next(it)
+        next(it)
