@@ -33,6 +33,10 @@ class LoaderConfig:
     background_stages: bool = field(
         default=True, metadata={"help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread"}
     )
+    stage_lookahead: bool = field(
+        default=False,
+        metadata={"help": "under the worker thread, still start each stage's exchange one batch early (more batches in flight)"},
+    )
 
     def validate(self) -> None:
         if self.batch_size < 1:
@@ -57,10 +61,23 @@ def build_loader(
     for wrap in stages:
         node = wrap(node)
     if stages and config.background_stages:
+        if not config.stage_lookahead:
+            _disable_lookahead(node)
         node = Background(node)
     if config.pin_memory:
         node = PinMemory(node)
     return Loader(node)
+
+
+def _disable_lookahead(node: BaseNode) -> None:
+    """The worker thread already runs the stages a batch ahead: each stage then finishes its exchange in the
+    call that starts it, so only the worker's batch (and the trainer's next one) are in flight."""
+    from fsdata.nodes.async_stage import AsyncStage
+
+    while node is not None:
+        if isinstance(node, AsyncStage):
+            node.lookahead = False
+        node = getattr(node, "source", None)
 
 
 def shutdown_loader(loader: Loader) -> None:

@@ -92,6 +92,9 @@ class Trainer:
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         self.timer = Timer("cpu")  # host wall clock of the step's parts (the step synchronises on CUDA anyway)
+        # The loader's stages time their waits here when they run in the worker thread: off the critical path,
+        # reported beside the exposed parts, never added to them (the training thread's wait is `data`).
+        self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
         self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
@@ -120,10 +123,10 @@ class Trainer:
             transport = get_transport("host", group=new_stage_group("balancer"))
             stages += balancer_stages(
                 self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
-                self.feedback, self.timer,
+                self.feedback, self.worker_timer,
             )
         if self.pipeline is not None:
-            stages += self.pipeline.id_prefetch_stages(self.rank, self.timer)
+            stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
         return stages
 
     # ------------------------------------------------------------------ the loop
@@ -423,6 +426,7 @@ class Trainer:
             "per_rank_compute_s": [sum(r["compute_s"][q] for r in timed) / n for q in range(self.world_size)],
             "peak_memory_bytes": self._peak_memory(),
             "timing": self.timer.summary(),
+            "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
             "config": self.config.to_dict(),
         }

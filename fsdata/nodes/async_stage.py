@@ -35,6 +35,9 @@ class AsyncStage(BaseNode[Out], Generic[In, Started, Out]):
         super().__init__()
         self.source = source
         self.timer = timer
+        #: False: finish each exchange in the call that started it (no item held back). Right when the stage
+        #: already runs ahead of the model in a worker thread (fsdata.nodes.background), which absorbs the wait.
+        self.lookahead = True
         self._pending: Optional[Started] = None
         self._state_before_pending: Optional[Dict[str, Any]] = None
 
@@ -65,13 +68,18 @@ class AsyncStage(BaseNode[Out], Generic[In, Started, Out]):
             return None, before
 
     def next(self) -> Out:
+        if not self.lookahead:
+            return self._finish(self.start(next(self.source)))
         if self._pending is None:  # first call after a reset: nothing in flight yet
             self._pending, self._state_before_pending = self._pull()
             if self._pending is None:
                 raise StopIteration()
         current = self._pending
         self._pending, self._state_before_pending = self._pull()
+        return self._finish(current)
+
+    def _finish(self, started: Started) -> Out:
         if self.timer is None:
-            return self.finish(current)
+            return self.finish(started)
         with self.timer.span(self.span_name):
-            return self.finish(current)
+            return self.finish(started)
