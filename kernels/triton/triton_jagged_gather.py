@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
+from kernels.triton.search import last_le
 
 # Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
 ELEMENTS_PER_PROGRAM = 4096
@@ -71,14 +72,7 @@ def _block_segment_kernel(out_offsets_ptr, block_segment_ptr, num_blocks, num_se
     b = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
     mask = b <= num_blocks
     row = tl.minimum(b * BLOCK_R, total - 1)
-    lo = tl.zeros([LANES], dtype=tl.int64)
-    hi = tl.zeros([LANES], dtype=tl.int64) + (num_segments - 1)
-    for _ in range(steps):
-        mid = (lo + hi + 1) // 2
-        start = tl.load(out_offsets_ptr + mid, mask=mask, other=0).to(tl.int64)
-        right = start <= row
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid - 1)
+    lo = last_le(out_offsets_ptr, row, mask, num_segments, steps)
     tl.store(block_segment_ptr + b, lo, mask=mask)
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
+from kernels.triton.search import last_le
 
 # Tuned on the H200 (docs/bench/kernels.md): a 64 x 64 rank comparison per block is cheapest.
 DISPATCH_BLOCK = 64
@@ -32,14 +33,7 @@ def _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK: t
     mask = idx < n
     ids = tl.load(ids_ptr + idx, mask=mask, other=0)
     # Largest shard s in [0, W-1] with boundaries[s] <= id (ids were validated to lie in the sharded range).
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + (world_size - 1)
-    for _ in range(steps):
-        mid = (lo + hi + 1) // 2
-        start = tl.load(boundaries_ptr + mid, mask=mask, other=0)
-        right = start <= ids
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid - 1)
+    lo = last_le(boundaries_ptr, ids.to(tl.int64), mask, world_size, steps)
     shard = tl.where(mask, lo, world_size)  # padding lanes get a shard of their own that nothing reads
     same = shard[:, None] == shard[None, :]
     lane = tl.arange(0, BLOCK)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.common import cdiv, flat_width, new_output, next_power_of_2, search_steps
+from kernels.triton.search import last_le
 
 SEGMENT_BLOCK_R = 64
 SEGMENT_MAX_BLOCK_D = 64
@@ -63,14 +64,7 @@ def _member_kernel(ids_ptr, sorted_ptr, out_ptr, n, m, steps, BLOCK: tl.constexp
     mask = idx < n
     ids = tl.load(ids_ptr + idx, mask=mask, other=0)
     # Largest position p in [0, m-1] with sorted[p] <= id; the id is present iff sorted[p] == id.
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + (m - 1)
-    for _ in range(steps):
-        mid = (lo + hi + 1) // 2
-        v = tl.load(sorted_ptr + mid, mask=mask, other=0)
-        right = v <= ids
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid - 1)
+    lo = last_le(sorted_ptr, ids.to(tl.int64), mask, m, steps)
     found = tl.load(sorted_ptr + lo, mask=mask, other=0) == ids
     tl.store(out_ptr + idx, found.to(tl.uint8), mask=mask)
 

@@ -37,7 +37,7 @@ from tests.kernels.cases import (  # noqa: E402
     seeds,
 )
 
-_TRITON_MODULES = ("kernels.triton.triton_jagged_gather", "kernels.triton.triton_ranged", "kernels.triton.triton_segment")
+_TRITON_MODULES = ("kernels.triton.search", "kernels.triton.triton_jagged_gather", "kernels.triton.triton_ranged", "kernels.triton.triton_segment")
 for _name in _TRITON_MODULES:
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
