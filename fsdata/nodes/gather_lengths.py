@@ -80,13 +80,21 @@ class _StageOne:
 
 
 @dataclass
-class _StageTwo:
+class _StageOneDone:
+    """Stage I unpacked once: every rank's header row and the real sample rows, in source-rank order."""
+
     batch: Batch
-    world: torch.Tensor  # Stage I result [W, capacity+1, 4]
+    header: torch.Tensor  # [W, 4]: local batch size, step time bits, measured step, schema code
+    rows: torch.Tensor  # [G, 4]: uih length, candidates, sample id, unused
+
+
+@dataclass
+class _StageTwo:
+    done: _StageOneDone
     handle: Any
 
 
-class GatherLengths(AsyncStage[Batch, _StageOne, "_StageOneDone"]):
+class GatherLengths(AsyncStage[Batch, _StageOne, _StageOneDone]):
     """Stage I: AllGather of every rank's per-sample lengths and sample ids, plus its runtime measurement."""
 
     span_name = "balancer_stage1_wait"
@@ -122,7 +130,7 @@ class GatherLengths(AsyncStage[Batch, _StageOne, "_StageOneDone"]):
         block[1 : b + 1, 2] = batch.sample_ids
         return _StageOne(batch, self.transport.all_gather(block))
 
-    def finish(self, started: _StageOne) -> "_StageOneDone":
+    def finish(self, started: _StageOne) -> _StageOneDone:
         world = started.handle.wait()  # [W, capacity+1, 4]
         codes = world[:, 0, 3]
         mismatched = torch.nonzero(codes != codes[self.rank]).flatten().tolist()
@@ -131,13 +139,9 @@ class GatherLengths(AsyncStage[Batch, _StageOne, "_StageOneDone"]):
                 f"GatherLengths on rank {self.rank}: ranks {mismatched} send batches of another layout "
                 "(side features, dense width or label columns differ); every rank must read the same schema"
             )
-        return _StageOneDone(started.batch, world)
-
-
-@dataclass
-class _StageOneDone:
-    batch: Batch
-    world: torch.Tensor
+        counts = world[:, 0, 0]
+        rows = world[:, 1:][torch.arange(self.capacity).unsqueeze(0) < counts.unsqueeze(1)]
+        return _StageOneDone(started.batch, world[:, 0], rows)
 
 
 class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
@@ -150,22 +154,17 @@ class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
         self.transport, self.world_size = transport, world_size
 
     def start(self, item: _StageOneDone) -> _StageTwo:
-        counts = item.world[:, 0, 0]
-        capacity = item.world.shape[1] - 1
-        rows = item.world[:, 1:][torch.arange(capacity).unsqueeze(0) < counts.unsqueeze(1)]
+        counts = item.header[:, 0]
         source_rank = torch.repeat_interleave(torch.arange(self.world_size), counts)
-        per_rank = torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, source_rank, rows[:, 1])
+        per_rank = torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, source_rank, item.rows[:, 1])
         handle = self.transport.all_gather(item.batch.candidate_lengths.to(torch.int64), sizes=per_rank.tolist())
-        return _StageTwo(item.batch, item.world, handle)
+        return _StageTwo(item, handle)
 
     def finish(self, started: _StageTwo) -> Gathered:
         candidate_lengths = started.handle.wait()
-        world = started.world
-        header, counts = world[:, 0], world[:, 0, 0]
-        capacity = world.shape[1] - 1
-        rows = world[:, 1:][torch.arange(capacity).unsqueeze(0) < counts.unsqueeze(1)]  # [G, 4]
+        header, rows = started.done.header, started.done.rows
         rank_offsets = torch.zeros(self.world_size + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=rank_offsets[1:])
+        torch.cumsum(header[:, 0], 0, out=rank_offsets[1:])
         lengths = GatheredLengths(
             uih_lengths=rows[:, 0],
             num_candidates=rows[:, 1],
@@ -175,7 +174,7 @@ class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
             world_size=self.world_size,
         )
         return Gathered(
-            batch=started.batch,
+            batch=started.done.batch,
             lengths=lengths,
             measured_steps=header[:, 2].clone(),
             step_times=header[:, 1].clone().view(torch.float64),
