@@ -38,7 +38,8 @@ FeatureFn = Callable[[Batch], Mapping[str, torch.Tensor]]
 
 
 class StagedPipeline:
-    """Owns the one-batch lookahead and the embedding stage of a model whose tables were swapped."""
+    """The embedding stage of a model whose tables were swapped, driven by a forward pre-hook (the trainer sets
+    the prefetched ids of the current and the next batch before each forward)."""
 
     def __init__(
         self,
