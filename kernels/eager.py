@@ -1,4 +1,5 @@
-"""The naive per-sample (per-segment, per-shard) PyTorch loops: what a stage looks like written the obvious way.
+"""The naive per-sample PyTorch loops: what a stage looks like written the obvious way, one sample at a time
+(and, where ids go to row-wise shards, one shard at a time within the sample).
 
 Kept only as the benchmark's baseline (paper section 4.2, Figure 7: its cost grows with the number of segments
 and ranks). Every function returns exactly what the twin and the Triton kernel return, so the benchmark can
@@ -23,26 +24,46 @@ def indexed_permute(values: torch.Tensor, offsets: torch.Tensor, order: torch.Te
     return out, torch.tensor(out_offsets, dtype=offsets.dtype, device=offsets.device)
 
 
-def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    send, splits, perms = [], [], []
+def ranged_dispatch(
+    ids: torch.Tensor, boundaries: torch.Tensor, offsets: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample (``offsets``: the samples' id ranges; None: one sample), per shard: pick the sample's ids
+    that the shard owns, append them to the shard's piece of the send buffer."""
     bounds = boundaries.tolist()
-    for r in range(len(bounds) - 1):
-        index = torch.nonzero((ids >= bounds[r]) & (ids < bounds[r + 1])).flatten()
-        perms.append(index)
-        send.append(ids[index])
-        splits.append(index.numel())
-    perm = torch.cat(perms)
-    return torch.cat(send), torch.tensor(splits, dtype=torch.int64, device=ids.device), perm
+    world_size = len(bounds) - 1
+    starts = [0, ids.numel()] if offsets is None else offsets.tolist()
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(world_size)]
+    for s in range(len(starts) - 1):
+        sample = ids[starts[s] : starts[s + 1]]
+        for r in range(world_size):
+            pieces[r].append(starts[s] + torch.nonzero((sample >= bounds[r]) & (sample < bounds[r + 1])).flatten())
+    empty = torch.zeros(0, dtype=torch.int64, device=ids.device)
+    per_shard = [torch.cat(p) if p else empty for p in pieces]
+    perm = torch.cat(per_shard) if per_shard else empty
+    splits = torch.tensor([p.numel() for p in per_shard], dtype=torch.int64, device=ids.device)
+    return ids[perm], splits, perm
 
 
-def ranged_combine(values: torch.Tensor, perm: torch.Tensor, splits: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One scatter per source shard (``splits``: the dispatch's per-shard counts; None: a single piece)."""
+def ranged_combine(
+    values: torch.Tensor, perm: torch.Tensor, splits: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Per sample (``offsets``: the samples' rows of the output; None: one sample), per source shard
+    (``splits``: the dispatch's per-shard counts; None: one shard): scatter the sample's rows that came back
+    from the shard to where they belong."""
     out = torch.empty_like(values)
     sizes = [values.shape[0]] if splits is None else splits.tolist()
-    start = 0
+    bounds = [0, values.shape[0]] if offsets is None else offsets.tolist()
+    shard_starts = [0]
     for size in sizes:
-        out[perm[start : start + size]] = values[start : start + size]
-        start += size
+        shard_starts.append(shard_starts[-1] + size)
+    # Within a shard's block the rows keep batch order, so each sample's rows are one contiguous run of it.
+    cuts = [torch.searchsorted(perm[a:b], torch.tensor(bounds, device=perm.device)).tolist()
+            for a, b in zip(shard_starts[:-1], shard_starts[1:])]
+    for s in range(len(bounds) - 1):
+        for r, start in enumerate(shard_starts[:-1]):
+            a, b = start + cuts[r][s], start + cuts[r][s + 1]
+            if b > a:
+                out[perm[a:b]] = values[a:b]
     return out
 
 
@@ -62,13 +83,15 @@ def keyed_transpose(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.
 
 
 def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Sample by sample: each row (e.g. one sample's length in plan order) is added to its segment's total
+    (e.g. its destination rank's send split)."""
     floating = values.is_floating_point()
     acc = torch.float32 if floating else torch.int64
     bounds = offsets.tolist()
-    sums = [values[bounds[s] : bounds[s + 1]].to(acc).sum(0) for s in range(len(bounds) - 1)]
-    if not sums:
-        return torch.zeros((0,) + tuple(values.shape[1:]), dtype=values.dtype if floating else acc, device=values.device)
-    out = torch.stack(sums)
+    out = torch.zeros((len(bounds) - 1,) + tuple(values.shape[1:]), dtype=acc, device=values.device)
+    for s in range(len(bounds) - 1):
+        for row in range(bounds[s], bounds[s + 1]):
+            out[s] += values[row].to(acc)
     return out.to(values.dtype) if floating else out
 
 

@@ -5,7 +5,7 @@ Every op validates its inputs once, here, then runs one implementation chosen by
 - ``Impl.TRITON``: the Triton kernel (default for CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which is how the tests run it).
 - ``Impl.TORCH``: the vectorized PyTorch twin (default for CPU tensors; the reference in tests).
-- ``Impl.EAGER``: the naive per-segment loop; the benchmark's baseline, never the training path.
+- ``Impl.EAGER``: the naive per-sample loop; the benchmark's baseline, never the training path.
 
 Shape and dtype checks always run. Checks that read tensor *values* (offsets non-decreasing, indices in range,
 a permutation really being one) need a device-to-host sync, so they run on CPU tensors always and on CUDA
@@ -154,12 +154,17 @@ def keyed_transpose(
 
 # --------------------------------------------------------------------------------------------------------------
 def ranged_dispatch(
-    ids: torch.Tensor, boundaries: torch.Tensor, *, impl: Union[Impl, str, None] = None
+    ids: torch.Tensor,
+    boundaries: torch.Tensor,
+    *,
+    offsets: Optional[torch.Tensor] = None,
+    impl: Union[Impl, str, None] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group ids by owning shard (shard r owns rows [boundaries[r], boundaries[r+1])), stably.
 
     Returns (send_ids [N], splits [W] int64, perm [N] int64) with ``send_ids[j] == ids[perm[j]]``: the send
     buffer and splits of the ID AllToAll; ``perm`` is what :func:`ranged_combine` inverts on the way back.
+    ``offsets`` (the samples' id ranges) is used only by the eager baseline (one sample at a time).
     """
     op = "ranged_dispatch"
     _require(ids.dim() == 1 and ids.dtype == torch.int64, op, f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
@@ -181,7 +186,7 @@ def ranged_dispatch(
         case Impl.TORCH:
             return pt_ranged.ranged_dispatch(ids, boundaries)
         case Impl.EAGER:
-            return eager.ranged_dispatch(ids, boundaries)
+            return eager.ranged_dispatch(ids, boundaries, offsets)
         case other:
             raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
 
@@ -191,11 +196,13 @@ def ranged_combine(
     perm: torch.Tensor,
     *,
     splits: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
     impl: Union[Impl, str, None] = None,
 ) -> torch.Tensor:
     """Inverse of the dispatch permutation: ``out[perm[j]] = values[j]`` (values [N, *], e.g. the embeddings
     that came back in shard-major order). Differentiable: the backward gathers ``grad_out[perm]``.
-    ``splits`` is used only by the eager baseline (one scatter per shard)."""
+    ``splits`` and ``offsets`` (the samples' rows of the output) are used only by the eager baseline (one
+    scatter per sample and source shard)."""
     op = "ranged_combine"
     _check_values_tensor(op, values)
     _require(perm.dim() == 1 and perm.dtype == torch.int64, op, f"perm must be a 1-D int64 tensor, got {perm.dtype} of shape {tuple(perm.shape)}")
@@ -213,7 +220,7 @@ def ranged_combine(
         case Impl.TORCH:
             return pt_ranged.ranged_combine(values, perm)
         case Impl.EAGER:
-            return eager.ranged_combine(values, perm, splits)
+            return eager.ranged_combine(values, perm, splits, offsets)
         case other:
             raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
 
@@ -252,7 +259,7 @@ def collision_mask(
     impl: Union[Impl, str, None] = None,
 ) -> torch.Tensor:
     """BoolTensor[len(ids)]: ``ids[i] in other`` (Algorithm 2's collision marking between batch i and i+1).
-    ``offsets`` is used only by the eager baseline (one membership test per segment, e.g. per source rank)."""
+    ``offsets`` is used only by the eager baseline (one membership test per segment, e.g. per sample)."""
     op = "collision_mask"
     _require(ids.dim() == 1 and other.dim() == 1, op, f"ids and other must be 1-D, got shapes {tuple(ids.shape)} and {tuple(other.shape)}")
     _require(ids.dtype in _OFFSET_DTYPES and other.dtype == ids.dtype, op, f"ids and other must share an integer dtype (int32/int64), got {ids.dtype} and {other.dtype}")

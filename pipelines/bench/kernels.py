@@ -1,5 +1,5 @@
 """`freescale bench kernels`: the jagged kernels (Triton) against their vectorized PyTorch twins and the naive
-per-segment eager loops, per op and world size (paper section 4.2, Figure 7).
+per-sample eager loops, per op and world size (paper section 4.2, Figure 7).
 
 Every world size W gets one workload drawn here with numpy (no dataset needed): a local batch of B samples per
 rank (default 128) with heavy-tailed UIH lengths (lognormal, median ~3.4k, mean ~5k, capped at 21,000:
@@ -9,14 +9,16 @@ KuaiRand-like), and the global batch of W * B samples the balancer sees after it
     indexed_permute/stage3   the Stage III send buffer: the local UIH (ids, action types, timestamps) [N, 3]
                              int64, reordered by destination
     indexed_permute/global   the plan applied to all W*B samples' gathered UIH ids (the bandwidth-bound case)
-    ranged_dispatch          the local UIH ids -> W row-wise shards of a 2^30-row table (ID AllToAll send side)
+    ranged_dispatch          the local UIH ids -> W row-wise shards of a 2^30-row table (ID AllToAll send side;
+                             the eager loop walks samples, and shards within a sample)
     ranged_combine           embeddings [N, dim] back from the shards, restored to batch order (one scatter per
-                             shard in the eager loop)
+                             sample and source shard in the eager loop)
     keyed_transpose          a shard's received ids as a KJT: 3 keys x W*B samples (each sample's ids that hit
                              this shard) -> batch-major
     segment_sum              AllToAll send splits: per-sample UIH lengths in plan order summed per dest rank
+                             (the eager loop adds one sample at a time)
     collision_mask           batch i's received ids vs batch i+1's (Zipf-like ids; the eager loop tests one
-                             source rank at a time)
+                             sample of one source rank at a time)
 
 Speedups compare latencies (host wall clock from an idle GPU to the result, launches and host syncs included:
 see :class:`Timer`); the bandwidth column uses the Triton op's device time and counts the fewest bytes the op
@@ -137,8 +139,8 @@ class Workload:
         # The literal reading of section 4.2: the plan applied to every gathered UIH id (GBs at W = 512).
         self.global_uih_offsets = offsets_of(self.global_uih_lengths)
         self.global_ids = torch.randint(0, NUM_ROWS, (int(glob.sum()),), device=dev)
-        # Received ids of batch i on this shard, grouped by source rank (for the eager per-rank loop).
-        recv_counts = rng.multinomial(n_local, np.full(w, 1.0 / w))
+        # Received ids of batch i on this shard, grouped by source rank and sample (for the eager per-sample loop).
+        recv_counts = rng.multinomial(n_local, np.full(w * b, 1.0 / (w * b)))
         self.recv_offsets = offsets_of(torch.from_numpy(recv_counts).to(dev))
 
     def cases(self) -> dict[str, tuple[Callable[..., object], int]]:
@@ -171,11 +173,11 @@ class Workload:
                 2 * self.global_ids.numel() * i8 + k_plan * 3 * i8,
             ),
             "ranged_dispatch": (
-                lambda impl, sized=False: ops.ranged_dispatch(self.local_ids, self.boundaries, impl=impl),
+                lambda impl, sized=False: ops.ranged_dispatch(self.local_ids, self.boundaries, offsets=self.local_uih_offsets, impl=impl),
                 3 * n_local * i8 + w * i8,
             ),
             "ranged_combine": (
-                lambda impl, sized=False: ops.ranged_combine(self.embeddings, self.perm, splits=self.splits, impl=impl),
+                lambda impl, sized=False: ops.ranged_combine(self.embeddings, self.perm, splits=self.splits, offsets=self.local_uih_offsets, impl=impl),
                 2 * n_local * emb_row + n_local * i8,
             ),
             "keyed_transpose": (

@@ -47,12 +47,18 @@ def test_ranged_dispatch_twin_matches_eager_and_combine_inverts(seed, n, world_s
     gen = torch.Generator().manual_seed(seed)
     boundaries = random_boundaries(gen, world_size, 1000)
     ids = torch.randint(0, 1000, (n,), generator=gen)
+    # The samples the eager loops walk one at a time (empty samples included).
+    cuts = torch.sort(torch.randint(0, n + 1, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])
     send, splits, perm = ops.ranged_dispatch(ids, boundaries)
-    for got, want, what in zip((send, splits, perm), ops.ranged_dispatch(ids, boundaries, impl="eager"), ("send", "splits", "perm")):
-        assert_same_bits(got, want, what)
+    for sample_offsets in (None, offsets):
+        eager = ops.ranged_dispatch(ids, boundaries, offsets=sample_offsets, impl="eager")
+        for got, want, what in zip((send, splits, perm), eager, ("send", "splits", "perm")):
+            assert_same_bits(got, want, f"{what} (eager offsets {sample_offsets})")
+        assert_same_bits(ops.ranged_combine(send, perm, splits=splits, offsets=sample_offsets, impl="eager"), ids,
+                         f"eager combine (offsets {sample_offsets})")
     assert int(splits.sum()) == n
     assert_same_bits(ops.ranged_combine(send, perm), ids, "combine(dispatch(ids))")
-    assert_same_bits(ops.ranged_combine(send, perm, splits=splits, impl="eager"), ids, "eager combine")
 
 
 @FAST
