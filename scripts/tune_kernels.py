@@ -2,8 +2,8 @@
 
     python3 scripts/tune_kernels.py --world-sizes 32,512      # prints one line per setting, median of 10 calls
 
-What it varies: ranged_dispatch's tile, tiles per program and warps; the jagged gather's elements per program
-and warps (indexed_permute/global). The defaults in kernels/triton/ come from this sweep (docs/bench/kernels.md).
+What it varies: ranged_dispatch's block and warps; the jagged gather's elements per program and warps
+(indexed_permute/global). The defaults in kernels/triton/ come from this sweep (docs/bench/kernels.md).
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ def main() -> None:
     for w in [int(x) for x in args.world_sizes.split(",")]:
         work = bench.Workload(args, w, device)
         want = ops.ranged_dispatch(work.local_ids, work.boundaries, impl=Impl.TORCH)
-        for tile, tiles, warps in itertools.product((32, 64), (4, 16, 64), (1, 2, 4)):
-            triton_ranged.DISPATCH_TILE, triton_ranged.DISPATCH_TILES_PER_PROGRAM = tile, tiles
-            triton_ranged.DISPATCH_WARPS = warps
+        for block, warps in itertools.product((32, 64, 128), (1, 2, 4)):
+            triton_ranged.DISPATCH_BLOCK, triton_ranged.DISPATCH_WARPS = block, warps
             got = ops.ranged_dispatch(work.local_ids, work.boundaries)
             ok = all(torch.equal(a, b) for a, b in zip(got, want))
             us = timer.gpu_us(lambda: ops.ranged_dispatch(work.local_ids, work.boundaries), 10)
-            print(f"ranged_dispatch W={w} tile={tile} tiles/program={tiles} warps={warps}: {us:.1f} us ok={ok}", flush=True)
+            print(f"ranged_dispatch W={w} block={block} warps={warps}: {us:.1f} us ok={ok}", flush=True)
         n = work.global_ids.numel()
         for elements, warps in itertools.product((1024, 2048, 4096), (4, 8)):
             triton_jagged_gather.ELEMENTS_PER_PROGRAM, triton_jagged_gather.NUM_WARPS = elements, warps

@@ -25,8 +25,8 @@ from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_
 from kernels.triton.search import last_le
 
 # Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
-ELEMENTS_PER_PROGRAM = 4096
-NUM_WARPS = 8
+ELEMENTS_PER_PROGRAM = 1024
+NUM_WARPS = 4
 
 
 @triton.jit

@@ -1,18 +1,14 @@
 """Triton ranged dispatch (a stable counting sort of ids by owning shard) and ranged combine (the inverse
 scatter, an autograd.Function whose backward gathers the gradients back).
 
-Dispatch is a two-pass counting sort over tiles of ``TILE * TILES_PER_PROGRAM`` ids per program:
-1. count: each id's shard by binary search over the boundaries (kept in a scratch array for pass 2); each tile
-   adds its per-shard counts to the program's column of a shard-major table ``counts[shard, program]`` and to
-   the splits (integer atomics: the sums do not depend on their order).
-2. one cumsum over the table, laid out with a leading zero so that entry ``[s, p]`` is the exclusive prefix:
-   where program p's ids of shard s start in the send buffer.
-3. scatter: the program walks its tiles in order; an id goes to its shard's running start plus its rank among
-   the tile's earlier ids of the same shard (a TILE x TILE comparison: the sort stays stable), then the
-   tile's counts advance the running starts (the program's own column of the table, so no other program reads
-   them; a barrier orders the tiles).
-The table has W x programs entries, programs = N / 1024: small next to the ids even at W = 512, and the cost
-per id is independent of W apart from the log2(W) search, unlike the per-shard loop whose cost grows with W.
+Dispatch runs in two passes over the ids, each program owning one block of BLOCK ids:
+1. count: each id's shard by binary search over the boundaries; the block's per-shard counts go to a
+   shard-major table counts[shard, block].
+2. a prefix sum over that table (shard-major, so entry [s, b] minus block b's own count is where block b's
+   ids of shard s start in the send buffer), then scatter (which also writes the splits): each id goes to its block's base for its shard plus its rank
+   among the block's earlier ids of the same shard (a BLOCK x BLOCK comparison, which keeps the sort stable).
+The cost is independent of the world size apart from the log2(W) search and the W x blocks table, unlike the
+per-shard loop whose cost grows linearly with W.
 """
 
 from __future__ import annotations
@@ -24,58 +20,55 @@ import triton.language as tl
 from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
 from kernels.triton.search import last_le
 
-DISPATCH_TILE = 64  # a 64 x 64 rank comparison per tile (larger tiles spill registers on the H200)
-DISPATCH_TILES_PER_PROGRAM = 16
-DISPATCH_WARPS = 2
+# Tuned on the H200 (docs/bench/kernels.md, scripts/tune_kernels.py): a 64 x 64 rank comparison per block, one warp.
+DISPATCH_BLOCK = 64
+DISPATCH_WARPS = 1
 COMBINE_ELEMENTS_PER_PROGRAM = 4096
 COMBINE_WARPS = 4
 
 
 @triton.jit
-def _tile_counts(shard, TILE: tl.constexpr):
-    """Per lane: its rank among the tile's earlier lanes of the same shard, and the shard's count in the tile."""
+def _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK: tl.constexpr):
+    idx = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = idx < n
+    ids = tl.load(ids_ptr + idx, mask=mask, other=0)
+    # Largest shard s in [0, W-1] with boundaries[s] <= id (ids were validated to lie in the sharded range).
+    lo = last_le(boundaries_ptr, ids.to(tl.int64), mask, world_size, steps)
+    shard = tl.where(mask, lo, world_size)  # padding lanes get a shard of their own that nothing reads
     same = shard[:, None] == shard[None, :]
-    lane = tl.arange(0, TILE)
+    lane = tl.arange(0, BLOCK)
     earlier = lane[None, :] < lane[:, None]
-    return tl.sum((same & earlier).to(tl.int32), axis=1), tl.sum(same.to(tl.int32), axis=1)
+    rank = tl.sum((same & earlier).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    return idx, mask, ids, shard, rank, count
 
 
 @triton.jit
-def _dispatch_count_kernel(
-    ids_ptr, boundaries_ptr, shard_ptr, counts_ptr, splits_ptr, n, world_size, num_programs, steps,
-    TILE: tl.constexpr, TILES: tl.constexpr,
-):
+def _dispatch_count_kernel(ids_ptr, boundaries_ptr, counts_ptr, n, world_size, num_blocks, steps, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
-    for t in range(TILES):
-        idx = (pid * TILES + t) * TILE + tl.arange(0, TILE).to(tl.int64)
-        mask = idx < n
-        ids = tl.load(ids_ptr + idx, mask=mask, other=0)
-        # Largest shard s in [0, W-1] with boundaries[s] <= id (ids were validated to lie in the sharded range).
-        shard = tl.where(mask, last_le(boundaries_ptr, ids.to(tl.int64), mask, world_size, steps), world_size)
-        tl.store(shard_ptr + idx, shard.to(tl.int32), mask=mask)
-        rank, count = _tile_counts(shard, TILE)
-        first = mask & (rank == 0)  # one lane per shard present in the tile adds the tile's count
-        tl.atomic_add(counts_ptr + 1 + shard * num_programs + pid, count.to(tl.int64), mask=first)
-        tl.atomic_add(splits_ptr + shard, count.to(tl.int64), mask=first)
+    idx, mask, ids, shard, rank, count = _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK)
+    tl.store(counts_ptr + shard * num_blocks + pid, count, mask=mask & (rank == 0))
 
 
 @triton.jit
 def _dispatch_scatter_kernel(
-    ids_ptr, shard_ptr, start_ptr, send_ptr, perm_ptr, n, num_programs, TILE: tl.constexpr, TILES: tl.constexpr,
+    ids_ptr, boundaries_ptr, inclusive_ptr, send_ptr, perm_ptr, splits_ptr, n, world_size, num_blocks, steps,
+    BLOCK: tl.constexpr, SPLIT_LANES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    for t in range(TILES):
-        idx = (pid * TILES + t) * TILE + tl.arange(0, TILE).to(tl.int64)
-        mask = idx < n
-        shard = tl.load(shard_ptr + idx, mask=mask, other=-1).to(tl.int64)
-        rank, count = _tile_counts(shard, TILE)
-        slot = start_ptr + shard * num_programs + pid  # this program's running start of the shard
-        dest = tl.load(slot, mask=mask, other=0) + rank
-        tl.store(send_ptr + dest, tl.load(ids_ptr + idx, mask=mask), mask=mask)
-        tl.store(perm_ptr + dest, idx, mask=mask)
-        tl.debug_barrier()  # every lane has read the running starts before they advance
-        tl.store(slot, dest - rank + count, mask=mask & (rank == 0))
-        tl.debug_barrier()  # the next tile reads the advanced starts
+    idx, mask, ids, shard, rank, count = _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK)
+    # inclusive[s, b] - count = where block b's ids of shard s start (the exclusive prefix sum).
+    base = tl.load(inclusive_ptr + shard * num_blocks + pid, mask=mask, other=0) - count
+    dest = base + rank
+    tl.store(send_ptr + dest, ids, mask=mask)
+    tl.store(perm_ptr + dest, idx, mask=mask)
+    if pid == 0:  # splits[s] = inclusive[s, last block] - inclusive[s - 1, last block]
+        for s0 in range(0, world_size, SPLIT_LANES):
+            s = s0 + tl.arange(0, SPLIT_LANES).to(tl.int64)
+            smask = s < world_size
+            end = tl.load(inclusive_ptr + s * num_blocks + num_blocks - 1, mask=smask, other=0)
+            begin = tl.load(inclusive_ptr + s * num_blocks - 1, mask=smask & (s > 0), other=0)
+            tl.store(splits_ptr + s, end - begin, mask=smask)
 
 
 def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,20 +78,21 @@ def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.
     perm = new_output((n,), torch.int64, ids.device)
     if n == 0:
         return send, torch.zeros(world_size, dtype=torch.int64, device=ids.device), perm
+    splits = new_output((world_size,), torch.int64, ids.device)
     ids = ids.contiguous()
     boundaries = boundaries.contiguous()
-    per_program = DISPATCH_TILE * DISPATCH_TILES_PER_PROGRAM
-    num_programs = cdiv(n, per_program)
-    # One zeroed buffer: the splits, then a leading 0 and the count table (its cumsum is the exclusive prefix).
-    zeros = torch.zeros(world_size + 1 + world_size * num_programs, dtype=torch.int64, device=ids.device)
-    splits, counts = zeros[:world_size], zeros[world_size:]
-    shard = torch.empty(n, dtype=torch.int32, device=ids.device)
-    grid = (num_programs,)
-    meta = dict(TILE=DISPATCH_TILE, TILES=DISPATCH_TILES_PER_PROGRAM, num_warps=DISPATCH_WARPS)
-    _dispatch_count_kernel[grid](ids, boundaries, shard, counts, splits, n, world_size, num_programs,
-                                 search_steps(world_size), **meta)
-    start = torch.cumsum(counts[:-1], 0)  # start[s * programs + p] = ids of earlier (shard, program) cells
-    _dispatch_scatter_kernel[grid](ids, shard, start, send, perm, n, num_programs, **meta)
+    num_blocks = cdiv(n, DISPATCH_BLOCK)
+    steps = search_steps(world_size)
+    counts = torch.zeros(world_size * num_blocks, dtype=torch.int32, device=ids.device)
+    grid = (num_blocks,)
+    _dispatch_count_kernel[grid](
+        ids, boundaries, counts, n, world_size, num_blocks, steps, BLOCK=DISPATCH_BLOCK, num_warps=DISPATCH_WARPS
+    )
+    inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
+    _dispatch_scatter_kernel[grid](
+        ids, boundaries, inclusive, send, perm, splits, n, world_size, num_blocks, steps,
+        BLOCK=DISPATCH_BLOCK, SPLIT_LANES=256, num_warps=DISPATCH_WARPS,
+    )
     return send, splits, perm
 
 

@@ -59,8 +59,7 @@ def small_tiles(monkeypatch):
 
     monkeypatch.setattr(triton_jagged_gather, "ELEMENTS_PER_PROGRAM", 16)
     monkeypatch.setattr(triton_ranged, "COMBINE_ELEMENTS_PER_PROGRAM", 16)
-    monkeypatch.setattr(triton_ranged, "DISPATCH_TILE", 16)
-    monkeypatch.setattr(triton_ranged, "DISPATCH_TILES_PER_PROGRAM", 2)
+    monkeypatch.setattr(triton_ranged, "DISPATCH_BLOCK", 16)
 
 
 @INTERPRETED
