@@ -1,0 +1,63 @@
+"""Prioritized updates on CUDA: bit-exact with the synchronous path, with the side stream in use.
+
+Both ranks share GPU 0 (one GPU suffices) and talk through the host transport. scripts/gpu_suite.sh runs this
+file under TORCH_CUDA_SANITIZER=1, which turns an unordered access of one tensor from two streams (the side
+stream's deferred update or early lookup against the compute stream's collision update) into an error in the
+rank that made it, so the test fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.fsembed.workload import small_plan, step_features
+from tests.harness import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
+
+STEPS = 6
+
+
+def _loss(emb: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum((torch.tanh(e.float() * (k + 1)) ** 2).sum() + e.float().sum() * 0.1 for k, e in enumerate(emb.values()))
+
+
+def _parity(rank, world_size, collision):
+    from fsembed.optim import RowWiseAdagrad
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+    from fsembed.sharded import ShardedEmbeddingCollection
+
+    dev = torch.device("cuda", 0)
+    plan = small_plan(world_size)
+    feats = [{k: v.to(dev) for k, v in step_features(plan, s, rank, collision).items()} for s in range(STEPS)]
+    runs = {}
+    for name, cls in (("sync", ShardedEmbeddingCollection), ("prio", PrioritizedEmbeddingCollection)):
+        coll = cls(plan, rank, optimizer=RowWiseAdagrad(lr=0.1), seed=1, device=dev)
+        assert cls is ShardedEmbeddingCollection or coll._stream is not None, "no side stream on CUDA"
+        losses, nxt = [], coll.exchange_ids(feats[0])
+        for s in range(STEPS):
+            cur, nxt = nxt, (coll.exchange_ids(feats[s + 1]) if s + 1 < STEPS else None)
+            loss = _loss(coll(cur, nxt))
+            loss.backward()
+            losses.append(loss.detach())
+        runs[name] = (losses, coll.full_tables(), dict(getattr(coll, "row_counts", {})))
+    torch.cuda.synchronize()
+    (ls, ts, _), (lp, tp, counts) = runs["sync"], runs["prio"]
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lp)),
+        "tables_equal": all(torch.equal(ts[k], tp[k]) for k in ts),
+        "row_counts": counts,
+        "sanitizer": os.environ.get("TORCH_CUDA_SANITIZER", ""),
+    }
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("collision", ["zipf", "none"])
+def test_prioritized_matches_sync_on_cuda(collision):
+    results = run_ranks(_parity, 2, args=(collision,), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["tables_equal"], f"rank {rank}: prioritized differs from sync on CUDA: {r}"
+    counts = [r["row_counts"] for r in results]
+    assert sum(c["early"] for c in counts) > 0 and sum(c["deferred"] for c in counts) > 0, counts
