@@ -47,8 +47,8 @@ def build_model(config: ModelSection, source: SampleSource, seed: int) -> Sequen
 
 
 def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: torch.device):
-    """The staged pipeline around ``model`` for the sharded-embedding modes (None for ``replicated``)."""
-    if config.mode == "replicated":
+    """The staged pipeline around ``model`` for the sharded-embedding modes (None for ``replicated``, ``torchrec``)."""
+    if config.mode in ("replicated", "torchrec"):
         return None
     from fsembed import get_optimizer
     from pipelines.staged import StagedPipeline
@@ -63,4 +63,16 @@ def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: tor
         transport_name=config.transport,
         timer=timer,
         device=device,
+    )
+
+
+def build_torchrec_reference(model: SequenceModel, config: TrainConfig, device: torch.device):
+    """torchrec's own DistributedModelParallel + TrainPipelineSparseDist around ``model`` (mode ``torchrec``,
+    the outside reference; None in the other modes)."""
+    if config.mode != "torchrec":
+        return None
+    from pipelines.torchrec_ref import TorchrecReference
+
+    return TorchrecReference(
+        model, optimizer_name=config.embedding_optimizer, embedding_lr=config.embedding_lr, lr=config.lr, device=device
     )

@@ -42,7 +42,7 @@ class ModelSection:
 
 @dataclass
 class TrainConfig:
-    mode: str = _f("freescale", "replicated, sync, sdd, semisync or freescale (see pipelines.trainer)")
+    mode: str = _f("freescale", "replicated, sync, sdd, semisync, freescale, or torchrec (the real torchrec, CPU reference; see pipelines.trainer)")
     embedding_optimizer: str = _f("sgd", "row-wise optimizer of sharded tables: sgd, rowwise_adagrad, adam")
     embedding_lr: float = _f(0.05, "learning rate of the sharded tables")
     nproc: int = _f(2, "local ranks launched by `freescale train` (ignored under torchrun)")
@@ -60,6 +60,8 @@ class TrainConfig:
     trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
+
+MODES = ("replicated", "sync", "sdd", "semisync", "freescale", "torchrec")
 
 SECTIONS = {
     "data": DataConfig,
@@ -91,8 +93,10 @@ class JobConfig:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():
             raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
-        if self.train.mode not in ("replicated", "sync", "sdd", "semisync", "freescale"):
-            raise ValueError(f"mode must be replicated, sync, sdd, semisync or freescale, got {self.train.mode!r}")
+        if self.train.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.train.mode!r}")
+        if self.train.mode == "torchrec":
+            self._validate_torchrec()
         if self.train.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
         if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:
@@ -103,6 +107,20 @@ class JobConfig:
             raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
         self.loader.validate()
         return self
+
+    def _validate_torchrec(self) -> None:
+        from pipelines.torchrec_ref import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
+
+        missing = missing_packages()
+        if missing:
+            raise ValueError(unavailable_message(missing))
+        if self.train.device == "cuda":
+            raise ValueError("mode torchrec is a CPU reference only: use --device cpu")
+        if self.train.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+            raise ValueError(f"mode torchrec supports embedding_optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+                             f"{self.train.embedding_optimizer!r} (torchrec's fused Adam fails on CPU)")
+        if self.train.checkpoint_every or self.train.resume:
+            raise ValueError("mode torchrec does not checkpoint or resume (it is a reference run, not a job)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

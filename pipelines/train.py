@@ -98,9 +98,11 @@ def print_summary(summary: dict) -> None:
     print("\n=== FreeScale run summary ===")
     for key in ("mode", "steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct", "bubble_s"):
         value = summary.get(key)
-        print(f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {value}")
+        print(f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {'n/m' if value is None else value}")
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
-        print(f"  rank {rank} compute  {t * 1e3:.1f} ms/step (mean)")
+        print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
+    if summary.get("unmeasured"):
+        print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """The Trainer: reads top-down like a plain training loop.
 
-    train():       fetch batch i+1 (one batch of lookahead) -> train_step(batch i) -> log -> checkpoint
+    train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
+                   -> checkpoint
     train_step():  forward_backward (timed: compute) -> sync (one all-reduce, timed) -> optimizer step
 
 Modes (``--mode``), one harness:
@@ -10,6 +11,8 @@ Modes (``--mode``), one harness:
     sdd         sync, with the next batch's ID AllToAll overlapped (TorchRec's TrainPipelineSparseDist)
     semisync    next batch's embeddings prefetched before this step's update: stale rows (TrainPipelineSemiSync)
     freescale   balancer (``--partitioner``, default fbs) + prioritized embedding updates + SM-free transport
+    torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
+                reference (pipelines.torchrec_ref; the parts its progress() hides are reported as None)
 
 Gradient semantics. Local batches may differ in size (the last global batch of an epoch, variable batch size
 balancing), so each rank backpropagates the sum of its candidates' BCE divided by the *global* label count,
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -50,7 +54,7 @@ from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, S
 from fsdata.nodes.shuffle import ShuffleSamples
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
-from pipelines.builders import build_model, build_pipeline, build_source
+from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
 from pipelines.model import bce_sum, normalized_entropy
 
@@ -76,8 +80,25 @@ class _Fetched:
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
 
-def _median(values: list[float]) -> float:
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    if any(v is None for v in values):  # not measured (mode torchrec): not a number either
+        return None
     return float(torch.tensor(values, dtype=torch.float64).median()) if values else float("nan")
+
+
+def _total(values: list[Optional[float]]) -> Optional[float]:
+    """Sum, or None when a part was not measured: a missing part is unknown, not zero."""
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _mean(values: list[Optional[float]]) -> Optional[float]:
+    total = _total(values)
+    return None if total is None else total / max(len(values), 1)
+
+
+def _compute(record: dict, rank: int) -> Optional[float]:
+    """A rank's forward+backward time; None in mode torchrec, where it cannot be told apart from the exchanges."""
+    return None if record["compute_s"] is None else record["compute_s"][rank]
 
 
 class Trainer:
@@ -99,7 +120,13 @@ class Trainer:
         self.feedback = StepFeedback()
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
         self.pipeline = build_pipeline(self.model, config.train, self.timer, device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
+        self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
+        if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
+            self.optimizer = self.torchrec.optimizer
+        else:
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
+        # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
+        self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
@@ -139,23 +166,29 @@ class Trainer:
         items = iter(self.loader)
         profiler = self._profiler()
         start = time.perf_counter()
-        upcoming = self._fetch(items) if self.step < cfg.steps else None
+        ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, cfg.steps - self.step)))
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
                 before = self._exposed_totals()
-                current = upcoming
+                current = ahead.popleft()
                 with torch.profiler.record_function("freescale/data"):
-                    upcoming = self._fetch(items) if self.step + 1 < cfg.steps else None
+                    if self.step + self.lookahead < cfg.steps:
+                        ahead.append(self._fetch(items))
+                upcoming = ahead[0] if ahead else None
                 data_wait = time.perf_counter() - t0
                 if self.pipeline is not None:
                     self.pipeline.current_ids = current.ids
                     self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
-                record = self.train_step(current)
+                if self.torchrec is not None:  # its progress() trains batch i and takes in what it lacks ahead
+                    batches = [f.batch for f in (current, *ahead)]
+                    record = self.torchrec.train_step(self.step, batches, self._count_labels)
+                else:
+                    record = self.train_step(current)
                 record["data_wait_s"] = data_wait
                 record["exposed_s"] = self._exposed_delta(before, record)
                 record["step_time_s"] = time.perf_counter() - t0
-                record["bubble_s"] = sum(record["exposed_s"].values()) + record["straggler_wait_s"]
+                record["bubble_s"] = _total([*record["exposed_s"].values(), record["straggler_wait_s"]])
                 if current.balance is not None:
                     record["balance"] = current.balance
                 self.timer.add("data_wait", data_wait)
@@ -197,8 +230,12 @@ class Trainer:
     def _global_labels(self, fetched: _Fetched) -> float:
         if fetched.balance is not None:
             return float(fetched.balance["global_candidates"] * fetched.batch.num_labels)
+        return self._count_labels(fetched.batch)
+
+    def _count_labels(self, batch: Batch) -> float:
+        """The global batch's label count: one tiny all-reduce (timed as ``label_count``)."""
         with self.timer.span("label_count"):
-            count = torch.tensor([float(fetched.batch.candidate_labels.numel())], device=self.device)
+            count = torch.tensor([float(batch.candidate_labels.numel())], device=self.device)
             dist.all_reduce(count)
         return float(count)
 
@@ -309,6 +346,8 @@ class Trainer:
         # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
         # loader's next(); their collective waits are the parts above, counted once).
         out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)
+        for part in record.get("unmeasured", ()):  # hidden inside torchrec's progress(): unknown, not zero
+            out[part] = None
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -393,7 +432,8 @@ class Trainer:
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
         if progress is not None:
-            progress.set_postfix(loss=f"{record['loss']:.4f}", straggler=f"{record['straggler_pct']:.1f}%")
+            straggler = record["straggler_pct"]
+            progress.set_postfix(loss=f"{record['loss']:.4f}", straggler="n/m" if straggler is None else f"{straggler:.1f}%")
             progress.update(1)
 
     def _summary(self, wall: float) -> dict:
@@ -416,14 +456,15 @@ class Trainer:
             "loss_curve": [r["loss"] for r in h],
             "ne_curve": self._ne_curve(),
             "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
-            "straggler_pct": sum(r["straggler_pct"] for r in timed) / n,
+            "straggler_pct": _mean([r["straggler_pct"] for r in timed]),
             "step_time_s": sum(step_times) / n,
             "step_time_median_s": _median(step_times),
             "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
-            "compute_median_s": _median([r["compute_s"][self.rank] for r in timed]),
-            "bubble_s": sum(r["bubble_s"] for r in timed) / n,
-            "exposed_s": {k: sum(r["exposed_s"][k] for r in timed) / n for k in (timed[0]["exposed_s"] if timed else {})},
-            "per_rank_compute_s": [sum(r["compute_s"][q] for r in timed) / n for q in range(self.world_size)],
+            "compute_median_s": _median([_compute(r, self.rank) for r in timed]),
+            "bubble_s": _mean([r["bubble_s"] for r in timed]),
+            "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
+            "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
+            "unmeasured": h[0].get("unmeasured", []) if h else [],
             "peak_memory_bytes": self._peak_memory(),
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,

@@ -3,6 +3,8 @@
 For each case (a workload) and each mode it launches the same job (`pipelines.train.launch`), then prints one
 table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles).
+``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
+shows as "n/m" (None in the JSON), never as 0.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
@@ -15,10 +17,20 @@ import argparse
 import copy
 import json
 from pathlib import Path
+from typing import Optional
 
 from pipelines.config import JobConfig
 
 MODES = ("sync", "sdd", "semisync", "freescale", "replicated")
+TORCHREC_NOTE = (
+    "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.torchrec_ref). n/m = not\n"
+    "  measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run inside\n"
+    "  progress(), which times none of its parts, so compute alone, straggler % and bubbles are unknown; step time,\n"
+    "  QPS, data, label count and NE are measured as in every mode (step time includes one bookkeeping all-reduce).\n"
+    "  Same data, initial weights, loss scaling and optimizers as sync (dense Adam; table SGD / row-wise Adagrad in\n"
+    "  fbgemm); the loss is multiplied by the world size to undo DDP's and torchrec's division of gradients by it;\n"
+    "  losses match sync to float rounding (fbgemm and DDP sum in other orders), not bit for bit."
+)
 CASES = {
     "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),
     "light": dict(preset="tiny", uih_cap=64, batch_size=16, model="tiny", max_uih=64),
@@ -28,7 +40,8 @@ CASES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="local ranks per run")
     parser.add_argument("--steps", type=int, default=30, help="steps per run (the first is warm-up)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {sorted(CASES)}")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
@@ -52,8 +65,13 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     return copy.deepcopy(cfg.validate())
 
 
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else 1e3 * seconds
+
+
 def _row(case: str, s: dict) -> dict:
     exposed = s["exposed_s"]
+    unknown = any(v is None for v in exposed.values())
     return {
         "case": case,
         "mode": s["mode"],
@@ -61,11 +79,12 @@ def _row(case: str, s: dict) -> dict:
         "step_time_ms": 1e3 * s["step_time_s"],
         "step_time_median_ms": 1e3 * s["step_time_median_s"],
         "data_wait_median_ms": 1e3 * s["data_wait_median_s"],
-        "compute_median_ms": 1e3 * s["compute_median_s"],
-        "exposed_ms": {k: 1e3 * v for k, v in exposed.items()},
-        "exposed_total_ms": 1e3 * sum(exposed.values()),
+        "compute_median_ms": _ms(s["compute_median_s"]),
+        "exposed_ms": {k: _ms(v) for k, v in exposed.items()},
+        "exposed_total_ms": None if unknown else 1e3 * sum(exposed.values()),
         "straggler_pct": s["straggler_pct"],
-        "bubble_ms": 1e3 * s["bubble_s"],
+        "bubble_ms": _ms(s["bubble_s"]),
+        "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],
         "peak_memory_mib": (s["peak_memory_bytes"] or 0) / 2**20,
@@ -90,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
             rows.append(_row(case, launch(case_config(case, mode, args))))
     for case in cases:
         by_mode = {r["mode"]: r for r in rows if r["case"] == case}
-        if "sync" in by_mode and "freescale" in by_mode and by_mode["sync"]["bubble_ms"] > 0:
+        if "sync" in by_mode and "freescale" in by_mode and (by_mode["sync"]["bubble_ms"] or 0) > 0:
             reduction = 1.0 - by_mode["freescale"]["bubble_ms"] / by_mode["sync"]["bubble_ms"]
             for r in by_mode.values():
                 r["bubble_reduction"] = reduction if r["mode"] == "freescale" else None
@@ -103,6 +122,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cell(value: Optional[float], width: int, digits: int) -> str:
+    """A number, or "n/m" where the mode cannot measure it (never a 0 that looks measured)."""
+    return f"{'n/m':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
@@ -112,11 +136,13 @@ def _print_table(rows: list[dict]) -> None:
         red = r.get("bubble_reduction")
         print(
             f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
-            f"{r['step_time_median_ms']:>7.1f} {r['compute_median_ms']:>7.1f} "
-            + " ".join(f"{r['exposed_ms'].get(p, 0.0):>9.2f}" for p in parts)
-            + f" {r['straggler_pct']:>7.1f} {r['bubble_ms']:>9.2f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
+            f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
+            + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
+            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
+    if any(r["mode"] == "torchrec" for r in rows):
+        print(TORCHREC_NOTE)
 
 
 def _plot_ne(rows: list[dict], path: str) -> None:

@@ -1,0 +1,100 @@
+"""Mode torchrec (the real DistributedModelParallel + TrainPipelineSparseDist) on 2 gloo ranks: it trains, its
+losses follow sync mode's on the same data, it reports what it cannot measure as None, and without torchrec it
+fails with a message naming the package.
+
+Tolerance of the loss comparison: 1e-6, relative. Both modes start from the same weights and batches, scale the
+loss the same way and apply the same update rules, so they differ only in float32 summation order (fbgemm sums a
+row's duplicate gradients, and DDP the dense gradients, in other orders than FreeScale's sync path): one float32
+ulp of the loss, at most 6e-8 relative over 8 steps when measured. A semantic mismatch stands well above it:
+without the world-size factor that undoes torchrec's gradient division (the table then learns at half its rate)
+the second step's losses already part by 2.6e-5 relative.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from pipelines.cli import build_parser
+from pipelines.config import config_from_args
+from tests.harness import run_ranks, stage
+
+STEPS = 4
+TOLERANCE = 1e-6
+
+
+def _config(mode: str):
+    from pipelines.config import JobConfig
+
+    cfg = JobConfig()
+    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
+    cfg.model.max_uih = 64
+    cfg.loader.batch_size = 8
+    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = mode, STEPS, "cpu", False
+    return cfg.validate()
+
+
+def _train_both(rank, world_size):
+    from pipelines.trainer import Trainer
+
+    out = {}
+    for mode in ("sync", "torchrec"):
+        stage(f"train {mode}")
+        trainer = Trainer(_config(mode), rank=rank, world_size=world_size, device=torch.device("cpu"))
+        trainer.train()
+        out[mode] = trainer.history
+        if mode == "torchrec":
+            weight = trainer.torchrec.dmp.state_dict()["item_collection.embeddings.item_embedding.weight"]
+            out["local_rows"] = sum(s.tensor.shape[0] for s in weight.local_shards())
+            out["num_items"] = trainer.model.config.num_items
+    return out
+
+
+@pytest.mark.multiprocess
+def test_torchrec_mode_trains_like_sync():
+    pytest.importorskip("torchrec")
+    for rank_out in run_ranks(_train_both, 2, timeout=120):
+        sync, ref = rank_out["sync"], rank_out["torchrec"]
+        assert [r["step"] for r in ref] == list(range(STEPS))
+        assert [r["samples_per_rank"] for r in ref] == [r["samples_per_rank"] for r in sync]
+        for a, b in zip(sync, ref):
+            assert math.isfinite(b["loss"]) and abs(a["loss"] - b["loss"]) <= TOLERANCE * abs(a["loss"]), (a["loss"], b["loss"])
+        # Row-wise: each rank holds its half of the item table.
+        assert rank_out["local_rows"] == rank_out["num_items"] // 2
+        # Measured parts are numbers; the ones progress() hides are None, never 0.
+        # (Step 1 hands the pipeline batch 3, whose label count is all-reduced then; the last steps feed none.)
+        mid = ref[1]
+        assert mid["step_time_s"] > 0 and mid["exposed_s"]["label_count"] > 0 and mid["data_wait_s"] >= 0
+        assert all(mid["exposed_s"][p] is None for p in ("ids_a2a", "emb_a2a", "grad_a2a", "dense_allreduce"))
+        assert mid["compute_s"] is None and mid["straggler_pct"] is None and mid["bubble_s"] is None
+
+
+def _parse(*argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_without_torchrec_the_error_names_the_package(monkeypatch):
+    from pipelines.torchrec_ref import require_torchrec
+
+    monkeypatch.setitem(sys.modules, "torchrec", None)  # as on the GPU machine: not importable
+    with pytest.raises(ValueError, match=r"torchrec.*not importable here: it is a CPU reference only"):
+        _parse("--mode", "torchrec")
+    with pytest.raises(ImportError, match=r"torchrec.*CPU reference only"):
+        require_torchrec()
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--embedding-optimizer", "adam"], "fused Adam fails on CPU"),
+        (["--device", "cuda"], "CPU reference only"),
+        (["--checkpoint-every", "2", "--checkpoint-dir", "ck"], "does not checkpoint"),
+    ],
+)
+def test_torchrec_mode_refuses_what_it_cannot_match(argv, match):
+    pytest.importorskip("torchrec")
+    with pytest.raises(ValueError, match=match):
+        _parse("--mode", "torchrec", *argv)
