@@ -54,9 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "_unavailable", None):
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "_unavailable", None):  # its flags are unknown here: say why, not "unrecognized arguments"
         raise SystemExit(args._unavailable)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except ValueError as error:  # bad user input: the message says what and where; no traceback
