@@ -21,6 +21,7 @@ overlap with. Needs neither torchdata nor torchrec (the GPU machine has neither)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -53,6 +54,7 @@ class BenchConfig:
     fit_collision: float = 0.05
     device: str = "cpu"
     seed: int = 0
+    trace: Optional[str] = None  # directory: torch.profiler traces of the first point's timed steps, per rank and mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collisions", type=str, default=",".join(map(str, d.collisions)), help="collision knob sweep")
     parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
+    parser.add_argument("--trace", type=str, default=None, help="directory: a torch.profiler trace (Perfetto / "
+                        "chrome://tracing) of the first point's timed steps per rank and mode")
     parser.add_argument("--json", type=str, default=None, help="write the records here")
     parser.add_argument("--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)")
 
@@ -80,6 +84,7 @@ def _config_from_args(args) -> BenchConfig:
         nproc=args.nproc, zipf=args.zipf, max_uih=args.max_uih, batch_size=args.batch_size, dim=args.dim,
         steps=args.steps, warmup=args.warmup, dense_layers=args.dense_layers, compute_ms=args.compute_ms,
         collisions=[float(x) for x in args.collisions.split(",") if x.strip()], fit_collision=args.fit_collision, device=device,
+        trace=getattr(args, "trace", None),
     )
     if cfg.nproc < 2:
         raise ValueError(f"bench embedding: --nproc must be >= 2 (exchanges need peers), got {cfg.nproc}")
@@ -99,7 +104,8 @@ def _plan(cfg: BenchConfig, world_size: int):
     )
 
 
-def _batches(cfg: BenchConfig, rank: int, world_size: int, collision: float, max_uih: int, device) -> list[dict]:
+def _batches(cfg: BenchConfig, rank: int, world_size: int, collision: float, max_uih: int) -> list[dict]:
+    """This rank's ids per step, on the CPU (where the loader holds them)."""
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
     n_steps = cfg.warmup + cfg.steps
@@ -113,7 +119,7 @@ def _batches(cfg: BenchConfig, rank: int, world_size: int, collision: float, max
     out = []
     for s in range(n_steps):
         b = source.read(0, s * gb + rank * cfg.batch_size, s * gb + (rank + 1) * cfg.batch_size)
-        out.append({"uih": b.uih_item_ids.to(device), "cand": b.content_ids.to(device), "user": (b.user_ids % 1000).to(device)})
+        out.append({"uih": b.uih_item_ids, "cand": b.content_ids, "user": b.user_ids % 1000})
     return out
 
 
@@ -172,21 +178,25 @@ def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor], compute_ms: f
     return total
 
 
-def _train(coll, batches, dense, prefetcher, warmup: int, sync_device, compute_ms: float = 0.0):
-    """Trains over ``batches`` with a one-step lookahead. ``prefetcher`` (prioritized runs): the ID-prefetch
-    stage in a thread of its own, two batches ahead, as the loader runs it; waiting for its result is counted
-    as ID exchange time. Without it (synchronous runs) the ids are exchanged inside the step."""
+def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: float = 0.0):
+    """Trains over ``batches`` (CPU) with a one-step lookahead. ``prefetcher`` (prioritized runs): the
+    ID-prefetch stage in a thread of its own, two batches ahead, exchanging the CPU ids as the trainer's loader
+    does (fsdata.id_prefetch, off the GPU streams), the result delivered with ``.to(device)``; waiting for it is
+    counted as ID exchange time. Without it (synchronous runs) the ids, already on the device like a batch the
+    pipeline copied there, are exchanged inside the step."""
     losses, step_s, exposed = [], [], []
     futures = {}
+    sync_device = device.type == "cuda"
+    on_device = [{k: v.to(device) for k, v in b.items()} for b in batches] if prefetcher is None else None
 
     def ids_of(s):
         if prefetcher is None:
-            return batches[s]
+            return on_device[s]
         for k in range(s, min(s + 2, len(batches))):  # keep two batches in flight
             if k not in futures:
                 futures[k] = prefetcher(batches[k])
         with coll.timer.span("ids_a2a"):
-            return futures.pop(s).result()
+            return futures.pop(s).result().to(device)
 
     nxt = ids_of(0)
     for s in range(len(batches)):
@@ -211,6 +221,21 @@ def _train(coll, batches, dense, prefetcher, warmup: int, sync_device, compute_m
     return losses, step_s, exposed
 
 
+@contextlib.contextmanager
+def _traced(directory: Optional[str], name: str, device: torch.device):
+    """A torch.profiler trace of the block into ``directory/name`` (nothing when ``directory`` is None)."""
+    if directory is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    os.makedirs(directory, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(directory, name))
+
+
 def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[float, int]]) -> list[dict]:
     import torch.distributed as dist
 
@@ -232,8 +257,8 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
     records = []
-    for collision, max_uih in points:
-        batches = _batches(cfg, rank, world_size, collision, max_uih, device)
+    for point, (collision, max_uih) in enumerate(points):
+        batches = _batches(cfg, rank, world_size, collision, max_uih)
         runs = {}
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
             coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
@@ -243,8 +268,9 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
                 if mode == "prioritized"
                 else None
             )
-            losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup,
-                                    sync_device=device.type == "cuda", compute_ms=cfg.compute_ms)
+            with _traced(cfg.trace if point == 0 else None, f"embedding_{mode}_rank{rank}.json", device):
+                losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup, device=device,
+                                                  compute_ms=cfg.compute_ms)
             # Median over steps: the CPU machines are shared, and one step that lost its core to another
             # process would otherwise dominate a mean of a dozen steps.
             exposed = {p: float(np.median([e[p] for e in per_step])) for p in PARTS}
