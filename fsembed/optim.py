@@ -2,7 +2,8 @@
 
 Duplicate ids of one step are summed first, deterministically: the shard-major gradient rows are stably sorted
 by row id and every row's contributions are summed in their arrival order (source rank, then batch-major
-position) by ``kernels.ops.segment_sum``, never by atomics. A row's update therefore depends only on that
+position) by ``kernels.ops.segment_sum``, never by atomics, and without a device-to-host sync
+(:func:`sum_duplicate_rows`). A row's update therefore depends only on that
 ordered list of contributions, which is what lets the prioritized path, which updates the same rows at other
 moments and in other subsets, match the synchronous one bit for bit. For the same reason the per-row
 arithmetic below is written so that a row's result never depends on which other rows are updated with it
@@ -21,16 +22,28 @@ from kernels import ops
 
 
 def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [U] sorted unique, summed gradients [U, D]) from shard-major (ids [M], gradient rows [M, D])."""
+    """(rows [M], summed gradients [M, D]) from shard-major (ids [M], gradient rows [M, D]), with no
+    device-to-host sync (on a GPU the host keeps queueing work ahead of the device).
+
+    The first U entries are the unique rows in ascending order with their sums; the other M - U entries
+    repeat real rows (entry k is row k mod U, with that row's sum), so that every write of a row carries the
+    same values and the number of unique rows never has to reach the host."""
+    m = local_ids.numel()
     sorted_ids, order = torch.sort(local_ids, stable=True)
-    rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=local_ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    return rows, ops.segment_sum(grads.index_select(0, order), offsets)
+    first = torch.ones(m, dtype=torch.bool, device=local_ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    starts = torch.nonzero_static(first, size=m, fill_value=m).squeeze(1)  # U segment starts, then m
+    offsets = torch.cat([starts, starts.new_full((1,), m)])
+    sums = ops.segment_sum(grads.index_select(0, order), offsets)  # [M, D]; segments U.. are empty
+    k = torch.arange(m, device=local_ids.device)
+    unique = first.sum()
+    pick = torch.where(k < unique, k, k % unique)
+    return sorted_ids.index_select(0, starts.index_select(0, pick)), sums.index_select(0, pick)
 
 
 class RowWiseOptimizer:
-    """Updates rows [U] of a local weight with their summed gradients [U, D]."""
+    """Updates rows [K] of a local weight with their summed gradients [K, D]. A row may repeat, always with the
+    same gradient, so its repeated writes carry identical values (see :func:`sum_duplicate_rows`)."""
 
     name = "base"
 

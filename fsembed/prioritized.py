@@ -26,9 +26,13 @@ path, in the same order, with the same summation (optim.py), and is read only af
 losses are equal bit for bit.
 
 Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
-stage (early); every later exchange's sizes are derived locally: the shard counts flags per source rank, the
-source counts the flags it received per shard. The flags exchange (one byte per id) is the only addition; its
-wait is counted as ID exchange time.
+stage (early). Every later exchange's sizes follow from two counts per (source, shard) pair: the shard counts
+its collision rows of i and fresh rows of i+1 per source rank in the forward (copied to pinned host memory
+there, never synchronising the device), and sends each source its pair in one tiny host exchange in the
+backward. With the sizes on the host, the flags (one byte per id, sent in the forward) give the positions
+(``nonzero_static``). No step of the backward waits for the device, so on a GPU the host keeps queueing the
+backward's work while the dense backward still runs. The flags and counts exchanges are the only additions;
+their waits are counted as ID exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
 (``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
@@ -56,22 +60,34 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, Sharded
 from kernels import ops
 
 
+class _HostCounts:
+    """Per-segment counts of masks, computed on the device and copied to pinned host memory without a sync:
+    ``get()`` waits only for that copy (queued long before it is read), never for the work queued after it."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]]) -> None:
+        device = pairs[0][0].device
+        sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device)) for mask, splits in pairs]
+        counts = torch.stack(sums, 1)  # [segments, len(pairs)]
+        self.event = None
+        if device.type == "cuda":
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = counts
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 def _offsets(splits: list[int], device) -> torch.Tensor:
-    out = torch.zeros(len(splits) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(torch.tensor(splits, dtype=torch.int64, device=device), 0, out=out[1:])
-    return out
-
-
-def _seg_counts_many(pairs: list[tuple[torch.Tensor, list[int]]]) -> list[list[int]]:
-    """Set flags per segment of ``splits`` (the split sizes of a masked exchange), for several (mask, splits)
-    pairs with a single device-to-host transfer."""
-    sums = [ops.segment_sum(m.to(torch.int64), _offsets(sp, m.device)) for m, sp in pairs]
-    flat = torch.cat(sums).tolist() if sums else []
-    out, k = [], 0
-    for _, sp in pairs:
-        out.append([int(x) for x in flat[k : k + len(sp)]])
-        k += len(sp)
-    return out
+    """Offsets of ``splits`` on ``device``; from pinned memory on CUDA, so the copy needs no sync."""
+    host = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
+    torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=host[1:])
+    return host.to(device, non_blocking=True)
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -109,6 +125,7 @@ class _GroupContext:
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
         self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
+        self.counts: Optional[_HostCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
         self.awaiting_backward = False
 
@@ -205,7 +222,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
         step = c.cur
-        c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
+        c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = c.counts = None
         if sid_next is not None:
             nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
             c.co_shard = ops.collision_mask(step.local, nlocal)  # line 10
@@ -214,6 +231,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self.stale:  # semi-sync: no row waits for this step's update
                 c.co_shard = torch.zeros_like(c.co_shard)
                 c.fresh_shard = torch.ones_like(c.fresh_shard)
+            # This shard's per-source counts, on their way to the host (read in the backward, no sync there).
+            c.counts = _HostCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)])
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,
@@ -254,25 +273,26 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
 
-        # Sizes and positions of every exchange below, derived locally from the flags (host work that waits
-        # for the flags: counted as ID exchange time).
+        # Sizes and positions of every exchange below. The sizes come without a device sync: this shard's
+        # counts were copied to the host in the forward, and their mirror (what every shard counted for this
+        # rank's ids) arrives in one tiny host exchange; positions from the flags, by nonzero_static with those
+        # counts. Counted as ID exchange time.
         with self.timer.span(IDS_A2A):
             if nxt is None:  # last step: everything is a collision row, nothing is deferred
                 co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
                 co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
                 co_send, co_recv = list(sid.send_splits), list(sid.recv_splits)
             else:
+                local = c.counts.get()  # [W, 2] per source rank: collision rows of i, fresh rows of i+1
+                w = local.shape[0]
+                mirror = self.backward_transport.all_to_all(local, [1] * w, [1] * w).wait()  # per shard, mine
+                co_recv, fresh_send = local[:, 0].tolist(), local[:, 1].tolist()
+                co_send, fresh_recv = mirror[:, 0].tolist(), mirror[:, 1].tolist()
                 flags = c.flags_handle.wait().to(torch.bool)
                 parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
                 co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
                 fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
                 co_shard = c.co_shard
-                # Every split size of this backward in one device-to-host transfer (one sync, not four).
-                counts = _seg_counts_many(
-                    [(co_pos, sid.send_splits), (co_shard, sid.recv_splits),
-                     (c.fresh_shard, nxt.sid.recv_splits), (fresh_pos, nxt.sid.send_splits)]
-                )
-                co_send, co_recv, fresh_send, fresh_recv = counts
                 carried_send = [a - b for a, b in zip(nxt.sid.recv_splits, fresh_send)]
                 carried_recv = [a - b for a, b in zip(nxt.sid.send_splits, fresh_recv)]
                 # Positions with their counts known: no further syncs (nonzero_static).
@@ -320,7 +340,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)
         c.cur, c.nxt = nxt, None
-        c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = None
+        c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = c.counts = None
         c.awaiting_backward = False
 
     # ------------------------------------------------------------------ flush, eval, state
