@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The GPU figures of BENCHMARKS.md in one call on a lent H200 (torch 2.11, no torchdata/torchrec: the torchdata
-# wheel travels in .whl/). Writes everything under $OUT (default ./out/gpu). Usage: bash scripts/gpu_suite.sh
+# The GPU figures of BENCHMARKS.md on a lent H200 (torch 2.11, no torchdata/torchrec: the torchdata wheel travels
+# in .whl/, see the README). One device call runs at most 10 minutes, so the suite comes in parts:
+#   bash scripts/gpu_suite.sh check      # GPU tests under TORCH_CUDA_SANITIZER=1 + the kernels bench (~5 min)
+#   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~4 min)
+#   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
+# Everything is written under $OUT (default ./out/gpu).
 set -u
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
+if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
@@ -13,15 +18,31 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-echo "== 1. freescale train on CUDA, 1 rank under torchrun (the GPU machine's torch)"
-timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m pipelines.train --device cuda \
-  --steps 20 --mode freescale --no-progress --summary-json "$OUT/train_cuda.json" 2>&1 | tail -12
-
-echo "== 2. bench e2e: 2 ranks sharing the H200 over the host transport"
-timeout 230 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 16 --model small --uih-cap 4096 \
-  --batch-size 16 --modes sync,sdd,freescale,replicated --json "$OUT/e2e_gpu.json" 2>&1 | grep -v "^\[bench" | tail -14
-
-echo "== 3. replay simulation (real forward+backward timings of the reference model on this GPU)"
-timeout 280 python3 -m pipelines.replay --device cuda --replay-kernel padded,jagged --replay-jitter residual,repeat \
-  --replay-ranks 64,256 --batch-size 128 --max-uih 21000 --partitioner none,fbs,vbs,kk --steps 30 --warmup 10 \
-  --replay-timings 400 --replay-time-budget 60 --json "$OUT/replay_h200.json" 2>&1 | tail -40
+case "$PART" in
+  check)
+    echo "== GPU tests (prioritized vs sync on CUDA under the stream sanitizer; the host transport on CUDA)"
+    TORCH_CUDA_SANITIZER=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/fsembed/test_prioritized_gpu.py 2>&1 | tail -15
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/fscomm/test_host_gpu.py 2>&1 | tail -5
+    echo "== bench kernels"
+    timeout 330 python3 -m pipelines.bench.kernels --device cuda --world-sizes 8,32,128,512 --json "$OUT/kernels.json" 2>&1 | tail -36
+    ;;
+  e2e)
+    echo "== bench embedding: exposed embedding communication, sync vs prioritized"
+    timeout 150 python3 -m pipelines.cli bench embedding --nproc 2 --device cuda --max-uih 2048 --batch-size 64 --dim 128 \
+      --compute-ms 30 --steps 5 --warmup 3 --collisions 0,0.05,0.2 --json "$OUT/embedding_gpu.json" 2>&1 | tail -9
+    echo "== bench e2e: every mode, 2 ranks sharing the H200 over the host transport"
+    timeout 250 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 16 --model small --uih-cap 4096 \
+      --batch-size 16 --modes sync,sdd,semisync,freescale,replicated --json "$OUT/e2e_gpu.json" 2>&1 | grep -v "^\[bench" | tail -14
+    ;;
+  replay)
+    echo "== replay simulation: whole local batches of the partitioners' plans, timed on this GPU"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 570 python3 -m pipelines.replay --device cuda \
+      --replay-kernel jagged,padded --replay-jitter repeat,residual --replay-ranks 64,256 --batch-size 128 \
+      --max-uih 21000 --partitioner none,fbs,vbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 \
+      --replay-timings 400 --replay-repeats 3 --replay-time-budget 170 --replay-mem-gib 110 \
+      --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
+    ;;
+  *)
+    echo "unknown part $PART: choose check, e2e or replay" >&2; exit 2
+    ;;
+esac
