@@ -54,7 +54,8 @@ class HostTransport:
 
     # --- public collectives ---------------------------------------------------------------------------
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits) -> Handle:
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+        """``keep_host``: the received bytes stay readable on the host too (``handle.host()``, no device sync)."""
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         seq = state.take_seq()
@@ -70,7 +71,8 @@ class HostTransport:
             state, "all_to_all", seq, x, out, n_in + n_out,
             copy_out=lambda w: [(as_bytes(x), w[:n_in])],
             exchange=lambda w: exchange(w[:n_in], w[n_in:], False),
-            copy_back=lambda w: [(w[n_in:], as_bytes(out))],
+            copy_back=lambda w, res: [(w[n_in:], as_bytes(res))],
+            keep_host=keep_host,
         )
 
     def all_gather(self, tensor: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> Handle:
@@ -112,9 +114,9 @@ class HostTransport:
             return WorkHandle(work, unpad, state, "all_gather", seq, keep=(send, recv))
         xb = x.numel() * x.element_size()  # work buffer: [own block | W blocks]
         if pieces is None:
-            back = lambda w: [(w[block:], as_bytes(out))]
+            back = lambda w, res: [(w[block:], as_bytes(res))]
         else:
-            back = lambda w: [(w[block:][src], as_bytes(out)[dst]) for src, dst in pieces if dst.stop > dst.start]
+            back = lambda w, res: [(w[block:][src], as_bytes(res)[dst]) for src, dst in pieces if dst.stop > dst.start]
         return self.stager.run(
             state, "all_gather", seq, x, out, block + W * block,
             copy_out=lambda w: [(as_bytes(x), w[:xb])],

@@ -160,7 +160,9 @@ class NcclCeTransport:
 
         return WorkHandle(work, finish, state, "all_gather", seq, keep=(x,))
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, pad_to: Optional[int] = None) -> Handle:
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, pad_to: Optional[int] = None,
+                   *, keep_host: bool = False) -> Handle:
+        """``keep_host`` changes nothing here: the data never touches the host, so ``handle.host()`` syncs."""
         state = groups.claim(self.group, "all_to_all")
         send_l, recv_l = check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         x = self._check(tensor, "all_to_all")

@@ -255,9 +255,9 @@ class RdmaTransport:
                                                    self.rank, W, timeout)
         return self.stager.run(state, "all_gather", state.take_seq(), x, out, n_in + n_out,
                                copy_out=lambda w: [(as_bytes(x), w[:n_in])], exchange=exchange,
-                               copy_back=lambda w: [(w[n_in:], as_bytes(out))])
+                               copy_back=lambda w, res: [(w[n_in:], as_bytes(res))])
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits) -> Handle:
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         n_in, n_out = sum(send_b), sum(recv_b)
@@ -266,4 +266,4 @@ class RdmaTransport:
                                                    recv_b, self.rank, self.world_size, timeout)
         return self.stager.run(state, "all_to_all", state.take_seq(), x, out, n_in + n_out,
                                copy_out=lambda w: [(as_bytes(x), w[:n_in])], exchange=exchange,
-                               copy_back=lambda w: [(w[n_in:], as_bytes(out))])
+                               copy_back=lambda w, res: [(w[n_in:], as_bytes(res))], keep_host=keep_host)

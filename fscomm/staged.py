@@ -27,10 +27,12 @@ class StagedHandle(Handle):
     """An exchange in flight in the worker thread; on CUDA ``wait()`` orders the caller's stream after the copy
     back (an event wait: the host does not block on the GPU)."""
 
-    def __init__(self, future: Future, copied_back: Optional["torch.cuda.Event"], device: torch.device):
+    def __init__(self, future: Future, copied_back: Optional["torch.cuda.Event"], device: torch.device,
+                 host_out: Optional[torch.Tensor] = None):
         self._future = future
         self._copied_back = copied_back
         self._device = device
+        self._host_out = host_out  # the result's bytes, copied on the host from the work buffer (keep_host)
         self.wait_time_s = 0.0
 
     def wait(self) -> torch.Tensor:
@@ -42,6 +44,16 @@ class StagedHandle(Handle):
         if self._copied_back is not None:
             torch.cuda.current_stream(self._device).wait_event(self._copied_back)
         return out
+
+    def host(self) -> torch.Tensor:
+        if self._host_out is None:
+            return super().host()
+        t0 = time.perf_counter()
+        try:
+            self._future.result()  # the worker filled host_out before the copies back
+        finally:
+            self.wait_time_s += time.perf_counter() - t0
+        return self._host_out
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -69,12 +81,15 @@ class Stager:
         work_nbytes: int,
         copy_out: Callable[[torch.Tensor], Pieces],
         exchange: Callable[[torch.Tensor], None],
-        copy_back: Callable[[torch.Tensor], Pieces],
+        copy_back: Callable[[torch.Tensor, torch.Tensor], Pieces],
+        keep_host: bool = False,
     ) -> Handle:
         """``copy_out(work)`` lists (x bytes, work bytes) copies, ``exchange(work)`` runs on the host in the
-        worker thread, ``copy_back(work)`` lists (work bytes, out bytes) copies."""
+        worker thread, ``copy_back(work, result)`` lists (work bytes, result bytes) copies into ``out`` (or into
+        a host tensor shaped like it: ``keep_host`` keeps such a copy for ``handle.host()``)."""
         work_buf = self.pool.acquire(work_nbytes)
         work = work_buf.view
+        host_out = torch.empty(out.shape, dtype=out.dtype) if keep_host else None
         if not x.is_cuda:
 
             def cpu_job() -> torch.Tensor:
@@ -84,12 +99,13 @@ class Stager:
                     exchange(work)
                 except Exception as exc:
                     raise diagnose(state, op, seq, exc) from exc
-                for src, dst in copy_back(work):
-                    dst.copy_(src)
+                for result in (out, host_out) if host_out is not None else (out,):
+                    for src, dst in copy_back(work, result):
+                        dst.copy_(src)
                 self.pool.release(work_buf)
                 return out
 
-            return StagedHandle(worker_for(state).submit(cpu_job), None, x.device)
+            return StagedHandle(worker_for(state).submit(cpu_job), None, x.device, host_out)
 
         device = x.device
         copy_stream = self.copy_stream(device)
@@ -113,12 +129,15 @@ class Stager:
                 exchange(work)
             except Exception as exc:  # the work buffer stays out of the pool: the peer may still write it
                 raise diagnose(state, op, seq, exc) from exc
+            if host_out is not None:
+                for src, dst in copy_back(work, host_out):
+                    dst.copy_(src)
             with torch.cuda.stream(copy_stream):
-                for src, dst in copy_back(work):
+                for src, dst in copy_back(work, out):
                     dst.copy_(src, non_blocking=True)
                 copied_back.record(copy_stream)
             copied_back.synchronize()  # the work buffer may be reused only once the copies back have read it
             self.pool.release(work_buf)
             return out
 
-        return StagedHandle(worker_for(state).submit(job), copied_back, device)
+        return StagedHandle(worker_for(state).submit(job), copied_back, device, host_out)

@@ -49,6 +49,12 @@ class Handle:
     def wait(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def host(self) -> torch.Tensor:
+        """The result on the host, for sizes the caller must read. Here ``wait()`` copied to the CPU, which
+        synchronises a GPU stream; the host-staged handle returns the bytes it received instead, with no device
+        sync (the exchange passed through host memory anyway)."""
+        return self.wait().cpu()
+
     def is_completed(self) -> bool:
         raise NotImplementedError
 
@@ -106,8 +112,10 @@ class Transport(Protocol):
         rank's must equal tensor.shape[0]), result [sum(sizes), *shape[1:]] in rank order."""
         ...
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits) -> Handle:
-        """Rows send_splits[r] go to rank r (in order along dim 0); result [sum(recv_splits), *shape[1:]]."""
+    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+        """Rows send_splits[r] go to rank r (in order along dim 0); result [sum(recv_splits), *shape[1:]].
+        ``keep_host``: the caller will read the result on the host (``handle.host()``); a backend whose
+        exchange passes through host memory keeps those bytes, so the read needs no device sync."""
         ...
 
 

@@ -27,12 +27,13 @@ losses are equal bit for bit.
 
 Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
 stage (early). Every later exchange's sizes follow from two counts per (source, shard) pair: the shard counts
-its collision rows of i and fresh rows of i+1 per source rank in the forward (copied to pinned host memory
-there, never synchronising the device), and sends each source its pair in one tiny host exchange in the
-backward. With the sizes on the host, the flags (one byte per id, sent in the forward) give the positions
-(``nonzero_static``). No step of the backward waits for the device, so on a GPU the host keeps queueing the
-backward's work while the dense backward still runs. The flags and counts exchanges are the only additions;
-their waits are counted as ID exchange time.
+its collision rows of i and fresh rows of i+1 per source rank in the forward and sends each source its pair
+right after the flags (one tiny exchange on the forward group); the backward reads both on the host without
+synchronising the device (a pinned copy of its own counts, the transport's host bytes of the mirror). With the
+sizes on the host, the flags (one byte per id) give the positions (``nonzero_static``). No step of the backward
+waits for the device or for a peer's backward, so on a GPU the host keeps queueing the backward's work while the
+dense backward still runs. The flags and counts exchanges are the only additions; their waits are counted as ID
+exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
 (``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
@@ -60,27 +61,32 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, Sharded
 from kernels import ops
 
 
-class _HostCounts:
-    """Per-segment counts of masks, computed on the device and copied to pinned host memory without a sync:
-    ``get()`` waits only for that copy (queued long before it is read), never for the work queued after it."""
+class _SplitCounts:
+    """Two counts per source rank (collision rows of step i, fresh rows of step i+1) that this shard computed
+    in the forward, and their mirror: what every shard counted for this rank's ids. Both are read on the host in
+    the backward without a device sync: the local counts through a pinned copy, the mirror through the
+    transport's host bytes (``keep_host``), exchanged in the forward on the forward group."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]]) -> None:
+    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]], transport) -> None:
         device = pairs[0][0].device
         sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device)) for mask, splits in pairs]
-        counts = torch.stack(sums, 1)  # [segments, len(pairs)]
+        counts = torch.stack(sums, 1)  # [W, len(pairs)]: row q is what rank q's ids got
+        w = counts.shape[0]
+        self.mirror = transport.all_to_all(counts, [1] * w, [1] * w, keep_host=True)
         self.event = None
         if device.type == "cuda":
-            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.host.copy_(counts, non_blocking=True)
+            self.local = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.local.copy_(counts, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = counts
+            self.local = counts
 
-    def get(self) -> torch.Tensor:
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this shard's counts per source rank, every shard's counts for this rank), both [W, 2] on the host."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host
+        return self.local, self.mirror.host()
 
 
 def _offsets(splits: list[int], device) -> torch.Tensor:
@@ -125,7 +131,7 @@ class _GroupContext:
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
         self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
-        self.counts: Optional[_HostCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
+        self.counts: Optional[_SplitCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
         self.awaiting_backward = False
 
@@ -231,8 +237,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self.stale:  # semi-sync: no row waits for this step's update
                 c.co_shard = torch.zeros_like(c.co_shard)
                 c.fresh_shard = torch.ones_like(c.fresh_shard)
-            # This shard's per-source counts, on their way to the host (read in the backward, no sync there).
-            c.counts = _HostCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)])
+            # This shard's per-source counts and their mirror, on their way to the host (read in the backward).
+            c.counts = _SplitCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)],
+                                    self.transport)
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,
@@ -274,18 +281,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         g = self._to_send_order(grad_out, sid)
 
         # Sizes and positions of every exchange below. The sizes come without a device sync: this shard's
-        # counts were copied to the host in the forward, and their mirror (what every shard counted for this
-        # rank's ids) arrives in one tiny host exchange; positions from the flags, by nonzero_static with those
-        # counts. Counted as ID exchange time.
+        # counts and their mirror (what every shard counted for this rank's ids) reached the host during the
+        # forward; positions from the flags, by nonzero_static with those counts. Counted as ID exchange time.
         with self.timer.span(IDS_A2A):
             if nxt is None:  # last step: everything is a collision row, nothing is deferred
                 co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
                 co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
                 co_send, co_recv = list(sid.send_splits), list(sid.recv_splits)
             else:
-                local = c.counts.get()  # [W, 2] per source rank: collision rows of i, fresh rows of i+1
-                w = local.shape[0]
-                mirror = self.backward_transport.all_to_all(local, [1] * w, [1] * w).wait()  # per shard, mine
+                local, mirror = c.counts.get()  # [W, 2] each: collision rows of i, fresh rows of i+1
                 co_recv, fresh_send = local[:, 0].tolist(), local[:, 1].tolist()
                 co_send, fresh_recv = mirror[:, 0].tolist(), mirror[:, 1].tolist()
                 flags = c.flags_handle.wait().to(torch.bool)

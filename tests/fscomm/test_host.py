@@ -46,7 +46,7 @@ def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
         s = _splits(step, world_size)
         x = torch.cat([_payload(rank, d, step, int(s[rank, d]), shape, dtype) for d in range(world_size)])
         send = s[rank] if step % 2 else s[rank].tolist()  # tensor and list splits
-        handles.append(t.all_to_all(x, send, s[:, rank].tolist()))
+        handles.append(t.all_to_all(x, send, s[:, rank].tolist(), keep_host=step % 3 == 0))
         cases.append((step, s, shape, dtype))
     stage("wait")
     for h, (step, s, shape, dtype) in zip(handles, cases):
@@ -54,6 +54,9 @@ def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
         want = torch.cat([_payload(src, rank, step, int(s[src, rank]), shape, dtype) for src in range(world_size)])
         assert got.dtype == dtype and got.shape == want.shape, (step, got.shape, want.shape)
         assert torch.equal(got, want), step
+        if step % 3 == 0:  # keep_host: the same result read on the host (the staged path's own copy of the bytes)
+            host = h.host()
+            assert host.device.type == "cpu" and host.dtype == dtype and torch.equal(host, want), step
         assert h.is_completed() and h.wait_time_s >= 0
     if stage_cpu:  # the same traffic twice more: the pool grows with the ops in flight, not with the ops done
         for _ in range(2):
