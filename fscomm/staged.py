@@ -28,11 +28,11 @@ class StagedHandle(Handle):
     back (an event wait: the host does not block on the GPU)."""
 
     def __init__(self, future: Future, copied_back: Optional["torch.cuda.Event"], device: torch.device,
-                 host_out: Optional[torch.Tensor] = None):
+                 host_future: Optional[Future] = None):
         self._future = future
         self._copied_back = copied_back
         self._device = device
-        self._host_out = host_out  # the result's bytes, copied on the host from the work buffer (keep_host)
+        self._host_future = host_future  # -> the result's bytes on the host, set before the copies back (keep_host)
         self.wait_time_s = 0.0
 
     def wait(self) -> torch.Tensor:
@@ -46,14 +46,13 @@ class StagedHandle(Handle):
         return out
 
     def host(self) -> torch.Tensor:
-        if self._host_out is None:
+        if self._host_future is None:
             return super().host()
         t0 = time.perf_counter()
         try:
-            self._future.result()  # the worker filled host_out before the copies back
+            return self._host_future.result()  # set once the exchange is done, before any copy back
         finally:
             self.wait_time_s += time.perf_counter() - t0
-        return self._host_out
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -89,23 +88,46 @@ class Stager:
         a host tensor shaped like it: ``keep_host`` keeps such a copy for ``handle.host()``)."""
         work_buf = self.pool.acquire(work_nbytes)
         work = work_buf.view
-        host_out = torch.empty(out.shape, dtype=out.dtype) if keep_host else None
+        # keep_host: a host copy of the result too (also on the CPU path, so CPU tests run its layout).
+        host_future: Optional[Future] = Future() if keep_host else None
+
+        def keep_on_host() -> None:
+            if host_future is not None:
+                host_out = torch.empty(out.shape, dtype=out.dtype)
+                for src, dst in copy_back(work, host_out):
+                    dst.copy_(src)
+                host_future.set_result(host_out)
+
+        def exchange_or_fail() -> None:
+            try:
+                exchange(work)
+            except Exception as exc:  # the work buffer stays out of the pool: the peer may still write it
+                raise diagnose(state, op, seq, exc) from exc
+            keep_on_host()
+
+        def submit(job: Callable[[], torch.Tensor]) -> Future:
+            def run() -> torch.Tensor:
+                try:
+                    return job()
+                except BaseException as exc:  # host() raises it too, rather than waiting forever
+                    if host_future is not None and not host_future.done():
+                        host_future.set_exception(exc)
+                    raise
+
+            return worker_for(state).submit(run)
+
         if not x.is_cuda:
 
             def cpu_job() -> torch.Tensor:
                 for src, dst in copy_out(work):
                     dst.copy_(src)
-                try:
-                    exchange(work)
-                except Exception as exc:
-                    raise diagnose(state, op, seq, exc) from exc
-                for result in (out, host_out) if host_out is not None else (out,):
-                    for src, dst in copy_back(work, result):
-                        dst.copy_(src)
+                exchange_or_fail()
+                for src, dst in copy_back(work, out):
+                    dst.copy_(src)
                 self.pool.release(work_buf)
                 return out
 
-            return StagedHandle(worker_for(state).submit(cpu_job), None, x.device, host_out)
+            return StagedHandle(submit(cpu_job), None, x.device, host_future)
 
         device = x.device
         copy_stream = self.copy_stream(device)
@@ -124,14 +146,8 @@ class Stager:
         copied_back = torch.cuda.Event()
 
         def job() -> torch.Tensor:
-            try:
-                staged_out.synchronize()
-                exchange(work)
-            except Exception as exc:  # the work buffer stays out of the pool: the peer may still write it
-                raise diagnose(state, op, seq, exc) from exc
-            if host_out is not None:
-                for src, dst in copy_back(work, host_out):
-                    dst.copy_(src)
+            staged_out.synchronize()
+            exchange_or_fail()
             with torch.cuda.stream(copy_stream):
                 for src, dst in copy_back(work, out):
                     dst.copy_(src, non_blocking=True)
@@ -140,4 +156,4 @@ class Stager:
             self.pool.release(work_buf)
             return out
 
-        return StagedHandle(worker_for(state).submit(job), copied_back, device, host_out)
+        return StagedHandle(submit(job), copied_back, device, host_future)

@@ -2,8 +2,8 @@
 
 Forward and backward are separate groups because on CUDA autograd runs a backward in its own device thread, and fscomm lets one
 thread only issue collectives on a group (two threads interleaving collectives on one group deadlock). The
-forward group carries the ID exchanges (also those the collection starts for a next step), the flags and the
-first step's lookup; the backward group carries every gradient exchange and the embeddings that a backward
+forward group carries the ID exchanges (also those the collection starts for a next step), the flags (kept on the
+host too: the backward counts them there) and the first step's lookup; the backward group carries every gradient exchange and the embeddings that a backward
 sends (prioritized updates). On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
 stage, when it runs in a loader thread, gets a group of its own from whoever builds it.
 

@@ -43,7 +43,9 @@ def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[to
 
 class RowWiseOptimizer:
     """Updates rows [K] of a local weight with their summed gradients [K, D]. A row may repeat, always with the
-    same gradient, so its repeated writes carry identical values (see :func:`sum_duplicate_rows`)."""
+    same gradient (see :func:`sum_duplicate_rows`), so an implementation must read every row it needs before it
+    writes any (index_select, then index_copy_) and never accumulate into the weight or state (no index_add_ or
+    scatter-add): then repeated writes carry identical values and each row is updated exactly once."""
 
     name = "base"
 

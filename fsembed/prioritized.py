@@ -14,7 +14,7 @@ Step i's backward then
 
     line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
     line 12    looks up the fresh rows of i+1 (nothing of step i writes them, and line 7 came first, so they
-               hold their step-(i+1) values) and sends them (the sizes are known now, from the flags);
+               hold their step-(i+1) values) and sends them (the sizes are known now: see Sizes);
     line 18-20 splits the gradient by the flags; collision rows are exchanged, summed and updated at once;
     line 21    sends the collision rows' new values for step i+1;
                and sends the exclusive gradients, which the next backward applies (lines 6-7).
@@ -26,14 +26,14 @@ path, in the same order, with the same summation (optim.py), and is read only af
 losses are equal bit for bit.
 
 Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
-stage (early). Every later exchange's sizes follow from two counts per (source, shard) pair: the shard counts
-its collision rows of i and fresh rows of i+1 per source rank in the forward and sends each source its pair
-right after the flags (one tiny exchange on the forward group); the backward reads both on the host without
-synchronising the device (a pinned copy of its own counts, the transport's host bytes of the mirror). With the
-sizes on the host, the flags (one byte per id) give the positions (``nonzero_static``). No step of the backward
-waits for the device or for a peer's backward, so on a GPU the host keeps queueing the backward's work while the
-dense backward still runs. The flags and counts exchanges are the only additions; their waits are counted as ID
-exchange time.
+stage (early). Every later exchange's sizes follow from two counts per (source, shard) pair, collision rows of i
+and fresh rows of i+1: the shard counts them per source rank in the forward (copied to pinned host memory
+there), and the source counts the flags it receives (one byte per id, sent in the forward) on the host, from
+the host transport's own copy of them (``keep_host``). With the sizes on the host, the flags on the device give
+the positions (``nonzero_static``). So with the host transport no step of the backward synchronises the device
+(its event waits are for copies queued in the forward), and on a GPU the host keeps queueing the backward's work
+while the dense backward still runs; with an NCCL transport reading the flags on the host costs a stream sync.
+The flags exchange is the only addition; its wait is counted as ID exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
 (``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
@@ -54,6 +54,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from fsdata.id_prefetch import ShardedIds
@@ -61,32 +62,37 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, Sharded
 from kernels import ops
 
 
-class _SplitCounts:
-    """Two counts per source rank (collision rows of step i, fresh rows of step i+1) that this shard computed
-    in the forward, and their mirror: what every shard counted for this rank's ids. Both are read on the host in
-    the backward without a device sync: the local counts through a pinned copy, the mirror through the
-    transport's host bytes (``keep_host``), exchanged in the forward on the forward group."""
+class _LocalCounts:
+    """This shard's counts per source rank of two masks (collision rows of step i, fresh rows of step i+1),
+    computed in the forward and copied to pinned host memory there: ``get()`` in the backward waits only for
+    that copy, queued long before, never for the work queued after it."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]], transport) -> None:
+    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]]) -> None:
         device = pairs[0][0].device
         sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device)) for mask, splits in pairs]
-        counts = torch.stack(sums, 1)  # [W, len(pairs)]: row q is what rank q's ids got
-        w = counts.shape[0]
-        self.mirror = transport.all_to_all(counts, [1] * w, [1] * w, keep_host=True)
+        counts = torch.stack(sums, 1)  # [W, len(pairs)]: row q counts rank q's ids
         self.event = None
         if device.type == "cuda":
-            self.local = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.local.copy_(counts, non_blocking=True)
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.local = counts
+            self.host = counts
 
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this shard's counts per source rank, every shard's counts for this rank), both [W, 2] on the host."""
+    def get(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
-        return self.local, self.mirror.host()
+        return self.host
+
+
+def _part_sums(flags: torch.Tensor, first: list[int], second: list[int]) -> tuple[list[int], list[int]]:
+    """Host flags laid out per rank r as ``first[r]`` entries then ``second[r]`` entries: the set flags of
+    each part, per rank."""
+    prefix = np.concatenate([[0], np.cumsum(flags.numpy(), dtype=np.int64)])
+    bounds = np.cumsum([0] + [n for pair in zip(first, second) for n in pair])
+    sums = prefix[bounds[1:]] - prefix[bounds[:-1]]
+    return sums[0::2].tolist(), sums[1::2].tolist()
 
 
 def _offsets(splits: list[int], device) -> torch.Tensor:
@@ -131,7 +137,7 @@ class _GroupContext:
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
         self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
-        self.counts: Optional[_SplitCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
+        self.counts: Optional[_LocalCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
         self.awaiting_backward = False
 
@@ -237,19 +243,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self.stale:  # semi-sync: no row waits for this step's update
                 c.co_shard = torch.zeros_like(c.co_shard)
                 c.fresh_shard = torch.ones_like(c.fresh_shard)
-            # This shard's per-source counts and their mirror, on their way to the host (read in the backward).
-            c.counts = _SplitCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)],
-                                    self.transport)
+            # This shard's per-source counts, on their way to the host (read in the backward).
+            c.counts = _LocalCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)])
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,
                 [a + b for a, b in zip(step.sid.recv_splits, sid_next.recv_splits)],
                 [a + b for a, b in zip(step.sid.send_splits, sid_next.send_splits)],
+                keep_host=True,  # the backward counts them on the host
             )
             c.nxt = _Step(sid_next, nlocal)
         return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
 
     def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
+        # The fresh rows' buffer was allocated on the side stream (line 12's exchange is issued there) and is
+        # read here on the compute stream: safe because every side-stream section begins by waiting for the
+        # compute stream (_side), so the allocator cannot hand that memory back to the side stream early.
         if step.ready is None:
             with self.timer.span(EMB_A2A):
                 fresh = step.fresh_handle.wait()
@@ -280,18 +289,20 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
 
-        # Sizes and positions of every exchange below. The sizes come without a device sync: this shard's
-        # counts and their mirror (what every shard counted for this rank's ids) reached the host during the
-        # forward; positions from the flags, by nonzero_static with those counts. Counted as ID exchange time.
+        # Sizes and positions of every exchange below. The sizes are read on the host: this shard's counts were
+        # copied there in the forward, and the flags' bytes reach it on their way through the host transport;
+        # positions from the flags on the device, by nonzero_static with those counts. Counted as ID exchange
+        # time.
         with self.timer.span(IDS_A2A):
             if nxt is None:  # last step: everything is a collision row, nothing is deferred
                 co_pos = torch.ones(sid.num_ids, dtype=torch.bool, device=g.device)
                 co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
                 co_send, co_recv = list(sid.send_splits), list(sid.recv_splits)
             else:
-                local, mirror = c.counts.get()  # [W, 2] each: collision rows of i, fresh rows of i+1
+                local = c.counts.get()  # [W, 2]: per source rank, collision rows of i and fresh rows of i+1
                 co_recv, fresh_send = local[:, 0].tolist(), local[:, 1].tolist()
-                co_send, fresh_recv = mirror[:, 0].tolist(), mirror[:, 1].tolist()
+                # The same counts for this rank's ids, per shard: the flags that came back, summed on the host.
+                co_send, fresh_recv = _part_sums(c.flags_handle.host(), sid.send_splits, nxt.sid.send_splits)
                 flags = c.flags_handle.wait().to(torch.bool)
                 parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
                 co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])

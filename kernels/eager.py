@@ -50,6 +50,8 @@ def ranged_combine(
     """Per sample (``offsets``: the samples' rows of the output; None: one sample), per source shard
     (``splits``: the dispatch's per-shard counts; None: one shard): scatter the sample's rows that came back
     from the shard to where they belong."""
+    if offsets is not None and splits is None:
+        raise ValueError("eager ranged_combine: walking samples (offsets) needs the per-shard splits too")
     out = torch.empty_like(values)
     sizes = [values.shape[0]] if splits is None else splits.tolist()
     bounds = [0, values.shape[0]] if offsets is None else offsets.tolist()

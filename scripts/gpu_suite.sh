@@ -5,7 +5,7 @@
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~4 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
 # Everything is written under $OUT (default ./out/gpu).
-set -u
+set -u -o pipefail
 PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

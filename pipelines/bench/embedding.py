@@ -54,7 +54,7 @@ class BenchConfig:
     fit_collision: float = 0.05
     device: str = "cpu"
     seed: int = 0
-    trace: Optional[str] = None  # directory: torch.profiler traces of the first point's timed steps, per rank and mode
+    trace: Optional[str] = None  # directory: torch.profiler traces of the first point's steps, per rank and mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
     parser.add_argument("--trace", type=str, default=None, help="directory: a torch.profiler trace (Perfetto / "
-                        "chrome://tracing) of the first point's timed steps per rank and mode")
+                        "chrome://tracing) of the first point's steps, warm-up included, per rank and mode (that "
+                        "point's figures are then measured under the profiler)")
     parser.add_argument("--json", type=str, default=None, help="write the records here")
     parser.add_argument("--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)")
 
