@@ -3,14 +3,15 @@
 Forward and backward are separate groups because on CUDA autograd runs a backward in its own device thread, and fscomm lets one
 thread only issue collectives on a group (two threads interleaving collectives on one group deadlock). The
 forward group carries the ID exchanges (also those the collection starts for a next step), the flags (kept on the
-host too: the backward counts them there) and the first step's lookup; the backward group carries every gradient exchange and the embeddings that a backward
-sends (prioritized updates). On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
+host too: the backward counts them there), the first step's lookup and the collision rows' new values (which a
+prioritized forward sends for its own step); the backward group carries every gradient exchange and the
+embeddings that a backward sends. On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
 stage, when it runs in a loader thread, gets a group of its own from whoever builds it.
 
 Bulk is separate from backward because a group's exchanges run one after another (fscomm's serial worker per
 group): prioritized updates send the large, overlapped exchanges (the next step's exclusive rows, the deferred
-exclusive gradients) and the small, urgent ones (collision gradients and rows, which the step waits for) from
-the same backward; on one group the urgent exchange would queue behind the large one and the wait would be
+exclusive gradients) and a small, urgent one (the collision gradients, which the next forward waits for) from
+the same backward; on one group the urgent exchange would queue behind the large ones and the wait would be
 as long as the synchronous path's.
 
 Groups are made collectively, once per process, on first use: every rank must build its first collection at

@@ -15,9 +15,12 @@ Step i's backward then
     line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
     line 12    looks up the fresh rows of i+1 (nothing of step i writes them, and line 7 came first, so they
                hold their step-(i+1) values) and sends them (the sizes are known now: see Sizes);
-    line 18-20 splits the gradient by the flags; collision rows are exchanged, summed and updated at once;
-    line 21    sends the collision rows' new values for step i+1;
+    line 18-20 splits the gradient by the flags and sends the collision gradients first;
                and sends the exclusive gradients, which the next backward applies (lines 6-7).
+
+Step i+1's forward first finishes lines 18-21: it updates the collision rows with their exchanged gradients
+and sends their new values (line 21), which its line 15 merges. Nothing reads those rows in between, so the
+exchange overlaps the end of step i (dense all-reduce, optimizer) instead of stalling its backward.
 
 Lines 6-7 and 12 sit in the backward rather than the forward (the paper puts them on a side stream during the
 forward): step i's output needs neither, so on CPU the model thread only meets them once the deferred
@@ -139,6 +142,9 @@ class _GroupContext:
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
         self.counts: Optional[_LocalCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
+        # (handle -> gradients, rows, carried rows, carried splits): step i's collision update and line 21, which
+        # the next forward (or flush) finishes
+        self.pending_co = None
         self.awaiting_backward = False
 
 
@@ -233,6 +239,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return _Step(sid, local, ready=ready)
 
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
+        self._finish_collisions(c, shard)
         step = c.cur
         c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = c.counts = None
         if sid_next is not None:
@@ -269,6 +276,27 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             step.ready = out
             step.fresh_handle = step.carried_handle = None
         return step.ready
+
+    def _update_collisions(self, shard: GroupShard, handle, rows: torch.Tensor) -> None:
+        """Lines 18-20's update: the collision rows with their exchanged gradients."""
+        with self.timer.span(GRAD_A2A):
+            grads = handle.wait()
+            if self._stream is not None:
+                # The side stream's rows are disjoint from the collision rows, but they live in the same weight
+                # and state tensors; TORCH_CUDA_SANITIZER (tensor-granular) flagged the concurrent access on the
+                # H200, so the compute stream waits here for the side work (a stall, if any, counts as exposed).
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self.optimizer.apply(shard.weight, shard.state, rows, grads)
+
+    def _finish_collisions(self, c: _GroupContext, shard: GroupShard) -> None:
+        """The previous backward's collision update, then line 21: those rows' new values for this step, sent on
+        the forward group (this runs in the forward's thread)."""
+        if c.pending_co is None:
+            return
+        handle, rows, carried_local, carried_send, carried_recv = c.pending_co
+        c.pending_co = None
+        self._update_collisions(shard, handle, rows)
+        c.cur.carried_handle = self.transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
 
     def _apply_pending(self, c: _GroupContext, shard: GroupShard, timed: bool = True) -> None:
         """Lines 6-7. ``timed=False`` on the side stream: its wait stalls no compute, so it is not exposed."""
@@ -336,20 +364,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
                 nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
 
-        # lines 18-20: collision gradients first, updated at once
+        # lines 18-20: the collision gradients leave first. Their update and line 21 wait for the next forward
+        # (_finish_collisions): nothing reads those rows before it, and the exchange meanwhile overlaps the rest
+        # of the step (dense all-reduce, optimizer). A last step updates at once: no next forward may come.
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
-        with self.timer.span(GRAD_A2A):
-            g_co = h.wait()
-            if self._stream is not None:
-                # The side stream's rows are disjoint from the collision rows, but they live in the same weight
-                # and state tensors; TORCH_CUDA_SANITIZER (tensor-granular) flagged the concurrent access on the
-                # H200, so the compute stream waits here for the side work (a stall, if any, counts as exposed).
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        self.optimizer.apply(shard.weight, shard.state, co_rows, g_co)
-        if nxt is not None:
-            nxt.carried_handle = self.backward_transport.all_to_all(  # line 21
-                shard.lookup(carried_rows_local), carried_send, carried_recv
-            )
+        if nxt is None:
+            self._update_collisions(shard, h, co_rows)
+        else:
+            c.pending_co = (h, co_rows, carried_rows_local, carried_send, carried_recv)
             c.pending_ex = (self.bulk_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
@@ -368,6 +390,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if self._stream is not None:  # the side stream's updates and lookups come first
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         for name, c in self.ctx.items():
+            self._finish_collisions(c, self.shards[name])
             self._apply_pending(c, self.shards[name])
             if c.cur is not None:
                 self._merged(c.cur, self.shards[name])
