@@ -243,15 +243,23 @@ def _dies(rank, world_size, stage_cpu):
     try:
         t.all_gather(torch.ones(2), sizes=[2, 2]).wait()
     except CollectiveError as exc:
-        return str(exc), time.monotonic() - t0
-    return "no error", 0.0
+        msg, took = str(exc), time.monotonic() - t0
+    else:
+        return "no error", 0.0, ""
+    # A result kept for the host fails the same way from host(), rather than leaving it waiting.
+    try:
+        t.all_to_all(torch.ones(4), [2, 2], [2, 2], keep_host=True).host()
+    except CollectiveError as exc:
+        return msg, took, str(exc)
+    return msg, took, "no error"
 
 
 @pytest.mark.parametrize("stage_cpu", [False, True])
 def test_peer_that_dies_fails_fast_naming_op_and_rank(stage_cpu):
-    msg, took = run_ranks(_dies, 2, args=(stage_cpu,), timeout=40)[0]
+    msg, took, host_msg = run_ranks(_dies, 2, args=(stage_cpu,), timeout=40)[0]
     assert "all_gather #1" in msg and "rank(s) [1]" in msg, msg
     assert took < 5, took  # a closed connection is seen at once, well before the group timeout
+    assert "all_to_all #2" in host_msg and "rank(s) [1]" in host_msg, host_msg
 
 
 def _skips_group(rank, world_size):
