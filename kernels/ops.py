@@ -15,8 +15,9 @@ tensors only when ``FREESCALE_CHECK_KERNEL_INPUTS=1`` (a debugging switch: the h
 from __future__ import annotations
 
 import enum
+import importlib
 import os
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -85,6 +86,35 @@ def _no_grad_through_triton(op: str, values: torch.Tensor) -> None:
              "the Triton kernel is not differentiable; pass impl=Impl.TORCH for values that require grad")
 
 
+def _run(op: str, impl: Union[Impl, str, None], tensor: torch.Tensor, *, triton: Callable[[Any], Any],
+         twin: Callable[[], Any], eager_loop: Callable[[], Any], differentiable_input: Optional[torch.Tensor] = None):
+    """The one dispatch of every op: ``triton(module)`` gets ``kernels.triton.<module of the op>`` (imported here,
+    lazily: CPU runs never need Triton), ``twin()`` and ``eager_loop()`` run the other two. A Triton kernel
+    without a backward refuses a ``differentiable_input`` that requires grad."""
+    match _resolve(impl, tensor):
+        case Impl.TRITON:
+            if differentiable_input is not None:
+                _no_grad_through_triton(op, differentiable_input)
+            return triton(importlib.import_module(f"kernels.triton.{_TRITON_MODULE[op]}"))
+        case Impl.TORCH:
+            return twin()
+        case Impl.EAGER:
+            return eager_loop()
+        case other:
+            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+
+
+# The Triton module that holds each op's kernel.
+_TRITON_MODULE = {
+    "indexed_permute": "triton_jagged_gather",
+    "keyed_transpose": "triton_jagged_gather",
+    "ranged_dispatch": "triton_ranged",
+    "ranged_combine": "triton_ranged",
+    "segment_sum": "triton_segment",
+    "collision_mask": "triton_segment",
+}
+
+
 # --------------------------------------------------------------------------------------------------------------
 def indexed_permute(
     values: torch.Tensor,
@@ -110,18 +140,10 @@ def indexed_permute(
         lo, hi = int(order.min()), int(order.max())
         _require(lo >= 0 and hi < num_segments, op, f"order holds segment {lo if lo < 0 else hi}, outside [0, {num_segments})")
     _require(output_size is None or output_size >= 0, op, f"output_size must be >= 0, got {output_size}")
-    match _resolve(impl, values):
-        case Impl.TRITON:
-            from kernels.triton import triton_jagged_gather
-
-            _no_grad_through_triton(op, values)
-            return triton_jagged_gather.indexed_permute(values, offsets, order, output_size)
-        case Impl.TORCH:
-            return pt_jagged_gather.indexed_permute(values, offsets, order, output_size)
-        case Impl.EAGER:
-            return eager.indexed_permute(values, offsets, order)
-        case other:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+    return _run(op, impl, values, differentiable_input=values,
+                triton=lambda m: m.indexed_permute(values, offsets, order, output_size),
+                twin=lambda: pt_jagged_gather.indexed_permute(values, offsets, order, output_size),
+                eager_loop=lambda: eager.indexed_permute(values, offsets, order))
 
 
 def keyed_transpose(
@@ -138,18 +160,10 @@ def keyed_transpose(
         _require(int(lengths.min()) >= 0, op, "lengths must be non-negative")
         total = int(lengths.sum())
         _require(total == values.shape[0], op, f"lengths sum to {total} but values has {values.shape[0]} rows")
-    match _resolve(impl, values):
-        case Impl.TRITON:
-            from kernels.triton import triton_jagged_gather
-
-            _no_grad_through_triton(op, values)
-            return triton_jagged_gather.keyed_transpose(values, lengths)
-        case Impl.TORCH:
-            return pt_jagged_gather.keyed_transpose(values, lengths)
-        case Impl.EAGER:
-            return eager.keyed_transpose(values, lengths)
-        case other:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+    return _run(op, impl, values, differentiable_input=values,
+                triton=lambda m: m.keyed_transpose(values, lengths),
+                twin=lambda: pt_jagged_gather.keyed_transpose(values, lengths),
+                eager_loop=lambda: eager.keyed_transpose(values, lengths))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -178,17 +192,10 @@ def ranged_dispatch(
             lo, hi = int(ids.min()), int(ids.max())
             b0, bw = int(boundaries[0]), int(boundaries[-1])
             _require(lo >= b0 and hi < bw, op, f"id {lo if lo < b0 else hi} is outside the sharded rows [{b0}, {bw})")
-    match _resolve(impl, ids):
-        case Impl.TRITON:
-            from kernels.triton import triton_ranged
-
-            return triton_ranged.ranged_dispatch(ids, boundaries)
-        case Impl.TORCH:
-            return pt_ranged.ranged_dispatch(ids, boundaries)
-        case Impl.EAGER:
-            return eager.ranged_dispatch(ids, boundaries, offsets)
-        case other:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+    return _run(op, impl, ids,
+                triton=lambda m: m.ranged_dispatch(ids, boundaries),
+                twin=lambda: pt_ranged.ranged_dispatch(ids, boundaries),
+                eager_loop=lambda: eager.ranged_dispatch(ids, boundaries, offsets))
 
 
 def ranged_combine(
@@ -212,17 +219,10 @@ def ranged_combine(
         lo, hi = int(perm.min()), int(perm.max())
         _require(lo >= 0 and hi < perm.numel(), op, f"perm holds {lo if lo < 0 else hi}, outside [0, {perm.numel()})")
         _require(bool((torch.bincount(perm, minlength=perm.numel()) == 1).all()), op, "perm is not a permutation (an index repeats)")
-    match _resolve(impl, values):
-        case Impl.TRITON:
-            from kernels.triton import triton_ranged
-
-            return triton_ranged.ranged_combine(values, perm)
-        case Impl.TORCH:
-            return pt_ranged.ranged_combine(values, perm)
-        case Impl.EAGER:
-            return eager.ranged_combine(values, perm, splits, offsets)
-        case other:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+    return _run(op, impl, values,
+                triton=lambda m: m.ranged_combine(values, perm),
+                twin=lambda: pt_ranged.ranged_combine(values, perm),
+                eager_loop=lambda: eager.ranged_combine(values, perm, splits, offsets))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -237,18 +237,10 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor, *, impl: Union[Impl
     _require(values.dtype != torch.bool, op, "values must be numeric, got bool")
     _check_offsets(op, offsets, values.shape[0], cover=True)
     _check_same_device(op, values=values, offsets=offsets)
-    match _resolve(impl, values):
-        case Impl.TRITON:
-            from kernels.triton import triton_segment
-
-            _no_grad_through_triton(op, values)
-            return triton_segment.segment_sum(values, offsets)
-        case Impl.TORCH:
-            return pt_segment.segment_sum(values, offsets)
-        case Impl.EAGER:
-            return eager.segment_sum(values, offsets)
-        case other:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other}")
+    return _run(op, impl, values, differentiable_input=values,
+                triton=lambda m: m.segment_sum(values, offsets),
+                twin=lambda: pt_segment.segment_sum(values, offsets),
+                eager_loop=lambda: eager.segment_sum(values, offsets))
 
 
 def collision_mask(
@@ -264,14 +256,7 @@ def collision_mask(
     _require(ids.dim() == 1 and other.dim() == 1, op, f"ids and other must be 1-D, got shapes {tuple(ids.shape)} and {tuple(other.shape)}")
     _require(ids.dtype in _OFFSET_DTYPES and other.dtype == ids.dtype, op, f"ids and other must share an integer dtype (int32/int64), got {ids.dtype} and {other.dtype}")
     _check_same_device(op, ids=ids, other=other)
-    match _resolve(impl, ids):
-        case Impl.TRITON:
-            from kernels.triton import triton_segment
-
-            return triton_segment.collision_mask(ids, other)
-        case Impl.TORCH:
-            return pt_segment.collision_mask(ids, other)
-        case Impl.EAGER:
-            return eager.collision_mask(ids, other, offsets)
-        case other_impl:
-            raise ValueError(f"kernels.ops.{op}: unhandled impl {other_impl}")
+    return _run(op, impl, ids,
+                triton=lambda m: m.collision_mask(ids, other),
+                twin=lambda: pt_segment.collision_mask(ids, other),
+                eager_loop=lambda: eager.collision_mask(ids, other, offsets))
