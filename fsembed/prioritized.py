@@ -57,7 +57,6 @@ import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from fsdata.id_prefetch import ShardedIds
@@ -92,10 +91,9 @@ class _LocalCounts:
 def _part_sums(flags: torch.Tensor, first: list[int], second: list[int]) -> tuple[list[int], list[int]]:
     """Host flags laid out per rank r as ``first[r]`` entries then ``second[r]`` entries: the set flags of
     each part, per rank."""
-    prefix = np.concatenate([[0], np.cumsum(flags.numpy(), dtype=np.int64)])
-    bounds = np.cumsum([0] + [n for pair in zip(first, second) for n in pair])
-    sums = prefix[bounds[1:]] - prefix[bounds[:-1]]
-    return sums[0::2].tolist(), sums[1::2].tolist()
+    parts = [n for pair in zip(first, second) for n in pair]
+    sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
+    return sums[0::2], sums[1::2]
 
 
 def _offsets(splits: list[int], device) -> torch.Tensor:
