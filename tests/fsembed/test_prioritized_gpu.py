@@ -12,16 +12,12 @@ import os
 import pytest
 import torch
 
-from tests.fsembed.workload import small_plan, step_features
+from tests.fsembed.workload import loss_of, small_plan, step_features
 from tests.harness import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 STEPS = 6
-
-
-def _loss(emb: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum((torch.tanh(e.float() * (k + 1)) ** 2).sum() + e.float().sum() * 0.1 for k, e in enumerate(emb.values()))
 
 
 def _parity(rank, world_size, collision):
@@ -39,7 +35,7 @@ def _parity(rank, world_size, collision):
         losses, nxt = [], coll.exchange_ids(feats[0])
         for s in range(STEPS):
             cur, nxt = nxt, (coll.exchange_ids(feats[s + 1]) if s + 1 < STEPS else None)
-            loss = _loss(coll(cur, nxt))
+            loss = loss_of(coll(cur, nxt))
             loss.backward()
             losses.append(loss.detach())
         runs[name] = (losses, coll.full_tables(), dict(getattr(coll, "row_counts", {})))

@@ -50,7 +50,7 @@ def step_features(plan: ShardingPlan, step: int, rank: int, collision: str, seed
 
 def loss_of(emb: dict[str, torch.Tensor]) -> torch.Tensor:
     """Depends on the embedding values non-linearly, so a stale row changes the gradients and the loss."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=emb[FEATURES[0]].device)
     for k, f in enumerate(FEATURES):
         e = emb[f].float()
         total = total + (torch.tanh(e * (k + 1)) ** 2).sum() + e.sum() * 0.1
