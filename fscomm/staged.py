@@ -139,14 +139,16 @@ class Stager:
                 dst.copy_(src, non_blocking=True)
         staged_out = torch.cuda.Event()
         staged_out.record(copy_stream)
-        # The caching allocator must not give x's or out's memory to the caller's stream while the copy stream
-        # still reads or writes it (x may be freed right after this call, out if the handle is dropped).
-        x.record_stream(copy_stream)
-        out.record_stream(copy_stream)
         copied_back = torch.cuda.Event()
+        # The caller may drop x right after this call, and out with the handle, while the copy stream still
+        # reads or writes them: the job holds both until the host has seen those copies finish, so the caching
+        # allocator cannot hand their memory out early. (Not record_stream: its deferred free is invisible to
+        # TORCH_CUDA_SANITIZER, which then reports the memory's next user as racing with the copy.)
+        source = [x]
 
         def job() -> torch.Tensor:
             staged_out.synchronize()
+            source.clear()
             exchange_or_fail()
             with torch.cuda.stream(copy_stream):
                 for src, dst in copy_back(work, out):
