@@ -1,11 +1,11 @@
-"""The embedding stage's transports, one process group each: forward, backward (urgent) and bulk.
+"""The embedding stage's transports, one process group each: forward, backward (urgent), bulk and collision.
 
-Forward and backward are separate groups because on CUDA autograd runs a backward in its own device thread, and fscomm lets one
-thread only issue collectives on a group (two threads interleaving collectives on one group deadlock). The
-forward group carries the ID exchanges (also those the collection starts for a next step), the flags (kept on the
-host too: the backward counts them there), the first step's lookup and the collision rows' new values (which a
-prioritized forward sends for its own step); the backward group carries every gradient exchange and the
-embeddings that a backward sends. On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
+Forward and backward are separate groups because on CUDA autograd runs a backward in its own device thread, and
+fscomm lets one thread only issue collectives on a group (two threads interleaving collectives on one group
+deadlock). The forward group carries the ID exchanges (also those the collection starts for a next step), the
+flags (kept on the host too: the backward counts them there), the first step's lookup and, without a collision
+group, the collision rows' new values (which a prioritized forward then sends for its own step); the backward
+group carries every gradient exchange and the embeddings that a backward sends. On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
 stage, when it runs in a loader thread, gets a group of its own from whoever builds it.
 
 Bulk is separate from backward because a group's exchanges run one after another (fscomm's serial worker per
@@ -13,6 +13,11 @@ group): prioritized updates send the large, overlapped exchanges (the next step'
 exclusive gradients) and a small, urgent one (the collision gradients, which the next forward waits for) from
 the same backward; on one group the urgent exchange would queue behind the large ones and the wait would be
 as long as the synchronous path's.
+
+Collision is separate from all three because its exchange (the collision rows' new values, line 21) is issued
+by the collision chain's thread (prioritized.py): the moment the collision gradients arrive, that thread updates
+the rows and sends them, while the model thread runs the dense all-reduce and the optimizer; a group takes one
+issuing thread.
 
 Groups are made collectively, once per process, on first use: every rank must build its first collection at
 the same point of its program.
@@ -27,7 +32,7 @@ import torch.distributed as dist
 from fscomm import get_transport
 from fscomm.groups import new_stage_group
 
-ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk")
+ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk", "fsembed-collision")
 
 _transports: dict[tuple[str, str], object] = {}
 
@@ -37,6 +42,8 @@ class StageTransports:
     forward: object  # exchanges issued by forwards (ids, flags, first step's rows, evaluation)
     backward: object  # urgent exchanges of backwards: gradients (sync), collision gradients and rows (prioritized)
     bulk: object  # overlapped exchanges of backwards: early exclusive rows, deferred exclusive gradients
+    # the collision rows' new values, from the collision chain's thread; None: the next forward sends them itself
+    collision: object = None
 
     @classmethod
     def single(cls, transport) -> "StageTransports":

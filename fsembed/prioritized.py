@@ -18,9 +18,10 @@ Step i's backward then
     line 18-20 splits the gradient by the flags and sends the collision gradients first;
                and sends the exclusive gradients, which the next backward applies (lines 6-7).
 
-Step i+1's forward first finishes lines 18-21: it updates the collision rows with their exchanged gradients
-and sends their new values (line 21), which its line 15 merges. Nothing reads those rows in between, so the
-exchange overlaps the end of step i (dense all-reduce, optimizer) instead of stalling its backward.
+The collision chain then finishes lines 18-21 in a thread of its own: as soon as the collision gradients arrive
+it updates those rows and sends their new values (line 21), which step i+1's line 15 merges. Nothing reads
+those rows in between, so both exchanges overlap the end of step i (dense all-reduce, optimizer) instead of
+stalling its backward or the next forward; step i+1's forward waits only for what is still in flight.
 
 Lines 6-7 and 12 sit in the backward rather than the forward (the paper puts them on a side stream during the
 forward): step i's output needs neither, so on CPU the model thread only meets them once the deferred
@@ -54,11 +55,15 @@ only blocks in ``wait()``. Those waits are the exposed time (Timer spans ids_a2a
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
+from fscomm.worker import SerialWorker
 from fsdata.id_prefetch import ShardedIds
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
@@ -94,6 +99,20 @@ def _part_sums(flags: torch.Tensor, first: list[int], second: list[int]) -> tupl
     parts = [n for pair in zip(first, second) for n in pair]
     sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
     return sums[0::2], sums[1::2]
+
+
+_chains: dict[int, SerialWorker] = {}
+_chains_lock = threading.Lock()
+
+
+def _chain_for(transport) -> SerialWorker:
+    """The collision chain's thread of ``transport`` (the only thread that issues on its group, whichever
+    collection of this process runs a chain through it)."""
+    with _chains_lock:
+        worker = _chains.get(id(transport))
+        if worker is None:
+            worker = _chains[id(transport)] = SerialWorker("fsembed-collision-chain")
+        return worker
 
 
 def _offsets(splits: list[int], device) -> torch.Tensor:
@@ -140,9 +159,9 @@ class _GroupContext:
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
         self.counts: Optional[_LocalCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
         self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
-        # (handle -> gradients, rows, carried rows, carried splits): step i's collision update and line 21, which
-        # the next forward (or flush) finishes
-        self.pending_co = None
+        # step i's collision update and line 21 (_collision_chain): a Future running in the chain's thread, or
+        # the chain itself, which the next forward (or flush) runs
+        self.pending_co: Union[Future, Callable, None] = None
         self.awaiting_backward = False
 
 
@@ -178,6 +197,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # Algorithm 2's C.stream: the side work of lines 6-7 and 12 on GPU (None on CPU, where the exchanges
         # progress behind handles in the transport's threads).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # The collision rows' new values (line 21) go out from the collision chain's thread on a group of their
+        # own; without one (a single transport), the next forward sends them.
+        self.collision_transport = self.transports.collision
 
     def _side(self, *from_compute: Optional[torch.Tensor]):
         """Context for side work: on GPU the side stream, after everything the compute stream has queued so far
@@ -263,7 +285,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
         # The fresh rows' buffer was allocated on the side stream (line 12's exchange is issued there) and is
         # read here on the compute stream: safe because every side-stream section begins by waiting for the
-        # compute stream (_side), so the allocator cannot hand that memory back to the side stream early.
+        # compute stream (_side, or a collision chain's ``after``), so the allocator cannot hand that memory
+        # back to the side stream early. The same holds for the collision rows' buffer (the chain's).
         if step.ready is None:
             with self.timer.span(EMB_A2A):
                 fresh = step.fresh_handle.wait()
@@ -276,7 +299,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return step.ready
 
     def _update_collisions(self, shard: GroupShard, handle, rows: torch.Tensor) -> None:
-        """Lines 18-20's update: the collision rows with their exchanged gradients."""
+        """A last step's update (every row is a collision row), at once on the compute stream."""
         with self.timer.span(GRAD_A2A):
             grads = handle.wait()
             if self._stream is not None:
@@ -286,15 +309,51 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
 
+    def _collision_chain(self, shard: GroupShard, grads_handle, rows: torch.Tensor, carried_local: torch.Tensor,
+                         carried_send: list[int], carried_recv: list[int]) -> Union[Future, Callable]:
+        """Lines 18-21 once the collision gradients have left: update those rows when their gradients arrive
+        (line 20), then look up and send the rows' new values for step i+1 (line 21).
+
+        With a collision group this runs at once in the chain's thread, so both exchanges overlap the end of the
+        step (the dense all-reduce, the optimizer) and the next forward finds the rows on their way; without
+        one, the next forward runs it. Either way only step i+1's line 15 reads those rows, after it has waited
+        for them (_finish_collisions). On GPU the work goes on the side stream, after everything the compute
+        stream queued up to here (``after``): the rows written by this backward's side work come first (same
+        stream) and touch rows disjoint from these. The received rows' buffer is allocated on the side stream
+        and read on the compute stream: every later side-stream section starts after the compute stream's work
+        (``_side``, or ``after`` of the next chain), so the allocator cannot hand that memory back early.
+        Returns (line 21's handle, the tensors the side stream reads, kept until the compute stream waited)."""
+        after = None
+        if self._stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+
+        def chain(transport):
+            context = contextlib.nullcontext()
+            if self._stream is not None:
+                self._stream.wait_event(after)
+                context = torch.cuda.stream(self._stream)
+            with context:
+                grads = grads_handle.wait()
+                self.optimizer.apply(shard.weight, shard.state, rows, grads)
+                handle = transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
+            return handle, (grads, rows, carried_local)
+
+        if self.collision_transport is None:
+            return functools.partial(chain, self.transport)
+        return _chain_for(self.collision_transport).submit(functools.partial(chain, self.collision_transport))
+
     def _finish_collisions(self, c: _GroupContext, shard: GroupShard) -> None:
-        """The previous backward's collision update, then line 21: those rows' new values for this step, sent on
-        the forward group (this runs in the forward's thread)."""
+        """The previous backward's collision chain: waited for (its thread's) or run now (in the forward's
+        thread, on the forward group); the compute stream then follows the side stream, so the tensors the
+        chain read may be freed."""
         if c.pending_co is None:
             return
-        handle, rows, carried_local, carried_send, carried_recv = c.pending_co
-        c.pending_co = None
-        self._update_collisions(shard, handle, rows)
-        c.cur.carried_handle = self.transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
+        pending, c.pending_co = c.pending_co, None
+        with self.timer.span(GRAD_A2A):
+            c.cur.carried_handle, _ = pending.result() if isinstance(pending, Future) else pending()
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def _apply_pending(self, c: _GroupContext, shard: GroupShard, timed: bool = True) -> None:
         """Lines 6-7. ``timed=False`` on the side stream: its wait stalls no compute, so it is not exposed."""
@@ -362,14 +421,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
                 nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
 
-        # lines 18-20: the collision gradients leave first. Their update and line 21 wait for the next forward
-        # (_finish_collisions): nothing reads those rows before it, and the exchange meanwhile overlaps the rest
-        # of the step (dense all-reduce, optimizer). A last step updates at once: no next forward may come.
+        # lines 18-20: the collision gradients leave first; their update and line 21 follow in the collision
+        # chain, off the model thread. A last step updates at once: no next forward may come.
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         if nxt is None:
             self._update_collisions(shard, h, co_rows)
         else:
-            c.pending_co = (h, co_rows, carried_rows_local, carried_send, carried_recv)
+            c.pending_co = self._collision_chain(shard, h, co_rows, carried_rows_local, carried_send, carried_recv)
             c.pending_ex = (self.bulk_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)

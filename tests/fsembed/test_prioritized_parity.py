@@ -33,14 +33,19 @@ def train(coll, feats, prefetch: bool):
     return losses
 
 
-def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False):
+def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
+          chain=True):
+    """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain."""
+    from fscomm import get_transport
+    from fsembed.comm import StageTransports
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
     plan = small_plan(world_size, item_dtype=item_dtype or torch.float32)
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale)
+    transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale, **transport)
     prio._misorder_for_test = misorder
     ls, lp = train(sync, feats, prefetch), train(prio, feats, prefetch)
     ts, tp = sync.full_tables(), prio.full_tables()
@@ -91,6 +96,42 @@ def test_parity_four_ranks_with_empty_batches():
     for rank_res in run_ranks(_cases, 4, args=(cases,), timeout=120):
         for case, r in zip(cases, rank_res):
             assert r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def test_parity_when_the_next_forward_runs_the_collision_chain():
+    """Without a collision group (a single transport) the chain runs in the next forward: same numbers."""
+    cases = [(opt, "zipf", -1, False, True, None, False, False) for opt in ("sgd", "rowwise_adagrad")]
+    for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=60):
+        for case, r in zip(cases, rank_res):
+            assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def _chain_without_model_thread(rank, world_size):
+    """Every row of step 0 is used again by step 1, so after backward 0 all its updates are collision updates:
+    once the chains are done, with no call from the model thread, the tables equal sync's after step 0."""
+    from concurrent.futures import Future
+
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+    from fsembed.sharded import ShardedEmbeddingCollection
+
+    plan = small_plan(world_size)
+    feats = [step_features(plan, s, rank, "all") for s in range(2)]
+    sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
+    train(sync, feats[:1], prefetch=False)
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
+    loss_of(prio(feats[0], prio.exchange_ids(feats[1]))).backward()
+    chains = [c.pending_co for c in prio.ctx.values()]
+    in_threads = all(isinstance(f, Future) for f in chains)
+    for f in chains:
+        f.result(timeout=30)
+    updated = all(torch.equal(prio.shards[n].weight, sync.shards[n].weight) for n in prio.shards)
+    prio.flush()
+    return in_threads, updated
+
+
+def test_collision_chain_runs_off_the_model_thread():
+    for in_threads, updated in run_ranks(_chain_without_model_thread, 2, timeout=60):
+        assert in_threads and updated
 
 
 def test_misordered_exclusive_update_breaks_parity():
