@@ -60,6 +60,13 @@ class PinnedPool:
             block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         return StagingBuffer(block, int(nbytes))
 
+    def reserve(self, nbytes: int, count: int) -> None:
+        """Makes ``count`` blocks of ``nbytes``' class free in the pool now (at set-up), so that up to
+        ``count`` exchanges of that size in flight at once allocate nothing later."""
+        held = [self.acquire(nbytes) for _ in range(count)]
+        for buf in held:
+            self.release(buf)
+
     def release(self, buf: StagingBuffer) -> None:
         size = buf.block.numel()
         with self._lock:

@@ -50,3 +50,13 @@ def test_pool_allocations_flat_after_warmup():
     stats = pool.stats()
     assert stats["allocations"] == warm and stats["acquires"] == 60
     assert stats["bytes_in_use"] == 0 and stats["bytes_reserved"] >= stats["peak_bytes_in_use"] > 0
+
+
+def test_pool_reserve_covers_that_many_buffers_in_flight():
+    pool = PinnedPool(pin=False)
+    pool.reserve(10_000, 3)
+    assert pool.stats()["allocations"] == 3 and pool.stats()["bytes_in_use"] == 0
+    held = [pool.acquire(9_000) for _ in range(3)]  # same size class: nothing new
+    assert pool.stats()["allocations"] == 3
+    for b in held:
+        pool.release(b)
