@@ -7,27 +7,26 @@ step i+1 (already in shard-major form, from the loader's ID-prefetch stage) and,
                not use (exclusive of i+1, "fresh");
     line 13-14 sends back, per id, the flags that tell the batch-major side which of its positions are
                collision rows of step i (line 14's superscript is i) and fresh rows of step i+1;
-    line 15    returns step i's embeddings: the fresh rows prefetched one step earlier, merged with the
-               collision rows sent after step i-1's update.
-
-Step i's backward then
-
     line 6-7   applies the exclusive gradients deferred by step i-1 (rows of i-1 that step i does not use);
     line 12    looks up the fresh rows of i+1 (nothing of step i writes them, and line 7 came first, so they
-               hold their step-(i+1) values) and sends them (the sizes are known now: see Sizes);
-    line 18-20 splits the gradient by the flags and sends the collision gradients first;
-               and sends the exclusive gradients, which the next backward applies (lines 6-7).
+               hold their step-(i+1) values) and sends them, once the flags give the sizes (see Sizes);
+    line 15    returns step i's embeddings: the fresh rows sent during step i-1, merged with the collision
+               rows sent after step i-1's update.
 
-The collision chain then finishes lines 18-21 in a thread of its own: as soon as the collision gradients arrive
-it updates those rows and sends their new values (line 21), which step i+1's line 15 merges. Nothing reads
-those rows in between, so both exchanges overlap the end of step i (dense all-reduce, optimizer) instead of
-stalling its backward or the next forward; step i+1's forward waits only for what is still in flight.
+Step i's backward splits the gradient by the flags (line 18), sends the collision gradients first and the
+exclusive ones after (the next step's line 7 applies those). Lines 20-21 follow as soon as the collision
+gradients arrive: update those rows, send their new values, which step i+1's line 15 merges.
 
-Lines 6-7 and 12 sit in the backward rather than the forward (the paper puts them on a side stream during the
-forward): step i's output needs neither, so on CPU the model thread only meets them once the deferred
-gradients had the whole forward to arrive. Every row still receives exactly the updates of the synchronous
-path, in the same order, with the same summation (optim.py), and is read only after all of them: tables and
-losses are equal bit for bit.
+Three kinds of thread do this. The model's threads (forward; autograd's backward thread on GPU) issue the
+flags and the gradient exchanges. The bulk chain runs lines 6-7 and 12 and issues the large exchanges (fresh
+rows, exclusive gradients): it waits there for the flags and the deferred gradients, so line 12's rows travel
+during step i's compute. The collision chain runs lines 20-21: its two exchanges overlap the end of step i
+(dense all-reduce, optimizer), so step i+1's forward waits only for what is still in flight. Each chain is the
+only thread issuing on its group (fsembed/comm.py); with a single transport there are no chains and the model's
+threads run the same functions themselves (lines 6-7 and 12 in backward i, lines 20-21 in forward i+1). Rows
+touched concurrently are disjoint (line 7: of i-1 not of i; line 12: of i+1 not of i; lines 20-21: of i and
+i+1); every row still receives exactly the updates of the synchronous path, in the same order, with the same
+summation (optim.py), and is read only after all of them: tables and losses are equal bit for bit.
 
 Sizes. Algorithm 2 leaves out the tensor-size exchanges. Here the ID exchange's sizes travel in the ID-prefetch
 stage (early). Every later exchange's sizes follow from two counts per (source, shard) pair, collision rows of i
@@ -36,7 +35,7 @@ there), and the source counts the flags it receives (one byte per id, sent in th
 the host transport's own copy of them (``keep_host``). With the sizes on the host, the flags on the device give
 the positions (``nonzero_static``). So with the host transport no step of the backward synchronises the device
 (its event waits are for copies queued in the forward), and on a GPU the host keeps queueing the backward's work
-while the dense backward still runs; with an NCCL transport reading the flags on the host costs a stream sync.
+while the dense backward still runs (line 12 reads the same counts in the bulk chain); with an NCCL transport reading the flags on the host costs a stream sync.
 The flags exchange is the only addition; its wait is counted as ID exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
@@ -46,10 +45,10 @@ collects the exchanges in flight; it runs before every checkpoint (get_extra_sta
 embeddings, so training continues where it was. Evaluation forwards look up synchronously and leave the
 context alone. The state in flight (step i+1's ids and embeddings) is part of the checkpoint.
 
-On GPU the side work (lines 6-7 and 12) runs on the context's own CUDA stream (see ``_side`` for how it is ordered
-against the compute stream); the transfers themselves are the transport's (copy stream and CPU thread for the
-host transport). On CPU the side work progresses in the transport's threads behind handles; the model thread
-only blocks in ``wait()``. Those waits are the exposed time (Timer spans ids_a2a, emb_a2a, grad_a2a).
+On GPU the chains' work runs on the context's own CUDA stream, after an event recorded on the compute stream
+when it was issued (``_on_side``); the transfers themselves are the transport's (copy stream and CPU thread for
+the host transport). The model's threads block only in waits for results; those waits are the exposed time
+(Timer spans ids_a2a, emb_a2a, grad_a2a). The chains' own waits stall no compute and are not counted.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ import functools
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
@@ -105,14 +104,36 @@ _chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
 
 
-def _chain_for(transport) -> SerialWorker:
-    """The collision chain's thread of ``transport`` (the only thread that issues on its group, whichever
-    collection of this process runs a chain through it)."""
+def _chain_for(transport, name: str) -> SerialWorker:
+    """The chain thread of ``transport``: the only thread that issues on its group, whichever collection of
+    this process runs work through it."""
     with _chains_lock:
         worker = _chains.get(id(transport))
         if worker is None:
-            worker = _chains[id(transport)] = SerialWorker("fsembed-collision-chain")
+            worker = _chains[id(transport)] = SerialWorker(name)
         return worker
+
+
+class _Later:
+    """Side work: submitted at once to a chain thread, or, without one, run by the first ``run_here()`` or
+    ``result()`` in the caller's thread."""
+
+    def __init__(self, fn: Callable, worker: Optional[SerialWorker]):
+        self._fn = fn
+        self._future: Optional[Future] = worker.submit(fn) if worker is not None else None
+        self.in_thread = worker is not None
+
+    def run_here(self) -> None:
+        if self._future is None:
+            self._future = Future()
+            try:
+                self._future.set_result(self._fn())
+            except BaseException as exc:
+                self._future.set_exception(exc)
+
+    def result(self, timeout: Optional[float] = None):
+        self.run_here()
+        return self._future.result(timeout)
 
 
 def _offsets(splits: list[int], device) -> torch.Tensor:
@@ -141,7 +162,7 @@ class _Step:
     local: torch.Tensor  # shard-major local rows [M]
     fresh_idx: Optional[torch.Tensor] = None  # send-order positions of rows the previous step did not use
     carried_idx: Optional[torch.Tensor] = None  # send-order positions of the other rows
-    fresh_handle: object = None  # -> fresh rows, send order
+    fresh: Optional[_Later] = None  # lines 6-7 and 12 -> (handle -> fresh rows in send order, tensors to keep)
     carried_handle: object = None  # -> the other rows, updated by the previous step's backward
     ready: Optional[torch.Tensor] = None  # all rows, send order, when already at hand
 
@@ -155,13 +176,10 @@ class _GroupContext:
         self.flags_handle = None
         self.co_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i]: rows of i used by i+1
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
-        self.fresh_rows: Optional[torch.Tensor] = None  # line 12's lookup, sent once the sizes are known
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
         self.counts: Optional[_LocalCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
-        self.pending_ex = None  # (handle -> gradients, local rows): step i-1's deferred exclusive part
-        # step i's collision update and line 21 (_collision_chain): a Future running in the chain's thread, or
-        # the chain itself, which the next forward (or flush) runs
-        self.pending_co: Union[Future, Callable, None] = None
+        self.pending_ex = None  # (_Later -> handle -> gradients, local rows): a step's deferred exclusive part
+        self.pending_co: Optional[_Later] = None  # step i's collision update and line 21 (_collision_chain)
         self.awaiting_backward = False
 
 
@@ -194,26 +212,33 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # (line 21), gradients deferred (line 18's exclusive part)
         self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
         self._misorder_for_test = False  # test-only: apply deferred gradients after line 12 (must break parity)
-        # Algorithm 2's C.stream: the side work of lines 6-7 and 12 on GPU (None on CPU, where the exchanges
-        # progress behind handles in the transport's threads).
+        # Algorithm 2's C.stream: the side work of lines 6-7, 12 and 20-21 on GPU (None on CPU, where the
+        # exchanges progress behind handles in the transport's threads).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The collision rows' new values (line 21) go out from the collision chain's thread on a group of their
-        # own; without one (a single transport), the next forward sends them.
+        # The chains' threads: with the stage's own groups, the bulk chain issues every bulk exchange (lines 12
+        # and 18's exclusive part) and the collision chain line 21 on a group of its own. Without them (a
+        # single transport, or no collision group) the model's threads run that work where it was issued from.
         self.collision_transport = self.transports.collision
+        chained = self.collision_transport is not None
+        self._bulk_chain = _chain_for(self.bulk_transport, "fsembed-bulk-chain") if chained else None
+        self._collision_chain_worker = _chain_for(self.collision_transport, "fsembed-collision-chain") if chained else None
 
-    def _side(self, *from_compute: Optional[torch.Tensor]):
-        """Context for side work: on GPU the side stream, after everything the compute stream has queued so far
-        (rows written by earlier steps, the ids and masks computed there), with the compute stream's tensors
-        marked as used by the side stream so the allocator does not hand their memory out early. The compute
-        stream waits for the side stream before the collision update (same tensors), in flush() and at a first
-        step; the next step's early rows come through a handle whose copy starts after the side lookup."""
+    def _on_side(self, after: Optional["torch.cuda.Event"]):
+        """Context for a chain's work: on GPU the side stream, after ``after`` (recorded on the compute stream
+        when the work was issued). The tensors it reads stay referenced by the caller until the compute stream
+        is ordered after that work, so the allocator cannot hand their memory out early."""
         if self._stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        for t in from_compute:
-            if t is not None:
-                t.record_stream(self._stream)
+        self._stream.wait_event(after)
         return torch.cuda.stream(self._stream)
+
+    def _mark(self) -> Optional["torch.cuda.Event"]:
+        """An event after everything the compute stream has queued so far (None on CPU)."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     # ------------------------------------------------------------------ forward
     def forward(self, ids: Optional[Ids], next_ids: Optional[Ids] = None) -> dict[str, torch.Tensor]:
@@ -261,7 +286,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
         self._finish_collisions(c, shard)
         step = c.cur
-        c.nxt = c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = c.counts = None
+        c.nxt = c.co_shard = c.fresh_shard = c.flags_handle = c.counts = None
         if sid_next is not None:
             nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
             c.co_shard = ops.collision_mask(step.local, nlocal)  # line 10
@@ -270,32 +295,63 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self.stale:  # semi-sync: no row waits for this step's update
                 c.co_shard = torch.zeros_like(c.co_shard)
                 c.fresh_shard = torch.ones_like(c.fresh_shard)
-            # This shard's per-source counts, on their way to the host (read in the backward).
+            # This shard's per-source counts, on their way to the host (read by lines 12 and 18).
             c.counts = _LocalCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)])
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,
                 [a + b for a, b in zip(step.sid.recv_splits, sid_next.recv_splits)],
                 [a + b for a, b in zip(step.sid.send_splits, sid_next.send_splits)],
-                keep_host=True,  # the backward counts them on the host
+                keep_host=True,  # lines 12 and 18 count them on the host
             )
             c.nxt = _Step(sid_next, nlocal)
+            c.nxt.fresh = self._early_rows(c, shard, step, c.nxt)
         return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
 
+    def _early_rows(self, c: _GroupContext, shard: GroupShard, step: _Step, nxt: _Step) -> _Later:
+        """Lines 6-7 and 12: apply the exclusive gradients that step i-1 deferred, then look up step i+1's fresh
+        rows (step i writes none of them, and line 7 came first, so they hold their step-(i+1) values) and
+        send them. Line 7's rows (of i-1, not of i) and line 12's (of i+1, not of i) are disjoint from every
+        row step i reads or its collision chain writes.
+
+        In the bulk chain's thread, issued here in forward i: it waits there for the flags' round trip (the
+        sizes) and for the deferred gradients, and the rows travel during step i's compute. Without a chain,
+        backward i runs it (_Later.run_here), when both have had the forward to arrive."""
+        pending, c.pending_ex = c.pending_ex, None
+        counts, flags_handle, fresh_shard = c.counts, c.flags_handle, c.fresh_shard
+        after, timed = self._mark(), self._bulk_chain is None and self._stream is None
+
+        def early():
+            with self._on_side(after):
+                if not self._misorder_for_test:
+                    self._apply_exclusive(shard, pending, timed)
+                fresh_send = counts.get()[:, 1].tolist()
+                fresh_recv = _part_sums(flags_handle.host(), step.sid.send_splits, nxt.sid.send_splits)[1]
+                rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(fresh_send)))
+                rows = shard.lookup(rows_local)  # line 12's lookup
+                if self._misorder_for_test:
+                    self._apply_exclusive(shard, pending, timed)
+                handle = self.bulk_transport.all_to_all(rows, fresh_send, fresh_recv)  # line 12's AllToAll
+            return handle, (pending, rows_local, fresh_shard, nxt.local)
+
+        return _Later(early, self._bulk_chain)
+
     def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
-        # The fresh rows' buffer was allocated on the side stream (line 12's exchange is issued there) and is
-        # read here on the compute stream: safe because every side-stream section begins by waiting for the
-        # compute stream (_side, or a collision chain's ``after``), so the allocator cannot hand that memory
-        # back to the side stream early. The same holds for the collision rows' buffer (the chain's).
+        """Line 15's rows in send order. The fresh and the collision rows' buffers were allocated on the side
+        stream and are read here on the compute stream: safe because every later side-stream section starts
+        after the compute stream's work at the time it was issued (``after``), so the allocator cannot hand
+        that memory back to the side stream early. Once the fresh rows' copy is waited for, the compute stream
+        is ordered after line 7 and 12's side work, and the tensors they read may go."""
         if step.ready is None:
             with self.timer.span(EMB_A2A):
-                fresh = step.fresh_handle.wait()
+                handle, _ = step.fresh.result()
+                fresh = handle.wait()
                 carried = step.carried_handle.wait()
             out = torch.empty(step.sid.num_ids, shard.layout.dim, dtype=shard.weight.dtype, device=shard.weight.device)
             out.index_copy_(0, step.fresh_idx, fresh)
             out.index_copy_(0, step.carried_idx, carried)
             step.ready = out
-            step.fresh_handle = step.carried_handle = None
+            step.fresh = step.carried_handle = None
         return step.ready
 
     def _update_collisions(self, shard: GroupShard, handle, rows: torch.Tensor) -> None:
@@ -310,62 +366,46 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
 
     def _collision_chain(self, shard: GroupShard, grads_handle, rows: torch.Tensor, carried_local: torch.Tensor,
-                         carried_send: list[int], carried_recv: list[int]) -> Union[Future, Callable]:
-        """Lines 18-21 once the collision gradients have left: update those rows when their gradients arrive
-        (line 20), then look up and send the rows' new values for step i+1 (line 21).
+                         carried_send: list[int], carried_recv: list[int]) -> _Later:
+        """Lines 20-21 once the collision gradients have left: update those rows when their gradients arrive,
+        then look up and send the rows' new values for step i+1.
 
-        With a collision group this runs at once in the chain's thread, so both exchanges overlap the end of the
-        step (the dense all-reduce, the optimizer) and the next forward finds the rows on their way; without
-        one, the next forward runs it. Either way only step i+1's line 15 reads those rows, after it has waited
-        for them (_finish_collisions). On GPU the work goes on the side stream, after everything the compute
-        stream queued up to here (``after``): the rows written by this backward's side work come first (same
-        stream) and touch rows disjoint from these. The received rows' buffer is allocated on the side stream
-        and read on the compute stream: every later side-stream section starts after the compute stream's work
-        (``_side``, or ``after`` of the next chain), so the allocator cannot hand that memory back early.
-        Returns (line 21's handle, the tensors the side stream reads, kept until the compute stream waited)."""
-        after = None
-        if self._stream is not None:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
+        In the collision chain's thread, so that both exchanges overlap the end of the step (the dense
+        all-reduce, the optimizer) and the next forward finds the rows on their way; without one, the next
+        forward runs it (on the forward group). Only step i+1's line 15 reads those rows, after waiting for
+        them (_finish_collisions). Returns (line 21's handle, the tensors the side stream reads)."""
+        after = self._mark()
 
-        def chain(transport):
-            context = contextlib.nullcontext()
-            if self._stream is not None:
-                self._stream.wait_event(after)
-                context = torch.cuda.stream(self._stream)
-            with context:
+        def chain():
+            transport = self.collision_transport if self.collision_transport is not None else self.transport
+            with self._on_side(after):
                 grads = grads_handle.wait()
                 self.optimizer.apply(shard.weight, shard.state, rows, grads)
                 handle = transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
             return handle, (grads, rows, carried_local)
 
-        if self.collision_transport is None:
-            return functools.partial(chain, self.transport)
-        return _chain_for(self.collision_transport).submit(functools.partial(chain, self.collision_transport))
+        return _Later(chain, self._collision_chain_worker)
 
     def _finish_collisions(self, c: _GroupContext, shard: GroupShard) -> None:
-        """The previous backward's collision chain: waited for (its thread's) or run now (in the forward's
-        thread, on the forward group); the compute stream then follows the side stream, so the tensors the
-        chain read may be freed."""
+        """The previous backward's collision chain, waited for (or run now); the compute stream then follows
+        the side stream, so the tensors the chain read may go."""
         if c.pending_co is None:
             return
         pending, c.pending_co = c.pending_co, None
         with self.timer.span(GRAD_A2A):
-            c.cur.carried_handle, _ = pending.result() if isinstance(pending, Future) else pending()
+            c.cur.carried_handle, _ = pending.result()
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _apply_pending(self, c: _GroupContext, shard: GroupShard, timed: bool = True) -> None:
-        """Lines 6-7. ``timed=False`` on the side stream: its wait stalls no compute, so it is not exposed."""
-        if c.pending_ex is None:
+    def _apply_exclusive(self, shard: GroupShard, pending, timed: bool = True) -> None:
+        """Line 7: a step's deferred exclusive gradients, on the current stream. ``timed``: the wait stalls
+        the model's thread and counts as exposed."""
+        if pending is None:
             return
-        handle, rows = c.pending_ex
+        later, rows = pending
         with self.timer.span(GRAD_A2A) if timed else contextlib.nullcontext():
-            grads = handle.wait()
-        if self._stream is not None:
-            grads.record_stream(torch.cuda.current_stream(grads.device))
+            grads = later.result().wait()
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
-        c.pending_ex = None
 
     # ------------------------------------------------------------------ backward
     def _backward_group(self, name: str, grad_out: torch.Tensor) -> None:
@@ -373,6 +413,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         step, nxt = c.cur, c.nxt
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
+        if nxt is not None:
+            nxt.fresh.run_here()  # without a bulk chain, lines 6-7 and 12 run here
 
         # Sizes and positions of every exchange below. The sizes are read on the host: this shard's counts were
         # copied there in the forward, and the flags' bytes reach it on their way through the host transport;
@@ -398,7 +440,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 # Positions with their counts known: no further syncs (nonzero_static).
                 nxt.fresh_idx = _positions(fresh_pos, sum(fresh_recv))
                 nxt.carried_idx = _positions(~fresh_pos, sum(carried_recv))
-                fresh_rows_local = nxt.local.index_select(0, _positions(c.fresh_shard, sum(fresh_send)))
                 carried_rows_local = nxt.local.index_select(0, _positions(~c.fresh_shard, sum(carried_send)))
             ex_send = [a - b for a, b in zip(sid.send_splits, co_send)]
             ex_recv = [a - b for a, b in zip(sid.recv_splits, co_recv)]
@@ -406,34 +447,31 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             co_rows = step.local.index_select(0, _positions(co_shard, sum(co_recv)))
             ex_rows = step.local.index_select(0, _positions(~co_shard, sum(ex_recv)))
 
-        # Side work (lines 6-7 and 12), on the side stream on GPU. It runs here, in the backward rather than
-        # the forward: step i's output needs neither, and by now the deferred gradients had the whole forward
-        # to arrive (on CPU the model thread would otherwise block on them). Line 7 precedes line 12; both
-        # touch only rows that step i does not use, and overlap the collision exchange below (see _side).
-        pending_rows = None if c.pending_ex is None else c.pending_ex[1]
-        with self._side(pending_rows, fresh_rows_local if nxt is not None else None):
-            if not self._misorder_for_test:
-                self._apply_pending(c, shard, timed=self._stream is None)
-            if nxt is not None:
-                c.fresh_rows = shard.lookup(fresh_rows_local)  # line 12's lookup
-            if self._misorder_for_test:
-                self._apply_pending(c, shard, timed=self._stream is None)
-            if nxt is not None:  # line 12's AllToAll: the fresh rows of i+1, early
-                nxt.fresh_handle = self.bulk_transport.all_to_all(c.fresh_rows, fresh_send, fresh_recv)
-
         # lines 18-20: the collision gradients leave first; their update and line 21 follow in the collision
-        # chain, off the model thread. A last step updates at once: no next forward may come.
+        # chain, off the model thread. A last step applies step i-1's deferred part (rows it does not use) and
+        # updates every row at once: no next forward may come.
         h = self.backward_transport.all_to_all(g.index_select(0, co_idx), co_send, co_recv)
         if nxt is None:
-            self._update_collisions(shard, h, co_rows)
+            pending, c.pending_ex = c.pending_ex, None
+            with self._on_side(self._mark()):
+                self._apply_exclusive(shard, pending, timed=self._stream is None)
+            self._update_collisions(shard, h, co_rows)  # the compute stream follows the side stream: pending may go
         else:
             c.pending_co = self._collision_chain(shard, h, co_rows, carried_rows_local, carried_send, carried_recv)
-            c.pending_ex = (self.bulk_transport.all_to_all(g.index_select(0, ex_idx), ex_send, ex_recv), ex_rows)
+            # line 18's exclusive part: the bulk chain sends it, the next step's line 7 applies it
+            g_ex, after = g.index_select(0, ex_idx), self._mark()
+
+            def send_exclusive():
+                with self._on_side(after):
+                    return self.bulk_transport.all_to_all(g_ex, ex_send, ex_recv)
+
+            c.pending_ex = (_Later(send_exclusive, self._bulk_chain), ex_rows)
+            c.pending_ex[0].run_here()  # without a bulk chain it leaves now
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)
         c.cur, c.nxt = nxt, None
-        c.co_shard = c.fresh_shard = c.fresh_rows = c.flags_handle = c.counts = None
+        c.co_shard = c.fresh_shard = c.flags_handle = c.counts = None
         c.awaiting_backward = False
 
     # ------------------------------------------------------------------ flush, eval, state
@@ -443,13 +481,17 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
             raise ValueError(f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})")
-        if self._stream is not None:  # the side stream's updates and lookups come first
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
         for name, c in self.ctx.items():
-            self._finish_collisions(c, self.shards[name])
-            self._apply_pending(c, self.shards[name])
+            shard = self.shards[name]
+            if c.cur is not None and c.cur.fresh is not None:
+                c.cur.fresh.result()  # lines 6-7 and 12 for the step to come: done before the rest
+            self._finish_collisions(c, shard)  # the compute stream then follows the side stream
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            pending, c.pending_ex = c.pending_ex, None
+            self._apply_exclusive(shard, pending)
             if c.cur is not None:
-                self._merged(c.cur, self.shards[name])
+                self._merged(c.cur, shard)
 
     def _eval_forward(self, ids: Ids) -> dict[str, torch.Tensor]:
         """Synchronous lookup of up-to-date rows; the training context does not advance."""

@@ -107,10 +107,9 @@ def test_parity_when_the_next_forward_runs_the_collision_chain():
 
 
 def _chain_without_model_thread(rank, world_size):
-    """Every row of step 0 is used again by step 1, so after backward 0 all its updates are collision updates:
-    once the chains are done, with no call from the model thread, the tables equal sync's after step 0."""
-    from concurrent.futures import Future
-
+    """Forward 0 alone sends step 1's fresh rows (bulk chain). Every row of step 0 is used again by step 1, so
+    after backward 0 all its updates are collision updates: once the collision chains are done, with no call
+    from the model thread, the tables equal sync's after step 0."""
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
@@ -119,19 +118,23 @@ def _chain_without_model_thread(rank, world_size):
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
     train(sync, feats[:1], prefetch=False)
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
-    loss_of(prio(feats[0], prio.exchange_ids(feats[1]))).backward()
+    emb = prio(feats[0], prio.exchange_ids(feats[1]))
+    # line 12 is already on its way before the backward: the bulk chain sent the next step's fresh rows
+    early = [c.nxt.fresh for c in prio.ctx.values()]
+    early_sent = all(f.in_thread for f in early) and all(f.result(timeout=30)[0].wait() is not None for f in early)
+    loss_of(emb).backward()
     chains = [c.pending_co for c in prio.ctx.values()]
-    in_threads = all(isinstance(f, Future) for f in chains)
+    in_threads = all(f.in_thread for f in chains)
     for f in chains:
         f.result(timeout=30)
     updated = all(torch.equal(prio.shards[n].weight, sync.shards[n].weight) for n in prio.shards)
     prio.flush()
-    return in_threads, updated
+    return early_sent, in_threads, updated
 
 
-def test_collision_chain_runs_off_the_model_thread():
-    for in_threads, updated in run_ranks(_chain_without_model_thread, 2, timeout=60):
-        assert in_threads and updated
+def test_chains_run_off_the_model_thread():
+    for early_sent, in_threads, updated in run_ranks(_chain_without_model_thread, 2, timeout=60):
+        assert early_sent and in_threads and updated
 
 
 def test_misordered_exclusive_update_breaks_parity():
