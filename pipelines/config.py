@@ -52,7 +52,7 @@ class TrainConfig:
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)")
     summary_json: Optional[str] = _f(None, "write the final run summary here")
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step here (rank 0)")
-    threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks)")
+    threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks on CPU; at most 2 on GPU, where they only run small host ops beside the loader and exchange threads)")
     progress: bool = _f(True, "progress bar on rank 0")
     checkpoint_dir: Optional[str] = _f(None, "directory of checkpoints (model, optimizer, loader state, step)")
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: never)")

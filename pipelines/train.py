@@ -65,8 +65,15 @@ def worker(config: JobConfig) -> Optional[dict]:
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
-    # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks.
-    torch.set_num_threads(config.train.threads or max(1, (os.cpu_count() or 1) // local_world))
+    # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
+    # the pool only runs small host ops; a large one (8 per rank on the H200's 16 cores) crowded out the
+    # loader and exchange threads there and stalled single ops by milliseconds (a trace of the light case).
+    share = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(config.train.threads or (min(2, share) if use_cuda else share))
+    # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
+    # needs the GIL waits up to the switch interval for it, 5 ms by default, which the trace showed as gaps
+    # in the model thread. 1 ms bounds that wait.
+    sys.setswitchinterval(1e-3)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size)
     try:
