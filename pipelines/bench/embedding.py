@@ -15,7 +15,11 @@ only when both runs' losses and final tables were equal bit for bit) and ``expos
 over prioritized exposed time).
 
 A small dense model (``--dense-layers`` tanh layers over every embedding row) gives the exchanges something to
-overlap with. Needs neither torchdata nor torchrec (the GPU machine has neither).
+overlap with. Every step ends where data-parallel training's dense all-reduce would: the GPU's work done, then
+the ranks meet (a barrier on a group of its own, standing in for the all-reduce). Its wait is reported apart
+(``dense_ms``), not as embedding communication: it holds the ranks' skew (on one shared GPU the two processes
+are time-sliced, so one finishes its step milliseconds after the other), which would otherwise land in whichever
+embedding exchange waits first in the next step. Needs neither torchdata nor torchrec (the GPU machine has neither).
 """
 
 from __future__ import annotations
@@ -180,12 +184,13 @@ def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor], compute_ms: f
     return total
 
 
-def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: float = 0.0):
+def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: float = 0.0, meet=None):
     """Trains over ``batches`` (CPU) with a one-step lookahead. ``prefetcher`` (prioritized runs): the
     ID-prefetch stage in a thread of its own, two batches ahead, exchanging the CPU ids as the trainer's loader
     does (fsdata.id_prefetch, off the GPU streams), the result delivered with ``.to(device)``; waiting for it is
     counted as ID exchange time. Without it (synchronous runs) the ids, already on the device like a batch the
-    pipeline copied there, are exchanged inside the step."""
+    pipeline copied there, are exchanged inside the step. ``meet()``: the step's end, where the dense all-reduce
+    would make the ranks meet; its wait is returned per step apart from the embedding parts."""
     losses, step_s, exposed = [], [], []
     futures = {}
     sync_device = device.type == "cuda"
@@ -215,10 +220,14 @@ def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: fl
         losses.append(loss.detach())
         if sync_device:
             torch.cuda.synchronize()
+        t_meet = time.perf_counter()
+        if meet is not None:
+            meet()
         if s >= warmup:
             step_s.append(time.perf_counter() - t0)
             summary = coll.timer.summary()
             exposed.append({p: summary.get(p, {"total_s": 0.0})["total_s"] for p in PARTS})
+            exposed[-1]["dense"] = time.perf_counter() - t_meet
         coll.timer.reset()
     return losses, step_s, exposed
 
@@ -255,6 +264,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     from fsdata.id_prefetch import start_prefetch
 
     prefetch_transport = get_transport("host", group=new_stage_group("bench-id-prefetch"))
+    dense_group = new_stage_group("bench-dense-allreduce")
     pool = ThreadPoolExecutor(1, thread_name_prefix="id-prefetch")
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
@@ -272,11 +282,11 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
             )
             with _traced(cfg.trace if point == 0 else None, f"embedding_{mode}_rank{rank}.json", device):
                 losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup, device=device,
-                                                  compute_ms=cfg.compute_ms)
+                                                  compute_ms=cfg.compute_ms, meet=lambda: dist.barrier(group=dense_group))
             # Median over steps: the CPU machines are shared, and one step that lost its core to another
             # process would otherwise dominate a mean of a dozen steps.
-            exposed = {p: float(np.median([e[p] for e in per_step])) for p in PARTS}
-            exposed["total"] = float(np.median([sum(e.values()) for e in per_step]))
+            exposed = {p: float(np.median([e[p] for e in per_step])) for p in (*PARTS, "dense")}
+            exposed["total"] = float(np.median([sum(e[p] for p in PARTS) for e in per_step]))
             runs[mode] = dict(
                 losses=torch.stack(losses).cpu(), tables=coll.full_tables(), exposed=exposed, step_s=float(np.median(step_s)),
                 collision=float(np.mean(coll.collision_rates[cfg.warmup:-1])) if mode == "prioritized" else None,
@@ -346,7 +356,7 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
         rec["collision_measured"] = float(np.mean([r["collision_measured"] for r in recs]))
         rec["ids_per_rank_step"] = float(np.mean([r["ids_per_step"] for r in recs]))
         for mode in ("sync", "prioritized"):
-            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total")}
+            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total", "dense")}
             rec[f"{mode}_exposed_ms"] = parts
             rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
         p_total = rec["prioritized_exposed_ms"]["total"]
@@ -383,7 +393,7 @@ def run(cfg: BenchConfig) -> dict:
 
 def _table(result: dict) -> str:
     head = (f"{'coll.knob':>9} {'measured':>8} {'max_uih':>7} {'ids/rk':>7} | {'sync ids/emb/grad = total ms':>30} | "
-            f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13}")
+            f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13} | {'dense ms s/p':>12}")
     lines = [head, "-" * len(head)]
     for r in result["records"]:
         s, p = r["sync_exposed_ms"], r["prioritized_exposed_ms"]
@@ -391,7 +401,8 @@ def _table(result: dict) -> str:
             f"{r['collision_knob']:>9.3f} {r['collision_measured']:>8.3f} {r['max_uih']:>7d} {r['ids_per_rank_step']:>7.0f} | "
             f"{s['ids_a2a']:>6.2f}/{s['emb_a2a']:>6.2f}/{s['grad_a2a']:>6.2f} = {s['total']:>6.2f} | "
             f"{p['ids_a2a']:>6.2f}/{p['emb_a2a']:>6.2f}/{p['grad_a2a']:>6.2f} = {p['total']:>6.2f} | "
-            f"{r['exposed_reduction']:>6.1f}x {str(r['parity']):>6} | {r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f}"
+            f"{r['exposed_reduction']:>6.1f}x {str(r['parity']):>6} | {r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f} | "
+            f"{s['dense']:>5.2f}/{p['dense']:>5.2f}"
         )
     for mode, fit in result["fit_vs_collision"].items():
         if fit:

@@ -26,7 +26,7 @@ def test_bench_embedding_smoke(tmp_path):
     assert len(result["records"]) == 4  # 2 collision rates + the UIH sweep's 2 shorter lengths
     for r in result["records"]:
         assert r["parity"] is True
-        assert set(r["sync_exposed_ms"]) == {"ids_a2a", "emb_a2a", "grad_a2a", "total"}
+        assert set(r["sync_exposed_ms"]) == {"ids_a2a", "emb_a2a", "grad_a2a", "total", "dense"}
         assert r["exposed_reduction"] > 0
     assert result["fit_vs_collision"]["prioritized"] is not None
 
