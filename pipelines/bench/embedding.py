@@ -255,7 +255,10 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
-    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    # One GPU per rank where there are enough; otherwise the ranks share them (two ranks on one H200).
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     transports = stage_transports()
     from concurrent.futures import ThreadPoolExecutor
 
