@@ -18,9 +18,10 @@ modules are named). FreeScale installs itself around it:
   started in the loader's ``next()`` between steps and finish one step later (the paper hooks them at the
   optimizer step, forward and backward; here they ride the data-loading stage, with the same overlap);
 * the backward of the swapped modules runs the gradient AllToAll and the row-wise update (fused optimizer); in
-  ``freescale`` it only sends the collision rows' gradients, and the next step's pre-hook waits for them,
-  updates those rows and sends their new values (the paper: the blocking exchange is waited for only in the
-  next iteration's forward).
+  ``freescale`` it sends the collision rows' gradients first; the collection's collision chain updates those
+  rows as soon as they arrive and sends their new values during the dense all-reduce and the optimizer step, and
+  the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
+  for only in the next iteration's forward).
 
 The loader's ID-prefetch stage (fsdata.id_prefetch) starts every batch's ID AllToAll one loader call early, and
 the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
