@@ -35,8 +35,9 @@ there), and the source counts the flags it receives (one byte per id, sent in th
 the host transport's own copy of them (``keep_host``). With the sizes on the host, the flags on the device give
 the positions (``nonzero_static``). So with the host transport no step of the backward synchronises the device
 (its event waits are for copies queued in the forward), and on a GPU the host keeps queueing the backward's work
-while the dense backward still runs (line 12 reads the same counts in the bulk chain); with an NCCL transport reading the flags on the host costs a stream sync.
-The flags exchange is the only addition; its wait is counted as ID exchange time.
+while the dense backward still runs (line 12 reads the same counts in the bulk chain); with an NCCL transport
+reading the flags on the host costs a stream sync. The flags exchange is the only addition; its wait is counted
+as ID exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
 (``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
@@ -221,7 +222,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self.collision_transport = self.transports.collision
         chained = self.collision_transport is not None
         self._bulk_chain = _chain_for(self.bulk_transport, "fsembed-bulk-chain") if chained else None
-        self._collision_chain_worker = _chain_for(self.collision_transport, "fsembed-collision-chain") if chained else None
+        self._collision_chain_worker = (
+            _chain_for(self.collision_transport, "fsembed-collision-chain") if chained else None
+        )
 
     def _on_side(self, after: Optional["torch.cuda.Event"]):
         """Context for a chain's work: on GPU the side stream, after ``after`` (recorded on the compute stream
