@@ -226,14 +226,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             _chain_for(self.collision_transport, "fsembed-collision-chain") if chained else None
         )
 
-    def _on_side(self, after: Optional["torch.cuda.Event"]):
+    def _on_side(self, after: Optional["torch.cuda.Event"] = None):
         """Context for a chain's work: on GPU the side stream, after ``after`` (recorded on the compute stream
-        when the work was issued). The tensors it reads stay referenced by the caller until the compute stream
-        is ordered after that work, so the allocator cannot hand their memory out early."""
+        when the work was issued; or later, by ``_follow``). The tensors it reads stay referenced by the caller
+        until the compute stream is ordered after that work, so the allocator cannot hand their memory out
+        early."""
         if self._stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_event(after)
+        self._follow(after)
         return torch.cuda.stream(self._stream)
+
+    def _follow(self, after: Optional["torch.cuda.Event"]) -> None:
+        """The side stream waits for ``after``. A chain calls it once its host waits are over: a wait queued on
+        the side stream while the chain still blocks on the host would hold back the other chain's work queued
+        behind it (line 12's lookup stuck behind a whole backward's compute)."""
+        if self._stream is not None and after is not None:
+            self._stream.wait_event(after)
 
     def _mark(self) -> Optional["torch.cuda.Event"]:
         """An event after everything the compute stream has queued so far (None on CPU)."""
@@ -325,15 +333,17 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         after, timed = self._mark(), self._bulk_chain is None and self._stream is None
 
         def early():
-            with self._on_side(after):
-                if not self._misorder_for_test:
-                    self._apply_exclusive(shard, pending, timed)
+            with self._on_side():
+                grads = self._exclusive_grads(pending, timed)  # host waits first (see _follow)
                 fresh_send = counts.get()[:, 1].tolist()
                 fresh_recv = _part_sums(flags_handle.host(), step.sid.send_splits, nxt.sid.send_splits)[1]
+                self._follow(after)
+                if not self._misorder_for_test:
+                    self._apply_rows(shard, pending, grads)
                 rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(fresh_send)))
                 rows = shard.lookup(rows_local)  # line 12's lookup
                 if self._misorder_for_test:
-                    self._apply_exclusive(shard, pending, timed)
+                    self._apply_rows(shard, pending, grads)
                 handle = self.bulk_transport.all_to_all(rows, fresh_send, fresh_recv)  # line 12's AllToAll
             return handle, (pending, rows_local, fresh_shard, nxt.local)
 
@@ -381,8 +391,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
         def chain():
             transport = self.collision_transport if self.collision_transport is not None else self.transport
-            with self._on_side(after):
-                grads = grads_handle.wait()
+            with self._on_side():
+                grads = grads_handle.wait()  # host wait first (see _follow)
+                self._follow(after)
                 self.optimizer.apply(shard.weight, shard.state, rows, grads)
                 handle = transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
             return handle, (grads, rows, carried_local)
@@ -400,15 +411,21 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
-    def _apply_exclusive(self, shard: GroupShard, pending, timed: bool = True) -> None:
-        """Line 7: a step's deferred exclusive gradients, on the current stream. ``timed``: the wait stalls
-        the model's thread and counts as exposed."""
+    def _exclusive_grads(self, pending, timed: bool) -> Optional[torch.Tensor]:
+        """A step's deferred exclusive gradients, waited for (``timed``: the wait stalls the model's thread and
+        counts as exposed)."""
         if pending is None:
-            return
-        later, rows = pending
+            return None
         with self.timer.span(GRAD_A2A) if timed else contextlib.nullcontext():
-            grads = later.result().wait()
-        self.optimizer.apply(shard.weight, shard.state, rows, grads)
+            return pending[0].result().wait()
+
+    def _apply_rows(self, shard: GroupShard, pending, grads: Optional[torch.Tensor]) -> None:
+        if pending is not None:
+            self.optimizer.apply(shard.weight, shard.state, pending[1], grads)
+
+    def _apply_exclusive(self, shard: GroupShard, pending, timed: bool = True) -> None:
+        """Line 7 at once, on the current stream."""
+        self._apply_rows(shard, pending, self._exclusive_grads(pending, timed))
 
     # ------------------------------------------------------------------ backward
     def _backward_group(self, name: str, grad_out: torch.Tensor) -> None:
