@@ -55,7 +55,6 @@ the host transport). The model's threads block only in waits for results; those 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
