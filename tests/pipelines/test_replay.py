@@ -24,6 +24,16 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--model", "replay", *argv])
 
 
+def fit_run(tmp_path, *argv: str, steps: str = "2", exit_code: int = 0) -> list[dict]:
+    """The fit mode on 4 ranks of 8-sample batches (1 warm-up step) with ``argv``: main's exit code is checked,
+    the records written to tmp_path/replay.json are returned."""
+    out = tmp_path / "replay.json"
+    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", steps, "--warmup", "1", *argv,
+                 "--json", str(out))
+    assert replay.main(args) == exit_code
+    return json.loads(out.read_text())
+
+
 def test_nonnegative_fit_recovers_the_truth_and_never_goes_negative():
     rng = np.random.default_rng(0)
     lengths = [rng.integers(1, 5000, rng.integers(1, 64)) for _ in range(60)]
@@ -128,12 +138,8 @@ def test_timing_batches_are_whole_local_batches_of_the_partitioners_plans():
 
 @pytest.mark.parametrize("kernel", ["padded", "jagged"])
 def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, kernel):
-    out = tmp_path / "replay.json"
-    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", "3", "--warmup", "1", "--replay-timings",
-                 "16", "--replay-timing-ranks", "2", "--replay-kernel", kernel, "--seed", "5", "--json", str(out),
-                 "--replay-jitter", "residual,repeat")
-    assert replay.main(args) == 0
-    records = json.loads(out.read_text())
+    records = fit_run(tmp_path, "--replay-timings", "16", "--replay-timing-ranks", "2", "--replay-kernel", kernel,
+                      "--seed", "5", "--replay-jitter", "residual,repeat", steps="3")
     assert [(r["jitter"], r["partitioner"]) for r in records] == [(j, p) for j in ("residual", "repeat")
                                                                   for p in ("none", "fbs", "vbs", "kk")]
     for r in records:
@@ -167,12 +173,8 @@ def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, ker
 
 
 def test_batches_over_the_guard_are_skipped_and_recorded_never_cut(tmp_path):
-    out = tmp_path / "replay.json"
-    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", "2", "--warmup", "1", "--replay-timings",
-                 "12", "--replay-timing-ranks", "2", "--replay-max-pairs", "8000", "--partitioner", "none",
-                 "--json", str(out))
-    assert replay.main(args) == 0
-    record = json.loads(out.read_text())[0]
+    record = fit_run(tmp_path, "--replay-timings", "12", "--replay-timing-ranks", "2", "--replay-max-pairs", "8000",
+                     "--partitioner", "none")[0]
     rows = json.loads((tmp_path / "replay_timings_padded.json").read_text())["timings"]
     assert record["n_skipped_too_large"] >= 1 and record["n_subset_batches"] == 0
     assert all("replay-max-pairs" in s["reason"] for s in record["skipped_examples"])
@@ -201,12 +203,8 @@ class SyntheticTimer(replay.Timer):
 
 def test_the_fit_recovers_a_known_cost_and_records_out_of_memory_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(replay, "Timer", SyntheticTimer)
-    out = tmp_path / "replay.json"
-    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", "2", "--warmup", "1", "--replay-timings",
-                 "40", "--replay-timing-ranks", "4", "--partitioner", "none", "--replay-repeats", "5",
-                 "--json", str(out))
-    assert replay.main(args) == 0
-    r = json.loads(out.read_text())[0]
+    r = fit_run(tmp_path, "--replay-timings", "40", "--replay-timing-ranks", "4", "--partitioner", "none",
+                "--replay-repeats", "5")[0]
     assert r["n_oom"] >= 1 and r["n_batches_timed"] == 40 and r["timed_tokens_range"][1] <= 300
     assert r["r2_heldout"] > 0.95 and r["median_rel_err_heldout"] < 0.02
     assert 0.005 < r["repeat_rel_std"] < 0.02  # the 1% noise of one call, measured from the repeats
@@ -214,12 +212,8 @@ def test_the_fit_recovers_a_known_cost_and_records_out_of_memory_batches(tmp_pat
 
 
 def test_a_kernel_whose_fit_fails_is_recorded_and_the_next_one_still_runs(tmp_path):
-    out = tmp_path / "replay.json"
-    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", "2", "--warmup", "1", "--replay-timings", "3",
-                 "--replay-timing-ranks", "2", "--replay-kernel", "padded,jagged", "--partitioner", "none",
-                 "--json", str(out))
-    assert replay.main(args) == 1
-    records = json.loads(out.read_text())
+    records = fit_run(tmp_path, "--replay-timings", "3", "--replay-timing-ranks", "2", "--replay-kernel",
+                      "padded,jagged", "--partitioner", "none", exit_code=1)
     assert [r["replay_kernel"] for r in records] == ["padded", "jagged"]
     assert all("only 3 whole local batches" in r["error"] for r in records)
     assert len(json.loads((tmp_path / "replay_timings_jagged.json").read_text())["timings"]) == 3  # kept anyway
