@@ -35,7 +35,7 @@ there), and the source counts the flags it receives (one byte per id, sent in th
 the host transport's own copy of them (``keep_host``). With the sizes on the host, the flags on the device give
 the positions (``nonzero_static``). So with the host transport no step of the backward synchronises the device
 (its event waits are for copies queued in the forward), and on a GPU the host keeps queueing the backward's work
-while the dense backward still runs (line 12 reads the same counts in the bulk chain); with an NCCL transport
+while the dense backward still runs (line 12 shares them: ``_Sizes``, computed once); with an NCCL transport
 reading the flags on the host costs a stream sync. The flags exchange is the only addition; its wait is counted
 as ID exchange time.
 
@@ -68,36 +68,53 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, Sharded
 from kernels import ops
 
 
-class _LocalCounts:
-    """This shard's counts per source rank of two masks (collision rows of step i, fresh rows of step i+1),
-    computed in the forward and copied to pinned host memory there: ``get()`` in the backward waits only for
-    that copy, queued long before, never for the work queued after it."""
+@dataclass(frozen=True)
+class _Counts:
+    """Per rank: collision rows of step i and fresh rows of step i+1, received (``*_recv``: from each source
+    rank, on this shard) and sent (``*_send``: to each shard, of this rank's ids)."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, list[int]]]) -> None:
-        device = pairs[0][0].device
-        sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device)) for mask, splits in pairs]
-        counts = torch.stack(sums, 1)  # [W, len(pairs)]: row q counts rank q's ids
-        self.event = None
+    co_recv: list[int]
+    fresh_send: list[int]
+    co_send: list[int]
+    fresh_recv: list[int]
+
+
+class _Sizes:
+    """Every later exchange's sizes, on the host (see Sizes above). The shard's counts of its two masks are
+    computed in the forward and copied to pinned host memory there, so ``get()`` waits only for that copy,
+    queued long before, never for the work queued after it; this rank's counts are the flags it received back,
+    summed on the host. Computed once, by whichever of the backward and line 12 (the bulk chain) asks first."""
+
+    def __init__(self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds,
+                 flags_handle):
+        device = co_shard.device
+        sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device))
+                for mask, splits in ((co_shard, step.recv_splits), (fresh_shard, nxt.recv_splits))]
+        counts = torch.stack(sums, 1)  # [W, 2]: row q counts rank q's ids
+        self._event = None
         if device.type == "cuda":
-            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.host.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
         else:
-            self.host = counts
+            self._host = counts
+        self._flags_handle, self._send = flags_handle, (step.send_splits, nxt.send_splits)
+        self._lock = threading.Lock()
+        self._counts: Optional[_Counts] = None
 
-    def get(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
-
-
-def _part_sums(flags: torch.Tensor, first: list[int], second: list[int]) -> tuple[list[int], list[int]]:
-    """Host flags laid out per rank r as ``first[r]`` entries then ``second[r]`` entries: the set flags of
-    each part, per rank."""
-    parts = [n for pair in zip(first, second) for n in pair]
-    sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
-    return sums[0::2], sums[1::2]
+    def get(self) -> _Counts:
+        with self._lock:
+            if self._counts is None:
+                if self._event is not None:
+                    self._event.synchronize()
+                # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
+                first, second = self._send
+                parts = [n for pair in zip(first, second) for n in pair]
+                flags = self._flags_handle.host()
+                sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
+                self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
+            return self._counts
 
 
 _chains: dict[int, SerialWorker] = {}
@@ -177,7 +194,7 @@ class _GroupContext:
         self.co_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i]: rows of i used by i+1
         self.fresh_shard: Optional[torch.Tensor] = None  # shard-major bool [M_i+1]: rows of i+1 not in i
         self.collided: Optional[torch.Tensor] = None  # number of rows of i used by i+1 (a 0-dim device tensor)
-        self.counts: Optional[_LocalCounts] = None  # per source rank: collision rows of i, fresh rows of i+1
+        self.sizes: Optional[_Sizes] = None  # the counts that size every exchange after the flags
         self.pending_ex = None  # (_Later -> handle -> gradients, local rows): a step's deferred exclusive part
         self.pending_co: Optional[_Later] = None  # step i's collision update and line 21 (_collision_chain)
         self.awaiting_backward = False
@@ -296,7 +313,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
         self._finish_collisions(c, shard)
         step = c.cur
-        c.nxt = c.co_shard = c.fresh_shard = c.flags_handle = c.counts = None
+        c.nxt = c.co_shard = c.fresh_shard = c.flags_handle = c.sizes = None
         if sid_next is not None:
             nlocal = self._wait_ids(sid_next, shard)  # line 8 (sent early by the ID-prefetch stage)
             c.co_shard = ops.collision_mask(step.local, nlocal)  # line 10
@@ -305,8 +322,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if self.stale:  # semi-sync: no row waits for this step's update
                 c.co_shard = torch.zeros_like(c.co_shard)
                 c.fresh_shard = torch.ones_like(c.fresh_shard)
-            # This shard's per-source counts, on their way to the host (read by lines 12 and 18).
-            c.counts = _LocalCounts([(c.co_shard, step.sid.recv_splits), (c.fresh_shard, sid_next.recv_splits)])
             flags = _interleave(c.co_shard, step.sid.recv_splits, c.fresh_shard, sid_next.recv_splits).to(torch.uint8)
             c.flags_handle = self.transport.all_to_all(  # lines 13-14, as one flag per id
                 flags,
@@ -314,6 +329,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 [a + b for a, b in zip(step.sid.send_splits, sid_next.send_splits)],
                 keep_host=True,  # lines 12 and 18 count them on the host
             )
+            c.sizes = _Sizes(c.co_shard, c.fresh_shard, step.sid, sid_next, c.flags_handle)
             c.nxt = _Step(sid_next, nlocal)
             c.nxt.fresh = self._early_rows(c, shard, step, c.nxt)
         return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
@@ -328,22 +344,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         sizes) and for the deferred gradients, and the rows travel during step i's compute. Without a chain,
         backward i runs it (_Later.run_here), when both have had the forward to arrive."""
         pending, c.pending_ex = c.pending_ex, None
-        counts, flags_handle, fresh_shard = c.counts, c.flags_handle, c.fresh_shard
+        sizes, fresh_shard = c.sizes, c.fresh_shard
         after, timed = self._mark(), self._bulk_chain is None and self._stream is None
 
         def early():
             with self._on_side():
                 grads = self._exclusive_grads(pending, timed)  # host waits first (see _follow)
-                fresh_send = counts.get()[:, 1].tolist()
-                fresh_recv = _part_sums(flags_handle.host(), step.sid.send_splits, nxt.sid.send_splits)[1]
+                counts = sizes.get()
                 self._follow(after)
                 if not self._misorder_for_test:
                     self._apply_rows(shard, pending, grads)
-                rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(fresh_send)))
+                rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(counts.fresh_send)))
                 rows = shard.lookup(rows_local)  # line 12's lookup
                 if self._misorder_for_test:
                     self._apply_rows(shard, pending, grads)
-                handle = self.bulk_transport.all_to_all(rows, fresh_send, fresh_recv)  # line 12's AllToAll
+                # line 12's AllToAll
+                handle = self.bulk_transport.all_to_all(rows, counts.fresh_send, counts.fresh_recv)
             return handle, (pending, rows_local, fresh_shard, nxt.local)
 
         return _Later(early, self._bulk_chain)
@@ -445,10 +461,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 co_shard = torch.ones(step.local.numel(), dtype=torch.bool, device=g.device)
                 co_send, co_recv = list(sid.send_splits), list(sid.recv_splits)
             else:
-                local = c.counts.get()  # [W, 2]: per source rank, collision rows of i and fresh rows of i+1
-                co_recv, fresh_send = local[:, 0].tolist(), local[:, 1].tolist()
-                # The same counts for this rank's ids, per shard: the flags that came back, summed on the host.
-                co_send, fresh_recv = _part_sums(c.flags_handle.host(), sid.send_splits, nxt.sid.send_splits)
+                n = c.sizes.get()
+                co_recv, fresh_send, co_send, fresh_recv = n.co_recv, n.fresh_send, n.co_send, n.fresh_recv
                 flags = c.flags_handle.wait().to(torch.bool)
                 parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
                 co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
@@ -490,7 +504,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)
         c.cur, c.nxt = nxt, None
-        c.co_shard = c.fresh_shard = c.flags_handle = c.counts = None
+        c.co_shard = c.fresh_shard = c.flags_handle = c.sizes = None
         c.awaiting_backward = False
 
     # ------------------------------------------------------------------ flush, eval, state
