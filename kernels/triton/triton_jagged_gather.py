@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
+from kernels.triton.common import as_bits, cdiv, fixed_code, new_output, search_steps, tile_shape
 from kernels.triton.search import last_le
 
 # Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
@@ -29,7 +29,7 @@ ELEMENTS_PER_PROGRAM = 1024
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(**fixed_code("total"))
 def _gather_segments_kernel(
     values_ptr,
     out_ptr,
@@ -66,7 +66,7 @@ def _gather_segments_kernel(
         tl.store(out_ptr + rows[:, None] * width + cols[None, :], v, mask=mask)
 
 
-@triton.jit
+@triton.jit(**fixed_code("num_blocks", "num_segments", "total", "steps"))
 def _block_segment_kernel(out_offsets_ptr, block_segment_ptr, num_blocks, num_segments, total, steps, BLOCK_R: tl.constexpr, LANES: tl.constexpr):
     """block_segment[b] = segment of output row b * BLOCK_R (the last entry: of the last row)."""
     b = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
@@ -76,7 +76,7 @@ def _block_segment_kernel(out_offsets_ptr, block_segment_ptr, num_blocks, num_se
     tl.store(block_segment_ptr + b, lo, mask=mask)
 
 
-@triton.jit
+@triton.jit(**fixed_code("num_picked"))
 def _permute_meta_kernel(offsets_ptr, order_ptr, out_offsets_ptr, src_starts_ptr, num_picked, LANES: tl.constexpr):
     """out_offsets[1 + k] = length of segment order[k] (prefix-summed afterwards), src_starts[k] = its start."""
     k = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
@@ -89,7 +89,7 @@ def _permute_meta_kernel(offsets_ptr, order_ptr, out_offsets_ptr, src_starts_ptr
     tl.store(out_offsets_ptr + k, tl.zeros([LANES], dtype=end.dtype), mask=k == 0)
 
 
-@triton.jit
+@triton.jit(**fixed_code("batch_size"))
 def _transpose_meta_kernel(lengths_ptr, in_offsets_ptr, out_lengths_ptr, out_offsets_ptr, src_starts_ptr, num_keys, batch_size, LANES: tl.constexpr):
     """Output segment j = b * F + f is input segment f * B + b: its length and input start."""
     j = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import as_bits, cdiv, new_output, search_steps, tile_shape
+from kernels.triton.common import as_bits, cdiv, fixed_code, new_output, search_steps, tile_shape
 from kernels.triton.search import last_le
 
 # Tuned on the H200 (docs/bench/kernels.md, scripts/tune_kernels.py): a 64 x 64 rank comparison per block, one warp.
@@ -43,14 +43,14 @@ def _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK: t
     return idx, mask, ids, shard, rank, count
 
 
-@triton.jit
+@triton.jit(**fixed_code("n", "num_blocks", "steps"))
 def _dispatch_count_kernel(ids_ptr, boundaries_ptr, counts_ptr, n, world_size, num_blocks, steps, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     idx, mask, ids, shard, rank, count = _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK)
     tl.store(counts_ptr + shard * num_blocks + pid, count, mask=mask & (rank == 0))
 
 
-@triton.jit
+@triton.jit(**fixed_code("n", "num_blocks", "steps"))
 def _dispatch_scatter_kernel(
     ids_ptr, boundaries_ptr, inclusive_ptr, send_ptr, perm_ptr, splits_ptr, n, world_size, num_blocks, steps,
     BLOCK: tl.constexpr, SPLIT_LANES: tl.constexpr,
@@ -96,7 +96,7 @@ def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.
     return send, splits, perm
 
 
-@triton.jit
+@triton.jit(**fixed_code("n"))
 def _permute_rows_kernel(src_ptr, out_ptr, perm_ptr, n, width, SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """SCATTER: out[perm[j]] = src[j] (combine); else out[j] = src[perm[j]] (its backward)."""
     pid = tl.program_id(0).to(tl.int64)

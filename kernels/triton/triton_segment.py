@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import cdiv, flat_width, new_output, next_power_of_2, search_steps
+from kernels.triton.common import cdiv, fixed_code, flat_width, new_output, next_power_of_2, search_steps
 from kernels.triton.search import last_le
 
 SEGMENT_BLOCK_R = 64
@@ -58,7 +58,7 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(**fixed_code("n", "m", "steps"))
 def _member_kernel(ids_ptr, sorted_ptr, out_ptr, n, m, steps, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = idx < n
