@@ -407,6 +407,15 @@ class Trainer:
 
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
+    def _kernel_variants(self) -> Optional[dict]:
+        """Rank 0's compiled Triton variants per kernel (CUDA only): more than a few per kernel means sizes that
+        change per step are compiling new variants mid-run (kernels.triton.common.fixed_code)."""
+        if self.device.type != "cuda":
+            return None
+        from kernels.triton.common import compiled_variants
+
+        return compiled_variants()
+
     def _resharded(self, directory: Path, model_state: dict) -> dict:
         """The model state with the sharded tables cut anew for this world size from every old rank's shard."""
         from fsembed.reshard import reshard_tables_state
@@ -462,10 +471,14 @@ class Trainer:
             "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
             "compute_median_s": _median([_compute(r, self.rank) for r in timed]),
             "bubble_s": _mean([r["bubble_s"] for r in timed]),
+            "bubble_median_s": _median([r["bubble_s"] for r in timed]),
+            "step_times_s": step_times,
+            "bubbles_s": [r["bubble_s"] for r in timed],
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
             "peak_memory_bytes": self._peak_memory(),
+            "kernel_variants": self._kernel_variants(),
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),

@@ -2,7 +2,8 @@
 
 For each case (a workload) and each mode it launches the same job (`pipelines.train.launch`), then prints one
 table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
-bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles).
+bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
+per-step means, and ``bubble_reduction_median`` of the per-step medians).
 ``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
 shows as "n/m" (None in the JSON), never as 0.
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)")
     parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
 
 
@@ -62,6 +64,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = "fbs"
+    if args.trace:
+        cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
 
 
@@ -84,6 +88,10 @@ def _row(case: str, s: dict) -> dict:
         "exposed_total_ms": None if unknown else 1e3 * sum(exposed.values()),
         "straggler_pct": s["straggler_pct"],
         "bubble_ms": _ms(s["bubble_s"]),
+        "bubble_median_ms": _ms(s["bubble_median_s"]),
+        "step_times_ms": [1e3 * t for t in s["step_times_s"]],
+        "bubbles_ms": [_ms(t) for t in s["bubbles_s"]],
+        "kernel_variants": s["kernel_variants"],
         "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],
@@ -110,9 +118,12 @@ def main(args: argparse.Namespace) -> int:
     for case in cases:
         by_mode = {r["mode"]: r for r in rows if r["case"] == case}
         if "sync" in by_mode and "freescale" in by_mode and (by_mode["sync"]["bubble_ms"] or 0) > 0:
-            reduction = 1.0 - by_mode["freescale"]["bubble_ms"] / by_mode["sync"]["bubble_ms"]
+            sync, ours = by_mode["sync"], by_mode["freescale"]
             for r in by_mode.values():
-                r["bubble_reduction"] = reduction if r["mode"] == "freescale" else None
+                mine = r["mode"] == "freescale"
+                r["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"] if mine else None
+                # Of the per-step medians: the typical step, without one-off outliers (a kernel compiled mid-run).
+                r["bubble_reduction_median"] = 1.0 - ours["bubble_median_ms"] / sync["bubble_median_ms"] if mine else None
     _print_table(rows)
     if args.plot:
         _plot_ne(rows, args.plot)
@@ -130,7 +141,7 @@ def _cell(value: Optional[float], width: int, digits: int) -> str:
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
-    head += f" {'strag %':>7} {'bubble ms':>9} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
+    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
@@ -138,7 +149,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
-            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
+            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
     if any(r["mode"] == "torchrec" for r in rows):
