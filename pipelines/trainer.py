@@ -21,9 +21,10 @@ are spread. The sharded tables' gradients come from the same scaled loss, so the
 The global label count comes free with the balancer's gathered lengths; without the balancer it costs one
 tiny all-reduce before the forward (timed as ``label_count``).
 
-The one all-reduce of a step carries, after the flat dense gradients, a bookkeeping block: the label count,
-the BCE sum and positives (for loss and NE), and per-rank slots (each rank writes only its own) with compute
-time, tokens, samples and sparsity. So per-rank timings reach every rank with no extra collective.
+The one all-reduce of a step (pipelines.dense_sync) carries, after the dense gradients (kept in flat buffers),
+a bookkeeping block: the label count, the BCE sum and positives (for loss and NE), and per-rank slots (each rank
+writes only its own) with compute time, tokens, samples and sparsity. So per-rank timings reach every rank with
+no extra collective.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's
@@ -36,7 +37,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -56,11 +57,9 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
 from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
+from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
 from pipelines.model import bce_sum, normalized_entropy
 
-# Bookkeeping block of the step all-reduce: global scalars, then PER_RANK_FIELDS slots per rank.
-_GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
-PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity")
 # Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
 EXPOSED_SPANS = {
     "ids_a2a": IDS_A2A,
@@ -108,6 +107,7 @@ class Trainer:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    dense_sync: DenseSync  # the step's all-reduce (not in mode torchrec, where DDP does it)
     step: int
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
@@ -125,13 +125,17 @@ class Trainer:
             self.optimizer = self.torchrec.optimizer
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
+            self.dense_sync = DenseSync(self.model.parameters(), rank, world_size, device)
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
         self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
+        # On a GPU the batches leave the loader in pinned memory (its own thread pins them), so moving them to
+        # the device in _fetch queues copies instead of staging each through pageable memory on this thread.
+        loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda")
         self.loader = build_loader(
-            self.source, config.loader, rank, world_size, self._loader_stages(),
+            self.source, loader_config, rank, world_size, self._loader_stages(),
             start={"epoch": self.epoch, "cursor": self.cursor},
         )
         if resumed is not None:
@@ -250,13 +254,7 @@ class Trainer:
 
     def train_step(self, fetched: _Fetched) -> dict:
         batch = fetched.batch
-        # Every parameter gets a gradient buffer, even one this rank's batch did not touch (an empty batch):
-        # the flat all-reduce must have the same layout on every rank.
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+        self.dense_sync.zero_grad()
         global_labels = self._global_labels(fetched)
         t0 = time.perf_counter()
         with torch.profiler.record_function("freescale/forward_backward"):
@@ -268,13 +266,13 @@ class Trainer:
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
-            book = self._sync(labels, bce, positives, mine)
+            book = self.dense_sync.all_reduce((labels, bce, positives), mine)
         sync_time = time.perf_counter() - t1
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)
         self.timer.add("dense_allreduce", sync_time)
         self.optimizer.step()
-        per_rank = book[len(_GLOBAL_FIELDS):].view(self.world_size, len(PER_RANK_FIELDS))
+        per_rank = book[len(GLOBAL_FIELDS):].view(self.world_size, len(PER_RANK_FIELDS))
         compute_all = per_rank[:, 0]
         wait = compute_all.max() - compute_all
         step_time = compute + sync_time  # = slowest rank's compute + the exchange itself, on every rank
@@ -294,23 +292,6 @@ class Trainer:
             "straggler_wait_s": float(wait.mean()),
             "straggler_pct": 100.0 * float(wait.mean()) / max(step_time, 1e-9),
         }
-
-    def _sync(self, labels: float, bce: float, positives: float, mine: tuple) -> torch.Tensor:
-        """One SUM all-reduce of [flat dense gradients | bookkeeping] (the loss is already globally scaled)."""
-        params = list(self.model.parameters())
-        book = torch.zeros(len(_GLOBAL_FIELDS) + self.world_size * len(PER_RANK_FIELDS), dtype=torch.float64)
-        book[:3] = torch.tensor([labels, bce, positives], dtype=torch.float64)
-        slot = len(_GLOBAL_FIELDS) + self.rank * len(PER_RANK_FIELDS)
-        book[slot : slot + len(PER_RANK_FIELDS)] = torch.tensor(mine, dtype=torch.float64)
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [book.to(self.device, torch.float32)])
-        # float64 bookkeeping travels as float32 in the buffer: exact for counts below 2^24 per step.
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
-        return flat[offset:].double().cpu()
 
     def _profiler(self):
         """--trace: a torch.profiler window of a few steps after warm-up, one Chrome trace per rank (Perfetto)."""
