@@ -29,7 +29,7 @@ Stage = Callable[[BaseNode[Batch]], BaseNode]
 class LoaderConfig:
     batch_size: int = field(default=16, metadata={"help": "local batch size B per rank (samples)"})
     prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model (0 = none)"})
-    pin_memory: bool = field(default=False, metadata={"help": "pin host memory of batches (CUDA training)"})
+    pin_memory: bool = field(default=False, metadata={"help": "pin host memory of batches (the trainer pins them whenever it trains on CUDA)"})
     background_stages: bool = field(
         default=True, metadata={"help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread"}
     )
