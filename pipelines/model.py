@@ -57,15 +57,19 @@ MODEL_PRESETS: dict[str, dict] = {
 }
 
 
-def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Jagged [N, d] -> padded [B, max_len, d] and a bool mask [B, max_len] (True = real token)."""
+def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Jagged [N, d] -> padded [B, max_len, d], a bool mask [B, max_len] (True = real token) and each value's
+    slot in the flattened [B * max_len] padding.
+
+    By slot index, not by mask: a boolean-mask assignment and its backward each read the mask's count back to
+    the host, a device sync that, in the backward, idles the GPU while the host queues the rest of it."""
     lengths = offsets[1:] - offsets[:-1]
-    b = lengths.numel()
-    positions = torch.arange(max_len, device=values.device)
-    mask = positions.unsqueeze(0) < lengths.unsqueeze(1)
-    padded = values.new_zeros(b, max_len, values.shape[-1])
-    padded[mask] = values
-    return padded, mask
+    b, n = lengths.numel(), values.shape[0]
+    sample = torch.repeat_interleave(torch.arange(b, device=values.device), lengths, output_size=n)
+    slot = sample * max_len + torch.arange(n, device=values.device) - offsets[:-1][sample]
+    padded = values.new_zeros(b * max_len, values.shape[-1]).index_copy(0, slot, values)
+    mask = torch.arange(max_len, device=values.device).unsqueeze(0) < lengths.unsqueeze(1)
+    return padded.view(b, max_len, values.shape[-1]), mask, slot
 
 
 class Block(nn.Module):
@@ -134,7 +138,7 @@ class SequenceModel(nn.Module):
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
         max_len = int((offsets[1:] - offsets[:-1]).max()) if batch.batch_size else 0
-        x, mask = _pad(tokens, offsets, max(max_len, 1))
+        x, mask, _ = _pad(tokens, offsets, max(max_len, 1))
         for block in self.blocks:
             x = block(x)
         return self.norm(x), mask
@@ -151,11 +155,11 @@ class SequenceModel(nn.Module):
         cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         # Target attention: candidates padded per sample query their own sample's encoded UIH.
         c_max = int(batch.num_candidates.max())
-        q, cand_mask = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
+        q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
         b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
         heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
         attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
-        attended = attended.transpose(1, 2).reshape(b, -1, d)[cand_mask]  # back to jagged [C_total, d]
+        attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
         sample_of_cand = torch.repeat_interleave(torch.arange(b, device=cand.device), batch.num_candidates)
         dense = self.dense_proj(batch.dense)[sample_of_cand]
         return self.head(torch.cat([cand, attended, dense], dim=-1))
