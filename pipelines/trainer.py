@@ -112,7 +112,11 @@ class Trainer:
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        self.timer = Timer("cpu")  # host wall clock of the step's parts (the step synchronises on CUDA anyway)
+        # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
+        # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
+        # covers the compute queued before it (the gradients it sends are still being computed), which is not
+        # communication; the events count only what the GPU spent waiting past its own queued work.
+        self.timer = Timer(device)
         # The loader's stages time their waits here when they run in the worker thread: off the critical path,
         # reported beside the exposed parts, never added to them (the training thread's wait is `data`).
         self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
