@@ -1,4 +1,4 @@
-"""Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [stages] -> pin memory.
+"""Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [stages] -> pin memory / device copy.
 
 Each stage is a torchdata.nodes BaseNode wrapping the one before it, so the chain checkpoints through the one
 ``Loader.state_dict()`` (the StatefulDataLoader protocol: ``state_dict()`` / ``load_state_dict()``).
@@ -8,6 +8,8 @@ passed in ``stages`` as callables ``node -> node`` applied in order. They run in
 overlap their exchanges with compute by starting each one a step before it is needed (fsdata.nodes.async_stage),
 on the balancer's own process group, never on the dense all-reduce's. With ``background_stages`` (default) their
 CPU work runs one batch ahead in a demand-driven worker thread (fsdata.nodes.background), off the training thread.
+Given a CUDA ``device``, that worker also pins each batch and copies it to the device on a stream of its own
+(fsdata.nodes.device_copy); without the worker, ``pin_memory`` pins batches in torchdata's pinning thread.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import torch
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
 from fsdata.batch import Batch
 from fsdata.nodes.background import Background
+from fsdata.nodes.device_copy import DeviceCopy
 from fsdata.nodes.reader import GlobalBatchReader
 from fsdata.source import SampleSource
 
@@ -52,19 +56,25 @@ def build_loader(
     world_size: int,
     stages: Sequence[Stage] = (),
     start: Optional[dict] = None,
+    device: Optional[torch.device] = None,
 ) -> Loader:
-    """``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader)."""
+    """``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader). ``device``: where the
+    batches are trained; a CUDA device makes the stage worker copy them there (items then end with a
+    ``DeviceReady`` to wait on before the batch's first use)."""
     config.validate()
     node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size, start)
     if config.prefetch_depth > 0:
         node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
     for wrap in stages:
         node = wrap(node)
+    copied = False
     if stages and config.background_stages:
         if not config.stage_lookahead:
             _disable_lookahead(node)
+        if device is not None and torch.device(device).type == "cuda":
+            node, copied = DeviceCopy(node, device), True
         node = Background(node)
-    if config.pin_memory:
+    if config.pin_memory and not copied:
         node = PinMemory(node)
     return Loader(node)
 

@@ -49,8 +49,10 @@ from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
+from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, shutdown_loader
 from fsdata.metrics import sparsity
+from fsdata.nodes.device_copy import DeviceReady
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.shuffle import ShuffleSamples
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
@@ -75,6 +77,7 @@ class _Fetched:
     batch: Batch
     balance: Optional[dict]
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
+    ready: Optional[DeviceReady]  # the batch's copies to the device, when the loader made them
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
@@ -135,12 +138,12 @@ class Trainer:
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
-        # On a GPU the batches leave the loader in pinned memory (its own thread pins them), so moving them to
-        # the device in _fetch queues copies instead of staging each through pageable memory on this thread.
+        # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
+        # the previous step computes), or at least pinned, so _fetch only queues their copies.
         loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda")
         self.loader = build_loader(
             self.source, loader_config, rank, world_size, self._loader_stages(),
-            start={"epoch": self.epoch, "cursor": self.cursor},
+            start={"epoch": self.epoch, "cursor": self.cursor}, device=device,
         )
         if resumed is not None:
             self.loader.load_state_dict(resumed)
@@ -180,6 +183,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 before = self._exposed_totals()
                 current = ahead.popleft()
+                if current.ready is not None:
+                    current.ready.wait()  # the compute stream follows the batch's copies (no host wait)
                 with torch.profiler.record_function("freescale/data"):
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
@@ -232,8 +237,11 @@ class Trainer:
         parts = item if isinstance(item, tuple) else (item,)
         batch = parts[0]
         balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
-        ids = parts[-1].to(self.device) if self.pipeline is not None and self.pipeline.mode != "sync" else None
-        return _Fetched(batch.to(self.device, non_blocking=True), balance, ids, new_epoch, loader_state)
+        ids = next((p.to(self.device) for p in parts[1:] if isinstance(p, PrefetchedIds)), None)
+        ready = next((p for p in parts[1:] if isinstance(p, DeviceReady)), None)
+        if ready is None:
+            batch = batch.to(self.device, non_blocking=True)
+        return _Fetched(batch, balance, ids, ready, new_epoch, loader_state)
 
     def _global_labels(self, fetched: _Fetched) -> float:
         if fetched.balance is not None:

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
+    parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)")
     parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
@@ -63,7 +64,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.device, cfg.train.progress = args.device, False
-    cfg.balancer.partitioner = "fbs"
+    cfg.balancer.partitioner = args.partitioner
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
@@ -92,6 +93,8 @@ def _row(case: str, s: dict) -> dict:
         "step_times_ms": [1e3 * t for t in s["step_times_s"]],
         "bubbles_ms": [_ms(t) for t in s["bubbles_s"]],
         "kernel_variants": s["kernel_variants"],
+        "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
+        "partitioner": s["config"]["balancer"]["partitioner"],
         "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],

@@ -68,3 +68,10 @@ def test_bad_loader_config(kwargs):
 def test_bad_rank():
     with pytest.raises(ValueError, match="rank 3"):
         GlobalBatchReader(_source(), 2, rank=3, world_size=2)
+
+
+def test_device_copy_needs_a_cuda_device():
+    from fsdata.nodes.device_copy import DeviceCopy
+
+    with pytest.raises(ValueError, match="CUDA device, got cpu"):
+        DeviceCopy(GlobalBatchReader(_source(), 2, rank=0, world_size=1), "cpu")
