@@ -13,6 +13,9 @@ Streams. The copies' device memory is allocated on the copy stream. Before the b
 calls ``ready.wait()``: its stream waits for the copies, and every tensor is marked as used by that stream
 (``record_stream``), so the allocator does not give the memory back to the copy stream while the step still
 reads it.
+
+State. The node keeps none and hands its source's state through unchanged (not nested under a key), so a loader
+checkpointed on a CPU run resumes on a GPU run and back.
 """
 
 from __future__ import annotations
@@ -39,8 +42,6 @@ class DeviceReady:
 
 
 class DeviceCopy(BaseNode[tuple]):
-    SOURCE_KEY = "source"
-
     def __init__(self, source: BaseNode[Any], device: Union[str, torch.device]) -> None:
         super().__init__()
         self.device = torch.device(device)
@@ -51,7 +52,7 @@ class DeviceCopy(BaseNode[tuple]):
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state[self.SOURCE_KEY] if initial_state is not None else None)
+        self.source.reset(initial_state)
 
     def next(self) -> tuple:
         item = next(self.source)
@@ -66,4 +67,4 @@ class DeviceCopy(BaseNode[tuple]):
         return (moved, *parts[1:], DeviceReady(event, list(moved.tensors().values()), self.device))
 
     def get_state(self) -> Dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict()}
+        return self.source.state_dict()

@@ -51,3 +51,15 @@ def test_batches_arrive_equal_on_the_device():
 def test_device_copy_resumes_exactly():
     run_test_save_load_state(lambda: Loader(_Consume(Background(DeviceCopy(_reader(), "cuda")))), midpoint=4)
 
+
+
+def test_a_cpu_loaders_state_resumes_through_the_copy():
+    cpu = Loader(Background(_reader()))
+    it = iter(cpu)
+    for _ in range(3):
+        next(it)
+    state, rest = cpu.state_dict(), list(it)
+    gpu = Loader(_Consume(Background(DeviceCopy(_reader(), "cuda"))))
+    gpu.load_state_dict(state)
+    got = list(gpu)
+    assert len(got) == len(rest) and all(b.equals(e) for b, e in zip(got, rest))
