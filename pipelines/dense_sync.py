@@ -1,18 +1,28 @@
-"""The step's one all-reduce: the dense gradients, kept in flat buffers, with a bookkeeping block at the end.
+"""The step's dense all-reduce: gradients in flat buckets, summed as the backward produces them (DDP's way), with a
+bookkeeping block in the last bucket.
 
-Every dense parameter's ``.grad`` is a view of one flat buffer per dtype (the bucket view of DDP's
-``gradient_as_bucket_view``): the backward accumulates into it in place, so the all-reduce runs on the buffer as
-it is, with no gather of the gradients before it and no copy back after it, and zeroing them is one fill.
+Every dense parameter's ``.grad`` is a view of one bucket (DDP's ``gradient_as_bucket_view``): the backward
+accumulates into it in place, so a bucket is all-reduced as it is, with no gather before and no copy back after,
+and zeroing is one fill per bucket. Parameters go into buckets in reverse order, since the backward produces the
+last layers' gradients first, and a bucket closes at ``bucket_bytes``. As soon as every gradient of a bucket has
+been accumulated (``register_post_accumulate_grad_hook``) its all-reduce starts, while the backward goes on. Buckets
+start strictly in index order on every rank (a ready bucket waits for the ones before it), so the collectives
+pair up across ranks even when a rank's batch leaves some parameters without a gradient; those buckets start
+after the backward, in the same order.
 
-The float32 buffer ends with the bookkeeping block: the global scalars (label count, BCE sum, positives), then
-one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns every rank's timings
-from the same all-reduce. The block travels as float32: exact for counts below 2^24 per step. On a GPU it comes
-back through pinned memory with its own event, not a pageable ``.cpu()``, which would hold up the host
-transport's copies until the whole device is idle.
+The last bucket (the first parameters) ends with the bookkeeping block: the global scalars (label count, BCE
+sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
+every rank's timings from the same all-reduce. It starts after the backward, once the block is written. The
+block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
+with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies.
+
+``bucket_bytes=0`` puts every parameter of a dtype in one bucket: one all-reduce after the backward.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Iterable, Optional
 
 import torch
@@ -22,48 +32,102 @@ GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
 PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity")
 
 
+class _Bucket:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.params: list[torch.nn.Parameter] = []
+        self.numel = 0
+        self.buffer: Optional[torch.Tensor] = None
+        self.views: list[torch.Tensor] = []
+
+
 class DenseSync:
     """``all_reduce(scalars, mine)``: sums the gradients of ``params`` and the bookkeeping block over the ranks;
     returns the block on the host (float64): GLOBAL_FIELDS, then world_size x PER_RANK_FIELDS."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device):
+    def __init__(self, params: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device,
+                 bucket_bytes: int = 0):
+        if bucket_bytes < 0:
+            raise ValueError(f"DenseSync: bucket_bytes must be >= 0, got {bucket_bytes}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.params = [p for p in params if p.requires_grad]
         self.book_size = len(GLOBAL_FIELDS) + world_size * len(PER_RANK_FIELDS)
-        sizes: dict[torch.dtype, int] = {torch.float32: 0}
-        for p in self.params:
-            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-        self.buffers = {
-            dtype: torch.zeros(n + (self.book_size if dtype == torch.float32 else 0), dtype=dtype, device=self.device)
-            for dtype, n in sizes.items()
-        }
-        self.views: list[torch.Tensor] = []
-        offsets = dict.fromkeys(sizes, 0)
-        for p in self.params:
-            start = offsets[p.dtype]
-            view = self.buffers[p.dtype][start : start + p.numel()].view(p.shape)
-            offsets[p.dtype] += p.numel()
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            self.views.append(view)
-        self.book = self.buffers[torch.float32][offsets[torch.float32] :]
+        cap = bucket_bytes or math.inf
+        self.buckets: list[_Bucket] = []
+        for p in reversed([p for p in params if p.requires_grad]):
+            last = self.buckets[-1] if self.buckets else None
+            if last is None or last.dtype != p.dtype or (last.numel and (last.numel + p.numel()) * p.element_size() > cap):
+                last = _Bucket(p.dtype)
+                self.buckets.append(last)
+            last.params.append(p)
+            last.numel += p.numel()
+        if not self.buckets or self.buckets[-1].dtype != torch.float32:
+            self.buckets.append(_Bucket(torch.float32))
+        for i, bucket in enumerate(self.buckets):
+            extra = self.book_size if i == len(self.buckets) - 1 else 0
+            bucket.buffer = torch.zeros(bucket.numel + extra, dtype=bucket.dtype, device=self.device)
+            offset = 0
+            for p in bucket.params:
+                view = bucket.buffer[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                bucket.views.append(view)
+        self.book = self.buckets[-1].buffer[self.buckets[-1].numel :]
+        # Overlap: every bucket but the last starts from the hooks of its parameters.
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets[:-1]) for p in b.params}
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._works: list = []
+        self._next = 0
+        for b in self.buckets[:-1]:
+            for p, view in zip(b.params, b.views):
+                p.register_post_accumulate_grad_hook(self._hook(view))
         cuda = self.device.type == "cuda"
         self._up = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda)
         self._down = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda) if cuda else None
         self._done: Optional[torch.cuda.Event] = torch.cuda.Event() if cuda else None
+        self._reset_pending()
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def _reset_pending(self) -> None:
+        self._pending = [len(b.params) for b in self.buckets]
+        self._works, self._next = [], 0
+
+    def _hook(self, view: torch.Tensor):
+        def accumulated(p: torch.nn.Parameter) -> None:
+            if p.grad is not view:  # replaced rather than accumulated into (e.g. a non-contiguous layout)
+                view.copy_(p.grad)
+                p.grad = view
+            with self._lock:
+                self._pending[self._bucket_of[id(p)]] -= 1
+                self._start_ready()
+        return accumulated
+
+    def _start_ready(self, upto: Optional[int] = None) -> None:
+        """Starts, in index order, the buckets whose gradients are all in (every bucket below ``upto``)."""
+        while self._next < len(self.buckets) and (
+            (upto is not None and self._next < upto) or (self._next < len(self.buckets) - 1 and self._pending[self._next] == 0)
+        ):
+            self._works.append(dist.all_reduce(self.buckets[self._next].buffer, async_op=True))
+            self._next += 1
 
     def zero_grad(self) -> None:
         """Every gradient (and the block) to zero; also those this rank's batch does not reach (an empty local
-        batch): the buffers have the same layout on every rank."""
-        for p, view in zip(self.params, self.views):
-            if p.grad is not view:  # replaced by someone (set_to_none, a non-contiguous layout): point it back
-                p.grad = view
-        for buffer in self.buffers.values():
-            buffer.zero_()
+        batch): the buckets have the same layout on every rank."""
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                if p.grad is not view:  # replaced by someone (set_to_none): point it back
+                    p.grad = view
+            b.buffer.zero_()
+        with self._lock:
+            self._reset_pending()
 
     def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...]) -> torch.Tensor:
-        for p, view in zip(self.params, self.views):
+        for p, view in zip(self.buckets[-1].params, self.buckets[-1].views):
             if p.grad is not view:
                 view.copy_(p.grad)
                 p.grad = view
@@ -72,7 +136,9 @@ class DenseSync:
         slot = len(GLOBAL_FIELDS) + self.rank * len(PER_RANK_FIELDS)
         self._up[slot : slot + len(PER_RANK_FIELDS)] = torch.tensor(mine)
         self.book.copy_(self._up, non_blocking=True)
-        works = [dist.all_reduce(buffer, async_op=True) for buffer in self.buffers.values() if buffer.numel()]
+        with self._lock:
+            self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
+            works = self._works
         for work in works:
             work.wait()
         if self._done is None:

@@ -2,7 +2,9 @@
 
     train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
                    -> checkpoint
-    train_step():  forward_backward (timed: compute) -> sync (one all-reduce, timed) -> optimizer step
+    train_step():  forward_backward (timed: compute; the dense buckets' all-reduces start as the backward fills
+                   them) -> sync (the last bucket with the bookkeeping block, then every bucket waited for, timed)
+                   -> optimizer step
 
 Modes (``--mode``), one harness:
     replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
@@ -21,10 +23,10 @@ are spread. The sharded tables' gradients come from the same scaled loss, so the
 The global label count comes free with the balancer's gathered lengths; without the balancer it costs one
 tiny all-reduce before the forward (timed as ``label_count``).
 
-The one all-reduce of a step (pipelines.dense_sync) carries, after the dense gradients (kept in flat buffers),
-a bookkeeping block: the label count, the BCE sum and positives (for loss and NE), and per-rank slots (each rank
-writes only its own) with compute time, tokens, samples and sparsity. So per-rank timings reach every rank with
-no extra collective.
+The dense all-reduce (pipelines.dense_sync) runs in buckets that start while the backward still runs, as DDP's
+do; its last bucket carries a bookkeeping block: the label count, the BCE sum and positives (for loss and NE),
+and per-rank slots (each rank writes only its own) with compute time, tokens, samples and sparsity. So per-rank
+timings reach every rank with no extra collective.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's
@@ -132,7 +134,8 @@ class Trainer:
             self.optimizer = self.torchrec.optimizer
         else:
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
-            self.dense_sync = DenseSync(self.model.parameters(), rank, world_size, device)
+            self.dense_sync = DenseSync(self.model.parameters(), rank, world_size, device,
+                                        bucket_bytes=int(config.train.bucket_mb * 2**20))
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
         self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
         self.step = 0
@@ -271,8 +274,8 @@ class Trainer:
         t0 = time.perf_counter()
         with torch.profiler.record_function("freescale/forward_backward"):
             labels, bce, positives = self.forward_backward(batch, global_labels)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
+                torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
         lengths = batch.uih_lengths.cpu()
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))

@@ -1,0 +1,71 @@
+"""The bucketed dense all-reduce: every rank ends with the sum of every rank's gradients and the bookkeeping
+block, whatever the bucket size, also when one rank's backward leaves parameters without a gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+
+
+def _step(rank, world_size, bucket_bytes, skip_last_layers):
+    from pipelines.dense_sync import DenseSync
+
+    model = _model()
+    sync = DenseSync(model.parameters(), rank, world_size, torch.device("cpu"), bucket_bytes=bucket_bytes)
+    out = []
+    for step in range(2):
+        sync.zero_grad()
+        x = torch.full((4, 8), float(rank + 1 + step))
+        if skip_last_layers and rank == 1:  # this rank's loss never reaches the last two layers
+            loss = model[1](model[0](x)).sum()
+        else:
+            loss = model(x).sum()
+        loss.backward()
+        book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0))
+        out.append(([p.grad.clone() for p in model.parameters()], book))
+    return sync.num_buckets, out
+
+
+def _expected(world_size, skip_last_layers):
+    """Gradients summed over ranks, computed in one process."""
+    sums = []
+    for step in range(2):
+        model = _model()
+        for rank in range(world_size):
+            x = torch.full((4, 8), float(rank + 1 + step))
+            loss = model[1](model[0](x)).sum() if skip_last_layers and rank == 1 else model(x).sum()
+            loss.backward()
+        sums.append([p.grad.clone() for p in model.parameters()])
+    return sums
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 300, 1 << 20])
+@pytest.mark.parametrize("skip_last_layers", [False, True])
+def test_every_rank_gets_the_summed_gradients_and_the_block(bucket_bytes, skip_last_layers):
+    world_size = 2
+    results = run_ranks(_step, world_size, (bucket_bytes, skip_last_layers))
+    expected = _expected(world_size, skip_last_layers)
+    for num_buckets, out in results:
+        if bucket_bytes == 300:
+            assert num_buckets > 2, "small buckets: several all-reduces overlap the backward"
+        for step, (grads, book) in enumerate(out):
+            for got, want in zip(grads, expected[step]):
+                torch.testing.assert_close(got, want)
+            assert book[:3].tolist() == [2.0, 1.0, 4.0]
+            assert book[3:].view(world_size, 4).tolist() == [[0.0, 1.0, 2.0, 3.0], [1.0, 1.0, 2.0, 3.0]]
+
+
+def test_negative_bucket_size_is_refused():
+    from pipelines.dense_sync import DenseSync
+
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 0"):
+        DenseSync(_model().parameters(), 0, 1, torch.device("cpu"), bucket_bytes=-1)
