@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)")
     parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
@@ -65,6 +66,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
+    if args.bucket_mb is not None:
+        cfg.train.bucket_mb = args.bucket_mb
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
