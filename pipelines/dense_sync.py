@@ -8,7 +8,9 @@ last layers' gradients first, and a bucket closes at ``bucket_bytes``. As soon a
 been accumulated (``register_post_accumulate_grad_hook``) its all-reduce starts, while the backward goes on. Buckets
 start strictly in index order on every rank (a ready bucket waits for the ones before it), so the collectives
 pair up across ranks even when a rank's batch leaves some parameters without a gradient; those buckets start
-after the backward, in the same order.
+after the backward, in the same order. The hooks issue from autograd's thread while the training thread waits in
+``backward()``, and the training thread issues the last bucket after it returns: the two threads never issue on
+the group at the same time.
 
 The last bucket (the first parameters) ends with the bookkeeping block: the global scalars (label count, BCE
 sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
