@@ -35,6 +35,7 @@ class DataConfig:
 @dataclass
 class ModelSection:
     model: str = _f("tiny", "reference model preset (tiny, small, production)")
+    num_items: Optional[int] = _f(None, "override the preset's item table rows (ids are taken modulo it)")
     dim: Optional[int] = _f(None, "override the preset's width d")
     num_layers: Optional[int] = _f(None, "override the preset's number of transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH seen by the encoder")
@@ -84,6 +85,8 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         if self.train.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.train.nproc}")
+        if self.model.num_items is not None and self.model.num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {self.model.num_items}")
         if self.train.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.train.steps}")
         if self.train.device not in ("cpu", "cuda", "auto"):

@@ -9,7 +9,8 @@ shows as "n/m" (None in the JSON), never as 0.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
-    light   short sequences, tiny tables (where FreeScale should not help: it must cost nothing there)
+    light   short sequences, tiny tables (where FreeScale should not help: it must cost nothing there); the item
+            table has as many rows as the tiny preset's vocabulary (10,000), so both ranks' shards are used
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ TORCHREC_NOTE = (
 )
 CASES = {
     "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),
-    "light": dict(preset="tiny", uih_cap=64, batch_size=16, model="tiny", max_uih=64),
+    "light": dict(preset="tiny", uih_cap=64, batch_size=16, model="tiny", max_uih=64, num_items=10_000),
 }
 
 
@@ -63,6 +64,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = c["preset"], c["uih_cap"], 1_000_000
     cfg.loader.batch_size = args.batch_size or c["batch_size"]
     cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
+    cfg.model.num_items = c.get("num_items")
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
