@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fscomm import get_transport
 from fscomm.groups import new_stage_group
 from fsdata.balancer import BalancerConfig, balancer_stages
-from fsdata.loader import LoaderConfig, build_loader
+from fsdata.loader import LoaderConfig, build_loader, shutdown_loader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
 
@@ -42,6 +42,8 @@ def main(steps: int = 5) -> None:
     state = loader.state_dict()  # checkpoint the loader with its state: load_state_dict(state) resumes exactly
     if rank == 0:
         print(f"loader state keys: {sorted(state)}")
+    # The stage worker is already exchanging the next batch: let it finish on every rank before the groups go.
+    shutdown_loader(loader)
     dist.destroy_process_group()
 
 
