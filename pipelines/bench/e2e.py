@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
+                             "the spread of freescale's paired ratios to sync (for noisy machines)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)")
     parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
@@ -118,27 +121,68 @@ def main(args: argparse.Namespace) -> int:
     for c in cases:
         if c not in CASES:
             raise SystemExit(f"unknown case {c!r}; choose from {sorted(CASES)}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     rows = []
     for case in cases:
-        for mode in modes:
-            print(f"[bench e2e] case {case}, mode {mode}: {args.nproc} ranks x {args.steps} steps on {args.device}", flush=True)
-            rows.append(_row(case, launch(case_config(case, mode, args))))
-    for case in cases:
-        by_mode = {r["mode"]: r for r in rows if r["case"] == case}
-        if "sync" in by_mode and "freescale" in by_mode and (by_mode["sync"]["bubble_ms"] or 0) > 0:
-            sync, ours = by_mode["sync"], by_mode["freescale"]
-            for r in by_mode.values():
-                mine = r["mode"] == "freescale"
-                r["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"] if mine else None
-                # Of the per-step medians: the typical step, without one-off outliers (a kernel compiled mid-run).
-                r["bubble_reduction_median"] = 1.0 - ours["bubble_median_ms"] / sync["bubble_median_ms"] if mine else None
+        for repeat in range(args.repeats):
+            for mode in modes:
+                print(f"[bench e2e] case {case}, mode {mode}, run {repeat + 1}/{args.repeats}: {args.nproc} ranks x "
+                      f"{args.steps} steps on {args.device}", flush=True)
+                row = _row(case, launch(case_config(case, mode, args)))
+                row["repeat"] = repeat
+                rows.append(row)
+    pair_with_sync(rows)
     _print_table(rows)
+    if args.repeats > 1:
+        for line in spread(rows):
+            print(line)
     if args.plot:
         _plot_ne(rows, args.plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def pair_with_sync(rows: list[dict]) -> None:
+    """Sets freescale's ``bubble_reduction`` (of the per-step means) and ``bubble_reduction_median`` (of the
+    per-step medians: the typical step, without one-off outliers) against sync of the same case and run."""
+    for key in sorted({(r["case"], r.get("repeat", 0)) for r in rows}):
+        by_mode = {r["mode"]: r for r in rows if (r["case"], r.get("repeat", 0)) == key}
+        sync, ours = by_mode.get("sync"), by_mode.get("freescale")
+        for r in by_mode.values():
+            r["bubble_reduction"] = r["bubble_reduction_median"] = None
+        if sync is None or ours is None or not (sync["bubble_ms"] or 0) > 0:
+            continue
+        ours["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"]
+        ours["bubble_reduction_median"] = 1.0 - ours["bubble_median_ms"] / sync["bubble_median_ms"]
+
+
+def spread(rows: list[dict]) -> list[str]:
+    """Per case, over the runs: freescale's bubble reduction and samples/s ratio to sync of the same run."""
+    lines = []
+    for case in sorted({r["case"] for r in rows}):
+        runs = sorted({r.get("repeat", 0) for r in rows if r["case"] == case})
+        reductions, ratios = [], []
+        for run in runs:
+            by_mode = {r["mode"]: r for r in rows if r["case"] == case and r.get("repeat", 0) == run}
+            if "sync" in by_mode and by_mode.get("freescale", {}).get("bubble_reduction") is not None:
+                reductions.append(by_mode["freescale"]["bubble_reduction"])
+                ratios.append(by_mode["freescale"]["samples_per_s"] / by_mode["sync"]["samples_per_s"])
+        if reductions:
+            lines.append(
+                f"{case}: over {len(reductions)} runs, bubble_reduction median {100 * _mid(reductions):.1f}% "
+                f"(min {100 * min(reductions):.1f}%, max {100 * max(reductions):.1f}%); freescale/sync samples/s "
+                f"median {_mid(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+            )
+    return lines
+
+
+def _mid(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 def _cell(value: Optional[float], width: int, digits: int) -> str:
