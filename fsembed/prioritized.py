@@ -88,17 +88,17 @@ class _Sizes:
     def __init__(self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds,
                  flags_handle):
         device = co_shard.device
+        sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device))
+                for mask, splits in ((co_shard, step.recv_splits), (fresh_shard, nxt.recv_splits))]
+        counts = torch.stack(sums, 1)  # [W, 2]: row q counts rank q's ids
         self._event = None
         if device.type == "cuda":
-            sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device))
-                    for mask, splits in ((co_shard, step.recv_splits), (fresh_shard, nxt.recv_splits))]
-            counts = torch.stack(sums, 1)  # [W, 2]: row q counts rank q's ids
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self._host.copy_(counts, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:  # on the host already: counted at once
-            self._host = torch.tensor([_host_counts(co_shard, step.recv_splits), _host_counts(fresh_shard, nxt.recv_splits)]).T
+        else:
+            self._host = counts
         self._flags_handle, self._send = flags_handle, (step.send_splits, nxt.send_splits)
         self._lock = threading.Lock()
         self._counts: Optional[_Counts] = None
@@ -111,7 +111,8 @@ class _Sizes:
                 # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
                 first, second = self._send
                 parts = [n for pair in zip(first, second) for n in pair]
-                sums = _host_counts(self._flags_handle.host(), parts)
+                flags = self._flags_handle.host()
+                sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
                 self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
             return self._counts
 
@@ -157,14 +158,6 @@ def _offsets(splits: list[int], device) -> torch.Tensor:
     host = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
     torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=host[1:])
     return host.to(device, non_blocking=True)
-
-
-def _host_counts(mask: torch.Tensor, splits: list[int]) -> list[int]:
-    """Set entries of each consecutive part of a host mask (parts of ``splits`` entries): one cumulative sum read
-    at the parts' ends, however many parts."""
-    ends = torch.tensor(splits, dtype=torch.int64).cumsum(0)
-    running = torch.cat([torch.zeros(1, dtype=torch.int64), mask.to(torch.int64).cumsum(0)])[ends]
-    return torch.diff(running, prepend=torch.zeros(1, dtype=torch.int64)).tolist()
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
