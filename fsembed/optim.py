@@ -29,13 +29,13 @@ def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[to
     repeat real rows (entry k is row k mod U, with that row's sum), so that every write of a row carries the
     same values and the number of unique rows never has to reach the host. On the CPU, where reading U costs
     nothing, only the U unique rows come back (the same sums: the same segments, summed by the same op)."""
-    m = local_ids.numel()
     sorted_ids, order = torch.sort(local_ids, stable=True)
     if not local_ids.is_cuda:
         rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
         return rows, ops.segment_sum(grads.index_select(0, order), offsets)
+    m = local_ids.numel()
     first = torch.ones(m, dtype=torch.bool, device=local_ids.device)
     first[1:] = sorted_ids[1:] != sorted_ids[:-1]
     starts = torch.nonzero_static(first, size=m, fill_value=m).squeeze(1)  # U segment starts, then m
