@@ -20,7 +20,7 @@ the consumer.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 
 import torch
@@ -61,6 +61,17 @@ class ShardedIds:
     def wait_time_s(self) -> float:
         return float(getattr(self.handle, "wait_time_s", 0.0))
 
+    def pin_memory(self) -> "ShardedIds":
+        """The same exchange with its host-side tensors pinned (so that ``to`` copies them asynchronously)."""
+        if self.perm.is_cuda:
+            return self
+        return replace(self, perm=self.perm.pin_memory(),
+                       _shard_ids=None if self._shard_ids is None else self._shard_ids.pin_memory())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds now (not the result still in flight)."""
+        return [self.perm] + ([] if self._shard_ids is None else [self._shard_ids])
+
     def to(self, device: torch.device) -> "ShardedIds":
         """The same exchange, its results delivered on ``device`` (the loader exchanges ids on the CPU, off
         the GPU streams, so it never waits behind queued compute; the tables may live on a GPU)."""
@@ -80,7 +91,11 @@ class _OnDevice:
         self.inner, self.device = inner, device
 
     def wait(self) -> torch.Tensor:
-        return self.inner.wait().to(self.device, non_blocking=True)
+        # Pinned first: a copy from pageable memory would hold the host until the stream's queued work is done.
+        result = self.inner.wait()
+        if result.device.type == "cpu" and torch.device(self.device).type == "cuda" and not result.is_pinned():
+            result = result.pin_memory()
+        return result.to(self.device, non_blocking=True)
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
@@ -103,6 +118,12 @@ class PrefetchedIds:
 
     def to(self, device: torch.device) -> "PrefetchedIds":
         return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
+
+    def pin_memory(self) -> "PrefetchedIds":
+        return PrefetchedIds({k: v.pin_memory() for k, v in self.keys.items()})
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for v in self.keys.values() for t in v.tensors()]
 
 
 def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):

@@ -59,8 +59,8 @@ def build_loader(
     device: Optional[torch.device] = None,
 ) -> Loader:
     """``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader). ``device``: where the
-    batches are trained; a CUDA device makes the stage worker copy them there (items then end with a
-    ``DeviceReady`` to wait on before the batch's first use)."""
+    batches are trained; a CUDA device makes the stage worker copy them there, ordered before the work that the
+    building thread's current stream queues after it takes an item (fsdata.nodes.device_copy)."""
     config.validate()
     node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size, start)
     if config.prefetch_depth > 0:

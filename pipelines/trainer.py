@@ -54,7 +54,6 @@ from fsdata.batch import Batch
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, shutdown_loader
 from fsdata.metrics import sparsity
-from fsdata.nodes.device_copy import DeviceReady
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.shuffle import ShuffleSamples
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
@@ -79,7 +78,6 @@ class _Fetched:
     batch: Batch
     balance: Optional[dict]
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
-    ready: Optional[DeviceReady]  # the batch's copies to the device, when the loader made them
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
 
@@ -186,8 +184,6 @@ class Trainer:
                 t0 = time.perf_counter()
                 before = self._exposed_totals()
                 current = ahead.popleft()
-                if current.ready is not None:
-                    current.ready.wait()  # the compute stream follows the batch's copies (no host wait)
                 with torch.profiler.record_function("freescale/data"):
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
@@ -241,10 +237,9 @@ class Trainer:
         batch = parts[0]
         balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
         ids = next((p.to(self.device) for p in parts[1:] if isinstance(p, PrefetchedIds)), None)
-        ready = next((p for p in parts[1:] if isinstance(p, DeviceReady)), None)
-        if ready is None:
+        if batch.device != self.device:  # on a GPU the stage worker copied it already (fsdata.nodes.device_copy)
             batch = batch.to(self.device, non_blocking=True)
-        return _Fetched(batch, balance, ids, ready, new_epoch, loader_state)
+        return _Fetched(batch, balance, ids, new_epoch, loader_state)
 
     def _global_labels(self, fetched: _Fetched) -> float:
         if fetched.balance is not None:

@@ -1,5 +1,6 @@
 """The stage worker's copy to the GPU: the batches arrive on the device equal to the loader's, with the stream
-order the step needs, and the loader resumes exactly through it. Needs a CUDA device."""
+order the step needs (run under TORCH_CUDA_SANITIZER=1 by scripts/gpu_suite.sh check), and the loader resumes
+exactly through it. Needs a CUDA device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torchdata.nodes import BaseNode, Loader
 
 from fsdata.batch import Batch
 from fsdata.nodes.background import Background
-from fsdata.nodes.device_copy import DeviceCopy, DeviceReady
+from fsdata.nodes.device_copy import DeviceCopy
 from fsdata.nodes.reader import GlobalBatchReader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from tests.stateful import run_test_save_load_state
@@ -22,7 +23,7 @@ def _reader():
 
 
 class _Consume(BaseNode):
-    """What the trainer does with an item: wait for the copies, use the batch (here: bring it back)."""
+    """What the trainer does with an item: use it (here: bring it back), with nothing to wait for."""
 
     def __init__(self, source):
         super().__init__()
@@ -33,9 +34,8 @@ class _Consume(BaseNode):
         self.source.reset(initial_state)
 
     def next(self):
-        batch, ready = next(self.source)
-        assert isinstance(ready, DeviceReady) and all(t.is_cuda for t in batch.tensors().values())
-        ready.wait()
+        batch = next(self.source)
+        assert all(t.is_cuda for t in batch.tensors().values())
         return batch.to("cpu")
 
     def get_state(self):
@@ -63,3 +63,48 @@ def test_a_cpu_loaders_state_resumes_through_the_copy():
     gpu.load_state_dict(state)
     got = list(gpu)
     assert len(got) == len(rest) and all(b.equals(e) for b, e in zip(got, rest))
+
+
+class _Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+    def is_completed(self):
+        return True
+
+
+def test_prefetched_ids_arrive_on_the_device_with_the_batch():
+    """The ID prefetch's send permutation is copied with the batch; the exchange's result is moved when waited."""
+    from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+
+    perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
+    ids = PrefetchedIds({"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))})
+
+    class _WithIds(BaseNode):
+        def __init__(self, source):
+            super().__init__()
+            self.source = source
+
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            self.source.reset(initial_state)
+
+        def next(self):
+            return next(self.source), ids
+
+        def get_state(self):
+            return self.source.state_dict()
+
+    consumer = torch.cuda.Stream()  # the node orders this stream after its copies
+    with torch.cuda.stream(consumer):
+        batch, moved = next(iter(Loader(DeviceCopy(_WithIds(_reader()), "cuda", consumer_stream=consumer))))
+        assert isinstance(moved, PrefetchedIds) and batch.uih_item_ids.is_cuda
+        sid = moved["items"]
+        assert sid.perm.is_cuda and torch.equal(sid.perm.sort().values.cpu(), torch.arange(1000))
+        assert torch.equal(sid.perm.cpu(), perm)
+        got = sid.wait()
+        assert got.is_cuda and torch.equal(got.cpu(), shard_ids)  # read on the stream that made it
+    assert sid.send_splits == [600, 400] and sid.recv_splits == [500, 500]
