@@ -16,6 +16,10 @@ A :class:`Batch` stores B samples jagged, as values + offsets (int64 offsets, ``
 ``uih_offsets`` [B+1] into the UIH values, ``candidate_offsets`` [B+1] into the candidate rows, and
 ``content_offsets`` [C_total+1] into ``content_ids`` (candidate-major, in sample order).
 Side features are either present for every sample or absent for all (``None``).
+
+A batch moved from the host to a device keeps its host offsets (``host_offsets``): the sizes a model needs on
+the host (how many tokens, the longest sample) then cost no device sync, which would stall the host until the
+GPU drained its queue and then leave the GPU idle while the host queues the next kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ UIH_ACTION_KEY = "uih_action_types"
 UIH_TIME_KEY = "uih_timestamps"
 CONTENT_LENGTHS_KEY = "candidate_content_lengths"  # one value per candidate: its number of content ids
 CONTENT_KEY = "content_ids"  # all content ids of a sample's candidates, candidate-major
+OFFSET_FIELDS = ("uih_offsets", "candidate_offsets", "content_offsets")
 
 
 @dataclass
@@ -220,10 +225,27 @@ class Batch:
         )
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if moved.device.type != "cpu":
+            # not a field: what the batch carries besides its tensors, dropped by _map and on the way back to the host
+            moved._host_offsets = (
+                getattr(self, "_host_offsets", None) if self.device.type != "cpu" else {n: getattr(self, n) for n in OFFSET_FIELDS}
+            )
+        return moved
 
     def pin_memory(self) -> "Batch":
         return self._map(lambda t: t.pin_memory())
+
+    def host_offsets(self, name: str) -> torch.Tensor:
+        """The offsets field ``name`` (one of ``OFFSET_FIELDS``) on the host, with no device sync when the batch
+        was moved here from the host (``to``); otherwise copied back (a sync)."""
+        if name not in OFFSET_FIELDS:
+            raise ValueError(f"Batch.host_offsets: {name!r} is not an offsets field {OFFSET_FIELDS}")
+        cached = getattr(self, "_host_offsets", None)
+        if cached is not None:
+            return cached[name]
+        offsets = getattr(self, name)
+        return offsets if offsets.device.type == "cpu" else offsets.cpu()
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Named tensors (absent side features omitted): for checksums, state and transport."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdata.batch import Batch
+from fsdata.batch import Batch, offsets_to_lengths
 
 
 @dataclass
@@ -111,16 +111,19 @@ class SequenceModel(nn.Module):
         for emb in (self.item_embedding, self.action_embedding, self.position):
             nn.init.normal_(emb.weight, std=0.02)
 
-    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keeps each sample's most recent ``max_uih`` events (offsets and the flat index of kept tokens)."""
+    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Keeps each sample's most recent ``max_uih`` events: offsets and the flat index and position of the kept
+        tokens, and the longest kept length. The sizes come from the batch's host offsets: no device sync."""
+        host_kept = offsets_to_lengths(batch.host_offsets("uih_offsets")).clamp(max=self.config.max_uih)
+        total, longest = int(host_kept.sum()), int(host_kept.max()) if host_kept.numel() else 0
         lengths = batch.uih_lengths
         kept = lengths.clamp(max=self.config.max_uih)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
         torch.cumsum(kept, 0, out=offsets[1:])
-        sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept)
-        pos = torch.arange(int(offsets[-1]), device=lengths.device) - offsets[:-1][sample]
+        sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept, output_size=total)
+        pos = torch.arange(total, device=lengths.device) - offsets[:-1][sample]
         flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
-        return offsets, flat, pos
+        return offsets, flat, pos, longest
 
     def item_ids(self, batch: Batch) -> torch.Tensor:
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids.
@@ -128,16 +131,15 @@ class SequenceModel(nn.Module):
         One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
         of the whole step at once (pipelines use this same function to prefetch the next batch's ids).
         """
-        _, flat, _ = self._truncate(batch)
+        _, flat, _, _ = self._truncate(batch)
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
     def encode_uih(self, batch: Batch, uih_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoded UIH, padded [B, L, d], with its mask [B, L], from the kept UIH items' embedding rows."""
-        offsets, flat, pos = self._truncate(batch)
+        offsets, flat, pos, max_len = self._truncate(batch)
         tokens = uih_rows + self.position(pos)
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
-        max_len = int((offsets[1:] - offsets[:-1]).max()) if batch.batch_size else 0
         x, mask, _ = _pad(tokens, offsets, max(max_len, 1))
         for block in self.blocks:
             x = block(x)
@@ -154,13 +156,15 @@ class SequenceModel(nn.Module):
         # Candidate vectors: sum of their content-id rows (a candidate without content gets a zero vector).
         cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         # Target attention: candidates padded per sample query their own sample's encoded UIH.
-        c_max = int(batch.num_candidates.max())
+        c_max = int(offsets_to_lengths(batch.host_offsets("candidate_offsets")).max())
         q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
         b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
         heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
         attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
         attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
-        sample_of_cand = torch.repeat_interleave(torch.arange(b, device=cand.device), batch.num_candidates)
+        sample_of_cand = torch.repeat_interleave(
+            torch.arange(b, device=cand.device), batch.num_candidates, output_size=cand.shape[0]
+        )
         dense = self.dense_proj(batch.dense)[sample_of_cand]
         return self.head(torch.cat([cand, attended, dense], dim=-1))
 

@@ -50,7 +50,7 @@ from fscomm import get_transport
 from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
-from fsdata.batch import Batch
+from fsdata.batch import Batch, offsets_to_lengths
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, shutdown_loader
 from fsdata.metrics import sparsity
@@ -272,7 +272,7 @@ class Trainer:
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
-        lengths = batch.uih_lengths.cpu()
+        lengths = offsets_to_lengths(batch.host_offsets("uih_offsets"))
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
@@ -50,3 +51,31 @@ def test_empty_batch_still_reaches_the_embedding_table():
     assert logits.shape == (0, 1)
     bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
     assert model.item_embedding.weight.grad is not None
+
+
+def test_host_offsets_travel_with_a_batch_moved_to_the_device_and_back():
+    rng = np.random.default_rng(2)
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((3, 9, 0, 5))])
+    for name in ("uih_offsets", "candidate_offsets", "content_offsets"):
+        assert torch.equal(batch.host_offsets(name), getattr(batch, name))
+    assert batch.to("cpu").host_offsets("uih_offsets").device.type == "cpu"
+    with pytest.raises(ValueError, match="not an offsets field"):
+        batch.host_offsets("uih_item_ids")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_forward_makes_no_device_sync_for_a_batch_from_the_host():
+    """The sizes come from the batch's host offsets: a sync would stall the host, then idle the GPU. (The backward
+    of torch's own nn.Embedding, used for positions and actions, still reads a count back.)"""
+    rng = np.random.default_rng(3)
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((3, 90, 0, 50))]).to("cuda")
+    model = _model(max_uih=64).train().cuda()
+    expected = model(batch.to("cpu").to("cuda"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = model(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(logits, expected)
