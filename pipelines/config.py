@@ -59,6 +59,7 @@ class TrainConfig:
     checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: never)")
     resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
     trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
+    gil_switch_ms: float = _f(1.0, "Python's thread switch interval (sys.setswitchinterval) per rank, in ms: how long a thread that wants the GIL (the training thread after each torch op) may wait while the stage worker or the embedding chains run Python; Python's default is 5")
     bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
@@ -105,6 +106,8 @@ class JobConfig:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
         if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:
             raise ValueError("checkpoint_every and resume=latest need --checkpoint-dir")
+        if not self.train.gil_switch_ms > 0:
+            raise ValueError(f"gil_switch_ms must be > 0, got {self.train.gil_switch_ms}")
         if not self.train.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
         if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):

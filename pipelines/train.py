@@ -72,8 +72,8 @@ def worker(config: JobConfig) -> Optional[dict]:
     torch.set_num_threads(config.train.threads or (min(2, share) if use_cuda else share))
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it, 5 ms by default, which the trace showed as gaps
-    # in the model thread. 1 ms bounds that wait.
-    sys.setswitchinterval(1e-3)
+    # in the model thread. --gil-switch-ms (default 1 ms) bounds that wait.
+    sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size)
     try:

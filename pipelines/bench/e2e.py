@@ -51,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
+    parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
                              "the spread of freescale's paired ratios to sync (for noisy machines)")
@@ -73,6 +74,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.balancer.partitioner = args.partitioner
     if args.bucket_mb is not None:
         cfg.train.bucket_mb = args.bucket_mb
+    if args.gil_switch_ms is not None:
+        cfg.train.gil_switch_ms = args.gil_switch_ms
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())

@@ -38,6 +38,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--data", "/no/such/file.parquet"], "does not exist"),
         (["--autotune", "--partitioner", "fbs"], "autotune"),
         (["--transport", "carrier-pigeon"], "transport"),
+        (["--gil-switch-ms", "0"], "gil_switch_ms"),
     ],
 )
 def test_bad_config_is_a_clear_error(argv, match):
