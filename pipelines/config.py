@@ -60,7 +60,7 @@ class TrainConfig:
     resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
     trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval (sys.setswitchinterval) per rank, in ms: how long a thread that wants the GIL (the training thread after each torch op) may wait while the stage worker or the embedding chains run Python; Python's default is 5")
-    bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one bucket, all-reduced once the backward has produced its last gradient")
+    bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
 

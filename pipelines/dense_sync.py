@@ -1,5 +1,5 @@
-"""The step's dense all-reduce: gradients in flat buckets, summed as the backward produces them (DDP's way), then a
-bookkeeping block in a bucket of its own.
+"""The step's dense all-reduce: gradients in flat buckets, summed as the backward produces them (DDP's way), with a
+bookkeeping block in the last bucket.
 
 Every dense parameter's ``.grad`` is a view of one bucket (DDP's ``gradient_as_bucket_view``): the backward
 accumulates into it in place, so a bucket is all-reduced as it is, with no gather before and no copy back after,
@@ -9,20 +9,16 @@ been accumulated (``register_post_accumulate_grad_hook``) its all-reduce starts,
 start strictly in index order on every rank (a ready bucket waits for the ones before it), so the collectives
 pair up across ranks even when a rank's batch leaves some parameters without a gradient; those buckets start
 after the backward, in the same order. The hooks issue from autograd's thread while the training thread waits in
-``backward()``, and the training thread issues the rest after it returns: the two threads never issue on the
-group at the same time.
+``backward()``, and the training thread issues the last bucket after it returns: the two threads never issue on
+the group at the same time.
 
-The bookkeeping block travels last, alone: the global scalars (label count, BCE sum, positives), then one slot of
-``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns every rank's timings from the same
-all-reduce. It starts after the backward, once the block is written. In a bucket of its own, the first
-parameters' bucket (their gradients come last) still leaves from its hooks, while the rest of the backward runs
-(a sharded embedding's exchanges, in the pipelines); riding with them, it waited for the end of the backward
-(1 MiB of position-embedding gradient in the reference model: 1.2-1.9 ms exposed on the H200s). The block travels
-as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory with its own
-event, not a pageable ``.cpu()``, which would hold up the host transport's copies.
+The last bucket (the first parameters) ends with the bookkeeping block: the global scalars (label count, BCE
+sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
+every rank's timings from the same all-reduce. It starts after the backward, once the block is written. The
+block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
+with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies.
 
-``bucket_bytes=0`` puts every parameter of a dtype in one bucket: it leaves when the backward has produced the
-last gradient.
+``bucket_bytes=0`` puts every parameter of a dtype in one bucket: one all-reduce after the backward.
 """
 
 from __future__ import annotations
@@ -66,7 +62,8 @@ class DenseSync:
                 self.buckets.append(last)
             last.params.append(p)
             last.numel += p.numel()
-        self.buckets.append(_Bucket(torch.float32))  # the bookkeeping block's own
+        if not self.buckets or self.buckets[-1].dtype != torch.float32:
+            self.buckets.append(_Bucket(torch.float32))
         for i, bucket in enumerate(self.buckets):
             extra = self.book_size if i == len(self.buckets) - 1 else 0
             bucket.buffer = torch.zeros(bucket.numel + extra, dtype=bucket.dtype, device=self.device)
@@ -79,7 +76,7 @@ class DenseSync:
                 p.grad = view
                 bucket.views.append(view)
         self.book = self.buckets[-1].buffer[self.buckets[-1].numel :]
-        # Overlap: every parameter bucket starts from the hooks of its parameters (the block's, last, after).
+        # Overlap: every bucket but the last starts from the hooks of its parameters.
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets[:-1]) for p in b.params}
         self._lock = threading.Lock()
         self._pending: list[int] = []
@@ -132,13 +129,17 @@ class DenseSync:
             self._reset_pending()
 
     def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...]) -> torch.Tensor:
+        for p, view in zip(self.buckets[-1].params, self.buckets[-1].views):
+            if p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
         self._up.zero_()
         self._up[: len(GLOBAL_FIELDS)] = torch.tensor(scalars)
         slot = len(GLOBAL_FIELDS) + self.rank * len(PER_RANK_FIELDS)
         self._up[slot : slot + len(PER_RANK_FIELDS)] = torch.tensor(mine)
         self.book.copy_(self._up, non_blocking=True)
         with self._lock:
-            self._start_ready(upto=len(self.buckets))  # buckets a rank's batch left without gradients, then the block
+            self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
             works = self._works
         for work in works:
             work.wait()

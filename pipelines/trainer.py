@@ -3,7 +3,7 @@
     train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
                    -> checkpoint
     train_step():  forward_backward (timed: compute; the dense buckets' all-reduces start as the backward fills
-                   them) -> sync (the bookkeeping block's all-reduce, then every bucket waited for, timed)
+                   them) -> sync (the last bucket with the bookkeeping block, then every bucket waited for, timed)
                    -> optimizer step
 
 Modes (``--mode``), one harness:
@@ -24,9 +24,9 @@ The global label count comes free with the balancer's gathered lengths; without 
 tiny all-reduce before the forward (timed as ``label_count``).
 
 The dense all-reduce (pipelines.dense_sync) runs in buckets that start while the backward still runs, as DDP's
-do; a bookkeeping block follows them, alone: the label count, the BCE sum and positives (for loss and NE), and
-per-rank slots (each rank writes only its own) with compute time, tokens, samples and sparsity. So per-rank
-timings reach every rank with one tiny all-reduce.
+do; its last bucket carries a bookkeeping block: the label count, the BCE sum and positives (for loss and NE),
+and per-rank slots (each rank writes only its own) with compute time, tokens, samples and sparsity. So per-rank
+timings reach every rank with no extra collective.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's

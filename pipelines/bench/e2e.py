@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one bucket, all-reduced once the backward has produced its last gradient)")
+    parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
