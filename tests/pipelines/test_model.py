@@ -53,14 +53,28 @@ def test_empty_batch_still_reaches_the_embedding_table():
     assert model.item_embedding.weight.grad is not None
 
 
-def test_host_offsets_travel_with_a_batch_moved_to_the_device_and_back():
+def test_host_offsets_travel_with_a_batch_moved_off_the_host():
+    """A batch moved off the host answers host_offsets from what it was moved from: no copy back (from the meta
+    device, which holds no data, a copy back would fail)."""
     rng = np.random.default_rng(2)
     batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((3, 9, 0, 5))])
+    away = batch.to("meta")
     for name in ("uih_offsets", "candidate_offsets", "content_offsets"):
-        assert torch.equal(batch.host_offsets(name), getattr(batch, name))
-    assert batch.to("cpu").host_offsets("uih_offsets").device.type == "cpu"
+        assert getattr(away, name).is_meta
+        assert torch.equal(away.host_offsets(name), getattr(batch, name))
+        assert torch.equal(away.to("meta").host_offsets(name), getattr(batch, name))  # device to device keeps them
+    assert torch.equal(batch.host_offsets("uih_offsets"), batch.uih_offsets)
     with pytest.raises(ValueError, match="not an offsets field"):
         batch.host_offsets("uih_item_ids")
+
+
+def test_the_forward_reads_no_size_from_the_device():
+    """The CPU stand-in of the GPU test below: on the meta device (shapes, no data) any size read back from a
+    device tensor (``int()``, ``.item()``, ``repeat_interleave`` without ``output_size``) raises."""
+    rng = np.random.default_rng(3)
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((3, 90, 0, 50))])
+    logits = _model(max_uih=64).to("meta")(batch.to("meta"))
+    assert logits.is_meta and logits.shape == (batch.candidate_labels.shape[0], 1)
 
 
 @pytest.mark.gpu
