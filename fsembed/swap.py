@@ -36,20 +36,46 @@ class EmbeddingHub:
         self.collection = collection
         self._ids: dict[str, torch.Tensor] = {}
         self._out: dict[str, torch.Tensor] = {}
+        self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed), see rows()
 
     def prepare(self, features: Mapping[str, torch.Tensor], next_features=None, *, prefetched=None) -> None:
         """Looks up every feature of this step (``next_features``: the next step's, for prioritized updates;
         ``prefetched``: this step's ID exchange started earlier by ``collection.exchange_ids(features)``)."""
+        self.verify()
         self._ids = {k: v.reshape(-1) for k, v in features.items()}
         self._out = self.collection(prefetched if prefetched is not None else features, next_features)
 
     def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """The prepared rows of ``feature``; ``ids`` must be the ids ``prepare`` received.
+
+        Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
+        would synchronise the device in the middle of the forward (the GPU drains, then idles while the host
+        queues the rest), so the comparison is queued and read back at the next ``prepare`` (or ``verify()``),
+        when the step has synchronised anyway: a mismatch still raises, one step later at most."""
         if feature not in self._out:
             raise ValueError(f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the model)")
-        flat = ids.reshape(-1)
-        if flat.shape != self._ids[feature].shape or not torch.equal(flat.to(self._ids[feature].device), self._ids[feature]):
-            raise ValueError(f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare received")
+        flat, prepared = ids.reshape(-1), self._ids[feature]
+        if flat.shape != prepared.shape:
+            raise self._mismatch([feature])
+        if flat is not prepared:
+            if flat.device.type == "cpu" and prepared.device.type == "cpu":
+                if not torch.equal(flat, prepared):
+                    raise self._mismatch([feature])
+            else:
+                self._unchecked.append((feature, (flat.to(prepared.device, non_blocking=True) != prepared).any()))
         return self._out[feature]
+
+    def verify(self) -> None:
+        """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
+        queued on the device)."""
+        unchecked, self._unchecked = self._unchecked, []
+        bad = [feature for feature, differs in unchecked if bool(differs)]
+        if bad:
+            raise self._mismatch(bad)
+
+    @staticmethod
+    def _mismatch(features: list[str]) -> ValueError:
+        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare received")
 
 
 class ShardedEmbeddingView(nn.Module):

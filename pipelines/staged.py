@@ -114,5 +114,7 @@ class StagedPipeline:
         return id_prefetch_stages(plan.group_boundaries, transport, plan.extractor(self.features), rank, timer)
 
     def flush(self) -> None:
-        """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end)."""
+        """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end), and reads back
+        the last step's id checks (fsembed.swap.EmbeddingHub.rows)."""
         self.collection.flush()
+        self.hub.verify()

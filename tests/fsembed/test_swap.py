@@ -148,3 +148,43 @@ def _prefetched_body(rank, world_size):
 def test_swap_prepare_with_prefetched_ids():
     for with_prefetch, plain in run_ranks(_prefetched_body, 2, timeout=60):
         assert torch.equal(with_prefetch, plain)
+
+
+class _FakeCollection:
+    """Stands in for a collection: the hub's id check does not depend on the exchanges."""
+
+    def __call__(self, features, next_features=None):
+        return {k: torch.ones(v.numel(), 4, device=v.device) for k, v in features.items()}
+
+
+def _hub_check(device):
+    from fsembed.swap import EmbeddingHub
+
+    hub = EmbeddingHub(_FakeCollection())
+    ids = torch.arange(6, device=device)
+    hub.prepare({"items": ids})
+    assert hub.rows("items", ids.clone()).shape == (6, 4)  # equal values, another tensor: fine
+    hub.verify()
+    with pytest.raises(ValueError, match="other ids"):
+        hub.rows("items", torch.arange(5, device=device))  # another shape: at once, on any device
+    return hub, ids
+
+
+def test_hub_refuses_other_ids_than_prepared_on_the_cpu():
+    hub, ids = _hub_check("cpu")
+    with pytest.raises(ValueError, match=r"\['items'\] was called with other ids"):
+        hub.rows("items", ids.flip(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hub_checks_gpu_ids_without_a_sync_and_raises_at_the_next_prepare():
+    hub, ids = _hub_check("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hub.rows("items", ids.flip(0))  # queued on the device, not read back here
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(ValueError, match="other ids"):
+        hub.prepare({"items": ids})
