@@ -22,34 +22,42 @@ def _reader():
     return GlobalBatchReader(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=3)), 4, 0, 1)
 
 
-class _Consume(BaseNode):
-    """What the trainer does with an item: use it (here: bring it back), with nothing to wait for."""
+class _Map(BaseNode):
+    """Applies ``fn`` to every item of ``source``; its state is the source's."""
 
-    def __init__(self, source):
+    def __init__(self, source, fn):
         super().__init__()
-        self.source = source
+        self.source, self.fn = source, fn
 
     def reset(self, initial_state=None):
         super().reset(initial_state)
         self.source.reset(initial_state)
 
     def next(self):
-        batch = next(self.source)
-        assert all(t.is_cuda for t in batch.tensors().values())
-        return batch.to("cpu")
+        return self.fn(next(self.source))
 
     def get_state(self):
         return self.source.state_dict()
 
 
+def _use(batch):
+    """What the trainer does with an item: use it (here: bring it back), with nothing to wait for."""
+    assert all(t.is_cuda for t in batch.tensors().values())
+    return batch.to("cpu")
+
+
+def _consume(source):
+    return _Map(source, _use)
+
+
 def test_batches_arrive_equal_on_the_device():
     expected = list(Loader(_reader()))
-    got = list(Loader(_Consume(Background(DeviceCopy(_reader(), "cuda")))))
+    got = list(Loader(_consume(Background(DeviceCopy(_reader(), "cuda")))))
     assert len(got) == len(expected) and all(isinstance(b, Batch) and b.equals(e) for b, e in zip(got, expected))
 
 
 def test_device_copy_resumes_exactly():
-    run_test_save_load_state(lambda: Loader(_Consume(Background(DeviceCopy(_reader(), "cuda")))), midpoint=4)
+    run_test_save_load_state(lambda: Loader(_consume(Background(DeviceCopy(_reader(), "cuda")))), midpoint=4)
 
 
 
@@ -59,7 +67,7 @@ def test_a_cpu_loaders_state_resumes_through_the_copy():
     for _ in range(3):
         next(it)
     state, rest = cpu.state_dict(), list(it)
-    gpu = Loader(_Consume(Background(DeviceCopy(_reader(), "cuda"))))
+    gpu = Loader(_consume(Background(DeviceCopy(_reader(), "cuda"))))
     gpu.load_state_dict(state)
     got = list(gpu)
     assert len(got) == len(rest) and all(b.equals(e) for b, e in zip(got, rest))
@@ -83,24 +91,10 @@ def test_prefetched_ids_arrive_on_the_device_with_the_batch():
     perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
     ids = PrefetchedIds({"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))})
 
-    class _WithIds(BaseNode):
-        def __init__(self, source):
-            super().__init__()
-            self.source = source
-
-        def reset(self, initial_state=None):
-            super().reset(initial_state)
-            self.source.reset(initial_state)
-
-        def next(self):
-            return next(self.source), ids
-
-        def get_state(self):
-            return self.source.state_dict()
-
     consumer = torch.cuda.Stream()  # the node orders this stream after its copies
     with torch.cuda.stream(consumer):
-        batch, moved = next(iter(Loader(DeviceCopy(_WithIds(_reader()), "cuda", consumer_stream=consumer))))
+        with_ids = _Map(_reader(), lambda batch: (batch, ids))
+        batch, moved = next(iter(Loader(DeviceCopy(with_ids, "cuda", consumer_stream=consumer))))
         assert isinstance(moved, PrefetchedIds) and batch.uih_item_ids.is_cuda
         sid = moved["items"]
         assert sid.perm.is_cuda and torch.equal(sid.perm.sort().values.cpu(), torch.arange(1000))
