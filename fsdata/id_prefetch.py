@@ -119,6 +119,13 @@ class PrefetchedIds:
     def to(self, device: torch.device) -> "PrefetchedIds":
         return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
 
+    def wait(self) -> "PrefetchedIds":
+        """Completes every key's exchange (blocks); the results stay with it, so ``pin_memory`` and ``to`` move
+        them too and a later ``ShardedIds.wait()`` returns at once."""
+        for v in self.keys.values():
+            v.wait()
+        return self
+
     def pin_memory(self) -> "PrefetchedIds":
         return PrefetchedIds({k: v.pin_memory() for k, v in self.keys.items()})
 

@@ -6,9 +6,9 @@ previous step computes, instead of between two steps, where the GPU idles until 
 them. The training thread does nothing with an item but use it.
 
 Items: a Batch, or a tuple whose first element is the Batch; they come out in the same shape, with the batch on
-the device. The ID prefetch's exchanges (``PrefetchedIds``) come out with their host-side tensors (the send
-permutations) on the device too, by the same copies; their results still in flight are moved when waited for.
-Other parts (the balancer's metrics) pass through untouched.
+the device. The ID prefetch's exchanges (``PrefetchedIds``) are completed here, the worker waiting for them
+instead of the step's forward, and come out with their send permutations and received ids on the device, by the
+same copies. Other parts (the balancer's metrics) pass through untouched.
 
 Streams. The copies run on the copy stream, and the memory they fill is allocated there. Before handing an item
 out, the node makes the consumer's stream wait for them (an event, no host wait) and marks every copied tensor
@@ -57,7 +57,7 @@ class DeviceCopy(BaseNode[Any]):
             raise ValueError(f"DeviceCopy: expected a Batch (or a tuple starting with one), got {type(batch).__name__}")
         with torch.cuda.stream(self._stream):
             moved = (batch.pin_memory().to(self.device, non_blocking=True),)
-            moved += tuple(p.pin_memory().to(self.device) if isinstance(p, PrefetchedIds) else p for p in parts[1:])
+            moved += tuple(p.wait().pin_memory().to(self.device) if isinstance(p, PrefetchedIds) else p for p in parts[1:])
         self.consumer_stream.wait_stream(self._stream)
         for t in [*moved[0].tensors().values(), *(t for p in moved if isinstance(p, PrefetchedIds) for t in p.tensors())]:
             t.record_stream(self.consumer_stream)

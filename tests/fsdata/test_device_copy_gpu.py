@@ -85,7 +85,8 @@ class _Done:
 
 
 def test_prefetched_ids_arrive_on_the_device_with_the_batch():
-    """The ID prefetch's send permutation is copied with the batch; the exchange's result is moved when waited."""
+    """The ID prefetch's exchange is completed in the node, and its send permutation and result are copied with
+    the batch: the step's forward finds them on the device."""
     from fsdata.id_prefetch import PrefetchedIds, ShardedIds
 
     perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
@@ -99,6 +100,7 @@ def test_prefetched_ids_arrive_on_the_device_with_the_batch():
         sid = moved["items"]
         assert sid.perm.is_cuda and torch.equal(sid.perm.sort().values.cpu(), torch.arange(1000))
         assert torch.equal(sid.perm.cpu(), perm)
+        assert any(t.is_cuda and torch.equal(t.cpu(), shard_ids) for t in moved.tensors())  # the result, copied
         got = sid.wait()
         assert got.is_cuda and torch.equal(got.cpu(), shard_ids)  # read on the stream that made it
     assert sid.send_splits == [600, 400] and sid.recv_splits == [500, 500]

@@ -73,3 +73,22 @@ def test_id_prefetch_delivers_ids_to_owners_and_resumes():
     results = run_ranks(_body, 2, timeout=90)
     assert sum(r[0] for r in results) == sum(r[1] for r in results) > 0
     assert all(r[2] for r in results)
+
+
+def test_prefetched_ids_wait_keeps_the_results_for_the_later_copies():
+    """What the device copy relies on: after ``wait()`` the results are held (waited once), listed by
+    ``tensors()``, and travel with ``pin_memory``/``to``."""
+    from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+
+    class _Handle:
+        calls = 0
+
+        def wait(self):
+            _Handle.calls += 1
+            return torch.arange(3)
+
+    ids = PrefetchedIds({"g": ShardedIds("g", 2, [2], torch.tensor([1, 0]), [2], [3], _Handle())})
+    assert len(ids.tensors()) == 1  # the permutation only: the result is still in flight
+    assert ids.wait() is ids and _Handle.calls == 1
+    held = ids.to("cpu")
+    assert len(held.tensors()) == 2 and torch.equal(held["g"].wait(), torch.arange(3)) and _Handle.calls == 1
