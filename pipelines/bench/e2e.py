@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 from pathlib import Path
 from typing import Optional
 
@@ -148,11 +149,18 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(rows: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """The rows grouped by (case, run), each group by mode: sync and freescale pair up only within a run."""
+    out: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault((r["case"], r.get("repeat", 0)), {})[r["mode"]] = r
+    return dict(sorted(out.items()))
+
+
 def pair_with_sync(rows: list[dict]) -> None:
     """Sets freescale's ``bubble_reduction`` (of the per-step means) and ``bubble_reduction_median`` (of the
     per-step medians: the typical step, without one-off outliers) against sync of the same case and run."""
-    for key in sorted({(r["case"], r.get("repeat", 0)) for r in rows}):
-        by_mode = {r["mode"]: r for r in rows if (r["case"], r.get("repeat", 0)) == key}
+    for by_mode in _runs(rows).values():
         sync, ours = by_mode.get("sync"), by_mode.get("freescale")
         for r in by_mode.values():
             r["bubble_reduction"] = r["bubble_reduction_median"] = None
@@ -164,28 +172,22 @@ def pair_with_sync(rows: list[dict]) -> None:
 
 def spread(rows: list[dict]) -> list[str]:
     """Per case, over the runs: freescale's bubble reduction and samples/s ratio to sync of the same run."""
-    lines = []
-    for case in sorted({r["case"] for r in rows}):
-        runs = sorted({r.get("repeat", 0) for r in rows if r["case"] == case})
-        reductions, ratios = [], []
-        for run in runs:
-            by_mode = {r["mode"]: r for r in rows if r["case"] == case and r.get("repeat", 0) == run}
-            if "sync" in by_mode and by_mode.get("freescale", {}).get("bubble_reduction") is not None:
-                reductions.append(by_mode["freescale"]["bubble_reduction"])
-                ratios.append(by_mode["freescale"]["samples_per_s"] / by_mode["sync"]["samples_per_s"])
-        if reductions:
-            lines.append(
-                f"{case}: over {len(reductions)} runs, bubble_reduction median {100 * _mid(reductions):.1f}% "
-                f"(min {100 * min(reductions):.1f}%, max {100 * max(reductions):.1f}%); freescale/sync samples/s "
-                f"median {_mid(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+    paired: dict[str, list[tuple[float, float]]] = {}
+    for (case, _), by_mode in _runs(rows).items():
+        if "sync" in by_mode and by_mode.get("freescale", {}).get("bubble_reduction") is not None:
+            ours = by_mode["freescale"]
+            paired.setdefault(case, []).append(
+                (ours["bubble_reduction"], ours["samples_per_s"] / by_mode["sync"]["samples_per_s"])
             )
+    lines = []
+    for case, pairs in paired.items():
+        reductions, ratios = [p[0] for p in pairs], [p[1] for p in pairs]
+        lines.append(
+            f"{case}: over {len(pairs)} runs, bubble_reduction median {100 * statistics.median(reductions):.1f}% "
+            f"(min {100 * min(reductions):.1f}%, max {100 * max(reductions):.1f}%); freescale/sync samples/s "
+            f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+        )
     return lines
-
-
-def _mid(values: list[float]) -> float:
-    ordered = sorted(values)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
 
 
 def _cell(value: Optional[float], width: int, digits: int) -> str:
