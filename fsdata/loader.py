@@ -37,6 +37,13 @@ class LoaderConfig:
     background_stages: bool = field(
         default=True, metadata={"help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread"}
     )
+    worker_start: Optional[str] = field(
+        default=None,
+        metadata={"help": "when the stage worker starts the batch after next: 'take' (as soon as the consumer takes a "
+                          "batch) or 'backward' (when the consumer calls release_loader; the trainer does so as its "
+                          "backward starts, so the forward runs without the worker beside it). Default: 'backward' "
+                          "under the trainer, 'take' for a loader used on its own"},
+    )
     stage_lookahead: bool = field(
         default=False,
         metadata={"help": "under the worker thread, still start each stage's exchange one batch early (more batches in flight)"},
@@ -47,6 +54,8 @@ class LoaderConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.worker_start not in (None, "take", "backward"):
+            raise ValueError(f"worker_start must be 'take' or 'backward', got {self.worker_start!r}")
 
 
 def build_loader(
@@ -73,7 +82,7 @@ def build_loader(
             _disable_lookahead(node)
         if device is not None and torch.device(device).type == "cuda":
             node, copied = DeviceCopy(node, device), True
-        node = Background(node)
+        node = Background(node, gated=config.worker_start == "backward")
     if config.pin_memory and not copied:
         node = PinMemory(node)
     return Loader(node)
@@ -90,11 +99,24 @@ def _disable_lookahead(node: BaseNode) -> None:
         node = getattr(node, "source", None)
 
 
+def _workers(loader: Loader) -> list[Background]:
+    out, node = [], loader.root
+    while node is not None:
+        if isinstance(node, Background):
+            out.append(node)
+        node = getattr(node, "source", None)
+    return out
+
+
+def release_loader(loader: Loader) -> None:
+    """Lets a gated stage worker (``worker_start = "backward"``) start the next batch; the trainer calls it as its
+    backward starts. Without a gated worker it does nothing."""
+    for worker in _workers(loader):
+        worker.release()
+
+
 def shutdown_loader(loader: Loader) -> None:
     """Lets the loader's stage worker finish its item in flight (every rank alike) and stop: call it before
     destroying the process groups."""
-    node = loader.root
-    while node is not None:
-        if isinstance(node, Background):
-            node.shutdown()
-        node = getattr(node, "source", None)
+    for worker in _workers(loader):
+        worker.shutdown()

@@ -2,8 +2,8 @@
 
     train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
                    -> checkpoint
-    train_step():  forward_backward (timed: compute; the dense buckets' all-reduces start as the backward fills
-                   them) -> sync (the last bucket with the bookkeeping block, then every bucket waited for, timed)
+    train_step():  forward_backward (timed: compute; the stage worker starts the batch after next as the backward
+                   starts; the dense buckets' all-reduces start as the backward fills them) -> sync (the last bucket with the bookkeeping block, then every bucket waited for, timed)
                    -> optimizer step
 
 Modes (``--mode``), one harness:
@@ -52,7 +52,7 @@ from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch, offsets_to_lengths
 from fsdata.id_prefetch import PrefetchedIds
-from fsdata.loader import build_loader, shutdown_loader
+from fsdata.loader import build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.shuffle import ShuffleSamples
@@ -140,8 +140,11 @@ class Trainer:
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
-        # the previous step computes), or at least pinned, so _fetch only queues their copies.
-        loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda")
+        # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
+        # starts the batch after next as the backward starts (forward_backward releases it), unless the config
+        # says otherwise.
+        loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda",
+                                worker_start=config.loader.worker_start or "backward")
         self.loader = build_loader(
             self.source, loader_config, rank, world_size, self._loader_stages(),
             start={"epoch": self.epoch, "cursor": self.cursor}, device=device,
@@ -259,6 +262,7 @@ class Trainer:
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
         loss = bce_sum(self.model(batch), labels)
+        release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
         (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), float(loss.detach()), float(labels.sum())
 

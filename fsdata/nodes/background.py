@@ -7,8 +7,14 @@ one collective earlier than another (which would hang both). One worker thread s
 the process, in submission order: all loader-side collectives are issued from that one thread (each process group
 keeps a single issuing thread, fscomm.groups), also when a loader is replaced by a new one (resume).
 
+Gated (``gated=True``): the next item is not started when an item is handed out but when the consumer calls
+``release()`` (or, at the latest, its next ``next()``). The trainer releases it as its backward starts: on a
+host-bound model the forward is the training thread's busiest stretch of Python and kernel launches, and a worker
+running its stages beside it would take the GIL from it after every torch op (BENCHMARKS.md section 5). The
+sequence of items, and of collectives, is the same either way; only when the worker runs changes.
+
 State: the source's state captured by the worker right after it produced the last item handed out, i.e. the
-position before the item in flight; a resumed node recomputes that item.
+position before the item in flight (or owed, when gated); a resumed node recomputes that item.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ def _worker() -> concurrent.futures.ThreadPoolExecutor:
 class Background(BaseNode[T]):
     SOURCE_KEY = "source"
 
-    def __init__(self, source: BaseNode[T]) -> None:
+    def __init__(self, source: BaseNode[T], gated: bool = False) -> None:
         super().__init__()
         self.source = source
+        self.gated = gated
         self._pool = _worker()
         self._pending: Optional[concurrent.futures.Future] = None
+        self._owed = False  # gated: the next item is due but not started (waits for release())
         self._state: Optional[Dict[str, Any]] = None  # the source's state before the item in flight
 
     def _pull(self) -> tuple[Any, Dict[str, Any]]:
@@ -54,6 +62,7 @@ class Background(BaseNode[T]):
             except Exception:
                 pass  # it is discarded: the error, if real, recurs when the item is recomputed
             self._pending = None
+        self._owed = False
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
         super().reset(initial_state)
@@ -64,14 +73,24 @@ class Background(BaseNode[T]):
 
     def next(self) -> T:
         if self._pending is None:
+            self._owed = False
             self._pending = self._pool.submit(self._pull)
         item, state = self._pending.result()  # an exception of the worker is re-raised here
+        self._pending = None
         if item is _END:
-            self._pending = None
             raise StopIteration()
         self._state = state
-        self._pending = self._pool.submit(self._pull)
+        if self.gated:
+            self._owed = True
+        else:
+            self._pending = self._pool.submit(self._pull)
         return item
+
+    def release(self) -> None:
+        """Gated: start the item that the last ``next()`` left owed (nothing if none is owed)."""
+        if self._owed:
+            self._owed = False
+            self._pending = self._pool.submit(self._pull)
 
     def get_state(self) -> Dict[str, Any]:
         return {self.SOURCE_KEY: self._state}

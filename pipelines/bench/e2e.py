@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
+    parser.add_argument("--worker-start", choices=("take", "backward"), default=None,
+                        help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
                              "the spread of freescale's paired ratios to sync (for noisy machines)")
@@ -77,6 +79,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.train.bucket_mb = args.bucket_mb
     if args.gil_switch_ms is not None:
         cfg.train.gil_switch_ms = args.gil_switch_ms
+    if args.worker_start is not None:
+        cfg.loader.worker_start = args.worker_start
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())

@@ -58,3 +58,28 @@ def test_worker_errors_reach_the_consumer():
     with pytest.raises(RuntimeError, match="stage failed on item 3"):
         next(it)
         next(it)
+
+
+def test_gated_worker_starts_the_next_item_only_when_released():
+    counting = Counting(_reader())
+    node = Background(counting, gated=True)
+    it = iter(Loader(node))
+    first = next(it)
+    time.sleep(0.05)
+    assert counting.pulled == 1  # nothing started ahead: the next item is owed
+    node.release()
+    time.sleep(0.05)
+    assert counting.pulled == 2  # released: exactly one item ahead
+    node.release()  # nothing owed: no second item
+    time.sleep(0.05)
+    assert counting.pulled == 2
+    second = next(it)  # not released: next() starts the owed item itself
+    third = next(it)
+    assert counting.pulled == 3
+    ungated = iter(Loader(Background(_reader())))
+    for gated_item in (first, second, third):
+        assert gated_item.sample_ids.equal(next(ungated).sample_ids)
+
+
+def test_gated_worker_resumes_exactly():
+    run_test_save_load_state(lambda: Loader(Background(_reader(), gated=True)), midpoint=4)

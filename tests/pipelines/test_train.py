@@ -39,6 +39,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--autotune", "--partitioner", "fbs"], "autotune"),
         (["--transport", "carrier-pigeon"], "transport"),
         (["--gil-switch-ms", "0"], "gil_switch_ms"),
+        (["--worker-start", "forward"], "worker_start"),
     ],
 )
 def test_bad_config_is_a_clear_error(argv, match):
@@ -96,12 +97,15 @@ def _train_cmd(tmp_path, *extra):
 
 @pytest.mark.multiprocess
 def test_checkpoint_resume_is_exact(tmp_path):
-    """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3."""
+    """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
+    run starts its stage worker when a batch is taken instead of at the backward (the default): when the worker
+    runs must not change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take",
+                    "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
     resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert resumed == full[3:]
 
