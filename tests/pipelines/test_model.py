@@ -93,3 +93,27 @@ def test_the_forward_makes_no_device_sync_for_a_batch_from_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(logits, expected)
+
+
+def test_a_step_truncates_its_batch_once_per_thread(monkeypatch):
+    """The embedding stage's features, item_ids and encode_uih all need the batch's truncation: computed once per
+    batch and thread, the same tensors every time, and a new batch (or another thread) computes its own."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    model = _model(max_uih=8)
+    calls = []
+    real = model._truncate_now
+    monkeypatch.setattr(model, "_truncate_now", lambda b: calls.append(b) or real(b))
+    first, second = (Batch.from_samples([_sample(i, n, rng) for i, n in enumerate(ns)]) for ns in ((30, 4), (2, 12)))
+    ids = model.item_ids(first)
+    with torch.no_grad():
+        model(first)
+    assert len(calls) == 1 and model.item_ids(first).equal(ids)
+    expected = real(second)
+    assert all(a.equal(b) for a, b in zip(model._truncate(second)[:3], expected[:3])) and len(calls) == 2
+    other = threading.Thread(target=model.item_ids, args=(second,))
+    other.start(), other.join()
+    assert len(calls) == 3  # the other thread's own entry: the loader's worker never evicts the training thread's
+    model._truncate(second)
+    assert len(calls) == 3
