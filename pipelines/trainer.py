@@ -3,8 +3,8 @@
     train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
                    -> checkpoint
     train_step():  forward_backward (timed: compute; the stage worker starts the batch after next as the backward
-                   starts; the dense buckets' all-reduces start as the backward fills them) -> sync (the last bucket with the bookkeeping block, then every bucket waited for, timed)
-                   -> optimizer step
+                   starts; the dense buckets' all-reduces start as the backward fills them) -> sync (the last
+                   bucket with the bookkeeping block, then every bucket waited for, timed) -> optimizer step
 
 Modes (``--mode``), one harness:
     replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
@@ -261,9 +261,11 @@ class Trainer:
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
-        loss = bce_sum(self.model(batch), labels)
+        with torch.profiler.record_function("freescale/forward"):
+            loss = bce_sum(self.model(batch), labels)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
-        (loss / max(global_labels, 1.0)).backward()
+        with torch.profiler.record_function("freescale/backward"):
+            (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), float(loss.detach()), float(labels.sum())
 
     def train_step(self, fetched: _Fetched) -> dict:

@@ -70,7 +70,15 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
            "--mode", "replicated", "--trace", str(tmp_path / "trace")]
     proc = _run(cmd, tmp_path)
     trace = json.loads((tmp_path / "trace.rank1.json").read_text())
-    assert {"freescale/data", "freescale/forward_backward"} <= {e.get("name") for e in trace["traceEvents"]}
+    assert {"freescale/data", "freescale/forward", "freescale/backward"} <= {e.get("name") for e in trace["traceEvents"]}
+    from pipelines.commands.trace_report import report
+
+    r = report(tmp_path / "trace.rank1.json")  # `freescale trace`: the step split by phase and thread
+    assert {"forward", "backward", "dense_allreduce"} <= set(r["phases"]) and r["gpu_busy_ms"] is None
+    forward = r["phases"]["forward"]
+    own = forward["threads"][r["training_thread"]]
+    assert own["ops"] > 10 and 0 < own["ops_ms"] <= forward["wall_ms"] + 1e-6
+    assert forward["between_ops_ms"] == pytest.approx(forward["wall_ms"] - own["ops_ms"])
     assert "run summary" in proc.stdout
     s = json.loads(summary.read_text())
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
