@@ -41,8 +41,9 @@ class LoaderConfig:
         default=None,
         metadata={"help": "when the stage worker starts the batch after next: 'take' (as soon as the consumer takes a "
                           "batch) or 'backward' (when the consumer calls release_loader; the trainer does so as its "
-                          "backward starts, so the forward runs without the worker beside it). Default: 'backward' "
-                          "under the trainer, 'take' for a loader used on its own"},
+                          "backward starts, so the forward runs without the worker beside it; a consumer that never "
+                          "calls it gets each batch computed when it asks). Default: 'backward' under the trainer, "
+                          "'take' for a loader used on its own. With pin_memory on a CPU run: always 'take'"},
     )
     stage_lookahead: bool = field(
         default=False,
@@ -82,7 +83,10 @@ def build_loader(
             _disable_lookahead(node)
         if device is not None and torch.device(device).type == "cuda":
             node, copied = DeviceCopy(node, device), True
-        node = Background(node, gated=config.worker_start == "backward")
+        # Gated only when the consumer itself takes the items: torchdata's PinMemory (below) takes them from a
+        # thread of its own, which would start each owed item at once (no gate) and race the consumer's release.
+        pinned_above = config.pin_memory and not copied
+        node = Background(node, gated=config.worker_start == "backward" and not pinned_above)
     if config.pin_memory and not copied:
         node = PinMemory(node)
     return Loader(node)
@@ -110,7 +114,7 @@ def _workers(loader: Loader) -> list[Background]:
 
 def release_loader(loader: Loader) -> None:
     """Lets a gated stage worker (``worker_start = "backward"``) start the next batch; the trainer calls it as its
-    backward starts. Without a gated worker it does nothing."""
+    backward starts, from the thread that takes the batches. Without a gated worker it does nothing."""
     for worker in _workers(loader):
         worker.release()
 

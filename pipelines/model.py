@@ -118,6 +118,9 @@ class SequenceModel(nn.Module):
         # place); per thread because the loader's ID-prefetch stage calls item_ids on the next batch meanwhile.
         self._truncated: dict[int, tuple] = {}
 
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_truncated": {}}  # weak references do not pickle, and the cache is only a cache
+
     def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Keeps each sample's most recent ``max_uih`` events: offsets and the flat index and position of the kept
         tokens, and the longest kept length. The sizes come from the batch's host offsets: no device sync."""

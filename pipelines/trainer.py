@@ -182,6 +182,7 @@ class Trainer:
         profiler = self._profiler()
         start = time.perf_counter()
         ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, cfg.steps - self.step)))
+        release_loader(self.loader)  # the first step's next batch need not wait for its backward
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()

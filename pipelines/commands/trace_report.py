@@ -43,22 +43,30 @@ def _load(path: Path) -> list[dict]:
     try:
         with opener(path, "rt") as fh:
             events = json.load(fh)["traceEvents"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{path}: not a Chrome trace written by --trace ({exc})") from exc
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def _union(intervals: list[tuple[float, float]]) -> tuple[float, int]:
-    """Total length of the union of ``intervals`` and how many of them start outside every earlier one (the
-    top-level ones)."""
-    total, top, end = 0.0, 0, float("-inf")
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``intervals``."""
+    total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
-        if start >= end:
-            top += 1
         if stop > end:
             total += stop - max(start, end)
             end = stop
-    return total, top
+    return total
+
+
+def _top_level_starts(intervals: list[tuple[float, float]]) -> list[float]:
+    """Start times of the intervals that begin outside every earlier one (the top-level ops, not those nested in
+    them)."""
+    starts, end = [], float("-inf")
+    for start, stop in sorted(intervals):
+        if start >= end:
+            starts.append(start)
+        end = max(end, stop)
+    return starts
 
 
 def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
@@ -77,6 +85,7 @@ def report(path: Path, top: int = 4) -> dict:
     runtime: dict = defaultdict(list)
     runtime_calls: dict = defaultdict(Counter)
     gpu: list = []
+    step_spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps]
     for e in events:
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         cat = e.get("cat")
@@ -84,9 +93,11 @@ def report(path: Path, top: int = 4) -> dict:
             ops[e["tid"]].append(span)
         elif cat in RUNTIME_CATEGORIES:
             runtime[e["tid"]].append(span)
-            runtime_calls[e["tid"]][e["name"]] += float(e["dur"])
+            if any(lo <= span[0] < hi for lo, hi in step_spans):  # per profiled step: calls outside them not
+                runtime_calls[e["tid"]][e["name"]] += float(e["dur"])
         elif cat in GPU_CATEGORIES:
             gpu.append(span)
+    top_level = {tid: _top_level_starts(spans) for tid, spans in ops.items()}
     n = len(steps)
     windows: dict[str, list[tuple[float, float]]] = {name: [] for name in (*PHASES, "other")}
     for step in steps:
@@ -111,11 +122,9 @@ def report(path: Path, top: int = 4) -> dict:
         wall = sum(t - s for s, t in spans)
         threads = {}
         for tid in set(ops) | set(runtime):
-            busy = count = 0.0
-            for s, t in spans:
-                b, c = _union(_clip(ops.get(tid, []), s, t))
-                busy, count = busy + b, count + c
-            rt = sum(_union(_clip(runtime.get(tid, []), s, t))[0] for s, t in spans)
+            busy = sum(_union(_clip(ops.get(tid, []), s, t)) for s, t in spans)  # an op across phases: split
+            count = sum(1 for s, t in spans for start in top_level.get(tid, []) if s <= start < t)  # where it began
+            rt = sum(_union(_clip(runtime.get(tid, []), s, t)) for s, t in spans)
             if busy / n >= 50 or rt / n >= 50:  # at least 0.05 ms per step
                 threads[str(tid)] = {"ops_ms": busy / n / 1e3, "ops": count / n, "cuda_runtime_ms": rt / n / 1e3}
         own = threads.get(str(trainer), {"ops_ms": 0.0})
@@ -127,7 +136,7 @@ def report(path: Path, top: int = 4) -> dict:
         "steps": n,
         "step_ms": [float(s["dur"]) / 1e3 for s in steps],
         "training_thread": str(trainer),
-        "gpu_busy_ms": _union(_clip(gpu, lo, hi))[0] / n / 1e3 if gpu else None,
+        "gpu_busy_ms": _union(_clip(gpu, lo, hi)) / n / 1e3 if gpu else None,
         "phases": phases,
         "cuda_runtime_top": {
             str(tid): {call: us / n / 1e3 for call, us in calls.most_common(top)} for tid, calls in runtime_calls.items()

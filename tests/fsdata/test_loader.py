@@ -59,10 +59,25 @@ def test_epochs_differ_and_count():
     assert reader.get_state() == {"epoch": 0, "cursor": 0}
 
 
-@pytest.mark.parametrize("kwargs", [dict(batch_size=0), dict(batch_size=2, prefetch_depth=-1)])
+@pytest.mark.parametrize("kwargs", [dict(batch_size=0), dict(batch_size=2, prefetch_depth=-1),
+                                    dict(batch_size=2, worker_start="forward")])
 def test_bad_loader_config(kwargs):
     with pytest.raises(ValueError):
         build_loader(_source(), LoaderConfig(**kwargs), 0, 1)
+
+
+@pytest.mark.parametrize("worker_start, pin_memory, gated", [
+    (None, False, False), ("take", False, False), ("backward", False, True),
+    ("backward", True, False),  # PinMemory's own thread takes the items: a gate would only race it
+])
+def test_which_stage_worker_is_gated(worker_start, pin_memory, gated, monkeypatch):
+    import fsdata.loader
+    from fsdata.loader import _workers
+
+    monkeypatch.setattr(fsdata.loader, "PinMemory", lambda node: node)  # torchdata's needs a CUDA build
+    config = LoaderConfig(batch_size=2, prefetch_depth=0, worker_start=worker_start, pin_memory=pin_memory)
+    (worker,) = _workers(build_loader(_source(), config, 0, 1, stages=[lambda node: node]))
+    assert worker.gated is gated
 
 
 def test_bad_rank():

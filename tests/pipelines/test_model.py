@@ -117,3 +117,16 @@ def test_a_step_truncates_its_batch_once_per_thread(monkeypatch):
     assert len(calls) == 3  # the other thread's own entry: the loader's worker never evicts the training thread's
     model._truncate(second)
     assert len(calls) == 3
+
+
+def test_a_model_with_cached_truncations_still_pickles():
+    import io
+
+    rng = np.random.default_rng(4)
+    model = _model()
+    with torch.no_grad():
+        model(Batch.from_samples([_sample(0, 5, rng)]))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the cache's weak references are left out
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False)._truncated == {}
