@@ -4,9 +4,10 @@
 #   bash scripts/gpu_suite.sh check      # GPU tests under TORCH_CUDA_SANITIZER=1 + the kernels bench (~5 min)
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
+#   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -44,7 +45,14 @@ case "$PART" in
       --replay-timings 400 --replay-repeats 3 --replay-time-budget 170 --replay-mem-gib 110 \
       --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
     ;;
+  trace)
+    echo "== traces: 10 steps per run, 5 profiled, then each rank's step split by phase and thread"
+    timeout 300 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 10 --model small --uih-cap 4096 \
+      --batch-size 16 --modes sync,freescale --trace "$OUT/traces" 2>&1 | grep -v "^\[bench" | tail -6
+    python3 -m pipelines.cli trace "$OUT"/traces/*.rank*.json --json "$OUT/traces.json"
+    gzip -f "$OUT"/traces/*.json
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e or replay" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay or trace" >&2; exit 2
     ;;
 esac
