@@ -98,18 +98,16 @@ def report(path: Path, top: int = 4) -> dict:
         elif cat in GPU_CATEGORIES:
             gpu.append(span)
     top_level = {tid: _top_level_starts(spans) for tid, spans in ops.items()}
+    marks = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
+             if e.get("tid") == trainer and e.get("cat") == "user_annotation" and e["name"] in PHASES]
     n = len(steps)
     windows: dict[str, list[tuple[float, float]]] = {name: [] for name in (*PHASES, "other")}
-    for step in steps:
-        lo, hi = float(step["ts"]), float(step["ts"]) + float(step["dur"])
-        inside = [e for e in events if e.get("tid") == trainer and e.get("cat") == "user_annotation"
-                  and e["name"] in PHASES and lo <= e["ts"] < hi]
-        covered = []
-        for e in inside:
-            windows[e["name"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-            covered.append(windows[e["name"]][-1])
+    for lo, hi in step_spans:
+        covered = sorted(m for m in marks if lo <= m[0] < hi)
+        for s, t, name in covered:
+            windows[name].append((s, t))
         cursor = lo
-        for s, t in sorted(covered):  # the step's time outside every phase: "other"
+        for s, t, _ in covered:  # the step's time outside every phase: "other"
             if s > cursor:
                 windows["other"].append((cursor, s))
             cursor = max(cursor, t)
@@ -130,11 +128,11 @@ def report(path: Path, top: int = 4) -> dict:
         own = threads.get(str(trainer), {"ops_ms": 0.0})
         phases[name.split("/")[-1]] = {"wall_ms": wall / n / 1e3, "between_ops_ms": wall / n / 1e3 - own["ops_ms"],
                                        "threads": threads}
-    lo, hi = float(steps[0]["ts"]), max(float(s["ts"]) + float(s["dur"]) for s in steps)
+    lo, hi = step_spans[0][0], max(t for _, t in step_spans)
     return {
         "trace": str(path),
         "steps": n,
-        "step_ms": [float(s["dur"]) / 1e3 for s in steps],
+        "step_ms": [(t - s) / 1e3 for s, t in step_spans],
         "training_thread": str(trainer),
         "gpu_busy_ms": _union(_clip(gpu, lo, hi)) / n / 1e3 if gpu else None,
         "phases": phases,
