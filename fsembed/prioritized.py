@@ -87,12 +87,10 @@ class _Sizes:
 
     def __init__(self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds,
                  flags_handle):
-        device = co_shard.device
-        sums = [ops.segment_sum(mask.to(torch.int64), _offsets(splits, device))
-                for mask, splits in ((co_shard, step.recv_splits), (fresh_shard, nxt.recv_splits))]
-        counts = torch.stack(sums, 1)  # [W, 2]: row q counts rank q's ids
+        counts = torch.stack([_set_per_part(co_shard, step.recv_splits), _set_per_part(fresh_shard, nxt.recv_splits)],
+                             1)  # [W, 2]: row q counts rank q's ids
         self._event = None
-        if device.type == "cuda":
+        if co_shard.device.type == "cuda":
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self._host.copy_(counts, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -111,8 +109,7 @@ class _Sizes:
                 # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
                 first, second = self._send
                 parts = [n for pair in zip(first, second) for n in pair]
-                flags = self._flags_handle.host()
-                sums = ops.segment_sum(flags.to(torch.int64), _offsets(parts, flags.device)).tolist()
+                sums = _set_per_part(self._flags_handle.host(), parts).tolist()
                 self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
             return self._counts
 
@@ -158,6 +155,11 @@ def _offsets(splits: list[int], device) -> torch.Tensor:
     host = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
     torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=host[1:])
     return host.to(device, non_blocking=True)
+
+
+def _set_per_part(mask: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """Set entries of each consecutive part of ``mask`` (parts of ``splits`` entries), on the mask's device."""
+    return ops.segment_sum(mask.to(torch.int64), _offsets(splits, mask.device))
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
