@@ -8,10 +8,11 @@ the process, in submission order: all loader-side collectives are issued from th
 keeps a single issuing thread, fscomm.groups), also when a loader is replaced by a new one (resume).
 
 Gated (``gated=True``): the next item is not started when an item is handed out but when the consumer calls
-``release()`` (or, at the latest, its next ``next()``; both from the consumer's thread). The trainer releases it as its backward starts: on a
-host-bound model the forward is the training thread's busiest stretch of Python and kernel launches, and a worker
-running its stages beside it would take the GIL from it after every torch op (BENCHMARKS.md section 5). The
-sequence of items, and of collectives, is the same either way; only when the worker runs changes.
+``release()`` (or, at the latest, its next ``next()``; both from the consumer's thread). The trainer releases it
+as its backward starts: on a host-bound model the forward is the training thread's busiest stretch of Python and
+kernel launches, and a worker running its stages beside it would take the GIL from it after every torch op
+(BENCHMARKS.md section 5). The sequence of items, and of collectives, is the same either way; only when the
+worker runs changes.
 
 State: the source's state captured by the worker right after it produced the last item handed out, i.e. the
 position before the item in flight (or owed, when gated); a resumed node recomputes that item.
