@@ -48,6 +48,7 @@ class TrainConfig:
     embedding_lr: float = _f(0.05, "learning rate of the sharded tables")
     nproc: int = _f(2, "local ranks launched by `freescale train` (ignored under torchrun)")
     steps: int = _f(20, "training steps (global batches)")
+    warmup_steps: int = _f(1, "first steps left out of the summary's timings (samples/s, step time, straggler, bubbles): one-time costs such as kernel compilation and the first pinned-memory allocations; their wall time is reported apart (warmup_s)")
     lr: float = _f(1e-3, "Adam learning rate of the dense part (and SGD rate of embeddings)")
     seed: int = _f(0, "model initialisation seed (same on every rank)")
     device: str = _f("auto", "cpu, cuda or auto (cuda when available)")
@@ -90,6 +91,8 @@ class JobConfig:
             raise ValueError(f"num_items must be >= 1, got {self.model.num_items}")
         if self.train.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.train.steps}")
+        if self.train.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.train.warmup_steps}")
         if self.train.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be cpu, cuda or auto, got {self.train.device!r}")
         if self.data.collision_rate is not None and not 0.0 <= self.data.collision_rate <= 1.0:

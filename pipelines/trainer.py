@@ -319,11 +319,13 @@ class Trainer:
 
         target = Path(f"{path}.rank{self.rank}.json")
         target.parent.mkdir(parents=True, exist_ok=True)
-        active = max(1, min(5, self.config.train.steps - 2))
+        steps = self.config.train.steps
+        skip = max(0, min(self.config.train.warmup_steps - 1, steps - 3))  # past the warm-up, then one profiler warm-up step
+        active = max(1, min(5, steps - skip - 2))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         profiler = profile(
             activities=activities,
-            schedule=schedule(wait=0, warmup=1, active=active, repeat=1),
+            schedule=schedule(wait=skip, warmup=1, active=active, repeat=1),
             on_trace_ready=lambda p: p.export_chrome_trace(str(target)),
         )
         profiler.start()
@@ -448,7 +450,8 @@ class Trainer:
         samples = sum(sum(r["samples_per_rank"]) for r in h)
         tail = h[len(h) // 2 :] or h
         labels = sum(r["labels"] for r in tail)
-        timed = h[1:] or h  # the first step pays for warm-up
+        warm = min(self.config.train.warmup_steps, len(h))
+        timed = h[warm:] or h  # the warm-up steps pay one-time costs (compilation, first pinned allocations)
         n = max(len(timed), 1)
         step_times = [r["step_time_s"] for r in timed]
         return {
@@ -465,13 +468,15 @@ class Trainer:
             "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
             "straggler_pct": _mean([r["straggler_pct"] for r in timed]),
             "step_time_s": sum(step_times) / n,
+            "warmup_steps": warm,
+            "warmup_s": sum(r["step_time_s"] for r in h[:warm]),
             "step_time_median_s": _median(step_times),
             "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
             "compute_median_s": _median([_compute(r, self.rank) for r in timed]),
             "bubble_s": _mean([r["bubble_s"] for r in timed]),
             "bubble_median_s": _median([r["bubble_s"] for r in timed]),
-            "step_times_s": step_times,
-            "bubbles_s": [r["bubble_s"] for r in timed],
+            "step_times_s": [r["step_time_s"] for r in h],  # every step, the warm-up ones first
+            "bubbles_s": [r["bubble_s"] for r in h],
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],

@@ -42,7 +42,11 @@ CASES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="local ranks per run")
-    parser.add_argument("--steps", type=int, default=30, help="steps per run (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="first steps of every run left out of the timings, in every mode alike (compilation, first "
+                             "pinned allocations); their wall time is shown apart (warm ms) and every step's time stays "
+                             "in the JSON (default 3)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {sorted(CASES)}")
@@ -73,6 +77,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
+    cfg.train.warmup_steps = args.warmup_steps
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
     if args.bucket_mb is not None:
@@ -106,6 +111,8 @@ def _row(case: str, s: dict) -> dict:
         "straggler_pct": s["straggler_pct"],
         "bubble_ms": _ms(s["bubble_s"]),
         "bubble_median_ms": _ms(s["bubble_median_s"]),
+        "warmup_steps": s["warmup_steps"],
+        "warmup_ms": 1e3 * s["warmup_s"],
         "step_times_ms": [1e3 * t for t in s["step_times_s"]],
         "bubbles_ms": [_ms(t) for t in s["bubbles_s"]],
         "kernel_variants": s["kernel_variants"],
@@ -202,7 +209,7 @@ def _cell(value: Optional[float], width: int, digits: int) -> str:
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
-    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
+    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
@@ -210,7 +217,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
-            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
+            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['warmup_ms']:>7.0f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
     if any(r["mode"] == "torchrec" for r in rows):
