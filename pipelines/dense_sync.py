@@ -44,8 +44,8 @@ class _Bucket:
 
 
 class DenseSync:
-    """``all_reduce(scalars, mine)``: sums the gradients of ``params`` and the bookkeeping block over the ranks;
-    returns the block on the host (float64): GLOBAL_FIELDS, then world_size x PER_RANK_FIELDS."""
+    """``all_reduce(scalars, mine, device_scalars)``: sums the gradients of ``params`` and the bookkeeping block
+    over the ranks; returns the block on the host (float64): GLOBAL_FIELDS, then world_size x PER_RANK_FIELDS."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device,
                  bucket_bytes: int = 0):
@@ -87,6 +87,7 @@ class DenseSync:
                 p.register_post_accumulate_grad_hook(self._hook(view))
         cuda = self.device.type == "cuda"
         self._up = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda)
+        self._up_host = self._up.numpy()  # written with numpy: no torch op (each would release the GIL and queue)
         self._down = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda) if cuda else None
         self._done: Optional[torch.cuda.Event] = torch.cuda.Event() if cuda else None
         self._reset_pending()
@@ -128,16 +129,28 @@ class DenseSync:
         with self._lock:
             self._reset_pending()
 
-    def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...]) -> torch.Tensor:
+    def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...],
+                   device_scalars: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``scalars`` and then ``device_scalars`` (a tensor on the device, e.g. the loss: never read on the host
+        before the all-reduce, so reading it costs no device sync) are the GLOBAL_FIELDS; ``mine`` this rank's
+        PER_RANK_FIELDS."""
+        n_device = 0 if device_scalars is None else device_scalars.numel()
+        if len(scalars) + n_device != len(GLOBAL_FIELDS) or len(mine) != len(PER_RANK_FIELDS):
+            raise ValueError(f"DenseSync.all_reduce: expected {len(GLOBAL_FIELDS)} global fields {GLOBAL_FIELDS} and "
+                             f"{len(PER_RANK_FIELDS)} per-rank fields {PER_RANK_FIELDS}, got {len(scalars)} + {n_device} "
+                             f"and {len(mine)}")
         for p, view in zip(self.buckets[-1].params, self.buckets[-1].views):
             if p.grad is not view:
                 view.copy_(p.grad)
                 p.grad = view
-        self._up.zero_()
-        self._up[: len(GLOBAL_FIELDS)] = torch.tensor(scalars)
+        up = self._up_host  # the pinned block's previous copy is done: the last all_reduce waited for the block
+        up.fill(0.0)
+        up[: len(scalars)] = scalars
         slot = len(GLOBAL_FIELDS) + self.rank * len(PER_RANK_FIELDS)
-        self._up[slot : slot + len(PER_RANK_FIELDS)] = torch.tensor(mine)
+        up[slot : slot + len(PER_RANK_FIELDS)] = mine
         self.book.copy_(self._up, non_blocking=True)
+        if n_device:
+            self.book[len(scalars) : len(GLOBAL_FIELDS)].copy_(device_scalars.reshape(-1))
         with self._lock:
             self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
             works = self._works

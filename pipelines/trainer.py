@@ -257,8 +257,9 @@ class Trainer:
             dist.all_reduce(count)
         return float(count)
 
-    def forward_backward(self, batch: Batch, global_labels: float) -> tuple[float, float, float]:
-        """Backward of the local BCE sum over the global label count; returns (labels, BCE sum, positives).
+    def forward_backward(self, batch: Batch, global_labels: float) -> tuple[float, torch.Tensor]:
+        """Backward of the local BCE sum over the global label count; returns the label count and, on the device
+        (not read here: no device sync), the BCE sum and the positives.
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
@@ -267,7 +268,7 @@ class Trainer:
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
         with torch.profiler.record_function("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()
-        return float(labels.numel()), float(loss.detach()), float(labels.sum())
+        return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
 
     def train_step(self, fetched: _Fetched) -> dict:
         batch = fetched.batch
@@ -275,7 +276,7 @@ class Trainer:
         global_labels = self._global_labels(fetched)
         t0 = time.perf_counter()
         with torch.profiler.record_function("freescale/forward_backward"):
-            labels, bce, positives = self.forward_backward(batch, global_labels)
+            labels, sums = self.forward_backward(batch, global_labels)
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
@@ -283,7 +284,7 @@ class Trainer:
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
-            book = self.dense_sync.all_reduce((labels, bce, positives), mine)
+            book = self.dense_sync.all_reduce((labels,), mine, device_scalars=sums)
         sync_time = time.perf_counter() - t1
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)

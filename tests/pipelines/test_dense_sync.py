@@ -30,7 +30,10 @@ def _step(rank, world_size, bucket_bytes, skip_last_layers):
         else:
             loss = model(x).sum()
         loss.backward()
-        book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0))
+        if step == 0:  # every global field from the host
+            book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0))
+        else:  # the last two from a tensor (on the device in training: the loss, never read before)
+            book = sync.all_reduce((1.0,), (float(rank), 1.0, 2.0, 3.0), device_scalars=torch.tensor([float(rank), 2.0]))
         out.append(([p.grad.clone() for p in model.parameters()], book))
     return sync.num_buckets, out
 
@@ -69,3 +72,13 @@ def test_negative_bucket_size_is_refused():
 
     with pytest.raises(ValueError, match="bucket_bytes must be >= 0"):
         DenseSync(_model().parameters(), 0, 1, torch.device("cpu"), bucket_bytes=-1)
+
+
+def test_wrong_number_of_fields_is_refused():
+    from pipelines.dense_sync import DenseSync
+
+    sync = DenseSync(_model().parameters(), 0, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="expected 3 global fields"):
+        sync.all_reduce((1.0,), (0.0, 1.0, 2.0, 3.0), device_scalars=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="4 per-rank fields"):
+        sync.all_reduce((1.0, 2.0, 3.0), (0.0,))
