@@ -114,6 +114,7 @@ class _Sizes:
             return self._counts
 
 
+EARLY_STARTS = ("forward", "backward")
 _chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
 
@@ -129,24 +130,30 @@ def _chain_for(transport, name: str) -> SerialWorker:
 
 
 class _Later:
-    """Side work: submitted at once to a chain thread, or, without one, run by the first ``run_here()`` or
-    ``result()`` in the caller's thread."""
+    """Side work for a chain thread: submitted to it at once, or, when ``held``, by the first ``start()`` (or
+    ``result()``); without a chain, run by the first ``start()`` or ``result()`` in the caller's thread."""
 
-    def __init__(self, fn: Callable, worker: Optional[SerialWorker]):
-        self._fn = fn
-        self._future: Optional[Future] = worker.submit(fn) if worker is not None else None
+    def __init__(self, fn: Callable, worker: Optional[SerialWorker], held: bool = False):
+        self._fn, self._worker = fn, worker
+        self._future: Optional[Future] = None
         self.in_thread = worker is not None
+        if worker is not None and not held:
+            self.start()
 
-    def run_here(self) -> None:
-        if self._future is None:
-            self._future = Future()
-            try:
-                self._future.set_result(self._fn())
-            except BaseException as exc:
-                self._future.set_exception(exc)
+    def start(self) -> None:
+        if self._future is not None:
+            return
+        if self._worker is not None:
+            self._future = self._worker.submit(self._fn)
+            return
+        self._future = Future()
+        try:
+            self._future.set_result(self._fn())
+        except BaseException as exc:
+            self._future.set_exception(exc)
 
     def result(self, timeout: Optional[float] = None):
-        self.run_here()
+        self.start()
         return self._future.result(timeout)
 
 
@@ -219,12 +226,22 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, stale: bool = False, **kwargs):
+    def __init__(self, *args, stale: bool = False, early_start: str = "forward", **kwargs):
         """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
         of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
-        Not FreeScale's numerics: it exists to measure what staleness costs."""
+        Not FreeScale's numerics: it exists to measure what staleness costs.
+
+        ``early_start``: when the bulk chain starts lines 6-7 and 12 of step i+1 (the exchanges are the same
+        either way): ``"forward"``, as forward i issues them; ``"backward"``, held until ``start_early_rows()``
+        (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
+        backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
+        when the backward reaches the embeddings."""
+        if early_start not in EARLY_STARTS:
+            raise ValueError(f"prioritized embeddings: early_start must be one of {EARLY_STARTS}, got {early_start!r}")
         super().__init__(*args, **kwargs)
         self.stale = bool(stale)
+        self.early_start = early_start
+        self._held: list[_Later] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
         self.ctx = {name: _GroupContext() for name in self.shards}
         self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
@@ -342,9 +359,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         send them. Line 7's rows (of i-1, not of i) and line 12's (of i+1, not of i) are disjoint from every
         row step i reads or its collision chain writes.
 
-        In the bulk chain's thread, issued here in forward i: it waits there for the flags' round trip (the
-        sizes) and for the deferred gradients, and the rows travel during step i's compute. Without a chain,
-        backward i runs it (_Later.run_here), when both have had the forward to arrive."""
+        In the bulk chain's thread, issued here in forward i (held until ``start_early_rows()`` with
+        ``early_start="backward"``): it waits there for the flags' round trip (the sizes) and for the deferred
+        gradients, and the rows travel during step i's compute. Without a chain, backward i runs it
+        (_Later.start), when both have had the forward to arrive."""
         pending, c.pending_ex = c.pending_ex, None
         sizes, fresh_shard = c.sizes, c.fresh_shard
         after, timed = self._mark(), self._bulk_chain is None and self._stream is None
@@ -364,7 +382,18 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 handle = self.bulk_transport.all_to_all(rows, counts.fresh_send, counts.fresh_recv)
             return handle, (pending, rows_local, fresh_shard, nxt.local)
 
-        return _Later(early, self._bulk_chain)
+        held = self._bulk_chain is not None and self.early_start == "backward"
+        later = _Later(early, self._bulk_chain, held=held)
+        if held:
+            self._held.append(later)
+        return later
+
+    def start_early_rows(self) -> None:
+        """Starts the held lines 6-7 and 12 of every group, in the order the forward issued them (the same on
+        every rank: the bulk chain's exchanges pair up in order). A no-op unless ``early_start="backward"``."""
+        held, self._held = self._held, []
+        for later in held:
+            later.start()
 
     def _merged(self, step: _Step, shard: GroupShard) -> torch.Tensor:
         """Line 15's rows in send order. The fresh and the collision rows' buffers were allocated on the side
@@ -450,8 +479,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         step, nxt = c.cur, c.nxt
         sid = step.sid
         g = self._to_send_order(grad_out, sid)
+        self.start_early_rows()  # held ones: before this backward's own exchanges on the bulk chain
         if nxt is not None:
-            nxt.fresh.run_here()  # without a bulk chain, lines 6-7 and 12 run here
+            nxt.fresh.start()  # without a bulk chain, lines 6-7 and 12 run here
 
         # Sizes and positions of every exchange below. The sizes are read on the host: this shard's counts were
         # copied there in the forward, and the flags' bytes reach it on their way through the host transport;
@@ -501,7 +531,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                     return self.bulk_transport.all_to_all(g_ex, ex_send, ex_recv)
 
             c.pending_ex = (_Later(send_exclusive, self._bulk_chain), ex_rows)
-            c.pending_ex[0].run_here()  # without a bulk chain it leaves now
+            c.pending_ex[0].start()  # without a bulk chain it leaves now
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)
@@ -516,6 +546,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
             raise ValueError(f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})")
+        self.start_early_rows()
         for name, c in self.ctx.items():
             shard = self.shards[name]
             if c.cur is not None and c.cur.fresh is not None:

@@ -62,6 +62,7 @@ def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: tor
         table_names=["item_embedding"],
         optimizer=optimizer,
         transport_name=config.transport,
+        early_start=config.early_start,
         timer=timer,
         device=device,
     )

@@ -14,6 +14,9 @@ modules are named). FreeScale installs itself around it:
     - ``freescale``  prioritized updates (Algorithm 2): this step's embeddings were prefetched during the
                      previous step, only rows shared with the previous batch waited; the pre-hook hands the
                      collection the next batch's ids so it can prefetch again;
+* a forward hook on the model starts, as its forward returns, the embedding stage's side work of the next batch
+  that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then run in the
+  collection's bulk chain beside the backward, where the training thread waits without the GIL);
 * the loader's balancer stages (fsdata.balancer) already gave this rank a balanced batch; their exchanges are
   started in the loader's ``next()`` between steps and finish one step later (the paper hooks them at the
   optimizer step, forward and backward; here they ride the data-loading stage, with the same overlap);
@@ -54,6 +57,7 @@ class StagedPipeline:
         *,
         optimizer,
         transport_name: str = "host",
+        early_start: str = "backward",
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
@@ -69,7 +73,7 @@ class StagedPipeline:
             optimizer=optimizer,
             timer=timer,
             device=device,
-            **({"stale": True} if mode == "semisync" else {}),
+            **({"stale": mode == "semisync", "early_start": early_start} if mode in ("freescale", "semisync") else {}),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
@@ -78,6 +82,7 @@ class StagedPipeline:
         self.current_ids = None
         self.upcoming_ids = None
         self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._after_hook = model.register_forward_hook(self._after_forward)
 
     @staticmethod
     def _transports(name: str) -> dict:
@@ -98,6 +103,12 @@ class StagedPipeline:
             self.hub.prepare(self.features(batch), prefetched=self.current_ids)
         else:
             self.hub.prepare(self.features(batch))
+
+    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
+        """Starts the next batch's early rows held by the forward (``early_start="backward"``): the collection's
+        bulk chain then runs beside the backward."""
+        if module.training and torch.is_grad_enabled() and self.mode in ("freescale", "semisync"):
+            self.collection.start_early_rows()
 
     def id_prefetch_stages(self, rank: int, timer=None) -> list:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
     parser.add_argument("--worker-start", choices=("take", "backward"), default=None,
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
+    parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
+                        help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
                              "the spread of freescale's paired ratios to sync (for noisy machines)")
@@ -86,6 +88,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.train.gil_switch_ms = args.gil_switch_ms
     if args.worker_start is not None:
         cfg.loader.worker_start = args.worker_start
+    if args.early_start is not None:
+        cfg.train.early_start = args.early_start
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())

@@ -19,8 +19,9 @@ def _optimizer(name: str):
     return {"sgd": SGD(lr=0.1), "rowwise_adagrad": RowWiseAdagrad(lr=0.1), "adam": Adam(lr=0.05)}[name]
 
 
-def train(coll, feats, prefetch: bool):
-    """Trains over ``feats`` with a one-step lookahead; returns the losses."""
+def train(coll, feats, prefetch: bool, after_forward=None):
+    """Trains over ``feats`` with a one-step lookahead; returns the losses. ``after_forward(coll)`` runs between
+    every forward and its backward (where the staged pipeline's forward hook runs)."""
     ahead = (lambda f: coll.exchange_ids(f)) if prefetch else (lambda f: f)
     losses = []
     nxt = ahead(feats[0])
@@ -28,14 +29,17 @@ def train(coll, feats, prefetch: bool):
         cur = nxt
         nxt = ahead(feats[s + 1]) if s + 1 < len(feats) else None
         loss = loss_of(coll(cur, nxt))
+        if after_forward is not None:
+            after_forward(coll)
         loss.backward()
         losses.append(loss.detach())
     return losses
 
 
 def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
-          chain=True):
-    """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain."""
+          chain=True, early_start="forward", hook=False):
+    """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
+    ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward."""
     from fscomm import get_transport
     from fsembed.comm import StageTransports
     from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -45,9 +49,11 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
     transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale, **transport)
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale,
+                                          early_start=early_start, **transport)
     prio._misorder_for_test = misorder
-    ls, lp = train(sync, feats, prefetch), train(prio, feats, prefetch)
+    ls = train(sync, feats, prefetch)
+    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None)
     ts, tp = sync.full_tables(), prio.full_tables()
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lp)),
@@ -104,6 +110,46 @@ def test_parity_when_the_next_forward_runs_the_collision_chain():
     for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=60):
         for case, r in zip(cases, rank_res):
             assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def test_parity_when_early_rows_start_at_the_backward():
+    """early_start="backward": the bulk chain's lines 6-7 and 12 wait for start_early_rows() after the forward,
+    or for the backward: same numbers, also with an empty batch and without chains."""
+    cases = [(opt, "zipf", empty, False, True, None, False, chain, "backward", hook)
+             for opt, empty, chain, hook in (("sgd", -1, True, True), ("rowwise_adagrad", 1, True, False),
+                                             ("sgd", -1, False, True))]
+    for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
+        for case, r in zip(cases, rank_res):
+            assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def _held_until_started(rank, world_size):
+    """With early_start="backward" nothing of lines 6-7 and 12 reaches the bulk chain before start_early_rows()."""
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+
+    plan = small_plan(world_size)
+    feats = [step_features(plan, s, rank, "zipf") for s in range(2)]
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, early_start="backward")
+    emb = prio(feats[0], prio.exchange_ids(feats[1]))
+    early = [c.nxt.fresh for c in prio.ctx.values()]
+    held = all(f._future is None for f in early)
+    prio.start_early_rows()
+    sent = all(f.result(timeout=30)[0].wait() is not None for f in early)
+    loss_of(emb).backward()
+    prio.flush()
+    return held, sent
+
+
+def test_held_early_rows_wait_for_the_start():
+    for held, sent in run_ranks(_held_until_started, 2, timeout=60):
+        assert held and sent
+
+
+def test_unknown_early_start_is_refused():
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+
+    with pytest.raises(ValueError, match="early_start must be one of"):
+        PrioritizedEmbeddingCollection(small_plan(1), 0, early_start="later")
 
 
 def _chain_without_model_thread(rank, world_size):
