@@ -17,7 +17,7 @@ import torch
 from fscomm import groups
 from fscomm.staging import PinnedPool
 from fscomm.transport import Handle, diagnose
-from fscomm.worker import worker_for
+from fscomm.worker import helper_event, worker_for
 
 # (source bytes, destination bytes): views of equal length
 Pieces = list[tuple[torch.Tensor, torch.Tensor]]
@@ -137,9 +137,9 @@ class Stager:
         with torch.cuda.stream(copy_stream):
             for src, dst in copy_out(work):
                 dst.copy_(src, non_blocking=True)
-        staged_out = torch.cuda.Event()
+        staged_out = helper_event()
         staged_out.record(copy_stream)
-        copied_back = torch.cuda.Event()
+        copied_back = helper_event()
         # The caller may drop x right after this call, and out with the handle, while the copy stream still
         # reads or writes them: the job holds both until the host has seen those copies finish, so the caching
         # allocator cannot hand their memory out early. (Not record_stream: its deferred free is invisible to

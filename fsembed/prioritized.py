@@ -62,7 +62,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fscomm.worker import SerialWorker
+from fscomm.worker import SerialWorker, helper_event
 from fsdata.id_prefetch import ShardedIds
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
@@ -93,7 +93,7 @@ class _Sizes:
         if co_shard.device.type == "cuda":
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self._host.copy_(counts, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = helper_event()  # a chain usually waits on it
             self._event.record()
         else:
             self._host = counts
