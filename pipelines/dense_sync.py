@@ -89,6 +89,7 @@ class DenseSync:
         self._up = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda)
         self._up_host = self._up.numpy()  # written with numpy: no torch op (each would release the GIL and queue)
         self._down = torch.zeros(self.book_size, dtype=torch.float32, pin_memory=cuda) if cuda else None
+        self._down_host = self._down.numpy() if cuda else None
         self._done: Optional[torch.cuda.Event] = torch.cuda.Event() if cuda else None
         self._reset_pending()
 
@@ -161,4 +162,4 @@ class DenseSync:
         self._down.copy_(self.book, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return self._down.double()
+        return torch.from_numpy(self._down_host.astype("float64"))  # numpy: no torch op, no GIL round trip

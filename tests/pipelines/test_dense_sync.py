@@ -82,3 +82,22 @@ def test_wrong_number_of_fields_is_refused():
         sync.all_reduce((1.0,), (0.0, 1.0, 2.0, 3.0), device_scalars=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="4 per-rank fields"):
         sync.all_reduce((1.0, 2.0, 3.0), (0.0,))
+
+
+def _step_cuda(rank, world_size):
+    from pipelines.dense_sync import DenseSync
+
+    device = torch.device("cuda", 0)
+    model = _model().to(device)
+    sync = DenseSync(model.parameters(), rank, world_size, device, bucket_bytes=300)
+    sync.zero_grad()
+    model(torch.ones(4, 8, device=device)).sum().backward()
+    book = sync.all_reduce((3.0,), (0.5, 1.0, 2.0, 3.0), device_scalars=torch.tensor([4.0, 5.0], device=device))
+    return book.dtype, book.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_block_comes_back_through_pinned_memory_on_cuda():
+    dtype, book = run_ranks(_step_cuda, 1, backend="nccl", timeout=120)[0]
+    assert dtype == torch.float64 and book == [3.0, 4.0, 5.0, 0.5, 1.0, 2.0, 3.0]
