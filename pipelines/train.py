@@ -65,6 +65,9 @@ def worker(config: JobConfig) -> Optional[dict]:
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
+    if use_cuda and config.train.numa_binding is not None and hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        print(f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), numa_binding={config.train.numa_binding}")
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
     # the pool only runs small host ops; a large one (8 per rank on the H200's 16 cores) crowded out the
     # loader and exchange threads there and stalled single ops by milliseconds (a trace of the light case).
@@ -82,6 +85,22 @@ def worker(config: JobConfig) -> Optional[dict]:
         dist.destroy_process_group()
 
 
+def _numa_options(config: JobConfig):
+    """torch's NUMA binding for a GPU run (local rank r bound near GPU r), or None (CPU runs, or not asked for)."""
+    mode = config.train.numa_binding
+    if mode is None:
+        return None
+    if not torch.cuda.is_available() or config.train.device == "cpu":
+        print(f"[freescale] numa_binding={mode} ignored: it binds ranks near their GPUs, and this run has none")
+        return None
+    if config.train.nproc > torch.cuda.device_count():
+        print(f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} GPU(s)")
+        return None
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    return NumaOptions(affinity_mode=AffinityMode(mode))
+
+
 def launch(config: JobConfig) -> Optional[dict]:
     """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -96,6 +115,7 @@ def launch(config: JobConfig) -> Optional[dict]:
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
+        numa_options=_numa_options(config),
     )
     results = elastic_launch(launch_config, worker)(config)
     return results.get(0)

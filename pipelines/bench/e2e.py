@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
                         help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
+    parser.add_argument("--numa-binding", default=None, choices=("node", "socket", "exclusive", "core-complex"),
+                        help="GPU runs: bind each rank near its GPU (see --numa-binding of train)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
                              "the spread of freescale's paired ratios to sync (for noisy machines)")
@@ -90,6 +92,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.loader.worker_start = args.worker_start
     if args.early_start is not None:
         cfg.train.early_start = args.early_start
+    if args.numa_binding is not None:
+        cfg.train.numa_binding = args.numa_binding
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
