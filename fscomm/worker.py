@@ -21,8 +21,8 @@ from fscomm import groups
 def helper_event() -> "torch.cuda.Event":
     """A CUDA event that a helper thread (an exchange's worker, an embedding chain) waits on with ``synchronize()``:
     a blocking-sync event, so the thread sleeps until the GPU reaches it instead of spinning on a core, as CUDA's
-    default wait does, beside the model's threads (2 x H200, paired with sync in the same calls, BENCHMARKS.md: light
-    case 0.926 and 0.927 of sync's samples/s against 0.793 and 0.881 with spinning waits)."""
+    default wait does, beside the model's threads. (An A/B on 2 x H200 favoured it, inside the light case's
+    run-to-run spread: BENCHMARKS.md section 5, seventh session.)"""
     return torch.cuda.Event(blocking=True)
 
 
