@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
                         help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
+    parser.add_argument("--stage-lookahead", action="store_true",
+                        help="the loader's stage worker also starts each stage's exchange one batch early (see --stage-lookahead of train)")
     parser.add_argument("--numa-binding", default=None, choices=("node", "socket", "exclusive", "core-complex"),
                         help="GPU runs: bind each rank near its GPU (see --numa-binding of train)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -92,6 +94,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.loader.worker_start = args.worker_start
     if args.early_start is not None:
         cfg.train.early_start = args.early_start
+    if args.stage_lookahead:
+        cfg.loader.stage_lookahead = True
     if args.numa_binding is not None:
         cfg.train.numa_binding = args.numa_binding
     if args.trace:
@@ -113,6 +117,8 @@ def _row(case: str, s: dict) -> dict:
         "step_time_ms": 1e3 * s["step_time_s"],
         "step_time_median_ms": 1e3 * s["step_time_median_s"],
         "data_wait_median_ms": 1e3 * s["data_wait_median_s"],
+        # the stage worker's own waits per item (off the critical path unless the training thread waits: data)
+        "loader_worker_ms": {k: 1e3 * v["mean_s"] for k, v in (s.get("loader_worker_timing") or {}).items()},
         "compute_median_ms": _ms(s["compute_median_s"]),
         "exposed_ms": {k: _ms(v) for k, v in exposed.items()},
         "exposed_total_ms": None if unknown else 1e3 * sum(exposed.values()),
