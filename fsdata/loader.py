@@ -46,8 +46,10 @@ class LoaderConfig:
                           "'take' for a loader used on its own. With pin_memory on a CPU run: always 'take'"},
     )
     stage_lookahead: bool = field(
-        default=False,
-        metadata={"help": "under the worker thread, still start each stage's exchange one batch early (more batches in flight)"},
+        default=True,
+        metadata={"help": "under the worker thread too, start each stage's exchange one batch early, so the worker "
+                          "rarely waits for the other ranks' workers (one more batch in flight per stage); "
+                          "--no-stage-lookahead finishes each exchange in the call that starts it"},
     )
 
     def validate(self) -> None:
@@ -93,8 +95,10 @@ def build_loader(
 
 
 def _disable_lookahead(node: BaseNode) -> None:
-    """The worker thread already runs the stages a batch ahead: each stage then finishes its exchange in the
-    call that starts it, so only the worker's batch (and the trainer's next one) are in flight."""
+    """``stage_lookahead = false``: each stage finishes its exchange in the call that starts it, so only the
+    worker's batch (and the trainer's next one) are in flight; the worker then waits inside each item for the
+    other ranks' workers to reach the same exchange (BENCHMARKS.md section 5, seventh session: 9.5-12 ms per item
+    on 2 x H200, against 1.3-2.4 ms with the lookahead)."""
     from fsdata.nodes.async_stage import AsyncStage
 
     while node is not None:

@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
                         help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
-    parser.add_argument("--stage-lookahead", action="store_true",
-                        help="the loader's stage worker also starts each stage's exchange one batch early (see --stage-lookahead of train)")
+    parser.add_argument("--no-stage-lookahead", dest="stage_lookahead", action="store_false",
+                        help="the loader's stage worker finishes each stage's exchange in the call that starts it (see "
+                             "--stage-lookahead of train; default: one batch early)")
     parser.add_argument("--numa-binding", default=None, choices=("node", "socket", "exclusive", "core-complex"),
                         help="GPU runs: bind each rank near its GPU (see --numa-binding of train)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -94,8 +95,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.loader.worker_start = args.worker_start
     if args.early_start is not None:
         cfg.train.early_start = args.early_start
-    if args.stage_lookahead:
-        cfg.loader.stage_lookahead = True
+    cfg.loader.stage_lookahead = args.stage_lookahead
     if args.numa_binding is not None:
         cfg.train.numa_binding = args.numa_binding
     if args.trace:

@@ -26,22 +26,23 @@ class CountingTransport:
         return self.inner.all_to_all(tensor, send_splits, recv_splits)
 
 
-def _loader(rank, world_size, partitioner, transport, prefetch=1):
+def _loader(rank, world_size, partitioner, transport, prefetch=1, lookahead=True):
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
     source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=NUM_SAMPLES, seed=3, uih_max=200))
     stages = balancer_stages(BalancerConfig(partitioner=partitioner), transport, rank, world_size, capacity=BATCH)
-    return build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=prefetch), rank, world_size, stages), source
+    config = LoaderConfig(batch_size=BATCH, prefetch_depth=prefetch, stage_lookahead=lookahead)
+    return build_loader(source, config, rank, world_size, stages), source
 
 
-def _exactly_once_body(rank, world_size, partitioner):
+def _exactly_once_body(rank, world_size, partitioner, lookahead=True):
     from fscomm import get_transport
     from fscomm.groups import new_stage_group
 
     transport = CountingTransport(get_transport("host", group=new_stage_group("balancer")))
-    loader, source = _loader(rank, world_size, partitioner, transport)
+    loader, source = _loader(rank, world_size, partitioner, transport, lookahead=lookahead)
     steps = []
     for batch, info in loader:
         stage(f"step {len(steps)}")
@@ -50,11 +51,13 @@ def _exactly_once_body(rank, world_size, partitioner):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("partitioner,world_size", [("fbs", 2), ("vbs", 3), ("kk", 4), ("fbs", 4)])
-def test_exactly_once_and_same_plan(partitioner, world_size):
+@pytest.mark.parametrize("partitioner,world_size,lookahead",
+                         [("fbs", 2, True), ("fbs", 2, False), ("vbs", 3, True), ("kk", 4, True), ("fbs", 4, True)])
+def test_exactly_once_and_same_plan(partitioner, world_size, lookahead):
+    """``lookahead``: the stage worker starts each exchange one batch early (the default) or finishes it at once."""
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
-    results = run_ranks(_exactly_once_body, world_size, args=(partitioner,), timeout=90)
+    results = run_ranks(_exactly_once_body, world_size, args=(partitioner, lookahead), timeout=90)
     source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=NUM_SAMPLES, seed=3, uih_max=200))
     global_batch = BATCH * world_size
     num_steps = -(-NUM_SAMPLES // global_batch)
@@ -99,19 +102,20 @@ def test_fbs_does_not_worsen_imbalance():
     assert after < before, (before, after)
 
 
-def _resume_body(rank, world_size):
+def _resume_body(rank, world_size, lookahead):
     from fscomm import get_transport
     from fscomm.groups import new_stage_group
     from tests.stateful import run_test_save_load_state
 
     transport = get_transport("host", group=new_stage_group("balancer"))
-    run_test_save_load_state(lambda: _loader(rank, world_size, "vbs", transport)[0], midpoint=2)
+    run_test_save_load_state(lambda: _loader(rank, world_size, "vbs", transport, lookahead=lookahead)[0], midpoint=2)
     return True
 
 
 @pytest.mark.multiprocess
-def test_resume_is_exact():
-    assert run_ranks(_resume_body, 2, timeout=120) == [True, True]
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_resume_is_exact(lookahead):
+    assert run_ranks(_resume_body, 2, args=(lookahead,), timeout=120) == [True, True]
 
 
 _PLANNED_IDS: list = []  # per call of reversed_fbs in this process: every rank's sample ids in plan order

@@ -40,6 +40,9 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--transport", "carrier-pigeon"], "transport"),
         (["--gil-switch-ms", "0"], "gil_switch_ms"),
         (["--worker-start", "forward"], "worker_start"),
+        (["--early-start", "later"], "early_start"),
+        (["--numa-binding", "everywhere"], "numa_binding"),
+        (["--warmup-steps", "-2"], "warmup_steps"),
     ],
 )
 def test_bad_config_is_a_clear_error(argv, match):
@@ -67,7 +70,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--steps", "6", "--partitioner", "fbs",
            "--summary-json", str(summary), "--metrics-jsonl", str(metrics), "--no-progress",
-           "--mode", "replicated", "--trace", str(tmp_path / "trace")]
+           "--mode", "replicated", "--trace", str(tmp_path / "trace"), "--warmup-steps", "2"]
     proc = _run(cmd, tmp_path)
     trace = json.loads((tmp_path / "trace.rank1.json").read_text())
     assert {"freescale/data", "freescale/forward", "freescale/backward"} <= {e.get("name") for e in trace["traceEvents"]}
@@ -83,6 +86,9 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     s = json.loads(summary.read_text())
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
+    times = s["step_times_s"]  # every step; the first two are the warm-up, left out of the timings
+    assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))
+    assert s["step_time_s"] == pytest.approx(sum(times[2:]) / 4)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6))
     assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 for r in lines)
@@ -106,14 +112,15 @@ def _train_cmd(tmp_path, *extra):
 @pytest.mark.multiprocess
 def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
-    run starts its stage worker when a batch is taken instead of at the backward (the default): when the worker
-    runs must not change a number."""
+    run schedules its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
+    the backward) and finishes each exchange at once (no stage lookahead), and the bulk chain starts with the
+    forward. When they run must not change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take",
-                    "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take", "--no-stage-lookahead",
+                    "--early-start", "forward", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
     resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert resumed == full[3:]
 
