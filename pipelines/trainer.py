@@ -451,8 +451,9 @@ class Trainer:
         samples = sum(sum(r["samples_per_rank"]) for r in h)
         tail = h[len(h) // 2 :] or h
         labels = sum(r["labels"] for r in tail)
-        warm = min(self.config.train.warmup_steps, len(h))
-        timed = h[warm:] or h  # the warm-up steps pay one-time costs (compilation, first pinned allocations)
+        # The warm-up steps pay one-time costs (compilation, first pinned allocations); at least one step is timed.
+        warm = min(self.config.train.warmup_steps, max(len(h) - 1, 0))
+        timed = h[warm:]
         n = max(len(timed), 1)
         step_times = [r["step_time_s"] for r in timed]
         return {
