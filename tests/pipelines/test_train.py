@@ -50,6 +50,24 @@ def test_bad_config_is_a_clear_error(argv, match):
         _parse(*argv)
 
 
+def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
+    """torch's NUMA binding binds local rank r near GPU r: a CPU run, or ranks sharing GPUs, get none, and say so."""
+    import torch
+
+    from pipelines.train import _numa_options
+
+    assert _numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
+    assert _numa_options(_parse("--device", "cpu", "--numa-binding", "exclusive")) is None
+    assert "ignored" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _numa_options(_parse("--device", "cuda", "--nproc", "2", "--numa-binding", "node")) is None
+    assert "2 ranks share 1 GPU" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    options = _numa_options(_parse("--device", "cuda", "--nproc", "2", "--numa-binding", "exclusive"))
+    assert options is not None and options.affinity_mode.value == "exclusive"
+
+
 def test_unknown_toml_key(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text("[train]\nstepz = 5\n")
