@@ -5,9 +5,10 @@
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
+#   bash scripts/gpu_suite.sh pairs      # sync and freescale, 3 interleaved paired runs per case: the spread of the ratios (~4 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -52,7 +53,12 @@ case "$PART" in
     python3 -m pipelines.cli trace "$OUT"/traces/*.rank*.json --json "$OUT/traces.json"
     gzip -f "$OUT"/traces/*.json
     ;;
+  pairs)
+    echo "== bench e2e: sync and freescale, 3 interleaved paired runs per case (3 warm-up steps each)"
+    timeout 500 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 30 --model small --uih-cap 4096 \
+      --batch-size 16 --modes sync,freescale --repeats 3 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -15
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay or trace" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay, trace or pairs" >&2; exit 2
     ;;
 esac
