@@ -33,12 +33,21 @@ except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata
 T = TypeVar("T")
 
 
+def _offsets(splits: list[int], pin: bool = False) -> torch.Tensor:
+    """[len(splits) + 1] int64 offsets of ``splits``, on the CPU (pinned: copied to a GPU without a sync)."""
+    out = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=pin)
+    torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=out[1:])
+    return out
+
+
 @dataclass
 class ShardedIds:
     """One key's ID AllToAll in flight, with what both directions of the later exchanges need.
 
     ``perm``/``send_splits`` describe the batch-major side (this rank's ids grouped by owning shard);
-    ``recv_splits`` the shard-major side (how many ids every source rank sends here, in rank order).
+    ``recv_splits`` the shard-major side (how many ids every source rank sends here, in rank order), and
+    ``recv_offsets`` their offsets ([W+1] int64), built by the loader's stage and moved with the rest, so the
+    embedding stage finds them on its device (``recv_offsets_on``).
     """
 
     key: str
@@ -50,12 +59,21 @@ class ShardedIds:
     handle: Any  # -> shard-major ids [sum(recv_splits)] int64
     sizes_wait_s: float = 0.0  # time blocked on the size exchange (counted as ID exchange time)
     _shard_ids: Optional[torch.Tensor] = field(default=None, repr=False)
+    recv_offsets: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """The shard-major ids (blocks until they arrived; later calls return at once)."""
         if self._shard_ids is None:
             self._shard_ids = self.handle.wait()
         return self._shard_ids
+
+    def recv_offsets_on(self, device: torch.device) -> torch.Tensor:
+        """The offsets of ``recv_splits`` on ``device``: those the loader's stage brought, or built here once
+        (through pinned memory to a GPU: no device sync)."""
+        device = torch.device(device)
+        if self.recv_offsets is None or self.recv_offsets.device != device:
+            self.recv_offsets = _offsets(self.recv_splits, pin=device.type == "cuda").to(device, non_blocking=True)
+        return self.recv_offsets
 
     @property
     def wait_time_s(self) -> float:
@@ -66,11 +84,12 @@ class ShardedIds:
         if self.perm.is_cuda:
             return self
         return replace(self, perm=self.perm.pin_memory(),
-                       _shard_ids=None if self._shard_ids is None else self._shard_ids.pin_memory())
+                       _shard_ids=None if self._shard_ids is None else self._shard_ids.pin_memory(),
+                       recv_offsets=None if self.recv_offsets is None else self.recv_offsets.pin_memory())
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds now (not the result still in flight)."""
-        return [self.perm] + ([] if self._shard_ids is None else [self._shard_ids])
+        return [t for t in (self.perm, self._shard_ids, self.recv_offsets) if t is not None]
 
     def to(self, device: torch.device) -> "ShardedIds":
         """The same exchange, its results delivered on ``device`` (the loader exchanges ids on the CPU, off
@@ -81,6 +100,7 @@ class ShardedIds:
             self.key, self.num_ids, self.segments, self.perm.to(device, non_blocking=True), self.send_splits,
             self.recv_splits, _OnDevice(self.handle, device), self.sizes_wait_s,
             None if self._shard_ids is None else self._shard_ids.to(device, non_blocking=True),
+            None if self.recv_offsets is None else self.recv_offsets.to(device, non_blocking=True),
         )
 
 
@@ -99,6 +119,14 @@ class _OnDevice:
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
+
+    def recv_offsets_on(self, device: torch.device) -> torch.Tensor:
+        """The offsets of ``recv_splits`` on ``device``: those the loader's stage brought, or built here once
+        (through pinned memory to a GPU: no device sync)."""
+        device = torch.device(device)
+        if self.recv_offsets is None or self.recv_offsets.device != device:
+            self.recv_offsets = _offsets(self.recv_splits, pin=device.type == "cuda").to(device, non_blocking=True)
+        return self.recv_offsets
 
     @property
     def wait_time_s(self) -> float:
@@ -162,7 +190,8 @@ class SizedIds:
         sizes_wait = time.perf_counter() - t0
         recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
         handle = self.transport.all_to_all(self.send_ids, self.send_splits, recv_splits)
-        return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait)
+        return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait,
+                          recv_offsets=_offsets(recv_splits))
 
 
 def start_size_exchange(

@@ -63,6 +63,7 @@ from typing import Callable, Optional
 import torch
 
 from fscomm.worker import SerialWorker, helper_event
+from fsdata.batch import lengths_to_offsets
 from fsdata.id_prefetch import ShardedIds
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
@@ -87,8 +88,8 @@ class _Sizes:
 
     def __init__(self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds,
                  flags_handle):
-        counts = torch.stack([_set_per_part(co_shard, step.recv_splits), _set_per_part(fresh_shard, nxt.recv_splits)],
-                             1)  # [W, 2]: row q counts rank q's ids
+        counts = torch.stack([_set_per_part(co_shard, step.recv_offsets_on(co_shard.device)),
+                              _set_per_part(fresh_shard, nxt.recv_offsets_on(fresh_shard.device))], 1)  # [W, 2]: row q counts rank q's ids
         self._event = None
         if co_shard.device.type == "cuda":
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -109,7 +110,7 @@ class _Sizes:
                 # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
                 first, second = self._send
                 parts = [n for pair in zip(first, second) for n in pair]
-                sums = _set_per_part(self._flags_handle.host(), parts).tolist()
+                sums = _set_per_part(self._flags_handle.host(), lengths_to_offsets(torch.tensor(parts))).tolist()
                 self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
             return self._counts
 
@@ -157,16 +158,9 @@ class _Later:
         return self._future.result(timeout)
 
 
-def _offsets(splits: list[int], device) -> torch.Tensor:
-    """Offsets of ``splits`` on ``device``; from pinned memory on CUDA, so the copy needs no sync."""
-    host = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=torch.device(device).type == "cuda")
-    torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=host[1:])
-    return host.to(device, non_blocking=True)
-
-
-def _set_per_part(mask: torch.Tensor, splits: list[int]) -> torch.Tensor:
-    """Set entries of each consecutive part of ``mask`` (parts of ``splits`` entries), on the mask's device."""
-    return ops.segment_sum(mask.to(torch.int64), _offsets(splits, mask.device))
+def _set_per_part(mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Set entries of each consecutive part of ``mask`` (parts between ``offsets``, on the mask's device)."""
+    return ops.segment_sum(mask.to(torch.int64), offsets)
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:

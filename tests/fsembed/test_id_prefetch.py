@@ -39,7 +39,7 @@ def _make_loader(rank, world_size, transport):
 
     def settle(item):  # comparable items: the batch and every key's shard-major ids and splits
         batch, pre = item
-        return batch, {k: (s.wait(), s.send_splits, s.recv_splits, s.perm) for k, s in pre.keys.items()}
+        return batch, {k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets) for k, s in pre.keys.items()}
 
     return Loader(Mapper(node, settle))
 
@@ -56,7 +56,9 @@ def _body(rank, world_size):
     for batch, keyed in _make_loader(rank, world_size, transport):
         stacked = plan.stack_ids(_features(batch))
         for g in plan.groups:
-            ids, send, recv, perm = keyed[g.name]
+            ids, send, recv, perm, recv_offsets = keyed[g.name]
+            # the stage brings the receive offsets along, so the embedding stage need not build them per step
+            owned &= recv_offsets.tolist() == [0, *torch.tensor(recv).cumsum(0).tolist()]
             sent += stacked[g.name][0].numel()
             received += ids.numel()
             lo, hi = int(g.boundaries[rank]), int(g.boundaries[rank + 1])
@@ -92,3 +94,6 @@ def test_prefetched_ids_wait_keeps_the_results_for_the_later_copies():
     assert ids.wait() is ids and _Handle.calls == 1
     held = ids.to("cpu")
     assert len(held.tensors()) == 2 and torch.equal(held["g"].wait(), torch.arange(3)) and _Handle.calls == 1
+    # built without the stage's receive offsets (e.g. restored from a checkpoint): made on first use, then kept
+    offsets = held["g"].recv_offsets_on("cpu")
+    assert offsets.tolist() == [0, 3] and held["g"].recv_offsets_on("cpu") is offsets and len(held.tensors()) == 3
