@@ -25,19 +25,14 @@ from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 
 import torch
 
+from fsdata.batch import lengths_to_offsets
+
 try:  # the node needs torchdata; the exchange helpers below do not (the GPU machine has no torchdata)
     from torchdata.nodes import BaseNode
 except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata is absent
     BaseNode = None
 
 T = TypeVar("T")
-
-
-def _offsets(splits: list[int], pin: bool = False) -> torch.Tensor:
-    """[len(splits) + 1] int64 offsets of ``splits``, on the CPU (pinned: copied to a GPU without a sync)."""
-    out = torch.zeros(len(splits) + 1, dtype=torch.int64, pin_memory=pin)
-    torch.cumsum(torch.tensor(splits, dtype=torch.int64), 0, out=out[1:])
-    return out
 
 
 @dataclass
@@ -72,7 +67,10 @@ class ShardedIds:
         (through pinned memory to a GPU: no device sync)."""
         device = torch.device(device)
         if self.recv_offsets is None or self.recv_offsets.device != device:
-            self.recv_offsets = _offsets(self.recv_splits, pin=device.type == "cuda").to(device, non_blocking=True)
+            host = lengths_to_offsets(torch.tensor(self.recv_splits, dtype=torch.int64))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            self.recv_offsets = host.to(device, non_blocking=True)
         return self.recv_offsets
 
     @property
@@ -119,14 +117,6 @@ class _OnDevice:
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
-
-    def recv_offsets_on(self, device: torch.device) -> torch.Tensor:
-        """The offsets of ``recv_splits`` on ``device``: those the loader's stage brought, or built here once
-        (through pinned memory to a GPU: no device sync)."""
-        device = torch.device(device)
-        if self.recv_offsets is None or self.recv_offsets.device != device:
-            self.recv_offsets = _offsets(self.recv_splits, pin=device.type == "cuda").to(device, non_blocking=True)
-        return self.recv_offsets
 
     @property
     def wait_time_s(self) -> float:
@@ -191,7 +181,7 @@ class SizedIds:
         recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
         handle = self.transport.all_to_all(self.send_ids, self.send_splits, recv_splits)
         return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait,
-                          recv_offsets=_offsets(recv_splits))
+                          recv_offsets=lengths_to_offsets(torch.tensor(recv_splits, dtype=torch.int64)))
 
 
 def start_size_exchange(
