@@ -6,6 +6,8 @@
 stage starts its collective one ``next()`` before its result is needed (fsdata.nodes.async_stage), so while
 step i computes, Stage III of batch i+1, Stage II of batch i+2 and Stage I of batch i+3 are in flight; the model
 waits only on handles. The collectives go through ``transport`` on a process group of the balancer's own.
+The balance gate (``min_gain``, fsdata.partition.gate) keeps a step's samples local, and skips Stage III's
+exchange, when its fitted step-time model predicts that moving them would not pay.
 
 Semantics. Balancing permutes samples within one global step only (every sample of global step s stays in
 step s), so the temporal order of training across steps is kept. Local batch sizes may differ afterwards
@@ -23,7 +25,7 @@ from fscomm.timing import Timer
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.partition_stage import PartitionStage
 from fsdata.nodes.shuffle import ShuffleSamples
-from fsdata.partition import AutoTune, get_partitioner
+from fsdata.partition import AutoTune, BalanceGate, get_partitioner
 
 
 @dataclass
@@ -33,6 +35,11 @@ class BalancerConfig:
     )
     alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
     autotune: bool = field(default=False, metadata={"help": "VBS: tune per-rank budgets from measured step times"})
+    min_gain: float = field(
+        default=0.0,
+        metadata={"help": "balance gate: move a step's samples only when the fitted step-time model predicts the "
+                          "slowest rank at least this fraction faster for it (0: always move; off with --autotune)"},
+    )
 
 
 def balancer_stages(
@@ -51,9 +58,11 @@ def balancer_stages(
         return []
     partitioner = get_partitioner(config.partitioner, alpha=config.alpha)
     autotune = AutoTune(world_size) if config.autotune else None
+    # The gate's model gives every rank the same speed, which autotune exists to correct: not both.
+    gate = BalanceGate(config.min_gain) if config.min_gain > 0 and autotune is None else None
     return [
         lambda node: GatherLengths(node, transport, rank, world_size, capacity, feedback, timer),
         lambda node: GatherCandidateLengths(node, transport, world_size, timer),
-        lambda node: PartitionStage(node, partitioner, autotune),
+        lambda node: PartitionStage(node, partitioner, autotune, gate),
         lambda node: ShuffleSamples(node, transport, rank, world_size, timer),
     ]

@@ -123,6 +123,8 @@ class JobConfig:
             raise ValueError(f"transport must be host, nccl, nccl-ce or rdma, got {self.train.transport!r}")
         if self.balancer.autotune and self.balancer.partitioner != "vbs":
             raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
+        if not 0.0 <= self.balancer.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.balancer.min_gain}")
         self.loader.validate()
         return self
 

@@ -482,6 +482,9 @@ class Trainer:
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
+            # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
+            "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
+            "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
             "peak_memory_bytes": self._peak_memory(),
             "kernel_variants": self._kernel_variants(),
             "timing": self.timer.summary(),

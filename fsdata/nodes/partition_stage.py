@@ -1,9 +1,15 @@
 """The partition stage: turns one step's gathered lengths (and gathered runtime info R) into a plan.
 
 The plan is a pure function of what every rank gathered, so every rank computes the same plan with no extra
-communication. With VBS autotune, the gathered per-rank compute times feed :class:`AutoTune` here; since the
-measurements are gathered, the autotune state evolves identically on every rank, and it is part of this node's
-state so a resumed job plans exactly as the stopped one would have.
+communication. The measured step times ride along with the lengths (Stage I): each rank sends its newest
+measurement, which may be of different steps on different ranks (each rank's loader reads its trainer's report
+at its own moment). :class:`_Measurements` joins them across the gathered items: a step is *measured* once every
+rank's time for it has arrived, in one item or over several. Its input is gathered, so it completes the same
+steps on every rank.
+
+Measured steps feed VBS autotune (:class:`AutoTune`) and the balance gate (fsdata.partition.gate), which may keep
+a step's identity plan. Their states and the partly measured steps are this node's state, so a resumed job plans
+exactly as the stopped one would have.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+import torch
 from torchdata.nodes import BaseNode
 
 from fsdata.batch import Batch
 from fsdata.nodes.gather_lengths import Gathered
-from fsdata.partition import AutoTune, GatheredLengths, Partitioner, Plan, RuntimeInfo
+from fsdata.partition import AutoTune, BalanceGate, GatheredLengths, Partitioner, Plan, RuntimeInfo
 
 
 @dataclass
@@ -24,55 +31,108 @@ class Planned:
     lengths: GatheredLengths
     plan: Plan
     step: int
+    predicted_gain: Optional[float] = None  # the balance gate's prediction for the partitioner's plan, if gated
+
+
+class _Measurements:
+    """Joins the ranks' gathered (step, seconds) reports into whole measured steps, oldest first."""
+
+    MAX_PARTIAL = 64  # partly measured steps kept (a rank whose reads jump past a step never reports it)
+
+    def __init__(self) -> None:
+        self.partial: Dict[int, Dict[int, float]] = {}  # step -> {rank: seconds}
+        self.newest = -1  # newest whole step handed out
+        self.newest_times: Optional[torch.Tensor] = None
+        self.world = 0
+
+    def add(self, measured_steps: torch.Tensor, step_times: torch.Tensor) -> list:
+        """Takes one item's reports; returns the steps they completed, as ``[(step, times [W] float64)]``."""
+        world = measured_steps.numel()
+        if world != self.world:  # resumed on another world size: the old ranks' reports do not join the new
+            self.partial, self.newest_times, self.world = {}, None, world
+        for rank, (step, seconds) in enumerate(zip(measured_steps.tolist(), step_times.tolist())):
+            if step > self.newest:
+                self.partial.setdefault(step, {})[rank] = seconds
+        done = sorted(s for s, times in self.partial.items() if len(times) == world)
+        out = [(s, torch.tensor([self.partial[s][r] for r in range(world)], dtype=torch.float64)) for s in done]
+        if out:
+            self.newest, self.newest_times = out[-1]
+        for s in [s for s in self.partial if s <= self.newest]:
+            del self.partial[s]
+        while len(self.partial) > self.MAX_PARTIAL:
+            del self.partial[min(self.partial)]
+        return out
+
+    def state_dict(self) -> dict:
+        times = None if self.newest_times is None else self.newest_times.tolist()
+        partial = {s: dict(t) for s, t in self.partial.items()}
+        return {"partial": partial, "newest": self.newest, "newest_times": times, "world": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.partial = {int(s): {int(r): float(x) for r, x in t.items()} for s, t in state["partial"].items()}
+        self.newest = int(state["newest"])
+        times = state["newest_times"]
+        self.newest_times = None if times is None else torch.tensor(times, dtype=torch.float64)
+        self.world = int(state["world"])
 
 
 class PartitionStage(BaseNode[Planned]):
     SOURCE_KEY = "source"
     STEP_KEY = "step"
+    MEASURED_KEY = "measured"
     AUTOTUNE_KEY = "autotune"
+    GATE_KEY = "gate"
 
-    def __init__(self, source: BaseNode[Gathered], partitioner: Partitioner, autotune: Optional[AutoTune] = None) -> None:
+    def __init__(self, source: BaseNode[Gathered], partitioner: Partitioner, autotune: Optional[AutoTune] = None,
+                 gate: Optional[BalanceGate] = None) -> None:
         super().__init__()
-        self.source, self.partitioner, self.autotune = source, partitioner, autotune
+        self.source, self.partitioner, self.autotune, self.gate = source, partitioner, autotune, gate
         self._step = 0
-        self._last_observed = -1
+        self._measured = _Measurements()
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
         super().reset(initial_state)
+        self._measured = _Measurements()
         if initial_state is None:
             self.source.reset(None)
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self._step = int(initial_state[self.STEP_KEY])
-        tuned = initial_state.get(self.AUTOTUNE_KEY)
-        if self.autotune is not None and tuned is not None:
-            self.autotune.load_state_dict(tuned["state"])
-            self._last_observed = int(tuned["last_observed"])
+        self._measured.load_state_dict(initial_state[self.MEASURED_KEY])
+        for part, key in ((self.autotune, self.AUTOTUNE_KEY), (self.gate, self.GATE_KEY)):
+            if part is not None and initial_state.get(key) is not None:
+                part.load_state_dict(initial_state[key])
 
     def get_state(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {self.SOURCE_KEY: self.source.state_dict(), self.STEP_KEY: self._step}
-        if self.autotune is not None:
-            state[self.AUTOTUNE_KEY] = {"state": self.autotune.state_dict(), "last_observed": self._last_observed}
+        state: Dict[str, Any] = {
+            self.SOURCE_KEY: self.source.state_dict(),
+            self.STEP_KEY: self._step,
+            self.MEASURED_KEY: self._measured.state_dict(),
+        }
+        for part, key in ((self.autotune, self.AUTOTUNE_KEY), (self.gate, self.GATE_KEY)):
+            if part is not None:
+                state[key] = part.state_dict()
         return state
 
     def next(self) -> Planned:
         item = next(self.source)
-        measured = int(item.measured_steps.min())
-        same = bool((item.measured_steps == measured).all())
-        runtime = RuntimeInfo(step=self._step, measured_step=measured if same else -1)
-        if same and measured >= 0:
-            runtime.step_times = item.step_times
+        for step, times in self._measured.add(item.measured_steps, item.step_times):
+            if self.autotune is not None:
+                self.autotune.observe(step, times)
+            if self.gate is not None:
+                self.gate.observe(step, times)
+        runtime = RuntimeInfo(step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times)
         if self.autotune is not None:
-            if same and measured > self._last_observed:
-                self.autotune.observe(measured, item.step_times)
-                self._last_observed = measured
             runtime.budget_shares = self.autotune.shares_for_step(self._step)
         plan = self.partitioner(item.lengths, runtime)
         plan.validate(item.lengths.num_samples, item.lengths.world_size, who=f"partitioner {self.partitioner!r}")
+        gain = None
+        if self.gate is not None:
+            plan, gain = self.gate.choose(self._step, item.lengths, plan)
         if self.autotune is not None and hasattr(self.partitioner, "rank_weights"):
             # Judge this step's later measurement against the weight each rank really got, not its planned
             # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
             self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
-        planned = Planned(batch=item.batch, lengths=item.lengths, plan=plan, step=self._step)
+        planned = Planned(batch=item.batch, lengths=item.lengths, plan=plan, step=self._step, predicted_gain=gain)
         self._step += 1
         return planned

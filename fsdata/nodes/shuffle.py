@@ -16,6 +16,10 @@ position) order with one jagged indexed permute. The receiver gets (source, fiel
 the rank's samples source-major (the built-in partitioners always do) one concatenation of those chunks makes
 the fields, otherwise one indexed permute of the (field, sample) segments puts them field-major in plan order.
 The fields of the balanced batch are views of that one buffer.
+
+A plan that keeps every sample where it is (the balance gate's identity plan, fsdata.partition.gate) exchanges
+nothing: every rank holds the same plan, so every rank skips the collective alike, and the local batch passes
+through unchanged.
 """
 
 from __future__ import annotations
@@ -78,6 +82,13 @@ def _per_rank_stats(values: list, offsets: list) -> tuple[list, list]:
 
 
 @dataclass
+class _Kept:
+    """A step whose plan keeps every sample local: no exchange in flight."""
+
+    planned: Planned
+
+
+@dataclass
 class _InFlight:
     planned: Planned
     handle: Any
@@ -92,7 +103,7 @@ class _InFlight:
     num_labels: int
 
 
-class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
+class ShuffleSamples(AsyncStage[Planned, Any, tuple]):
     """Yields ``(balanced_batch, info)``; ``info`` holds the step and the balance metrics before and after."""
 
     span_name = "balancer_stage3_wait"
@@ -101,8 +112,10 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
         super().__init__(source, timer)
         self.transport, self.rank, self.world_size = transport, rank, world_size
 
-    def start(self, p: Planned) -> _InFlight:
+    def start(self, p: Planned) -> Any:
         batch, lengths, plan, r, w = p.batch, p.lengths, p.plan, self.rank, self.world_size
+        if plan.is_identity(lengths):
+            return _Kept(p)
         dense_dim, num_labels = batch.dense.shape[1], batch.num_labels
 
         # [F, G] words of every field (in wire order) of every global sample.
@@ -168,7 +181,9 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
         order = cell_to_segment[(torch.arange(num_fields).unsqueeze(1) * m + back.unsqueeze(0)).reshape(-1)]
         return lengths_to_offsets(mine_sizes[:, arrival].reshape(-1)[wire]), order
 
-    def finish(self, f: _InFlight) -> tuple:
+    def finish(self, f: Any) -> tuple:
+        if isinstance(f, _Kept):
+            return f.planned.batch, self._info(f.planned, f.planned.lengths.uih_lengths, moved=False)
         lengths, mine = f.planned.lengths, f.mine
         g_uih, g_cand = lengths.uih_lengths, lengths.num_candidates
         n_uih_fields = 1 + f.has_actions + f.has_times
@@ -196,9 +211,9 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
             uih_action_types=uih_fields[1] if f.has_actions else None,
             uih_timestamps=uih_fields[-1] if f.has_times else None,
         )
-        return balanced, self._info(f.planned, g_uih)
+        return balanced, self._info(f.planned, g_uih, moved=True)
 
-    def _info(self, p: Planned, g_uih: torch.Tensor) -> dict:
+    def _info(self, p: Planned, g_uih: torch.Tensor, moved: bool) -> dict:
         """Balance metrics of this step, before (source ranks) and after (the plan), from the gathered lengths."""
         uih = g_uih.tolist()
         tokens_before, sparsity_before = _per_rank_stats(uih, p.lengths.rank_offsets.tolist())
@@ -211,6 +226,8 @@ class ShuffleSamples(AsyncStage[Planned, _InFlight, tuple]):
             "tokens_after": tokens_after,
             "imbalance_before": imbalance([float(x) for x in tokens_before]),
             "imbalance_after": imbalance([float(x) for x in tokens_after]),
+            "exchanged": moved,  # False: the plan kept every sample local (no AllToAll)
+            "predicted_gain": p.predicted_gain,
             "sparsity_before": sparsity_before,
             "sparsity_after": sparsity_after,
         }

@@ -15,6 +15,7 @@ from fsdata.partition.base import GatheredLengths, Partitioner, Plan, RuntimeInf
 from fsdata.partition.cost import CostModel, OnlineCostFit, rank_features
 from fsdata.partition.custom import CustomPartitioner
 from fsdata.partition.fbs import FBSPartitioner
+from fsdata.partition.gate import BalanceGate
 from fsdata.partition.identity import IdentityPartitioner
 from fsdata.partition.kk import KKPartitioner
 from fsdata.partition.vbs import AutoTune, VBSPartitioner
@@ -55,6 +56,7 @@ def get_partitioner(
 
 __all__ = [
     "AutoTune",
+    "BalanceGate",
     "CostModel",
     "CustomPartitioner",
     "FBSPartitioner",

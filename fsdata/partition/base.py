@@ -218,6 +218,12 @@ class Plan:
     def identity(cls, lengths: GatheredLengths) -> "Plan":
         return cls(torch.arange(lengths.num_samples, dtype=torch.int64), lengths.rank_offsets.clone())
 
+    def is_identity(self, lengths: GatheredLengths) -> bool:
+        """True when every sample stays on its source rank, in its local order (nothing to exchange)."""
+        return torch.equal(self.dest_offsets, lengths.rank_offsets) and torch.equal(
+            self.order, torch.arange(lengths.num_samples, dtype=torch.int64)
+        )
+
 
 @runtime_checkable
 class Partitioner(Protocol):

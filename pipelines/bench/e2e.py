@@ -5,7 +5,8 @@ table: samples/s, step time, exposed communication by part, straggler %, bubbles
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
 ``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
-shows as "n/m" (None in the JSON), never as 0.
+shows as "n/m" (None in the JSON), never as 0. ``moved``: the steps whose samples the balancer moved; the balance
+gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
@@ -55,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
+    parser.add_argument("--min-gain", type=float, default=None,
+                        help="override the balance gate's threshold (0: the balancer moves samples every step)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
     parser.add_argument("--worker-start", choices=("take", "backward"), default=None,
@@ -87,6 +90,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.train.warmup_steps = args.warmup_steps
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
+    if args.min_gain is not None:
+        cfg.balancer.min_gain = args.min_gain
     if args.bucket_mb is not None:
         cfg.train.bucket_mb = args.bucket_mb
     if args.gil_switch_ms is not None:
@@ -132,6 +137,9 @@ def _row(case: str, s: dict) -> dict:
         "kernel_variants": s["kernel_variants"],
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],
+        "min_gain": s["config"]["balancer"]["min_gain"],
+        "balanced_steps": s["balanced_steps"],  # steps whose samples the balancer moved (None: no balancer)
+        "predicted_gains": s["predicted_gains"],  # per step, the balance gate's (None: no prediction yet)
         "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],
@@ -223,7 +231,7 @@ def _cell(value: Optional[float], width: int, digits: int) -> str:
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
-    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>6} {'peak MiB':>8} {'bubble red.':>11}"
+    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>6} {'peak MiB':>8} {'moved':>5} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
@@ -232,6 +240,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
             + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['warmup_ms']:>7.0f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
+            + f" {'-' if r.get('balanced_steps') is None else r['balanced_steps']:>5}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
     if any(r["mode"] == "torchrec" for r in rows):

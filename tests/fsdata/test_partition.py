@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from fsdata.metrics import sparsity
 from fsdata.partition import (
     AutoTune,
+    BalanceGate,
     CostModel,
     GatheredLengths,
     OnlineCostFit,
@@ -390,3 +391,51 @@ def test_autotune_state_resumes_exactly():
     assert np.array_equal(a, b)
     with pytest.raises(ValueError, match="world_size 4, this run has 8"):
         AutoTune(8).load_state_dict(state)
+
+
+def _gate_run(truth, steps: int = 12, gate=None, start: int = 0, pending=None):
+    """Drives a BalanceGate over heavy-tailed steps measured by ``truth(features [W, 4]) -> times [W]``, each
+    measurement two steps late (the loader's lookahead); returns the gate, the steps it kept local, and the
+    measurements still in flight."""
+    gate = gate or BalanceGate(0.05)
+    pending = dict(pending or {})
+    kept = []
+    for step in range(start, start + steps):
+        if step - 2 in pending:
+            gate.observe(step - 2, pending.pop(step - 2))
+        lengths = random_lengths(4, 8, seed=step, cap=4000)
+        plan, gain = gate.choose(step, lengths, get_partitioner("fbs")(lengths, RuntimeInfo(step=step)))
+        plan.validate(lengths.num_samples, 4)
+        assert (gain is None) == (step < 3)  # no fit before two measurements (steps 0 and 1, seen at 2 and 3)
+        if plan.is_identity(lengths):
+            kept.append(step)
+        dest = plan.destinations().numpy()
+        pending[step] = truth(rank_features(CostModel().token_lengths(lengths), dest, 4))
+    return gate, kept, pending
+
+
+def test_balance_gate_keeps_samples_local_when_step_time_ignores_the_lengths():
+    # A launch-bound step: 5 ms per rank plus 1 us per sample, whatever the lengths.
+    gate, kept, _ = _gate_run(lambda f: 5e-3 + 1e-6 * f[:, 2])
+    assert kept == list(range(3, 12)), kept
+    assert gate.fit.coefficients()[:2].abs().max() < 1e-12
+
+
+def test_balance_gate_balances_when_step_time_follows_the_lengths():
+    # Attention-bound: time grows with sum(L^2); the partitioner's plan is kept every step.
+    gate, kept, _ = _gate_run(lambda f: 1e-3 + 1e-9 * f[:, 1])
+    assert kept == []
+    assert gate.fit.coefficients()[1] > 0
+
+
+def test_balance_gate_resumed_from_its_state_decides_as_the_whole_run():
+    truth = lambda f: 4e-3 + 2e-10 * f[:, 1]  # lengths matter a little: the decision varies from step to step
+    _, kept_whole, _ = _gate_run(truth, steps=16)
+    first, kept_first, pending = _gate_run(truth, steps=8)
+    resumed = BalanceGate(0.05)
+    resumed.load_state_dict(first.state_dict())
+    _, kept_rest, _ = _gate_run(truth, steps=8, gate=resumed, start=8, pending=pending)
+    assert kept_first + kept_rest == kept_whole
+    assert 0 < len(kept_whole) < 12, kept_whole  # both decisions were exercised
+    with pytest.raises(ValueError, match="min_gain"):
+        BalanceGate(1.5)
