@@ -7,20 +7,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
-def sparsity(uih_lengths: torch.Tensor) -> float:
+def sparsity(uih_lengths: torch.Tensor | np.ndarray) -> float:
     """Eq. 1: the share of padded items when every sample is padded to the batch's longest UIH.
 
-    ``1 - sum(L) / (max(L) * B)``; 0.0 for an empty batch or a batch of empty histories.
+    ``1 - sum(L) / (max(L) * B)``; 0.0 for an empty batch or a batch of empty histories. Host lengths (a CPU
+    tensor is read through numpy, without a copy, and without dispatching torch ops on the training thread).
     """
-    if uih_lengths.numel() == 0:
+    lengths = np.asarray(uih_lengths)
+    if lengths.size == 0:
         return 0.0
-    longest = int(uih_lengths.max())
+    longest = int(lengths.max())
     if longest == 0:
         return 0.0
-    return 1.0 - float(uih_lengths.sum()) / (longest * uih_lengths.numel())
+    return 1.0 - float(lengths.sum()) / (longest * lengths.size)
 
 
 def imbalance(per_rank_cost: Sequence[float] | torch.Tensor) -> float:

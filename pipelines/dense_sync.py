@@ -16,7 +16,9 @@ The last bucket (the first parameters) ends with the bookkeeping block: the glob
 sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
 every rank's timings from the same all-reduce. It starts after the backward, once the block is written. The
 block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
-with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies.
+with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies. It is handed back
+as a numpy array: the trainer's bookkeeping on it then dispatches no torch op, each of which would let the
+stage worker or an embedding chain take the GIL from the training thread.
 
 ``bucket_bytes=0`` puts every parameter of a dtype in one bucket: one all-reduce after the backward.
 """
@@ -27,6 +29,7 @@ import math
 import threading
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,7 +48,8 @@ class _Bucket:
 
 class DenseSync:
     """``all_reduce(scalars, mine, device_scalars)``: sums the gradients of ``params`` and the bookkeeping block
-    over the ranks; returns the block on the host (float64): GLOBAL_FIELDS, then world_size x PER_RANK_FIELDS."""
+    over the ranks; returns the block on the host (a float64 numpy array): GLOBAL_FIELDS, then world_size x
+    PER_RANK_FIELDS."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device,
                  bucket_bytes: int = 0):
@@ -131,7 +135,7 @@ class DenseSync:
             self._reset_pending()
 
     def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...],
-                   device_scalars: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   device_scalars: Optional[torch.Tensor] = None) -> np.ndarray:
         """``scalars`` and then ``device_scalars`` (a tensor on the device, e.g. the loss: never read on the host
         before the all-reduce, so reading it costs no device sync) are the GLOBAL_FIELDS; ``mine`` this rank's
         PER_RANK_FIELDS."""
@@ -158,8 +162,8 @@ class DenseSync:
         for work in works:
             work.wait()
         if self._done is None:
-            return self.book.double()
+            return self.book.numpy().astype(np.float64)
         self._down.copy_(self.book, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return torch.from_numpy(self._down_host.astype("float64"))  # numpy: no torch op, no GIL round trip
+        return self._down_host.astype(np.float64)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -50,7 +51,7 @@ from fscomm import get_transport
 from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
-from fsdata.batch import Batch, offsets_to_lengths
+from fsdata.batch import Batch
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
@@ -131,7 +132,9 @@ class Trainer:
         if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
             self.optimizer = self.torchrec.optimizer
         else:
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr)  # dense part only
+            # Dense part only. On a GPU, fused: a few kernels per step instead of a foreach chain of ops, each of
+            # which would give the GIL away on the training thread (every mode alike, so the comparison is fair).
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr, fused=device.type == "cuda")
             self.dense_sync = DenseSync(self.model.parameters(), rank, world_size, device,
                                         bucket_bytes=int(config.train.bucket_mb * 2**20))
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
@@ -280,7 +283,7 @@ class Trainer:
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
-        lengths = offsets_to_lengths(batch.host_offsets("uih_offsets"))
+        lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
@@ -290,21 +293,23 @@ class Trainer:
         self.timer.add("forward_backward", compute)
         self.timer.add("dense_allreduce", sync_time)
         self.optimizer.step()
-        per_rank = book[len(GLOBAL_FIELDS):].view(self.world_size, len(PER_RANK_FIELDS))
+        # numpy on the host block (no torch op: see pipelines.dense_sync)
+        per_rank = book[len(GLOBAL_FIELDS):].reshape(self.world_size, len(PER_RANK_FIELDS))
         compute_all = per_rank[:, 0]
         wait = compute_all.max() - compute_all
         step_time = compute + sync_time  # = slowest rank's compute + the exchange itself, on every rank
+        labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
         return {
             "step": self.step,
-            "loss": float(book[1] / book[0]) if book[0] > 0 else float("nan"),
-            "labels": float(book[0]),
-            "bce_sum": float(book[1]),
-            "positives": float(book[2]),
+            "loss": bce_sum / labels_all if labels_all > 0 else float("nan"),
+            "labels": labels_all,
+            "bce_sum": bce_sum,
+            "positives": positives,
             "compute_s": compute_all.tolist(),
-            "tokens_per_rank": per_rank[:, 1].long().tolist(),
-            "samples_per_rank": per_rank[:, 2].long().tolist(),
+            "tokens_per_rank": per_rank[:, 1].astype(np.int64).tolist(),
+            "samples_per_rank": per_rank[:, 2].astype(np.int64).tolist(),
             "sparsity_per_rank": per_rank[:, 3].tolist(),
-            "imbalance_max_over_mean": float(per_rank[:, 1].max() / per_rank[:, 1].mean().clamp(min=1)),
+            "imbalance_max_over_mean": float(per_rank[:, 1].max() / max(per_rank[:, 1].mean(), 1.0)),
             "allreduce_s": sync_time,
             "allreduce_exposed_s": max(sync_time - float(wait[self.rank]), 0.0),
             "straggler_wait_s": float(wait.mean()),
