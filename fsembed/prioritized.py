@@ -116,7 +116,6 @@ class _Sizes:
 
 
 EARLY_STARTS = ("forward", "backward")
-COLLISION_STARTS = ("backward", "allreduce")
 _chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
 
@@ -221,8 +220,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, stale: bool = False, early_start: str = "forward", collision_start: str = "backward",
-                 **kwargs):
+    def __init__(self, *args, stale: bool = False, early_start: str = "forward", **kwargs):
         """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
         of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
         Not FreeScale's numerics: it exists to measure what staleness costs.
@@ -231,23 +229,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         either way): ``"forward"``, as forward i issues them; ``"backward"``, held until ``start_early_rows()``
         (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
-        when the backward reaches the embeddings.
-
-        ``collision_start``: when the collision chain (lines 20-21) of step i starts: ``"backward"``, as backward i
-        sends the collision gradients; ``"allreduce"``, held until ``start_collision_chains()`` (the trainer calls
-        it once the dense all-reduce's last bucket is issued, so the chain's Python does not run beside the
-        all-reduce's issue, which every rank waits for) and at the latest by the next forward or a flush."""
+        when the backward reaches the embeddings."""
         if early_start not in EARLY_STARTS:
             raise ValueError(f"prioritized embeddings: early_start must be one of {EARLY_STARTS}, got {early_start!r}")
-        if collision_start not in COLLISION_STARTS:
-            raise ValueError(
-                f"prioritized embeddings: collision_start must be one of {COLLISION_STARTS}, got {collision_start!r}")
         super().__init__(*args, **kwargs)
         self.stale = bool(stale)
         self.early_start = early_start
-        self.collision_start = collision_start
         self._held: list[_Later] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
-        self._held_collisions: list[_Later] = []  # lines 20-21 issued by the backward, not started yet
         self.ctx = {name: _GroupContext() for name in self.shards}
         self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
@@ -450,25 +438,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 handle = transport.all_to_all(shard.lookup(carried_local), carried_send, carried_recv)
             return handle, (grads, rows, carried_local)
 
-        held = self._collision_chain_worker is not None and self.collision_start == "allreduce"
-        later = _Later(chain, self._collision_chain_worker, held=held)
-        if held:
-            self._held_collisions.append(later)
-        return later
-
-    def start_collision_chains(self) -> None:
-        """Starts the held collision chains in the order the backward issued them (the same on every rank: their
-        exchanges pair up in order). A no-op unless ``collision_start="allreduce"``."""
-        held, self._held_collisions = self._held_collisions, []
-        for later in held:
-            later.start()
+        return _Later(chain, self._collision_chain_worker)
 
     def _finish_collisions(self, c: _GroupContext, shard: GroupShard) -> None:
         """The previous backward's collision chain, waited for (or run now); the compute stream then follows
         the side stream, so the tensors the chain read may go."""
         if c.pending_co is None:
             return
-        self.start_collision_chains()  # all of them, in order, before waiting for one
         pending, c.pending_co = c.pending_co, None
         with self.timer.span(GRAD_A2A):
             c.cur.carried_handle, _ = pending.result()

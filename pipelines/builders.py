@@ -63,7 +63,6 @@ def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: tor
         optimizer=optimizer,
         transport_name=config.transport,
         early_start=config.early_start,
-        collision_start=config.collision_start,
         timer=timer,
         device=device,
     )

@@ -63,7 +63,6 @@ class TrainConfig:
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval (sys.setswitchinterval) per rank, in ms: how long a thread that wants the GIL (the training thread after each torch op) may wait while the stage worker or the embedding chains run Python; Python's default is 5")
     bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     early_start: str = _f("backward", "freescale: when the embedding stage's bulk chain starts looking up and sending the next batch's fresh rows (Algorithm 2's lines 6-7 and 12): backward (as the model's forward returns, so its Python runs beside the backward) or forward (as the forward issues them); the exchanges are the same")
-    collision_start: str = _f("backward", "freescale: when the embedding stage's collision chain (Algorithm 2's lines 20-21: update the rows the next batch shares, send their new values) starts: backward (as the backward sends their gradients) or allreduce (once the dense all-reduce's last bucket is issued, so its Python does not delay that issue, which every rank waits for)")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
@@ -118,8 +117,6 @@ class JobConfig:
             raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
         if self.train.early_start not in ("forward", "backward"):
             raise ValueError(f"early_start must be forward or backward, got {self.train.early_start!r}")
-        if self.train.collision_start not in ("backward", "allreduce"):
-            raise ValueError(f"collision_start must be backward or allreduce, got {self.train.collision_start!r}")
         if self.train.numa_binding not in (None, "node", "socket", "exclusive", "core-complex"):
             raise ValueError(f"numa_binding must be node, socket, exclusive or core-complex, got {self.train.numa_binding!r}")
         if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):

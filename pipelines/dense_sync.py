@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -135,11 +135,10 @@ class DenseSync:
             self._reset_pending()
 
     def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...],
-                   device_scalars: Optional[torch.Tensor] = None,
-                   on_issued: Optional[Callable[[], None]] = None) -> np.ndarray:
+                   device_scalars: Optional[torch.Tensor] = None) -> np.ndarray:
         """``scalars`` and then ``device_scalars`` (a tensor on the device, e.g. the loss: never read on the host
         before the all-reduce, so reading it costs no device sync) are the GLOBAL_FIELDS; ``mine`` this rank's
-        PER_RANK_FIELDS. ``on_issued`` runs once every bucket is issued, before the wait."""
+        PER_RANK_FIELDS."""
         n_device = 0 if device_scalars is None else device_scalars.numel()
         if len(scalars) + n_device != len(GLOBAL_FIELDS) or len(mine) != len(PER_RANK_FIELDS):
             raise ValueError(f"DenseSync.all_reduce: expected {len(GLOBAL_FIELDS)} global fields {GLOBAL_FIELDS} and "
@@ -160,8 +159,6 @@ class DenseSync:
         with self._lock:
             self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
             works = self._works
-        if on_issued is not None:
-            on_issued()
         for work in works:
             work.wait()
         if self._done is None:

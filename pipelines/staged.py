@@ -24,8 +24,7 @@ modules are named). FreeScale installs itself around it:
   ``freescale`` it sends the collision rows' gradients first; the collection's collision chain updates those
   rows as soon as they arrive and sends their new values during the dense all-reduce and the optimizer step, and
   the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
-  for only in the next iteration's forward). With ``collision_start="allreduce"`` the collision chain starts
-  only once the trainer has issued the dense all-reduce's last bucket (``dense_issued``).
+  for only in the next iteration's forward).
 
 The loader's ID-prefetch stage (fsdata.id_prefetch) starts every batch's ID AllToAll one loader call early, and
 the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
@@ -59,7 +58,6 @@ class StagedPipeline:
         optimizer,
         transport_name: str = "host",
         early_start: str = "backward",
-        collision_start: str = "backward",
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
@@ -75,8 +73,7 @@ class StagedPipeline:
             optimizer=optimizer,
             timer=timer,
             device=device,
-            **({"stale": mode == "semisync", "early_start": early_start, "collision_start": collision_start}
-               if mode in ("freescale", "semisync") else {}),
+            **({"stale": mode == "semisync", "early_start": early_start} if mode in ("freescale", "semisync") else {}),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
@@ -112,12 +109,6 @@ class StagedPipeline:
         bulk chain then runs beside the backward."""
         if module.training and torch.is_grad_enabled() and self.mode in ("freescale", "semisync"):
             self.collection.start_early_rows()
-
-    def dense_issued(self) -> None:
-        """Called by the trainer once the dense all-reduce's last bucket is issued: starts the collision chains
-        held by the backward (``collision_start="allreduce"``)."""
-        if self.mode in ("freescale", "semisync"):
-            self.collection.start_collision_chains()
 
     def id_prefetch_stages(self, rank: int, timer=None) -> list:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""

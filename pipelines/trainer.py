@@ -287,8 +287,7 @@ class Trainer:
         mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
-            issued = self.pipeline.dense_issued if self.pipeline is not None else None
-            book = self.dense_sync.all_reduce((labels,), mine, device_scalars=sums, on_issued=issued)
+            book = self.dense_sync.all_reduce((labels,), mine, device_scalars=sums)
         sync_time = time.perf_counter() - t1
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)

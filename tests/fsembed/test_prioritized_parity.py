@@ -19,10 +19,9 @@ def _optimizer(name: str):
     return {"sgd": SGD(lr=0.1), "rowwise_adagrad": RowWiseAdagrad(lr=0.1), "adam": Adam(lr=0.05)}[name]
 
 
-def train(coll, feats, prefetch: bool, after_forward=None, after_backward=None):
+def train(coll, feats, prefetch: bool, after_forward=None):
     """Trains over ``feats`` with a one-step lookahead; returns the losses. ``after_forward(coll)`` runs between
-    every forward and its backward (where the staged pipeline's forward hook runs), ``after_backward(coll)``
-    after every backward (where the trainer has issued the dense all-reduce)."""
+    every forward and its backward (where the staged pipeline's forward hook runs)."""
     ahead = (lambda f: coll.exchange_ids(f)) if prefetch else (lambda f: f)
     losses = []
     nxt = ahead(feats[0])
@@ -33,18 +32,14 @@ def train(coll, feats, prefetch: bool, after_forward=None, after_backward=None):
         if after_forward is not None:
             after_forward(coll)
         loss.backward()
-        if after_backward is not None:
-            after_backward(coll)
         losses.append(loss.detach())
     return losses
 
 
 def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
-          chain=True, early_start="forward", hook=False, collision_start="backward"):
+          chain=True, early_start="forward", hook=False):
     """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
-    ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward.
-    ``collision_start="allreduce"``: lines 20-21 held, started after the backward (with ``hook``) or by the
-    next forward."""
+    ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward."""
     from fscomm import get_transport
     from fsembed.comm import StageTransports
     from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -55,11 +50,10 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
     transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale,
-                                          early_start=early_start, collision_start=collision_start, **transport)
+                                          early_start=early_start, **transport)
     prio._misorder_for_test = misorder
     ls = train(sync, feats, prefetch)
-    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None,
-               after_backward=(lambda c: c.start_collision_chains()) if hook else None)
+    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None)
     ts, tp = sync.full_tables(), prio.full_tables()
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lp)),
@@ -129,17 +123,6 @@ def test_parity_when_early_rows_start_at_the_backward():
             assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
 
 
-def test_parity_when_the_collision_chain_starts_after_the_dense_allreduce():
-    """collision_start="allreduce": lines 20-21 wait for start_collision_chains() after the backward, or for the
-    next forward (and a last step's flush): same numbers, also with an empty batch and early rows held too."""
-    cases = [(opt, "zipf", empty, False, True, None, False, True, early, hook, "allreduce")
-             for opt, empty, early, hook in (("sgd", -1, "forward", True), ("rowwise_adagrad", 1, "backward", True),
-                                             ("sgd", -1, "backward", False))]
-    for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
-        for case, r in zip(cases, rank_res):
-            assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
-
-
 def _held_until_started(rank, world_size):
     """With early_start="backward" nothing of lines 6-7 and 12 reaches the bulk chain before start_early_rows()."""
     from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -162,34 +145,11 @@ def test_held_early_rows_wait_for_the_start():
         assert held and sent
 
 
-def _collisions_held_until_started(rank, world_size):
-    """With collision_start="allreduce" no collision chain reaches its thread before start_collision_chains()."""
-    from fsembed.prioritized import PrioritizedEmbeddingCollection
-
-    plan = small_plan(world_size)
-    feats = [step_features(plan, s, rank, "zipf") for s in range(2)]
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, collision_start="allreduce")
-    loss_of(prio(feats[0], prio.exchange_ids(feats[1]))).backward()
-    chains = list(prio._held_collisions)
-    held = len(chains) == len(prio.ctx) and all(c._future is None for c in chains)
-    prio.start_collision_chains()
-    sent = all(c.result(timeout=30)[0].wait() is not None for c in chains) and not prio._held_collisions
-    prio.flush()
-    return held, sent
-
-
-def test_held_collision_chains_wait_for_the_start():
-    for held, sent in run_ranks(_collisions_held_until_started, 2, timeout=60):
-        assert held and sent
-
-
 def test_unknown_early_start_is_refused():
     from fsembed.prioritized import PrioritizedEmbeddingCollection
 
     with pytest.raises(ValueError, match="early_start must be one of"):
         PrioritizedEmbeddingCollection(small_plan(1), 0, early_start="later")
-    with pytest.raises(ValueError, match="collision_start must be one of"):
-        PrioritizedEmbeddingCollection(small_plan(1), 0, collision_start="later")
 
 
 def _chain_without_model_thread(rank, world_size):

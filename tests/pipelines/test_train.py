@@ -41,7 +41,6 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--gil-switch-ms", "0"], "gil_switch_ms"),
         (["--worker-start", "forward"], "worker_start"),
         (["--early-start", "later"], "early_start"),
-        (["--collision-start", "later"], "collision_start"),
         (["--numa-binding", "everywhere"], "numa_binding"),
         (["--warmup-steps", "-2"], "warmup_steps"),
     ],
@@ -132,15 +131,14 @@ def _train_cmd(tmp_path, *extra):
 def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
     run schedules its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
-    the backward) and finishes each exchange at once (no stage lookahead), the bulk chain starts with the
-    forward and the collision chain after the dense all-reduce. When they run must not change a number."""
+    the backward) and finishes each exchange at once (no stage lookahead), and the bulk chain starts with the
+    forward. When they run must not change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
     _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take", "--no-stage-lookahead",
-                    "--early-start", "forward", "--collision-start", "allreduce",
-                    "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+                    "--early-start", "forward", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
     resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert resumed == full[3:]
 
