@@ -25,7 +25,7 @@ through unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torchdata.nodes import BaseNode
@@ -103,7 +103,7 @@ class _InFlight:
     num_labels: int
 
 
-class ShuffleSamples(AsyncStage[Planned, Any, tuple]):
+class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
     """Yields ``(balanced_batch, info)``; ``info`` holds the step and the balance metrics before and after."""
 
     span_name = "balancer_stage3_wait"
@@ -112,7 +112,7 @@ class ShuffleSamples(AsyncStage[Planned, Any, tuple]):
         super().__init__(source, timer)
         self.transport, self.rank, self.world_size = transport, rank, world_size
 
-    def start(self, p: Planned) -> Any:
+    def start(self, p: Planned) -> Union[_Kept, _InFlight]:
         batch, lengths, plan, r, w = p.batch, p.lengths, p.plan, self.rank, self.world_size
         if plan.is_identity(lengths):
             return _Kept(p)
@@ -181,7 +181,7 @@ class ShuffleSamples(AsyncStage[Planned, Any, tuple]):
         order = cell_to_segment[(torch.arange(num_fields).unsqueeze(1) * m + back.unsqueeze(0)).reshape(-1)]
         return lengths_to_offsets(mine_sizes[:, arrival].reshape(-1)[wire]), order
 
-    def finish(self, f: Any) -> tuple:
+    def finish(self, f: Union[_Kept, _InFlight]) -> tuple:
         if isinstance(f, _Kept):
             return f.planned.batch, self._info(f.planned, f.planned.lengths.uih_lengths, moved=False)
         lengths, mine = f.planned.lengths, f.mine
