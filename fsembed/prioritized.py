@@ -108,9 +108,8 @@ class _Sizes:
                 if self._event is not None:
                     self._event.synchronize()
                 # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
-                first, second = self._send
-                parts = [n for pair in zip(first, second) for n in pair]
-                sums = _set_per_part(self._flags_handle.host(), lengths_to_offsets(torch.tensor(parts))).tolist()
+                sizes = torch.tensor(_paired(*self._send))
+                sums = _set_per_part(self._flags_handle.host(), lengths_to_offsets(sizes)).tolist()
                 self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
             return self._counts
 
@@ -168,10 +167,22 @@ def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=count).squeeze(1)
 
 
+def _paired(a_splits: list[int], b_splits: list[int]) -> list[int]:
+    """Per rank r: ``a_splits[r]`` then ``b_splits[r]``: the segment sizes of :func:`_interleave`'s layout."""
+    return [n for pair in zip(a_splits, b_splits) for n in pair]
+
+
 def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits: list[int]) -> torch.Tensor:
     """Per rank r: a's segment r then b's segment r (two exchanges in one AllToAll)."""
     pa, pb = a.split(a_splits), b.split(b_splits)
     return torch.cat([x for pair in zip(pa, pb) for x in pair])
+
+
+def _deinterleave(x: torch.Tensor, a_splits: list[int], b_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_interleave`: a's segments and b's segments, each back to back. Three torch ops
+    whatever the world size (not a slice per rank: at 256 ranks that was over 500 ops per step)."""
+    parts = x.split(_paired(a_splits, b_splits))
+    return torch.cat(parts[0::2]), torch.cat(parts[1::2])
 
 
 @dataclass
@@ -490,9 +501,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 n = c.sizes.get()
                 co_recv, fresh_send, co_send, fresh_recv = n.co_recv, n.fresh_send, n.co_send, n.fresh_recv
                 flags = c.flags_handle.wait().to(torch.bool)
-                parts = flags.split([a + b for a, b in zip(sid.send_splits, nxt.sid.send_splits)])
-                co_pos = torch.cat([p[:a] for p, a in zip(parts, sid.send_splits)])
-                fresh_pos = torch.cat([p[a:] for p, a in zip(parts, sid.send_splits)])
+                co_pos, fresh_pos = _deinterleave(flags, sid.send_splits, nxt.sid.send_splits)
                 co_shard = c.co_shard
                 carried_send = [a - b for a, b in zip(nxt.sid.recv_splits, fresh_send)]
                 carried_recv = [a - b for a, b in zip(nxt.sid.send_splits, fresh_recv)]
