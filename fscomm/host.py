@@ -104,11 +104,11 @@ class HostTransport:
             send[: x.numel() * x.element_size()] = as_bytes(x)
             recv = torch.empty(W * block, dtype=torch.uint8)
             work = exchange(send, recv, True)
+            # every rank's rows are the first bytes of its block: one masked gather, not a copy per rank
+            kept = torch.arange(block) < torch.tensor(sizes_l).mul_(rb).unsqueeze(1)  # [W, block]
 
             def unpad() -> torch.Tensor:
-                out_b = as_bytes(out)
-                for src, dst in pieces:
-                    out_b[dst] = recv[src]
+                torch.masked_select(recv.view(W, block), kept, out=as_bytes(out))
                 return out
 
             return WorkHandle(work, unpad, state, "all_gather", seq, keep=(send, recv))
