@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
@@ -67,18 +68,23 @@ def _rank_splits(offsets: torch.Tensor, per_rank: torch.Tensor, num_fields: int)
     return offsets[bounds].diff().tolist()
 
 
-def _per_rank_stats(values: list, offsets: list) -> tuple[list, list]:
+def _per_rank_stats(values: np.ndarray, offsets: np.ndarray) -> tuple[list, list]:
     """Per rank ``r`` (values[offsets[r]:offsets[r+1]]): token sum and Eq. 1 sparsity (as fsdata.metrics.sparsity).
 
-    Plain Python on lists: for a step's few dozen to few thousand lengths it is cheaper than tensor ops per rank.
+    Vectorized in numpy over the ranks: at 256 ranks of 128 samples, a Python loop over the lengths held the GIL
+    for milliseconds per step in the stage worker.
     """
-    tokens, sparse = [], []
-    for lo, hi in zip(offsets[:-1], offsets[1:]):
-        part = values[lo:hi]
-        total, longest = sum(part), max(part, default=0)
-        tokens.append(total)
-        sparse.append(1.0 - float(total) / (longest * (hi - lo)) if longest > 0 else 0.0)
-    return tokens, sparse
+    counts = np.diff(offsets)
+    prefix = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, out=prefix[1:])
+    tokens = prefix[offsets[1:]] - prefix[offsets[:-1]]
+    longest = np.zeros(counts.size, dtype=np.int64)
+    nonempty = counts > 0
+    if values.size:  # each non-empty segment runs from its start to the next non-empty one's (or the end)
+        longest[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
+    padded = longest * counts
+    sparse = np.where(padded > 0, 1.0 - tokens / np.maximum(padded, 1), 0.0)
+    return tokens.tolist(), sparse.tolist()
 
 
 @dataclass
@@ -215,9 +221,9 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
 
     def _info(self, p: Planned, g_uih: torch.Tensor, moved: bool) -> dict:
         """Balance metrics of this step, before (source ranks) and after (the plan), from the gathered lengths."""
-        uih = g_uih.tolist()
-        tokens_before, sparsity_before = _per_rank_stats(uih, p.lengths.rank_offsets.tolist())
-        tokens_after, sparsity_after = _per_rank_stats([uih[g] for g in p.plan.order.tolist()], p.plan.dest_offsets.tolist())
+        uih = g_uih.numpy()
+        tokens_before, sparsity_before = _per_rank_stats(uih, p.lengths.rank_offsets.numpy())
+        tokens_after, sparsity_after = _per_rank_stats(uih[p.plan.order.numpy()], p.plan.dest_offsets.numpy())
         return {
             "step": p.step,
             "global_samples": p.lengths.num_samples,

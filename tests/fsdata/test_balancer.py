@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.harness import run_ranks, stage
 
@@ -278,3 +281,24 @@ def test_measurements_join_the_ranks_reports_across_items_and_resume():
         assert joined.newest == 3 and list(joined.partial) == [5]
         assert joined.add(s(3, 3), t(9.0, 9.0)) == []  # a step already handed out is not handed out twice
     assert m.add(s(6, 6, 6), t(1, 1, 1))[0][0] == 6 and m.partial == {}  # another world size: old reports dropped
+
+
+def _reference_stats(values, offsets):
+    """Per rank: token sum and Eq. 1 sparsity, one segment at a time (fsdata.metrics.sparsity)."""
+    from fsdata.metrics import sparsity
+
+    return ([int(sum(values[lo:hi])) for lo, hi in zip(offsets[:-1], offsets[1:])],
+            [sparsity(np.asarray(values[lo:hi], dtype=np.int64)) for lo, hi in zip(offsets[:-1], offsets[1:])])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 50), max_size=6), min_size=1, max_size=12))
+def test_per_rank_stats_match_the_per_segment_definition(segments):
+    from fsdata.nodes.shuffle import _per_rank_stats
+
+    values = [v for seg in segments for v in seg]
+    offsets = np.cumsum([0] + [len(seg) for seg in segments])
+    tokens, sparse = _per_rank_stats(np.asarray(values, dtype=np.int64), offsets)
+    want_tokens, want_sparse = _reference_stats(values, offsets.tolist())
+    assert tokens == want_tokens
+    assert sparse == pytest.approx(want_sparse, abs=1e-12)
