@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,6 +26,20 @@ from fscomm.staging import PinnedPool
 from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def unpad_blocks(recv: torch.Tensor, sizes: Sequence[int], row_bytes: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with the first ``sizes[r]`` rows (``row_bytes`` each) of each of the W equal blocks of the
+    byte buffer ``recv``, back to back: one row gather, not a copy per rank (CPU tensors; ``freescale bench host``)."""
+    counts = np.asarray(sizes, dtype=np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return out
+    block_rows = recv.numel() // (counts.size * row_bytes)
+    # out row j of rank r's part is row (r * block_rows + j - first out row of rank r) of recv
+    rows = np.arange(total) + np.repeat(np.arange(counts.size) * block_rows - (np.cumsum(counts) - counts), counts)
+    torch.index_select(recv.view(-1, row_bytes), 0, torch.from_numpy(rows), out=as_bytes(out).view(total, row_bytes))
+    return out
 
 
 class HostTransport:
@@ -104,14 +119,9 @@ class HostTransport:
             send[: x.numel() * x.element_size()] = as_bytes(x)
             recv = torch.empty(W * block, dtype=torch.uint8)
             work = exchange(send, recv, True)
-            # every rank's rows are the first bytes of its block: one masked gather, not a copy per rank
-            kept = torch.arange(block) < torch.tensor(sizes_l).mul_(rb).unsqueeze(1)  # [W, block]
+            return WorkHandle(work, lambda: unpad_blocks(recv, sizes_l, rb, out), state, "all_gather", seq,
+                              keep=(send, recv))
 
-            def unpad() -> torch.Tensor:
-                torch.masked_select(recv.view(W, block), kept, out=as_bytes(out))
-                return out
-
-            return WorkHandle(work, unpad, state, "all_gather", seq, keep=(send, recv))
         xb = x.numel() * x.element_size()  # work buffer: [own block | W blocks]
         if pieces is None:
             back = lambda w, res: [(w[block:], as_bytes(res))]

@@ -19,6 +19,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "transport"), "pipelines.bench.transport", "transport latency, bandwidth and compute contention"),
     (("bench", "embedding"), "pipelines.bench.embedding", "exposed embedding communication: sync vs prioritized"),
     (("bench", "e2e"), "pipelines.bench.e2e", "every train mode on the same data, bubbles side by side"),
+    (("bench", "host"), "pipelines.bench.host", "host work per step that grows with the world size, at 8-256 ranks"),
     (("trace",), "pipelines.commands.trace_report", "where a traced run's host time went, per phase of the step and thread"),
     (("simulate",), "pipelines.simulate", "straggler simulation of N ranks (cost model or replay)"),
 ]

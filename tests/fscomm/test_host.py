@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 
 from tests.harness import run_ranks, stage
@@ -281,3 +283,15 @@ def test_peer_that_never_joins_a_stage_group_is_an_error():
     assert "new_stage_group('embedding') on rank 0 of 2: not every rank joined within 2.0 s" in msg, msg
     assert "rank(s) [1] never called it" in msg, msg
     assert took < 4, took
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=20), st.integers(1, 9))
+def test_unpad_blocks_takes_each_ranks_rows_in_rank_order(sizes, row_bytes):
+    from fscomm.host import unpad_blocks
+
+    block = max(sizes) * row_bytes
+    recv = torch.randint(0, 256, (len(sizes) * block,), dtype=torch.uint8)
+    out = torch.empty(sum(sizes) * row_bytes, dtype=torch.uint8)
+    want = torch.cat([recv[r * block : r * block + s * row_bytes] for r, s in enumerate(sizes)])
+    assert torch.equal(unpad_blocks(recv, sizes, row_bytes, out), want)
