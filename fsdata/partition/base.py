@@ -209,7 +209,8 @@ class Plan:
         if d.size and (d.min() < 0 or d.max() >= world_size):
             bad = int(np.nonzero((d < 0) | (d >= world_size))[0][0])
             raise ValueError(f"destination of sample {bad} is {int(d[bad])}, outside [0, {world_size})")
-        order = np.argsort(d, kind="stable")
+        # a stable sort of small integers: numpy radix-sorts 16-bit keys (a few times faster than int64's merge)
+        order = np.argsort(d.astype(np.int16) if world_size <= np.iinfo(np.int16).max else d, kind="stable")
         offsets = np.zeros(world_size + 1, dtype=np.int64)
         np.cumsum(np.bincount(d, minlength=world_size), out=offsets[1:])
         return cls(torch.from_numpy(order.astype(np.int64)), torch.from_numpy(offsets))
@@ -233,6 +234,6 @@ class Partitioner(Protocol):
 
 
 def cost_sort_order(costs: np.ndarray, lengths: GatheredLengths) -> np.ndarray:
-    """Global indices sorted by cost, largest first; ties by sample id, then global index (deterministic)."""
-    g = np.arange(costs.size, dtype=np.int64)
-    return np.lexsort((g, lengths.sample_ids.numpy(), -costs))
+    """Global indices sorted by cost, largest first; ties by sample id, then global index (deterministic: lexsort
+    is stable, so equal keys keep their index order)."""
+    return np.lexsort((lengths.sample_ids.numpy(), -costs))

@@ -25,10 +25,10 @@ from fsdata.partition.cost import CostModel
 
 
 def zigzag_ranks(num_positions: int, world_size: int) -> np.ndarray:
-    """[num_positions] rank that takes each sorted position under the zig-zag deal."""
-    pos = np.arange(num_positions, dtype=np.int64)
-    round_index, within = np.divmod(pos, world_size)
-    return np.where(round_index % 2 == 0, within, world_size - 1 - within)
+    """[num_positions] rank that takes each sorted position under the zig-zag deal: two rounds, one left to
+    right and one back, repeated."""
+    ranks = np.arange(world_size, dtype=np.int64)
+    return np.resize(np.concatenate([ranks, ranks[::-1]]), num_positions)
 
 
 class FBSPartitioner:
