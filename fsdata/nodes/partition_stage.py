@@ -98,10 +98,12 @@ class PartitionStage(BaseNode[Planned]):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self._step = int(initial_state[self.STEP_KEY])
-        self._measured.load_state_dict(initial_state[self.MEASURED_KEY])
+        if initial_state.get(self.MEASURED_KEY) is not None:  # absent from checkpoints before the join
+            self._measured.load_state_dict(initial_state[self.MEASURED_KEY])
         for part, key in ((self.autotune, self.AUTOTUNE_KEY), (self.gate, self.GATE_KEY)):
-            if part is not None and initial_state.get(key) is not None:
-                part.load_state_dict(initial_state[key])
+            saved = initial_state.get(key)
+            if part is not None and saved is not None:
+                part.load_state_dict(saved.get("state", saved))  # earlier checkpoints wrapped autotune's state
 
     def get_state(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {

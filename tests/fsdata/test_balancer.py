@@ -305,3 +305,19 @@ def test_per_rank_stats_match_the_per_segment_definition(segments):
     want_tokens, want_sparse = _reference_stats(values, offsets.tolist())
     assert tokens == want_tokens
     assert sparse == pytest.approx(want_sparse, abs=1e-12)
+
+
+def test_partition_stage_resumes_from_a_state_saved_before_the_join():
+    """Checkpoints of earlier versions: no joined measurements, autotune's state wrapped with its last step."""
+    from fsdata.nodes.partition_stage import PartitionStage
+    from fsdata.partition import AutoTune, get_partitioner
+
+    class _Source:
+        def reset(self, state):
+            self.state = state
+
+    tuned = AutoTune(2)
+    tuned.observe(0, torch.tensor([1.0, 2.0], dtype=torch.float64))
+    stage = PartitionStage(_Source(), get_partitioner("vbs"), AutoTune(2))
+    stage.reset({"source": {"x": 1}, "step": 5, "autotune": {"state": tuned.state_dict(), "last_observed": 0}})
+    assert stage.autotune.state_dict() == tuned.state_dict() and stage._step == 5 and stage._measured.newest == -1
