@@ -63,27 +63,32 @@ class BalanceGate:
         for step in [s for s in self._features if s <= measured_step]:
             del self._features[step]
 
-    def predicted_gain(self, lengths: GatheredLengths, plan: Plan) -> Optional[float]:
-        """``1 - max t(plan) / max t(identity)`` under the fitted cost, or None while there is no fit yet."""
+    def _features_of(self, lengths: GatheredLengths, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        """[W, 4] features of ``plan`` and of the identity plan (every sample kept on its source rank)."""
+        tokens = self.cost_model.token_lengths(lengths)
+        w = lengths.world_size
+        source = np.repeat(np.arange(w, dtype=np.int64), lengths.source_counts().numpy())
+        return rank_features(tokens, plan.destinations().numpy(), w), rank_features(tokens, source, w)
+
+    def _gain(self, moved: np.ndarray, kept: np.ndarray) -> Optional[float]:
         coefficients = self.fit.coefficients()
         if coefficients is None:
             return None
         coefficients = coefficients.numpy()
-        tokens = self.cost_model.token_lengths(lengths)
-        w = lengths.world_size
-        balanced = rank_features(tokens, plan.destinations().numpy(), w) @ coefficients
-        source = np.repeat(np.arange(w, dtype=np.int64), lengths.source_counts().numpy())
-        kept = rank_features(tokens, source, w) @ coefficients
-        slowest = float(kept.max())
-        return 1.0 - float(balanced.max()) / slowest if slowest > 0 else 0.0
+        slowest = float((kept @ coefficients).max())
+        return 1.0 - float((moved @ coefficients).max()) / slowest if slowest > 0 else 0.0
+
+    def predicted_gain(self, lengths: GatheredLengths, plan: Plan) -> Optional[float]:
+        """``1 - max t(plan) / max t(identity)`` under the fitted cost, or None while there is no fit yet."""
+        return self._gain(*self._features_of(lengths, plan))
 
     def choose(self, step: int, lengths: GatheredLengths, plan: Plan) -> tuple[Plan, Optional[float]]:
         """The plan step ``step`` runs (``plan`` or the identity plan) and the predicted gain it was judged by."""
-        gain = self.predicted_gain(lengths, plan)
+        moved, kept = self._features_of(lengths, plan)
+        gain = self._gain(moved, kept)
         if gain is not None and gain < self.min_gain:
-            plan = Plan.identity(lengths)
-        tokens = self.cost_model.token_lengths(lengths)
-        self._features[step] = rank_features(tokens, plan.destinations().numpy(), lengths.world_size)
+            plan, moved = Plan.identity(lengths), kept
+        self._features[step] = moved  # the features of the plan this step runs
         while len(self._features) > self.history:  # measurements skipped (feedback keeps only the newest)
             del self._features[min(self._features)]
         return plan, gain
