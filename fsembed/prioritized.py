@@ -115,6 +115,7 @@ class _Sizes:
 
 
 EARLY_STARTS = ("forward", "backward")
+SCHEDULES = ("prioritized", "sdd")
 _chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
 
@@ -265,6 +266,26 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         self._collision_chain_worker = (
             _chain_for(self.collision_transport, "fsembed-collision-chain") if chained else None
         )
+        self.schedule = "prioritized"
+
+    def set_schedule(self, schedule: str) -> None:
+        """``"prioritized"`` (Algorithm 2, the default) or ``"sdd"``: every training step looks its rows up and
+        exchanges them inside the step, as the synchronous collection does (its ids still come prefetched).
+        Both give the synchronous path's numbers bit for bit, so a job may switch between them at any step
+        boundary (pipelines.schedule chooses from measured step times). Leaving the prioritized schedule flushes
+        (deferred gradients applied, exchanges in flight collected) and drops the context: the next step's rows
+        prefetched in it are looked up again, from the same table values. Coming back, the first step looks its
+        rows up synchronously, as a job's first step does."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"prioritized embeddings: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule == self.schedule:
+            return
+        if schedule == "sdd":
+            self.flush()
+            self._held = []
+            for c in self.ctx.values():
+                c.__init__()
+        self.schedule = schedule
 
     def _on_side(self, after: Optional["torch.cuda.Event"] = None):
         """Context for a chain's work: on GPU the side stream, after ``after`` (recorded on the compute stream
@@ -295,6 +316,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     def forward(self, ids: Optional[Ids], next_ids: Optional[Ids] = None) -> dict[str, torch.Tensor]:
         if not (self.training and torch.is_grad_enabled()):
             return self._eval_forward(ids)
+        if self.schedule == "sdd":
+            if ids is None:
+                raise ValueError(f"rank {self.rank}: prioritized embeddings: the sdd schedule needs every step's ids")
+            return super().forward(ids)
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
             raise ValueError(f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one (groups {busy})")

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
+from pipelines.schedule import SCHEDULE_CHOICES
 
 
 def _f(default: Any, help: str, **kw) -> Any:
@@ -64,6 +65,7 @@ class TrainConfig:
     bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     early_start: str = _f("backward", "freescale: when the embedding stage's bulk chain starts looking up and sending the next batch's fresh rows (Algorithm 2's lines 6-7 and 12): backward (as the model's forward returns, so its Python runs beside the backward) or forward (as the forward issues them); the exchanges are the same")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
+    embedding_schedule: str = _f("auto", "freescale: prioritized (Algorithm 2), sdd (the sdd mode's exchanges: for host-bound steps), or auto: probe both for a few steps after the warm-up and keep the faster (pipelines.schedule); exact either way")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
 
 
@@ -119,6 +121,8 @@ class JobConfig:
             raise ValueError(f"early_start must be forward or backward, got {self.train.early_start!r}")
         if self.train.numa_binding not in (None, "node", "socket", "exclusive", "core-complex"):
             raise ValueError(f"numa_binding must be node, socket, exclusive or core-complex, got {self.train.numa_binding!r}")
+        if self.train.embedding_schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"embedding_schedule must be one of {', '.join(SCHEDULE_CHOICES)}, got {self.train.embedding_schedule!r}")
         if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):
             raise ValueError(f"transport must be host, nccl, nccl-ce or rdma, got {self.train.transport!r}")
         if self.balancer.autotune and self.balancer.partitioner != "vbs":

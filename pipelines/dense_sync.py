@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
-PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity")
+PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity", "last_step_s")  # last_step_s: the previous step's wall time
 
 
 class _Bucket:
@@ -167,3 +167,8 @@ class DenseSync:
         self._done.record()
         self._done.synchronize()
         return self._down_host.astype(np.float64)
+
+
+def per_rank_of(book, world_size: int):
+    """The per-rank slots of a bookkeeping block: [world_size, len(PER_RANK_FIELDS)]."""
+    return book[len(GLOBAL_FIELDS):].reshape(world_size, len(PER_RANK_FIELDS))

@@ -13,7 +13,9 @@ modules are named). FreeScale installs itself around it:
                      costs in NE, next to freescale, which waits for exactly those rows;
     - ``freescale``  prioritized updates (Algorithm 2): this step's embeddings were prefetched during the
                      previous step, only rows shared with the previous batch waited; the pre-hook hands the
-                     collection the next batch's ids so it can prefetch again;
+                     collection the next batch's ids so it can prefetch again. Where the step is bound by the
+                     host, not by the exchanges, the job may run sdd's exchanges instead (``set_schedule``,
+                     chosen from measured step times by pipelines.schedule; exact either way);
 * a forward hook on the model starts, as its forward returns, the embedding stage's side work of the next batch
   that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then run in the
   collection's bulk chain beside the backward, where the training thread waits without the GIL);
@@ -97,9 +99,10 @@ class StagedPipeline:
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
             return
-        if self.mode in ("freescale", "semisync"):  # the next batch's ids, already sent by the ID-prefetch stage
-            self.hub.prepare(self.features(batch), self.upcoming_ids)
-        elif self.mode == "sdd":  # this batch's ids, sent by the ID-prefetch stage during the previous step
+        if self.prioritized:  # the next batch's ids, already sent by the ID-prefetch stage (this batch's: used
+            # only by a first step, whose rows nothing prefetched)
+            self.hub.prepare(self.features(batch), self.upcoming_ids, prefetched=self.current_ids)
+        elif self.mode != "sync":  # this batch's ids, sent by the ID-prefetch stage during the previous step
             self.hub.prepare(self.features(batch), prefetched=self.current_ids)
         else:
             self.hub.prepare(self.features(batch))
@@ -107,8 +110,20 @@ class StagedPipeline:
     def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
         """Starts the next batch's early rows held by the forward (``early_start="backward"``): the collection's
         bulk chain then runs beside the backward."""
-        if module.training and torch.is_grad_enabled() and self.mode in ("freescale", "semisync"):
+        if module.training and torch.is_grad_enabled() and self.prioritized:
             self.collection.start_early_rows()
+
+    @property
+    def prioritized(self) -> bool:
+        """Whether this step runs prioritized updates (semisync; freescale unless its schedule is sdd)."""
+        return self.mode in ("freescale", "semisync") and self.collection.schedule == "prioritized"
+
+    def set_schedule(self, schedule: str) -> None:
+        """freescale's embedding schedule from the next step on: ``prioritized`` or ``sdd`` (the sdd mode's
+        exchanges; bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and pipelines.schedule)."""
+        if self.mode != "freescale":
+            raise ValueError(f"the embedding schedule is chosen in mode freescale only, not {self.mode!r}")
+        self.collection.set_schedule(schedule)
 
     def id_prefetch_stages(self, rank: int, timer=None) -> list:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""

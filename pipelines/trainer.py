@@ -61,7 +61,8 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
 from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
-from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
+from pipelines.dense_sync import GLOBAL_FIELDS, DenseSync, per_rank_of
+from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
 
 # Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
@@ -142,6 +143,10 @@ class Trainer:
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
+        # freescale's embedding schedule per step (pipelines.schedule): probed anew from this process's first step
+        self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
+                         if config.train.mode == "freescale" else None)
+        self._last_step_s = 0.0  # the previous step's wall time, shared with the other ranks in the next book
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
         # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
         # starts the batch after next as the backward starts (forward_backward releases it), unless the config
@@ -199,6 +204,8 @@ class Trainer:
                 if self.pipeline is not None:
                     self.pipeline.current_ids = current.ids
                     self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
+                if self.schedule is not None:
+                    self.pipeline.set_schedule(self.schedule.schedule_for(self.step))
                 if self.torchrec is not None:  # its progress() trains batch i and takes in what it lacks ahead
                     batches = [f.batch for f in (current, *ahead)]
                     record = self.torchrec.train_step(self.step, batches, self._count_labels)
@@ -208,6 +215,9 @@ class Trainer:
                 record["exposed_s"] = self._exposed_delta(before, record)
                 record["step_time_s"] = time.perf_counter() - t0
                 record["bubble_s"] = _total([*record["exposed_s"].values(), record["straggler_wait_s"]])
+                self._last_step_s = record["step_time_s"]
+                if self.schedule is not None:
+                    record["schedule"] = self.pipeline.collection.schedule
                 if current.balance is not None:
                     record["balance"] = current.balance
                 self.timer.add("data_wait", data_wait)
@@ -284,7 +294,7 @@ class Trainer:
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
         lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
-        mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths))
+        mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths), self._last_step_s)
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
             book = self.dense_sync.all_reduce((labels,), mine, device_scalars=sums)
@@ -294,7 +304,9 @@ class Trainer:
         self.timer.add("dense_allreduce", sync_time)
         self.optimizer.step()
         # numpy on the host block (no torch op: see pipelines.dense_sync)
-        per_rank = book[len(GLOBAL_FIELDS):].reshape(self.world_size, len(PER_RANK_FIELDS))
+        per_rank = per_rank_of(book, self.world_size)
+        if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
+            self.schedule.observe(self.step - 1, float(per_rank[:, 4].max()))
         compute_all = per_rank[:, 0]
         wait = compute_all.max() - compute_all
         step_time = compute + sync_time  # = slowest rank's compute + the exchange itself, on every rank
@@ -488,6 +500,7 @@ class Trainer:
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
             # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
+            "embedding_schedule": self.schedule.summary() if self.schedule is not None else None,
             "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
             "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
             "peak_memory_bytes": self._peak_memory(),

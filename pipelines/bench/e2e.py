@@ -6,7 +6,9 @@ bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
 ``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
 shows as "n/m" (None in the JSON), never as 0. ``moved``: the steps whose samples the balancer moved; the balance
-gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay.
+gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay. ``emb``: the
+embedding schedule freescale kept after its probe (pipelines.schedule; prio or sdd); every mode's timings leave
+out the same warm-up steps, the probe's included.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.config import JobConfig
+from pipelines.schedule import PROBE_START, SCHEDULE_CHOICES, ScheduleProbe
 
 MODES = ("sync", "sdd", "semisync", "freescale", "replicated")
 TORCHREC_NOTE = (
@@ -43,11 +46,12 @@ CASES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="local ranks per run")
-    parser.add_argument("--steps", type=int, default=30, help="steps per run")
-    parser.add_argument("--warmup-steps", type=int, default=3,
+    parser.add_argument("--steps", type=int, default=45, help="steps per run (warm-up included)")
+    parser.add_argument("--warmup-steps", type=int, default=None,
                         help="first steps of every run left out of the timings, in every mode alike (compilation, first "
-                             "pinned allocations); their wall time is shown apart (warm ms) and every step's time stays "
-                             "in the JSON (default 3)")
+                             "pinned allocations, and freescale's embedding-schedule probe); their wall time is shown "
+                             "apart (warm ms) and every step's time stays in the JSON (default: 3, or 3 plus the probe's "
+                             f"{ScheduleProbe.length()} steps when a freescale run probes)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases of {sorted(CASES)}")
@@ -56,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
+    parser.add_argument("--embedding-schedule", choices=SCHEDULE_CHOICES, default=None,
+                        help="override freescale's embedding schedule (default auto: probe prioritized and sdd, keep the faster)")
     parser.add_argument("--min-gain", type=float, default=None,
                         help="override the balance gate's threshold (0: the balancer moves samples every step)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
@@ -87,7 +93,9 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
-    cfg.train.warmup_steps = args.warmup_steps
+    cfg.train.warmup_steps = warmup_steps(args)
+    if args.embedding_schedule is not None:
+        cfg.train.embedding_schedule = args.embedding_schedule
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
     if args.min_gain is not None:
@@ -106,6 +114,15 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
+
+
+def warmup_steps(args: argparse.Namespace) -> int:
+    """The steps every mode leaves out of its timings: ``--warmup-steps``, else 3, plus freescale's schedule
+    probe when it runs (so that every mode is timed over the same steps, all of them past the probe)."""
+    if args.warmup_steps is not None:
+        return args.warmup_steps
+    probing = "freescale" in args.modes.split(",") and (args.embedding_schedule or "auto") == "auto"
+    return max(3, PROBE_START + ScheduleProbe.length()) if probing else 3
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
@@ -138,6 +155,7 @@ def _row(case: str, s: dict) -> dict:
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],
         "min_gain": s["config"]["balancer"]["min_gain"],
+        "embedding_schedule": s.get("embedding_schedule"),  # freescale: the probe's choice and its median step times
         "balanced_steps": s["balanced_steps"],  # steps whose samples the balancer moved (None: no balancer)
         "predicted_gains": s["predicted_gains"],  # per step, the balance gate's (None: no prediction yet)
         "unmeasured": s.get("unmeasured", []),
@@ -228,10 +246,18 @@ def _cell(value: Optional[float], width: int, digits: int) -> str:
     return f"{'n/m':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
+def _schedule_cell(row: dict) -> str:
+    """freescale's embedding schedule after the probe: prio, sdd, or ? when the run ended inside the probe."""
+    schedule = row.get("embedding_schedule")
+    if not schedule:
+        return "-"
+    return {"prioritized": "prio", "sdd": "sdd", None: "?"}[schedule["choice"]]
+
+
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
-    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>6} {'peak MiB':>8} {'moved':>5} {'bubble red.':>11}"
+    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>6} {'peak MiB':>8} {'moved':>5} {'emb':>4} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
@@ -240,7 +266,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
             + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['warmup_ms']:>7.0f} {r['ne']:>6.3f} {r['peak_memory_mib']:>8.0f}"
-            + f" {'-' if r.get('balanced_steps') is None else r['balanced_steps']:>5}"
+            + f" {'-' if r.get('balanced_steps') is None else r['balanced_steps']:>5} {_schedule_cell(r):>4}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )
     if any(r["mode"] == "torchrec" for r in rows):

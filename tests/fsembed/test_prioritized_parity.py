@@ -19,13 +19,16 @@ def _optimizer(name: str):
     return {"sgd": SGD(lr=0.1), "rowwise_adagrad": RowWiseAdagrad(lr=0.1), "adam": Adam(lr=0.05)}[name]
 
 
-def train(coll, feats, prefetch: bool, after_forward=None):
+def train(coll, feats, prefetch: bool, after_forward=None, schedules=None):
     """Trains over ``feats`` with a one-step lookahead; returns the losses. ``after_forward(coll)`` runs between
-    every forward and its backward (where the staged pipeline's forward hook runs)."""
+    every forward and its backward (where the staged pipeline's forward hook runs); ``schedules``: the embedding
+    schedule of every step (set before its forward, as the trainer does)."""
     ahead = (lambda f: coll.exchange_ids(f)) if prefetch else (lambda f: f)
     losses = []
     nxt = ahead(feats[0])
     for s in range(len(feats)):
+        if schedules is not None:
+            coll.set_schedule(schedules[s])
         cur = nxt
         nxt = ahead(feats[s + 1]) if s + 1 < len(feats) else None
         loss = loss_of(coll(cur, nxt))
@@ -37,7 +40,7 @@ def train(coll, feats, prefetch: bool, after_forward=None):
 
 
 def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
-          chain=True, early_start="forward", hook=False):
+          chain=True, early_start="forward", hook=False, schedules=None):
     """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
     ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward."""
     from fscomm import get_transport
@@ -53,7 +56,8 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
                                           early_start=early_start, **transport)
     prio._misorder_for_test = misorder
     ls = train(sync, feats, prefetch)
-    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None)
+    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None,
+               schedules=schedules)
     ts, tp = sync.full_tables(), prio.full_tables()
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lp)),
@@ -102,6 +106,21 @@ def test_parity_four_ranks_with_empty_batches():
     for rank_res in run_ranks(_cases, 4, args=(cases,), timeout=120):
         for case, r in zip(cases, rank_res):
             assert r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def test_parity_when_the_schedule_switches_between_steps():
+    """set_schedule: prioritized -> sdd flushes and drops the context, sdd -> prioritized starts again with a
+    synchronous first step; every switch keeps the synchronous path's numbers bit for bit (with and without
+    chains, prefetched ids or not, held early rows, an empty batch)."""
+    p, d = "prioritized", "sdd"
+    pattern = [p, p, d, d, p, d, p]
+    cases = [(opt, "zipf", empty, False, prefetch, None, False, chain, early, early == "backward", pattern)
+             for opt, empty, prefetch, chain, early in (("sgd", -1, True, True, "forward"),
+                                                        ("rowwise_adagrad", 1, True, True, "backward"),
+                                                        ("adam", -1, False, False, "forward"))]
+    for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
+        for case, r in zip(cases, rank_res):
+            assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case[:5]}: {r}"
 
 
 def test_parity_when_the_next_forward_runs_the_collision_chain():

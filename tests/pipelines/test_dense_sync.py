@@ -32,9 +32,9 @@ def _step(rank, world_size, bucket_bytes, skip_last_layers):
             loss = model(x).sum()
         loss.backward()
         if step == 0:  # every global field from the host
-            book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0))
+            book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0, 4.0))
         else:  # the last two from a tensor (on the device in training: the loss, never read before)
-            book = sync.all_reduce((1.0,), (float(rank), 1.0, 2.0, 3.0), device_scalars=torch.tensor([float(rank), 2.0]))
+            book = sync.all_reduce((1.0,), (float(rank), 1.0, 2.0, 3.0, 4.0), device_scalars=torch.tensor([float(rank), 2.0]))
         out.append(([p.grad.clone() for p in model.parameters()], book))
     return sync.num_buckets, out
 
@@ -65,7 +65,7 @@ def test_every_rank_gets_the_summed_gradients_and_the_block(bucket_bytes, skip_l
             for got, want in zip(grads, expected[step]):
                 torch.testing.assert_close(got, want)
             assert book[:3].tolist() == [2.0, 1.0, 4.0]
-            assert book[3:].reshape(world_size, 4).tolist() == [[0.0, 1.0, 2.0, 3.0], [1.0, 1.0, 2.0, 3.0]]
+            assert book[3:].reshape(world_size, 5).tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 3.0, 4.0]]
 
 
 def test_negative_bucket_size_is_refused():
@@ -80,8 +80,8 @@ def test_wrong_number_of_fields_is_refused():
 
     sync = DenseSync(_model().parameters(), 0, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="expected 3 global fields"):
-        sync.all_reduce((1.0,), (0.0, 1.0, 2.0, 3.0), device_scalars=torch.tensor([1.0]))
-    with pytest.raises(ValueError, match="4 per-rank fields"):
+        sync.all_reduce((1.0,), (0.0, 1.0, 2.0, 3.0, 4.0), device_scalars=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="5 per-rank fields"):
         sync.all_reduce((1.0, 2.0, 3.0), (0.0,))
 
 
@@ -93,7 +93,7 @@ def _step_cuda(rank, world_size):
     sync = DenseSync(model.parameters(), rank, world_size, device, bucket_bytes=300)
     sync.zero_grad()
     model(torch.ones(4, 8, device=device)).sum().backward()
-    book = sync.all_reduce((3.0,), (0.5, 1.0, 2.0, 3.0), device_scalars=torch.tensor([4.0, 5.0], device=device))
+    book = sync.all_reduce((3.0,), (0.5, 1.0, 2.0, 3.0, 6.0), device_scalars=torch.tensor([4.0, 5.0], device=device))
     return book.dtype, book.tolist()
 
 
@@ -101,4 +101,4 @@ def _step_cuda(rank, world_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_block_comes_back_through_pinned_memory_on_cuda():
     dtype, book = run_ranks(_step_cuda, 1, backend="nccl", timeout=120)[0]
-    assert dtype == np.float64 and book == [3.0, 4.0, 5.0, 0.5, 1.0, 2.0, 3.0]
+    assert dtype == np.float64 and book == [3.0, 4.0, 5.0, 0.5, 1.0, 2.0, 3.0, 6.0]
