@@ -15,8 +15,13 @@ faster, as cuDNN's benchmark mode picks a convolution algorithm.
     probe A                    prioritized, until ``steps`` step times are known
     one transition step        sdd, not measured (it flushes the prioritized context)
     probe B                    sdd, until ``steps`` step times are known
-    the rest of the job        sdd when its median step time is at least ``margin`` below prioritized's,
-                               else prioritized (whose first step looks its rows up synchronously)
+    the rest of the job        prioritized when its median step time is at least ``margin`` below sdd's
+                               (its first step looks its rows up synchronously), else sdd
+
+Prioritized updates must pay measurably to be kept: they hold one more batch's rows and run two more threads,
+and a shared host's noise can hide a few percent either way (on 2 x H200, a light-case probe once measured
+24.8 ms against 24.6 while the same run's sdd mode took 17 ms a step). Where the exchanges dominate, the gap is
+far wider than the margin (heavy case: 43 ms prioritized against 53-56 ms sdd).
 
 A step's time is its wall time on the slowest rank. It reaches every rank one step late, in the per-rank slots
 of the next step's dense all-reduce (pipelines.dense_sync), so every rank sees the same numbers and switches at
@@ -87,8 +92,8 @@ class ScheduleProbe:
         if schedule == "prioritized":
             self._phase = "sdd"
             return
-        fast = self.median("sdd") < (1.0 - self.margin) * self.median("prioritized")
-        self.choice = self._phase = "sdd" if fast else "prioritized"
+        pays = self.median("prioritized") < (1.0 - self.margin) * self.median("sdd")
+        self.choice = self._phase = "prioritized" if pays else "sdd"
         self._ran.clear()
 
     def median(self, schedule: str) -> Optional[float]:

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 STEPS = 6
 
 
-def _parity(rank, world_size, collision):
+def _parity(rank, world_size, collision, schedules=None):
+    """``schedules``: the prioritized collection's schedule per step (set_schedule between steps)."""
     from fsembed.optim import RowWiseAdagrad
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
@@ -34,6 +35,8 @@ def _parity(rank, world_size, collision):
         assert cls is ShardedEmbeddingCollection or coll._stream is not None, "no side stream on CUDA"
         losses, nxt = [], coll.exchange_ids(feats[0])
         for s in range(STEPS):
+            if schedules is not None and cls is PrioritizedEmbeddingCollection:
+                coll.set_schedule(schedules[s])
             cur, nxt = nxt, (coll.exchange_ids(feats[s + 1]) if s + 1 < STEPS else None)
             loss = loss_of(coll(cur, nxt))
             loss.backward()
@@ -57,3 +60,12 @@ def test_prioritized_matches_sync_on_cuda(collision):
         assert r["losses_equal"] and r["tables_equal"], f"rank {rank}: prioritized differs from sync on CUDA: {r}"
     counts = [r["row_counts"] for r in results]
     assert sum(c["early"] for c in counts) > 0 and sum(c["deferred"] for c in counts) > 0, counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_schedule_switches_match_sync_on_cuda():
+    """prioritized -> sdd (flush, the side stream joined) -> prioritized (a synchronous first step) on CUDA."""
+    p, d = "prioritized", "sdd"
+    results = run_ranks(_parity, 2, args=("zipf", [p, p, d, d, p, p]), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["tables_equal"], f"rank {rank}: a schedule switch differs from sync on CUDA: {r}"
