@@ -130,6 +130,12 @@ def print_summary(summary: dict) -> None:
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
         print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
+    schedule = summary.get("embedding_schedule")
+    if schedule and schedule["mode"] == "auto":
+        probe = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in schedule["probe_median_s"].items() if v is not None)
+        print(f"  embedding        {schedule['choice'] or 'still probing'} from step {schedule['decided_at']}"
+              + (f" (probe medians: {probe})" if probe else ""))
+    print(f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out")
 
 
 def main(args: argparse.Namespace) -> int:

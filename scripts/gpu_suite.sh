@@ -35,7 +35,7 @@ case "$PART" in
     timeout 150 python3 -m pipelines.cli bench embedding --nproc 2 --device cuda --max-uih 2048 --batch-size 64 --dim 128 \
       --compute-ms 30 --steps 5 --warmup 3 --collisions 0,0.05,0.2 --json "$OUT/embedding_gpu.json" 2>&1 | tail -9
     echo "== bench e2e: every mode, 2 ranks sharing the H200 over the host transport"
-    timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 30 --model small --uih-cap 4096 \
+    timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,sdd,semisync,freescale,replicated --json "$OUT/e2e_gpu.json" 2>&1 | grep -v "^\[bench" | tail -14
     ;;
   replay)
@@ -47,15 +47,15 @@ case "$PART" in
       --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
     ;;
   trace)
-    echo "== traces: 10 steps per run, 5 profiled, then each rank's step split by phase and thread"
-    timeout 300 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 10 --model small --uih-cap 4096 \
+    echo "== traces: 24 steps per run (15 of warm-up and schedule probe), 5 profiled, then each rank's step split by phase and thread"
+    timeout 300 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 24 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,freescale --trace "$OUT/traces" 2>&1 | grep -v "^\[bench" | tail -6
     python3 -m pipelines.cli trace "$OUT"/traces/*.rank*.json --json "$OUT/traces.json"
     gzip -f "$OUT"/traces/*.json
     ;;
   pairs)
-    echo "== bench e2e: sync and freescale, 3 interleaved paired runs per case (3 warm-up steps each)"
-    timeout 500 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 30 --model small --uih-cap 4096 \
+    echo "== bench e2e: sync and freescale, 3 interleaved paired runs per case (45 steps: 15 of warm-up and schedule probe, the last left out)"
+    timeout 540 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,freescale --repeats 3 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -15
     ;;
   *)

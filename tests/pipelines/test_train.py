@@ -104,9 +104,10 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     s = json.loads(summary.read_text())
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
-    times = s["step_times_s"]  # every step; the first two are the warm-up, left out of the timings
+    times = s["step_times_s"]  # every step; the first two (warm-up) and the last (drain) are left out of the timings
     assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))
-    assert s["step_time_s"] == pytest.approx(sum(times[2:]) / 4)
+    assert s["drain_steps"] == 1 and s["drain_s"] == pytest.approx(times[5])
+    assert s["step_time_s"] == pytest.approx(sum(times[2:5]) / 3)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6))
     assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 for r in lines)
