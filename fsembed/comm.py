@@ -45,6 +45,13 @@ class StageTransports:
     # the collision rows' new values, from the collision chain's thread; None: the next forward sends them itself
     collision: object = None
 
+    def staging_allocations(self) -> int:
+        """Pinned staging blocks ever allocated by these transports' pools (host-staged ones; 0 for the others).
+        Flat after warm-up, unless an exchange outgrows every block so far: then the allocation (cudaHostAlloc,
+        which synchronises the device) stalls the step it falls in."""
+        unique = {id(t): t for t in (self.forward, self.backward, self.bulk, self.collision) if t is not None}
+        return sum(t.pool_stats()["allocations"] for t in unique.values() if hasattr(t, "pool_stats"))
+
     @classmethod
     def single(cls, transport) -> "StageTransports":
         """One transport for everything: fine on CPU tests; on CUDA the backward thread needs its own group."""

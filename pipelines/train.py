@@ -133,8 +133,9 @@ def print_summary(summary: dict) -> None:
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
         probe = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in schedule["probe_median_s"].items() if v is not None)
-        print(f"  embedding        {schedule['choice'] or 'still probing'} from step {schedule['decided_at']}"
-              + (f" (probe medians: {probe})" if probe else ""))
+        chosen = (f"{schedule['choice']} from step {schedule['decided_at']}" if schedule["choice"]
+                  else "not chosen: the run ended inside the schedule probe")
+        print(f"  embedding        {chosen}" + (f" (probe medians: {probe})" if probe else ""))
     print(f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out")
 
 

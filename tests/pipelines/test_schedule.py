@@ -138,7 +138,8 @@ def _train(rank, world_size, name):
     trainer.train()
     probe = trainer.schedule
     return {"losses": [r["loss"] for r in trainer.history], "ran": [r.get("schedule") for r in trainer.history],
-            "choice": None if probe is None else probe.choice, "decided_at": None if probe is None else probe.decided_at}
+            "choice": None if probe is None else probe.choice, "decided_at": None if probe is None else probe.decided_at,
+            "allocations": [r["staging_allocations"] for r in trainer.history]}
 
 
 @pytest.mark.multiprocess
@@ -150,6 +151,7 @@ def test_the_trainer_switches_schedules_on_every_rank_alike_and_keeps_sync_losse
     decided = PROBE_START + 2 * 4 + 3
     for name, (r0, r1) in results.items():
         assert r0["ran"] == r1["ran"], f"{name}: the ranks ran other schedules"
+        assert all(n >= 0 for n in r0["allocations"]) and r0["allocations"] == sorted(r0["allocations"])  # cumulative
         assert r0["losses"] == results["sync"][0]["losses"], f"{name}: losses differ from sync"
     sdd, prio = results["sdd wins"][0], results["prioritized wins"][0]
     assert sdd["choice"] == "sdd" and sdd["ran"][decided:] == ["sdd"] * (STEPS - decided)

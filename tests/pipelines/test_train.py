@@ -110,7 +110,27 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert s["step_time_s"] == pytest.approx(sum(times[2:5]) / 3)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6))
-    assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 for r in lines)
+    assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
+
+
+def test_garbage_collection_pauses_are_timed():
+    import gc
+
+    from pipelines.trainer import _GcPauses
+
+    pauses = _GcPauses()
+    try:
+        cycles = []
+        for _ in range(20_000):
+            a = []
+            a.append(a)  # a cycle: only the collector frees it
+            cycles.append(a)
+        del cycles
+        gc.collect()
+        assert pauses.take() > 0 and pauses.take() == 0.0
+    finally:
+        pauses.close()
+    assert pauses._callback not in gc.callbacks
 
 
 @pytest.mark.multiprocess
