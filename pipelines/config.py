@@ -62,6 +62,7 @@ class TrainConfig:
     resume: Optional[str] = _f(None, "'latest' (newest complete checkpoint in --checkpoint-dir) or a step directory")
     trace: Optional[str] = _f(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of a few steps here; rank r writes PATH.rank{r}.json")
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval (sys.setswitchinterval) per rank, in ms: how long a thread that wants the GIL (the training thread after each torch op) may wait while the stage worker or the embedding chains run Python; Python's default is 5")
+    allreduce_start: str = _f("compute", "when the dense all-reduce's last bucket (with the bookkeeping block) is launched: compute (once the device has finished the backward: the host waits for it first) or backward (as soon as the backward is queued, as DDP does; the device runs it right after the backward)")
     bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     early_start: str = _f("backward", "freescale: when the embedding stage's bulk chain starts looking up and sending the next batch's fresh rows (Algorithm 2's lines 6-7 and 12): backward (as the model's forward returns, so its Python runs beside the backward) or forward (as the forward issues them); the exchanges are the same")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
@@ -115,6 +116,8 @@ class JobConfig:
             raise ValueError("checkpoint_every and resume=latest need --checkpoint-dir")
         if not self.train.gil_switch_ms > 0:
             raise ValueError(f"gil_switch_ms must be > 0, got {self.train.gil_switch_ms}")
+        if self.train.allreduce_start not in ("compute", "backward"):
+            raise ValueError(f"allreduce_start must be compute or backward, got {self.train.allreduce_start!r}")
         if not self.train.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
         if self.train.early_start not in ("forward", "backward"):

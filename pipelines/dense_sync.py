@@ -14,8 +14,10 @@ the group at the same time.
 
 The last bucket (the first parameters) ends with the bookkeeping block: the global scalars (label count, BCE
 sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
-every rank's timings from the same all-reduce. It starts after the backward, once the block is written. The
-block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
+every rank's timings from the same all-reduce. It starts once the block is written (``start``) and is waited
+for apart (``finish``), so the trainer may launch it as soon as the backward is queued, before the device has
+finished it; the per-rank timings it carries are therefore the previous step's (``last_compute_s``,
+``last_step_s``), known by then. The block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
 with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies. It is handed back
 as a numpy array: the trainer's bookkeeping on it then dispatches no torch op, each of which would let the
 stage worker or an embedding chain take the GIL from the training thread.
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
-PER_RANK_FIELDS = ("compute_s", "tokens", "samples", "sparsity", "last_step_s")  # last_step_s: the previous step's wall time
+PER_RANK_FIELDS = ("last_compute_s", "tokens", "samples", "sparsity", "last_step_s")  # last_*: of the previous step
 
 
 class _Bucket:
@@ -136,9 +138,17 @@ class DenseSync:
 
     def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...],
                    device_scalars: Optional[torch.Tensor] = None) -> np.ndarray:
-        """``scalars`` and then ``device_scalars`` (a tensor on the device, e.g. the loss: never read on the host
-        before the all-reduce, so reading it costs no device sync) are the GLOBAL_FIELDS; ``mine`` this rank's
-        PER_RANK_FIELDS."""
+        """``start`` then ``finish``."""
+        self.start(scalars, mine, device_scalars)
+        return self.finish()
+
+    def start(self, scalars: tuple[float, ...], mine: tuple[float, ...],
+              device_scalars: Optional[torch.Tensor] = None) -> None:
+        """Launches the all-reduces not started yet, the block's bucket last, without waiting for anything: on a
+        GPU they wait for the backward's kernels on the device (stream order), so this may run as soon as the
+        backward is queued, as DDP's last bucket does. ``scalars`` and then ``device_scalars`` (a tensor on the
+        device, e.g. the loss: never read on the host before the all-reduce, so reading it costs no device sync)
+        are the GLOBAL_FIELDS; ``mine`` this rank's PER_RANK_FIELDS."""
         n_device = 0 if device_scalars is None else device_scalars.numel()
         if len(scalars) + n_device != len(GLOBAL_FIELDS) or len(mine) != len(PER_RANK_FIELDS):
             raise ValueError(f"DenseSync.all_reduce: expected {len(GLOBAL_FIELDS)} global fields {GLOBAL_FIELDS} and "
@@ -158,6 +168,10 @@ class DenseSync:
             self.book[len(scalars) : len(GLOBAL_FIELDS)].copy_(device_scalars.reshape(-1))
         with self._lock:
             self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
+
+    def finish(self) -> np.ndarray:
+        """Waits for every bucket (the gradients are summed when it returns) and returns the block on the host."""
+        with self._lock:
             works = self._works
         for work in works:
             work.wait()
@@ -172,3 +186,13 @@ class DenseSync:
 def per_rank_of(book, world_size: int):
     """The per-rank slots of a bookkeeping block: [world_size, len(PER_RANK_FIELDS)]."""
     return book[len(GLOBAL_FIELDS):].reshape(world_size, len(PER_RANK_FIELDS))
+
+
+def gather_per_rank(values: tuple[float, ...], rank: int, world_size: int, device: torch.device) -> np.ndarray:
+    """Every rank's ``values`` [world_size, len(values)], by one blocking all-reduce (on ``device``, for NCCL):
+    the trainer's last step, whose compute times no later block carries."""
+    block = torch.zeros(world_size, len(values), dtype=torch.float64)
+    block[rank] = torch.tensor(values, dtype=torch.float64)
+    block = block.to(device)
+    dist.all_reduce(block)
+    return block.cpu().numpy()

@@ -4,7 +4,8 @@
                    -> checkpoint
     train_step():  forward_backward (timed: compute; the stage worker starts the batch after next as the backward
                    starts; the dense buckets' all-reduces start as the backward fills them) -> sync (the last
-                   bucket with the bookkeeping block, then every bucket waited for, timed) -> optimizer step
+                   bucket with the bookkeeping block, then every bucket waited for, timed) -> optimizer step;
+                   the record it returns is settled one step later (_settle: straggler wait, bubbles)
 
 Modes (``--mode``), one harness:
     replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
@@ -25,8 +26,11 @@ tiny all-reduce before the forward (timed as ``label_count``).
 
 The dense all-reduce (pipelines.dense_sync) runs in buckets that start while the backward still runs, as DDP's
 do; its last bucket carries a bookkeeping block: the label count, the BCE sum and positives (for loss and NE),
-and per-rank slots (each rank writes only its own) with compute time, tokens, samples and sparsity. So per-rank
-timings reach every rank with no extra collective.
+and per-rank slots (each rank writes only its own) with tokens, samples, sparsity, and the previous step's compute
+and wall times. So per-rank timings reach every rank with no extra collective, and the block needs nothing that
+only the device's end of the backward tells (``--allreduce-start backward`` launches it before then): a step's
+record is settled with the other ranks' compute times when the next step's block arrives, the last step's by one
+all-reduce after the loop.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's
@@ -63,7 +67,7 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
 from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
-from pipelines.dense_sync import GLOBAL_FIELDS, DenseSync, per_rank_of
+from pipelines.dense_sync import GLOBAL_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
 
@@ -180,7 +184,10 @@ class Trainer:
         # freescale's embedding schedule per step (pipelines.schedule): probed anew from this process's first step
         self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
                          if config.train.mode == "freescale" else None)
-        self._last_step_s = 0.0  # the previous step's wall time, shared with the other ranks in the next book
+        # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
+        # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
+        self._last_step_s = self._last_compute_s = 0.0
+        self._unsettled: Optional[dict] = None
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
         # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
         # starts the batch after next as the backward starts (forward_backward releases it), unless the config
@@ -249,7 +256,6 @@ class Trainer:
                 record["data_wait_s"] = data_wait
                 record["exposed_s"] = self._exposed_delta(before, record)
                 record["step_time_s"] = time.perf_counter() - t0
-                record["bubble_s"] = _total([*record["exposed_s"].values(), record["straggler_wait_s"]])
                 record["gc_s"] = gc_pauses.take()
                 self._last_step_s = record["step_time_s"]
                 if self.schedule is not None:
@@ -263,11 +269,21 @@ class Trainer:
                 if current.new_epoch:
                     self.epoch, self.cursor = self.epoch + 1, 0
                 self.cursor += sum(record["samples_per_rank"])  # a global step consumes exactly its samples
-                self._log(record, progress)
+                if self.torchrec is not None:
+                    self._log(self._settle(record, None), progress)
+                else:  # the previous step's record is complete with the other ranks' compute times of this block
+                    if self._unsettled is not None:
+                        self._log(self._settle(self._unsettled, record["last_compute_all_s"]), progress)
+                    del record["last_compute_all_s"]
+                    self._unsettled = record
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
                 if profiler is not None:
                     profiler.step()
+            if self._unsettled is not None:  # the last step: no later block carries its compute times
+                last = gather_per_rank((self._last_compute_s,), self.rank, self.world_size, self.device)[:, 0]
+                self._log(self._settle(self._unsettled, last), progress)
+                self._unsettled = None
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
         finally:
@@ -323,32 +339,39 @@ class Trainer:
         return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
 
     def train_step(self, fetched: _Fetched) -> dict:
+        """Forward, backward, the dense all-reduce and the optimizer step. The record it returns lacks what needs
+        the other ranks' compute times of this step (straggler wait, the all-reduce's exposed part): they come in
+        the next step's block and ``_settle`` fills them in; ``last_compute_all_s`` is the previous step's."""
         batch = fetched.batch
         self.dense_sync.zero_grad()
         global_labels = self._global_labels(fetched)
+        early = self.config.train.allreduce_start == "backward"
         t0 = time.perf_counter()
         with torch.profiler.record_function("freescale/forward_backward"):
             labels, sums = self.forward_backward(batch, global_labels)
+            lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
+            mine = (self._last_compute_s, float(lengths.sum()), float(batch.batch_size), sparsity(lengths), self._last_step_s)
+            if early:  # queued behind the backward on the device: it runs as soon as the backward is done
+                with torch.profiler.record_function("freescale/dense_allreduce"):
+                    self.dense_sync.start((labels,), mine, device_scalars=sums)
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
-        lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
-        mine = (compute, float(lengths.sum()), float(batch.batch_size), sparsity(lengths), self._last_step_s)
         t1 = time.perf_counter()
         with torch.profiler.record_function("freescale/dense_allreduce"):
-            book = self.dense_sync.all_reduce((labels,), mine, device_scalars=sums)
+            if not early:
+                self.dense_sync.start((labels,), mine, device_scalars=sums)
+            book = self.dense_sync.finish()
         sync_time = time.perf_counter() - t1
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)
         self.timer.add("dense_allreduce", sync_time)
         self.optimizer.step()
+        self._last_compute_s = compute
         # numpy on the host block (no torch op: see pipelines.dense_sync)
         per_rank = per_rank_of(book, self.world_size)
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
             self.schedule.observe(self.step - 1, float(per_rank[:, 4].max()))
-        compute_all = per_rank[:, 0]
-        wait = compute_all.max() - compute_all
-        step_time = compute + sync_time  # = slowest rank's compute + the exchange itself, on every rank
         labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
         return {
             "step": self.step,
@@ -356,16 +379,29 @@ class Trainer:
             "labels": labels_all,
             "bce_sum": bce_sum,
             "positives": positives,
-            "compute_s": compute_all.tolist(),
+            "compute_local_s": compute,
+            "last_compute_all_s": per_rank[:, 0],
             "tokens_per_rank": per_rank[:, 1].astype(np.int64).tolist(),
             "samples_per_rank": per_rank[:, 2].astype(np.int64).tolist(),
             "sparsity_per_rank": per_rank[:, 3].tolist(),
             "imbalance_max_over_mean": float(per_rank[:, 1].max() / max(per_rank[:, 1].mean(), 1.0)),
             "allreduce_s": sync_time,
-            "allreduce_exposed_s": max(sync_time - float(wait[self.rank]), 0.0),
-            "straggler_wait_s": float(wait.mean()),
-            "straggler_pct": 100.0 * float(wait.mean()) / max(step_time, 1e-9),
         }
+
+    def _settle(self, record: dict, compute_all: Optional[np.ndarray]) -> dict:
+        """Completes a step's record with every rank's compute time of that step (None in mode torchrec, whose
+        record has its own): straggler wait (the paper's: wait_r = max_q compute_q - compute_r), the all-reduce's
+        exposed part net of this rank's straggler wait, and the bubbles."""
+        if compute_all is not None:
+            wait = compute_all.max() - compute_all
+            step_time = record["compute_local_s"] + record["allreduce_s"]  # = slowest rank's compute + the exchange
+            record["compute_s"] = compute_all.tolist()
+            record["allreduce_exposed_s"] = max(record["allreduce_s"] - float(wait[self.rank]), 0.0)
+            record["straggler_wait_s"] = float(wait.mean())
+            record["straggler_pct"] = 100.0 * float(wait.mean()) / max(step_time, 1e-9)
+            record["exposed_s"]["dense_allreduce"] = record["allreduce_exposed_s"]
+        record["bubble_s"] = _total([*record["exposed_s"].values(), record["straggler_wait_s"]])
+        return record
 
     def _profiler(self):
         """--trace: a torch.profiler window of a few steps after warm-up, one Chrome trace per rank (Perfetto)."""
@@ -399,7 +435,7 @@ class Trainer:
     def _exposed_delta(self, before: dict[str, float], record: dict) -> dict[str, float]:
         after = self._exposed_totals()
         out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
-        out["dense_allreduce"] = record["allreduce_exposed_s"]
+        out["dense_allreduce"] = record.get("allreduce_exposed_s")  # set by _settle, in the modes that measure it
         # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
         # loader's next(); their collective waits are the parts above, counted once).
         out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)

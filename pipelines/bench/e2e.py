@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the balance gate's threshold (0: the balancer moves samples every step)")
     parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
     parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
+    parser.add_argument("--allreduce-start", choices=("compute", "backward"), default=None,
+                        help="override when the dense all-reduce's last bucket is launched (see --allreduce-start of train)")
     parser.add_argument("--worker-start", choices=("take", "backward"), default=None,
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
@@ -104,6 +106,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.train.bucket_mb = args.bucket_mb
     if args.gil_switch_ms is not None:
         cfg.train.gil_switch_ms = args.gil_switch_ms
+    if args.allreduce_start is not None:
+        cfg.train.allreduce_start = args.allreduce_start
     if args.worker_start is not None:
         cfg.loader.worker_start = args.worker_start
     if args.early_start is not None:

@@ -205,3 +205,39 @@ def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "resumed from" in restarted.stdout and "step_000004 at step 4" in restarted.stdout
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
+
+
+def _losses_and_accounting(rank, world_size, allreduce_start):
+    import torch
+
+    from pipelines.config import JobConfig
+    from pipelines.trainer import Trainer
+
+    cfg = JobConfig()
+    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
+    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
+    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "sync", 5, "cpu", False
+    cfg.train.allreduce_start = allreduce_start
+    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer.train()
+    return [(r["step"], r["loss"], r["compute_s"], r["compute_local_s"], r["straggler_wait_s"], r["bubble_s"],
+             r["exposed_s"]["dense_allreduce"]) for r in trainer.history]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("allreduce_start", ["compute", "backward"])
+def test_every_step_is_settled_with_every_ranks_compute_time(allreduce_start):
+    """A step's straggler wait needs every rank's compute time of that step, which the next step's block carries
+    (the last step's: one all-reduce after the loop): every record is settled, in order, with the same numbers
+    on every rank, whenever the last bucket is launched; the losses do not depend on it."""
+    from tests.harness import run_ranks
+
+    results = run_ranks(_losses_and_accounting, 2, args=(allreduce_start,), timeout=120)
+    baseline = run_ranks(_losses_and_accounting, 2, args=("compute",), timeout=120) if allreduce_start != "compute" else results
+    for rank, rows in enumerate(results):
+        assert [r[0] for r in rows] == list(range(5))
+        assert [r[1] for r in rows] == [r[1] for r in baseline[rank]]  # the same losses
+        for step, _, compute_all, mine, wait, bubbles, dense in rows:
+            assert len(compute_all) == 2 and compute_all[rank] == pytest.approx(mine)  # this step's, this rank's
+            assert wait >= 0 and bubbles >= 0 and dense >= 0
+    assert [r[2] for r in results[0]] == [r[2] for r in results[1]]  # every rank settles with the same times
