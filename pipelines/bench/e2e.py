@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -237,6 +238,10 @@ def spread(rows: list[dict]) -> list[str]:
             paired.setdefault(case, []).append(
                 (ours["bubble_reduction"], ours["samples_per_s"] / by_mode["sync"]["samples_per_s"])
             )
+    kept: dict[str, list[str]] = {}
+    for r in rows:
+        if r["mode"] == "freescale" and r.get("embedding_schedule"):
+            kept.setdefault(r["case"], []).append(r["embedding_schedule"]["choice"] or "none")
     lines = []
     for case, pairs in paired.items():
         reductions, ratios = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -244,6 +249,8 @@ def spread(rows: list[dict]) -> list[str]:
             f"{case}: over {len(pairs)} runs, bubble_reduction median {100 * statistics.median(reductions):.1f}% "
             f"(min {100 * min(reductions):.1f}%, max {100 * max(reductions):.1f}%); freescale/sync samples/s "
             f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
+            + (f"; embedding schedule kept: {', '.join(f'{k} {v}x' for k, v in sorted(Counter(kept[case]).items()))}"
+               if kept.get(case) else "")
         )
     return lines
 

@@ -32,3 +32,13 @@ def test_no_sync_no_reduction():
     rows = [_row("heavy", "freescale", 0, 5.0, 5.0, 10.0)]
     pair_with_sync(rows)
     assert rows[0]["bubble_reduction"] is None and spread(rows) == []
+
+
+def test_the_spread_counts_the_schedules_freescale_kept():
+    rows = []
+    for repeat, choice in enumerate(["sdd", "prioritized", "sdd"]):
+        rows += [_row("light", "sync", repeat, 10.0, 10.0, 100.0), _row("light", "freescale", repeat, 5.0, 5.0, 110.0)]
+        rows[-1]["embedding_schedule"] = {"choice": choice}
+    pair_with_sync(rows)
+    (line,) = spread(rows)
+    assert line.endswith("embedding schedule kept: prioritized 1x, sdd 2x")
