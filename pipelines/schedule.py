@@ -21,14 +21,14 @@ faster, as cuDNN's benchmark mode picks a convolution algorithm.
 Prioritized updates must pay measurably to be kept: they hold one more batch's rows and run two more threads,
 and a shared host's noise can hide a few percent either way (on 2 x H200, a light-case probe once measured
 24.8 ms against 24.6 while the same run's sdd mode took 17 ms a step). Where the exchanges dominate, the gap is
-far wider than the margin (heavy case: 43 ms prioritized against 53-56 ms sdd).
+far wider than the margin (heavy case, 16 probes: 40-44 ms prioritized against 48-56 ms sdd).
 
 A step's time is its wall time on the slowest rank. It reaches every rank one step late, in the per-rank slots
 of the next step's dense all-reduce (pipelines.dense_sync), so every rank sees the same numbers and switches at
-the same step: no collective of its own. That lag costs a step at the end of each probe, so the choice
-runs from step ``start + 2 * steps + 3`` on; ``ScheduleProbe.length`` counts one step more, the choice's first
-(a transition again when it is prioritized). A resumed job probes again: measurements of another process (and maybe another
-world size) are not this one's. ``--embedding-schedule prioritized|sdd`` fixes the schedule instead.
+the same step: no collective of its own. That lag costs a step at the end of each probe, so the choice runs
+from step ``start + 2 * steps + 3`` on; ``ScheduleProbe.length`` counts one step more, the choice's first (a
+transition again when it is prioritized). A resumed job probes again: measurements of another process (and
+maybe another world size) are not this one's. ``--embedding-schedule prioritized|sdd`` fixes the schedule.
 """
 
 from __future__ import annotations
