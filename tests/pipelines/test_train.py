@@ -241,3 +241,36 @@ def test_every_step_is_settled_with_every_ranks_compute_time(allreduce_start):
             assert len(compute_all) == 2 and compute_all[rank] == pytest.approx(mine)  # this step's, this rank's
             assert wait >= 0 and bubbles >= 0 and dense >= 0
     assert [r[2] for r in results[0]] == [r[2] for r in results[1]]  # every rank settles with the same times
+
+
+def _slow_timer_bookkeeping(rank, world_size):
+    import time
+
+    import torch
+
+    from pipelines.config import JobConfig
+    from pipelines.trainer import Trainer
+
+    cfg = JobConfig()
+    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
+    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
+    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "sync", 3, "cpu", False
+    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    totals = trainer._exposed_totals
+
+    def slow():  # as resolving many CUDA events would be
+        time.sleep(0.2)
+        return totals()
+
+    trainer._exposed_totals = slow
+    trainer.train()
+    return [(r["data_wait_s"], r["step_time_s"]) for r in trainer.history]
+
+
+@pytest.mark.multiprocess
+def test_the_timers_bookkeeping_is_not_counted_as_data_wait():
+    from tests.harness import run_ranks
+
+    for rows in run_ranks(_slow_timer_bookkeeping, 2, timeout=120):
+        for data_wait, step_time in rows:
+            assert step_time >= 0.4 and data_wait < 0.2  # in the step (twice), not in the loader's time
