@@ -165,6 +165,19 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_resume_across_embedding_schedules_is_exact(tmp_path):
+    """A checkpoint written under sdd's schedule (nothing in flight) resumed under prioritized updates (which start
+    with a synchronous first step), with the last bucket launched at the backward: the same losses as straight."""
+    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--embedding-schedule", "sdd",
+                    "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
+    full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--embedding-schedule",
+                    "prioritized", "--allreduce-start", "backward", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert len(full) == 6 and resumed == full[3:]
+
+
+@pytest.mark.multiprocess
 def test_resume_onto_another_world_size(tmp_path):
     """A freescale checkpoint of 2 ranks resumes on 3 at the same global sample, its sharded tables resharded."""
     _run(_train_cmd(tmp_path, "--steps", "3", "--checkpoint-every", "3"), tmp_path)
