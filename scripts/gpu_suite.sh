@@ -6,9 +6,12 @@
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
 #   bash scripts/gpu_suite.sh pairs      # sync and freescale, 3 interleaved paired runs per case: the spread of the ratios (~4 min)
+#   bash scripts/gpu_suite.sh allreduce  # heavy case, --allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
+#   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
+#                                        # their GC pauses and pinned allocations (~1.5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -58,7 +61,34 @@ case "$PART" in
     timeout 540 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,freescale --repeats 3 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -15
     ;;
+  allreduce)
+    echo "== bench e2e, heavy case: the dense all-reduce's last bucket launched after the host saw the backward end, or at once"
+    for rep in 1 2; do
+      for start in compute backward; do
+        timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
+          --cases heavy --modes sync,freescale --allreduce-start $start --json "$OUT/allreduce_${start}_r$rep.json" 2>&1 \
+          | grep -E "^heavy" | sed "s/^/$start /"
+      done
+    done
+    ;;
+  stalls)
+    echo "== heavy freescale, per-step records: steps with over 5 ms of bubbles, and what else happened in them"
+    for run in 1 2; do
+      timeout 120 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 45 --model small --preset kuairand-1k \
+        --uih-cap 4096 --max-uih 4096 --batch-size 16 --num-samples 1000000 --no-progress --warmup-steps 15 \
+        --metrics-jsonl "$OUT/stalls_$run.jsonl" 2>&1 | tail -3
+      python3 - "$OUT/stalls_$run.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+for prev, r in zip(rows, rows[1:]):
+    if r["bubble_s"] > 5e-3:
+        grew = {k: r.get(k, 0) - prev.get(k, 0) for k in ("staging_allocations", "pinned_allocations") if r.get(k) is not None}
+        print(f"  step {r['step']:>2} {r.get('schedule')}: bubbles {1e3 * r['bubble_s']:.1f} ms, gc {1e3 * r['gc_s']:.1f} ms, "
+              f"new pinned blocks {grew}, exposed " + str({k: round(1e3 * v, 1) for k, v in r["exposed_s"].items() if v and v > 1e-3}))
+PY
+    done
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay, trace or pairs" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce or stalls" >&2; exit 2
     ;;
 esac
