@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -65,8 +65,9 @@ class Sample:
         return int(self.candidate_labels.shape[0])
 
 
-def lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
-    """[n] lengths -> [n+1] int64 offsets starting at 0."""
+def lengths_to_offsets(lengths: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+    """[n] lengths (a tensor, or a host sequence such as an exchange's splits) -> [n+1] int64 offsets from 0."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64) if not isinstance(lengths, torch.Tensor) else lengths
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
     return out

@@ -35,11 +35,6 @@ except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata
 T = TypeVar("T")
 
 
-def _offsets_of(splits: list[int]) -> torch.Tensor:
-    """[len(splits)+1] int64 offsets of ``splits``, on the host."""
-    return lengths_to_offsets(torch.tensor(splits, dtype=torch.int64))
-
-
 @dataclass
 class ShardedIds:
     """One key's ID AllToAll in flight, with what both directions of the later exchanges need.
@@ -72,7 +67,7 @@ class ShardedIds:
         (through pinned memory to a GPU: no device sync)."""
         device = torch.device(device)
         if self.recv_offsets is None or self.recv_offsets.device != device:
-            host = _offsets_of(self.recv_splits)
+            host = lengths_to_offsets(self.recv_splits)
             if device.type == "cuda":
                 host = host.pin_memory()
             self.recv_offsets = host.to(device, non_blocking=True)
@@ -186,7 +181,7 @@ class SizedIds:
         recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
         handle = self.transport.all_to_all(self.send_ids, self.send_splits, recv_splits)
         return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait,
-                          recv_offsets=_offsets_of(recv_splits))
+                          recv_offsets=lengths_to_offsets(recv_splits))
 
 
 def start_size_exchange(

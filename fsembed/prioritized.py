@@ -108,8 +108,7 @@ class _Sizes:
                 if self._event is not None:
                     self._event.synchronize()
                 # the flags laid out per rank r as step i's entries then step i+1's: the set ones of each part
-                sizes = torch.tensor(_paired(*self._send))
-                sums = _set_per_part(self._flags_handle.host(), lengths_to_offsets(sizes)).tolist()
+                sums = _set_per_part(self._flags_handle.host(), lengths_to_offsets(_paired(*self._send))).tolist()
                 self._counts = _Counts(self._host[:, 0].tolist(), self._host[:, 1].tolist(), sums[0::2], sums[1::2])
             return self._counts
 
@@ -281,8 +280,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if schedule == self.schedule:
             return
         if schedule == "sdd":
-            self.flush()
-            self._held = []
+            self.flush()  # also starts (and so empties) the held early rows
             for c in self.ctx.values():
                 c.__init__()
         self.schedule = schedule

@@ -71,16 +71,13 @@ class BalanceGate:
         return rank_features(tokens, plan.destinations().numpy(), w), rank_features(tokens, source, w)
 
     def _gain(self, moved: np.ndarray, kept: np.ndarray) -> Optional[float]:
+        """``1 - max t(plan) / max t(identity)`` under the fitted cost, or None while there is no fit yet."""
         coefficients = self.fit.coefficients()
         if coefficients is None:
             return None
         coefficients = coefficients.numpy()
         slowest = float((kept @ coefficients).max())
         return 1.0 - float((moved @ coefficients).max()) / slowest if slowest > 0 else 0.0
-
-    def predicted_gain(self, lengths: GatheredLengths, plan: Plan) -> Optional[float]:
-        """``1 - max t(plan) / max t(identity)`` under the fitted cost, or None while there is no fit yet."""
-        return self._gain(*self._features_of(lengths, plan))
 
     def choose(self, step: int, lengths: GatheredLengths, plan: Plan) -> tuple[Plan, Optional[float]]:
         """The plan step ``step`` runs (``plan`` or the identity plan) and the predicted gain it was judged by."""
