@@ -123,6 +123,12 @@ def release_loader(loader: Loader) -> None:
         worker.release()
 
 
+def loader_blocked_s(loader: Loader) -> float:
+    """How long the thread that takes the batches has waited for the stage worker to finish them, in all (0 without
+    a stage worker): the part of the loader's time on the critical path that is the worker's being late."""
+    return sum(worker.blocked_s for worker in _workers(loader))
+
+
 def shutdown_loader(loader: Loader) -> None:
     """Lets the loader's stage worker finish its item in flight (every rank alike) and stop: call it before
     destroying the process groups."""

@@ -40,6 +40,7 @@ all-reduce itself net of straggler wait) + straggler wait.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -59,7 +60,7 @@ from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.id_prefetch import PrefetchedIds
-from fsdata.loader import build_loader, release_loader, shutdown_loader
+from fsdata.loader import build_loader, loader_blocked_s, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.shuffle import ShuffleSamples
@@ -88,6 +89,10 @@ class _Fetched:
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
+
+
+def _unnamed(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
 
 
 def _median(values: list[Optional[float]]) -> Optional[float]:
@@ -198,6 +203,9 @@ class Trainer:
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
         self._last_step_s = self._last_compute_s = 0.0
         self._unsettled: Optional[dict] = None
+        # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
+        # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
+        self._phase = torch.profiler.record_function if config.train.trace else _unnamed
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
         # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
         # starts the batch after next as the backward starts (forward_backward releases it), unless the config
@@ -250,13 +258,15 @@ class Trainer:
                 # in the loader's time. On 2 x H200 a trace of heavy freescale timed the fetch at 0.05-0.06 ms a
                 # step, while `data` read 0.23-0.27 ms in the same call's runs with this call inside it.
                 before = self._exposed_totals()
+                blocked = loader_blocked_s(self.loader)
                 t_fetch = time.perf_counter()
                 current = ahead.popleft()
-                with torch.profiler.record_function("freescale/data"):
+                with self._phase("freescale/data"):
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
                 upcoming = ahead[0] if ahead else None
                 data_wait = time.perf_counter() - t_fetch
+                blocked = loader_blocked_s(self.loader) - blocked
                 if self.pipeline is not None:
                     self.pipeline.current_ids = current.ids
                     self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
@@ -268,6 +278,7 @@ class Trainer:
                 else:
                     record = self.train_step(current)
                 record["data_wait_s"] = data_wait
+                record["data_blocked_s"] = blocked  # the part of data_wait that waited for the stage worker
                 record["exposed_s"] = self._exposed_delta(before, record)
                 record["step_time_s"] = time.perf_counter() - t0
                 record["gc_s"] = gc_pauses.take()
@@ -347,10 +358,10 @@ class Trainer:
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
-        with torch.profiler.record_function("freescale/forward"):
+        with self._phase("freescale/forward"):
             loss = bce_sum(self.model(batch), labels)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
-        with torch.profiler.record_function("freescale/backward"):
+        with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
 
@@ -363,18 +374,18 @@ class Trainer:
         global_labels = self._global_labels(fetched)
         early = self.config.train.allreduce_start == "backward"
         t0 = time.perf_counter()
-        with torch.profiler.record_function("freescale/forward_backward"):
+        with self._phase("freescale/forward_backward"):
             labels, sums = self.forward_backward(batch, global_labels)
             lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
             mine = (self._last_compute_s, float(lengths.sum()), float(batch.batch_size), sparsity(lengths), self._last_step_s)
             if early:  # queued behind the backward on the device: it runs as soon as the backward is done
-                with torch.profiler.record_function("freescale/dense_allreduce"):
+                with self._phase("freescale/dense_allreduce"):
                     self.dense_sync.start((labels,), mine, device_scalars=sums)
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
         t1 = time.perf_counter()
-        with torch.profiler.record_function("freescale/dense_allreduce"):
+        with self._phase("freescale/dense_allreduce"):
             if not early:
                 self.dense_sync.start((labels,), mine, device_scalars=sums)
             book = self.dense_sync.finish()
@@ -587,6 +598,7 @@ class Trainer:
             "drain_s": sum(r["step_time_s"] for r in h[len(h) - drain :]),
             "step_time_median_s": _median(step_times),
             "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
+            "data_blocked_median_s": _median([r["data_blocked_s"] for r in timed]),
             "compute_median_s": _median([_compute(r, self.rank) for r in timed]),
             "bubble_s": _mean([r["bubble_s"] for r in timed]),
             "bubble_median_s": _median([r["bubble_s"] for r in timed]),

@@ -21,6 +21,7 @@ position before the item in flight (or owed, when gated); a resumed node recompu
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any, Dict, Optional, TypeVar
 
 from torchdata.nodes import BaseNode
@@ -48,6 +49,7 @@ class Background(BaseNode[T]):
         self._pending: Optional[concurrent.futures.Future] = None
         self._owed = False  # gated: the next item is due but not started (waits for release())
         self._state: Optional[Dict[str, Any]] = None  # the source's state before the item in flight
+        self.blocked_s = 0.0  # how long the consumer's next() calls have waited for the worker, in all
 
     def _pull(self) -> tuple[Any, Dict[str, Any]]:
         try:
@@ -76,7 +78,9 @@ class Background(BaseNode[T]):
         if self._pending is None:
             self._owed = False
             self._pending = self._pool.submit(self._pull)
+        t0 = time.perf_counter()
         item, state = self._pending.result()  # an exception of the worker is re-raised here
+        self.blocked_s += time.perf_counter() - t0
         self._pending = None
         if item is _END:
             raise StopIteration()

@@ -144,6 +144,7 @@ def _row(case: str, s: dict) -> dict:
         "step_time_ms": 1e3 * s["step_time_s"],
         "step_time_median_ms": 1e3 * s["step_time_median_s"],
         "data_wait_median_ms": 1e3 * s["data_wait_median_s"],
+        "data_blocked_median_ms": 1e3 * s["data_blocked_median_s"],
         # the stage worker's own waits per item (off the critical path unless the training thread waits: data)
         "loader_worker_ms": {k: 1e3 * v["mean_s"] for k, v in (s.get("loader_worker_timing") or {}).items()},
         "compute_median_ms": _ms(s["compute_median_s"]),

@@ -107,3 +107,30 @@ def test_gated_worker_state_taken_with_a_released_item_in_flight():
     resumed.load_state_dict(state)
     again = iter(resumed)
     assert all(next(again).sample_ids.equal(ids) for ids in rest)
+
+
+class Slow(Counting):
+    """Takes ``delay`` seconds per item."""
+
+    def __init__(self, source, delay):
+        super().__init__(source)
+        self.delay = delay
+
+    def next(self):
+        time.sleep(self.delay)
+        return super().next()
+
+
+def test_blocked_time_counts_only_the_waits_for_a_late_worker():
+    from fsdata.loader import loader_blocked_s
+
+    node = Background(Slow(_reader(), delay=0.2))
+    loader = Loader(node)
+    it = iter(loader)
+    next(it)  # nothing computed ahead yet: waits for the whole item
+    first = loader_blocked_s(loader)
+    assert 0.15 < first == node.blocked_s
+    time.sleep(0.5)  # the worker finishes the next item meanwhile: taking it waits for nothing
+    next(it)
+    assert loader_blocked_s(loader) - first < 0.1
+    assert loader_blocked_s(Loader(_reader())) == 0.0  # no stage worker: never blocked on one
