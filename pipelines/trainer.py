@@ -28,9 +28,9 @@ The dense all-reduce (pipelines.dense_sync) runs in buckets that start while the
 do; its last bucket carries a bookkeeping block: the label count, the BCE sum and positives (for loss and NE),
 and per-rank slots (each rank writes only its own) with tokens, samples, sparsity, and the previous step's compute
 and wall times. So per-rank timings reach every rank with no extra collective, and the block needs nothing that
-only the device's end of the backward tells (``--allreduce-start backward`` launches it before then): a step's
-record is settled with the other ranks' compute times when the next step's block arrives, the last step's by one
-all-reduce after the loop.
+only the device's end of the backward tells: it is launched as soon as the backward is queued (unless
+``--allreduce-start compute``), and a step's record is settled with the other ranks' compute times when the next
+step's block arrives, the last step's by one all-reduce after the loop.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest
 rank arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's
