@@ -203,6 +203,9 @@ class Trainer:
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
         self._last_step_s = self._last_compute_s = 0.0
         self._unsettled: Optional[dict] = None
+        # The last step's batch, let go once this step's forward is queued: freeing its tensors (on a GPU, an event
+        # per stream that used each) then overlaps the device's work instead of sitting between two steps.
+        self._retired: Optional[_Fetched] = None
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
         self._phase = torch.profiler.record_function if config.train.trace else _unnamed
@@ -250,6 +253,7 @@ class Trainer:
         profiler = self._profiler()
         start = time.perf_counter()
         ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, cfg.steps - self.step)))
+        current: Optional[_Fetched] = None
         release_loader(self.loader)  # the first step's next batch need not wait for its backward
         try:
             while self.step < cfg.steps:
@@ -260,7 +264,7 @@ class Trainer:
                 before = self._exposed_totals()
                 blocked = loader_blocked_s(self.loader)
                 t_fetch = time.perf_counter()
-                current = ahead.popleft()
+                self._retired, current = current, ahead.popleft()
                 with self._phase("freescale/data"):
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
@@ -361,6 +365,7 @@ class Trainer:
         with self._phase("freescale/forward"):
             loss = bce_sum(self.model(batch), labels)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
+        self._retired = None
         with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
