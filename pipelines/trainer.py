@@ -203,8 +203,9 @@ class Trainer:
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
         self._last_step_s = self._last_compute_s = 0.0
         self._unsettled: Optional[dict] = None
-        # The last step's batch, let go once this step's forward is queued: freeing its tensors (on a GPU, an event
-        # per stream that used each) then overlaps the device's work instead of sitting between two steps.
+        # The last step's batch, let go once this step's backward and last bucket are queued, while the host waits for
+        # the device: freeing its tensors (on a GPU, an event per stream that used each, under the GIL) then sits
+        # neither between two steps nor beside the backward's embedding hooks (2 x H200, BENCHMARKS.md section 5).
         self._retired: Optional[_Fetched] = None
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
@@ -365,7 +366,6 @@ class Trainer:
         with self._phase("freescale/forward"):
             loss = bce_sum(self.model(batch), labels)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
-        self._retired = None
         with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
@@ -386,6 +386,7 @@ class Trainer:
             if early:  # queued behind the backward on the device: it runs as soon as the backward is done
                 with self._phase("freescale/dense_allreduce"):
                     self.dense_sync.start((labels,), mine, device_scalars=sums)
+            self._retired = None  # see __init__
             if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
                 torch.cuda.current_stream(self.device).synchronize()
         compute = time.perf_counter() - t0
