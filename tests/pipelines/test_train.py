@@ -221,6 +221,50 @@ def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
 
 
+def _batches_let_go(rank, world_size):
+    import weakref
+
+    import torch
+
+    from pipelines.config import JobConfig
+    from pipelines.trainer import Trainer
+
+    cfg = JobConfig()
+    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
+    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
+    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "freescale", 5, "cpu", False
+    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trained, at_forward, at_backward, at_optimizer = [], [], [], []
+    train_step, optimizer_step = trainer.train_step, trainer.optimizer.step
+
+    def recording_train_step(fetched):
+        trained.append(weakref.ref(fetched.batch))
+        return train_step(fetched)
+
+    def checking_optimizer_step(*args, **kwargs):
+        at_optimizer.append([ref() is not None for ref in trained])
+        return optimizer_step(*args, **kwargs)
+
+    trainer.train_step, trainer.optimizer.step = recording_train_step, checking_optimizer_step
+    trainer.model.register_forward_pre_hook(lambda *_: at_forward.append([ref() is not None for ref in trained]))
+    trainer.model.register_full_backward_pre_hook(lambda *_: at_backward.append([ref() is not None for ref in trained]))
+    trainer.train()
+    return at_forward, at_backward, at_optimizer
+
+
+@pytest.mark.multiprocess
+def test_the_last_steps_batch_is_let_go_within_the_step():
+    """The trainer lets the last step's batch go once this step's backward is queued, so that its frees sit beside
+    the device's work: not between two steps nor beside the backward's embedding hooks (it is still alive as the
+    forward and the backward start), and not beside the next step (only the current batch is alive at the optimizer
+    step)."""
+    from tests.harness import run_ranks
+
+    for at_forward, at_backward, at_optimizer in run_ranks(_batches_let_go, 2, timeout=120):
+        assert at_forward == at_backward == [[True]] + [[False] * (step - 1) + [True, True] for step in range(1, 5)]
+        assert at_optimizer == [[False] * step + [True] for step in range(5)]
+
+
 def _losses_and_accounting(rank, world_size, allreduce_start):
     import torch
 
