@@ -612,6 +612,9 @@ class Trainer:
             "gc_max_s": max((r["gc_s"] for r in timed), default=0.0),
             "step_times_s": [r["step_time_s"] for r in h],  # every step, the warm-up ones first
             "bubbles_s": [r["bubble_s"] for r in h],
+            # every step's exposed parts and straggler wait: what a stalled step waited for
+            "exposed_per_step_s": {k: [r["exposed_s"][k] for r in h] for k in (h[0]["exposed_s"] if h else {})},
+            "straggler_per_step_s": [r["straggler_wait_s"] for r in h],
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],

@@ -160,6 +160,8 @@ def _row(case: str, s: dict) -> dict:
         "gc_max_ms": 1e3 * s["gc_max_s"],
         "step_times_ms": [1e3 * t for t in s["step_times_s"]],
         "bubbles_ms": [_ms(t) for t in s["bubbles_s"]],
+        "exposed_per_step_ms": {k: [_ms(t) for t in v] for k, v in s["exposed_per_step_s"].items()},
+        "straggler_per_step_ms": [_ms(t) for t in s["straggler_per_step_s"]],
         "kernel_variants": s["kernel_variants"],
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],

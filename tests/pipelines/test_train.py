@@ -108,6 +108,9 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))
     assert s["drain_steps"] == 1 and s["drain_s"] == pytest.approx(times[5])
     assert s["step_time_s"] == pytest.approx(sum(times[2:5]) / 3)
+    parts, waits = s["exposed_per_step_s"], s["straggler_per_step_s"]  # every step: a stalled one says what it waited for
+    assert len(waits) == 6 and all(len(v) == 6 for v in parts.values()) and "dense_allreduce" in parts
+    assert s["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6))
     assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
