@@ -259,9 +259,8 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
-                # The timer's own bookkeeping (on a GPU it resolves the last step's CUDA events): in the step, not
-                # in the loader's time. On 2 x H200 a trace of heavy freescale timed the fetch at 0.05-0.06 ms a
-                # step, while `data` read 0.23-0.27 ms in the same call's runs with this call inside it.
+                # The timer's own bookkeeping (on a GPU it resolves the last step's CUDA events) and the last batch's
+                # frees (``_retired``) count in the step, not in the loader's time: `data` is the fetch alone.
                 before = self._exposed_totals()
                 blocked = loader_blocked_s(self.loader)
                 t_fetch = time.perf_counter()
