@@ -5,7 +5,7 @@
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
-#   bash scripts/gpu_suite.sh pairs      # sync and freescale, 3 interleaved paired runs per case: the spread of the ratios (~4 min)
+#   bash scripts/gpu_suite.sh pairs      # sync and freescale, 4 interleaved paired runs per case: the spread of the ratios (~5 min)
 #   bash scripts/gpu_suite.sh allreduce  # heavy case, --allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
 #   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
 #                                        # their GC pauses and pinned allocations (~1.5 min)
@@ -57,9 +57,9 @@ case "$PART" in
     gzip -f "$OUT"/traces/*.json
     ;;
   pairs)
-    echo "== bench e2e: sync and freescale, 3 interleaved paired runs per case (45 steps: 15 of warm-up and schedule probe, the last left out)"
+    echo "== bench e2e: sync and freescale, 4 interleaved paired runs per case (45 steps: 15 of warm-up and schedule probe, the last left out)"
     timeout 540 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
-      --batch-size 16 --modes sync,freescale --repeats 3 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -15
+      --batch-size 16 --modes sync,freescale --repeats 4 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -19
     ;;
   allreduce)
     echo "== bench e2e, heavy case: the dense all-reduce's last bucket launched after the host saw the backward end, or at once"
