@@ -52,8 +52,16 @@ case "$PART" in
   trace)
     echo "== traces: 24 steps per run (15 of warm-up and schedule probe), 5 profiled, then each rank's step split by phase and thread"
     timeout 300 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 24 --model small --uih-cap 4096 \
-      --batch-size 16 --modes sync,freescale --trace "$OUT/traces" 2>&1 | grep -v "^\[bench" | tail -6
+      --batch-size 16 --modes sync,freescale --trace "$OUT/traces" --json "$OUT/traces_e2e.json" 2>&1 | grep -v "^\[bench" | tail -6
     python3 -m pipelines.cli trace "$OUT"/traces/*.rank*.json --json "$OUT/traces.json"
+    echo "== the profiled steps (15-19), each with its bubbles and exposed parts, to find a congested one in the traces"
+    python3 - "$OUT/traces_e2e.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    for i in range(15, min(20, len(r["bubbles_ms"]))):
+        parts = {k: round(v[i], 2) for k, v in r["exposed_per_step_ms"].items() if v[i] and v[i] > 0.05}
+        print(f"  {r['case']} {r['mode']} step {i}: {r['step_times_ms'][i]:.1f} ms, bubbles {r['bubbles_ms'][i]:.2f} ms {parts}")
+PY
     gzip -f "$OUT"/traces/*.json
     ;;
   pairs)
