@@ -114,6 +114,7 @@ class _Sizes:
 
 
 EARLY_STARTS = ("forward", "backward")
+EXCLUSIVE_STARTS = ("backward", "forward")
 SCHEDULES = ("prioritized", "sdd")
 _chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
@@ -231,7 +232,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, stale: bool = False, early_start: str = "forward", **kwargs):
+    def __init__(self, *args, stale: bool = False, early_start: str = "forward", exclusive_start: str = "backward",
+                 **kwargs):
         """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
         of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
         Not FreeScale's numerics: it exists to measure what staleness costs.
@@ -240,12 +242,23 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         either way): ``"forward"``, as forward i issues them; ``"backward"``, held until ``start_early_rows()``
         (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
-        when the backward reaches the embeddings."""
+        when the backward reaches the embeddings.
+
+        ``exclusive_start``: when backward i's exclusive gradients (line 18's deferred part) leave on the bulk
+        chain: ``"backward"``, as soon as the backward has produced them; ``"forward"``, held until forward i+1
+        has waited for its collision rows (``_finish_collisions``), just before it issues the early rows that
+        apply them. They are not needed before then, and held they do not share the copy engines and the host
+        transport with the collision gradients' round trip and the dense all-reduce at the step's end. The
+        exchanges and their order on the bulk chain are the same either way. Without a bulk chain they leave at
+        once."""
         if early_start not in EARLY_STARTS:
             raise ValueError(f"prioritized embeddings: early_start must be one of {EARLY_STARTS}, got {early_start!r}")
+        if exclusive_start not in EXCLUSIVE_STARTS:
+            raise ValueError(f"prioritized embeddings: exclusive_start must be one of {EXCLUSIVE_STARTS}, got "
+                             f"{exclusive_start!r}")
         super().__init__(*args, **kwargs)
         self.stale = bool(stale)
-        self.early_start = early_start
+        self.early_start, self.exclusive_start = early_start, exclusive_start
         self._held: list[_Later] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
         self.ctx = {name: _GroupContext() for name in self.shards}
         self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
@@ -392,6 +405,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         gradients, and the rows travel during step i's compute. Without a chain, backward i runs it
         (_Later.start), when both have had the forward to arrive."""
         pending, c.pending_ex = c.pending_ex, None
+        if pending is not None:  # held exclusive gradients (exclusive_start="forward") leave now, ahead of these rows
+            pending[0].start()
         sizes, fresh_shard = c.sizes, c.fresh_shard
         after, timed = self._mark(), self._bulk_chain is None and self._stream is None
 
@@ -556,8 +571,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 with self._on_side(after):
                     return self.bulk_transport.all_to_all(g_ex, ex_send, ex_recv)
 
-            c.pending_ex = (_Later(send_exclusive, self._bulk_chain), ex_rows)
-            c.pending_ex[0].start()  # without a bulk chain it leaves now
+            hold = self._bulk_chain is not None and self.exclusive_start == "forward"
+            c.pending_ex = (_Later(send_exclusive, self._bulk_chain, held=hold), ex_rows)
+            if not hold:
+                c.pending_ex[0].start()  # without a bulk chain it leaves now
             self.row_counts["early"] += sum(fresh_send)
             self.row_counts["collision"] += sum(carried_send)
             self.row_counts["deferred"] += sum(ex_recv)

@@ -63,6 +63,7 @@ def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: tor
         optimizer=optimizer,
         transport_name=config.transport,
         early_start=config.early_start,
+        exclusive_start=config.exclusive_start,
         timer=timer,
         device=device,
     )

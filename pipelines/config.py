@@ -65,6 +65,7 @@ class TrainConfig:
     allreduce_start: str = _f("backward", "when the dense all-reduce's last bucket (with the bookkeeping block) is launched: backward (as soon as the backward is queued, as DDP does; the device runs it right after the backward) or compute (once the device has finished the backward: the host waits for it first)")
     bucket_mb: float = _f(1.0, "dense gradients are all-reduced in buckets of this many MiB, each as soon as the backward has produced it (DDP's bucket_cap_mb); 0: one all-reduce after the backward")
     early_start: str = _f("backward", "freescale: when the embedding stage's bulk chain starts looking up and sending the next batch's fresh rows (Algorithm 2's lines 6-7 and 12): backward (as the model's forward returns, so its Python runs beside the backward) or forward (as the forward issues them); the exchanges are the same")
+    exclusive_start: str = _f("backward", "freescale: when a backward's exclusive gradients (deferred to the next step, Algorithm 2's line 18) leave on the bulk chain: backward (as soon as the backward has produced them) or forward (held until the next forward has waited for its collision rows: they are not needed before, and do not then share the copy engines and the host transport with the collision gradients and the dense all-reduce at the step's end); the exchanges are the same")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
     embedding_schedule: str = _f("auto", "freescale: prioritized (Algorithm 2), sdd (the sdd mode's exchanges: for host-bound steps), or auto: probe both for a few steps after the warm-up and keep the faster (pipelines.schedule); exact either way")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
@@ -122,6 +123,8 @@ class JobConfig:
             raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
         if self.train.early_start not in ("forward", "backward"):
             raise ValueError(f"early_start must be forward or backward, got {self.train.early_start!r}")
+        if self.train.exclusive_start not in ("backward", "forward"):
+            raise ValueError(f"exclusive_start must be backward or forward, got {self.train.exclusive_start!r}")
         if self.train.numa_binding not in (None, "node", "socket", "exclusive", "core-complex"):
             raise ValueError(f"numa_binding must be node, socket, exclusive or core-complex, got {self.train.numa_binding!r}")
         if self.train.embedding_schedule not in SCHEDULE_CHOICES:

@@ -60,6 +60,7 @@ class StagedPipeline:
         optimizer,
         transport_name: str = "host",
         early_start: str = "backward",
+        exclusive_start: str = "backward",
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
@@ -75,7 +76,8 @@ class StagedPipeline:
             optimizer=optimizer,
             timer=timer,
             device=device,
-            **({"stale": mode == "semisync", "early_start": early_start} if mode in ("freescale", "semisync") else {}),
+            **({"stale": mode == "semisync", "early_start": early_start, "exclusive_start": exclusive_start}
+               if mode in ("freescale", "semisync") else {}),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection

@@ -9,9 +9,11 @@
 #   bash scripts/gpu_suite.sh allreduce  # heavy case, --allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
 #   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
 #                                        # their GC pauses and pinned allocations (~1.5 min)
+#   bash scripts/gpu_suite.sh exclusive  # heavy case, --exclusive-start backward against forward, 3 interleaved pairs each,
+#                                        # with every step's exposed parts (~4 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,6 +24,17 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+# heavy_ab FLAG "VALUES" REPEATS: the heavy case's sync and freescale under each value of --FLAG, interleaved
+heavy_ab() {
+  for rep in $(seq "$3"); do
+    for value in $2; do
+      timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
+        --cases heavy --modes sync,freescale "--$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
+        | grep -E "^heavy" | sed "s/^/$value /"
+    done
+  done
+}
 
 case "$PART" in
   check)
@@ -71,13 +84,7 @@ PY
     ;;
   allreduce)
     echo "== bench e2e, heavy case: the dense all-reduce's last bucket launched after the host saw the backward end, or at once"
-    for rep in 1 2; do
-      for start in compute backward; do
-        timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
-          --cases heavy --modes sync,freescale --allreduce-start $start --json "$OUT/allreduce_${start}_r$rep.json" 2>&1 \
-          | grep -E "^heavy" | sed "s/^/$start /"
-      done
-    done
+    heavy_ab allreduce-start "compute backward" 2
     ;;
   stalls)
     echo "== heavy freescale, per-step records: steps with over 5 ms of bubbles, and what else happened in them"
@@ -96,7 +103,11 @@ for prev, r in zip(rows, rows[1:]):
 PY
     done
     ;;
+  exclusive)
+    echo "== bench e2e, heavy case: the deferred exclusive gradients sent at the backward or with the next forward"
+    heavy_ab exclusive-start "backward forward" 3
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce or stalls" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls or exclusive" >&2; exit 2
     ;;
 esac

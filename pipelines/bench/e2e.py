@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override when the stage worker starts the next batch (see --worker-start of train)")
     parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
                         help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
+    parser.add_argument("--exclusive-start", choices=("backward", "forward"), default=None,
+                        help="override when freescale's deferred exclusive gradients leave (see --exclusive-start of train)")
     parser.add_argument("--no-stage-lookahead", dest="stage_lookahead", action="store_false",
                         help="the loader's stage worker finishes each stage's exchange in the call that starts it (see "
                              "--stage-lookahead of train; default: one batch early)")
@@ -113,6 +115,8 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         cfg.loader.worker_start = args.worker_start
     if args.early_start is not None:
         cfg.train.early_start = args.early_start
+    if args.exclusive_start is not None:
+        cfg.train.exclusive_start = args.exclusive_start
     cfg.loader.stage_lookahead = args.stage_lookahead
     if args.numa_binding is not None:
         cfg.train.numa_binding = args.numa_binding

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 STEPS = 6
 
 
-def _parity(rank, world_size, collision, schedules=None):
-    """``schedules``: the prioritized collection's schedule per step (set_schedule between steps)."""
+def _parity(rank, world_size, collision, schedules=None, exclusive_start="backward"):
+    """``schedules``: the prioritized collection's schedule per step (set_schedule between steps);
+    ``exclusive_start``: the prioritized collection's (fsembed.prioritized)."""
     from fsembed.optim import RowWiseAdagrad
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
@@ -31,7 +32,8 @@ def _parity(rank, world_size, collision, schedules=None):
     feats = [{k: v.to(dev) for k, v in step_features(plan, s, rank, collision).items()} for s in range(STEPS)]
     runs = {}
     for name, cls in (("sync", ShardedEmbeddingCollection), ("prio", PrioritizedEmbeddingCollection)):
-        coll = cls(plan, rank, optimizer=RowWiseAdagrad(lr=0.1), seed=1, device=dev)
+        extra = {"exclusive_start": exclusive_start} if cls is PrioritizedEmbeddingCollection else {}
+        coll = cls(plan, rank, optimizer=RowWiseAdagrad(lr=0.1), seed=1, device=dev, **extra)
         assert cls is ShardedEmbeddingCollection or coll._stream is not None, "no side stream on CUDA"
         losses, nxt = [], coll.exchange_ids(feats[0])
         for s in range(STEPS):
@@ -69,3 +71,13 @@ def test_schedule_switches_match_sync_on_cuda():
     results = run_ranks(_parity, 2, args=("zipf", [p, p, d, d, p, p]), timeout=240)
     for rank, r in enumerate(results):
         assert r["losses_equal"] and r["tables_equal"], f"rank {rank}: a schedule switch differs from sync on CUDA: {r}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_exclusive_gradients_held_for_the_next_forward_match_sync_on_cuda():
+    """exclusive_start="forward": the deferred gradients leave on the side stream one forward later, through a
+    schedule switch too."""
+    p, d = "prioritized", "sdd"
+    results = run_ranks(_parity, 2, args=("zipf", [p, p, p, d, p, p], "forward"), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["losses_equal"] and r["tables_equal"], f"rank {rank}: held exclusive gradients differ from sync: {r}"

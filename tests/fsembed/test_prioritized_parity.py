@@ -40,9 +40,10 @@ def train(coll, feats, prefetch: bool, after_forward=None, schedules=None):
 
 
 def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
-          chain=True, early_start="forward", hook=False, schedules=None):
+          chain=True, early_start="forward", hook=False, schedules=None, exclusive_start="backward"):
     """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
-    ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward."""
+    ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward.
+    ``exclusive_start="forward"``: the deferred exclusive gradients held until the next forward sends them."""
     from fscomm import get_transport
     from fsembed.comm import StageTransports
     from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -53,7 +54,7 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
     transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale,
-                                          early_start=early_start, **transport)
+                                          early_start=early_start, exclusive_start=exclusive_start, **transport)
     prio._misorder_for_test = misorder
     ls = train(sync, feats, prefetch)
     lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None,
@@ -140,6 +141,55 @@ def test_parity_when_early_rows_start_at_the_backward():
     for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
         for case, r in zip(cases, rank_res):
             assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
+
+
+def test_parity_when_exclusive_gradients_leave_with_the_next_forward():
+    """exclusive_start="forward": each backward's exclusive gradients are held until the next forward has waited
+    for its collision rows: same numbers, with early rows started at once, by the forward's hook or by the
+    backward, with an empty batch, through schedule switches, and without chains (where they leave at once)."""
+    p, d = "prioritized", "sdd"
+    cases = [(opt, "zipf", empty, False, True, None, False, chain, early, hook, pattern, "forward")
+             for opt, empty, chain, early, hook, pattern in (
+                 ("sgd", -1, True, "forward", False, None),
+                 ("rowwise_adagrad", 1, True, "backward", True, None),
+                 ("adam", -1, True, "backward", False, None),
+                 ("sgd", -1, True, "backward", True, [p, p, d, p, p, d, p]),
+                 ("sgd", -1, False, "forward", False, None))]
+    results = run_ranks(_cases, 2, args=(cases,), timeout=120)
+    for rank_res in results:
+        for case, r in zip(cases, rank_res):
+            assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case[:4]}: {r}"
+    for i, case in enumerate(cases):  # exclusive gradients were deferred (held) in every case
+        assert sum(res[i]["row_counts"]["deferred"] for res in results) > 0, f"{case[:4]}: nothing deferred"
+
+
+def _exclusive_held(rank, world_size):
+    """exclusive_start="forward": backward 0's exclusive gradients reach the bulk chain only in forward 1."""
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+
+    plan = small_plan(world_size)
+    feats = [step_features(plan, s, rank, "zipf") for s in range(3)]
+    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, exclusive_start="forward")
+    loss_of(prio(feats[0], prio.exchange_ids(feats[1]))).backward()
+    sends = [c.pending_ex[0] for c in prio.ctx.values()]
+    held = all(s._future is None for s in sends)
+    emb = prio(None, prio.exchange_ids(feats[2]))
+    sent = all(s._future is not None for s in sends)
+    loss_of(emb).backward()
+    prio.flush()
+    return held, sent
+
+
+def test_held_exclusive_gradients_leave_with_the_next_forward():
+    for held, sent in run_ranks(_exclusive_held, 2, timeout=60):
+        assert held and sent
+
+
+def test_unknown_exclusive_start_is_refused():
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+
+    with pytest.raises(ValueError, match="exclusive_start must be one of"):
+        PrioritizedEmbeddingCollection(small_plan(1), 0, exclusive_start="later")
 
 
 def _held_until_started(rank, world_size):

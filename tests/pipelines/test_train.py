@@ -41,6 +41,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--gil-switch-ms", "0"], "gil_switch_ms"),
         (["--worker-start", "forward"], "worker_start"),
         (["--early-start", "later"], "early_start"),
+        (["--exclusive-start", "later"], "exclusive_start"),
         (["--numa-binding", "everywhere"], "numa_binding"),
         (["--warmup-steps", "-2"], "warmup_steps"),
     ],
@@ -155,14 +156,15 @@ def _train_cmd(tmp_path, *extra):
 def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
     run schedules its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
-    the backward) and finishes each exchange at once (no stage lookahead), and the bulk chain starts with the
-    forward. When they run must not change a number."""
+    the backward) and finishes each exchange at once (no stage lookahead), the bulk chain starts with the forward,
+    and the deferred exclusive gradients wait for the next forward. When they run must not change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
     _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take", "--no-stage-lookahead",
-                    "--early-start", "forward", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+                    "--early-start", "forward", "--exclusive-start", "forward", "--metrics-jsonl", str(tmp_path / "b.jsonl")),
+         tmp_path)
     resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert resumed == full[3:]
 
@@ -170,8 +172,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
 @pytest.mark.multiprocess
 def test_resume_across_embedding_schedules_is_exact(tmp_path):
     """A checkpoint written under sdd's schedule (nothing in flight) resumed under prioritized updates (which start
-    with a synchronous first step), with the last bucket launched after the host saw the backward end (the first run: as soon as it was queued, the
-    default): the same losses as straight."""
+    with a synchronous first step), with the last bucket launched after the host saw the backward end (the first
+    run: as soon as it was queued, the default): the same losses as straight."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--embedding-schedule", "sdd",
                     "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
