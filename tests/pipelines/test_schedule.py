@@ -103,14 +103,10 @@ STEPS = 16
 
 
 def _config(mode: str, schedule: str = "auto"):
-    from pipelines.config import JobConfig
+    from tests.pipelines.tiny import tiny_config
 
-    cfg = JobConfig()
-    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih = 64
-    cfg.loader.batch_size = 8
+    cfg = tiny_config(mode, STEPS)
     cfg.balancer.partitioner = "none"  # the same samples on every rank as in sync: losses equal bit for bit
-    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = mode, STEPS, "cpu", False
     cfg.train.embedding_schedule = schedule
     return cfg.validate()
 

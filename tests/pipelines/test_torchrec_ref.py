@@ -27,14 +27,9 @@ TOLERANCE = 1e-6
 
 
 def _config(mode: str):
-    from pipelines.config import JobConfig
+    from tests.pipelines.tiny import tiny_config
 
-    cfg = JobConfig()
-    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih = 64
-    cfg.loader.batch_size = 8
-    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = mode, STEPS, "cpu", False
-    return cfg.validate()
+    return tiny_config(mode, STEPS).validate()
 
 
 def _train_both(rank, world_size):

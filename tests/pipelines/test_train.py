@@ -226,19 +226,23 @@ def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
 
 
+def _tiny_trainer(rank, world_size, mode, steps, **train):
+    """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``train``: further TrainConfig fields."""
+    import torch
+
+    from pipelines.trainer import Trainer
+    from tests.pipelines.tiny import tiny_config
+
+    cfg = tiny_config(mode, steps)
+    for name, value in train.items():
+        setattr(cfg.train, name, value)
+    return Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+
+
 def _batches_let_go(rank, world_size):
     import weakref
 
-    import torch
-
-    from pipelines.config import JobConfig
-    from pipelines.trainer import Trainer
-
-    cfg = JobConfig()
-    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
-    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "freescale", 5, "cpu", False
-    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer = _tiny_trainer(rank, world_size, "freescale", 5)
     trained, at_forward, at_backward, at_optimizer = [], [], [], []
     train_step, optimizer_step = trainer.train_step, trainer.optimizer.step
 
@@ -271,17 +275,7 @@ def test_the_last_steps_batch_is_let_go_within_the_step():
 
 
 def _losses_and_accounting(rank, world_size, allreduce_start):
-    import torch
-
-    from pipelines.config import JobConfig
-    from pipelines.trainer import Trainer
-
-    cfg = JobConfig()
-    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
-    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "sync", 5, "cpu", False
-    cfg.train.allreduce_start = allreduce_start
-    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer = _tiny_trainer(rank, world_size, "sync", 5, allreduce_start=allreduce_start)
     trainer.train()
     return [(r["step"], r["loss"], r["compute_s"], r["compute_local_s"], r["straggler_wait_s"], r["bubble_s"],
              r["exposed_s"]["dense_allreduce"]) for r in trainer.history]
@@ -309,16 +303,7 @@ def test_every_step_is_settled_with_every_ranks_compute_time(allreduce_start):
 def _slow_timer_bookkeeping(rank, world_size):
     import time
 
-    import torch
-
-    from pipelines.config import JobConfig
-    from pipelines.trainer import Trainer
-
-    cfg = JobConfig()
-    cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
-    cfg.train.mode, cfg.train.steps, cfg.train.device, cfg.train.progress = "sync", 3, "cpu", False
-    trainer = Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
+    trainer = _tiny_trainer(rank, world_size, "sync", 3)
     totals = trainer._exposed_totals
 
     def slow():  # as resolving many CUDA events would be
