@@ -17,10 +17,10 @@ sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by 
 every rank's timings from the same all-reduce. It starts once the block is written (``start``) and is waited
 for apart (``finish``), so the trainer may launch it as soon as the backward is queued, before the device has
 finished it; the per-rank timings it carries are therefore the previous step's (``last_compute_s``,
-``last_step_s``), known by then. The block travels as float32 (exact for counts below 2^24 per step) and on a GPU comes back through pinned memory
-with its own event, not a pageable ``.cpu()``, which would hold up the host transport's copies. It is handed back
-as a numpy array: the trainer's bookkeeping on it then dispatches no torch op, each of which would let the
-stage worker or an embedding chain take the GIL from the training thread.
+``last_step_s``), known by then. The block travels as float32 (exact for counts below 2^24 per step) and on a GPU
+comes back through pinned memory with its own event, not a pageable ``.cpu()``, which would hold up the host
+transport's copies. It is handed back as a numpy array: the trainer's bookkeeping on it then dispatches no torch
+op, each of which would let the stage worker or an embedding chain take the GIL from the training thread.
 
 ``bucket_bytes=0`` puts every parameter of a dtype in one bucket: one all-reduce after the backward.
 """

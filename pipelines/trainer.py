@@ -467,7 +467,7 @@ class Trainer:
     def _exposed_delta(self, before: dict[str, float], record: dict) -> dict[str, float]:
         after = self._exposed_totals()
         out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
-        out["dense_allreduce"] = record.get("allreduce_exposed_s")  # set by _settle, in the modes that measure it
+        out["dense_allreduce"] = None  # filled in by _settle once every rank's compute time is known (torchrec: never)
         # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
         # loader's next(); their collective waits are the parts above, counted once).
         out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)
@@ -617,8 +617,8 @@ class Trainer:
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
-            # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
             "embedding_schedule": self.schedule.summary() if self.schedule is not None else None,
+            # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
             "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
             "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
             "peak_memory_bytes": self._peak_memory(),
