@@ -232,7 +232,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, stale: bool = False, early_start: str = "forward", exclusive_start: str = "backward",
+    def __init__(self, *args, stale: bool = False, early_start: str = "forward", exclusive_start: str = "forward",
                  **kwargs):
         """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
         of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
@@ -245,8 +245,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         when the backward reaches the embeddings.
 
         ``exclusive_start``: when backward i's exclusive gradients (line 18's deferred part) leave on the bulk
-        chain: ``"backward"``, as soon as the backward has produced them; ``"forward"``, held until forward i+1
-        has waited for its collision rows (``_finish_collisions``), just before it issues the early rows that
+        chain: ``"backward"``, as soon as the backward has produced them; ``"forward"`` (the default), held until
+        forward i+1 has waited for its collision rows (``_finish_collisions``), just before it issues the early rows that
         apply them. They are not needed before then, and held they do not share the copy engines and the host
         transport with the collision gradients' round trip and the dense all-reduce at the step's end. The
         exchanges and their order on the bulk chain are the same either way. Without a bulk chain they leave at

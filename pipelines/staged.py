@@ -60,7 +60,7 @@ class StagedPipeline:
         optimizer,
         transport_name: str = "host",
         early_start: str = "backward",
-        exclusive_start: str = "backward",
+        exclusive_start: str = "forward",
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
