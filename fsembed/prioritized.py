@@ -245,12 +245,12 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         when the backward reaches the embeddings.
 
         ``exclusive_start``: when backward i's exclusive gradients (line 18's deferred part) leave on the bulk
-        chain: ``"backward"``, as soon as the backward has produced them; ``"forward"`` (the default), held until
-        forward i+1 has waited for its collision rows (``_finish_collisions``), just before it issues the early rows that
-        apply them. They are not needed before then, and held they do not share the copy engines and the host
-        transport with the collision gradients' round trip and the dense all-reduce at the step's end. The
-        exchanges and their order on the bulk chain are the same either way. Without a bulk chain they leave at
-        once."""
+        chain: ``"backward"``, as soon as the backward has produced them; ``"forward"`` (the default), held
+        until forward i+1 has waited for its collision rows (``_finish_collisions``), just before it issues the
+        early rows that apply them. They are not needed before then, and held they do not share the copy engines
+        and the host transport with the collision gradients' round trip and the dense all-reduce at the step's
+        end. The exchanges and their order on the bulk chain are the same either way. Without a bulk chain they
+        leave at once."""
         if early_start not in EARLY_STARTS:
             raise ValueError(f"prioritized embeddings: early_start must be one of {EARLY_STARTS}, got {early_start!r}")
         if exclusive_start not in EXCLUSIVE_STARTS:
@@ -371,7 +371,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return _Step(sid, local, ready=ready)
 
     def _forward_group(self, c: _GroupContext, shard: GroupShard, sid_next: Optional[ShardedIds]) -> torch.Tensor:
-        self._finish_collisions(c, shard)
+        """Lines 8-15 for one group. The next step's ids, masks and flags come first: they touch neither the
+        side stream nor the rows the previous backward's collision chain writes, so the chain has that long
+        more to arrive before this forward waits for it (``_finish_collisions``), and that wait comes before
+        lines 6-7 and 12 are issued, whose side-stream work it must not wait for."""
         step = c.cur
         c.nxt = c.co_shard = c.fresh_shard = c.flags_handle = c.sizes = None
         if sid_next is not None:
@@ -390,6 +393,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 keep_host=True,  # lines 12 and 18 count them on the host
             )
             c.sizes = _Sizes(c.co_shard, c.fresh_shard, step.sid, sid_next, c.flags_handle)
+        self._finish_collisions(c, shard)
+        if sid_next is not None:
             c.nxt = _Step(sid_next, nlocal)
             c.nxt.fresh = self._early_rows(c, shard, step, c.nxt)
         return ops.ranged_combine(self._merged(step, shard), step.sid.perm)  # line 15
