@@ -153,6 +153,22 @@ def _pinned_allocations() -> Optional[int]:
     return stats().get("num_host_alloc")
 
 
+def _stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
+    """Per step, on this rank, what can stall a step besides a late peer: its garbage-collection pauses and the
+    pinned blocks newly allocated by the embedding exchanges' staging pool and by torch's host allocator
+    (cudaHostAlloc takes milliseconds). Step 0's counts are those since set-up; None where not recorded (no
+    embedding stage, not on a GPU)."""
+
+    def grown(key: str) -> Optional[list[int]]:
+        counts = [r.get(key) for r in history]
+        if not counts or any(c is None for c in counts):
+            return None
+        return [counts[0]] + [b - a for a, b in zip(counts, counts[1:])]
+
+    return {"gc_s": [r["gc_s"] for r in history], "new_staging_blocks": grown("staging_allocations"),
+            "new_pinned_blocks": grown("pinned_allocations")}
+
+
 def _compute(record: dict, rank: int) -> Optional[float]:
     """A rank's forward+backward time; None in mode torchrec, where it cannot be told apart from the exchanges."""
     return None if record["compute_s"] is None else record["compute_s"][rank]
@@ -614,6 +630,7 @@ class Trainer:
             # every step's exposed parts and straggler wait: what a stalled step waited for
             "exposed_per_step_s": {k: [r["exposed_s"][k] for r in h] for k in (h[0]["exposed_s"] if h else {})},
             "straggler_per_step_s": [r["straggler_wait_s"] for r in h],
+            "stall_clues_per_step": _stall_clues(h),
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],

@@ -31,7 +31,7 @@ heavy_ab() {
     for value in $2; do
       timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
         --cases heavy --modes sync,freescale "--$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
-        | grep -E "^heavy" | sed "s/^/$value /"
+        | grep -E "^heavy|^stalled" | sed "s/^/$value /"
     done
   done
 }
@@ -80,7 +80,7 @@ PY
   pairs)
     echo "== bench e2e: sync and freescale, 4 interleaved paired runs per case (45 steps: 15 of warm-up and schedule probe, the last left out)"
     timeout 540 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
-      --batch-size 16 --modes sync,freescale --repeats 4 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -19
+      --batch-size 16 --modes sync,freescale --repeats 4 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -40
     ;;
   allreduce)
     echo "== bench e2e, heavy case: the dense all-reduce's last bucket launched after the host saw the backward end, or at once"

@@ -159,6 +159,7 @@ def _row(case: str, s: dict) -> dict:
         "bubble_median_ms": _ms(s["bubble_median_s"]),
         "warmup_steps": s["warmup_steps"],
         "warmup_ms": 1e3 * s["warmup_s"],
+        "drain_steps": s["drain_steps"],
         "drain_ms": 1e3 * s["drain_s"],  # the run's last step, left out of the timings in every mode (trainer)
         "gc_ms": 1e3 * s["gc_s"],  # rank 0's garbage-collection pauses over the timed steps (max: gc_max_ms)
         "gc_max_ms": 1e3 * s["gc_max_s"],
@@ -166,6 +167,7 @@ def _row(case: str, s: dict) -> dict:
         "bubbles_ms": [_ms(t) for t in s["bubbles_s"]],
         "exposed_per_step_ms": {k: [_ms(t) for t in v] for k, v in s["exposed_per_step_s"].items()},
         "straggler_per_step_ms": [_ms(t) for t in s["straggler_per_step_s"]],
+        "stall_clues_per_step": s["stall_clues_per_step"],  # rank 0's gc pauses (s) and new pinned blocks
         "kernel_variants": s["kernel_variants"],
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],
@@ -207,6 +209,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats > 1:
         for line in spread(rows):
             print(line)
+    for line in stalled_steps(rows):
+        print(line)
     if args.plot:
         _plot_ne(rows, args.plot)
     if args.json:
@@ -259,6 +263,29 @@ def spread(rows: list[dict]) -> list[str]:
             + (f"; embedding schedule kept: {', '.join(f'{k} {v}x' for k, v in sorted(Counter(kept[case]).items()))}"
                if kept.get(case) else "")
         )
+    return lines
+
+
+def stalled_steps(rows: list[dict], factor: float = 5.0, floor_ms: float = 5.0) -> list[str]:
+    """One line per timed step whose bubbles exceed ``factor`` times its run's median and ``floor_ms``: the part
+    that absorbed it, and rank 0's clues (gc pause, new pinned blocks) in that step."""
+    lines = []
+    for r in rows:
+        median, steps = r.get("bubble_median_ms"), r.get("bubbles_ms") or []
+        if median is None:
+            continue
+        clues = r.get("stall_clues_per_step") or {}
+        for i in range(r["warmup_steps"], len(steps) - r["drain_steps"]):
+            if steps[i] is None or steps[i] <= max(factor * median, floor_ms):
+                continue
+            parts = {k: v[i] for k, v in r["exposed_per_step_ms"].items() if v[i]}
+            worst = max(parts, key=parts.get) if parts else "straggler"
+            found = [f"gc {1e3 * clues['gc_s'][i]:.1f} ms"] if clues.get("gc_s") else []
+            found += [f"{k.replace('_', ' ')} {clues[k][i]}" for k in ("new_staging_blocks", "new_pinned_blocks")
+                      if clues.get(k) is not None]
+            lines.append(f"stalled step: {r['case']} {r['mode']} run {r.get('repeat', 0) + 1} step {i}: bubbles "
+                         f"{steps[i]:.1f} ms (run median {median:.2f}), most in {worst}"
+                         + (f"; rank 0: {', '.join(found)}" if found else ""))
     return lines
 
 

@@ -1,10 +1,12 @@
-"""bench e2e's pairing: freescale is compared with sync of the same case and the same run, never across runs."""
+"""bench e2e's pairing: freescale is compared with sync of the same case and the same run, never across runs; and
+its report of the steps that stalled."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipelines.bench.e2e import pair_with_sync, spread
+from pipelines.bench.e2e import pair_with_sync, spread, stalled_steps
+from pipelines.trainer import _stall_clues
 
 
 def _row(case, mode, repeat, bubble, median, qps):
@@ -42,3 +44,22 @@ def test_the_spread_counts_the_schedules_freescale_kept():
     pair_with_sync(rows)
     (line,) = spread(rows)
     assert line.endswith("embedding schedule kept: prioritized 1x, sdd 2x")
+
+
+def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
+    """Steps 2-6 are timed (2 of warm-up, the drain left out). Step 4 stalls in the gradient wait while a pinned
+    block is allocated; the warm-up's and the drain's slow steps are not reported, nor is one under the floor."""
+    history = [{"gc_s": 0.0, "staging_allocations": n, "pinned_allocations": 3} for n in (4, 6, 6, 6, 7, 7, 7, 7)]
+    history[4]["gc_s"] = 0.002
+    clues = _stall_clues(history)
+    assert clues["new_staging_blocks"] == [4, 2, 0, 0, 1, 0, 0, 0] and clues["new_pinned_blocks"] == [3] + [0] * 7
+    bubbles = [40.0, 30.0, 1.0, 1.2, 41.0, 1.1, 4.0, 30.0]
+    grad = [0.0, 0.0, 0.5, 0.6, 39.0, 0.5, 3.0, 0.0]
+    row = {"case": "heavy", "mode": "freescale", "repeat": 1, "bubble_median_ms": 1.15, "bubbles_ms": bubbles,
+           "warmup_steps": 2, "drain_steps": 1, "stall_clues_per_step": clues,
+           "exposed_per_step_ms": {"grad_a2a": grad, "emb_a2a": [0.1] * 8, "dense_allreduce": [None] * 8}}
+    (line,) = stalled_steps([row])
+    assert line == ("stalled step: heavy freescale run 2 step 4: bubbles 41.0 ms (run median 1.15), most in grad_a2a; "
+                    "rank 0: gc 2.0 ms, new staging blocks 1, new pinned blocks 0")
+    assert _stall_clues([{"gc_s": 0.0}])["new_pinned_blocks"] is None  # not recorded off a GPU
+    assert stalled_steps([dict(row, bubble_median_ms=None)]) == []  # a run without timings (torchrec) says nothing

@@ -112,6 +112,8 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     parts, waits = s["exposed_per_step_s"], s["straggler_per_step_s"]  # every step: a stalled one says what it waited for
     assert len(waits) == 6 and all(len(v) == 6 for v in parts.values()) and "dense_allreduce" in parts
     assert s["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
+    clues = s["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no staging pool, no pinned memory
+    assert len(clues["gc_s"]) == 6 and clues["new_staging_blocks"] is None and clues["new_pinned_blocks"] is None
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(6))
     assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
