@@ -47,7 +47,7 @@ def test_the_spread_counts_the_schedules_freescale_kept():
 
 
 def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
-    """Steps 2-6 are timed (2 of warm-up, the drain left out). Step 4 stalls in the gradient wait while a pinned
+    """Steps 2-6 are timed (2 of warm-up, the drain left out). Step 4 stalls in the gradient wait while a staging
     block is allocated; the warm-up's and the drain's slow steps are not reported, nor is one under the floor."""
     history = [{"gc_s": 0.0, "staging_allocations": n, "pinned_allocations": 3} for n in (4, 6, 6, 6, 7, 7, 7, 7)]
     history[4]["gc_s"] = 0.002

@@ -159,7 +159,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
     run schedules its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
     the backward) and finishes each exchange at once (no stage lookahead), the bulk chain starts with the forward,
-    and the deferred exclusive gradients leave at the backward (not with the next forward). When they run must not change a number."""
+    and the deferred exclusive gradients leave at the backward (not with the next forward). When they run must not
+    change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     step3 = tmp_path / "ck" / "step_000003"
