@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-stage-lookahead", dest="stage_lookahead", action="store_false",
                         help="the loader's stage worker finishes each stage's exchange in the call that starts it (see "
                              "--stage-lookahead of train; default: one batch early)")
+    parser.add_argument("--no-background-stages", dest="background_stages", action="store_false",
+                        help="the loader's stages run in the training thread as it takes each batch (see "
+                             "--background-stages of train; default: one batch ahead in a worker thread)")
     parser.add_argument("--numa-binding", default=None, choices=("node", "socket", "exclusive", "core-complex"),
                         help="GPU runs: bind each rank near its GPU (see --numa-binding of train)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -118,6 +121,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     if args.exclusive_start is not None:
         cfg.train.exclusive_start = args.exclusive_start
     cfg.loader.stage_lookahead = args.stage_lookahead
+    cfg.loader.background_stages = args.background_stages
     if args.numa_binding is not None:
         cfg.train.numa_binding = args.numa_binding
     if args.trace:

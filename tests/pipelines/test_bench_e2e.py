@@ -63,3 +63,19 @@ def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
                     "rank 0: gc 2.0 ms, new staging blocks 1, new pinned blocks 0")
     assert _stall_clues([{"gc_s": 0.0}])["new_pinned_blocks"] is None  # not recorded off a GPU
     assert stalled_steps([dict(row, bubble_median_ms=None)]) == []  # a run without timings (torchrec) says nothing
+
+
+def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
+    import argparse
+
+    from pipelines.bench.e2e import add_arguments, case_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = case_config("light", "freescale", parser.parse_args([]))
+    assert default.loader.background_stages and default.loader.stage_lookahead
+    assert default.train.exclusive_start == "forward" and default.train.early_start == "backward"
+    changed = case_config("light", "freescale", parser.parse_args(
+        ["--no-background-stages", "--no-stage-lookahead", "--exclusive-start", "backward", "--early-start", "forward"]))
+    assert not changed.loader.background_stages and not changed.loader.stage_lookahead
+    assert changed.train.exclusive_start == "backward" and changed.train.early_start == "forward"
