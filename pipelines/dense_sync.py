@@ -183,9 +183,10 @@ class DenseSync:
         return self._down_host.astype(np.float64)
 
 
-def per_rank_of(book, world_size: int):
-    """The per-rank slots of a bookkeeping block: [world_size, len(PER_RANK_FIELDS)]."""
-    return book[len(GLOBAL_FIELDS):].reshape(world_size, len(PER_RANK_FIELDS))
+def per_rank_of(book: np.ndarray, world_size: int) -> dict[str, np.ndarray]:
+    """Every rank's value of each of PER_RANK_FIELDS in a bookkeeping block, by name ([world_size] each)."""
+    slots = book[len(GLOBAL_FIELDS):].reshape(world_size, len(PER_RANK_FIELDS))
+    return {name: slots[:, i] for i, name in enumerate(PER_RANK_FIELDS)}
 
 
 def gather_per_rank(values: tuple[float, ...], rank: int, world_size: int, device: torch.device) -> np.ndarray:

@@ -68,7 +68,7 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
 from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
-from pipelines.dense_sync import GLOBAL_FIELDS, DenseSync, gather_per_rank, per_rank_of
+from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
 
@@ -397,7 +397,9 @@ class Trainer:
         with self._phase("freescale/forward_backward"):
             labels, sums = self.forward_backward(batch, global_labels)
             lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
-            mine = (self._last_compute_s, float(lengths.sum()), float(batch.batch_size), sparsity(lengths), self._last_step_s)
+            slot = {"last_compute_s": self._last_compute_s, "tokens": float(lengths.sum()),
+                    "samples": float(batch.batch_size), "sparsity": sparsity(lengths), "last_step_s": self._last_step_s}
+            mine = tuple(slot[name] for name in PER_RANK_FIELDS)  # this rank's slot, in the block's order
             if early:  # queued behind the backward on the device: it runs as soon as the backward is done
                 with self._phase("freescale/dense_allreduce"):
                     self.dense_sync.start((labels,), mine, device_scalars=sums)
@@ -419,7 +421,7 @@ class Trainer:
         # numpy on the host block (no torch op: see pipelines.dense_sync)
         per_rank = per_rank_of(book, self.world_size)
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
-            self.schedule.observe(self.step - 1, float(per_rank[:, 4].max()))
+            self.schedule.observe(self.step - 1, float(per_rank["last_step_s"].max()))
         labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
         return {
             "step": self.step,
@@ -428,11 +430,11 @@ class Trainer:
             "bce_sum": bce_sum,
             "positives": positives,
             "compute_local_s": compute,
-            "last_compute_all_s": per_rank[:, 0],
-            "tokens_per_rank": per_rank[:, 1].astype(np.int64).tolist(),
-            "samples_per_rank": per_rank[:, 2].astype(np.int64).tolist(),
-            "sparsity_per_rank": per_rank[:, 3].tolist(),
-            "imbalance_max_over_mean": float(per_rank[:, 1].max() / max(per_rank[:, 1].mean(), 1.0)),
+            "last_compute_all_s": per_rank["last_compute_s"],
+            "tokens_per_rank": per_rank["tokens"].astype(np.int64).tolist(),
+            "samples_per_rank": per_rank["samples"].astype(np.int64).tolist(),
+            "sparsity_per_rank": per_rank["sparsity"].tolist(),
+            "imbalance_max_over_mean": float(per_rank["tokens"].max() / max(per_rank["tokens"].mean(), 1.0)),
             "allreduce_s": sync_time,
         }
 

@@ -102,3 +102,15 @@ def _step_cuda(rank, world_size):
 def test_the_block_comes_back_through_pinned_memory_on_cuda():
     dtype, book = run_ranks(_step_cuda, 1, backend="nccl", timeout=120)[0]
     assert dtype == np.float64 and book == [3.0, 4.0, 5.0, 0.5, 1.0, 2.0, 3.0, 6.0]
+
+
+def test_the_block_is_read_by_field_name():
+    """Each rank's slot holds PER_RANK_FIELDS in order after the global fields; the trainer reads them by name."""
+    from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, per_rank_of
+
+    world, n = 3, len(PER_RANK_FIELDS)
+    book = np.arange(len(GLOBAL_FIELDS) + world * n, dtype=np.float64)
+    columns = per_rank_of(book, world)
+    assert list(columns) == list(PER_RANK_FIELDS)
+    for i, name in enumerate(PER_RANK_FIELDS):
+        assert columns[name].tolist() == [len(GLOBAL_FIELDS) + r * n + i for r in range(world)]
