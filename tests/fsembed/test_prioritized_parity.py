@@ -163,13 +163,18 @@ def test_parity_when_exclusive_gradients_leave_with_the_next_forward():
         assert sum(res[i]["row_counts"]["deferred"] for res in results) > 0, f"{case[:4]}: nothing deferred"
 
 
-def _exclusive_held(rank, world_size):
-    """exclusive_start="forward": backward 0's exclusive gradients reach the bulk chain only in forward 1."""
+def _held_collection(rank, world_size, steps, **option):
+    """A prioritized collection (SGD) with one of its hand-over ``option``s, and ``steps`` steps' zipf features."""
     from fsembed.prioritized import PrioritizedEmbeddingCollection
 
     plan = small_plan(world_size)
-    feats = [step_features(plan, s, rank, "zipf") for s in range(3)]
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, exclusive_start="forward")
+    feats = [step_features(plan, s, rank, "zipf") for s in range(steps)]
+    return PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, **option), feats
+
+
+def _exclusive_held(rank, world_size):
+    """exclusive_start="forward": backward 0's exclusive gradients reach the bulk chain only in forward 1."""
+    prio, feats = _held_collection(rank, world_size, 3, exclusive_start="forward")
     loss_of(prio(feats[0], prio.exchange_ids(feats[1]))).backward()
     sends = [c.pending_ex[0] for c in prio.ctx.values()]
     held = all(s._future is None for s in sends)
@@ -185,20 +190,9 @@ def test_held_exclusive_gradients_leave_with_the_next_forward():
         assert held and sent
 
 
-def test_unknown_exclusive_start_is_refused():
-    from fsembed.prioritized import PrioritizedEmbeddingCollection
-
-    with pytest.raises(ValueError, match="exclusive_start must be one of"):
-        PrioritizedEmbeddingCollection(small_plan(1), 0, exclusive_start="later")
-
-
 def _held_until_started(rank, world_size):
     """With early_start="backward" nothing of lines 6-7 and 12 reaches the bulk chain before start_early_rows()."""
-    from fsembed.prioritized import PrioritizedEmbeddingCollection
-
-    plan = small_plan(world_size)
-    feats = [step_features(plan, s, rank, "zipf") for s in range(2)]
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1, early_start="backward")
+    prio, feats = _held_collection(rank, world_size, 2, early_start="backward")
     emb = prio(feats[0], prio.exchange_ids(feats[1]))
     early = [c.nxt.fresh for c in prio.ctx.values()]
     held = all(f._future is None for f in early)
@@ -214,11 +208,12 @@ def test_held_early_rows_wait_for_the_start():
         assert held and sent
 
 
-def test_unknown_early_start_is_refused():
+@pytest.mark.parametrize("option", ["early_start", "exclusive_start"])
+def test_an_unknown_start_is_refused(option):
     from fsembed.prioritized import PrioritizedEmbeddingCollection
 
-    with pytest.raises(ValueError, match="early_start must be one of"):
-        PrioritizedEmbeddingCollection(small_plan(1), 0, early_start="later")
+    with pytest.raises(ValueError, match=f"{option} must be one of"):
+        PrioritizedEmbeddingCollection(small_plan(1), 0, **{option: "later"})
 
 
 def _chain_without_model_thread(rank, world_size):

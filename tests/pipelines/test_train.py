@@ -154,6 +154,11 @@ def _train_cmd(tmp_path, *extra):
             "--checkpoint-dir", str(tmp_path / "ck"), *extra]
 
 
+def _losses(metrics_jsonl):
+    """Every step's loss, from a run's --metrics-jsonl."""
+    return [json.loads(line)["loss"] for line in metrics_jsonl.read_text().splitlines()]
+
+
 @pytest.mark.multiprocess
 def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
@@ -162,13 +167,13 @@ def test_checkpoint_resume_is_exact(tmp_path):
     and the deferred exclusive gradients leave at the backward (not with the next forward). When they run must not
     change a number."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
-    full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    full = _losses(tmp_path / "a.jsonl")
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
     _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take", "--no-stage-lookahead",
                     "--early-start", "forward", "--exclusive-start", "backward", "--metrics-jsonl", str(tmp_path / "b.jsonl")),
          tmp_path)
-    resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    resumed = _losses(tmp_path / "b.jsonl")
     assert resumed == full[3:]
 
 
@@ -179,10 +184,10 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
     run: as soon as it was queued, the default): the same losses as straight."""
     _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--embedding-schedule", "sdd",
                     "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
-    full = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    full = _losses(tmp_path / "a.jsonl")
     _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--embedding-schedule",
                     "prioritized", "--allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
-    resumed = [json.loads(line)["loss"] for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    resumed = _losses(tmp_path / "b.jsonl")
     assert len(full) == 6 and resumed == full[3:]
 
 
