@@ -21,8 +21,7 @@ from fscomm import groups
 def helper_event() -> "torch.cuda.Event":
     """A CUDA event that a helper thread (an exchange's worker, an embedding chain) waits on with ``synchronize()``:
     a blocking-sync event, so the thread sleeps until the GPU reaches it instead of spinning on a core, as CUDA's
-    default wait does, beside the model's threads. (An A/B on 2 x H200 favoured it, inside the light case's
-    run-to-run spread: BENCHMARKS.md section 5, seventh session.)"""
+    default wait does, beside the model's threads."""
     return torch.cuda.Event(blocking=True)
 
 

@@ -97,8 +97,7 @@ def build_loader(
 def _disable_lookahead(node: BaseNode) -> None:
     """``stage_lookahead = false``: each stage finishes its exchange in the call that starts it, so only the
     worker's batch (and the trainer's next one) are in flight; the worker then waits inside each item for the
-    other ranks' workers to reach the same exchange (BENCHMARKS.md section 5, seventh session: 9.5-12 ms per item
-    on 2 x H200, against 1.3-2.4 ms with the lookahead)."""
+    other ranks' workers to reach the same exchange (the A/B of both settings is in BENCHMARKS.md)."""
     from fsdata.nodes.async_stage import AsyncStage
 
     while node is not None:

@@ -181,7 +181,7 @@ def _interleave(a: torch.Tensor, a_splits: list[int], b: torch.Tensor, b_splits:
 
 def _deinterleave(x: torch.Tensor, a_splits: list[int], b_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of :func:`_interleave`: a's segments and b's segments, each back to back. Three torch ops
-    whatever the world size (not a slice per rank: at 256 ranks that was over 500 ops per step)."""
+    whatever the world size (a slice per rank would cost two ops per rank, every step)."""
     parts = x.split(_paired(a_splits, b_splits))
     return torch.cat(parts[0::2]), torch.cat(parts[1::2])
 
@@ -467,8 +467,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             grads = handle.wait()
             if self._stream is not None:
                 # The side stream's rows are disjoint from the collision rows, but they live in the same weight
-                # and state tensors; TORCH_CUDA_SANITIZER (tensor-granular) flagged the concurrent access on the
-                # H200, so the compute stream waits here for the side work (a stall, if any, counts as exposed).
+                # and state tensors, and TORCH_CUDA_SANITIZER (tensor-granular) reports such access as a race, so
+                # the compute stream waits here for the side work (a stall, if any, counts as exposed).
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
 

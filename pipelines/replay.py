@@ -17,7 +17,7 @@ Two modes (``--replay-mode``):
 
 * ``direct``: every rank of every simulated step is timed (``ranks x steps`` batches). For CPU checks and small
   settings.
-* ``fit`` (default): one GPU call lasts at most 10 minutes, so for 64 to 1,024 ranks replay times a few hundred
+* ``fit`` (default): timing every rank of every step at 64 to 1,024 ranks would take hours, so replay times a few hundred
   *whole local batches* exactly as the partitioners produce them: the ``none``, ``fbs``, ``vbs`` and ``kk`` plans
   of timing steps of ``--replay-timing-ranks`` ranks (fresh samples, not the simulated ones), their local batches
   in a random order with the partitioners interleaved, until ``--replay-timings`` batches or
@@ -92,7 +92,7 @@ from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
     **MODEL_PRESETS,
-    # The production width is 512 x 4 layers; half of each keeps a few hundred 21,000-token timings inside one call.
+    # The production width is 512 x 4 layers; half of each keeps a few hundred 21,000-token timings within minutes.
     "replay": dict(num_items=1_000_000, dim=256, num_layers=2, num_heads=4),
 }
 FEATURES = ("const", "count", "sum_L", "sum_L2", "max_L", "count_x_max_L", "count_x_max_L2")

@@ -19,9 +19,8 @@ faster, as cuDNN's benchmark mode picks a convolution algorithm.
                                (its first step looks its rows up synchronously), else sdd
 
 Prioritized updates must pay measurably to be kept: they hold one more batch's rows and run two more threads,
-and a shared host's noise can hide a few percent either way (on 2 x H200, a light-case probe once measured
-24.8 ms against 24.6 while the same run's sdd mode took 17 ms a step). Where the exchanges dominate, the gap is
-far wider than the margin (heavy case, 16 probes: 40-44 ms prioritized against 48-56 ms sdd).
+and a shared host's noise can hide a few percent either way, so a tie runs sdd. Where the exchanges dominate,
+the gap is far wider than the margin (the probes' medians are in each run's record and in BENCHMARKS.md).
 
 A step's time is its wall time on the slowest rank. It reaches every rank one step late, in the per-rank slots
 of the next step's dense all-reduce (pipelines.dense_sync), so every rank sees the same numbers and switches at
@@ -38,7 +37,7 @@ from typing import Optional
 
 SCHEDULE_CHOICES = ("auto", "prioritized", "sdd")
 # Steps of a process that the probe leaves out: they pay one-time costs (kernel compilation, the first pinned
-# buffers; measured on the H200, a prioritized run's second step took up to 3x its later ones).
+# buffers), so the first steps can take several times as long as the later ones.
 PROBE_START = 3
 PROBE_STEPS = 4
 

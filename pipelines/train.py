@@ -61,7 +61,7 @@ def worker(config: JobConfig) -> Optional[dict]:
         raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    # NCCL needs a GPU per rank; ranks sharing a GPU (e.g. 2 ranks on one H200) exchange through gloo.
+    # NCCL needs a GPU per rank; ranks sharing a GPU exchange through gloo.
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
@@ -69,13 +69,13 @@ def worker(config: JobConfig) -> Optional[dict]:
         cpus = sorted(os.sched_getaffinity(0))
         print(f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), numa_binding={config.train.numa_binding}")
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
-    # the pool only runs small host ops; a large one (8 per rank on the H200's 16 cores) crowded out the
-    # loader and exchange threads there and stalled single ops by milliseconds (a trace of the light case).
+    # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
+    # single ops by milliseconds.
     share = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(config.train.threads or (min(2, share) if use_cuda else share))
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
-    # needs the GIL waits up to the switch interval for it, 5 ms by default, which the trace showed as gaps
-    # in the model thread. --gil-switch-ms (default 1 ms) bounds that wait.
+    # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
+    # thread. --gil-switch-ms bounds that wait.
     sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size)

@@ -113,11 +113,10 @@ def _mean(values: list[Optional[float]]) -> Optional[float]:
 
 class _GcPauses:
     """Time this process spends in Python's garbage collections, per step (``gc_s``). Whichever thread triggers
-    one, every Python thread of the rank waits, and the other ranks then wait at the next collective: a full
-    collection over the ~300,000 objects tracked after set-up took 90-170 ms on 2 CPU cores (all of them during
-    set-up and the first step). Measured so that a pause in a timed step shows as what it is; on 2 x H200 (heavy
-    case, 29 timed steps) the pauses summed to at most 2.6 ms per run, with or without ``gc.freeze()`` after
-    set-up, so the trainer leaves the collector as it is."""
+    one, every Python thread of the rank waits, and the other ranks then wait at the next collective; a full
+    collection over the objects tracked after set-up is long. Measured so that a pause in a timed step shows as
+    what it is. The trainer leaves the collector as it is: in the timed steps the pauses are small beside the
+    step, with or without ``gc.freeze()`` after set-up."""
 
     def __init__(self) -> None:
         self._start: Optional[float] = None
@@ -145,8 +144,8 @@ class _GcPauses:
 
 def _pinned_allocations() -> Optional[int]:
     """Pinned host blocks torch's caching host allocator has allocated so far (cudaHostAlloc calls), or None
-    where this torch does not count them. Recorded per step on a GPU: heavy runs on 2 x H200 had one-step stalls
-    of 15-64 ms of unknown cause, and a batch larger than any before needs a larger pinned block."""
+    where this torch does not count them. Recorded per step on a GPU as a clue to a stalled step: a batch larger
+    than any before needs a larger pinned block."""
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None:
         return None
@@ -221,7 +220,7 @@ class Trainer:
         self._unsettled: Optional[dict] = None
         # The last step's batch, let go once this step's backward and last bucket are queued, while the host waits for
         # the device: freeing its tensors (on a GPU, an event per stream that used each, under the GIL) then sits
-        # neither between two steps nor beside the backward's embedding hooks (2 x H200, BENCHMARKS.md section 5).
+        # neither between two steps nor beside the backward's embedding hooks.
         self._retired: Optional[_Fetched] = None
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.

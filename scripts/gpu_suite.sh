@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU figures of BENCHMARKS.md on a lent H200 (torch 2.11, no torchdata/torchrec: the torchdata wheel travels
-# in .whl/, see the README). One device call runs at most 10 minutes, so the suite comes in parts:
+# The GPU figures of BENCHMARKS.md (torch with CUDA; where torchdata is not installed, its wheel may travel in .whl/,
+# see the README). The suite comes in parts of at most about ten minutes each:
 #   bash scripts/gpu_suite.sh check      # GPU tests under TORCH_CUDA_SANITIZER=1 + the kernels bench (~5 min)
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
@@ -50,7 +50,7 @@ case "$PART" in
     echo "== bench embedding: exposed embedding communication, sync vs prioritized"
     timeout 150 python3 -m pipelines.cli bench embedding --nproc 2 --device cuda --max-uih 2048 --batch-size 64 --dim 128 \
       --compute-ms 30 --steps 5 --warmup 3 --collisions 0,0.05,0.2 --json "$OUT/embedding_gpu.json" 2>&1 | tail -9
-    echo "== bench e2e: every mode, 2 ranks sharing the H200 over the host transport"
+    echo "== bench e2e: every mode, 2 ranks sharing the GPU over the host transport"
     timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,sdd,semisync,freescale,replicated --json "$OUT/e2e_gpu.json" 2>&1 | grep -v "^\[bench" | tail -14
     ;;

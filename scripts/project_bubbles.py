@@ -1,5 +1,5 @@
-"""Projection of the bubble reduction to many ranks, from two measured parts (issue 7's "projection to 64 to 256
-ranks from the balancer's replay simulation"). A model, not a measurement:
+"""Projection of the bubble reduction to 64 to 256 ranks, from two measured parts: the balancer's replay simulation
+and the embedding bench. A model, not a measurement:
 
     bubbles(mode, N) = straggler wait at N ranks (replay: straggler % x mean step time, jagged kernel)
                        + exposed embedding communication per step (bench embedding, 2 ranks)
@@ -8,7 +8,7 @@ sync pairs the unbalanced replay with the synchronous path's exposed time; frees
 with the prioritized path's. The embedding exposure is held at its 2-rank value, which flatters sync's side
 least: an AllToAll over N ranks only gets slower.
 
-    python3 scripts/project_bubbles.py docs/bench/replay_h200_whole.json docs/bench/embedding_gpu_c30_syncfree.json
+    python3 scripts/project_bubbles.py docs/bench/replay_h200.json docs/bench/embedding_2xh200.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Device-time sweep of the Triton kernels' launch constants on the bench workload (one GPU call).
+"""Device-time sweep of the Triton kernels' launch constants on the bench workload (GPU only).
 
     python3 scripts/tune_kernels.py --world-sizes 32,512      # prints one line per setting, median of 10 calls
 
 What it varies: ranged_dispatch's block and warps; the jagged gather's elements per program and warps
-(indexed_permute/global). The defaults in kernels/triton/ come from this sweep (docs/bench/kernels.md).
+(indexed_permute/global). The defaults in kernels/triton/ come from this sweep.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Session set-up shared by every test.
+"""Set-up shared by every test, before any test module is imported.
 
 Without a GPU, Triton kernels can only run in Triton's interpreter; the variable must be set before any module
 that defines a kernel is imported (the jit decorator reads it at definition time), so it is set here, first.

@@ -24,7 +24,7 @@ import triton.language as tl
 from kernels.triton.common import as_bits, cdiv, fixed_code, new_output, search_steps, tile_shape
 from kernels.triton.search import last_le
 
-# Elements (rows x columns) copied per program; tuned on the H200 (see docs/bench/kernels.md).
+# Elements (rows x columns) copied per program; from the sweep of scripts/tune_kernels.py.
 ELEMENTS_PER_PROGRAM = 1024
 NUM_WARPS = 4
 

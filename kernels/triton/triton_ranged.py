@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels.triton.common import as_bits, cdiv, fixed_code, new_output, search_steps, tile_shape
 from kernels.triton.search import last_le
 
-# Tuned on the H200 (docs/bench/kernels.md, scripts/tune_kernels.py): a 64 x 64 rank comparison per block, one warp.
+# From the sweep of scripts/tune_kernels.py: a 64 x 64 rank comparison per block, one warp.
 DISPATCH_BLOCK = 64
 DISPATCH_WARPS = 1
 COMBINE_ELEMENTS_PER_PROGRAM = 4096

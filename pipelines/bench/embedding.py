@@ -255,7 +255,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 
-    # One GPU per rank where there are enough; otherwise the ranks share them (two ranks on one H200).
+    # One GPU per rank where there are enough; otherwise the ranks share them (e.g. two ranks on one GPU).
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

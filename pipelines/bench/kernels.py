@@ -22,7 +22,7 @@ KuaiRand-like), and the global batch of W * B samples the balancer sees after it
 
 Speedups compare latencies (host wall clock from an idle GPU to the result, launches and host syncs included:
 see :class:`Timer`); the bandwidth column uses the Triton op's device time and counts the fewest bytes the op
-must read plus write, against the H200's measured 4.3 TB/s copy rate. Run on CPU (``--device cpu``)
+must read plus write, against an H200's copy rate (``H200_COPY_BANDWIDTH``). Run on CPU (``--device cpu``)
 the Triton column is skipped unless TRITON_INTERPRET=1 (useful only as a smoke test with tiny sizes).
 """
 
@@ -43,7 +43,7 @@ import torch
 from kernels import ops
 from kernels.ops import Impl
 
-H200_COPY_BANDWIDTH = 4.3e12  # bytes/s, read + write, measured on the lent H200 (ENVIRONMENT.md)
+H200_COPY_BANDWIDTH = 4.3e12  # bytes/s, read + write: an H200's device-to-device copy rate, the bandwidth column's 100%
 NUM_ROWS = 1 << 30  # embedding rows, row-wise sharded over the ranks
 UIH_KEYS = 3  # uih_item_ids, uih_action_types, uih_timestamps
 

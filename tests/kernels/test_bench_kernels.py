@@ -1,5 +1,5 @@
 """`freescale bench kernels` end to end on CPU with tiny sizes: every row's three implementations agree and
-the JSON carries the fields the lead merges (speedup_vs_eager, speedup_vs_twin, bandwidth)."""
+the JSON carries the fields BENCHMARKS.md reads (speedup_vs_eager, speedup_vs_twin, bandwidth)."""
 
 from __future__ import annotations
 
