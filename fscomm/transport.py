@@ -59,20 +59,6 @@ class Handle:
         raise NotImplementedError
 
 
-class DoneHandle(Handle):
-    """A handle whose result is already there (world size 1, or an exchange finished eagerly)."""
-
-    def __init__(self, result: torch.Tensor):
-        self._result = result
-        self.wait_time_s = 0.0
-
-    def wait(self) -> torch.Tensor:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
-
-
 class WorkHandle(Handle):
     """A handle over a torch.distributed Work (gloo on CPU, NCCL): ``finalize`` turns the received buffer into
     the result (e.g. drops all_gather padding); failures are re-raised naming the op and the suspect ranks."""

@@ -198,13 +198,6 @@ def start_size_exchange(
     return SizedIds(key, int(ids.numel()), list(segments), perm, send_ids, [int(x) for x in splits.tolist()], sizes, transport)
 
 
-def start_id_exchange(
-    key: str, ids: torch.Tensor, segments: list[int], boundaries: torch.Tensor, transport, rank: int
-) -> ShardedIds:
-    """The whole exchange now: sizes (waited for at once), then the ids' AllToAll (returned in flight)."""
-    return start_size_exchange(key, ids, segments, boundaries, transport, rank).post()
-
-
 def start_sizes(
     keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
 ) -> dict[str, SizedIds]:

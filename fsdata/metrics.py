@@ -31,24 +31,3 @@ def imbalance(per_rank_cost: Sequence[float] | torch.Tensor) -> float:
     cost = torch.as_tensor(per_rank_cost, dtype=torch.float64)
     mean = float(cost.mean()) if cost.numel() else 0.0
     return float(cost.max()) / mean if mean > 0 else 1.0
-
-
-def batch_metrics(uih_lengths: torch.Tensor) -> dict[str, float]:
-    """Per-batch data metrics for the JSON lines of one rank."""
-    return {
-        "samples": int(uih_lengths.numel()),
-        "tokens": int(uih_lengths.sum()) if uih_lengths.numel() else 0,
-        "max_uih": int(uih_lengths.max()) if uih_lengths.numel() else 0,
-        "sparsity": sparsity(uih_lengths),
-    }
-
-
-def step_metrics(per_rank_uih_lengths: Sequence[torch.Tensor], alpha: float = 1.0) -> dict[str, object]:
-    """Metrics of one global step from every rank's UIH lengths: tokens per rank, imbalance of sum(L^alpha)."""
-    tokens = [int(lengths.sum()) for lengths in per_rank_uih_lengths]
-    cost = [float(lengths.to(torch.float64).pow(alpha).sum()) for lengths in per_rank_uih_lengths]
-    return {
-        "tokens_per_rank": tokens,
-        "imbalance_max_over_mean": imbalance(cost),
-        "sparsity_per_rank": [sparsity(lengths) for lengths in per_rank_uih_lengths],
-    }

@@ -10,7 +10,6 @@ W ranks resumes on W' ranks at the same sample.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional
 
 from torchdata.nodes import BaseNode
@@ -51,10 +50,6 @@ class GlobalBatchReader(BaseNode[Batch]):
     @property
     def global_batch_size(self) -> int:
         return self.batch_size * self.world_size
-
-    def steps_per_epoch(self, epoch: Optional[int] = None) -> int:
-        n = self.source.num_samples(self._epoch if epoch is None else epoch)
-        return math.ceil(n / self.global_batch_size)
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
         super().reset(initial_state)
