@@ -123,9 +123,16 @@ def launch(config: JobConfig) -> Optional[dict]:
 
 def print_summary(summary: dict) -> None:
     print("\n=== FreeScale run summary ===")
+    steps = summary.get("steps") or 0
+    # loss and ne come from the trainer's summary: label-weighted over the second half of the steps this process ran
+    notes = {
+        "loss": f"mean BCE per label over the last {steps - steps // 2} of these {steps} steps (after a resume: of the resumed part)",
+        "ne": "normalized entropy over the same steps: that BCE / the entropy of the labels' positive rate (1 = predicting the rate; lower is better)",
+    }
     for key in ("mode", "steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct", "bubble_s"):
         value = summary.get(key)
-        print(f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {'n/m' if value is None else value}")
+        line = f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {'n/m' if value is None else value}"
+        print(line + (f"  {notes[key]}" if key in notes else ""))
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):

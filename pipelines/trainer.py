@@ -590,6 +590,8 @@ class Trainer:
     def _summary(self, wall: float) -> dict:
         h = self.history
         samples = sum(sum(r["samples_per_rank"]) for r in h)
+        # loss and NE: label-weighted over the second half of this process's steps (after a resume, of the resumed
+        # part), past the first steps' fast fall, so they read where training is rather than where it began
         tail = h[len(h) // 2 :] or h
         labels = sum(r["labels"] for r in tail)
         # The warm-up steps pay one-time costs (compilation, first pinned allocations); the last step drains the
