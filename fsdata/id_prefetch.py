@@ -27,7 +27,7 @@ import torch
 
 from fsdata.batch import lengths_to_offsets
 
-try:  # the node needs torchdata; the exchange helpers below do not (the GPU machine has no torchdata)
+try:  # the node needs torchdata; the exchange helpers below do not (they run where torchdata is absent)
     from torchdata.nodes import BaseNode
 except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata is absent
     BaseNode = None

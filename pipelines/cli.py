@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(path[-1], help=help_text, description=help_text)
         try:
             importlib.import_module(module).add_arguments(cmd)
-        except ImportError as exc:  # e.g. torchdata absent on a GPU machine: the other commands still work
+        except ImportError as exc:  # e.g. torchdata absent: the other commands still work
             cmd.description = f"{help_text} [unavailable here: {exc}]"
             cmd.set_defaults(_unavailable=f"freescale {' '.join(path)} cannot run here: {exc}")
         cmd.set_defaults(_module=module)

@@ -26,9 +26,9 @@ Matched with ``sync`` mode, so that losses and NE compare step by step:
 Not matched:
 * summation order: fbgemm sums a row's duplicate gradients in another order than fsembed, and DDP reduces dense
   gradients in buckets: losses agree to float rounding, not bit for bit;
-* ``--embedding-optimizer adam`` is refused: torchrec 1.8's fused Adam fails on CPU (ENVIRONMENT.md);
+* ``--embedding-optimizer adam`` is refused: torchrec 1.8's fused Adam fails on CPU;
 * no checkpoints or resume (DMP's sharded state is not wired to FreeScale's checkpoint format), CPU only
-  (the GPU machine has no torchrec), and every local batch must hold at least one sample.
+  (torchrec's CPU build is the one installed), and every local batch must hold at least one sample.
 
 Accounting. Measured as in the other modes: step time, samples/s, data wait, the label-count all-reduce, loss,
 NE. Not measured, reported as None ("n/m" in tables), never as 0: the ID AllToAll (input dist), the embedding
@@ -72,8 +72,7 @@ def missing_packages() -> list[str]:
 def unavailable_message(missing: Sequence[str]) -> str:
     return (
         f"mode torchrec needs the package(s) {', '.join(missing)}, not importable here: it is a CPU reference only "
-        "(torchrec==1.8.0 installed with --no-deps beside fbgemm-gpu-cpu==1.8.0, see ENVIRONMENT.md; the GPU "
-        "machine has no torchrec)"
+        "(torchrec==1.8.0 installed with --no-deps beside fbgemm-gpu-cpu==1.8.0, as scripts/setup.sh does)"
     )
 
 

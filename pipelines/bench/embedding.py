@@ -19,7 +19,7 @@ overlap with. Every step ends where data-parallel training's dense all-reduce wo
 the ranks meet (a barrier on a group of its own, standing in for the all-reduce). Its wait is reported apart
 (``dense_ms``), not as embedding communication: it holds the ranks' skew (on one shared GPU the two processes
 are time-sliced, so one finishes its step milliseconds after the other), which would otherwise land in whichever
-embedding exchange waits first in the next step. Needs neither torchdata nor torchrec (the GPU machine has neither).
+embedding exchange waits first in the next step. Needs neither torchdata nor torchrec.
 """
 
 from __future__ import annotations

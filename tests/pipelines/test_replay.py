@@ -291,7 +291,7 @@ def test_bad_settings_are_refused_with_a_clear_message(monkeypatch):
 
 
 def test_the_replay_path_imports_without_torchdata_or_torchrec():
-    """The GPU machine has neither; the simulator and replay must not need them."""
+    """A GPU host may have neither; the simulator and replay must not need them."""
     code = (
         "import sys\n"
         "class Block:\n"

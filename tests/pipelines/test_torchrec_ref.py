@@ -74,7 +74,7 @@ def _parse(*argv):
 def test_without_torchrec_the_error_names_the_package(monkeypatch):
     from pipelines.torchrec_ref import require_torchrec
 
-    monkeypatch.setitem(sys.modules, "torchrec", None)  # as on the GPU machine: not importable
+    monkeypatch.setitem(sys.modules, "torchrec", None)  # as where torchrec is not installed
     with pytest.raises(ValueError, match=r"torchrec.*not importable here: it is a CPU reference only"):
         _parse("--mode", "torchrec")
     with pytest.raises(ImportError, match=r"torchrec.*CPU reference only"):
