@@ -7,11 +7,12 @@ CUDA IPC (torch.multiprocessing's shared CUDA tensors). An exchange is then:
    per source, gathered by all, so every rank knows where its pieces land in each peer's buffer, and a
    mismatch between a sender's splits and a receiver's is the same error on every rank, never a hang;
 2. pushes: ``cudaMemcpyAsync`` from the input into the peers' buffers (and this rank's own piece straight into
-   the result) on a dedicated copy stream, ordered after the caller's stream by an event. Between GPUs that is a
+   the result) on copy streams of the transport's own, one per destination so that copies to several GPUs run
+   on several copy engines at once, ordered after the caller's stream by an event. Between GPUs that is a
    copy-engine transfer over NVLink; no SM is taken from the compute the exchange overlaps;
 3. once this rank's pushes are done (the worker thread sleeps on an event) a barrier on the group: from then on
    every piece addressed to this rank lies in its buffer;
-4. copy out: the buffer into the result on the copy stream; the caller's stream waits on that copy's event.
+4. copy out: the buffer into the result on this rank's copy stream; the caller's stream waits on its event.
 
 Steps 1-4 run in the group's worker thread (fscomm.worker), so the call returns a handle at once and exchanges
 complete in issue order. A buffer is written again only after its owner's copy out of the previous exchange has
@@ -180,7 +181,7 @@ class PeerTransport:
         dist.all_gather_object(peers, me, group=group)
         check_same_host(peers, self.rank)
         self.device: Optional[torch.device] = None
-        self._stream: Optional["torch.cuda.Stream"] = None
+        self._streams: list["torch.cuda.Stream"] = []  # copy streams, one per destination
         self._buffer: Optional[torch.Tensor] = None  # this rank's receive buffer (uint8)
         self._peers: list[Optional[torch.Tensor]] = [None] * self.world_size  # the peers' buffers, mapped here
         self._capacity = [0] * self.world_size
@@ -253,7 +254,7 @@ class PeerTransport:
                 offsets: list[int], expected_row: list[int]) -> Handle:
         if self.device is None:
             self.device = x.device
-            self._stream = torch.cuda.Stream(device=x.device)
+            self._streams = [torch.cuda.Stream(device=x.device) for _ in range(self.world_size)]
         seq = state.take_seq()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))
@@ -290,19 +291,20 @@ class PeerTransport:
         self._grow(plan.need, op, seq)
         x = source.pop()
         xb, ob = as_bytes(x), as_bytes(out)
-        stream = self._stream
-        stream.wait_event(ready)
-        pushed = helper_event()
-        with torch.cuda.stream(stream):
-            for d, src, n, dst in plan.pushes:
-                self._peers[d][dst : dst + n].copy_(xb[src : src + n], non_blocking=True)
-            src, n, dst = plan.own
-            if n:
-                ob[dst : dst + n].copy_(xb[src : src + n], non_blocking=True)
-            pushed.record(stream)
-        pushed.synchronize()
+        pushed = []
+        for stream, copies in self._by_stream(plan, ob):
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for dst_buf, dst, src, n in copies:
+                    dst_buf[dst : dst + n].copy_(xb[src : src + n], non_blocking=True)
+                done = helper_event()
+                done.record(stream)
+                pushed.append(done)
+        for done in pushed:
+            done.synchronize()
         del x, xb
         self._collective(op, seq, lambda: dist.barrier(group=self.group))  # every piece for this rank has landed
+        stream = self._streams[self.rank]
         with torch.cuda.stream(stream):
             for b, n, o in plan.copy_out:
                 ob[o : o + n].copy_(self._buffer[b : b + n], non_blocking=True)
@@ -310,6 +312,18 @@ class PeerTransport:
         self._last_copy = (copied, out)  # the result stays allocated until its copy is seen done
         self.exchanges += 1
         return out
+
+    def _by_stream(self, plan: Plan, out_bytes: torch.Tensor) -> list:
+        """The pushes grouped by copy stream, one stream per destination: copies to different GPUs then run
+        on different copy engines at once instead of one after another. The own piece goes on this rank's
+        stream, ahead of its copy out."""
+        by_dest: dict[int, list] = {}
+        for d, src, n, dst in plan.pushes:
+            by_dest.setdefault(d, []).append((self._peers[d], dst, src, n))
+        src, n, dst = plan.own
+        if n:
+            by_dest.setdefault(self.rank, []).append((out_bytes, dst, src, n))
+        return [(self._streams[d], copies) for d, copies in sorted(by_dest.items())]
 
     def _finish_last_copy(self) -> None:
         if self._last_copy is not None:
