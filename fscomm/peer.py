@@ -279,6 +279,7 @@ class PeerTransport:
             raise diagnose(self.state, op, seq, exc) from exc
 
     def _exchange(self, op, seq, source, out, sent_row, offsets, expected_row, ready, copied) -> torch.Tensor:
+        torch.cuda.set_device(self.device)  # the worker thread starts on device 0; buffers go on this rank's GPU
         self._finish_last_copy()  # peers push into this buffer only after the control step below
         W = self.world_size
         row = torch.tensor([sent_row, expected_row], dtype=torch.int64)
