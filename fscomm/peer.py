@@ -54,6 +54,9 @@ from fscomm.transport import (
 from fscomm.worker import helper_event, worker_for
 
 MIN_CAPACITY = 1 << 20
+# the worker's steps of one exchange: waiting for the last copy out, the control exchange, buffer growth, the
+# pushes (queued and waited for), the barrier, queueing the copy out
+PHASES = ("last_copy", "control", "grow", "pushes", "barrier", "copy_out")
 
 
 def grown_capacity(need: int, current: int, minimum: int = MIN_CAPACITY) -> int:
@@ -134,6 +137,16 @@ def check_same_host(peers: Sequence[tuple[str, str, int]], rank: int) -> None:
             "CUDA IPC names a peer's buffer by its device index, so every rank must see the same devices")
 
 
+class _PhaseClock:
+    def __init__(self, totals: dict[str, float]):
+        self.totals, self.t = totals, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.t
+        self.t = now
+
+
 class PeerHandle(Handle):
     """An exchange in the group's worker thread; ``wait()`` orders the caller's stream after the copy out (an
     event wait: the host blocks only until the worker has queued that copy)."""
@@ -190,10 +203,16 @@ class PeerTransport:
         self._failed: Optional[BaseException] = None
         self.remaps = 0
         self.exchanges = 0
+        self._phase_s = dict.fromkeys(PHASES, 0.0)
 
     def buffer_stats(self) -> dict[str, int]:
         """capacity_bytes: this rank's receive buffer; remaps: handle exchanges after growth (flat after warm-up)."""
         return {"capacity_bytes": self._capacity[self.rank], "remaps": self.remaps, "exchanges": self.exchanges}
+
+    def phase_seconds(self) -> dict[str, float]:
+        """The worker's time so far in each step of the exchanges (``PHASES``): where a fixed cost per exchange
+        comes from (the host round trips, or the copies themselves)."""
+        return dict(self._phase_s)
 
     # --- public collectives ---------------------------------------------------------------------------
 
@@ -280,7 +299,9 @@ class PeerTransport:
 
     def _exchange(self, op, seq, source, out, sent_row, offsets, expected_row, ready, copied) -> torch.Tensor:
         torch.cuda.set_device(self.device)  # the worker thread starts on device 0; buffers go on this rank's GPU
+        clock = _PhaseClock(self._phase_s)
         self._finish_last_copy()  # peers push into this buffer only after the control step below
+        clock.lap("last_copy")
         W = self.world_size
         row = torch.tensor([sent_row, expected_row], dtype=torch.int64)
         table = torch.empty(W * 2 * W, dtype=torch.int64)
@@ -289,7 +310,9 @@ class PeerTransport:
         sent, expected = table[:, 0].tolist(), table[:, 1].tolist()
         check_table(sent, expected, op, self.rank)
         plan = plan_exchange(sent, offsets, self.rank)
+        clock.lap("control")
         self._grow(plan.need, op, seq)
+        clock.lap("grow")
         x = source.pop()
         xb, ob = as_bytes(x), as_bytes(out)
         pushed = []
@@ -304,7 +327,9 @@ class PeerTransport:
         for done in pushed:
             done.synchronize()
         del x, xb
+        clock.lap("pushes")
         self._collective(op, seq, lambda: dist.barrier(group=self.group))  # every piece for this rank has landed
+        clock.lap("barrier")
         stream = self._streams[self.rank]
         with torch.cuda.stream(stream):
             for b, n, o in plan.copy_out:
@@ -312,6 +337,7 @@ class PeerTransport:
             copied.record(stream)
         self._last_copy = (copied, out)  # the result stays allocated until its copy is seen done
         self.exchanges += 1
+        clock.lap("copy_out")
         return out
 
     def _by_stream(self, plan: Plan, out_bytes: torch.Tensor) -> list:

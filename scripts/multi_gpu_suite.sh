@@ -15,7 +15,7 @@
 # --dry-run (first argument) prints the commands instead of running them; NGPUS=N stands in for nvidia-smi.
 # Everything is written under $OUT (default ./out/multi_gpu). Environment knobs: E2E_FLAGS (the e2e workload,
 # default the 2-GPU tables' "--model small --uih-cap 4096 --batch-size 16"), E2E_STEPS (45), REPEATS (1),
-# E2E_TRANSPORT (the embedding transport when bench e2e takes --transport; default peer where registered).
+# E2E_TRANSPORT (bench e2e's --transport; default: peer where it is registered and bench e2e takes the flag).
 set -u -o pipefail
 usage="usage: bash scripts/multi_gpu_suite.sh [--dry-run] plan|check|transport NPROC|scaling NPROC heavy|light|replay|table"
 DRY=0
@@ -74,7 +74,11 @@ setup() {
     "$PY" -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   fi
   # what the merged code offers: peer in the transport registry, in bench transport, --transport in bench e2e
-  read -r PEER_REGISTERED PEER_IN_BENCH E2E_TAKES_TRANSPORT < <("$PY" - <<'PY' 2>/dev/null || echo "0 0 0"
+  # (SUITE_OFFERS="1 1 1" or "0 0 0" stands in for the look, e.g. in a dry run)
+  if [ -n "${SUITE_OFFERS:-}" ]; then
+    read -r PEER_REGISTERED PEER_IN_BENCH E2E_TAKES_TRANSPORT <<< "$SUITE_OFFERS"
+  else
+    read -r PEER_REGISTERED PEER_IN_BENCH E2E_TAKES_TRANSPORT < <("$PY" - <<'PY' 2>/dev/null || echo "0 0 0"
 import argparse
 from fscomm.transport import BACKENDS
 from pipelines.bench import e2e, transport
@@ -84,6 +88,7 @@ takes = any("--transport" in a.option_strings for a in p._actions)
 print(int("peer" in BACKENDS), int("peer" in transport.PEER_KINDS), int(takes))
 PY
 )
+  fi
 }
 
 backends() {  # bench transport's backends: the NCCL ones and host, and peer once registered there
@@ -92,10 +97,9 @@ backends() {  # bench transport's backends: the NCCL ones and host, and peer onc
   echo "$b"
 }
 
-e2e_transport_flag() {
-  local want=${E2E_TRANSPORT-}
-  if [ -z "$want" ] && [ "$PEER_REGISTERED" = 1 ]; then want=peer; fi
-  if [ -n "$want" ] && [ "$E2E_TAKES_TRANSPORT" = 1 ]; then echo "--transport $want"; fi
+e2e_transport_flag() {  # E2E_TRANSPORT as asked; else peer where registered and bench e2e takes the flag
+  if [ -n "${E2E_TRANSPORT:-}" ]; then echo "--transport $E2E_TRANSPORT"; return; fi
+  if [ "$PEER_REGISTERED" = 1 ] && [ "$E2E_TAKES_TRANSPORT" = 1 ]; then echo "--transport peer"; fi
 }
 
 case "$PART" in

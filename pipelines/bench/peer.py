@@ -8,8 +8,12 @@
     and the kinds and streams of the copies.
 (c) contention: 20 causal SDPA calls (B8 H16 L4096 D128 bf16) or 20 bf16 8192^3 GEMMs on GPU 0, alone and next
     to (peer) a stream of 16 MiB-block exchanges on every rank, or (copies) plain device-to-device copies of
-    16 MiB blocks from GPU 0 to GPU 1 on a side stream; interleaved pairs, the median of the per-pair ratios.
-    A pair counts only if the traffic outlasted the kernel; when it did not, the traffic is lengthened.
+    16 MiB blocks from GPU 0 to GPU 1 on a side stream of the computing process, queued right after the kernel;
+    where the ranks share GPU 0, also (copies-other-process) those copies from another process on that GPU,
+    which separates the GPU's time-slicing between processes from the copies themselves. Interleaved pairs, the
+    median of the per-pair ratios. A pair counts only if the traffic outlasted the kernel on every rank (on the
+    host's monotonic clock, or by events within one process); when it did not, the traffic is lengthened.
+(d) where the time of an exchange goes: the transport's worker, per exchange and step (fscomm.peer.PHASES).
 
 Ranks: one GPU each when there are as many GPUs as ranks. With fewer GPUs every rank shares GPU 0 (CUDA IPC maps
 buffers between processes on one device too): then every copy is a copy within one GPU's memory, not over
@@ -164,7 +168,7 @@ def trace_exchanges(r: Rank) -> dict:
 
 
 class PeerTraffic:
-    """n exchanges of 16 MiB blocks, two in flight, from a thread of its own (as a loader's would be)."""
+    """n exchanges of 16 MiB blocks, two in flight, from a thread of its own on every rank (as a loader's would be)."""
 
     def __init__(self, r: Rank):
         self.r = r
@@ -183,7 +187,7 @@ class PeerTraffic:
             torch.cuda.set_device(self.r.device)
             stream = torch.cuda.Stream(self.r.device)
             torch.cuda.set_stream(stream)
-            self.times["start"] = time.perf_counter()
+            self.times["start"] = time.monotonic()
             inflight: deque = deque()
             for i in range(n):
                 inflight.append(self.r.traffic.all_to_all(self.x, self.splits, self.splits))
@@ -194,49 +198,63 @@ class PeerTraffic:
             while inflight:
                 inflight.popleft().wait()
             stream.synchronize()
-            self.times["end"] = time.perf_counter()
+            self.times["end"] = time.monotonic()
         except BaseException as exc:  # carried to join()
             self.error = exc
         finally:
             self.started.set()
 
-    def join(self, compute_end: Optional[float]) -> bool:
+    def join(self, kernel_end: Optional[float], kernel_end_event=None) -> bool:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        return compute_end is None or self.times["end"] >= compute_end
+        return kernel_end is None or self.times["end"] >= kernel_end
 
     def seconds(self) -> float:
         return self.times["end"] - self.times["start"]
 
 
 class CopyTraffic:
-    """n plain copies of 16 MiB from GPU 0 to the peer GPU on a side stream of rank 0 (the other ranks idle)."""
+    """n plain copies of 16 MiB from the rank's GPU to the peer GPU on a side stream, on one rank only: ``who`` 0
+    is the computing process itself; ``who`` 1, where the ranks share GPU 0, another process on that GPU (its
+    copies then also cost the compute the GPU's time-slicing between processes, as the transport's do)."""
 
-    def __init__(self, r: Rank):
-        self.r = r
+    def __init__(self, r: Rank, who: int):
+        self.r, self.who, self.active = r, who, r.rank == who
         self.stream = torch.cuda.Stream(r.device)
         self.src = torch.empty(TRAFFIC_BLOCK, dtype=torch.uint8, device=r.device)
         self.dst = torch.empty(TRAFFIC_BLOCK, dtype=torch.uint8, device=r.peer_device)
+        self.after_kernel = who == 0  # queued after the kernel: else the host's queueing gives the copies a head start
 
     def start(self, n: int) -> "CopyTraffic":
         self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self.r.rank == 0:
+        self.end_host: Optional[float] = None
+        if self.active:
             with torch.cuda.stream(self.stream):
                 self.begin.record()
                 for _ in range(n):
                     self.dst.copy_(self.src, non_blocking=True)
                 self.end.record()
+            if self.who != 0:  # another process than the kernel's: its end on the host clock, as the peer traffic's
+                self.waiter = threading.Thread(target=self._wait, name="bench-copy-waiter")
+                self.waiter.start()
         return self
 
-    def join(self, compute_end_event) -> bool:
-        if self.r.rank != 0:
-            return True
+    def _wait(self) -> None:
         self.end.synchronize()
-        return compute_end_event is None or compute_end_event.elapsed_time(self.end) >= 0
+        self.end_host = time.monotonic()
+
+    def join(self, kernel_end: Optional[float], kernel_end_event=None) -> bool:
+        if not self.active:
+            return True
+        if self.who != 0:
+            self.waiter.join()
+            return kernel_end is None or self.end_host >= kernel_end
+        self.end.synchronize()
+        return kernel_end_event is None or kernel_end_event.elapsed_time(self.end) >= 0
 
     def seconds(self) -> float:
-        return self.begin.elapsed_time(self.end) / 1e3 if self.r.rank == 0 else 0.0
+        return self.begin.elapsed_time(self.end) / 1e3 if self.active else 0.0
 
 
 def _kernel(name: str, device: torch.device):
@@ -249,8 +267,10 @@ def _kernel(name: str, device: torch.device):
 
 
 def _trial(r: Rank, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
-    """Every rank starts the traffic (if any); rank 0 runs the kernel: (its seconds, the traffic outlasted it)."""
-    if traffic is not None:
+    """Every rank starts the traffic (if any); rank 0 runs the kernel: (its seconds, the traffic outlasted it,
+    judged on the host's monotonic clock, which all processes of the host share, or by events in one process)."""
+    late = traffic is not None and getattr(traffic, "after_kernel", False)
+    if traffic is not None and not late:
         traffic.start(n)
     seconds, end_evt, end_host = None, None, None
     if r.rank == 0:
@@ -258,13 +278,25 @@ def _trial(r: Rank, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
         start_evt.record()
         kernel()
         end_evt.record()
+        if late:
+            traffic.start(n)
         end_evt.synchronize()
-        end_host = time.perf_counter()
+        end_host = time.monotonic()
         seconds = start_evt.elapsed_time(end_evt) / 1e3
+    elif late:
+        traffic.start(n)
     outlasted = True
     if traffic is not None:
-        outlasted = traffic.join(end_evt if isinstance(traffic, CopyTraffic) else end_host)
+        kernel_end = _gather(end_host)[0]
+        outlasted = traffic.join(kernel_end, end_evt)
     return seconds, outlasted
+
+
+def traffic_kinds(r: Rank) -> list[tuple[str, object]]:
+    kinds = [("peer", PeerTraffic(r)), ("copies", CopyTraffic(r, 0))]
+    if r.shared:
+        kinds.append(("copies-other-process", CopyTraffic(r, 1)))
+    return kinds
 
 
 def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
@@ -274,7 +306,7 @@ def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
         for _ in range(2):
             _trial(r, kernel, None, 0)
         t_alone = _gather(statistics.median([_trial(r, kernel, None, 0)[0] or 0.0 for _ in range(3)]))[0]
-        for kind, traffic in (("peer", PeerTraffic(r)), ("copies", CopyTraffic(r))):
+        for kind, traffic in traffic_kinds(r):
             traffic.start(2).join(None)
             r.barrier()
             traffic.start(4).join(None)
@@ -320,6 +352,7 @@ def rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict]
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     result["contention"] = bench_contention(r, kernels, args.pairs) if args.pairs else []
     result["buffers"] = _gather(r.main.buffer_stats())
+    result["phase_ms_per_exchange"] = _gather({k: 1e3 * v / max(r.main.exchanges, 1) for k, v in r.main.phase_seconds().items()})
     r.main.close()
     r.traffic.close()
     return result if rank == 0 else None
@@ -358,6 +391,9 @@ def print_result(result: dict) -> None:
             print(f"{c['kernel']:<6} {c['traffic']:<7} {c['kernel_alone_ms']:>9.2f} {fmt(c['median_ratio']):>10} "
                   f"{fmt(c['min_ratio']):>6} {fmt(c['max_ratio']):>6} {c['pairs']:>6} {c['pairs_dropped_traffic_too_short']:>8}")
     print(f"buffers per rank: {result['buffers']}")
+    for rank, phases in enumerate(result.get("phase_ms_per_exchange", [])):
+        print(f"rank {rank}, worker ms per exchange (bandwidth and trace exchanges): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
 
 
 def main(args: argparse.Namespace) -> int:
