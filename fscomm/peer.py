@@ -180,6 +180,12 @@ class PeerTransport:
             return "this torch was built without gloo (the peer transport's control exchange runs on it)"
         return None
 
+    @classmethod
+    def default_group(cls) -> dist.ProcessGroup:
+        """fscomm's gloo group for this backend (collective on first use): not the host transport's, so the two
+        do not share a worker thread and queue behind each other's exchanges."""
+        return groups.default_group("gloo", kind="peer")
+
     def __init__(self, group: dist.ProcessGroup):
         """Collective: every rank of ``group`` (a gloo group) makes it, in the same order."""
         backend = dist.get_backend(group)

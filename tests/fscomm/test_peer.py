@@ -161,16 +161,24 @@ def test_ranks_on_different_hosts_are_refused_on_every_rank():
         assert msg is not None and f"transport 'peer' on rank {rank}: the ranks are on 2 hosts" in msg
 
 
-def _world_group(rank, world_size):
+def _groups(rank, world_size):
     import torch.distributed as dist
 
+    from fscomm import groups
+
+    PeerTransport(dist.group.WORLD)  # any gloo group will do
+    t = PeerTransport(PeerTransport.default_group())
+    t.close()  # nothing mapped yet: a barrier, then refusals
     try:
-        PeerTransport(dist.group.WORLD)  # the harness's world group is gloo: accepted
-    except Exception as exc:  # pragma: no cover - reported to the parent
-        return f"unexpected: {exc}"
-    return "ok"
+        t.all_gather(torch.zeros(1))
+        closed = None
+    except RuntimeError as exc:
+        closed = str(exc)
+    return groups.group_state(t.group).name, groups.default_group("gloo") is t.group, closed
 
 
 @pytest.mark.multiprocess
-def test_the_world_gloo_group_is_accepted():
-    assert run_ranks(_world_group, 2, timeout=60) == ["ok", "ok"]
+def test_its_own_default_group_and_close_before_use():
+    for rank, (name, shared_with_host, closed) in enumerate(run_ranks(_groups, 2, timeout=60)):
+        assert name == "fscomm-default-peer" and not shared_with_host
+        assert closed == f"fscomm peer all_gather on rank {rank}: the transport is closed"
