@@ -22,6 +22,9 @@ larger one (power-of-two bytes) and the handles are exchanged again, a collectiv
 same exchange because every rank sees the same byte table. ``close()`` (collective) releases the mappings and
 the buffers.
 
+Each exchange costs two host round trips over the group and two waits of the worker on the GPU, whatever its
+size; ``phase_seconds()`` splits the worker's time by step, so a fixed cost per exchange can be traced to them.
+
 CUDA IPC opens a peer's buffer on the peer's device, so every process keeps a context on every peer's GPU, and
 every rank must see the same GPUs (same ``CUDA_VISIBLE_DEVICES``): that is checked when the transport is made,
 with the ranks' host names (the transport moves data within one host only).
