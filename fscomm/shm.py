@@ -138,7 +138,7 @@ class Segment:
     def pin(self) -> None:
         """Registers the pages with CUDA (page-locked: copies to and from them run on the copy engines, async)."""
         if not self.cuda_registered:
-            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1)  # portable: any device
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of shared-memory segment {self.path} failed with error {int(err)}")
             self.cuda_registered = True
@@ -348,7 +348,7 @@ class ShmExchange:
         for d, (off, n) in enumerate(table):
             self._mine[_TABLE + 2 * d] = off
             self._mine[_TABLE + 2 * d + 1] = n
-        # 2. publish (and the own block, straight into the result)
+        # 2. publish; then the own block, straight into the result, while the peers read
         if cuda:
             stream = self._copy_stream(out.device)
             stream.wait_event(ready)
@@ -356,21 +356,22 @@ class ShmExchange:
                 for src, off in publish:
                     if src.numel():
                         seg.tensor[off: off + src.numel()].copy_(src, non_blocking=True)
+                published = helper_event()
+                published.record(stream)
                 for src, dst in local:
                     if src.numel():
                         dst.copy_(src, non_blocking=True)
-                published = helper_event()
-                published.record(stream)
             published.synchronize()
+            self._mine[_READY] = k
         else:
             for src, off in publish:
                 if src.numel():
                     seg.tensor[off: off + src.numel()].copy_(src)
+            self._mine[_READY] = k
             for src, dst in local:
                 if src.numel():
                     dst.copy_(src)
-        held.clear()
-        self._mine[_READY] = k
+            held.clear()
         # 3. read each peer's block as soon as it is published
         pending = dict(reads)
         host_out = torch.empty(out.shape, dtype=out.dtype) if host_future is not None else None
@@ -402,6 +403,7 @@ class ShmExchange:
         if cuda:
             copied_back.record(stream)
             copied_back.synchronize()  # the peers may rewrite their segments once I say done
+            held.clear()  # x was read until here (its own block); the allocator may now hand its memory out
         self._mine[_DONE] = k
         return out
 
