@@ -113,7 +113,7 @@ class Ctx:
         timeout = datetime.timedelta(seconds=self.args.timeout)
         for name in [b.strip() for b in self.args.backends.split(",") if b.strip()]:
             if name == "nccl-ce":
-                self.skipped[name] = "withdrawn until it has run on two GPUs (fscomm/nccl_ce.py)"
+                self.skipped[name] = "withdrawn from the command line until it has run on two GPUs (fscomm/nccl_ce.py)"
                 continue
             if name not in PEER_KINDS:
                 raise ValueError(f"bench transport: unknown backend {name!r}; choose from {PEER_KINDS}")
