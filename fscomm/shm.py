@@ -29,6 +29,7 @@ import socket
 import stat
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
@@ -112,7 +113,12 @@ class Segment:
         try:
             if create:
                 os.fchmod(fd, 0o600)  # whatever the umask
-                os.ftruncate(fd, nbytes)
+                try:  # reserve the pages now: a full tmpfs is an error here, not a SIGBUS at the first write
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise ShmUnavailable(f"cannot reserve {nbytes} bytes of shared memory for {path} ({exc}); "
+                                         f"{os.path.dirname(path)} is too small for this exchange") from exc
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
                 raise ShmUnavailable(
@@ -126,6 +132,7 @@ class Segment:
         self.path, self.nbytes, self.linked = path, nbytes, create
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.cuda_registered = False
+        self.pin_refused = False
 
     def unlink(self) -> None:
         if self.linked:
@@ -136,11 +143,15 @@ class Segment:
                 pass
 
     def pin(self) -> None:
-        """Registers the pages with CUDA (page-locked: copies to and from them run on the copy engines, async)."""
-        if not self.cuda_registered:
+        """Registers the pages with CUDA (page-locked: copies to and from them run on the copy engines, async).
+        Where the driver refuses, the copies still work, staged by the driver and slower: warned once."""
+        if not self.cuda_registered and not self.pin_refused:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1)  # portable: any device
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of shared-memory segment {self.path} failed with error {int(err)}")
+                self.pin_refused = True
+                warnings.warn(f"fscomm: cudaHostRegister of shared-memory segment {self.path} failed (CUDA error "
+                              f"{int(err)}); its copies run unpinned, synchronously and slower")
+                return
             self.cuda_registered = True
 
     def close(self) -> None:
