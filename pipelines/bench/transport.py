@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="host-tcp,host-shm,nccl,rdma",
                         help="comma-separated transports: host (the default path for these ranks), host-tcp, host-shm, "
                              "nccl, rdma (rdma is untested on real NICs)")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="with fewer GPUs than ranks: every rank exchanges from GPU 0 (two GPU ranks on one GPU) "
+                             "instead of CPU peers; rank 0 alone runs the contention kernels")
     parser.add_argument("--peer-threads", type=int, default=8,
                         help="intra-op threads of a CPU peer of a GPU rank (its copies to and from shared memory)")
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
@@ -82,14 +85,15 @@ class Ctx:
         n_gpus = torch.cuda.device_count() if want == "cuda" else 0
         local = int(os.environ.get("LOCAL_RANK", rank))
         self.gpu_per_rank = want == "cuda" and world <= n_gpus
-        if want == "cuda" and (self.gpu_per_rank or rank == 0):
+        if want == "cuda" and (self.gpu_per_rank or rank == 0 or args.share_gpu):
             self.device = torch.device("cuda", local if self.gpu_per_rank else 0)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
             if want == "cuda":
                 torch.set_num_threads(max(1, min(args.peer_threads, (os.cpu_count() or 2) - 1)))
-        self.computes = self.device.type == "cuda"
+        # sharing one GPU, only rank 0 runs the contention kernels; every GPU rank exchanges from the GPU
+        self.computes = self.device.type == "cuda" and (self.gpu_per_rank or rank == 0)
         self.any_cuda = want == "cuda"
         self.transports: dict[str, Any] = {}  # driven by the main thread (latency)
         self.traffic_transports: dict[str, Any] = {}  # driven by the traffic thread: a group of its own
@@ -106,7 +110,7 @@ class Ctx:
         return out
 
     def sync(self) -> None:
-        if self.computes:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def open_transports(self) -> None:
@@ -232,7 +236,7 @@ class PeerTraffic:
         self.ctx, self.t = ctx, ctx.traffic_transports[name]
         self.x = torch.empty(TRAFFIC_BLOCK * ctx.world, dtype=torch.uint8, device=ctx.device)
         self.splits = [TRAFFIC_BLOCK] * ctx.world
-        self.stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
 
     def start(self, n: int) -> "PeerTraffic":
         self.started, self.times, self.error = threading.Event(), {}, None
