@@ -157,53 +157,60 @@ def _reason(name: str) -> Optional[str]:
 
 
 def bench_latency(ctx: Ctx) -> list[dict]:
+    """Every backend (and, on a GPU rank, the copy floor) at each size, interleaved repetition by repetition, so
+    that the ratios between them are not skewed by a machine whose load drifts during the run."""
     rows = []
     sizes = [int(s) for s in ctx.args.sizes.split(",")]
-    for name, t in ctx.transports.items():
-        for size in sizes:
-            for op in ("all_to_all", "all_gather"):
-                x = torch.empty(size * (ctx.world if op == "all_to_all" else 1), dtype=torch.uint8, device=ctx.device)
-                splits = [size] * ctx.world
-                run = (lambda: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all" else (lambda: t.all_gather(x).wait())
-                times = []
-                for i in range(ctx.args.reps + 2):
+    for size in sizes:
+        for op in ("all_to_all", "all_gather"):
+            x = torch.empty(size * (ctx.world if op == "all_to_all" else 1), dtype=torch.uint8, device=ctx.device)
+            splits = [size] * ctx.world
+            cases: dict[tuple[str, str], Any] = {}
+            for name, t in ctx.transports.items():
+                cases[(name, op)] = ((lambda t=t: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all"
+                                     else (lambda t=t: t.all_gather(x).wait()))
+            if op == "all_to_all" and ctx.any_cuda:
+                cases.update(_copy_floor(ctx, size))
+            times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+            for i in range(ctx.args.reps + 2):
+                for key, run in cases.items():
                     dist.barrier()  # every rank enters the exchange together: its latency, not the pipeline's
                     t0 = time.perf_counter()
                     run()
                     ctx.sync()
                     if i >= 2:
-                        times.append(time.perf_counter() - t0)
-                med = statistics.median(times)
-                rows.append({"backend": name, "op": op, "block_bytes": size, "median_us": med * 1e6,
-                             "min_us": min(times) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
-    if ctx.computes:
-        rows += _copy_floor(ctx, sizes)
+                        times[key].append(time.perf_counter() - t0)
+            for (name, label), ts in times.items():
+                if name.startswith("copies") and not ctx.computes:
+                    continue
+                med = statistics.median(ts)
+                rows.append({"backend": name, "op": label, "block_bytes": size, "median_us": med * 1e6,
+                             "min_us": min(ts) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
     return rows
 
 
-def _copy_floor(ctx: Ctx, sizes: list[int]) -> list[dict]:
+def _copy_floor(ctx: Ctx, size: int) -> dict:
     """The floor of a host path on the GPU rank: D2H of the all_to_all's input, then H2D of its output, pinned,
-    on a side stream ("copies"); and the same for the bytes that leave the rank only ("copies-peer")."""
-    rows = []
-    stream = torch.cuda.Stream(ctx.device)
-    for size in sizes:
-        for label, nbytes in (("copies", size * ctx.world), ("copies-peer", size * (ctx.world - 1))):
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            dev_in = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-            dev_out = torch.empty_like(dev_in)
-            times = []
-            for i in range(ctx.args.reps + 2):
-                t0 = time.perf_counter()
-                with torch.cuda.stream(stream):
-                    host.copy_(dev_in, non_blocking=True)
-                    dev_out.copy_(host, non_blocking=True)
-                stream.synchronize()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            med = statistics.median(times)
-            rows.append({"backend": label, "op": "d2h+h2d", "block_bytes": size, "median_us": med * 1e6,
-                         "min_us": min(times) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
-    return rows
+    on a side stream ("copies"); and the same for the bytes that leave the rank only ("copies-peer"). Other
+    ranks only keep step."""
+    cases = {}
+    stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
+    for label, nbytes in (("copies", size * ctx.world), ("copies-peer", size * (ctx.world - 1))):
+        if not ctx.computes:
+            cases[(label, "d2h+h2d")] = lambda: None
+            continue
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev_in = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+        dev_out = torch.empty_like(dev_in)
+
+        def copies(host=host, dev_in=dev_in, dev_out=dev_out) -> None:
+            with torch.cuda.stream(stream):
+                host.copy_(dev_in, non_blocking=True)
+                dev_out.copy_(host, non_blocking=True)
+            stream.synchronize()
+
+        cases[(label, "d2h+h2d")] = copies
+    return cases
 
 
 def summary(rows: list[dict]) -> list[dict]:
