@@ -72,6 +72,8 @@ class HostTransport:
         self.stager = Stager(pool)
         self.stage_cpu = stage_cpu
         self.shm: Optional[ShmExchange] = None
+        if self.path == "shm" and stage_cpu:
+            raise ValueError("host transport: stage_cpu runs the staged gloo path; it cannot be combined with 'host-shm'")
         if self.path != "tcp" and not stage_cpu:
             self.shm = ShmExchange.connect(group, required=self.path == "shm")
         self.active_path = "shm" if self.shm is not None else "tcp"
@@ -82,8 +84,14 @@ class HostTransport:
             self.shm.close()
 
     def pool_stats(self) -> dict[str, int]:
-        """The pinned staging pool's counters (``allocations`` stays flat after warm-up)."""
-        return self.stager.pool.stats()
+        """The pinned staging pool's counters (``allocations`` stays flat after warm-up). On the shared-memory
+        path, ``allocations`` counts this rank's data segments instead (each growth maps, and on a GPU rank
+        pins, a new one: a stall like a pinned allocation's) and ``shm_bytes`` is the current one's size."""
+        stats = self.stager.pool.stats()
+        if self.shm is not None:
+            stats["allocations"] += self.shm.allocations
+            stats["shm_bytes"] = self.shm.capacity()
+        return stats
 
     # --- public collectives ---------------------------------------------------------------------------
 

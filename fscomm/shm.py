@@ -207,6 +207,7 @@ class ShmExchange:
         self._data_gen = [0] * self.world_size
         self._unlink_after: Optional[int] = None  # my newest data segment: unlinked once peers are done with this
         self._seq = 0
+        self.allocations = 0  # data segments this rank has made (one per growth)
         self._broken: Optional[BaseException] = None
         self._streams: dict[int, "torch.cuda.Stream"] = {}
         self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
@@ -269,6 +270,11 @@ class ShmExchange:
         if required:
             raise ShmUnavailable(f"shared-memory host path unavailable: {why}")
         return None
+
+    def capacity(self) -> int:
+        """Bytes of this rank's data segment (0 before the first exchange)."""
+        seg = self._data[self.rank]
+        return seg.nbytes if seg is not None else 0
 
     def close(self) -> None:
         """Tells the peers this rank has left (their waits fail at once), unlinks and unmaps the segments."""
@@ -430,6 +436,7 @@ class ShmExchange:
             if seg is not None:
                 seg.close()
             self._data[me], self._data_gen[me] = new, gen
+            self.allocations += 1
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
             self._mine[_CAP] = cap

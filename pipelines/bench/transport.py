@@ -92,6 +92,8 @@ class Ctx:
             self.device = torch.device("cpu")
             if want == "cuda":
                 torch.set_num_threads(max(1, min(args.peer_threads, (os.cpu_count() or 2) - 1)))
+            else:  # CPU ranks share the cores: more intra-op threads than cores/ranks only spin against each other
+                torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         # sharing one GPU, only rank 0 runs the contention kernels; every GPU rank exchanges from the GPU
         self.computes = self.device.type == "cuda" and (self.gpu_per_rank or rank == 0)
         self.any_cuda = want == "cuda"

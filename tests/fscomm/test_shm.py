@@ -44,11 +44,13 @@ def _growth_and_lifecycle(rank, world_size):
     t.all_gather(torch.ones(1)).wait()
     dist.barrier()
     left = _mine_in_shm(pids)
-    return t.active_path, after_setup, results, gens, left
+    return t.active_path, after_setup, results, gens, left, t.pool_stats()
 
 
 def test_shared_memory_is_chosen_on_one_host_grows_and_leaves_no_segment():
-    for path, after_setup, results, gens, left in run_ranks(_growth_and_lifecycle, 3, timeout=60):
+    for path, after_setup, results, gens, left, stats in run_ranks(_growth_and_lifecycle, 3, timeout=60):
+        assert stats["allocations"] == gens[-1]  # one per growth: what a stall hunt counts
+        assert stats["shm_bytes"] >= 70000 * 2 * 16  # the largest exchange's two outgoing blocks
         assert path == "shm"
         assert after_setup == []  # control segments are unlinked as soon as every peer has attached them
         assert all(results)
@@ -64,6 +66,8 @@ def _forced_paths(rank, world_size, fake_other_host):
         shm._host_identity = lambda: ("elsewhere", "another-boot")
     tcp = get_transport("host-tcp", new_stage_group("tcp"))
     auto = get_transport("host", new_stage_group("auto"))
+    with pytest.raises(ValueError, match="stage_cpu"):
+        get_transport("host-shm", stage_cpu=True)
     try:
         forced = get_transport("host-shm", new_stage_group("forced")).active_path
     except TransportUnavailableError as exc:
