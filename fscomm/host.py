@@ -1,4 +1,4 @@
-"""The host-staged, SM-free transport (the default), with two paths between hosts' memories.
+"""The host-staged, SM-free transport (the default), with two paths: shared memory and gloo TCP.
 
 Between ranks of one host (every rank of the group on this host, checked once when the transport is made) the
 exchange goes through shared memory (fscomm/shm.py): no socket, and on a GPU rank no host copy either. Across
