@@ -207,6 +207,7 @@ class ShmExchange:
         self._data_gen = [0] * self.world_size
         self._unlink_after: Optional[int] = None  # my newest data segment: unlinked once peers are done with this
         self._seq = 0
+        self.host_copy_on_cpu = False  # CPU tests: run a GPU rank's keep_host layout on CPU tensors
         self.allocations = 0  # data segments this rank has made (one per growth)
         self._broken: Optional[BaseException] = None
         self._streams: dict[int, "torch.cuda.Stream"] = {}
@@ -290,7 +291,8 @@ class ShmExchange:
         W, me = self.world_size, self.rank
         xb, ob = as_bytes(x), as_bytes(out)
         s_off, r_off = np.concatenate([[0], np.cumsum(send_b)]), np.concatenate([[0], np.cumsum(recv_b)])
-        host_copy = keep_host and x.is_cuda  # the own block goes through the segment too, for the host copy
+        # the own block goes through the segment too, for the host copy (on CPU only when tests ask for the layout)
+        host_copy = keep_host and (x.is_cuda or self.host_copy_on_cpu)
         publish, table, pos = [], [(0, 0)] * W, 0
         for d in range(W):
             if d != me or host_copy:

@@ -477,7 +477,9 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(ctx.device) if ctx.computes else None,
                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.computes else None}
+    result["load_average_before"] = os.getloadavg()
     result["latency"] = bench_latency(ctx)
+    result["load_average_after"] = os.getloadavg()
     result["summary"] = summary(result["latency"])
     result["paths"] = {name: getattr(t, "active_path", None) for name, t in ctx.transports.items()}
     if ctx.any_cuda and not args.no_contention:
@@ -502,6 +504,8 @@ def _spawned(rank: int, world: int, args: argparse.Namespace, store_path: str, o
 
 def _print(result: dict) -> None:
     print(f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}")
+    if "load_average_before" in result:  # a loaded machine's figures are not its capacity
+        print(f"load average (1, 5, 15 min) before {result['load_average_before']}, after {result['load_average_after']}")
     for name, why in result["skipped"].items():
         print(f"  skipped {name}: {why}")
     print(f"\n{'backend':<9} {'op':<11} {'block':>10} {'median us':>11} {'min us':>9} {'GB/s':>8}")

@@ -23,6 +23,7 @@ def _exchanges(rank, world_size, devices):
 
     dev = torch.device(devices[rank])
     t = get_transport("host")
+    t.shm.host_copy_on_cpu = True  # on CPU ranks too: the GPU rank's keep_host layout (own block via the segment)
     checks = []
 
     def run():
