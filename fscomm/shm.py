@@ -50,6 +50,7 @@ _READY, _DONE, _GEN, _CAP, _PID, _CLOSED, _TABLE = 2, 3, 4, 5, 6, 7, 8
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
 _LIVENESS_EVERY_S = 0.05
 _MIN_DATA, _PAGE = 1 << 16, 4096
+MIN_FREE_BYTES = 256 << 20  # below this, "host" keeps to TCP: exchanges would soon outgrow the segments
 
 
 class ShmUnavailable(TransportUnavailableError):
@@ -179,6 +180,14 @@ def _close_all(segments: list, ctl: np.ndarray) -> None:
             pass
 
 
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def _host_identity() -> tuple[str, str]:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -221,14 +230,18 @@ class ShmExchange:
         """Collective on ``group``: the exchange when every rank is on this host and can map the others'
         segments; None (or ShmUnavailable if ``required``) otherwise, on every rank alike."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        me = (*_host_identity(), os.getuid(), os.getpid(), os.path.isdir(SHM_DIR), secrets.token_hex(16) if rank == 0 else None)
+        me = (*_host_identity(), os.getuid(), os.getpid(), _free_bytes() >= MIN_FREE_BYTES,
+              secrets.token_hex(16) if rank == 0 else None)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, me, group=group)
         token = everyone[0][5]
         pids = [e[3] for e in everyone]
-        if any(e[:3] != everyone[0][:3] or not e[4] for e in everyone):
+        if any(e[:3] != everyone[0][:3] for e in everyone):
             hosts = sorted({e[0] for e in everyone})
-            return cls._refuse(required, f"the group's ranks are not all on one host with {SHM_DIR} ({hosts})")
+            return cls._refuse(required, f"the group's ranks are not all on one host ({hosts})")
+        if not all(e[4] for e in everyone):
+            return cls._refuse(required, f"{SHM_DIR} is missing or has less than {MIN_FREE_BYTES >> 20} MiB free "
+                                         "(a container's default of 64 MiB is too small: raise its --shm-size)")
         clean_stale()
         n_ctl = max(4096, 8 * (_TABLE + 2 * world))
         name = lambda r: os.path.join(SHM_DIR, f"{PREFIX}{pids[r]}-{token}-{r}-ctl")

@@ -62,8 +62,10 @@ def _forced_paths(rank, world_size, fake_other_host):
     from fscomm import TransportUnavailableError, get_transport, new_stage_group
     from fscomm import shm
 
-    if fake_other_host and rank == 1:
+    if fake_other_host == "host" and rank == 1:
         shm._host_identity = lambda: ("elsewhere", "another-boot")
+    if fake_other_host == "small-shm" and rank == 1:
+        shm._free_bytes = lambda: 64 << 20
     tcp = get_transport("host-tcp", new_stage_group("tcp"))
     auto = get_transport("host", new_stage_group("auto"))
     with pytest.raises(ValueError, match="stage_cpu"):
@@ -77,14 +79,16 @@ def _forced_paths(rank, world_size, fake_other_host):
     return tcp.active_path, auto.active_path, forced, out
 
 
-@pytest.mark.parametrize("fake_other_host", [False, True])
+@pytest.mark.parametrize("fake_other_host", [None, "host", "small-shm"])
 def test_tcp_stays_selectable_and_ranks_on_other_hosts_use_it(fake_other_host):
     res = run_ranks(_forced_paths, 2, args=(fake_other_host,), timeout=60)
     for rank, (tcp, auto, forced, out) in enumerate(res):
         assert tcp == "tcp"
         assert auto == ("tcp" if fake_other_host else "shm")
-        if fake_other_host:
+        if fake_other_host == "host":
             assert "not all on one host" in forced and "elsewhere" in forced, forced
+        elif fake_other_host == "small-shm":
+            assert "less than 256 MiB free" in forced, forced
         else:
             assert forced == "shm"
         assert out[0] == out[1] == [2 * rank, 2 * rank + 1, 10 + 2 * rank, 10 + 2 * rank + 1]
