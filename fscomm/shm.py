@@ -27,7 +27,6 @@ import os
 import secrets
 import socket
 import stat
-import threading
 import time
 import warnings
 import weakref
