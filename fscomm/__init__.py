@@ -1,4 +1,5 @@
-"""fscomm: the Transport protocol and its backends (host-staged SM-free, NCCL, NCCL copy-engine, RDMA ring)."""
+"""fscomm: the Transport protocol and its backends (the SM-free host path: shared memory between ranks of one host,
+gloo TCP across hosts; NCCL; NCCL copy-engine; the RDMA ring)."""
 
 from fscomm.groups import new_stage_group
 from fscomm.timing import Timer

@@ -1,4 +1,9 @@
-"""The host-staged, SM-free transport (the default).
+"""The host-staged, SM-free transport (the default), with two paths: shared memory and gloo TCP.
+
+Between ranks of one host (every rank of the group on this host, checked once when the transport is made) the
+exchange goes through shared memory (fscomm/shm.py): no socket, and on a GPU rank no host copy either. Across
+hosts it goes over gloo (TCP), as described below. ``get_transport("host")`` picks by locality;
+"host-shm" and "host-tcp" force one path (a benchmark compares both).
 
 On CUDA tensors an exchange is: a device-to-host copy into a pinned staging buffer on a dedicated copy stream
 (the copy engines do it, no SM), the exchange between hosts on the CPU over gloo in fscomm's worker thread,
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
+from fscomm.shm import ShmExchange
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
 from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
@@ -45,14 +51,17 @@ def unpad_blocks(recv: torch.Tensor, sizes: Sequence[int], row_bytes: int, out: 
 class HostTransport:
     name = "host"
     group_backend = "gloo"
+    path = "auto"  # shm between ranks of one host, else tcp
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
         return None if dist.is_gloo_available() else "this torch was built without gloo"
 
     def __init__(self, group: dist.ProcessGroup, pool: Optional[PinnedPool] = None, stage_cpu: bool = False):
-        """stage_cpu: send CPU tensors through the staged path too (work buffer, worker thread) instead of
-        plain async gloo: the CUDA path's buffer layouts then run in CPU tests."""
+        """stage_cpu: send CPU tensors through the staged gloo path (work buffer, worker thread) instead of
+        plain async gloo: the CUDA path's buffer layouts then run in CPU tests (it implies the tcp path).
+
+        Collective: every rank of ``group`` makes its transport at the same point (the locality check)."""
         backend = dist.get_backend(group)
         if backend != "gloo":
             raise ValueError(f"host transport: needs a gloo group (the exchange runs on the CPU), got a {backend!r} group")
@@ -62,10 +71,27 @@ class HostTransport:
         self.world_size = dist.get_world_size(group)
         self.stager = Stager(pool)
         self.stage_cpu = stage_cpu
+        self.shm: Optional[ShmExchange] = None
+        if self.path == "shm" and stage_cpu:
+            raise ValueError("host transport: stage_cpu runs the staged gloo path; it cannot be combined with 'host-shm'")
+        if self.path != "tcp" and not stage_cpu:
+            self.shm = ShmExchange.connect(group, required=self.path == "shm")
+        self.active_path = "shm" if self.shm is not None else "tcp"
+
+    def close(self) -> None:
+        """Releases the shared-memory segments now (peers still waiting on this rank fail at once)."""
+        if self.shm is not None:
+            self.shm.close()
 
     def pool_stats(self) -> dict[str, int]:
-        """The pinned staging pool's counters (``allocations`` stays flat after warm-up)."""
-        return self.stager.pool.stats()
+        """The pinned staging pool's counters (``allocations`` stays flat after warm-up). On the shared-memory
+        path, ``allocations`` counts this rank's data segments instead (each growth maps, and on a GPU rank
+        pins, a new one: a stall like a pinned allocation's) and ``shm_bytes`` is the current one's size."""
+        stats = self.stager.pool.stats()
+        if self.shm is not None:
+            stats["allocations"] += self.shm.allocations
+            stats["shm_bytes"] = self.shm.capacity()
+        return stats
 
     # --- public collectives ---------------------------------------------------------------------------
 
@@ -74,6 +100,8 @@ class HostTransport:
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         seq = state.take_seq()
+        if self.shm is not None:
+            return self.shm.all_to_all("all_to_all", seq, x, out, send_b, recv_b, keep_host)
 
         def exchange(send_view: torch.Tensor, recv_view: torch.Tensor, async_op: bool):
             return dist.all_to_all_single(recv_view, send_view, recv_b, send_b, group=self.group, async_op=async_op)
@@ -107,6 +135,10 @@ class HostTransport:
             for s in sizes_l:
                 starts.append(starts[-1] + s * rb)
             pieces = [(slice(r * block, r * block + sizes_l[r] * rb), slice(starts[r], starts[r + 1])) for r in range(W)]
+        if self.shm is not None:
+            xb = x.numel() * x.element_size()
+            where = [slice(r * xb, (r + 1) * xb) for r in range(W)] if pieces is None else [dst for _, dst in pieces]
+            return self.shm.all_gather("all_gather", seq, x, out, where)
 
         def exchange(send_view: torch.Tensor, recv_view: torch.Tensor, async_op: bool):
             return _all_gather_single(recv_view, send_view, group=self.group, async_op=async_op)
@@ -133,3 +165,17 @@ class HostTransport:
             exchange=lambda w: exchange(w[:block], w[block:], False),
             copy_back=back,
         )
+
+
+class ShmHostTransport(HostTransport):
+    """The host transport forced onto shared memory: refused unless every rank of the group is on this host."""
+
+    name = "host-shm"
+    path = "shm"
+
+
+class TcpHostTransport(HostTransport):
+    """The host transport forced onto gloo (TCP), even between ranks of one host."""
+
+    name = "host-tcp"
+    path = "tcp"

@@ -10,9 +10,14 @@ the rest with the reason, instead of letting NCCL quietly fall back to its SM ke
 - all_gather with sizes pads to the largest size (sizes are known everywhere);
 - a job across nodes, one rank, NCCL older than 2.28 or a torch without the zero-CTA binding: refused.
 
-The copies into and out of the symmetric buffers are device-to-device memcpys. Symmetric buffers are kept per
-size and reused; a new one is registered (a collective) when more exchanges of a size are outstanding than
-before, which every rank reaches at the same call because every rank issues and waits in the same order.
+The copies into and out of the symmetric buffers are device-to-device memcpys of contiguous byte ranges (the
+copy engines; no kernel, padded or not). Buffers come from a bounded pool (``SLOTS`` pairs, used in turn): every
+rank takes the same slot at the same call and grows the pool (a collective registration) at the same call,
+because both depend only on the call's position in the issue order and on byte counts that are equal on every
+rank (equal blocks, or ``pad_to`` and sizes that every rank knows). A slot is reused only after the exchange
+that last held it has been finished on the caller's stream (stream order; the host does not block).
+
+Not offered on the command line until it has run on two GPUs or more.
 """
 
 from __future__ import annotations
@@ -61,8 +66,38 @@ def ce_group_options():
     return opts
 
 
-class _SymmetricBuffers:
-    """Registered (send, recv) pairs per byte size, handed out one per outstanding exchange."""
+SLOTS = 2
+
+
+class SlotPlan:
+    """Which slot each call takes and when the pool grows: a pure function of the calls' order and byte counts,
+    so every rank, fed the same sequence, decides the same at the same call (a registration is a collective)."""
+
+    def __init__(self, slots: int = SLOTS):
+        self.slots, self.capacity, self.calls = slots, 0, 0
+
+    def next(self, nbytes: int) -> tuple[int, Optional[int]]:
+        """(slot of this call, new capacity per buffer if the pool must grow first, else None)."""
+        slot = self.calls % self.slots
+        self.calls += 1
+        if nbytes <= self.capacity:
+            return slot, None
+        self.capacity = max(nbytes, 2 * self.capacity)
+        return slot, self.capacity
+
+
+def pad_pieces(splits_b: Sequence[int], block: int) -> list[tuple[slice, slice]]:
+    """(packed bytes, padded bytes) per non-empty block: block r of the packed buffer to r*block."""
+    out, start = [], 0
+    for r, n in enumerate(splits_b):
+        if n:
+            out.append((slice(start, start + n), slice(r * block, r * block + n)))
+        start += n
+    return out
+
+
+class _SymmetricPool:
+    """``SLOTS`` registered (send, recv) pairs of one capacity; grown by re-registering all of them."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device):
         import torch.distributed._symmetric_memory as symm_mem
@@ -74,25 +109,34 @@ class _SymmetricBuffers:
             if getattr(symm_mem, "get_backend", lambda *_: None)(device) != "NCCL":
                 raise TransportUnavailableError(f"transport 'nccl-ce': symmetric memory cannot use NCCL here ({exc})") from exc
         self._group, self._device = group, device
-        self._pool = symm_mem.get_mem_pool(device)
-        self._free: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._mem_pool = symm_mem.get_mem_pool(device)
+        self.plan = SlotPlan()
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._holders: list[Optional[Handle]] = [None] * self.plan.slots
         self.registrations = 0
 
-    def acquire(self, send_bytes: int, recv_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (send_bytes, recv_bytes)
-        free = self._free.setdefault(key, [])
-        if free:
-            return free.pop()
-        with torch.cuda.use_mem_pool(self._pool):
-            send = torch.empty(max(send_bytes, 1), dtype=torch.uint8, device=self._device)
-            recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=self._device)
-        for t in (send, recv):  # collective: every rank registers the same sizes in the same order
-            self._symm.rendezvous(t, group=self._group.group_name)
-        self.registrations += 1
-        return send, recv
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        slot, grow = self.plan.next(max(nbytes, 1))
+        if grow is not None:
+            for h in self._holders:  # finish every exchange on the old buffers first (stream order)
+                if h is not None:
+                    h.wait()
+            self._holders = [None] * self.plan.slots
+            self._pairs = []
+            with torch.cuda.use_mem_pool(self._mem_pool):
+                for _ in range(self.plan.slots):
+                    pair = tuple(torch.empty(grow, dtype=torch.uint8, device=self._device) for _ in range(2))
+                    for t in pair:  # collective: every rank registers here, at this same call
+                        self._symm.rendezvous(t, group=self._group.group_name)
+                    self._pairs.append(pair)
+            self.registrations += 1
+        elif self._holders[slot] is not None:
+            self._holders[slot].wait()  # its copy out of the slot is queued before our copy in
+        send, recv = self._pairs[slot]
+        return slot, send, recv
 
-    def release(self, key: tuple[int, int], pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._free[key].append(pair)
+    def hold(self, slot: int, handle: Handle) -> None:
+        self._holders[slot] = handle
 
 
 class NcclCeTransport:
@@ -120,11 +164,11 @@ class NcclCeTransport:
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._buffers: Optional[_SymmetricBuffers] = None
+        self._buffers: Optional[_SymmetricPool] = None
 
-    def _bufs(self, device: torch.device) -> _SymmetricBuffers:
+    def _bufs(self, device: torch.device) -> _SymmetricPool:
         if self._buffers is None:
-            self._buffers = _SymmetricBuffers(self.group, device)
+            self._buffers = _SymmetricPool(self.group, device)
         return self._buffers
 
     def _check(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -142,23 +186,25 @@ class NcclCeTransport:
         else:
             rb = row_bytes(x)
             block = max(sizes_l) * rb
-        key = (block, W * block)
-        send, recv = self._bufs(x.device).acquire(*key)
+        pool = self._bufs(x.device)
+        slot, send, recv = pool.take(W * block)
         xb = x.reshape(-1).view(torch.uint8)
         send[: xb.numel()].copy_(xb)
         seq = state.take_seq()
         work = _all_gather_single(recv[: W * block], send[:block], group=self.group, async_op=True)
+        out_shape = (W, *x.shape) if sizes_l is None else (sum(sizes_l), *x.shape[1:])
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+        counts = [block] * W if sizes_l is None else [n * rb for n in sizes_l]
 
         def finish() -> torch.Tensor:
-            if sizes_l is None:
-                out = recv[: W * block].clone().view(x.dtype).view(W, *x.shape)
-            else:
-                parts = [recv[r * block : r * block + sizes_l[r] * rb] for r in range(W)]
-                out = torch.cat(parts).view(x.dtype).view(sum(sizes_l), *x.shape[1:])
-            self._buffers.release(key, (send, recv))
+            ob = out.reshape(-1).view(torch.uint8)
+            for packed, padded in pad_pieces(counts, block):
+                ob[packed].copy_(recv[padded])  # a memcpy per rank, not a gather kernel
             return out
 
-        return WorkHandle(work, finish, state, "all_gather", seq, keep=(x,))
+        handle = WorkHandle(work, finish, state, "all_gather", seq, keep=(x,))
+        pool.hold(slot, handle)
+        return handle
 
     def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, pad_to: Optional[int] = None,
                    *, keep_host: bool = False) -> Handle:
@@ -178,28 +224,30 @@ class NcclCeTransport:
             raise ValueError(f"fscomm nccl-ce all_to_all on rank {self.rank}: pad_to={pad_to} is smaller than a split ({max(send_l + recv_l)})")
         rb = row_bytes(x)
         block = block_rows * rb
-        key = (W * block, W * block)
-        send, recv = self._bufs(x.device).acquire(*key)
+        pool = self._bufs(x.device)
+        slot, send, recv = pool.take(W * block)  # W * block: equal on every rank
         xb = x.reshape(-1).view(torch.uint8)
         if pad_to is None:
             send[: xb.numel()].copy_(xb)
         else:
-            start = 0
-            for d, n in enumerate(send_l):
-                send[d * block : d * block + n * rb].copy_(xb[start : start + n * rb])
-                start += n * rb
+            for packed, padded in pad_pieces([n * rb for n in send_l], block):
+                send[padded].copy_(xb[packed])
         seq = state.take_seq()
         work = dist.all_to_all_single(recv[: W * block], send[: W * block], group=self.group, async_op=True)
+        out = torch.empty((sum(recv_l), *x.shape[1:]), dtype=x.dtype, device=x.device)
 
         def finish() -> torch.Tensor:
+            ob = out.reshape(-1).view(torch.uint8)
             if pad_to is None:
-                flat = recv[: W * block].clone()
+                ob.copy_(recv[: W * block])
             else:
-                flat = torch.cat([recv[o * block : o * block + recv_l[o] * rb] for o in range(W)])
-            self._buffers.release(key, (send, recv))
-            return flat.view(x.dtype).view(sum(recv_l), *x.shape[1:])
+                for packed, padded in pad_pieces([n * rb for n in recv_l], block):
+                    ob[packed].copy_(recv[padded])
+            return out
 
-        return WorkHandle(work, finish, state, "all_to_all", seq, keep=(x,))
+        handle = WorkHandle(work, finish, state, "all_to_all", seq, keep=(x,))
+        pool.hold(slot, handle)
+        return handle
 
 
 def _cta_policy(group: dist.ProcessGroup) -> Optional[int]:

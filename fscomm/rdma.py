@@ -4,8 +4,13 @@ Each exchange: device-to-host copy into a pinned buffer (copy stream), the ring 
 RDMA send/receive (fscomm/ring.py: the schedule), host-to-device copy back. Pinned pool blocks are registered
 as memory regions once and reused. Queue-pair details (LID, GID, QP numbers, PSNs) are exchanged through the
 torch.distributed store. The ring code runs against ``RingLink``; ``VerbsRingLink`` is the real one, and the
-tests drive the same ring functions through an in-memory fake queue pair (tests/fscomm/fake_qp.py), since no
-machine here has a verbs device.
+tests drive the whole transport through an in-memory fake queue pair (tests/fscomm/fake_qp.py). It has not run on
+a real NIC: no machine it was built on has a verbs device.
+
+Queue depth: every receive of an exchange is posted up front (W-1 ring steps), so the receive queue and its
+completion queue are sized to the world size (at least ``QUEUE_DEPTH``), and a world size beyond what the
+device allows is refused when the link is made. Completions are awaited by polling with short sleeps between
+empty polls (the GIL is released while asleep), never by a busy loop.
 """
 
 from __future__ import annotations
@@ -24,7 +29,63 @@ from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
 from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
 
-_QUEUE_DEPTH = 64  # receives posted up front per exchange: at most W-1 <= 63 steps
+QUEUE_DEPTH = 64  # the smallest queues made; larger worlds get W-1
+_SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
+
+
+def queue_depth(world_size: int, max_qp_wr: int, max_cqe: int) -> int:
+    """Work requests each queue must hold for one exchange on ``world_size`` ranks (all receives are posted
+    up front), or a ValueError when the device's limits are below it."""
+    need = max(QUEUE_DEPTH, world_size - 1)
+    if need > max_qp_wr or need > max_cqe:
+        raise ValueError(f"transport 'rdma': {world_size} ranks need {need} receives posted at once, but the device "
+                         f"allows {max_qp_wr} work requests per queue and {max_cqe} completions per queue")
+    return need
+
+
+def global_route(peer_gid: str, gid_index: int):
+    """The route to a peer: pyverbs takes the destination GID as a ``GID`` object, not as its string."""
+    from pyverbs.addr import GID, GlobalRoute
+
+    return GlobalRoute(dgid=GID(peer_gid), sgid_index=gid_index)
+
+
+def wait_completions(poll_send, poll_recv, sends: int, recvs: int, timeout_s: float) -> list[int]:
+    """Waits for ``sends`` send and ``recvs`` receive completions; returns the received byte counts.
+
+    ``poll_*(n)`` returns a list of (ok, byte_len, status) of at most ``n`` completions ready now (never more:
+    a later step's receive must stay in the queue for its own wait). Between empty polls it
+    sleeps (20 to 200 microseconds, doubling), so a waiting thread neither holds the GIL nor a core."""
+    deadline = time.monotonic() + timeout_s
+    delay = _SLEEP_MIN_S
+    got: list[int] = []
+    while sends or recvs:
+        progressed = False
+        for is_recv, poll in ((False, poll_send), (True, poll_recv)):
+            want = recvs if is_recv else sends
+            if want == 0:
+                continue
+            for ok, byte_len, status in poll(want):
+                progressed = True
+                if not ok:
+                    side = "from the left neighbour" if is_recv else "to the right neighbour"
+                    raise RingError(f"rdma: work completion {side} failed with status {status}")
+                if is_recv:
+                    recvs -= 1
+                    got.append(byte_len)
+                else:
+                    sends -= 1
+        if not (sends or recvs):
+            break
+        if progressed:
+            delay = _SLEEP_MIN_S
+            continue
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rdma ring: timed out after {timeout_s:.1f} s waiting for "
+                               f"{recvs} receive(s) from the left neighbour and {sends} send(s) to the right")
+        time.sleep(delay)
+        delay = min(2 * delay, _SLEEP_MAX_S)
+    return got
 
 
 def verbs_unavailable_reason() -> Optional[str]:
@@ -106,7 +167,7 @@ class VerbsRingLink:
     def __init__(self, store, prefix: str, rank: int, world_size: int, device: Optional[str] = None,
                  port: int = 1, gid_index: int = 0):
         from pyverbs import enums as e
-        from pyverbs.addr import AHAttr, GlobalRoute
+        from pyverbs.addr import AHAttr
         from pyverbs.cq import CQ
         from pyverbs.device import Context, get_device_list
         from pyverbs.pd import PD
@@ -115,11 +176,16 @@ class VerbsRingLink:
         self._e = e
         name = device or get_device_list()[0].name.decode()
         self.ctx = Context(name=name)
+        attr = self.ctx.query_device()
+        try:
+            depth = queue_depth(world_size, attr.max_qp_wr, attr.max_cqe)
+        except ValueError as exc:
+            raise TransportUnavailableError(str(exc)) from exc
         self.pd = PD(self.ctx)
-        self.send_cq = CQ(self.ctx, _QUEUE_DEPTH)
-        self.recv_cq = CQ(self.ctx, _QUEUE_DEPTH)
-        cap_r = QPCap(max_send_wr=_QUEUE_DEPTH, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        cap_l = QPCap(max_send_wr=1, max_recv_wr=_QUEUE_DEPTH, max_send_sge=1, max_recv_sge=1)
+        self.send_cq = CQ(self.ctx, depth)
+        self.recv_cq = CQ(self.ctx, depth)
+        cap_r = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+        cap_l = QPCap(max_send_wr=1, max_recv_wr=depth, max_send_sge=1, max_recv_sge=1)
         init = lambda cq, cap: QPInitAttr(qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap)
         self.qp_right = QP(self.pd, init(self.send_cq, cap_r), QPAttr(port_num=port))
         self.qp_left = QP(self.pd, init(self.recv_cq, cap_l), QPAttr(port_num=port))
@@ -144,8 +210,7 @@ class VerbsRingLink:
             attr.timeout = 14
             attr.retry_cnt = 7
             attr.rnr_retry = 7  # a receive not yet posted is retried, not an error
-            gr = GlobalRoute(dgid=peer["gid"], sgid_index=gid_index)
-            attr.ah_attr = AHAttr(dlid=peer["lid"], port_num=port, is_global=1, gr=gr)
+            attr.ah_attr = AHAttr(dlid=peer["lid"], port_num=port, is_global=1, gr=global_route(peer["gid"], gid_index))
             qp.to_rts(attr)
 
         connect(self.qp_right, right, right["left_qpn"], right["psn"])
@@ -186,26 +251,12 @@ class VerbsRingLink:
         self.qp_right.post_send(wr)
 
     def wait(self, sends: int, recvs: int, timeout_s: float) -> list[int]:
-        deadline = time.monotonic() + timeout_s
-        got: list[int] = []
-        while sends or recvs:
-            for cq, is_recv in ((self.send_cq, False), (self.recv_cq, True)):
-                if (recvs if is_recv else sends) == 0:
-                    continue
-                n, wcs = cq.poll(1)
-                for wc in wcs[:n]:
-                    if wc.status != self._e.IBV_WC_SUCCESS:
-                        side = "from the left neighbour" if is_recv else "to the right neighbour"
-                        raise RingError(f"rdma: work completion {side} failed with status {wc.status}")
-                    if is_recv:
-                        recvs -= 1
-                        got.append(wc.byte_len)
-                    else:
-                        sends -= 1
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rdma ring: timed out after {timeout_s:.1f} s waiting for "
-                                   f"{recvs} receive(s) from the left neighbour and {sends} send(s) to the right")
-        return got
+        return wait_completions(lambda n: self._poll(self.send_cq, n), lambda n: self._poll(self.recv_cq, n), sends,
+                                recvs, timeout_s)
+
+    def _poll(self, cq, most: int) -> list[tuple[bool, int, int]]:
+        n, wcs = cq.poll(min(most, 16))
+        return [(wc.status == self._e.IBV_WC_SUCCESS, wc.byte_len, wc.status) for wc in wcs[:n]]
 
 
 # --- the transport -------------------------------------------------------------------------------------
@@ -220,11 +271,13 @@ class RdmaTransport:
         return verbs_unavailable_reason()
 
     def __init__(self, group: dist.ProcessGroup, pool: Optional[PinnedPool] = None, link: Optional[RingLink] = None,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, rank: Optional[int] = None, world_size: Optional[int] = None):
+        """``link``: a RingLink to use instead of verbs queue pairs (the tests' fake), with ``rank`` and
+        ``world_size`` given when ``group`` is a stand-in rather than a process group."""
         self.group = group
         self.state = groups.group_state(group)
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.world_size = dist.get_world_size(group) if world_size is None else world_size
         self.stager = Stager(pool)
         if link is None:
             reason = verbs_unavailable_reason()

@@ -1,6 +1,7 @@
 """The one transport interface every stage sends through, and the choice of its backend.
 
-    t = get_transport("host")                       # SM-free host-staged (default); "nccl", "nccl-ce", "rdma"
+    t = get_transport("host")                       # SM-free host path (default): shared memory between ranks
+                                                    # of one host, else TCP; "host-shm", "host-tcp", "nccl", "rdma"
     h = t.all_to_all(ids, send_splits, recv_splits)  # returns at once
     ...                                              # compute overlaps the exchange
     ids_here = h.wait()                              # on GPU: safe to use on the caller's current stream
@@ -24,7 +25,9 @@ from fscomm import groups
 Splits = Union[Sequence[int], torch.Tensor]
 
 BACKENDS: dict[str, str] = {
-    "host": "fscomm.host:HostTransport",
+    "host": "fscomm.host:HostTransport",  # shared memory between ranks of one host, else gloo TCP
+    "host-shm": "fscomm.host:ShmHostTransport",
+    "host-tcp": "fscomm.host:TcpHostTransport",
     "nccl": "fscomm.nccl:NcclTransport",
     "nccl-ce": "fscomm.nccl_ce:NcclCeTransport",
     "rdma": "fscomm.rdma:RdmaTransport",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fscomm import get_transport
+from fscomm import TransportUnavailableError, get_transport
 from fscomm.groups import new_stage_group
 
 ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk", "fsembed-collision")
@@ -59,14 +59,23 @@ class StageTransports:
 
 
 def stage_transports(backend: str = "host") -> StageTransports:
-    """The stage's transports of ``backend``, on groups of their own (made collectively on first use)."""
+    """The stage's transports of ``backend``, on groups of their own (made collectively on first use). "host"
+    takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force it."""
     if not dist.is_initialized():
         raise RuntimeError("fsembed: torch.distributed is not initialised (init_process_group before building a collection)")
     out = []
     for role in ROLES:
         key = (role, backend)
         if key not in _transports:
-            group_backend = "nccl" if backend.startswith("nccl") else "gloo"
-            _transports[key] = get_transport(backend, group=new_stage_group(f"{role}-{backend}", backend=group_backend))
+            group_backend, options = "nccl" if backend.startswith("nccl") else "gloo", None
+            if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
+                from fscomm.nccl_ce import NcclCeTransport, ce_group_options
+
+                reason = NcclCeTransport.unavailable_reason()
+                if reason is not None:
+                    raise TransportUnavailableError(f"transport 'nccl-ce' cannot run on this machine: {reason}")
+                options = ce_group_options()
+            group = new_stage_group(f"{role}-{backend}", backend=group_backend, pg_options=options)
+            _transports[key] = get_transport(backend, group=group)
         out.append(_transports[key])
     return StageTransports(*out)

@@ -68,8 +68,11 @@ class TrainConfig:
     exclusive_start: str = _f("forward", "freescale: when a backward's exclusive gradients (deferred to the next step, Algorithm 2's line 18) leave on the bulk chain: backward (as soon as the backward has produced them) or forward (the default: held until the next forward has waited for its collision rows: they are not needed before, and do not then share the copy engines and the host transport with the collision gradients and the dense all-reduce at the step's end); the exchanges are the same")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
     embedding_schedule: str = _f("auto", "freescale: prioritized (Algorithm 2), sdd (the sdd mode's exchanges: for host-bound steps), or auto: probe both for a few steps after the warm-up and keep the faster (pipelines.schedule); exact either way")
-    transport: str = _f("host", "transport of the embedding exchanges: host (SM-free), nccl, nccl-ce, rdma (the loader's CPU-side exchanges always use host)")
+    transport: str = _f("host", "transport of the embedding exchanges: host (SM-free: shared memory between ranks of one host, TCP across hosts), host-shm or host-tcp (force one host path), nccl, rdma (the paper's SM-free ring over verbs; untested on real NICs). The loader's CPU-side exchanges always use host")
 
+
+# nccl-ce (fscomm/nccl_ce.py) is not offered until it has run on two GPUs or more
+TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
 
 MODES = ("replicated", "sync", "sdd", "semisync", "freescale", "torchrec")
 
@@ -129,8 +132,8 @@ class JobConfig:
             raise ValueError(f"numa_binding must be node, socket, exclusive or core-complex, got {self.train.numa_binding!r}")
         if self.train.embedding_schedule not in SCHEDULE_CHOICES:
             raise ValueError(f"embedding_schedule must be one of {', '.join(SCHEDULE_CHOICES)}, got {self.train.embedding_schedule!r}")
-        if self.train.transport not in ("host", "nccl", "nccl-ce", "rdma"):
-            raise ValueError(f"transport must be host, nccl, nccl-ce or rdma, got {self.train.transport!r}")
+        if self.train.transport not in TRANSPORT_CHOICES:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.train.transport!r}")
         if self.balancer.autotune and self.balancer.partitioner != "vbs":
             raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
         if not 0.0 <= self.balancer.min_gain < 1.0:

@@ -2,6 +2,10 @@
 overlaps (paper section 6.3: SM-free communication left the overlapped kernels about 10% faster than NCCL).
 
 (a) latency / bandwidth: all_to_all (equal blocks) and all_gather per backend and block size, rank 0's median.
+    The host transport is measured on each of its paths (host-tcp: gloo over loopback; host-shm: shared memory),
+    and, on a GPU rank, next to the floor of any host path: one device-to-host copy of the exchange's input
+    followed by one host-to-device copy of its output, pinned, in the same run ("copies" rows). The summary
+    gives the ratios from that one run: shm over tcp bandwidth, and the GPU rank's shm exchange over the copies.
 (b) contention: a compute kernel (20 causal SDPA calls B8 H16 L4096 D128 bf16; 20 bf16 8192^3 GEMMs) alone and
     overlapped with each kind of traffic, as interleaved pairs (alone/overlapped, then overlapped/alone), median
     of the per-pair ratios. A pair counts only if the traffic outlasted the kernel; when it did not, the traffic
@@ -9,12 +13,16 @@ overlaps (paper section 6.3: SM-free communication left the overlapped kernels a
     compute rank alone: pinned D2H/H2D copies on a side stream (copy engines: the host backend's GPU part),
     an SM copy kernel with NCCL-like block count (16 blocks x 512 threads: the *proxy* for NCCL where NCCL
     cannot run, e.g. on one GPU), and an elementwise copy over all SMs.
-(c) the host backend under torch.profiler: kernels it launches (must be 0), the streams of its copies, and
+(c) each host path under torch.profiler: kernels it launches (must be 0), the streams of its copies, and
     the share of copy time that overlaps compute kernels.
 
 Ranks: under torchrun, one GPU per rank (2-8 GPUs run unchanged). Otherwise it starts --nproc local ranks
 itself; with fewer GPUs than ranks, rank 0 takes the GPU and the others are CPU peers (gloo over loopback),
 which is the only way to run the host backend between two ranks on one GPU; NCCL backends are then skipped.
+A CPU peer stands in for a second GPU rank: it gets --peer-threads intra-op threads, so that its host copies
+into and out of shared memory keep pace with the copy engines of the GPU rank it serves.
+
+NCCL's copy-engine backend is not offered here until it has run on two GPUs.
 """
 
 from __future__ import annotations
@@ -38,14 +46,21 @@ from fscomm import TransportUnavailableError, get_transport, new_stage_group
 
 SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
 TRAFFIC_BLOCK = 16 << 20
-PEER_KINDS = ("host", "nccl", "nccl-ce", "rdma")
+PEER_KINDS = ("host", "host-tcp", "host-shm", "nccl", "rdma")
 LOCAL_KINDS = ("ce-copies", "nccl-proxy-sm16", "sm-copy-all")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--backends", default="host,nccl,nccl-ce,rdma", help="comma-separated transports")
+    parser.add_argument("--backends", default="host-tcp,host-shm,nccl,rdma",
+                        help="comma-separated transports: host (the default path for these ranks), host-tcp, host-shm, "
+                             "nccl, rdma (rdma is untested on real NICs)")
+    parser.add_argument("--share-gpu", action="store_true",
+                        help="with fewer GPUs than ranks: every rank exchanges from GPU 0 (two GPU ranks on one GPU) "
+                             "instead of CPU peers; rank 0 alone runs the contention kernels")
+    parser.add_argument("--peer-threads", type=int, default=8,
+                        help="intra-op threads of a CPU peer of a GPU rank (its copies to and from shared memory)")
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="block bytes per destination")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per latency point")
@@ -70,12 +85,17 @@ class Ctx:
         n_gpus = torch.cuda.device_count() if want == "cuda" else 0
         local = int(os.environ.get("LOCAL_RANK", rank))
         self.gpu_per_rank = want == "cuda" and world <= n_gpus
-        if want == "cuda" and (self.gpu_per_rank or rank == 0):
+        if want == "cuda" and (self.gpu_per_rank or rank == 0 or args.share_gpu):
             self.device = torch.device("cuda", local if self.gpu_per_rank else 0)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.computes = self.device.type == "cuda"
+            if want == "cuda":
+                torch.set_num_threads(max(1, min(args.peer_threads, (os.cpu_count() or 2) - 1)))
+            else:  # CPU ranks share the cores: more intra-op threads than cores/ranks only spin against each other
+                torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        # sharing one GPU, only rank 0 runs the contention kernels; every GPU rank exchanges from the GPU
+        self.computes = self.device.type == "cuda" and (self.gpu_per_rank or rank == 0)
         self.any_cuda = want == "cuda"
         self.transports: dict[str, Any] = {}  # driven by the main thread (latency)
         self.traffic_transports: dict[str, Any] = {}  # driven by the traffic thread: a group of its own
@@ -92,12 +112,15 @@ class Ctx:
         return out
 
     def sync(self) -> None:
-        if self.computes:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def open_transports(self) -> None:
         timeout = datetime.timedelta(seconds=self.args.timeout)
         for name in [b.strip() for b in self.args.backends.split(",") if b.strip()]:
+            if name == "nccl-ce":
+                self.skipped[name] = "withdrawn from the command line until it has run on two GPUs (fscomm/nccl_ce.py)"
+                continue
             if name not in PEER_KINDS:
                 raise ValueError(f"bench transport: unknown backend {name!r}; choose from {PEER_KINDS}")
             if name.startswith("nccl") and not self.gpu_per_rank:
@@ -118,10 +141,6 @@ class Ctx:
 
     def _group(self, name: str, role: str, timeout: datetime.timedelta):
         """One group per backend and issuing thread (fscomm refuses a second thread on a group)."""
-        if name == "nccl-ce":
-            from fscomm.nccl_ce import ce_group_options
-
-            return new_stage_group(f"bench-{name}-{role}", backend="nccl", timeout=timeout, pg_options=ce_group_options())
         return new_stage_group(f"bench-{name}-{role}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
 
 
@@ -140,25 +159,80 @@ def _reason(name: str) -> Optional[str]:
 
 
 def bench_latency(ctx: Ctx) -> list[dict]:
+    """Every backend (and, on a GPU rank, the copy floor) at each size, interleaved repetition by repetition, so
+    that the ratios between them are not skewed by a machine whose load drifts during the run."""
     rows = []
     sizes = [int(s) for s in ctx.args.sizes.split(",")]
-    for name, t in ctx.transports.items():
-        for size in sizes:
-            for op in ("all_to_all", "all_gather"):
-                x = torch.empty(size * (ctx.world if op == "all_to_all" else 1), dtype=torch.uint8, device=ctx.device)
-                splits = [size] * ctx.world
-                run = (lambda: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all" else (lambda: t.all_gather(x).wait())
-                times = []
-                for i in range(ctx.args.reps + 2):
+    for size in sizes:
+        for op in ("all_to_all", "all_gather"):
+            x = torch.empty(size * (ctx.world if op == "all_to_all" else 1), dtype=torch.uint8, device=ctx.device)
+            splits = [size] * ctx.world
+            cases: dict[tuple[str, str], Any] = {}
+            for name, t in ctx.transports.items():
+                cases[(name, op)] = ((lambda t=t: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all"
+                                     else (lambda t=t: t.all_gather(x).wait()))
+            if op == "all_to_all" and ctx.any_cuda:
+                cases.update(_copy_floor(ctx, size))
+            times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+            for i in range(ctx.args.reps + 2):
+                for key, run in cases.items():
+                    dist.barrier()  # every rank enters the exchange together: its latency, not the pipeline's
                     t0 = time.perf_counter()
                     run()
                     ctx.sync()
                     if i >= 2:
-                        times.append(time.perf_counter() - t0)
-                med = statistics.median(times)
-                rows.append({"backend": name, "op": op, "block_bytes": size, "median_us": med * 1e6,
-                             "min_us": min(times) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
+                        times[key].append(time.perf_counter() - t0)
+            for (name, label), ts in times.items():
+                if name.startswith("copies") and not ctx.computes:
+                    continue
+                med = statistics.median(ts)
+                rows.append({"backend": name, "op": label, "block_bytes": size, "median_us": med * 1e6,
+                             "min_us": min(ts) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
     return rows
+
+
+def _copy_floor(ctx: Ctx, size: int) -> dict:
+    """The floor of a host path on the GPU rank: D2H of the all_to_all's input, then H2D of its output, pinned,
+    on a side stream ("copies"); and the same for the bytes that leave the rank only ("copies-peer"). Other
+    ranks only keep step."""
+    cases = {}
+    stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
+    for label, nbytes in (("copies", size * ctx.world), ("copies-peer", size * (ctx.world - 1))):
+        if not ctx.computes:
+            cases[(label, "d2h+h2d")] = lambda: None
+            continue
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev_in = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+        dev_out = torch.empty_like(dev_in)
+
+        def copies(host=host, dev_in=dev_in, dev_out=dev_out) -> None:
+            with torch.cuda.stream(stream):
+                host.copy_(dev_in, non_blocking=True)
+                dev_out.copy_(host, non_blocking=True)
+            stream.synchronize()
+
+        cases[(label, "d2h+h2d")] = copies
+    return cases
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Ratios within one run, per block size: shm over tcp all_to_all bandwidth; on a GPU rank, the shm
+    exchange's time over the copies' (target: at most 1/0.7)."""
+    by = {(r["backend"], r["op"], r["block_bytes"]): r for r in rows}
+    out = []
+    for size in sorted({r["block_bytes"] for r in rows}):
+        shm, tcp = by.get(("host-shm", "all_to_all", size)), by.get(("host-tcp", "all_to_all", size))
+        if shm is None:
+            continue
+        row = {"block_bytes": size, "shm_gb_per_s": shm["gb_per_s"]}
+        if tcp is not None:
+            row.update(tcp_gb_per_s=tcp["gb_per_s"], shm_over_tcp=shm["gb_per_s"] / tcp["gb_per_s"])
+        for label in ("copies", "copies-peer"):
+            ref = by.get((label, "d2h+h2d", size))
+            if ref is not None:
+                row[f"shm_time_over_{label.replace('-', '_')}"] = shm["median_us"] / ref["median_us"]
+        out.append(row)
+    return out
 
 
 # --- traffic ---------------------------------------------------------------------------------------------
@@ -171,7 +245,7 @@ class PeerTraffic:
         self.ctx, self.t = ctx, ctx.traffic_transports[name]
         self.x = torch.empty(TRAFFIC_BLOCK * ctx.world, dtype=torch.uint8, device=ctx.device)
         self.splits = [TRAFFIC_BLOCK] * ctx.world
-        self.stream = torch.cuda.Stream(ctx.device) if ctx.computes else None
+        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
 
     def start(self, n: int) -> "PeerTraffic":
         self.started, self.times, self.error = threading.Event(), {}, None
@@ -367,12 +441,14 @@ def bench_contention(ctx: Ctx) -> list[dict]:
 # --- (c) the host backend under the profiler -------------------------------------------------------------
 
 
-def trace_host(ctx: Ctx) -> Optional[dict]:
-    if "host" not in ctx.transports or not ctx.any_cuda:
-        return None
+def trace_hosts(ctx: Ctx) -> dict:
+    return {name: trace_host(ctx, name) for name in ("host", "host-tcp", "host-shm") if name in ctx.transports and ctx.any_cuda}
+
+
+def trace_host(ctx: Ctx, name: str) -> dict:
     from fscomm.gpu_trace import trace
 
-    traffic = PeerTraffic(ctx, "host")
+    traffic = PeerTraffic(ctx, name)
     traffic.start(2).join(None)  # warm the pool before tracing
     out: dict = {}
     if ctx.computes:
@@ -387,7 +463,7 @@ def trace_host(ctx: Ctx) -> Optional[dict]:
         out["compute_stream"] = torch.cuda.current_stream(ctx.device).stream_id
     else:
         _trial(ctx, kernel, traffic, 4)
-    out["pool"] = ctx.traffic_transports["host"].pool_stats()
+    out["pool"] = ctx.traffic_transports[name].pool_stats()
     return out
 
 
@@ -401,9 +477,13 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(ctx.device) if ctx.computes else None,
                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.computes else None}
+    result["load_average_before"] = os.getloadavg()
     result["latency"] = bench_latency(ctx)
+    result["load_average_after"] = os.getloadavg()
+    result["summary"] = summary(result["latency"])
+    result["paths"] = {name: getattr(t, "active_path", None) for name, t in ctx.transports.items()}
     if ctx.any_cuda and not args.no_contention:
-        result["host_trace"] = trace_host(ctx)
+        result["host_trace"] = trace_hosts(ctx)
         result["contention"] = bench_contention(ctx)
     return result if rank == 0 else None
 
@@ -424,13 +504,21 @@ def _spawned(rank: int, world: int, args: argparse.Namespace, store_path: str, o
 
 def _print(result: dict) -> None:
     print(f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}")
+    if "load_average_before" in result:  # a loaded machine's figures are not its capacity
+        print(f"load average (1, 5, 15 min) before {result['load_average_before']}, after {result['load_average_after']}")
     for name, why in result["skipped"].items():
         print(f"  skipped {name}: {why}")
     print(f"\n{'backend':<9} {'op':<11} {'block':>10} {'median us':>11} {'min us':>9} {'GB/s':>8}")
     for r in result["latency"]:
         print(f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} {r['gb_per_s']:>8.2f}")
-    if result.get("host_trace"):
-        print("\nhost backend under the profiler:", json.dumps(result["host_trace"]))
+    if result.get("summary"):
+        print(f"\n{'block':>10} {'tcp GB/s':>9} {'shm GB/s':>9} {'shm/tcp':>8} {'shm t / copies t':>17} {'shm t / peer copies t':>22}")
+        for r in result["summary"]:
+            f = lambda k, w: f"{r[k]:>{w}.2f}" if k in r else f"{'-':>{w}}"
+            print(f"{r['block_bytes']:>10} {f('tcp_gb_per_s', 9)} {f('shm_gb_per_s', 9)} {f('shm_over_tcp', 8)} "
+                  f"{f('shm_time_over_copies', 17)} {f('shm_time_over_copies_peer', 22)}")
+    for name, tr in (result.get("host_trace") or {}).items():
+        print(f"\n{name} under the profiler:", json.dumps(tr))
     if result.get("contention"):
         print(f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8} {'units':>6}")
         for r in result["contention"]:

@@ -15,11 +15,11 @@ def _cuda_or_cpu(rank: int) -> torch.device:
     return torch.device("cuda", 0) if rank == 0 else torch.device("cpu")
 
 
-def _correct(rank, world_size):
+def _correct(rank, world_size, name):
     from fscomm import get_transport
 
     dev = _cuda_or_cpu(rank)
-    t = get_transport("host")
+    t = get_transport(name)
     out = []
     for dtype in (torch.bfloat16, torch.int64, torch.float32, torch.bool):
         x = (torch.arange(24).reshape(8, 3) + 100 * rank).to(dtype).to(dev)
@@ -36,8 +36,9 @@ def _correct(rank, world_size):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_staged_cuda_path_matches_cpu_truth():
-    results = run_ranks(_correct, 2, timeout=120)
+@pytest.mark.parametrize("name", ["host-tcp", "host-shm"])
+def test_staged_cuda_path_matches_cpu_truth(name):
+    results = run_ranks(_correct, 2, args=(name,), timeout=120)
     base = [torch.arange(24).reshape(8, 3) + 100 * r for r in range(2)]
     for i, dtype in enumerate((torch.bfloat16, torch.int64, torch.float32, torch.bool)):
         b = [x.to(dtype) for x in base]
@@ -55,7 +56,7 @@ def _profiled(rank, world_size):
     from fscomm.gpu_trace import trace
 
     dev = _cuda_or_cpu(rank)
-    t = get_transport("host")
+    t = get_transport("host-tcp")  # the staged path (its pool); the shared-memory path: test_shm_gpu.py
     x = torch.ones(8 << 20, dtype=torch.uint8, device=dev)  # 4 MiB to each rank
     splits = [4 << 20, 4 << 20]
 

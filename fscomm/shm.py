@@ -1,0 +1,512 @@
+"""The host transport's shared-memory path, between ranks of one host: no socket, no host copy on a GPU rank.
+
+Each rank owns one data segment (POSIX shared memory) where it publishes what it sends; its peers copy their
+blocks straight out of it. On a GPU rank the segments are CUDA-registered (pinned), so an exchange is one
+device-to-host copy into its own segment, the peers' reads, and one host-to-device copy out of each peer's
+segment, all on a copy stream (the copy engines: no kernel). A CPU rank does the same with two host copies.
+
+Control: each rank also owns a small control segment of counters that its peers poll: ``ready`` (the exchange
+whose blocks are published), ``done`` (the last exchange whose blocks this rank has finished reading), the
+data segment's generation and capacity, and a table of (offset, bytes) per destination. A rank republishes only
+once every peer is ``done`` with its previous exchange. Waits sleep between polls (tens to hundreds of
+microseconds), releasing the GIL, and end with a named error when the group timeout passes, when a peer's
+process has gone, or when a peer closed its transport.
+
+Lifecycle and safety: segments are created by their owner with O_EXCL and mode 0600 under names carrying the
+owner's pid and a random token agreed through the process group (other users cannot guess or pre-create them);
+a segment found with another owner, another mode or a wrong token is refused. Control segments are unlinked as
+soon as every peer has attached; a data segment as soon as every peer has read from it once, so a crash leaves
+nothing behind, except in that short window: the next start unlinks segments of this user whose owner process
+is gone. Data segments grow (new generation) to the largest exchange seen.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import stat
+import time
+import warnings
+import weakref
+from concurrent.futures import Future
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from fscomm import groups
+from fscomm.staged import StagedHandle
+from fscomm.transport import CollectiveError, Handle, TransportUnavailableError, as_bytes, diagnose
+from fscomm.worker import helper_event, worker_for
+
+SHM_DIR = "/dev/shm"
+PREFIX = "fscomm-"
+# control slots (int64): magic (2), ready, done, generation, capacity, pid, closed, then (offset, bytes) x W
+_READY, _DONE, _GEN, _CAP, _PID, _CLOSED, _TABLE = 2, 3, 4, 5, 6, 7, 8
+_SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
+_LIVENESS_EVERY_S = 0.05
+_MIN_DATA, _PAGE = 1 << 16, 4096
+MIN_FREE_BYTES = 256 << 20  # below this, "host" keeps to TCP: exchanges would soon outgrow the segments
+
+
+class ShmUnavailable(TransportUnavailableError):
+    """The ranks of the group cannot share memory (other hosts, no /dev/shm, a refused segment)."""
+
+
+class PeerLostError(CollectiveError):
+    """A peer's process ended, or it closed its transport, while this rank waited on it."""
+
+
+# --- segments -------------------------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has crashed already
+    except (OSError, IndexError):
+        return True
+
+
+def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlinks this user's fscomm segments whose owner process is gone (what a crash left); returns their names."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        parts = name[len(PREFIX):].split("-")
+        if not parts or not parts[0].isdigit() or _pid_alive(int(parts[0])):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+class Segment:
+    """One mapped shared-memory file: ``tensor`` (uint8) over all of it; pinned for CUDA on request."""
+
+    def __init__(self, path: str, nbytes: int, create: bool):
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError as exc:
+            raise ShmUnavailable(f"shared-memory segment {path} exists already (pre-created by someone else?); refused") from exc
+        try:
+            if create:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                try:  # reserve the pages now: a full tmpfs is an error here, not a SIGBUS at the first write
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise ShmUnavailable(f"cannot reserve {nbytes} bytes of shared memory for {path} ({exc}); "
+                                         f"{os.path.dirname(path)} is too small for this exchange") from exc
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
+                raise ShmUnavailable(
+                    f"shared-memory segment {path} has owner uid {st.st_uid} and mode {oct(stat.S_IMODE(st.st_mode))}; "
+                    f"only uid {os.getuid()} with mode 0o600 is accepted")
+            if st.st_size < nbytes:
+                raise ShmUnavailable(f"shared-memory segment {path} has {st.st_size} bytes, expected at least {nbytes}")
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.path, self.nbytes, self.linked = path, nbytes, create
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.cuda_registered = False
+        self.pin_refused = False
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def pin(self) -> None:
+        """Registers the pages with CUDA (page-locked: copies to and from them run on the copy engines, async).
+        Where the driver refuses, the copies still work, staged by the driver and slower: warned once."""
+        if not self.cuda_registered and not self.pin_refused:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1)  # portable: any device
+            if int(err) != 0:
+                self.pin_refused = True
+                warnings.warn(f"fscomm: cudaHostRegister of shared-memory segment {self.path} failed (CUDA error "
+                              f"{int(err)}); its copies run unpinned, synchronously and slower")
+                return
+            self.cuda_registered = True
+
+    def close(self) -> None:
+        self.unlink()
+        if self.cuda_registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.cuda_registered = False
+        self.tensor = None
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+
+
+def _close_all(segments: list, ctl: np.ndarray) -> None:
+    """Finalizer: tells the peers this rank is gone, then unlinks and unmaps what it holds."""
+    try:
+        ctl[_CLOSED] = 1
+    except Exception:
+        pass
+    for seg in segments:
+        try:
+            seg.unlink()
+        except Exception:
+            pass
+
+
+def _free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _host_identity() -> tuple[str, str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return socket.gethostname(), boot
+
+
+# --- the exchange ---------------------------------------------------------------------------------------
+
+
+class ShmExchange:
+    """The shared-memory exchange of one group's ranks. Made collectively by ``connect``."""
+
+    def __init__(self, group: dist.ProcessGroup, token: str, pids: Sequence[int], ctl_segs: list[Segment]):
+        self.group = group
+        self.state = groups.group_state(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.token, self.pids = token, list(pids)
+        self._ctl_segs = ctl_segs
+        self._ctl = [np.frombuffer(s.mm, dtype=np.int64) for s in ctl_segs]
+        self._mine = self._ctl[self.rank]
+        self._data: list[Optional[Segment]] = [None] * self.world_size  # mine, and peers' as mapped
+        self._data_gen = [0] * self.world_size
+        self._unlink_after: Optional[int] = None  # my newest data segment: unlinked once peers are done with this
+        self._seq = 0
+        self.host_copy_on_cpu = False  # CPU tests: run a GPU rank's keep_host layout on CPU tensors
+        self.allocations = 0  # data segments this rank has made (one per growth)
+        self._broken: Optional[BaseException] = None
+        self._streams: dict[int, "torch.cuda.Stream"] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
+
+    def _owned(self) -> list:
+        return [s for s in self._ctl_segs if s.linked] + ([self._data[self.rank]] if self._data[self.rank] else [])
+
+    @classmethod
+    def connect(cls, group: dist.ProcessGroup, required: bool) -> Optional["ShmExchange"]:
+        """Collective on ``group``: the exchange when every rank is on this host and can map the others'
+        segments; None (or ShmUnavailable if ``required``) otherwise, on every rank alike."""
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        me = (*_host_identity(), os.getuid(), os.getpid(), _free_bytes() >= MIN_FREE_BYTES,
+              secrets.token_hex(16) if rank == 0 else None)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, me, group=group)
+        token = everyone[0][5]
+        pids = [e[3] for e in everyone]
+        if any(e[:3] != everyone[0][:3] for e in everyone):
+            hosts = sorted({e[0] for e in everyone})
+            return cls._refuse(required, f"the group's ranks are not all on one host ({hosts})")
+        if not all(e[4] for e in everyone):
+            return cls._refuse(required, f"{SHM_DIR} is missing or has less than {MIN_FREE_BYTES >> 20} MiB free "
+                                         "(a container's default of 64 MiB is too small: raise its --shm-size)")
+        clean_stale()
+        n_ctl = max(4096, 8 * (_TABLE + 2 * world))
+        name = lambda r: os.path.join(SHM_DIR, f"{PREFIX}{pids[r]}-{token}-{r}-ctl")
+        segs: list[Optional[Segment]] = [None] * world
+        error = None
+        try:
+            segs[rank] = Segment(name(rank), n_ctl, create=True)
+            ctl = np.frombuffer(segs[rank].mm, dtype=np.int64)
+            ctl[:2] = np.frombuffer(bytes.fromhex(token), dtype=np.int64)
+            ctl[_READY] = ctl[_DONE] = -1
+            ctl[_PID] = os.getpid()
+        except Exception as exc:
+            error = f"rank {rank}: {exc}"
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        if error is None and not any(errors):
+            for r in range(world):
+                if r == rank:
+                    continue
+                try:
+                    segs[r] = Segment(name(r), n_ctl, create=False)
+                    magic = np.frombuffer(segs[r].mm, dtype=np.int64)[:2].tobytes().hex()
+                    if magic != token:
+                        raise ShmUnavailable(f"segment {name(r)} does not carry the group's token; refused")
+                except Exception as exc:
+                    error = f"rank {rank} attaching rank {r}'s segment: {exc}"
+                    break
+            dist.all_gather_object(errors, error, group=group)  # every peer has attached mine (or failed)
+        if segs[rank] is not None:
+            segs[rank].unlink()
+        if any(errors):
+            for s in segs:
+                if s is not None:
+                    s.close()
+            return cls._refuse(required, "; ".join(e for e in errors if e))
+        return cls(group, token, pids, segs)
+
+    @staticmethod
+    def _refuse(required: bool, why: str) -> None:
+        if required:
+            raise ShmUnavailable(f"shared-memory host path unavailable: {why}")
+        return None
+
+    def capacity(self) -> int:
+        """Bytes of this rank's data segment (0 before the first exchange)."""
+        seg = self._data[self.rank]
+        return seg.nbytes if seg is not None else 0
+
+    def close(self) -> None:
+        """Tells the peers this rank has left (their waits fail at once), unlinks and unmaps the segments."""
+        self._finalizer()
+        for s in self._ctl_segs + self._data:
+            if s is not None:
+                s.close()
+
+    # --- collectives (called by HostTransport after validation) ---------------------------------------
+
+    def all_to_all(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor, send_b: list[int],
+                   recv_b: list[int], keep_host: bool) -> Handle:
+        W, me = self.world_size, self.rank
+        xb, ob = as_bytes(x), as_bytes(out)
+        s_off, r_off = np.concatenate([[0], np.cumsum(send_b)]), np.concatenate([[0], np.cumsum(recv_b)])
+        # the own block goes through the segment too, for the host copy (on CPU only when tests ask for the layout)
+        host_copy = keep_host and (x.is_cuda or self.host_copy_on_cpu)
+        publish, table, pos = [], [(0, 0)] * W, 0
+        for d in range(W):
+            if d != me or host_copy:
+                publish.append((xb[s_off[d]: s_off[d + 1]], pos))
+                table[d] = (pos, send_b[d])
+                pos += send_b[d]
+        local = [] if host_copy else [(xb[s_off[me]: s_off[me + 1]], ob[r_off[me]: r_off[me + 1]])]
+        reads = [(o, ob[r_off[o]: r_off[o + 1]]) for o in range(W) if o != me or host_copy]
+        return self._submit(op, seq, x, out, publish, pos, table, local, reads, host_copy)
+
+    def all_gather(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor,
+                   pieces: list[slice]) -> Handle:
+        """``pieces[r]``: rank r's bytes in ``out``'s bytes."""
+        xb, ob = as_bytes(x), as_bytes(out)
+        n = xb.numel()
+        publish = [(xb, 0)]
+        table = [(0, n)] * self.world_size
+        local = [(xb, ob[pieces[self.rank]])]
+        reads = [(o, ob[pieces[o]]) for o in range(self.world_size) if o != self.rank]
+        return self._submit(op, seq, x, out, publish, n, table, local, reads, False)
+
+    # --- one exchange -----------------------------------------------------------------------------------
+
+    def _submit(self, op, seq, x, out, publish, publish_nbytes, table, local, reads, host_copy) -> Handle:
+        if self._broken is not None:
+            raise CollectiveError(f"fscomm {op} #{seq} on group {self.state.name!r}: the shared-memory path "
+                                  f"failed earlier and cannot be used again ({self._broken})")
+        cuda = x.is_cuda
+        ready = None
+        copied_back = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(x.device))
+            copied_back = helper_event()
+        host_future: Optional[Future] = Future() if host_copy else None
+        k = self._seq
+        self._seq += 1
+        held = [x]  # the input lives until its bytes are published (the caller may drop it at once)
+
+        def job() -> torch.Tensor:
+            try:
+                return self._run(op, seq, k, held, out, publish, publish_nbytes, table, local, reads,
+                                 ready, copied_back, host_future)
+            except BaseException as exc:
+                self._broken = exc
+                err = exc if isinstance(exc, CollectiveError) else diagnose(self.state, op, seq, exc)
+                if host_future is not None and not host_future.done():
+                    host_future.set_exception(err)
+                if err is exc:
+                    raise
+                raise err from exc
+
+        return StagedHandle(worker_for(self.state).submit(job), copied_back, x.device, host_future)
+
+    def _copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    def _run(self, op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back,
+             host_future) -> torch.Tensor:
+        me, W = self.rank, self.world_size
+        cuda = ready is not None
+        what = f"{op} #{seq}"
+        # 1. every peer has finished reading my previous exchange: my segment may be rewritten
+        self._wait(lambda p: self._ctl[p][_DONE] >= k - 1, what, "to finish reading the previous exchange")
+        if self._unlink_after is not None and self._unlink_after < k:
+            self._data[me].unlink()  # every peer has mapped it by now
+            self._unlink_after = None
+        seg = self._own_data(publish_nbytes, k, cuda)
+        for d, (off, n) in enumerate(table):
+            self._mine[_TABLE + 2 * d] = off
+            self._mine[_TABLE + 2 * d + 1] = n
+        # 2. publish; then the own block, straight into the result, while the peers read
+        if cuda:
+            stream = self._copy_stream(out.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for src, off in publish:
+                    if src.numel():
+                        seg.tensor[off: off + src.numel()].copy_(src, non_blocking=True)
+                published = helper_event()
+                published.record(stream)
+                for src, dst in local:
+                    if src.numel():
+                        dst.copy_(src, non_blocking=True)
+            published.synchronize()
+            self._mine[_READY] = k
+        else:
+            for src, off in publish:
+                if src.numel():
+                    seg.tensor[off: off + src.numel()].copy_(src)
+            self._mine[_READY] = k
+            for src, dst in local:
+                if src.numel():
+                    dst.copy_(src)
+            held.clear()
+        # 3. read each peer's block as soon as it is published
+        pending = dict(reads)
+        host_out = torch.empty(out.shape, dtype=out.dtype) if host_future is not None else None
+        host_parts = []
+        while pending:
+            posted = [o for o in pending if self._ctl[o][_READY] >= k]
+            if not posted:
+                self._wait(lambda p: p not in pending or self._ctl[p][_READY] >= k, what, "to publish its blocks",
+                           only=list(pending), any_of=True)
+                continue
+            for o in posted:
+                dst = pending.pop(o)
+                src = self._peer_block(o, dst.numel(), cuda, what)
+                if cuda:
+                    with torch.cuda.stream(stream):
+                        if src.numel():
+                            dst.copy_(src, non_blocking=True)
+                else:
+                    dst.copy_(src)
+                if host_out is not None:
+                    host_parts.append((src, dst))
+        if host_out is not None:  # the bytes as they arrived, read on the host (no device sync for the caller)
+            base = as_bytes(out).data_ptr()
+            hb = as_bytes(host_out)
+            for src, dst in host_parts:
+                start = dst.data_ptr() - base
+                hb[start: start + src.numel()].copy_(src)
+            host_future.set_result(host_out)
+        if cuda:
+            copied_back.record(stream)
+            copied_back.synchronize()  # the peers may rewrite their segments once I say done
+            held.clear()  # x was read until here (its own block); the allocator may now hand its memory out
+        self._mine[_DONE] = k
+        return out
+
+    def _own_data(self, nbytes: int, k: int, cuda: bool) -> Segment:
+        """My data segment, grown (a new generation, the old one dropped) when the exchange outgrows it."""
+        me = self.rank
+        seg = self._data[me]
+        if seg is None or seg.nbytes < nbytes:
+            cap = max(nbytes, 2 * seg.nbytes if seg is not None else 0)
+            cap = max(_MIN_DATA, (cap + _PAGE - 1) // _PAGE * _PAGE)
+            gen = self._data_gen[me] + 1
+            new = Segment(os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{self.token}-{me}-d{gen}"), cap, create=True)
+            if seg is not None:
+                seg.close()
+            self._data[me], self._data_gen[me] = new, gen
+            self.allocations += 1
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
+            self._mine[_CAP] = cap
+            self._mine[_GEN] = gen
+            self._unlink_after = k
+            seg = new
+        if cuda:
+            seg.pin()
+        return seg
+
+    def _peer_block(self, o: int, nbytes: int, cuda: bool, what: str) -> torch.Tensor:
+        ctl = self._ctl[o]
+        off, n = int(ctl[_TABLE + 2 * self.rank]), int(ctl[_TABLE + 2 * self.rank + 1])
+        if n != nbytes:
+            raise ValueError(f"fscomm {what} on rank {self.rank}: rank {o} sends {n} bytes here but {nbytes} "
+                             "were expected (recv_splits / sizes disagree with the sender)")
+        gen = int(ctl[_GEN])
+        if self._data_gen[o] != gen:
+            if self._data[o] is not None:
+                self._data[o].close()
+            path = os.path.join(SHM_DIR, f"{PREFIX}{self.pids[o]}-{self.token}-{o}-d{gen}")
+            self._data[o], self._data_gen[o] = Segment(path, int(ctl[_CAP]), create=False), gen
+        seg = self._data[o]
+        if cuda:
+            seg.pin()
+        return seg.tensor[off: off + n]
+
+    def _wait(self, ok: Callable[[int], bool], what: str, doing: str, only: Optional[list[int]] = None,
+              any_of: bool = False) -> None:
+        """Sleeps between polls until ``ok(peer)`` holds for every peer (or for one, ``any_of``); a named error
+        on timeout, on a peer's process gone, or on a peer that closed its transport."""
+        peers = only if only is not None else [p for p in range(self.world_size) if p != self.rank]
+        start = time.monotonic()
+        deadline = start + self.state.timeout_s
+        next_check = start + _LIVENESS_EVERY_S
+        delay = _SLEEP_MIN_S
+        while True:
+            missing = [p for p in peers if not ok(p)]
+            if not missing or (any_of and len(missing) < len(peers)):
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                for p in missing:
+                    if self._ctl[p][_CLOSED]:
+                        raise PeerLostError(self._message(what, p, "closed its transport", doing))
+                    if not _pid_alive(self.pids[p]):
+                        raise PeerLostError(self._message(what, p, f"process {self.pids[p]} has ended", doing))
+                if now >= deadline:
+                    raise CollectiveError(
+                        f"fscomm {what} on group {self.state.name!r} timed out on rank {self.rank} of "
+                        f"{self.world_size} (group timeout {self.state.timeout_s:.1f} s): rank(s) {missing} did not "
+                        f"come {doing} (shared-memory path)")
+            time.sleep(delay)
+            delay = min(2 * delay, _SLEEP_MAX_S)
+
+    def _message(self, what: str, peer: int, how: str, doing: str) -> str:
+        return (f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
+                f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)")
