@@ -31,6 +31,7 @@ BACKENDS: dict[str, str] = {
     "nccl": "fscomm.nccl:NcclTransport",
     "nccl-ce": "fscomm.nccl_ce:NcclCeTransport",
     "rdma": "fscomm.rdma:RdmaTransport",
+    "peer": "fscomm.peer:PeerTransport",  # copy-engine copies between GPUs of one host (CUDA IPC)
 }
 
 
