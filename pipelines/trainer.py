@@ -352,10 +352,8 @@ class Trainer:
             item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item, new_epoch = next(iter(self.loader)), True
-        parts = item if isinstance(item, tuple) else (item,)
-        batch = parts[0]
-        balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
-        ids = next((p.to(self.device) for p in parts[1:] if isinstance(p, PrefetchedIds)), None)
+        batch, balance = item.batch, item.report  # a LoaderItem (fsdata.item), whatever stages are composed
+        ids = item.prefetched.to(self.device) if isinstance(item.prefetched, PrefetchedIds) else None
         if batch.device != self.device:  # on a GPU the stage worker copied it already (fsdata.nodes.device_copy)
             batch = batch.to(self.device, non_blocking=True)
         return _Fetched(batch, balance, ids, new_epoch, loader_state)
