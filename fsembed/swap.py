@@ -40,6 +40,8 @@ COLLECTION_NAME = "fsembed_collection"
 Features = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]  # feature -> ids, or the ids of each call
 SWAPPABLE_TYPES = ("Embedding", "EmbeddingCollection")
 POOLED_TYPES = ("EmbeddingBag", "EmbeddingBagCollection")
+CALLS_HINT = ("A module called more than once per step must be prepared with the ids of every call: return them from "
+              "features(batch) as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated")
 
 
 def flat_features(features: Features) -> dict[str, torch.Tensor]:
@@ -89,11 +91,9 @@ class EmbeddingHub:
             flat = flat.to(every.dtype)
         start = self._cursor[feature] % max(every.numel(), 1)
         if start + flat.numel() > every.numel():
-            raise ValueError(
-                f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare received: this "
-                f"call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} prepared. A module called "
-                "more than once per step must be prepared with the ids of every call: return them from features(batch) "
-                "as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated")
+            raise ValueError(f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
+                             f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
+                             f"prepared. {CALLS_HINT}")
         self._cursor[feature] = start + flat.numel()
         prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
@@ -122,7 +122,8 @@ class EmbeddingHub:
 
     @staticmethod
     def _mismatch(features: list[str]) -> ValueError:
-        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare received")
+        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare "
+                          f"received. {CALLS_HINT}")
 
 
 class ShardedEmbeddingView(nn.Module):

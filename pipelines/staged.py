@@ -151,13 +151,12 @@ class StagedPipeline:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if self.mode == "sync":
             return []
-        from fscomm import get_transport
-        from fscomm.groups import new_stage_group
         from fsdata.id_prefetch import id_prefetch_stages
+        from pipelines.step import host_transport
 
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
         # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
-        transport = get_transport("host", group=new_stage_group("id-prefetch"))
+        transport = host_transport("id-prefetch")
         plan = self.collection.plan
         from fsembed.swap import flat_features
 

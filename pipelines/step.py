@@ -127,13 +127,20 @@ def wrap_model(
     return stage
 
 
+_host_transports: dict[str, Any] = {}
+
+
 def host_transport(name: str):
-    """The SM-free host transport on a process group of its own, for a loader stage's exchanges (each stage that
-    exchanges, e.g. the balancer, gets its own: two threads never issue on one group)."""
+    """The SM-free host transport on a process group of its own named ``name``, for a loader stage's exchanges
+    (each exchanging stage gets its own: two threads never issue on one group). Made collectively on the first
+    call with a name (every rank alike) and reused by later ones: a loader built after another one was shut down
+    (``shutdown_loader``) reuses its groups; two loaders alive at once need names of their own."""
     from fscomm import get_transport
     from fscomm.groups import new_stage_group
 
-    return get_transport("host", group=new_stage_group(name))
+    if name not in _host_transports:
+        _host_transports[name] = get_transport("host", group=new_stage_group(name))
+    return _host_transports[name]
 
 
 @dataclass
