@@ -8,9 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fsdata.batch import Batch, Jagged, Sample
-from fsdata.item import LoaderItem
-from fsdata.source import SampleSource
+from fsdata.install_names import check_shadowed_names
+
+check_shadowed_names()  # before anything imports `kernels`: a clash is named in one line, not an obscure failure
+
+from fsdata.batch import Batch, Jagged, Sample  # noqa: E402
+from fsdata.item import LoaderItem  # noqa: E402
+from fsdata.source import SampleSource  # noqa: E402
 
 _LAZY = {
     "LoaderConfig": "fsdata.loader",
