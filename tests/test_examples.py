@@ -80,3 +80,21 @@ def test_custom_partitioner_commands_run_from_the_root_and_from_elsewhere(tmp_pa
                      tmp_path, tmp_path)
     assert by_module["loss_curve"] == by_file["loss_curve"]
     assert by_module["config"]["balancer"]["partitioner"] == "examples.custom_partitioner:round_robin_longest"
+
+
+@pytest.mark.multiprocess
+def test_the_api_walkthrough_runs_as_written(tmp_path):
+    """docs/api.md's walkthrough, copied as a user would: under 60 lines, and it trains."""
+    pytest.importorskip("torchrec")
+    text = (ROOT / "docs" / "api.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start : text.index("```", start)]
+    assert code.count("\n") < 60
+    script = tmp_path / "walkthrough.py"
+    script.write_text(code)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 10: loss" in proc.stdout
