@@ -28,7 +28,7 @@ import torch
 from fsdata.batch import lengths_to_offsets
 from fsdata.item import LoaderItem, as_item
 
-try:  # the node needs torchdata; the exchange helpers below do not (the GPU machine has no torchdata)
+try:  # the node needs torchdata; the exchange helpers below do not (they work where torchdata is absent)
     from torchdata.nodes import BaseNode
 except ModuleNotFoundError:  # pragma: no cover - exercised only where torchdata is absent
     BaseNode = None

@@ -23,7 +23,6 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
-from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from fsdata.nodes.background import Background
 from fsdata.nodes.device_copy import DeviceCopy
@@ -120,8 +119,7 @@ def build_loader(
 def _disable_lookahead(node: BaseNode) -> None:
     """``stage_lookahead = false``: each stage finishes its exchange in the call that starts it, so only the
     worker's batch (and the trainer's next one) are in flight; the worker then waits inside each item for the
-    other ranks' workers to reach the same exchange (BENCHMARKS.md section 5, seventh session: 9.5-12 ms per item
-    on 2 x H200, against 1.3-2.4 ms with the lookahead)."""
+    other ranks' workers to reach the same exchange (BENCHMARKS.md section 5 compares the two)."""
     from fsdata.nodes.async_stage import AsyncStage
 
     while node is not None:

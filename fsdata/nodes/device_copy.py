@@ -15,9 +15,8 @@ out, the node makes the consumer's stream wait for them (an event, no host wait)
 as used by that stream (``record_stream``), so the allocator does not give the memory back while the consumer
 still reads it. The consumer's stream is the current stream of the thread that builds the node (the training
 thread), unless ``consumer_stream`` names another; work queued on it after the item is handed out is ordered
-after the copies. Measured on the H200 (2 ranks): with the training thread doing the waits and copying the
-permutations itself (pageable, on the compute stream), its hand-over took 1.0-1.4 ms per step; with the node
-doing them, 0.24-0.48 ms (BENCHMARKS.md section 5).
+after the copies. With the training thread doing the waits and copying the permutations itself (pageable, on
+the compute stream), its hand-over between steps took several times longer (BENCHMARKS.md section 5).
 
 State. The node keeps none and hands its source's state through unchanged (not nested under a key), so a loader
 checkpointed on a CPU run resumes on a GPU run and back.
