@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # torchrec is optional: the training path must work without it (GPU machine).
+if TYPE_CHECKING:  # torchrec is optional: the training path must work where it is not installed.
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # Keys of the KeyedJaggedTensor form, per-sample lengths for every key (KJT requires B lengths per key).
