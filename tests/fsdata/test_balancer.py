@@ -412,3 +412,26 @@ def _mismatched_extras_body(rank, world_size):
 def test_ranks_with_other_extra_features_are_refused():
     messages = run_ranks(_mismatched_extras_body, 2, timeout=60)
     assert all(m is not None and "extra features differ" in m for m in messages), messages
+
+
+def _extras_resume_body(rank, world_size):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.balancer import BalancerConfig, balancer_stages
+    from fsdata.loader import LoaderConfig, build_loader
+    from tests.stateful import run_test_save_load_state
+
+    transport = get_transport("host", group=new_stage_group("balancer"))
+
+    def make():
+        stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world_size, capacity=BATCH)
+        return build_loader(ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank,
+                            world_size, stages)
+
+    run_test_save_load_state(make, midpoint=2)
+    return True
+
+
+@pytest.mark.multiprocess
+def test_resume_with_extra_features_is_exact():
+    assert run_ranks(_extras_resume_body, 2, timeout=120) == [True, True]
