@@ -30,8 +30,10 @@ def main(steps: int = 5) -> None:
     stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world, capacity=batch_size)
     loader = build_loader(source, LoaderConfig(batch_size=batch_size, prefetch_depth=2), rank, world, stages)
 
-    for step, (batch, info) in zip(range(steps), loader):
-        # `batch` is this rank's balanced fsdata.Batch: feed it to your model here.
+    for step, item in zip(range(steps), loader):
+        # Every item is an fsdata.LoaderItem: `item.batch` is this rank's balanced fsdata.Batch (feed it to your
+        # model here), `item.report` the balancer's report of its step.
+        batch, info = item.batch, item.report
         tokens = int(batch.uih_lengths.sum())
         if rank == 0:
             print(

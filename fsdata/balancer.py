@@ -31,7 +31,7 @@ from fsdata.partition import AutoTune, BalanceGate, get_partitioner
 @dataclass
 class BalancerConfig:
     partitioner: str = field(
-        default="fbs", metadata={"help": "none, fbs, vbs, kk or module:function (modes replicated and freescale)"}
+        default="fbs", metadata={"help": "none, fbs, vbs, kk, or your own: module:function or path/to/file.py:function (modes replicated and freescale)"}
     )
     alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
     autotune: bool = field(default=False, metadata={"help": "VBS: tune per-rank budgets from measured step times"})

@@ -17,6 +17,16 @@ A :class:`Batch` stores B samples jagged, as values + offsets (int64 offsets, ``
 ``content_offsets`` [C_total+1] into ``content_ids`` (candidate-major, in sample order).
 Side features are either present for every sample or absent for all (``None``).
 
+A user's own per-sample features travel beside the built-in ones, by name, and every stage moves them (the
+balancer's shuffle included):
+
+    extra_jagged   {name: Jagged(values [n], offsets [B+1])}   a variable-length list per sample (a category id
+                                                              list, a second table's ids, ...); int64 or float32
+    extra_dense    {name: Tensor[B, ...]}                     a fixed-shape value per sample; int64 or float32
+
+Every batch of one loader carries the same names, dtypes and widths (the balancer checks it across ranks).
+In the KeyedJaggedTensor form an extra jagged field is one more key, named as the field.
+
 A batch moved from the host to a device keeps its host offsets (``host_offsets``): the sizes a model needs on
 the host (how many tokens, the longest sample) then cost no device sync, which would stall the host until the
 GPU drained its queue and then leave the GPU idle while the host queues the next kernels.
@@ -25,8 +35,8 @@ GPU drained its queue and then leave the GPU idle while the host queues the next
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -41,6 +51,8 @@ UIH_TIME_KEY = "uih_timestamps"
 CONTENT_LENGTHS_KEY = "candidate_content_lengths"  # one value per candidate: its number of content ids
 CONTENT_KEY = "content_ids"  # all content ids of a sample's candidates, candidate-major
 OFFSET_FIELDS = ("uih_offsets", "candidate_offsets", "content_offsets")
+BUILTIN_KJT_KEYS = (UIH_ITEM_KEY, UIH_ACTION_KEY, UIH_TIME_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY)
+EXTRA_DTYPES = (torch.int64, torch.float32)  # what the balancer's one-buffer exchange carries (fsdata.nodes.shuffle)
 
 
 @dataclass
@@ -55,6 +67,8 @@ class Sample:
     dense: np.ndarray
     uih_action_types: Optional[np.ndarray] = None
     uih_timestamps: Optional[np.ndarray] = None
+    extra_jagged: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [n] values of this sample
+    extra_dense: dict[str, np.ndarray] = field(default_factory=dict)  # name -> value of fixed shape
 
     @property
     def uih_length(self) -> int:
@@ -84,6 +98,37 @@ def _cat(parts: Sequence[np.ndarray], dtype) -> torch.Tensor:
 
 
 @dataclass
+class Jagged:
+    """One jagged field of a batch: sample i holds ``values[offsets[i]:offsets[i+1]]``."""
+
+    values: torch.Tensor  # [n]
+    offsets: torch.Tensor  # int64 [B+1], offsets[0] == 0
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return offsets_to_lengths(self.offsets)
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths: Union[torch.Tensor, Sequence[int]]) -> "Jagged":
+        return cls(values, lengths_to_offsets(lengths))
+
+
+def _check_extras(extra_jagged: Mapping[str, "Jagged"], extra_dense: Mapping[str, torch.Tensor], batch_size: int) -> None:
+    for name, jt in extra_jagged.items():
+        if not isinstance(jt, Jagged):
+            raise ValueError(f"Batch.extra_jagged[{name!r}] must be an fsdata.batch.Jagged, got {type(jt).__name__}")
+        if jt.values.dtype not in EXTRA_DTYPES or jt.values.dim() != 1:
+            raise ValueError(f"Batch.extra_jagged[{name!r}]: values must be 1-D int64 or float32, got {jt.values.dtype} {tuple(jt.values.shape)}")
+        if jt.offsets.dtype != torch.int64 or jt.offsets.shape != (batch_size + 1,):
+            raise ValueError(f"Batch.extra_jagged[{name!r}]: offsets must be int64 [{batch_size + 1}], got {jt.offsets.dtype} {tuple(jt.offsets.shape)}")
+        if name in BUILTIN_KJT_KEYS:
+            raise ValueError(f"Batch.extra_jagged: {name!r} is a built-in key; name the field otherwise")
+    for name, t in extra_dense.items():
+        if t.dtype not in EXTRA_DTYPES or t.dim() < 1 or t.shape[0] != batch_size:
+            raise ValueError(f"Batch.extra_dense[{name!r}] must be int64 or float32 [{batch_size}, ...], got {t.dtype} {tuple(t.shape)}")
+
+
+@dataclass
 class Batch:
     """B samples in jagged form. Field order and meaning: see the module docstring."""
 
@@ -98,6 +143,12 @@ class Batch:
     dense: torch.Tensor  # float32[B, D]
     uih_action_types: Optional[torch.Tensor] = None  # int64[N]
     uih_timestamps: Optional[torch.Tensor] = None  # int64[N]
+    extra_jagged: dict[str, Jagged] = field(default_factory=dict)  # the user's jagged features, by name
+    extra_dense: dict[str, torch.Tensor] = field(default_factory=dict)  # the user's per-sample values [B, ...]
+
+    def __post_init__(self) -> None:
+        if self.extra_jagged or self.extra_dense:
+            _check_extras(self.extra_jagged, self.extra_dense, int(self.sample_ids.numel()))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -144,6 +195,22 @@ class Batch:
         num_cands = torch.tensor([s.num_candidates for s in samples], dtype=torch.int64)
         content_parts = [c for s in samples for c in s.content_ids]
         content_lengths = torch.tensor([len(c) for c in content_parts], dtype=torch.int64)
+        jagged_names = sorted(samples[0].extra_jagged) if samples else []
+        dense_names = sorted(samples[0].extra_dense) if samples else []
+        for s in samples:
+            if sorted(s.extra_jagged) != jagged_names or sorted(s.extra_dense) != dense_names:
+                raise ValueError(f"sample {s.sample_id}: extra features {sorted(s.extra_jagged)} / {sorted(s.extra_dense)} "
+                                 f"differ from the first sample's {jagged_names} / {dense_names}")
+        extra_jagged = {}
+        for name in jagged_names:
+            parts = [np.asarray(s.extra_jagged[name]) for s in samples]
+            values = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts)))
+            values = values.to(torch.float32 if values.is_floating_point() else torch.int64)
+            extra_jagged[name] = Jagged.from_lengths(values, [len(p) for p in parts])
+        extra_dense = {}
+        for name in dense_names:
+            t = torch.from_numpy(np.ascontiguousarray(np.stack([np.asarray(s.extra_dense[name]) for s in samples])))
+            extra_dense[name] = t.to(torch.float32 if t.is_floating_point() else torch.int64)
         return cls(
             sample_ids=torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
             user_ids=torch.tensor([s.user_id for s in samples], dtype=torch.int64),
@@ -162,6 +229,8 @@ class Batch:
             ),
             uih_action_types=_cat([s.uih_action_types for s in samples], torch.int64) if has_actions else None,
             uih_timestamps=_cat([s.uih_timestamps for s in samples], torch.int64) if has_times else None,
+            extra_jagged=extra_jagged,
+            extra_dense=extra_dense,
         )
 
     def to_samples(self) -> list[Sample]:
@@ -181,6 +250,8 @@ class Batch:
                     dense=b.dense[i].numpy(),
                     uih_action_types=None if b.uih_action_types is None else b.uih_action_types[u0:u1].numpy(),
                     uih_timestamps=None if b.uih_timestamps is None else b.uih_timestamps[u0:u1].numpy(),
+                    extra_jagged={k: jt.values[int(jt.offsets[i]) : int(jt.offsets[i + 1])].numpy() for k, jt in b.extra_jagged.items()},
+                    extra_dense={k: t[i].numpy() for k, t in b.extra_dense.items()},
                 )
             )
         return out
@@ -205,6 +276,14 @@ class Batch:
                 raise ValueError(f"Batch.concat: {name} present in some batches and absent in others")
             return torch.cat(vals)
 
+        names = (sorted(batches[0].extra_jagged), sorted(batches[0].extra_dense))
+        if any((sorted(b.extra_jagged), sorted(b.extra_dense)) != names for b in batches):
+            raise ValueError("Batch.concat: the batches carry different extra features")
+        extra_jagged = {
+            k: Jagged(torch.cat([b.extra_jagged[k].values for b in batches]),
+                      lengths_to_offsets(torch.cat([b.extra_jagged[k].lengths for b in batches])))
+            for k in names[0]
+        }
         return cls(
             sample_ids=torch.cat([b.sample_ids for b in batches]),
             user_ids=torch.cat([b.user_ids for b in batches]),
@@ -217,13 +296,20 @@ class Batch:
             dense=torch.cat([b.dense for b in batches]),
             uih_action_types=cat_opt("uih_action_types"),
             uih_timestamps=cat_opt("uih_timestamps"),
+            extra_jagged=extra_jagged,
+            extra_dense={k: torch.cat([b.extra_dense[k] for b in batches]) for k in names[1]},
         )
 
     # ------------------------------------------------------------------ movement
     def _map(self, fn) -> "Batch":
-        return dataclasses.replace(
-            self, **{f.name: (None if (v := getattr(self, f.name)) is None else fn(v)) for f in dataclasses.fields(self)}
-        )
+        def one(v):
+            if v is None:
+                return None
+            if isinstance(v, dict):
+                return {k: Jagged(fn(x.values), fn(x.offsets)) if isinstance(x, Jagged) else fn(x) for k, x in v.items()}
+            return fn(v)
+
+        return dataclasses.replace(self, **{f.name: one(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -249,8 +335,17 @@ class Batch:
         return offsets if offsets.device.type == "cpu" else offsets.cpu()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Named tensors (absent side features omitted): for checksums, state and transport."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """Named tensors (absent side features omitted; extras as ``extra_jagged.<name>.values`` / ``.offsets``
+        and ``extra_dense.<name>``): for checksums, state and transport."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out[f.name] = v
+        for k, jt in self.extra_jagged.items():
+            out[f"extra_jagged.{k}.values"], out[f"extra_jagged.{k}.offsets"] = jt.values, jt.offsets
+        out.update({f"extra_dense.{k}": t for k, t in self.extra_dense.items()})
+        return out
 
     def equals(self, other: "Batch") -> bool:
         """Exact equality of every field (dtype, shape and values)."""
@@ -278,6 +373,11 @@ class Batch:
         keys += [CONTENT_LENGTHS_KEY, CONTENT_KEY]
         values += [self.candidate_lengths, self.content_ids]
         lengths += [self.num_candidates, content_per_sample]
+        for name in sorted(self.extra_jagged):  # a KJT holds one values dtype: the extras must be ids here
+            jt = self.extra_jagged[name]
+            if jt.values.dtype != torch.int64:
+                raise ValueError(f"Batch.to_kjt: extra jagged field {name!r} is {jt.values.dtype}; a KJT carries int64 ids only")
+            keys.append(name), values.append(jt.values), lengths.append(jt.lengths)
         return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
 
     @classmethod
@@ -289,8 +389,9 @@ class Batch:
         user_ids: torch.Tensor,
         candidate_labels: torch.Tensor,
         dense: torch.Tensor,
+        extra_dense: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> "Batch":
-        """Inverse of :meth:`to_kjt`."""
+        """Inverse of :meth:`to_kjt`: keys other than the built-in ones become ``extra_jagged`` fields."""
         # Split per key by hand (KJT.to_dict() fails on a zero-sample KJT).
         keys = list(kjt.keys())
         missing = {UIH_ITEM_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY} - set(keys)
@@ -317,4 +418,6 @@ class Batch:
             dense=dense,
             uih_action_types=jt[UIH_ACTION_KEY][0] if UIH_ACTION_KEY in jt else None,
             uih_timestamps=jt[UIH_TIME_KEY][0] if UIH_TIME_KEY in jt else None,
+            extra_jagged={k: Jagged.from_lengths(v, n) for k, (v, n) in jt.items() if k not in BUILTIN_KJT_KEYS},
+            extra_dense=dict(extra_dense or {}),
         )

@@ -12,7 +12,7 @@ fsdata knows nothing of tables. The node is built with plain data from fsembed's
                        is carried along opaquely (fsembed puts the per-feature id counts there)
     transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
-and yields ``(batch, PrefetchedIds)``. The node is an AsyncStage: the exchange in flight is not loader state
+and yields the loader item with ``prefetched`` set (``PrefetchedIds``). The node is an AsyncStage: the exchange in flight is not loader state
 (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its ids belong to
 the consumer.
 """
@@ -26,6 +26,7 @@ from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 import torch
 
 from fsdata.batch import lengths_to_offsets
+from fsdata.item import LoaderItem, as_item
 
 try:  # the node needs torchdata; the exchange helpers below do not (they run where torchdata is absent)
     from torchdata.nodes import BaseNode
@@ -224,10 +225,13 @@ if BaseNode is not None:
                 raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
         return dict(boundaries)
 
+    SIZES_KEY = "id_prefetch_sizes"  # LoaderItem.extras: the size exchange between the two stages
+
     class IdSizeExchange(AsyncStage):
         """First half of the ID prefetch: groups each batch's ids by shard and starts the size exchange.
 
-        Yields ``(*item, {key: SizedIds})``; the size exchange was started one ``next()`` earlier.
+        Yields the item with ``extras[SIZES_KEY] = {key: SizedIds}``; the size exchange was started one
+        ``next()`` earlier.
         """
 
         span_name = "id_sizes_wait"
@@ -237,17 +241,18 @@ if BaseNode is not None:
             self.boundaries = _check_boundaries(boundaries)
             self.transport, self.feature_extractor, self.rank = transport, feature_extractor, rank
 
-        def start(self, item) -> tuple:
-            parts = item if isinstance(item, tuple) else (item,)
-            return (*parts, start_sizes(self.feature_extractor(parts[0]), self.boundaries, self.transport, self.rank))
+        def start(self, item) -> LoaderItem:
+            item = as_item(item)
+            sized = start_sizes(self.feature_extractor(item.batch), self.boundaries, self.transport, self.rank)
+            return replace(item, extras={**item.extras, SIZES_KEY: sized})
 
-        def finish(self, started: tuple) -> tuple:
+        def finish(self, started: LoaderItem) -> LoaderItem:
             return started
 
     class IdPrefetch(AsyncStage):
         """Second half: posts each batch's id AllToAll (its sizes known) one ``next()`` before handing it out.
 
-        Yields ``(*item, PrefetchedIds)``. Chained after :class:`IdSizeExchange` (``id_prefetch_stages``), batch
+        Yields the item with ``prefetched`` set (``PrefetchedIds``). Chained after :class:`IdSizeExchange` (``id_prefetch_stages``), batch
         k's sizes leave two loader calls and its ids one call before batch k is handed out: with the trainer's
         one batch of lookahead, batch i+1's ids travel during step i-1 and are there for step i's forward.
         The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would order
@@ -257,11 +262,14 @@ if BaseNode is not None:
 
         span_name = "id_prefetch_wait"
 
-        def start(self, item: tuple) -> tuple:
-            *parts, sized = item
-            return (*parts, PrefetchedIds({k: s.post() for k, s in sized.items()}))
+        def start(self, item: LoaderItem) -> LoaderItem:
+            if not isinstance(item, LoaderItem) or SIZES_KEY not in item.extras:
+                raise ValueError("IdPrefetch: compose it right after IdSizeExchange (use id_prefetch_stages)")
+            extras = dict(item.extras)
+            sized = extras.pop(SIZES_KEY)
+            return replace(item, prefetched=PrefetchedIds({k: s.post() for k, s in sized.items()}), extras=extras)
 
-        def finish(self, started: tuple) -> tuple:
+        def finish(self, started: LoaderItem) -> LoaderItem:
             return started  # the ids are waited for by the embedding stage, where they are needed
 
     def id_prefetch_stages(boundaries, transport, feature_extractor, rank: int = 0, timer=None) -> list:

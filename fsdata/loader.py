@@ -1,5 +1,8 @@
 """Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [stages] -> pin memory / device copy.
 
+Every item the loader yields is one ``fsdata.item.LoaderItem`` whatever stages are composed: the batch, and what
+the stages attached (the balancer's ``report``, the ID prefetch's ``prefetched``, ...), ``None`` where absent.
+
 Each stage is a torchdata.nodes BaseNode wrapping the one before it, so the chain checkpoints through the one
 ``Loader.state_dict()`` (the StatefulDataLoader protocol: ``state_dict()`` / ``load_state_dict()``).
 The prefetcher reads local batches ``prefetch_depth`` ahead in a thread (file I/O, generation: no
@@ -15,18 +18,37 @@ Given a CUDA ``device``, that worker also pins each batch and copies it to the d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
-from fsdata.batch import Batch
+from fsdata.item import LoaderItem, as_item
 from fsdata.nodes.background import Background
 from fsdata.nodes.device_copy import DeviceCopy
 from fsdata.nodes.reader import GlobalBatchReader
 from fsdata.source import SampleSource
 
-Stage = Callable[[BaseNode[Batch]], BaseNode]
+Stage = Callable[[BaseNode[LoaderItem]], BaseNode[LoaderItem]]
+
+
+class AsItems(BaseNode[LoaderItem]):
+    """Wraps each batch of its source in a LoaderItem. Keeps no state and hands its source's state through
+    unchanged (not nested under a key), so a loader state saved before this node existed still loads."""
+
+    def __init__(self, source: BaseNode) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self) -> LoaderItem:
+        return as_item(next(self.source))
+
+    def get_state(self) -> Dict[str, Any]:
+        return self.source.state_dict()
 
 
 @dataclass
@@ -70,11 +92,11 @@ def build_loader(
     start: Optional[dict] = None,
     device: Optional[torch.device] = None,
 ) -> Loader:
-    """``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader). ``device``: where the
+    """A loader yielding ``LoaderItem``s. ``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader). ``device``: where the
     batches are trained; a CUDA device makes the stage worker copy them there, ordered before the work that the
     building thread's current stream queues after it takes an item (fsdata.nodes.device_copy)."""
     config.validate()
-    node: BaseNode = GlobalBatchReader(source, config.batch_size, rank, world_size, start)
+    node: BaseNode = AsItems(GlobalBatchReader(source, config.batch_size, rank, world_size, start))
     if config.prefetch_depth > 0:
         node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
     for wrap in stages:

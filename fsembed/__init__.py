@@ -5,13 +5,14 @@ from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optim
 from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, ShardedEmbeddingCollection
-from fsembed.swap import EmbeddingHub, swap_embeddings
+from fsembed.swap import EmbeddingHub, find_embeddings, swap_embeddings
 
 __all__ = [
     "StageTransports",
     "stage_transports",
     "EmbeddingHub",
     "swap_embeddings",
+    "find_embeddings",
     "SGD",
     "Adam",
     "RowWiseAdagrad",

@@ -1,23 +1,33 @@
-"""Module swap: the user's embedding modules, found by name, replaced by views of one sharded collection.
+"""Module swap: the user's embedding modules, found by name or by type, replaced by views of one sharded collection.
 
-    hub = swap_embeddings(model, ["item_emb", "user_emb"], mode="prioritized")    # or an EmbeddingCollection's name
+    hub = swap_embeddings(model, ["item_emb", "user_emb"], mode="prioritized")    # by name (paths in the model)
+    hub = swap_embeddings(model, types=["EmbeddingCollection"], mode="prioritized")  # or every module of a type
     for batch, next_batch in ...:
         hub.prepare(features_of(batch), features_of(next_batch))   # the exchanges of every table, once
         loss = model(batch)                                        # model code unchanged: item_emb(ids) works
         loss.backward()
 
-The named modules may be ``nn.Embedding`` (one table, its feature is the module's name) or torchrec's
-``EmbeddingCollection`` (its tables and feature names as configured). All tables go into one ShardingPlan,
-which groups tables of the same dtype and dim (all row-wise), so one set of AllToAlls serves every module of a
-group however many the model has. The replaced module's ``forward`` returns the rows prepared for its ids
-(checked equal to what it is called with, so a mismatch between the extractor and the model fails loudly).
+(pipelines.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
+
+The modules may be ``nn.Embedding`` (one table, its feature is the module's name) or torchrec's
+``EmbeddingCollection`` (its tables and feature names as configured; a table may serve several features).
+All tables go into one ShardingPlan, which groups tables of the same dtype and dim (all row-wise, torchrec's
+split unless ``row_boundaries`` gives another), so one set of AllToAlls serves every module of a group however
+many the model has. Pooled modules (``nn.EmbeddingBag``, torchrec's ``EmbeddingBagCollection``) are refused:
+prioritized updates split each looked-up row's gradient by whether the next batch uses the row again, which needs
+the gradient of every row of every id, not of a pooled sum.
+
+The replaced module's ``forward`` returns the rows prepared for its ids (checked equal to what it is called
+with, so a mismatch between the features function and the model fails loudly). A module called more than once
+per step is prepared with the ids of every call, in call order (a list per feature, or one concatenated
+tensor): each call takes the next ids' rows; a module called again with all of its ids gets the same rows again.
 The collection is registered in the model as ``fsembed_collection``: its tables, optimizer state and, for
 prioritized updates, the exchange in flight ride in ``model.state_dict()``.
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -27,6 +37,23 @@ from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.sharded import ShardedEmbeddingCollection
 
 COLLECTION_NAME = "fsembed_collection"
+Features = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]  # feature -> ids, or the ids of each call
+SWAPPABLE_TYPES = ("Embedding", "EmbeddingCollection")
+POOLED_TYPES = ("EmbeddingBag", "EmbeddingBagCollection")
+CALLS_HINT = ("A module called more than once per step must be prepared with the ids of every call: return them from "
+              "features(batch) as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated")
+
+
+def flat_features(features: Features) -> dict[str, torch.Tensor]:
+    """``{feature: ids}`` with each feature's ids of every call concatenated (call order), flattened."""
+    out = {}
+    for k, v in features.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.reshape(-1)
+        else:
+            parts = [t.reshape(-1) for t in v]
+            out[k] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return out
 
 
 class EmbeddingHub:
@@ -36,17 +63,22 @@ class EmbeddingHub:
         self.collection = collection
         self._ids: dict[str, torch.Tensor] = {}
         self._out: dict[str, torch.Tensor] = {}
+        self._cursor: dict[str, int] = {}  # per feature: ids taken by the calls so far this step
         self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed), see rows()
 
-    def prepare(self, features: Mapping[str, torch.Tensor], next_features=None, *, prefetched=None) -> None:
+    def prepare(self, features: Features, next_features: Optional[Features] = None, *, prefetched=None) -> None:
         """Looks up every feature of this step (``next_features``: the next step's, for prioritized updates;
-        ``prefetched``: this step's ID exchange started earlier by ``collection.exchange_ids(features)``)."""
+        ``prefetched``: this step's ID exchange started earlier by ``collection.exchange_ids(features)``).
+        A feature's value is its ids, or a list of the ids of each call of its module this step, in call order."""
         self.verify()
-        self._ids = {k: v.reshape(-1) for k, v in features.items()}
-        self._out = self.collection(prefetched if prefetched is not None else features, next_features)
+        self._ids = flat_features(features)
+        self._cursor = {k: 0 for k in self._ids}
+        nxt = flat_features(next_features) if isinstance(next_features, Mapping) else next_features
+        self._out = self.collection(prefetched if prefetched is not None else self._ids, nxt)
 
     def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
-        """The prepared rows of ``feature``; ``ids`` must be the ids ``prepare`` received.
+        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids ``prepare`` received for
+        it (a module called again with all of its prepared ids gets the same rows again).
 
         Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
         would synchronise the device in the middle of the forward (the GPU drains, then idles while the host
@@ -54,7 +86,16 @@ class EmbeddingHub:
         when the step has synchronised anyway: a mismatch still raises, one step later at most."""
         if feature not in self._out:
             raise ValueError(f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the model)")
-        flat, prepared = ids.reshape(-1), self._ids[feature]
+        flat, every = ids.reshape(-1), self._ids[feature]
+        if flat.dtype != every.dtype:  # a KJT may hold int32 ids
+            flat = flat.to(every.dtype)
+        start = self._cursor[feature] % max(every.numel(), 1)
+        if start + flat.numel() > every.numel():
+            raise ValueError(f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
+                             f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
+                             f"prepared. {CALLS_HINT}")
+        self._cursor[feature] = start + flat.numel()
+        prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
             raise self._mismatch([feature])
         if flat is not prepared:
@@ -63,19 +104,26 @@ class EmbeddingHub:
                     raise self._mismatch([feature])
             else:
                 self._unchecked.append((feature, (flat.to(prepared.device, non_blocking=True) != prepared).any()))
-        return self._out[feature]
+        out = self._out[feature]
+        return out if flat.numel() == every.numel() else out[start : start + flat.numel()]
 
     def verify(self) -> None:
         """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
-        queued on the device)."""
+        queued on the device), or took only part of them."""
         unchecked, self._unchecked = self._unchecked, []
         bad = [feature for feature, differs in unchecked if bool(differs)]
         if bad:
             raise self._mismatch(bad)
+        partial = {k: (c, self._ids[k].numel()) for k, c in self._cursor.items() if c % max(self._ids[k].numel(), 1)}
+        self._cursor = {k: 0 for k in self._cursor}
+        if partial:
+            raise ValueError(f"fsembed swap: the model looked up only part of the ids prepared for {partial} (taken, "
+                             "prepared): features(batch) must give exactly the ids of every call of the module, in call order")
 
     @staticmethod
     def _mismatch(features: list[str]) -> ValueError:
-        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare received")
+        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare "
+                          f"received. {CALLS_HINT}")
 
 
 class ShardedEmbeddingView(nn.Module):
@@ -99,11 +147,37 @@ class ShardedCollectionView(nn.Module):
     def forward(self, kjt):
         from torchrec.sparse.jagged_tensor import JaggedTensor
 
-        jts = kjt.to_dict()
-        return {f: JaggedTensor(values=self._hub.rows(f, jts[f].values()), lengths=jts[f].lengths()) for f in self.features if f in jts}
+        jts = kjt_split(kjt)
+        return {f: JaggedTensor(values=self._hub.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts}
+
+
+def kjt_split(kjt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{key: (values, lengths)}`` of a torchrec KeyedJaggedTensor, split by hand: ``KJT.to_dict()`` fails on a
+    KJT of zero samples, which an empty local batch gives."""
+    keys = list(kjt.keys())
+    ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    stride = kjt.lengths().numel() // max(len(keys), 1)
+    values, lengths = kjt.values(), kjt.lengths()
+    return {k: (values[s:e], lengths[i * stride : (i + 1) * stride]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))}
+
+
+def kjt_ids(kjt) -> dict[str, torch.Tensor]:
+    """The ids of every key of a KeyedJaggedTensor: what an EmbeddingCollection called once with it looks up."""
+    return {k: v.to(torch.int64) for k, (v, _) in kjt_split(kjt).items()}
+
+
+def _pooled_refusal(name: str, module: nn.Module) -> ValueError:
+    return ValueError(
+        f"fsembed swap: module {name!r} is a {type(module).__name__}, whose lookups are pooled: prioritized updates "
+        "split each looked-up row's gradient by whether the next batch uses that row again, so they need one "
+        "embedding per id (unpooled). Use nn.Embedding or torchrec's EmbeddingCollection (same tables and feature "
+        "names) and pool its output in your model, e.g. torch.segment_reduce(jt.values(), 'sum', lengths=jt.lengths())")
 
 
 def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Tensor]]:
+    if type(module).__name__ in POOLED_TYPES:
+        raise _pooled_refusal(name, module)
     if isinstance(module, nn.Embedding):
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
             raise ValueError(f"fsembed swap: module {name!r}: padding_idx, max_norm and sparse=True are not supported")
@@ -118,24 +192,51 @@ def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Te
     raise ValueError(f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec EmbeddingCollection")
 
 
+def find_embeddings(model: nn.Module, types: Sequence[Union[str, type]]) -> list[str]:
+    """Paths of the modules of ``model`` whose type is one of ``types`` (classes, or class names such as
+    ``"EmbeddingCollection"``, so torchrec need not be imported), outermost first; none inside another found one."""
+    wanted = {t if isinstance(t, str) else t.__name__ for t in types}
+    unknown = wanted - set(SWAPPABLE_TYPES) - set(POOLED_TYPES)
+    if unknown:
+        raise ValueError(f"fsembed swap: types {sorted(unknown)} cannot be swapped; choose from {list(SWAPPABLE_TYPES)}")
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if name and type(module).__name__ in wanted and not any(name.startswith(f + ".") for f in found):
+            if type(module).__name__ in POOLED_TYPES:
+                raise _pooled_refusal(name, module)
+            found.append(name)
+    if not found:
+        raise ValueError(f"fsembed swap: {type(model).__name__} has no module of type {sorted(wanted)}")
+    return found
+
+
 def swap_embeddings(
     model: nn.Module,
-    names: Sequence[str],
+    names: Optional[Sequence[str]] = None,
     *,
+    types: Optional[Sequence[Union[str, type]]] = None,
     mode: str = "sync",
     world_size: Optional[int] = None,
     rank: Optional[int] = None,
+    row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
     **collection_kwargs,
 ) -> EmbeddingHub:
-    """Replaces the modules ``names`` of ``model`` (paths as in ``named_modules()``) in place; returns the hub.
+    """Replaces the modules ``names`` of ``model`` (paths as in ``named_modules()``), or every module of one of
+    ``types`` (:func:`find_embeddings`), in place; returns the hub.
 
     Initial values are the modules' own weights (identical on every rank, as after a seeded construction).
-    ``collection_kwargs`` go to the collection (optimizer, transport, grad_scale, device, timer).
+    ``row_boundaries``: the sharding plan, ``{table: [W+1] int64 row boundaries}`` for the tables that do not take
+    torchrec's row-wise split. ``collection_kwargs`` go to the collection (optimizer, transport, grad_scale,
+    device, timer).
     """
     import torch.distributed as dist
 
     if mode not in ("sync", "prioritized"):
         raise ValueError(f"fsembed swap: mode must be 'sync' or 'prioritized', got {mode!r}")
+    if (names is None) == (types is None):
+        raise ValueError("fsembed swap: give the modules to swap by names or by types (one of the two)")
+    if names is None:
+        names = find_embeddings(model, types)
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
@@ -143,7 +244,8 @@ def swap_embeddings(
     found = {n: _tables_of(n, modules[n]) for n in names}
     tables = [t for pairs in found.values() for t, _ in pairs]
     init = {t.name: w for pairs in found.values() for t, w in pairs}
-    plan = ShardingPlan(tables, world_size if world_size is not None else dist.get_world_size())
+    plan = ShardingPlan(tables, world_size if world_size is not None else dist.get_world_size(),
+                        row_boundaries=dict(row_boundaries or {}))
     cls = PrioritizedEmbeddingCollection if mode == "prioritized" else ShardedEmbeddingCollection
     collection = cls(plan, rank, init_tables=init, **collection_kwargs)
     hub = EmbeddingHub(collection)

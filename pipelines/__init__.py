@@ -1,1 +1,26 @@
-"""pipelines: the staged train pipeline, reference model, CLI, benchmarks and simulator."""
+"""pipelines: the public training API (wrap_model, TrainStep, ModelSpec), the staged train pipeline, the reference
+model, CLI, benchmarks and simulator. See docs/api.md."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Loaded on first use, so `freescale data ...` and other commands do not import the training stack.
+_EXPORTS = {
+    "ModelSpec": "pipelines.step",
+    "StepResult": "pipelines.step",
+    "TrainStep": "pipelines.step",
+    "bce_loss": "pipelines.step",
+    "host_transport": "pipelines.step",
+    "wrap_model": "pipelines.step",
+    "StagedPipeline": "pipelines.staged",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 from fsdata.source import SampleSource
-from pipelines.config import DataConfig, ModelSection, TrainConfig
+from pipelines.config import DataConfig, JobConfig, ModelSection, TrainConfig
 from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
+from pipelines.step import ModelSpec
 
 
 def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
@@ -34,10 +35,36 @@ def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
     return ParquetSource(paths, uih_cap=config.uih_cap)
 
 
+def is_factory(name: str) -> bool:
+    """Whether ``--model`` names a factory (``module:function`` or ``path/file.py:function``), not a preset."""
+    return ":" in name
+
+
+def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
+    """The model to train and how to train it: a user's factory (``--model module:function`` or
+    ``path/file.py:function``, called with the job's config; it returns a ModelSpec, or just the model), or the
+    reference model of a preset, described the same way (its item table swapped by name, its features the ids of
+    its one lookup)."""
+    if is_factory(config.model.model):
+        from fsdata.resolve import load_callable
+
+        factory = load_callable(config.model.model, "model factory")
+        spec = factory(config)
+        if isinstance(spec, torch.nn.Module):
+            spec = ModelSpec(spec)
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"model factory {config.model.model!r} returned a {type(spec).__name__}; return a "
+                             "pipelines.ModelSpec (or an nn.Module)")
+        return spec
+    model = build_model(config.model, source, seed=config.train.seed)
+    return ModelSpec(model, embeddings=["item_embedding"], features=lambda batch: {"item_embedding": model.item_ids(batch)})
+
+
 def build_model(config: ModelSection, source: SampleSource, seed: int) -> SequenceModel:
     """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank."""
     if config.model not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)}")
+        raise ValueError(f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)} or name a "
+                         "factory: module:function or path/to/file.py:function")
     probe = source.read(0, 0, min(1, source.num_samples(0)))
     sizes = dict(MODEL_PRESETS[config.model])
     overrides = (("num_items", config.num_items), ("dim", config.dim), ("num_layers", config.num_layers), ("max_uih", config.max_uih))
@@ -47,21 +74,23 @@ def build_model(config: ModelSection, source: SampleSource, seed: int) -> Sequen
     return SequenceModel(model_config)
 
 
-def build_pipeline(model: SequenceModel, config: TrainConfig, timer, device: torch.device):
-    """The staged pipeline around ``model`` for the sharded-embedding modes (None for ``replicated``, ``torchrec``)."""
+def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.device):
+    """The embedding stage around ``spec.model`` for the sharded-embedding modes, through the public
+    ``wrap_model`` (None for ``replicated``, ``torchrec``)."""
     if config.mode in ("replicated", "torchrec"):
         return None
     from fsembed import get_optimizer
-    from pipelines.staged import StagedPipeline
+    from pipelines.step import wrap_model
 
-    optimizer = get_optimizer(config.embedding_optimizer, lr=config.embedding_lr)
-    return StagedPipeline(
-        model,
-        config.mode,
-        features=lambda batch: {"item_embedding": model.item_ids(batch)},
-        table_names=["item_embedding"],
-        optimizer=optimizer,
-        transport_name=config.transport,
+    return wrap_model(
+        spec.model,
+        embeddings=spec.embeddings,
+        types=spec.types,
+        mode=config.mode,
+        features=spec.features,
+        inputs=spec.inputs,
+        optimizer=get_optimizer(config.embedding_optimizer, lr=config.embedding_lr),
+        transport=config.transport,
         early_start=config.early_start,
         exclusive_start=config.exclusive_start,
         timer=timer,

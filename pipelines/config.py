@@ -35,7 +35,9 @@ class DataConfig:
 
 @dataclass
 class ModelSection:
-    model: str = _f("tiny", "reference model preset (tiny, small, production)")
+    model: str = _f("tiny", "reference model preset (tiny, small, production), or a factory of your own model: "
+                            "module:function (on sys.path, the current directory first) or path/to/file.py:function "
+                            "(docs/api.md: it gets this job's config and returns a pipelines.ModelSpec)")
     num_items: Optional[int] = _f(None, "override the preset's item table rows (ids are taken modulo it)")
     dim: Optional[int] = _f(None, "override the preset's width d")
     num_layers: Optional[int] = _f(None, "override the preset's number of transformer blocks")
@@ -114,6 +116,8 @@ class JobConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.train.mode!r}")
         if self.train.mode == "torchrec":
             self._validate_torchrec()
+            if ":" in self.model.model:
+                raise ValueError(f"mode torchrec runs the reference model only, not --model {self.model.model!r}")
         if self.train.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
         if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:

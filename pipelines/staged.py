@@ -31,11 +31,15 @@ modules are named). FreeScale installs itself around it:
 The loader's ID-prefetch stage (fsdata.id_prefetch) starts every batch's ID AllToAll one loader call early, and
 the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
 i (``current_ids``, for sdd) and batch i+1 (``upcoming_ids``, for freescale): section 6.1's one extra batch.
+``begin_step(batch, current_ids, upcoming_ids)`` does so in one call, and names the batch whose features the
+pre-hook looks up, so the model may take other inputs than the batch (pipelines.step: ``inputs``).
+
+Built through the public ``pipelines.step.wrap_model`` (the reference model too).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -43,7 +47,8 @@ from torch import nn
 from fsdata.batch import Batch
 
 EMBEDDING_MODES = ("sync", "sdd", "semisync", "freescale")
-FeatureFn = Callable[[Batch], Mapping[str, torch.Tensor]]
+# batch -> {feature: ids, or the ids of each call of the feature's module this step, in call order}
+FeatureFn = Callable[[Batch], Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
 
 class StagedPipeline:
@@ -55,8 +60,10 @@ class StagedPipeline:
         model: nn.Module,
         mode: str,
         features: FeatureFn,
-        table_names: list[str],
+        table_names: Optional[list[str]] = None,
         *,
+        types: Optional[Sequence] = None,
+        row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
         optimizer,
         transport_name: str = "host",
         early_start: str = "backward",
@@ -72,6 +79,8 @@ class StagedPipeline:
         self.hub = swap_embeddings(
             model,
             table_names,
+            types=types,
+            row_boundaries=row_boundaries,
             mode="prioritized" if mode in ("freescale", "semisync") else "sync",
             optimizer=optimizer,
             timer=timer,
@@ -85,6 +94,7 @@ class StagedPipeline:
         # ID-prefetch stage started for batch i and batch i+1.
         self.current_ids = None
         self.upcoming_ids = None
+        self._batch: Optional[Batch] = None  # the batch of the next forward (begin_step); else the forward's first argument
         self._hook = model.register_forward_pre_hook(self._before_forward)
         self._after_hook = model.register_forward_hook(self._after_forward)
 
@@ -96,8 +106,18 @@ class StagedPipeline:
 
         return {"transport": stage_transports(name)}
 
+    def begin_step(self, batch: Batch, current_ids=None, upcoming_ids=None) -> None:
+        """Names the step's batch and the ID exchanges the loader started for it and for the next batch
+        (``LoaderItem.prefetched`` of both; None where absent): the model's next forward looks its features up."""
+        self._batch, self.current_ids, self.upcoming_ids = batch, current_ids, upcoming_ids
+
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        batch = args[0]
+        batch, self._batch = self._batch, None
+        if batch is None:
+            if not args or not isinstance(args[0], Batch):
+                raise ValueError("FreeScale embedding stage: the model's forward does not take the batch; call "
+                                 "stage.begin_step(batch, current_ids, upcoming_ids) before it (TrainStep does)")
+            batch = args[0]
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
             return
@@ -131,15 +151,23 @@ class StagedPipeline:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if self.mode == "sync":
             return []
-        from fscomm import get_transport
-        from fscomm.groups import new_stage_group
         from fsdata.id_prefetch import id_prefetch_stages
+        from pipelines.step import host_transport
 
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
         # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
-        transport = get_transport("host", group=new_stage_group("id-prefetch"))
+        transport = host_transport("id-prefetch")
         plan = self.collection.plan
-        return id_prefetch_stages(plan.group_boundaries, transport, plan.extractor(self.features), rank, timer)
+        from fsembed.swap import flat_features
+
+        extract = plan.extractor(lambda batch: flat_features(self.features(batch)))
+        return id_prefetch_stages(plan.group_boundaries, transport, extract, rank, timer)
+
+    def loader_stages(self, rank: int, timer=None) -> list:
+        """The loader stages this embedding stage wants (the ID prefetch in sdd / semisync / freescale; none in
+        sync), for ``fsdata.loader.build_loader(stages=...)`` after the balancer's: the public name of
+        ``id_prefetch_stages``."""
+        return self.id_prefetch_stages(rank, timer)
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end), and reads back

@@ -66,11 +66,12 @@ from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, S
 from fsdata.nodes.shuffle import ShuffleSamples
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 from pipelines import checkpoint
-from pipelines.builders import build_model, build_pipeline, build_source, build_torchrec_reference
+from pipelines.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
+from pipelines.step import as_args
 
 # Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
 EXPOSED_SPANS = {
@@ -195,8 +196,11 @@ class Trainer:
         self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
         self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
-        self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
-        self.pipeline = build_pipeline(self.model, config.train, self.timer, device)
+        self.spec = build_model_spec(config, self.source)  # the reference model, or a user's (--model factory)
+        if self.spec.source is not None:  # a user's model may read features of its own from the source
+            self.source = self.spec.source(self.source)
+        self.model = self.spec.model.to(device)
+        self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
         self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
         if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
             self.optimizer = self.torchrec.optimizer
@@ -351,10 +355,8 @@ class Trainer:
             item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item, new_epoch = next(iter(self.loader)), True
-        parts = item if isinstance(item, tuple) else (item,)
-        batch = parts[0]
-        balance = next((p for p in parts[1:] if isinstance(p, dict)), None)
-        ids = next((p.to(self.device) for p in parts[1:] if isinstance(p, PrefetchedIds)), None)
+        batch, balance = item.batch, item.report  # a LoaderItem (fsdata.item), whatever stages are composed
+        ids = item.prefetched.to(self.device) if isinstance(item.prefetched, PrefetchedIds) else None
         if batch.device != self.device:  # on a GPU the stage worker copied it already (fsdata.nodes.device_copy)
             batch = batch.to(self.device, non_blocking=True)
         return _Fetched(batch, balance, ids, new_epoch, loader_state)
@@ -371,6 +373,10 @@ class Trainer:
             dist.all_reduce(count)
         return float(count)
 
+    def _loss(self, outputs, batch: Batch) -> torch.Tensor:
+        """The local loss sum: the model's own (``ModelSpec.loss``), else BCE of its logits against the labels."""
+        return self.spec.loss(outputs, batch) if self.spec.loss is not None else bce_sum(outputs, batch.candidate_labels)
+
     def forward_backward(self, batch: Batch, global_labels: float) -> tuple[float, torch.Tensor]:
         """Backward of the local BCE sum over the global label count; returns the label count and, on the device
         (not read here: no device sync), the BCE sum and the positives.
@@ -378,7 +384,9 @@ class Trainer:
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         labels = batch.candidate_labels
         with self._phase("freescale/forward"):
-            loss = bce_sum(self.model(batch), labels)
+            if self.pipeline is not None:
+                self.pipeline.begin_step(batch, self.pipeline.current_ids, self.pipeline.upcoming_ids)
+            loss = self._loss(self.model(*as_args(self.spec.inputs, batch)), batch)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
         with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()

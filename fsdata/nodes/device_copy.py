@@ -5,10 +5,10 @@ the host work of the copies (pinning, a dozen small copies to queue, the stream 
 previous step computes, instead of between two steps, where the GPU idles until the training thread has queued
 them. The training thread does nothing with an item but use it.
 
-Items: a Batch, or a tuple whose first element is the Batch; they come out in the same shape, with the batch on
-the device. The ID prefetch's exchanges (``PrefetchedIds``) are completed here, the worker waiting for them
-instead of the step's forward, and come out with their send permutations and received ids on the device, by the
-same copies. Other parts (the balancer's metrics) pass through untouched.
+Items: LoaderItems (fsdata.item); they come out with the batch on the device. The ID prefetch's exchanges
+(``prefetched``) are completed here, the worker waiting for them instead of the step's forward, and come out with
+their send permutations and received ids on the device, by the same copies. The other fields (the balancer's
+report, an attention plan, extras) pass through untouched.
 
 Streams. The copies run on the copy stream, and the memory they fill is allocated there. Before handing an item
 out, the node makes the consumer's stream wait for them (an event, no host wait) and marks every copied tensor
@@ -24,13 +24,14 @@ checkpointed on a CPU run resumes on a GPU run and back.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, Optional, Union
 
 import torch
 from torchdata.nodes import BaseNode
 
-from fsdata.batch import Batch
 from fsdata.id_prefetch import PrefetchedIds
+from fsdata.item import LoaderItem, as_item
 
 
 class DeviceCopy(BaseNode[Any]):
@@ -49,19 +50,17 @@ class DeviceCopy(BaseNode[Any]):
         super().reset(initial_state)
         self.source.reset(initial_state)
 
-    def next(self) -> Any:
-        item = next(self.source)
-        parts = item if isinstance(item, tuple) else (item,)
-        batch = parts[0]
-        if not isinstance(batch, Batch):
-            raise ValueError(f"DeviceCopy: expected a Batch (or a tuple starting with one), got {type(batch).__name__}")
+    def next(self) -> LoaderItem:
+        item = as_item(next(self.source))
         with torch.cuda.stream(self._stream):
-            moved = (batch.pin_memory().to(self.device, non_blocking=True),)
-            moved += tuple(p.wait().pin_memory().to(self.device) if isinstance(p, PrefetchedIds) else p for p in parts[1:])
+            batch = item.batch.pin_memory().to(self.device, non_blocking=True)
+            ids = item.prefetched
+            if isinstance(ids, PrefetchedIds):
+                ids = ids.wait().pin_memory().to(self.device)
         self.consumer_stream.wait_stream(self._stream)
-        for t in [*moved[0].tensors().values(), *(t for p in moved if isinstance(p, PrefetchedIds) for t in p.tensors())]:
+        for t in [*batch.tensors().values(), *(ids.tensors() if isinstance(ids, PrefetchedIds) else ())]:
             t.record_stream(self.consumer_stream)
-        return moved if isinstance(item, tuple) else moved[0]
+        return replace(item, batch=batch, prefetched=ids)
 
     def get_state(self) -> Dict[str, Any]:
         return self.source.state_dict()

@@ -3,8 +3,9 @@
 Both are :class:`AsyncStage` nodes: each exchange starts one ``next()`` before its result is needed.
 
 Stage I  — one AllGather of a fixed-size int64 block per rank: a header row (local batch size, the rank's latest
-           measured step time, the step it measures, a schema code) and one row per sample (UIH length,
-           number of candidates, sample id), padded to ``capacity`` rows. Fixed size, so no size exchange first.
+           measured step time, the step it measures, a schema code, a signature of the user's extra features)
+           and one row per sample (UIH length, number of candidates, sample id, then the length of each extra
+           jagged field), padded to ``capacity`` rows. Fixed size, so no size exchange first.
 Stage II — one AllGather of the candidates' content lengths, sized per rank from Stage I's candidate counts.
 
 The runtime measurements ride along in Stage I, so the runtime info R that autotune and the online cost model
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,10 +25,13 @@ from torchdata.nodes import BaseNode
 
 from fscomm.timing import Timer
 from fsdata.batch import Batch
+from fsdata.item import LoaderItem, as_item
 from fsdata.nodes.async_stage import AsyncStage
 from fsdata.partition.base import GatheredLengths
 
-_ROW = 4  # int64 columns per row: (uih_length, num_candidates, sample_id, unused) / header
+# int64 columns per row before the extra jagged fields' lengths: (uih_length, num_candidates, sample_id, -, -) /
+# header (batch size, step time bits, measured step, schema code, extras signature)
+_ROW = 5
 
 
 class StepFeedback:
@@ -53,10 +58,29 @@ class StepFeedback:
 class Gathered:
     """A local batch with the whole global step's lengths and runtime measurements (identical on all ranks)."""
 
-    batch: Batch
+    item: LoaderItem
     lengths: GatheredLengths
     measured_steps: torch.Tensor  # int64 [W]: the step each rank's step_time measures (-1: none yet)
     step_times: torch.Tensor  # float64 [W]
+    extra_lengths: Optional[torch.Tensor] = None  # int64 [G, K]: each extra jagged field's length (sorted names)
+
+    @property
+    def batch(self) -> Batch:
+        return self.item.batch
+
+
+def extra_layout(batch: Batch) -> tuple[list[str], list[tuple]]:
+    """The user's extra features in a fixed order: jagged names (sorted), and per dense field (sorted)
+    ``(name, dtype, per-sample shape)``. Every rank's batches must agree on it (checked in Stage I)."""
+    jagged = sorted(batch.extra_jagged)
+    dense = [(k, batch.extra_dense[k].dtype, tuple(batch.extra_dense[k].shape[1:])) for k in sorted(batch.extra_dense)]
+    return jagged, dense
+
+
+def _extras_signature(batch: Batch) -> int:
+    jagged, dense = extra_layout(batch)
+    jagged_types = [(k, str(batch.extra_jagged[k].values.dtype)) for k in jagged]
+    return zlib.crc32(repr((jagged_types, [(k, str(d), s) for k, d, s in dense])).encode())
 
 
 def _schema_code(batch: Batch) -> int:
@@ -75,7 +99,7 @@ def _float_bits(x: float) -> int:
 
 @dataclass
 class _StageOne:
-    batch: Batch
+    item: LoaderItem
     handle: Any
 
 
@@ -83,9 +107,9 @@ class _StageOne:
 class _StageOneDone:
     """Stage I unpacked once: every rank's header row and the real sample rows, in source-rank order."""
 
-    batch: Batch
-    header: torch.Tensor  # [W, 4]: local batch size, step time bits, measured step, schema code
-    rows: torch.Tensor  # [G, 4]: uih length, candidates, sample id, unused
+    item: LoaderItem
+    header: torch.Tensor  # [W, 5+K]: local batch size, step time bits, measured step, schema code, extras signature
+    rows: torch.Tensor  # [G, 5+K]: uih length, candidates, sample id, unused, unused, extra jagged lengths
 
 
 @dataclass
@@ -94,14 +118,14 @@ class _StageTwo:
     handle: Any
 
 
-class GatherLengths(AsyncStage[Batch, _StageOne, _StageOneDone]):
+class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
     """Stage I: AllGather of every rank's per-sample lengths and sample ids, plus its runtime measurement."""
 
     span_name = "balancer_stage1_wait"
 
     def __init__(
         self,
-        source: BaseNode[Batch],
+        source: BaseNode[LoaderItem],
         transport: Any,
         rank: int,
         world_size: int,
@@ -115,7 +139,9 @@ class GatherLengths(AsyncStage[Batch, _StageOne, _StageOneDone]):
         self.transport, self.rank, self.world_size, self.capacity = transport, rank, world_size, capacity
         self.feedback = feedback
 
-    def start(self, batch: Batch) -> _StageOne:
+    def start(self, item: LoaderItem) -> _StageOne:
+        item = as_item(item)
+        batch = item.batch
         b = batch.batch_size
         if b > self.capacity:
             raise ValueError(
@@ -123,25 +149,28 @@ class GatherLengths(AsyncStage[Batch, _StageOne, _StageOneDone]):
                 f"{self.capacity} (set capacity to the largest local batch the loader can produce)"
             )
         measured_step, seconds = self.feedback.latest() if self.feedback is not None else (-1, 0.0)
-        block = torch.zeros(self.capacity + 1, _ROW, dtype=torch.int64)
-        block[0] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch)])
+        jagged, _ = extra_layout(batch)
+        block = torch.zeros(self.capacity + 1, _ROW + len(jagged), dtype=torch.int64)
+        block[0, :_ROW] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch), _extras_signature(batch)])
         block[1 : b + 1, 0] = batch.uih_lengths
         block[1 : b + 1, 1] = batch.num_candidates
         block[1 : b + 1, 2] = batch.sample_ids
-        return _StageOne(batch, self.transport.all_gather(block))
+        for k, name in enumerate(jagged):
+            block[1 : b + 1, _ROW + k] = batch.extra_jagged[name].lengths
+        return _StageOne(item, self.transport.all_gather(block))
 
     def finish(self, started: _StageOne) -> _StageOneDone:
-        world = started.handle.wait()  # [W, capacity+1, 4]
-        codes = world[:, 0, 3]
-        mismatched = torch.nonzero(codes != codes[self.rank]).flatten().tolist()
+        world = started.handle.wait()  # [W, capacity+1, 5+K]
+        codes = world[:, 0, 3:5]
+        mismatched = torch.nonzero((codes != codes[self.rank]).any(1)).flatten().tolist()
         if mismatched:
             raise ValueError(
                 f"GatherLengths on rank {self.rank}: ranks {mismatched} send batches of another layout "
-                "(side features, dense width or label columns differ); every rank must read the same schema"
+                "(side features, dense width, label columns or extra features differ); every rank must read the same schema"
             )
         counts = world[:, 0, 0]
         rows = world[:, 1:][torch.arange(self.capacity).unsqueeze(0) < counts.unsqueeze(1)]
-        return _StageOneDone(started.batch, world[:, 0], rows)
+        return _StageOneDone(started.item, world[:, 0], rows)
 
 
 class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
@@ -157,7 +186,7 @@ class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
         counts = item.header[:, 0]
         source_rank = torch.repeat_interleave(torch.arange(self.world_size), counts)
         per_rank = torch.zeros(self.world_size, dtype=torch.int64).index_add_(0, source_rank, item.rows[:, 1])
-        handle = self.transport.all_gather(item.batch.candidate_lengths.to(torch.int64), sizes=per_rank.tolist())
+        handle = self.transport.all_gather(item.item.batch.candidate_lengths.to(torch.int64), sizes=per_rank.tolist())
         return _StageTwo(item, handle)
 
     def finish(self, started: _StageTwo) -> Gathered:
@@ -174,8 +203,9 @@ class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
             world_size=self.world_size,
         )
         return Gathered(
-            batch=started.done.batch,
+            item=started.done.item,
             lengths=lengths,
             measured_steps=header[:, 2].clone(),
             step_times=header[:, 1].clone().view(torch.float64),
+            extra_lengths=rows[:, _ROW:].contiguous(),
         )

@@ -21,17 +21,23 @@ import torch
 from torchdata.nodes import BaseNode
 
 from fsdata.batch import Batch
+from fsdata.item import LoaderItem
 from fsdata.nodes.gather_lengths import Gathered
 from fsdata.partition import AutoTune, BalanceGate, GatheredLengths, Partitioner, Plan, RuntimeInfo
 
 
 @dataclass
 class Planned:
-    batch: Batch
+    item: LoaderItem
     lengths: GatheredLengths
     plan: Plan
     step: int
     predicted_gain: Optional[float] = None  # the balance gate's prediction for the partitioner's plan, if gated
+    extra_lengths: Optional[torch.Tensor] = None  # int64 [G, K]: the extra jagged fields' lengths (Gathered)
+
+    @property
+    def batch(self) -> Batch:
+        return self.item.batch
 
 
 class _Measurements:
@@ -135,6 +141,7 @@ class PartitionStage(BaseNode[Planned]):
             # Judge this step's later measurement against the weight each rank really got, not its planned
             # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
             self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
-        planned = Planned(batch=item.batch, lengths=item.lengths, plan=plan, step=self._step, predicted_gain=gain)
+        planned = Planned(item=item.item, lengths=item.lengths, plan=plan, step=self._step, predicted_gain=gain,
+                          extra_lengths=item.extra_lengths)
         self._step += 1
         return planned

@@ -4,10 +4,11 @@ Every split size follows locally from the gathered lengths and the plan, so the 
 AllToAll first. All fields of a sample travel in one int64 buffer (float fields as their 32-bit patterns), laid
 out per destination field by field:
 
-    [sample_ids | user_ids | dense | uih_item_ids | uih_action_types? | uih_timestamps? | labels | content_ids]
+    [sample_ids | user_ids | dense | uih_item_ids | uih_action_types? | uih_timestamps? | labels | content_ids
+     | the user's extra jagged fields (sorted by name) | the user's extra dense fields (sorted by name)]
 
-The lengths themselves (UIH, candidates, content) are not sent: the receiver rebuilds every offset from the
-gathered lengths.
+The lengths themselves (UIH, candidates, content, extra jagged fields) are not sent: the receiver rebuilds every
+offset from the gathered lengths (Stage I gathers the extra fields' lengths beside the UIH's).
 
 Each side reorders its words in one gather, not one per field and rank, because this stage runs in the
 training thread (fsdata.nodes.async_stage). A (field, sample) pair is one segment of a [F, n] grid of words. The
@@ -24,7 +25,7 @@ through unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -32,9 +33,11 @@ import torch
 from torchdata.nodes import BaseNode
 
 from fscomm.timing import Timer
-from fsdata.batch import Batch, lengths_to_offsets
+from fsdata.batch import Batch, Jagged, lengths_to_offsets
+from fsdata.item import LoaderItem
 from fsdata.metrics import imbalance
 from fsdata.nodes.async_stage import AsyncStage
+from fsdata.nodes.gather_lengths import extra_layout
 from fsdata.nodes.partition_stage import Planned
 from kernels import ops
 
@@ -94,6 +97,52 @@ class _Kept:
     planned: Planned
 
 
+@dataclass(frozen=True)
+class _Field:
+    """One field on the wire: where it goes in the balanced batch, its dtype and its per-sample shape."""
+
+    name: str  # a Batch field, or "jagged:<name>" / "dense:<name>" for the user's extra features
+    dtype: torch.dtype
+    shape: tuple = ()  # per-sample trailing shape of a fixed-size field (dense, labels' row)
+
+
+def _wire_fields(batch: Batch) -> list[_Field]:
+    """The fields of a batch in wire order (the module docstring's layout)."""
+    fields = [_Field("sample_ids", torch.int64), _Field("user_ids", torch.int64),
+              _Field("dense", torch.float32, (batch.dense.shape[1],)), _Field("uih_item_ids", torch.int64)]
+    fields += [_Field(n, torch.int64) for n in ("uih_action_types", "uih_timestamps") if getattr(batch, n) is not None]
+    fields += [_Field("candidate_labels", torch.float32, (batch.num_labels,)), _Field("content_ids", torch.int64)]
+    jagged, dense = extra_layout(batch)
+    fields += [_Field(f"jagged:{k}", batch.extra_jagged[k].values.dtype) for k in jagged]
+    fields += [_Field(f"dense:{k}", dtype, shape) for k, dtype, shape in dense]
+    return fields
+
+
+def _local_words(batch: Batch, f: _Field) -> torch.Tensor:
+    kind, extra, name = f.name.partition(":")
+    if not extra:
+        return _as_words(getattr(batch, f.name))
+    return _as_words(batch.extra_jagged[name].values if kind == "jagged" else batch.extra_dense[name])
+
+
+def _words_per_sample(fields: list[_Field], g_uih, g_cand, g_content, extra_lengths) -> torch.Tensor:
+    """[F, G] words of every field of every global sample."""
+    ones, rows, k = torch.ones_like(g_uih), [], 0
+    for f in fields:
+        if f.name in ("uih_item_ids", "uih_action_types", "uih_timestamps"):
+            rows.append(g_uih)
+        elif f.name == "candidate_labels":
+            rows.append(g_cand * f.shape[0])
+        elif f.name == "content_ids":
+            rows.append(g_content)
+        elif f.name.startswith("jagged:"):
+            rows.append(extra_lengths[:, k])
+            k += 1
+        else:  # a fixed-size field: sample ids, user ids, dense, extra dense
+            rows.append(ones * int(np.prod(f.shape, dtype=np.int64)))
+    return torch.stack(rows)
+
+
 @dataclass
 class _InFlight:
     planned: Planned
@@ -103,14 +152,11 @@ class _InFlight:
     recv_order: Optional[torch.Tensor]  # [F*m] the received segments in (field, plan position) order
     field_totals: list  # [F] words of each field in the balanced batch
     mine: torch.Tensor
-    has_actions: bool
-    has_times: bool
-    dense_dim: int
-    num_labels: int
+    fields: list  # [F] _Field, wire order
 
 
-class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
-    """Yields ``(balanced_batch, info)``; ``info`` holds the step and the balance metrics before and after."""
+class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
+    """Yields the item with its balanced batch, and ``report``: the step and the balance metrics before and after."""
 
     span_name = "balancer_stage3_wait"
 
@@ -122,14 +168,11 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
         batch, lengths, plan, r, w = p.batch, p.lengths, p.plan, self.rank, self.world_size
         if plan.is_identity(lengths):
             return _Kept(p)
-        dense_dim, num_labels = batch.dense.shape[1], batch.num_labels
 
         # [F, G] words of every field (in wire order) of every global sample.
-        g_uih, g_cand = lengths.uih_lengths, lengths.num_candidates
+        fields = _wire_fields(batch)
         g_content = torch.from_numpy(lengths.content_lengths_per_sample())
-        ones = torch.ones_like(g_uih)
-        n_uih_fields = 1 + (batch.uih_action_types is not None) + (batch.uih_timestamps is not None)
-        sizes = torch.stack([ones, ones, ones * dense_dim] + [g_uih] * n_uih_fields + [g_cand * num_labels, g_content])
+        sizes = _words_per_sample(fields, lengths.uih_lengths, lengths.num_candidates, g_content, p.extra_lengths)
         num_fields = sizes.shape[0]
 
         # Sender: my fields back to back; segment f * n + i is field f of local sample i. Send them grouped by
@@ -140,15 +183,7 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
         position[plan.order] = torch.arange(plan.order.numel())
         send_order = torch.argsort(position[lo:hi])  # local samples by plan position, i.e. by destination
         send_dest = plan.destinations()[lo:hi][send_order]
-        local = torch.cat([
-            batch.sample_ids,
-            batch.user_ids,
-            _as_words(batch.dense),
-            batch.uih_item_ids,
-            *[t for t in (batch.uih_action_types, batch.uih_timestamps) if t is not None],
-            _as_words(batch.candidate_labels),
-            batch.content_ids,
-        ])
+        local = torch.cat([_local_words(batch, f) for f in fields])
         local_sizes = sizes[:, lo:hi]
         cell_segment = (torch.arange(num_fields).unsqueeze(1) * n + send_order.unsqueeze(0)).reshape(-1)
         send_segments = cell_segment[_rank_major(send_dest, num_fields)]
@@ -166,10 +201,7 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
         if not bool((source_rank.diff() >= 0).all()):  # a plan with its own order within a rank
             recv_offsets, recv_order = self._arrival_segments(source_rank, mine_sizes)
         handle = self.transport.all_to_all(send, send_splits, chunks.sum(0).tolist())
-        return _InFlight(
-            p, handle, chunks.t().reshape(-1).tolist(), recv_offsets, recv_order, chunks.sum(1).tolist(), mine,
-            batch.uih_action_types is not None, batch.uih_timestamps is not None, dense_dim, num_labels,
-        )
+        return _InFlight(p, handle, chunks.t().reshape(-1).tolist(), recv_offsets, recv_order, chunks.sum(1).tolist(), mine, fields)
 
     @staticmethod
     def _arrival_segments(source_rank: torch.Tensor, mine_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,37 +219,48 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], tuple]):
         order = cell_to_segment[(torch.arange(num_fields).unsqueeze(1) * m + back.unsqueeze(0)).reshape(-1)]
         return lengths_to_offsets(mine_sizes[:, arrival].reshape(-1)[wire]), order
 
-    def finish(self, f: Union[_Kept, _InFlight]) -> tuple:
+    def finish(self, f: Union[_Kept, _InFlight]) -> LoaderItem:
         if isinstance(f, _Kept):
-            return f.planned.batch, self._info(f.planned, f.planned.lengths.uih_lengths, moved=False)
+            return replace(f.planned.item, report=self._info(f.planned, f.planned.lengths.uih_lengths, moved=False))
         lengths, mine = f.planned.lengths, f.mine
         g_uih, g_cand = lengths.uih_lengths, lengths.num_candidates
-        n_uih_fields = 1 + f.has_actions + f.has_times
         received = f.handle.wait()
         if f.recv_order is None:  # source-major: (source, field) chunks to field-major, one copy
             pieces, nf = received.split(f.chunk_sizes), len(f.field_totals)
             words = torch.cat([pieces[s * nf + k] for k in range(nf) for s in range(self.world_size)])
         else:
             words, _ = ops.indexed_permute(received, f.recv_offsets, f.recv_order, output_size=received.numel())
-        fields = words.split(f.field_totals)
+        received_fields = {spec.name: (spec, part) for spec, part in zip(f.fields, words.split(f.field_totals))}
+
+        def value(name: str) -> torch.Tensor:
+            spec, part = received_fields[name]
+            out = _from_words(part, spec.dtype)
+            if not spec.shape:
+                return out
+            rows = -1 if name == "candidate_labels" else mine.numel()  # labels: one row per candidate
+            return out.reshape(rows, *spec.shape)
 
         candidate_offsets_global = lengths_to_offsets(g_cand)
         candidate_lengths, _ = ops.indexed_permute(lengths.candidate_lengths, candidate_offsets_global, mine)
-        uih_fields = fields[3 : 3 + n_uih_fields]
+        jagged_names = [s.name.partition(":")[2] for s in f.fields if s.name.startswith("jagged:")]
+        extra_lengths = f.planned.extra_lengths
         balanced = Batch(
-            sample_ids=fields[0],
-            user_ids=fields[1],
+            sample_ids=value("sample_ids"),
+            user_ids=value("user_ids"),
             uih_offsets=lengths_to_offsets(g_uih[mine]),
-            uih_item_ids=uih_fields[0],
+            uih_item_ids=value("uih_item_ids"),
             candidate_offsets=lengths_to_offsets(g_cand[mine]),
-            candidate_labels=_from_words(fields[-2], torch.float32).reshape(-1, f.num_labels),
+            candidate_labels=value("candidate_labels"),
             content_offsets=lengths_to_offsets(candidate_lengths),
-            content_ids=fields[-1],
-            dense=_from_words(fields[2], torch.float32).reshape(-1, f.dense_dim),
-            uih_action_types=uih_fields[1] if f.has_actions else None,
-            uih_timestamps=uih_fields[-1] if f.has_times else None,
+            content_ids=value("content_ids"),
+            dense=value("dense"),
+            uih_action_types=value("uih_action_types") if "uih_action_types" in received_fields else None,
+            uih_timestamps=value("uih_timestamps") if "uih_timestamps" in received_fields else None,
+            extra_jagged={k: Jagged(value(f"jagged:{k}"), lengths_to_offsets(extra_lengths[mine, i]))
+                          for i, k in enumerate(jagged_names)},
+            extra_dense={s.name.partition(":")[2]: value(s.name) for s in f.fields if s.name.startswith("dense:")},
         )
-        return balanced, self._info(f.planned, g_uih, moved=True)
+        return replace(f.planned.item, batch=balanced, report=self._info(f.planned, g_uih, moved=True))
 
     def _info(self, p: Planned, g_uih: torch.Tensor, moved: bool) -> dict:
         """Balance metrics of this step, before (source ranks) and after (the plan), from the gathered lengths."""

@@ -1,4 +1,4 @@
-"""A user's own partitioner, named as ``"module.path:function"`` (on the command line: ``--partitioner``).
+"""A user's own partitioner, named as ``"module.path:function"`` or ``"path/to/file.py:function"`` (``--partitioner``).
 
 The callable has the partitioner signature ``fn(lengths: GatheredLengths, runtime: RuntimeInfo, **kwargs)`` and
 returns one of
@@ -15,7 +15,6 @@ The callable must be deterministic: every rank calls it on the same inputs and m
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 import numpy as np
@@ -25,23 +24,10 @@ from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
-    """Imports ``"module.path:attribute"``; ValueError naming what is missing."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"custom partitioner {spec!r} must be written 'module.path:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"custom partitioner {spec!r}: cannot import module {module_name!r}: {error}") from error
-    target: Any = module
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            owner = getattr(target, "__name__", type(target).__name__)
-            raise ValueError(f"custom partitioner {spec!r}: {owner!r} has no attribute {part!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"custom partitioner {spec!r} is a {type(target).__name__}, not a callable")
-    return target
+    """Imports ``"module.path:function"`` or loads ``"path/to/file.py:function"`` (fsdata.resolve)."""
+    from fsdata.resolve import load_callable as load
+
+    return load(spec, "custom partitioner")
 
 
 class CustomPartitioner:

@@ -47,7 +47,8 @@ def _exactly_once_body(rank, world_size, partitioner, lookahead=True):
     transport = CountingTransport(get_transport("host", group=new_stage_group("balancer")))
     loader, source = _loader(rank, world_size, partitioner, transport, lookahead=lookahead)
     steps = []
-    for batch, info in loader:
+    for item in loader:
+        batch, info = item.batch, item.report
         stage(f"step {len(steps)}")
         steps.append((sorted(batch.sample_ids.tolist()), info, batch))
     return steps, transport.calls, len(steps)
@@ -92,7 +93,7 @@ def _balance_body(rank, world_size):
 
     transport = get_transport("host", group=new_stage_group("balancer"))
     loader, _ = _loader(rank, world_size, "fbs", transport)
-    return [info for _, info in loader]
+    return [item.report for item in loader]
 
 
 @pytest.mark.multiprocess
@@ -149,9 +150,9 @@ def _custom_order_body(rank, world_size):
     transport = get_transport("host", group=new_stage_group("balancer"))
     loader, _ = _loader(rank, world_size, "tests.fsdata.test_balancer:reversed_fbs", transport)
     batches = []
-    for batch, _ in loader:
+    for item in loader:
         stage(f"step {len(batches)}")
-        batches.append(batch)
+        batches.append(item.batch)
     return batches, list(_PLANNED_IDS)
 
 
@@ -198,7 +199,8 @@ def _autotune_body(rank, world_size):
     transport = get_transport("host", group=new_stage_group("balancer"))
     stages = balancer_stages(BalancerConfig("vbs", autotune=True), transport, rank, world_size, BATCH, feedback)
     counts = []
-    for step, (batch, _) in enumerate(build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)):
+    for step, item in enumerate(build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)):
+        batch = item.batch
         # Rank 1 is twice as slow per token: autotune must move work to rank 0.
         feedback.report(step, float(batch.uih_lengths.sum()) * (2.0 if rank == 1 else 1.0) * 1e-4)
         counts.append(int(batch.uih_lengths.sum()))
@@ -226,7 +228,8 @@ def _gate_body(rank, world_size, lengths_matter):
     stages = balancer_stages(BalancerConfig("fbs", min_gain=0.05), transport, rank, world_size, BATCH, feedback)
     loader = build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)
     steps = []
-    for step, (batch, info) in enumerate(loader):
+    for step, item in enumerate(loader):
+        batch, info = item.batch, item.report
         # The "measured" compute time: a launch-bound step (constant), or one that grows with sum(L^2).
         tokens = batch.uih_lengths.double() + batch.candidate_offsets.diff().double()
         feedback.report(step, 4e-3 + (1e-6 * float((tokens**2).sum()) if lengths_matter else 0.0))
@@ -321,3 +324,114 @@ def test_partition_stage_resumes_from_a_state_saved_before_the_join():
     stage = PartitionStage(_Source(), get_partitioner("vbs"), AutoTune(2))
     stage.reset({"source": {"x": 1}, "step": 5, "autotune": {"state": tuned.state_dict(), "last_observed": 0}})
     assert stage.autotune.state_dict() == tuned.state_dict() and stage._step == 5 and stage._measured.newest == -1
+
+
+class ExtraFeatureSource:
+    """The tiny synthetic source with a user's extra features, each a function of the sample id: two jagged
+    fields (ids of variable length, some samples empty; float scores) and two dense ones (a scalar, an id pair)."""
+
+    def __init__(self, num_samples):
+        from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+        self.inner = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=num_samples, seed=3, uih_max=200))
+
+    def num_samples(self, epoch):
+        return self.inner.num_samples(epoch)
+
+    def describe(self):
+        return "tiny synthetic with extra features"
+
+    def read(self, epoch, start, stop):
+        from fsdata.batch import Jagged
+
+        batch = self.inner.read(epoch, start, stop)
+        sid = batch.sample_ids
+        lengths = sid % 4
+        categories = torch.cat([s * 10 + torch.arange(int(n)) for s, n in zip(sid.tolist(), lengths.tolist())] or [torch.zeros(0, dtype=torch.int64)])
+        batch.extra_jagged = {"category_ids": Jagged.from_lengths(categories, lengths),
+                              "scores": Jagged.from_lengths(sid.repeat_interleave(2).float() / 7, torch.full_like(sid, 2))}
+        batch.extra_dense = {"age": sid.float() * 0.5, "pair": torch.stack([sid, -sid], 1)}
+        return batch
+
+
+def _extras_body(rank, world_size, partitioner):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.balancer import BalancerConfig, balancer_stages
+    from fsdata.loader import LoaderConfig, build_loader
+
+    transport = get_transport("host", group=new_stage_group("balancer"))
+    stages = balancer_stages(BalancerConfig(partitioner=partitioner), transport, rank, world_size, capacity=BATCH)
+    loader = build_loader(ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank, world_size, stages)
+    return [(item.batch.to_samples(), item.report["exchanged"]) for item in loader]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("partitioner,world_size", [("fbs", 2), ("tests.fsdata.test_balancer:reversed_fbs", 3)])
+def test_shuffle_moves_the_users_extra_features(partitioner, world_size):
+    """Every extra jagged and dense field travels with its sample through Stage III, whatever the plan's order."""
+    results = run_ranks(_extras_body, world_size, args=(partitioner,), timeout=90)
+    expected = {s.sample_id: s for s in ExtraFeatureSource(NUM_SAMPLES).read(0, 0, NUM_SAMPLES).to_samples()}
+    seen = []
+    for steps in results:
+        for samples, _ in steps:
+            for s in samples:
+                ref = expected[s.sample_id]
+                assert sorted(s.extra_jagged) == ["category_ids", "scores"] and sorted(s.extra_dense) == ["age", "pair"]
+                for k in ref.extra_jagged:
+                    assert s.extra_jagged[k].dtype == ref.extra_jagged[k].dtype and (s.extra_jagged[k] == ref.extra_jagged[k]).all()
+                for k in ref.extra_dense:
+                    assert s.extra_dense[k].dtype == ref.extra_dense[k].dtype and (s.extra_dense[k] == ref.extra_dense[k]).all()
+                assert (s.uih_item_ids == ref.uih_item_ids).all() and (s.dense == ref.dense).all()
+                seen.append(s.sample_id)
+    assert sorted(seen) == sorted(expected)
+    assert any(moved for steps in results for _, moved in steps)
+
+
+def _mismatched_extras_body(rank, world_size):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.balancer import BalancerConfig, balancer_stages
+    from fsdata.loader import LoaderConfig, build_loader
+
+    source = ExtraFeatureSource(NUM_SAMPLES)
+    if rank == 1:  # one rank's reader lacks a field
+        read = source.read
+        source.read = lambda *a: (lambda b: (b.extra_dense.pop("age"), b)[1])(read(*a))
+    transport = get_transport("host", group=new_stage_group("balancer"))
+    stages = balancer_stages(BalancerConfig(partitioner="fbs"), transport, rank, world_size, capacity=BATCH)
+    loader = build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)
+    try:
+        next(iter(loader))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_other_extra_features_are_refused():
+    messages = run_ranks(_mismatched_extras_body, 2, timeout=60)
+    assert all(m is not None and "extra features differ" in m for m in messages), messages
+
+
+def _extras_resume_body(rank, world_size):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.balancer import BalancerConfig, balancer_stages
+    from fsdata.loader import LoaderConfig, build_loader
+    from tests.stateful import run_test_save_load_state
+
+    transport = get_transport("host", group=new_stage_group("balancer"))
+
+    def make():
+        stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world_size, capacity=BATCH)
+        return build_loader(ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank,
+                            world_size, stages)
+
+    run_test_save_load_state(make, midpoint=2)
+    return True
+
+
+@pytest.mark.multiprocess
+def test_resume_with_extra_features_is_exact():
+    assert run_ranks(_extras_resume_body, 2, timeout=120) == [True, True]

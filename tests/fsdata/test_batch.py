@@ -93,3 +93,43 @@ def test_side_features_must_be_all_or_none():
     b = Sample(2, 1, np.arange(2), np.ones((1, 1), np.float32), [np.arange(1)], np.zeros(1, np.float32))
     with pytest.raises(ValueError, match="sample 2"):
         Batch.from_samples([a, b])
+
+
+def test_extra_features_round_trip_through_samples_concat_kjt_and_devices():
+    """A user's extra jagged and dense fields survive every form a batch takes."""
+    from fsdata.batch import Jagged
+
+    def sample(i):
+        return Sample(i, i, np.arange(i + 1), np.zeros((2, 1), np.float32), [np.arange(2), np.arange(1)],
+                      np.zeros(3, np.float32), extra_jagged={"category_ids": np.arange(i, dtype=np.int64)},
+                      extra_dense={"age": np.array([float(i)], np.float32)})
+
+    batch = Batch.from_samples([sample(i) for i in range(4)])
+    assert batch.extra_jagged["category_ids"].offsets.tolist() == [0, 0, 1, 3, 6]
+    assert Batch.from_samples(batch.to_samples()).equals(batch)
+    both = Batch.concat([batch, batch])
+    assert both.extra_jagged["category_ids"].lengths.tolist() == [0, 1, 2, 3] * 2 and both.extra_dense["age"].shape == (8, 1)
+    moved = batch._map(torch.clone)  # what to() / pin_memory() do to every tensor, the extras' included
+    assert moved.equals(batch) and moved.extra_jagged["category_ids"].values is not batch.extra_jagged["category_ids"].values
+    assert "extra_jagged.category_ids.values" in batch.tensors() and "extra_dense.age" in batch.tensors()
+    with pytest.raises(ValueError, match="offsets must be int64"):
+        Batch(**{**{f: getattr(batch, f) for f in ("sample_ids", "user_ids", "uih_offsets", "uih_item_ids",
+              "candidate_offsets", "candidate_labels", "content_offsets", "content_ids", "dense")},
+              "extra_jagged": {"bad": Jagged(torch.arange(3), torch.tensor([0, 3]))}})
+    with pytest.raises(ValueError, match="differ from the first sample"):
+        Batch.from_samples([sample(0), Sample(1, 1, np.arange(2), np.zeros((1, 1), np.float32), [np.arange(1)],
+                                              np.zeros(3, np.float32))])
+
+
+def test_extra_jagged_fields_are_kjt_keys():
+    pytest.importorskip("torchrec")
+    from fsdata.batch import Jagged
+
+    batch = Batch.from_samples([Sample(i, i, np.arange(i + 1), np.zeros((1, 1), np.float32), [np.arange(2)],
+                                       np.zeros(2, np.float32)) for i in range(3)])
+    batch.extra_jagged = {"tags": Jagged.from_lengths(torch.arange(5), [2, 0, 3])}
+    kjt = batch.to_kjt()
+    assert "tags" in kjt.keys()
+    back = Batch.from_kjt(kjt, sample_ids=batch.sample_ids, user_ids=batch.user_ids,
+                          candidate_labels=batch.candidate_labels, dense=batch.dense)
+    assert back.equals(batch)

@@ -40,10 +40,10 @@ class _Map(BaseNode):
         return self.source.state_dict()
 
 
-def _use(batch):
-    """What the trainer does with an item: use it (here: bring it back), with nothing to wait for."""
-    assert all(t.is_cuda for t in batch.tensors().values())
-    return batch.to("cpu")
+def _use(item):
+    """What the trainer does with an item: use its batch (here: bring it back), with nothing to wait for."""
+    assert all(t.is_cuda for t in item.batch.tensors().values())
+    return item.batch.to("cpu")
 
 
 def _consume(source):
@@ -88,14 +88,16 @@ def test_prefetched_ids_arrive_on_the_device_with_the_batch():
     """The ID prefetch's exchange is completed in the node, and its send permutation and result are copied with
     the batch: the step's forward finds them on the device."""
     from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+    from fsdata.item import LoaderItem
 
     perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
     ids = PrefetchedIds({"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))})
 
     consumer = torch.cuda.Stream()  # the node orders this stream after its copies
     with torch.cuda.stream(consumer):
-        with_ids = _Map(_reader(), lambda batch: (batch, ids))
-        batch, moved = next(iter(Loader(DeviceCopy(with_ids, "cuda", consumer_stream=consumer))))
+        with_ids = _Map(_reader(), lambda batch: LoaderItem(batch, prefetched=ids))
+        item = next(iter(Loader(DeviceCopy(with_ids, "cuda", consumer_stream=consumer))))
+        batch, moved = item.batch, item.prefetched
         assert isinstance(moved, PrefetchedIds) and batch.uih_item_ids.is_cuda
         sid = moved["items"]
         assert sid.perm.is_cuda and torch.equal(sid.perm.sort().values.cpu(), torch.arange(1000))

@@ -25,9 +25,9 @@ def test_every_rank_takes_the_same_steps_and_nothing_is_dropped():
     per_rank = [list(build_loader(source, LoaderConfig(batch_size=b, prefetch_depth=0), r, world)) for r in range(world)]
     assert len({len(x) for x in per_rank}) == 1  # ceil(50 / 12) = 5 steps everywhere
     assert len(per_rank[0]) == 5
-    ids = sorted(i for batches in per_rank for batch in batches for i in batch.sample_ids.tolist())
+    ids = sorted(i for items in per_rank for item in items for i in item.batch.sample_ids.tolist())
     assert ids == sorted(source.read(0, 0, 50).sample_ids.tolist())
-    assert [len(b) for b in per_rank[2]][-1] == 0  # the last global batch holds 2 samples: rank 2's is empty
+    assert [len(item.batch) for item in per_rank[2]][-1] == 0  # the last global batch holds 2 samples: rank 2's is empty
 
 
 def test_cursor_resumes_on_another_world_size():
@@ -37,14 +37,14 @@ def test_cursor_resumes_on_another_world_size():
     seen = []
     for loader in loaders:
         it = iter(loader)
-        seen += [i for _ in range(2) for i in next(it).sample_ids.tolist()]
+        seen += [i for _ in range(2) for i in next(it).batch.sample_ids.tolist()]
     state = loaders[0].state_dict()
     assert state == loaders[1].state_dict()  # the cursor is global, not per rank
     rest = []
     for r in range(3):
         loader = build_loader(source, LoaderConfig(batch_size=b, prefetch_depth=0), r, 3)
         loader.load_state_dict(state)
-        rest += [i for batch in loader for i in batch.sample_ids.tolist()]
+        rest += [i for item in loader for i in item.batch.sample_ids.tolist()]
     assert sorted(seen + rest) == sorted(source.read(0, 0, 50).sample_ids.tolist())
 
 
@@ -53,7 +53,7 @@ def test_epochs_differ_and_count():
     reader = GlobalBatchReader(source, batch_size=4, rank=0, world_size=1)
     loader = build_loader(source, LoaderConfig(batch_size=4, prefetch_depth=0), 0, 1)
     first, second = list(loader), list(loader)
-    assert not first[0].equals(second[0])
+    assert not first[0].batch.equals(second[0].batch)
     assert loader.state_dict()  # holds the epoch counter
     reader.reset()
     assert reader.get_state() == {"epoch": 0, "cursor": 0}
@@ -90,3 +90,17 @@ def test_device_copy_needs_a_cuda_device():
 
     with pytest.raises(ValueError, match="CUDA device, got cpu"):
         DeviceCopy(GlobalBatchReader(_source(), 2, rank=0, world_size=1), "cpu")
+
+
+def test_the_loader_yields_loader_items_whatever_is_composed():
+    from fsdata.item import LoaderItem, as_item
+
+    source = _source(20)
+    plain = list(build_loader(source, LoaderConfig(batch_size=4, prefetch_depth=1), 0, 2))
+    staged = list(build_loader(source, LoaderConfig(batch_size=4, prefetch_depth=1), 0, 2, stages=[lambda node: node]))
+    for items in (plain, staged):
+        assert all(isinstance(item, LoaderItem) and item.report is None and item.prefetched is None for item in items)
+    assert all(a.equals(b) for a, b in zip(plain, staged)) and len(plain) == len(staged) == 3
+    assert as_item(plain[0].batch).batch is plain[0].batch and as_item(plain[0]) is plain[0]
+    with pytest.raises(ValueError, match="expected an fsdata LoaderItem or Batch"):
+        as_item((plain[0].batch, {}))

@@ -38,7 +38,7 @@ def _make_loader(rank, world_size, transport):
         node = wrap(node)
 
     def settle(item):  # comparable items: the batch and every key's shard-major ids and splits
-        batch, pre = item
+        batch, pre = item.batch, item.prefetched
         return batch, {k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets) for k, s in pre.keys.items()}
 
     return Loader(Mapper(node, settle))

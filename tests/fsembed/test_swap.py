@@ -165,9 +165,36 @@ def _hub_check(device):
     hub.prepare({"items": ids})
     assert hub.rows("items", ids.clone()).shape == (6, 4)  # equal values, another tensor: fine
     hub.verify()
+    hub.prepare({"items": ids})
     with pytest.raises(ValueError, match="other ids"):
-        hub.rows("items", torch.arange(5, device=device))  # another shape: at once, on any device
+        hub.rows("items", torch.arange(7, device=device))  # more ids than prepared: at once, on any device
     return hub, ids
+
+
+class _NumberedCollection:
+    """Row k of a feature is k's id as a float: which rows a call got is visible."""
+
+    def __call__(self, features, next_features=None):
+        return {k: v.float().unsqueeze(1) for k, v in features.items()}
+
+
+def test_hub_serves_a_module_called_several_times_per_step_in_call_order():
+    from fsembed.swap import EmbeddingHub
+
+    hub = EmbeddingHub(_NumberedCollection())
+    first, second = torch.tensor([3, 1, 4]), torch.tensor([1, 5])
+    hub.prepare({"items": [first, second]})
+    assert hub.rows("items", first).flatten().tolist() == [3, 1, 4]
+    assert hub.rows("items", second).flatten().tolist() == [1, 5]
+    assert hub.rows("items", torch.cat([first, second])).flatten().tolist() == [3, 1, 4, 1, 5]  # all again: the same rows
+    hub.verify()
+    hub.prepare({"items": [first, second]})
+    hub.rows("items", first)
+    with pytest.raises(ValueError, match="only part of the ids"):
+        hub.verify()  # the second call never came
+    hub.prepare({"items": [first, second]})
+    with pytest.raises(ValueError, match="list in call order"):
+        hub.rows("items", second)  # the calls came in another order than features() listed them
 
 
 def test_hub_refuses_other_ids_than_prepared_on_the_cpu():

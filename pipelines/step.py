@@ -1,0 +1,272 @@
+"""The public training API: wrap a user's model, then step it over the loader's items (docs/api.md).
+
+    stage = wrap_model(model, types=["EmbeddingCollection"], mode="freescale", inputs=inputs, optimizer=RowWiseAdagrad())
+    loader = build_loader(source, LoaderConfig(batch_size=B), rank, world_size,
+                          stages=balancer_stages(...) + stage.loader_stages(rank))
+    step = TrainStep(model, loss, torch.optim.Adam(model.parameters()), stage=stage)
+    items = iter(loader)
+    while step.has_next(items):
+        loss = step.progress(items)
+
+``wrap_model`` swaps the model's embedding modules (by name or by type) for views of one row-wise sharded
+collection (fsembed.swap) and returns the embedding stage (pipelines.staged.StagedPipeline): its forward pre-hook
+runs the embedding exchanges of the mode (sync, sdd, semisync, freescale) before the model's first layer, and its
+``loader_stages`` start every batch's ID AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``,
+in the spirit of torchrec's ``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that
+prioritized updates need (batch i+1's ids go to step i's forward), runs forward and backward, all-reduces the
+dense gradients (pipelines.dense_sync) and steps the dense optimizer.
+
+Loss semantics. ``loss(outputs, batch)`` returns the SUM of the per-label losses of the local batch; the step
+divides it by the global number of labels (every rank's ``batch.candidate_labels.numel()``), so the gradient is
+the global mean's however the balancer spread the samples, and sums the gradients over the ranks. The global
+count comes with the balancer's report, else from one small all-reduce.
+
+A loop of one's own instead of ``progress`` does per step (see ``TrainStep.train_on``):
+``stage.begin_step(batch, item.prefetched, next_item.prefetched)`` before the forward, backward of the scaled loss
+sum, the dense all-reduce, the optimizer step, and ``stage.flush()`` before reading tables or checkpointing.
+torchrec is imported only where the model uses its types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdata.batch import Batch
+from fsdata.item import LoaderItem, as_item
+from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
+from pipelines.staged import EMBEDDING_MODES, FeatureFn, StagedPipeline
+
+Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
+Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
+
+
+def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed."""
+    return torch.nn.functional.binary_cross_entropy_with_logits(outputs, batch.candidate_labels, reduction="sum")
+
+
+def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
+    """The model's positional arguments for ``batch``: ``(batch,)`` without an ``inputs`` function."""
+    if inputs is None:
+        return (batch,)
+    args = inputs(batch)
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def _kjt_in(args: tuple, where: str):
+    found = [a for a in args if type(a).__name__ == "KeyedJaggedTensor"]
+    if not found:
+        raise ValueError(f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
+                         "give features=batch -> {feature: ids}")
+    return found[0]
+
+
+def kjt_features(inputs: Inputs) -> FeatureFn:
+    """``batch -> {feature: ids}`` from the KeyedJaggedTensor among the model's inputs: what an
+    EmbeddingCollection called once with it looks up."""
+    from fsembed.swap import kjt_ids
+
+    def features(batch: Batch) -> dict[str, torch.Tensor]:
+        return kjt_ids(_kjt_in(as_args(inputs, batch), "wrap_model"))
+
+    return features
+
+
+def wrap_model(
+    model: nn.Module,
+    *,
+    embeddings: Optional[Sequence[str]] = None,
+    types: Optional[Sequence[Union[str, type]]] = None,
+    mode: str = "freescale",
+    features: Optional[FeatureFn] = None,
+    inputs: Optional[Inputs] = None,
+    optimizer=None,
+    row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
+    transport: str = "host",
+    device: Union[str, torch.device] = "cpu",
+    timer=None,
+    early_start: str = "backward",
+    exclusive_start: str = "forward",
+) -> StagedPipeline:
+    """Swaps ``model``'s embedding modules in place and returns its embedding stage.
+
+    ``embeddings``: module paths (as in ``named_modules()``), or ``types``: module types or type names
+    (``"Embedding"``, ``"EmbeddingCollection"``); default: every module of those two types.
+    ``features``: ``batch -> {feature: ids}`` (an ``nn.Embedding``'s feature is its path; an EmbeddingCollection's
+    are its tables' feature names; a module called k times per step: a list of the k calls' ids). Default: the
+    ids of the KeyedJaggedTensor found in ``inputs(batch)``. ``inputs``: ``batch -> model arguments`` (default:
+    the batch). ``optimizer``: the tables' row-wise optimizer (fsembed.optim; default SGD). ``row_boundaries``:
+    the sharding plan of tables not split torchrec's row-wise way.
+    """
+    if mode not in EMBEDDING_MODES:
+        raise ValueError(f"wrap_model: mode must be one of {EMBEDDING_MODES}, got {mode!r}")
+    if embeddings is None and types is None:
+        from fsembed.swap import SWAPPABLE_TYPES
+
+        types = SWAPPABLE_TYPES
+    if features is None:
+        if inputs is None:
+            raise ValueError("wrap_model: give features=batch -> {feature: ids} (nn.Embedding tables), or "
+                             "inputs=batch -> model arguments holding a KeyedJaggedTensor (EmbeddingCollection)")
+        features = kjt_features(inputs)
+    if optimizer is None:
+        from fsembed.optim import SGD
+
+        optimizer = SGD()
+    stage = StagedPipeline(
+        model, mode, features, list(embeddings) if embeddings is not None else None, types=types,
+        row_boundaries=row_boundaries, optimizer=optimizer, transport_name=transport, early_start=early_start,
+        exclusive_start=exclusive_start, timer=timer, device=torch.device(device),
+    )
+    stage.inputs = inputs
+    return stage
+
+
+_host_transports: dict[str, Any] = {}
+
+
+def host_transport(name: str):
+    """The SM-free host transport on a process group of its own named ``name``, for a loader stage's exchanges
+    (each exchanging stage gets its own: two threads never issue on one group). Made collectively on the first
+    call with a name (every rank alike) and reused by later ones: a loader built after another one was shut down
+    (``shutdown_loader``) reuses its groups; two loaders alive at once need names of their own."""
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+
+    if name not in _host_transports:
+        _host_transports[name] = get_transport("host", group=new_stage_group(name))
+    return _host_transports[name]
+
+
+@dataclass
+class ModelSpec:
+    """What a model factory returns (``freescale train --model module:function`` or ``path/file.py:function``;
+    the factory is called with the job's config, pipelines.config.JobConfig, on every rank, and must build the same
+    initial weights everywhere, e.g. after ``torch.manual_seed(config.train.seed)``).
+
+    Only ``model`` is required; the rest defaults to the reference model's conventions."""
+
+    model: nn.Module
+    #: batch -> the model's arguments (default: the batch itself)
+    inputs: Optional[Inputs] = None
+    #: (outputs, batch) -> the sum of the local per-label losses (default: BCE against batch.candidate_labels)
+    loss: Optional[Loss] = None
+    #: the embedding modules to swap, by path ...
+    embeddings: Optional[Sequence[str]] = None
+    #: ... or by type (default: every nn.Embedding and EmbeddingCollection)
+    types: Optional[Sequence[Union[str, type]]] = None
+    #: batch -> {feature: ids} (default: the ids of the KeyedJaggedTensor among ``inputs(batch)``)
+    features: Optional[FeatureFn] = None
+    #: source -> source, e.g. to add the extra features the model reads (default: the job's source as it is)
+    source: Optional[Callable[[Any], Any]] = None
+
+
+@dataclass
+class StepResult:
+    """One step, as every rank sees it: the global mean loss and the global label count."""
+
+    loss: float
+    labels: float
+    positives: float
+
+
+class TrainStep:
+    """Trains ``model`` one step per ``progress(items)`` call over the loader's items (LoaderItems).
+
+    ``stage``: the embedding stage of ``wrap_model`` (None for a model without sharded tables). ``inputs``:
+    ``batch -> model arguments`` (default: the stage's, else the batch). ``loss``: ``(outputs, batch) ->`` the
+    sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on
+    ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: Optional[Loss],
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: Optional[StagedPipeline] = None,
+        inputs: Optional[Inputs] = None,
+        device: Union[str, torch.device] = "cpu",
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        bucket_mb: float = 25.0,
+    ) -> None:
+        self.model, self.optimizer, self.stage = model, optimizer, stage
+        self.loss = loss if loss is not None else bce_loss
+        self.inputs = inputs if inputs is not None else getattr(stage, "inputs", None)
+        self.device = torch.device(device)
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.dense_sync = DenseSync([p for p in model.parameters() if p.requires_grad], self.rank, self.world_size,
+                                    self.device, bucket_bytes=int(bucket_mb * 2**20))
+        self._current: Optional[LoaderItem] = None
+        self._started = False
+        self.step = 0
+
+    # ------------------------------------------------------------------ the iterator
+    def _take(self, items: Iterator) -> Optional[LoaderItem]:
+        try:
+            item = as_item(next(items))
+        except StopIteration:
+            return None
+        return self.to_device(item)
+
+    def to_device(self, item: LoaderItem) -> LoaderItem:
+        """The item with its batch and prefetched ids on the step's device (no-op where they are already)."""
+        batch = item.batch if item.batch.device == self.device else item.batch.to(self.device, non_blocking=True)
+        ids = item.prefetched.to(self.device) if item.prefetched is not None else None
+        return LoaderItem(batch, item.report, ids, item.attention_plan, item.extras)
+
+    def has_next(self, items: Iterator) -> bool:
+        """Whether ``progress(items)`` has a batch to train (takes the first one on the first call)."""
+        if not self._started:
+            self._started, self._current = True, self._take(items)
+        return self._current is not None
+
+    def progress(self, items: Iterator) -> StepResult:
+        """Trains the next batch of ``items``, taking the one after it as lookahead; raises StopIteration when
+        ``items`` is exhausted."""
+        if not self.has_next(items):
+            raise StopIteration
+        current, upcoming = self._current, self._take(items)
+        self._current = upcoming
+        result = self.train_on(current, upcoming)
+        if upcoming is None and self.stage is not None:
+            self.stage.flush()  # the last step: deferred updates land, the tables are final
+        return result
+
+    # ------------------------------------------------------------------ one step
+    def global_labels(self, item: LoaderItem) -> float:
+        """The global batch's label count: from the balancer's report, else one small all-reduce."""
+        if item.report is not None:
+            return float(item.report["global_candidates"] * item.batch.num_labels)
+        count = torch.tensor([float(item.batch.candidate_labels.numel())], device=self.device)
+        dist.all_reduce(count)
+        return float(count)
+
+    def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
+        """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the
+        end). The hooks a loop of one's own calls, in this order."""
+        batch = item.batch
+        self.dense_sync.zero_grad()
+        total = self.global_labels(item)
+        if self.stage is not None:
+            nxt = None
+            if upcoming is not None:  # the next batch's ids: prefetched by the loader, else exchanged in the step
+                nxt = upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
+            self.stage.begin_step(batch, item.prefetched, nxt)
+        loss_sum = self.loss(self.model(*as_args(self.inputs, batch)), batch)
+        (loss_sum / max(total, 1.0)).backward()
+        labels = batch.candidate_labels
+        device_scalars = torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
+        book = self.dense_sync.all_reduce((float(labels.numel()),), (0.0,) * len(PER_RANK_FIELDS), device_scalars)
+        self.optimizer.step()
+        self.step += 1
+        count, loss_total, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
+        return StepResult(loss_total / count if count > 0 else float("nan"), count, positives)

@@ -1,0 +1,237 @@
+"""The public training API (pipelines.step) against an unsharded single-process oracle written here in plain torch.
+
+A user's model with plain nn.Embedding tables (one of them called twice per step, with other ids each time) and a
+dense head, trained by TrainStep on 2 gloo ranks in modes sync and freescale, must follow the oracle step by step:
+one process, every rank's samples in one batch, the loss's global mean, torch's dense SGD, and the row-wise
+optimizers' arithmetic on the rows a step looks up (SGD, row-wise Adagrad, lazy Adam with per-row step counts).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import run_ranks, stage
+
+STEPS, B, NUM_ITEMS, NUM_USERS, DIM, LR, DENSE_LR = 5, 3, 23, 5, 4, 0.05, 0.1
+
+
+class UserModel(nn.Module):
+    """The user's code: ``items`` is called twice per forward (history, then candidates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.items = nn.Embedding(NUM_ITEMS, DIM)
+        self.users = nn.Embedding(NUM_USERS, DIM)
+        self.head = nn.Linear(2 * DIM, 1)
+
+    def forward(self, history, history_lengths, candidates, users):
+        h = torch.segment_reduce(self.items(history), "sum", lengths=history_lengths, unsafe=True)
+        return self.head(torch.cat([h + self.items(candidates), self.users(users)], 1))
+
+
+def _step_data(step: int, rank: int):
+    """Plain tensors of one rank's local batch: history ids and lengths (some empty), a candidate and a user per
+    sample, a label per sample. Small tables: consecutive steps share rows."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = torch.randint(0, 4, (B,), generator=g)
+    history = torch.randint(0, NUM_ITEMS, (int(lengths.sum()),), generator=g)
+    candidates = torch.randint(0, NUM_ITEMS, (B,), generator=g)
+    users = torch.randint(0, NUM_USERS, (B,), generator=g)
+    labels = torch.randint(0, 2, (B, 1), generator=g).float()
+    return history, lengths, candidates, users, labels
+
+
+def _batch(step: int, rank: int):
+    from fsdata.batch import Batch, lengths_to_offsets
+
+    history, lengths, candidates, users, labels = _step_data(step, rank)
+    ones = torch.ones(B, dtype=torch.int64)
+    return Batch(sample_ids=torch.arange(B) + 100 * step + 10 * rank, user_ids=users, uih_offsets=lengths_to_offsets(lengths),
+                 uih_item_ids=history, candidate_offsets=lengths_to_offsets(ones), candidate_labels=labels,
+                 content_offsets=lengths_to_offsets(ones), content_ids=candidates, dense=torch.zeros(B, 1))
+
+
+def _inputs(batch):
+    return batch.uih_item_ids, batch.uih_lengths, batch.content_ids, batch.user_ids
+
+
+def _features(batch):  # the ids of every call of each module, in call order
+    return {"items": [batch.uih_item_ids, batch.content_ids], "users": batch.user_ids}
+
+
+def _optimizer(name):
+    from fsembed.optim import SGD, Adam, RowWiseAdagrad
+
+    return {"sgd": SGD(lr=LR), "rowwise_adagrad": RowWiseAdagrad(lr=LR), "adam": Adam(lr=LR)}[name]
+
+
+def _train_body(rank, world_size, optimizer):
+    from fsdata.item import LoaderItem
+    from pipelines.step import TrainStep, wrap_model
+
+    out = {}
+    for mode in ("sync", "freescale"):
+        stage(mode)
+        model = UserModel()
+        emb = wrap_model(model, embeddings=["items", "users"], mode=mode, features=_features, inputs=_inputs,
+                         optimizer=_optimizer(optimizer))
+        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+        items = iter([LoaderItem(_batch(s, rank)) for s in range(STEPS)])
+        losses = []
+        while step.has_next(items):
+            losses.append(step.progress(items).loss)
+        out[mode] = (losses, emb.collection.full_tables(), {k: v.detach().clone() for k, v in model.head.state_dict().items()})
+    return out
+
+
+def _oracle(optimizer: str, world_size: int):
+    """One process, plain torch: the global batch of every step, the loss's global mean, dense SGD, and the
+    row-wise update of the rows the step looked up."""
+    model = UserModel()
+    tables = {"items": model.items.weight, "users": model.users.weight}
+    dense = torch.optim.SGD(model.head.parameters(), lr=DENSE_LR)
+    state = {k: {"sum": torch.zeros(w.shape[0]), "m": torch.zeros_like(w), "v": torch.zeros_like(w), "step": torch.zeros(w.shape[0])}
+             for k, w in tables.items()}
+    losses = []
+    for s in range(STEPS):
+        parts = [_step_data(s, r) for r in range(world_size)]
+        history, lengths, candidates, users, labels = (torch.cat([p[i] for p in parts]) for i in range(5))
+        for w in tables.values():
+            w.grad = None
+        dense.zero_grad()
+        logits = model(history, lengths, candidates, users)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / labels.numel()
+        loss.backward()
+        losses.append(float(loss))
+        dense.step()
+        touched = {"items": torch.unique(torch.cat([history, candidates])), "users": torch.unique(users)}
+        with torch.no_grad():
+            for k, w in tables.items():
+                rows, g, st = touched[k], w.grad[touched[k]], state[k]
+                if optimizer == "sgd":
+                    w[rows] -= LR * g
+                elif optimizer == "rowwise_adagrad":
+                    st["sum"][rows] += (g * g).mean(1)
+                    w[rows] -= LR * g / (st["sum"][rows].sqrt() + 1e-8).unsqueeze(1)
+                else:  # lazy Adam: moments and step count of the looked-up rows only
+                    st["step"][rows] += 1
+                    st["m"][rows] = 0.9 * st["m"][rows] + 0.1 * g
+                    st["v"][rows] = 0.999 * st["v"][rows] + 0.001 * g * g
+                    t = st["step"][rows].unsqueeze(1)
+                    m_hat, v_hat = st["m"][rows] / (1 - 0.9**t), st["v"][rows] / (1 - 0.999**t)
+                    w[rows] -= LR * m_hat / (v_hat.sqrt() + 1e-8)
+    return losses, {k: w.detach() for k, w in tables.items()}, model.head.state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_train_step_follows_the_unsharded_oracle(optimizer):
+    results = run_ranks(_train_body, 2, args=(optimizer,), timeout=120)
+    ref_losses, ref_tables, ref_head = _oracle(optimizer, 2)
+    for rank, result in enumerate(results):
+        sync_losses = result["sync"][0]
+        for mode, (losses, tables, head) in result.items():
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"{mode} losses")
+            for name in ref_tables:
+                torch.testing.assert_close(tables[name], ref_tables[name], rtol=1e-5, atol=1e-6, msg=f"{mode} table {name}")
+            for name in ref_head:
+                torch.testing.assert_close(head[name], ref_head[name], rtol=1e-5, atol=1e-6, msg=f"{mode} head {name}")
+        assert result["freescale"][0] == sync_losses  # prioritized updates: the same losses bit for bit
+
+
+def _called_more_than_prepared_body(rank, world_size):
+    from fsdata.item import LoaderItem
+    from pipelines.step import TrainStep, wrap_model
+
+    model = UserModel()
+    # the candidates' ids are missing: the second call of `items` asks for ids that were never prepared
+    emb = wrap_model(model, embeddings=["items", "users"], mode="sync",
+                     features=lambda b: {"items": b.uih_item_ids, "users": b.user_ids}, inputs=_inputs)
+    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+    try:
+        step.progress(iter([LoaderItem(_batch(0, rank))]))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_module_called_more_often_than_prepared_says_how_to_write_it():
+    for message in run_ranks(_called_more_than_prepared_body, 2, timeout=60):
+        assert message is not None and "more than once per step" in message and "list in call order" in message
+
+
+def test_pooled_modules_are_refused_with_the_reason():
+    from fsembed.swap import swap_embeddings
+
+    model = nn.Module()
+    model.bag = nn.EmbeddingBag(10, 4)
+    with pytest.raises(ValueError, match="unpooled"):
+        swap_embeddings(model, ["bag"], world_size=1, rank=0)
+    with pytest.raises(ValueError, match="unpooled"):
+        swap_embeddings(model, types=["EmbeddingBag"], world_size=1, rank=0)
+
+
+def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
+    torchrec = pytest.importorskip("torchrec")
+    from fsembed.swap import swap_embeddings
+
+    model = nn.Module()
+    model.ebc = torchrec.EmbeddingBagCollection(
+        tables=[torchrec.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
+        device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="EmbeddingBagCollection.*pooled.*unpooled"):
+        swap_embeddings(model, ["ebc"], world_size=1, rank=0)
+
+
+def test_find_embeddings_by_type_takes_the_outermost_modules():
+    from fsembed.swap import find_embeddings
+
+    model = nn.Module()
+    model.tower = UserModel()
+    assert find_embeddings(model, ["Embedding"]) == ["tower.items", "tower.users"]
+    assert find_embeddings(model, [nn.Embedding]) == ["tower.items", "tower.users"]
+    with pytest.raises(ValueError, match="no module of type"):
+        find_embeddings(nn.Linear(2, 2), ["Embedding"])
+    with pytest.raises(ValueError, match="cannot be swapped"):
+        find_embeddings(model, ["Linear"])
+
+
+def test_wrap_model_needs_features_or_a_kjt_input():
+    from pipelines.step import wrap_model
+
+    with pytest.raises(ValueError, match="give features"):
+        wrap_model(UserModel(), embeddings=["items"])
+
+
+def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path):
+    """`[model] model` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
+    config and its ModelSpec goes through the same wrap as the reference model."""
+    from pipelines.builders import build_model_spec, build_source
+    from pipelines.cli import build_parser
+    from pipelines.config import config_from_args
+
+    (tmp_path / "my_model.py").write_text(
+        "import torch\nfrom pipelines import ModelSpec\n\n"
+        "def build(config):\n"
+        "    torch.manual_seed(config.train.seed)\n"
+        "    return ModelSpec(torch.nn.Embedding(7, 2), embeddings=['items'])\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    toml = tmp_path / "job.toml"
+    toml.write_text(f'[model]\nmodel = "{tmp_path}/my_model.py:build"\n'
+                    f'[balancer]\npartitioner = "{root}/examples/custom_partitioner.py:round_robin_longest"\n')
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(toml)])).validate()
+    spec = build_model_spec(config, build_source(config.data, 2))
+    assert isinstance(spec.model, nn.Embedding) and spec.embeddings == ["items"]
+    from fsdata.partition import get_partitioner
+
+    assert callable(get_partitioner(config.balancer.partitioner))
+    config.model.model = f"{tmp_path}/my_model.py:nothing"
+    with pytest.raises(ValueError, match="has no attribute 'nothing'"):
+        build_model_spec(config, build_source(config.data, 2))
