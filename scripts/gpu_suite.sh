@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md (torch with CUDA; where torchdata is not installed, its wheel may travel in .whl/,
-# see the README). The suite comes in parts of at most about ten minutes each:
+# see docs/tuning.md). The suite comes in parts of at most about ten minutes each:
 #   bash scripts/gpu_suite.sh check      # GPU tests under TORCH_CUDA_SANITIZER=1 + the kernels bench (~5 min)
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
