@@ -59,6 +59,7 @@ from fscomm.groups import new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
+from fsdata.id_overflow import IdRangeSource
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, loader_blocked_s, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
@@ -89,6 +90,14 @@ class _Fetched:
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The step's global loss is NaN or infinite. ``root``: this rank's own loss is (the launcher names it)."""
+
+    def __init__(self, message: str, root: bool) -> None:
+        super().__init__(message)
+        self.root = root
 
 
 def _unnamed(name: str) -> contextlib.nullcontext:
@@ -197,6 +206,8 @@ class Trainer:
         self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
         self.model = build_model(config.model, self.source, seed=config.train.seed).to(device)
+        # Ids past the item table are an error unless the job or the dataset declares a fold (fsdata.id_overflow).
+        self.source = IdRangeSource(self.source, self.model.config.num_items, config.data.id_overflow)
         self.pipeline = build_pipeline(self.model, config.train, self.timer, device)
         self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
         if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
@@ -423,6 +434,12 @@ class Trainer:
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
             self.schedule.observe(self.step - 1, float(per_rank["last_step_s"].max()))
         labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
+        if not np.isfinite(bce_sum):  # every rank sees the same global sum: all stop at this step
+            local = float(sums[0])
+            where = (f"on rank {self.rank} (its loss sum is {local})" if not np.isfinite(local)
+                     else f"on another rank (rank {self.rank}'s loss sum is finite)")
+            raise NonFiniteLoss(f"non-finite loss at step {self.step} {where}: the run stops here",
+                                root=not np.isfinite(local))
         return {
             "step": self.step,
             "loss": bce_sum / labels_all if labels_all > 0 else float("nan"),
@@ -519,6 +536,8 @@ class Trainer:
             return None
         directory = checkpoint.latest(self.config.train.checkpoint_dir) if resume == "latest" else Path(resume)
         if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
+            if self.rank == 0:
+                print(f"[freescale] no checkpoint in {self.config.train.checkpoint_dir}, starting at step 0")
             return None
         payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
         model_state = payload[checkpoint.MODEL_KEY]
@@ -645,5 +664,7 @@ class Trainer:
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
+            # rank 0's reads: ids folded onto the table (id_overflow), samples dropped (drop_bad_samples), ...
+            "source_stats": self.source.stats(),
             "config": self.config.to_dict(),
         }
