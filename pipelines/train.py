@@ -72,7 +72,14 @@ def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: flo
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    """The error's own message on one line. An error carried across a thread by torchdata holds the worker's
+    whole traceback in its text ("Original Traceback ..."): its last line is the original error."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        text = next((line for line in reversed(text.splitlines()) if line.strip()), text)
+        prefix = f"{type(exc).__name__}: "
+        text = text[len(prefix):] if text.startswith(prefix) else text
+    text = " ".join(text.split())
     return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"
 
 
@@ -87,7 +94,7 @@ def _is_root_cause(exc: BaseException) -> bool:
 
 def _report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optional[str]) -> str:
     """Writes the rank's traceback to its log file and its one-line error beside it; returns the line."""
-    directory = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.mkdtemp(prefix="freescale-"))
+    directory = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.mkdtemp(prefix="freescale-")).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / f"rank{rank}.log"
     full = "".join(traceback.format_exception(exc))
@@ -105,6 +112,10 @@ def worker(config: JobConfig) -> Optional[dict]:
     An error ends the rank with one line (see the module docstring): under `freescale train` the launcher prints
     it; under torchrun the rank prints it itself and exits with status 1."""
     rank = int(os.environ["RANK"])
+    log_dir = config.train.log_dir or os.environ.get(LOG_DIR_ENV)
+    if log_dir:  # which process is which rank: to inspect a stuck one (py-spy dump --pid), or to stop it
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     try:
         return _rank_job(config)
     except Exception as exc:
@@ -118,6 +129,7 @@ def worker(config: JobConfig) -> Optional[dict]:
 
 def _rank_job(config: JobConfig) -> Optional[dict]:
     from fscomm import groups
+    from fscomm.heartbeat import Heartbeat
     from pipelines.trainer import Trainer
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -143,13 +155,54 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
     # needs the GIL waits up to the switch interval for it, 5 ms by default, which the trace showed as gaps
     # in the model thread. --gil-switch-ms (default 1 ms) bounds that wait.
     sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
-    groups.set_comm_timeout(config.train.comm_timeout_s)
+    timeout_s = config.train.comm_timeout_s
+    groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
-        _init_process_group(backend, rank, world_size, config.train.comm_timeout_s)
-    try:
-        return Trainer(config, rank=rank, world_size=world_size, device=device).train()
-    finally:
-        dist.destroy_process_group()
+        _init_process_group(backend, rank, world_size, timeout_s)
+    # On failure the process ends without destroying the groups (worker): a peer may be gone, and an NCCL
+    # group's destruction can then wait for it.
+    with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 4)) as heartbeat:
+        trainer = None
+        try:
+            trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
+            heartbeat.status = lambda: f"step {trainer.step}"
+            summary = trainer.train()
+        except Exception as exc:
+            if _is_timeout(exc):
+                step = f"step {trainer.step}" if trainer is not None else "set-up"
+                raise CommTimeout(
+                    f"a collective in {_where(exc)} timed out after {timeout_s:g} s (--comm-timeout-s) at {step}; "
+                    f"other ranks: {heartbeat.diagnose()}; backend said: {' '.join(str(exc).split())[:300]}"
+                ) from exc
+            raise
+    dist.destroy_process_group()
+    return summary
+
+
+class CommTimeout(RuntimeError):
+    """A collective or a hand-over between ranks exceeded the communication timeout."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    while exc is not None:
+        text = str(exc).lower()
+        if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of FreeScale's own code in the traceback: the collective's call site."""
+    root = Path(__file__).resolve().parents[1]
+    site = None
+    while exc is not None:
+        for frame in traceback.extract_tb(exc.__traceback__):
+            path = Path(frame.filename).resolve()
+            if root in path.parents and "tests" not in path.relative_to(root).parts:
+                site = f"{frame.name} ({path.relative_to(root)}:{frame.lineno})"
+        exc = exc.__cause__
+    return site or "an unknown place"
 
 
 def _numa_options(config: JobConfig):
@@ -205,23 +258,32 @@ def launch(config: JobConfig) -> Optional[dict]:
 
 
 def _failure_line(failure, log_dir: Path) -> str:
-    """The one line naming the rank where the job failed and why (its own report, else how it died)."""
+    """The one line naming the rank where the job failed and why: a rank's own report of the fault, else a rank
+    that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
     reports = []
     for path in sorted(log_dir.glob("rank*.error")):
         try:
             reports.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    roots = [r for r in reports if r["root"]] or reports
+    reported = {r["rank"] for r in reports}
+    roots = [r for r in reports if r["root"]]
     if roots:
         first = min(roots, key=lambda r: r["rank"])
-        others = sorted({r["rank"] for r in reports} - {first["rank"]})
+        others = sorted(reported - {first["rank"]})
         return first["line"] + (f"; rank(s) {others} failed after it" if others else "")
     died = []
     for rank, f in sorted(failure.failures.items()):
-        how = (f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}")
+        if rank in reported or f.exitcode == -signal.SIGTERM:  # SIGTERM: the launcher stopping the others
+            continue
+        how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         died.append(f"rank {rank} died ({how})")
-    return "; ".join(died) + " without an error of its own (killed, out of memory, or a crash in native code)"
+    if died:
+        line = "; ".join(died) + " without an error of its own (killed, out of memory, or a crash in native code)"
+        return line + (f"; rank(s) {sorted(reported)} failed after it" if reported else "")
+    if reports:
+        return min(reports, key=lambda r: r["rank"])["line"]
+    return "; ".join(f"rank {rank} ended with exit code {f.exitcode}" for rank, f in sorted(failure.failures.items()))
 
 
 def check_before_launch(config: JobConfig) -> None:

@@ -1,0 +1,206 @@
+"""Faults at the command line end in one line naming the rank and cause, with a non-zero exit, within the
+communication timeout plus a few seconds (docs/reliability.md lists every case and its test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from fsdata.schema import batch_to_table, write_parquet
+from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+FAST = ["--nproc", "2", "--device", "cpu", "--no-progress", "--batch-size", "4", "--num-samples", "64"]
+
+
+def freescale(tmp_path, *argv, timeout=120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipelines.cli", *argv]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def cli(tmp_path, capsys, *argv) -> subprocess.CompletedProcess:
+    """`freescale ...` in this process, for errors raised before any rank starts (a subprocess costs seconds)."""
+    from pipelines.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(list(argv))
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def error_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+
+
+def one_line_error(proc, *fragments) -> str:
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    lines = error_lines(proc)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def synth(n=64):
+    return SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=n)).read(0, 0, n)
+
+
+def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_path):
+    batch = synth()
+    batch.uih_item_ids = batch.uih_item_ids.clone()
+    batch.uih_item_ids[batch.uih_offsets[5]] = -3  # sample 5: on rank 1 (batch size 4 per rank)
+    pq.write_table(batch_to_table(batch), tmp_path / "bad.parquet", row_group_size=4)  # row group 1: rank 1 only
+    proc = freescale(tmp_path, "train", *FAST, "--data", "bad.parquet", "--log-dir", "logs")
+    line = one_line_error(proc, "freescale train: error: rank 1:", "bad.parquet row group 1", "sample_id 5",
+                          "negative id -3 in uih_item_ids", "traceback: ")
+    log = Path(line.split("traceback: ")[1].split(")")[0])
+    assert log.is_file() and "Traceback" in log.read_text()
+
+
+def test_verbose_prints_the_traceback_too(tmp_path):
+    batch = synth()
+    batch.dense = batch.dense.clone()
+    batch.dense[1, 0] = float("nan")
+    pq.write_table(batch_to_table(batch), tmp_path / "nan.parquet", row_group_size=16)
+    proc = freescale(tmp_path, "train", *FAST, "--data", "nan.parquet", "--verbose")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+    assert "rank 0: nan.parquet row group 0: sample_id 1 (row 1): non-finite value nan in column 'dense'" in proc.stderr
+
+
+def test_corrupt_parquet_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    good = tmp_path / "data" / "a.parquet"
+    good.parent.mkdir()
+    write_parquet(synth(), str(good), row_group_size=16)
+    (tmp_path / "data" / "b.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])  # cut mid-file
+    proc = cli(tmp_path, capsys, "train", *FAST, "--data", "data")
+    one_line_error(proc, "freescale train: error:", "b.parquet: not a readable Parquet file")
+
+
+def _unsafe_checkpoint(directory: Path, marker: Path) -> None:
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    directory.mkdir(parents=True)
+    import torch
+
+    torch.save({"world_size": 1, "model": {}, "payload": RunsCode()}, directory / "rank0.pt")
+    (directory / "COMPLETE").write_text("1\n")
+
+
+def test_a_checkpoint_carrying_a_pickled_callable_is_refused_and_nothing_runs(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    _unsafe_checkpoint(tmp_path / "ck" / "step_000001", marker)
+    proc = cli(tmp_path, capsys, "train", *FAST, "--resume", str(tmp_path / "ck" / "step_000001"))
+    one_line_error(proc, "rank0.pt: refused: it holds objects other than tensors and plain data")
+    assert not marker.exists()
+    from pipelines import checkpoint
+
+    with pytest.raises(ValueError, match="refused"):  # and every load of the library path refuses it too
+        checkpoint.load(tmp_path / "ck" / "step_000001", 0, 1)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("missing", "does not exist"),
+    ("no-marker", "no COMPLETE marker: the save was interrupted"),
+    ("lacks-rank", "is incomplete: it lacks rank1.pt"),
+    ("truncated", "rank0.pt: not a readable checkpoint file"),
+])
+def test_an_explicit_checkpoint_that_is_missing_or_incomplete_is_one_line(tmp_path, capsys, damage, match):
+    import torch
+
+    step = tmp_path / "ck" / "step_000002"
+    if damage != "missing":
+        step.mkdir(parents=True)
+        torch.save({"world_size": 2, "model": {}}, step / "rank0.pt")
+        torch.save({"world_size": 2, "model": {}}, step / "rank1.pt")
+        (step / "COMPLETE").write_text("2\n")
+        if damage == "no-marker":  # an interrupted save: the marker is written last
+            (step / "COMPLETE").unlink()
+            (step / "rank1.tmp").write_bytes(b"half a file")
+        elif damage == "lacks-rank":
+            (step / "rank1.pt").unlink()
+        elif damage == "truncated":
+            data = (step / "rank0.pt").read_bytes()
+            (step / "rank0.pt").write_bytes(data[: len(data) // 2])
+    proc = cli(tmp_path, capsys, "train", *FAST, "--resume", str(step))
+    one_line_error(proc, match)
+
+
+def test_unknown_partitioner_is_one_line_before_ranks_start(tmp_path, capsys):
+    proc = cli(tmp_path, capsys, "train", *FAST, "--partitioner", "nosuch")
+    one_line_error(proc, "freescale train: error:", "nosuch")
+
+
+def _rank_pids(log_dir: Path) -> dict[int, int]:
+    """The launched ranks' process ids, which each rank leaves in the log directory."""
+    return {int(p.stem[4:]): int(p.read_text()) for p in log_dir.glob("rank*.pid")}
+
+
+def _start_long_job(tmp_path, *extra):
+    """`freescale train` of many steps under a 3 s communication timeout, once it has trained a few steps."""
+    log_dir = tmp_path / "logs"
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--device", "cpu", "--no-progress",
+           "--batch-size", "4", "--steps", "100000", "--mode", "replicated", "--partitioner", "none",
+           "--comm-timeout-s", "3", "--log-dir", str(log_dir), "--metrics-jsonl", str(metrics), *extra]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "the job did not start training"
+        time.sleep(0.2)
+    pids = _rank_pids(log_dir)
+    assert sorted(pids) == [0, 1]
+    return proc, pids, log_dir
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
+    proc, pids, log_dir = _start_long_job(tmp_path)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not (log_dir / "rank0.error").exists():
+            assert time.monotonic() - stopped < 3 + 8, "rank 0 still waits past the timeout"
+            time.sleep(0.1)
+        waited = time.monotonic() - stopped
+    finally:
+        os.kill(pids[1], signal.SIGKILL)  # a stopped process takes no SIGTERM: the launcher would wait for it
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    line = [l for l in err.splitlines() if "error" in l]
+    assert len(line) == 1, err[-3000:]
+    assert "rank 0: CommTimeout: a collective in " in line[0] and "timed out after 3 s" in line[0], line[0]
+    assert "did not arrive, stopped responding: rank 1 (silent for" in line[0], line[0]
+    assert 3 <= waited < 3 + 8
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+    """Also: --resume latest over a directory without a complete checkpoint says so and trains from step 0, and an
+    option the mode ignores gets a warning (one launch for the three: each costs seconds)."""
+    (tmp_path / "ck" / "step_000004").mkdir(parents=True)  # an interrupted save: no marker, not a checkpoint
+    proc, pids, _ = _start_long_job(tmp_path, "--mode", "sync", "--partitioner", "kk", "--checkpoint-dir", "ck",
+                                    "--resume", "latest")
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    line = [l for l in err.splitlines() if "error" in l]
+    assert len(line) == 1 and line[0].startswith("freescale train: error: rank 1 died (signal SIGKILL)"), err[-3000:]
+    assert "no checkpoint in ck, starting at step 0" in out
+    assert "warning: --partitioner is ignored in mode sync" in err
