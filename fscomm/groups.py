@@ -188,6 +188,19 @@ def forget_all() -> None:
         close_worker(state)
 
 
+def close_stage_groups() -> None:
+    """Destroys every group made here (collective in torch's sense: every rank calls it, after the last
+    exchange), ending their exchange threads, and forgets them."""
+    with _lock:
+        states = list(_by_group.values())
+    for state in states:
+        forget(state.group)
+        try:
+            dist.destroy_process_group(state.group)
+        except (ValueError, RuntimeError):  # already destroyed with the world group
+            pass
+
+
 def live_groups() -> list[str]:
     """Names of the groups fscomm holds records of (a test checks none is left after closing)."""
     with _lock:

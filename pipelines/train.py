@@ -175,6 +175,7 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
                     f"other ranks: {heartbeat.diagnose()}; backend said: {' '.join(str(exc).split())[:300]}"
                 ) from exc
             raise
+        trainer.close()  # on success only: after a failure a peer may be gone, and the process ends anyway
     dist.destroy_process_group()
     return summary
 

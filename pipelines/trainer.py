@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import get_transport
-from fscomm.groups import new_stage_group
+from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
@@ -268,6 +268,35 @@ class Trainer:
         if self.pipeline is not None:
             stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
         return stages
+
+    # ------------------------------------------------------------------ ownership
+    def close(self) -> None:
+        """Ends what this trainer started: the loader's stage worker, the embedding chains' threads, and the
+        process groups (with their exchange threads) made for its stages. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        shutdown_loader(self.loader)
+        node = self.loader.root
+        while node is not None:  # torchdata's Prefetcher keeps a thread until its iterator is shut down
+            inner = getattr(node, "_it", None)
+            if inner is not None and hasattr(inner, "_shutdown"):
+                inner._shutdown()
+            node = getattr(node, "source", None)
+        if self.pipeline is not None:
+            from fsembed.comm import release_stage_transports
+            from fsembed.prioritized import close_chains
+
+            t = self.pipeline.collection.transports
+            close_chains(t.forward, t.backward, t.bulk, t.collision)
+            release_stage_transports()
+        close_stage_groups()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
