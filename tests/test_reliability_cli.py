@@ -204,3 +204,70 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     assert len(line) == 1 and line[0].startswith("freescale train: error: rank 1 died (signal SIGKILL)"), err[-3000:]
     assert "no checkpoint in ck, starting at step 0" in out
     assert "warning: --partitioner is ignored in mode sync" in err
+
+
+def test_options_the_mode_ignores_are_named_only_when_set():
+    from pipelines.cli import build_parser
+    from pipelines.config import config_from_args
+
+    def warnings(*argv):
+        config = config_from_args(build_parser().parse_args(["train", *argv]))
+        return config.ignored_options(config.explicit)
+
+    assert warnings("--mode", "sync") == []  # defaults are never "set"
+    assert warnings("--mode", "sync", "--partitioner", "kk", "--early-start", "backward") == [
+        "--partitioner is ignored in mode sync (it applies to mode(s) replicated, freescale)",
+        "--early-start is ignored in mode sync (it applies to mode(s) freescale)",
+    ]
+    assert warnings("--mode", "replicated", "--transport", "host") == [
+        "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"]
+    assert warnings("--mode", "freescale", "--partitioner", "kk", "--transport", "host") == []
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--comm-timeout-s", "0"], "comm_timeout_s must be > 0"),
+    (["--id-overflow", "wrap"], "id_overflow must be one of error, modulo, hash"),
+])
+def test_new_flags_are_validated(argv, match):
+    from pipelines.cli import build_parser
+    from pipelines.config import config_from_args
+
+    with pytest.raises(ValueError, match=match):
+        config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
+    import threading
+
+    from torchdata.nodes import BaseNode
+
+    from fscomm import groups
+    from fsdata.nodes import background
+    from fsdata.nodes.background import Background
+
+    release = threading.Event()
+
+    class Stuck(BaseNode):
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+
+        def next(self):
+            release.wait(10)  # as a collective whose peer never comes
+            return 1
+
+        def get_state(self):
+            return {}
+
+    monkeypatch.setattr(background, "_WAIT_MARGIN_S", 0.2)
+    groups.set_comm_timeout(0.3)
+    try:
+        with Background(Stuck()) as node:
+            node.reset()
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"stage worker did not hand over the next item within 0.5 s .*stages: Stuck"):
+                next(node)
+            assert time.monotonic() - t0 < 3
+            release.set()
+    finally:
+        groups.set_comm_timeout(None)
+    assert not any(t.name.startswith("fsdata-stages") for t in threading.enumerate())

@@ -105,3 +105,28 @@ def test_a_bad_declaration_in_the_metadata_is_refused(tmp_path):
     path = write_raw(synth().read(0, 0, 8), tmp_path / "a.parquet", {META_ID_OVERFLOW: b"wrap"})
     with pytest.raises(ValueError, match="freescale.id_overflow is 'wrap'"):
         ParquetSource(path)
+
+
+def _nan_on_rank_1_at_step_2(rank, world_size):
+    from pipelines.trainer import NonFiniteLoss, Trainer
+    from tests.pipelines.tiny import tiny_config
+
+    with Trainer(tiny_config("sync", 5).validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as t:
+        def poison(module, args, out):
+            return out * float("nan") if rank == 1 and t.step == 2 else out
+
+        t.model.register_forward_hook(poison)
+        try:
+            t.train()
+        except NonFiniteLoss as e:
+            return str(e), e.root, len(t.history)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_non_finite_loss_stops_the_run_at_that_step_naming_the_rank():
+    from tests.harness import run_ranks
+
+    (msg0, root0, _), (msg1, root1, _) = run_ranks(_nan_on_rank_1_at_step_2, 2, timeout=120)
+    assert msg1 == "non-finite loss at step 2 on rank 1 (its loss sum is nan): the run stops here" and root1
+    assert msg0.startswith("non-finite loss at step 2 on another rank") and not root0

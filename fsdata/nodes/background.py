@@ -105,7 +105,7 @@ class Background(BaseNode[T]):
             return future.result(timeout=limit)  # an exception of the worker is re-raised here
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
-                f"the loader's stage worker did not {what} within {limit:.0f} s (the communication timeout plus "
+                f"the loader's stage worker did not {what} within {limit:g} s (the communication timeout plus "
                 f"{_WAIT_MARGIN_S:.0f} s); stages: {_describe(self.source)}"
             ) from None
 
