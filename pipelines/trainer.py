@@ -373,6 +373,7 @@ class Trainer:
                 self._unsettled = None
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
+            self._data_counts = self._count_data_faults()
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             gc_pauses.close()
@@ -383,6 +384,16 @@ class Trainer:
             if self._metrics_file is not None:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
+
+    def _count_data_faults(self) -> dict[str, int]:
+        """Every rank's reads summed (one tiny all-reduce after the loop): ids folded onto the table
+        (id_overflow), samples left out (drop_bad_samples), histories cut to the cap."""
+        names = ("folded_ids", "dropped_bad_samples", "truncated_uih")
+        stats = self.source.stats()
+        counts = torch.tensor([float(stats.get(n, 0)) for n in names], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        return {n: int(v) for n, v in zip(names, counts.tolist())}
 
     def _fetch(self, items: Iterator) -> _Fetched:
         """The next local batch (on the device), with the balancer's metrics of its step when balancing."""
@@ -693,7 +704,7 @@ class Trainer:
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
-            # rank 0's reads: ids folded onto the table (id_overflow), samples dropped (drop_bad_samples), ...
-            "source_stats": self.source.stats(),
+            "source_stats": self.source.stats(),  # rank 0's reads
+            "data_counts": getattr(self, "_data_counts", None),  # every rank's: folded ids, dropped samples, cut UIHs
             "config": self.config.to_dict(),
         }
