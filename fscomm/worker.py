@@ -31,6 +31,7 @@ _lock = threading.Lock()
 
 class SerialWorker:
     def __init__(self, name: str):
+        self.name = name
         self._jobs: "queue.Queue[tuple[Future, Callable[[], Any]] | None]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

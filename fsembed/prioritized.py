@@ -59,11 +59,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from fscomm.groups import comm_timeout_s
 from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
 from fsdata.id_prefetch import ShardedIds
@@ -119,6 +121,7 @@ EARLY_STARTS = ("forward", "backward")
 EXCLUSIVE_STARTS = ("backward", "forward")
 SCHEDULES = ("prioritized", "sdd")
 _chains_lock = threading.Lock()
+_WAIT_MARGIN_S = 5.0
 
 
 def _chain_for(transport, name: str) -> SerialWorker:
@@ -168,8 +171,16 @@ class _Later:
             self._future.set_exception(exc)
 
     def result(self, timeout: Optional[float] = None):
+        """The work's result. The wait is bounded (default: the job's communication timeout plus a margin: the
+        work's own exchanges fail first), so a stuck chain is an error naming it, not a hang."""
         self.start()
-        return self._future.result(timeout)
+        limit = timeout if timeout is not None else comm_timeout_s() + _WAIT_MARGIN_S
+        try:
+            return self._future.result(limit)
+        except FutureTimeout:
+            chain = self._worker.name if self._worker is not None else "the caller's thread"
+            raise TimeoutError(f"embedding chain {chain!r} did not finish its work within {limit:g} s "
+                               "(--comm-timeout-s plus a margin)") from None
 
 
 def _set_per_part(mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
