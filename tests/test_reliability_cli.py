@@ -71,14 +71,19 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
     assert log.is_file() and "Traceback" in log.read_text()
 
 
-def test_verbose_prints_the_traceback_too(tmp_path):
-    batch = synth()
-    batch.dense = batch.dense.clone()
-    batch.dense[1, 0] = float("nan")
-    pq.write_table(batch_to_table(batch), tmp_path / "nan.parquet", row_group_size=16)
-    proc = freescale(tmp_path, "train", *FAST, "--data", "nan.parquet", "--verbose")
-    assert proc.returncode == 1 and "Traceback" in proc.stderr
-    assert "rank 0: nan.parquet row group 0: sample_id 1 (row 1): non-finite value nan in column 'dense'" in proc.stderr
+def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verbose(tmp_path, capsys):
+    """What a failing rank leaves for the launcher (in process: a launch costs seconds)."""
+    from pipelines.train import _report_failure
+
+    try:
+        raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")
+    except ValueError as exc:
+        line = _report_failure(exc, 1, verbose=True, log_dir=str(tmp_path))
+    assert line == (f"rank 1: nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense' "
+                    f"(traceback: {tmp_path / 'rank1.log'})")
+    assert "Traceback" in capsys.readouterr().err and "Traceback" in (tmp_path / "rank1.log").read_text()
+    report = json.loads((tmp_path / "rank1.error").read_text())
+    assert report == {"rank": 1, "line": line, "root": True}
 
 
 def test_corrupt_parquet_is_one_line_before_any_rank_starts(tmp_path, capsys):
