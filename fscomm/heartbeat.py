@@ -26,26 +26,38 @@ class Heartbeat:
         if not interval_s > 0:
             raise ValueError(f"heartbeat interval must be > 0, got {interval_s}")
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        store = store if store is not None else dist.distributed_c10d._get_default_store()
+        try:  # a client of its own: the training thread uses the store too, and one client is not for two threads
+            store = store.clone()
+        except (AttributeError, RuntimeError, NotImplementedError):
+            pass
+        self.store = store
         self.status: Callable[[], str] = lambda: "setting up"
+        self._lock = threading.Lock()  # one store client, used by the thread and by set_status's caller
         self._stop = threading.Event()
         self._post()
         self._thread = threading.Thread(target=self._run, name=f"freescale-heartbeat-{rank}", daemon=True)
         self._thread.start()
+
+    def set_status(self, status: Callable[[], str]) -> None:
+        """What this rank is doing, read at every post; posted at once."""
+        self.status = status
+        self._post()
 
     def _post(self) -> None:
         try:
             status = self.status()
         except Exception:  # the status reads another object's state: never let it end the heartbeat
             status = "unknown"
-        self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {status}")
+        with self._lock:
+            self.store.set(_KEY.format(self.rank), f"{time.time():.3f} {status}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self._post()
-            except Exception:  # the store went away (its host ended): nothing left to tell
-                return
+            except Exception:  # the store may be busy or gone; a rank that cannot post looks silent, as it is
+                continue
 
     def diagnose(self) -> str:
         """One clause on the other ranks: those that stopped posting (did not arrive) and where the live ones are."""
@@ -56,10 +68,13 @@ class Heartbeat:
                 continue
             try:
                 key = _KEY.format(r)
-                if not self.store.check([key]):
+                with self._lock:
+                    posted = self.store.check([key])
+                    value = self.store.get(key) if posted else b""
+                if not posted:
                     stopped.append(f"rank {r} (never posted)")
                     continue
-                stamp, _, status = self.store.get(key).decode().partition(" ")
+                stamp, _, status = value.decode().partition(" ")
                 age = now - float(stamp)
             except Exception:
                 return "the job's store is unreachable, so which ranks did not arrive is unknown"

@@ -161,11 +161,11 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
         _init_process_group(backend, rank, world_size, timeout_s)
     # On failure the process ends without destroying the groups (worker): a peer may be gone, and an NCCL
     # group's destruction can then wait for it.
-    with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 4)) as heartbeat:
+    with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 10)) as heartbeat:
         trainer = None
         try:
             trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
-            heartbeat.status = lambda: f"step {trainer.step}"
+            heartbeat.set_status(lambda: f"step {trainer.step}")
             summary = trainer.train()
         except Exception as exc:
             if _is_timeout(exc):

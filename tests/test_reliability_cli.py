@@ -193,6 +193,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     assert "rank 0: CommTimeout: a collective in " in line[0] and "timed out after 3 s" in line[0], line[0]
     assert "did not arrive, stopped responding: rank 1 (silent for" in line[0], line[0]
     assert 3 <= waited < 3 + 8
+    print(line[0])  # shown with -s: the line a user sees
 
 
 @pytest.mark.multiprocess
