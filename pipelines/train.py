@@ -279,6 +279,9 @@ def _failure_line(failure, log_dir: Path) -> str:
             continue
         how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         died.append(f"rank {rank} died ({how})")
+    if not died and reports:  # the launcher saw only the ranks that failed after it: find it by its missing report
+        started = {int(p.stem[4:]) for p in log_dir.glob("rank*.pid") if p.stem[4:].isdigit()}
+        died = [f"rank {rank} died" for rank in sorted(started - reported)]
     if died:
         line = "; ".join(died) + " without an error of its own (killed, out of memory, or a crash in native code)"
         return line + (f"; rank(s) {sorted(reported)} failed after it" if reported else "")

@@ -207,7 +207,8 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     line = [l for l in err.splitlines() if "error" in l]
-    assert len(line) == 1 and line[0].startswith("freescale train: error: rank 1 died (signal SIGKILL)"), err[-3000:]
+    assert len(line) == 1 and line[0].startswith("freescale train: error: rank 1 died"), err[-3000:]
+    assert "without an error of its own" in line[0]  # with its signal, when the launcher saw it die first
     assert "no checkpoint in ck, starting at step 0" in out
     assert "warning: --partitioner is ignored in mode sync" in err
 
@@ -277,3 +278,27 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
     finally:
         groups.set_comm_timeout(None)
     assert not any(t.name.startswith("fsdata-stages") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("reports, failures, pids, expect", [
+    # rank 1's own fault is named, not rank 0's consequence of it
+    ({0: False, 1: True}, {0: 1, 1: 1}, [0, 1], "rank 1: cause 1 (traceback: x); rank(s) [0] failed after it"),
+    # a rank killed without a report, seen by the launcher
+    ({0: False}, {0: 1, 1: -9}, [0, 1], "rank 1 died (signal SIGKILL) without an error of its own"),
+    # ... not seen by it (it saw rank 0 fail first): found by its missing report
+    ({0: False}, {0: 1}, [0, 1], "rank 1 died without an error of its own"),
+    # the launcher stopping the others (SIGTERM) is not a cause
+    ({}, {0: -9, 1: -15}, [0, 1], "rank 0 died (signal SIGKILL) without an error of its own"),
+])
+def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports, failures, pids, expect):
+    from types import SimpleNamespace
+
+    from pipelines.train import _failure_line
+
+    for rank, root in reports.items():
+        line = f"rank {rank}: cause {rank} (traceback: x)"
+        (tmp_path / f"rank{rank}.error").write_text(json.dumps({"rank": rank, "line": line, "root": root}))
+    for rank in pids:
+        (tmp_path / f"rank{rank}.pid").write_text("1\n")
+    failure = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in failures.items()})
+    assert _failure_line(failure, tmp_path).startswith(expect)
