@@ -7,8 +7,8 @@ Data parallel for now: every rank holds the whole model; after backward one all-
 and the step's bookkeeping (label counts, per-rank compute times), so a step has exactly one blocking
 collective and the straggler wait is measured where it happens (see pipelines.trainer).
 
-Errors. What can be checked before the ranks start is (the config, the data's files and schema, an explicit
-checkpoint directory). An error raised on a rank reaches the user as one line naming the rank and the cause,
+Errors. What can be checked before the ranks start is checked there (the config, the data's files and schema, an
+explicit checkpoint directory). An error raised on a rank reaches the user as one line naming the rank and the cause,
 and the rank's full traceback goes to a log file that the line names (``--log-dir``; printed too under
 ``--verbose``); the command exits non-zero. A rank that dies without an error (killed, out of memory) is
 named with its exit code or signal. See docs/reliability.md.
