@@ -7,6 +7,13 @@ while rank 1 runs op B, and both hang. Every stage therefore asks for its own gr
 thread that issues a collective on a group owns it; another thread is refused with an error that says so.
 
 Groups are made collectively: every rank calls ``new_stage_group`` with the same names in the same order.
+
+Timeouts. Every group made here gets the job's communication timeout (``set_comm_timeout``, the trainer's
+``--comm-timeout-s``), not torch's 30-minute default: a rank that stops without dying ends its peers' waits in
+an error after that long.
+
+Records are keyed by the group's name (torch's ``group_name`` is unique in the process), never by ``id()``,
+which a new object can reuse; ``forget(group)`` drops one group's record when its owner destroys it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class GroupState:
     owner: Optional[threading.Thread] = None
     next_seq: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    worker: Optional[object] = None  # its exchange thread (fscomm.worker.SerialWorker), made on first use
 
     def take_seq(self) -> int:
         with self.lock:
@@ -42,11 +50,31 @@ class GroupState:
 
 _lock = threading.Lock()
 _by_name: dict[str, GroupState] = {}
-_by_group: dict[int, GroupState] = {}
+_by_group: dict[str, GroupState] = {}  # torch's group_name -> state
+_comm_timeout_s: Optional[float] = None
+
+
+def set_comm_timeout(seconds: Optional[float]) -> None:
+    """The timeout of every group made from now on, and of the waits bounded by :func:`comm_timeout_s`
+    (None: torch's default)."""
+    global _comm_timeout_s
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"comm timeout must be > 0 seconds, got {seconds}")
+    _comm_timeout_s = seconds
+
+
+def comm_timeout_s() -> float:
+    """The job's communication timeout in seconds (torch's default when none was set)."""
+    return _comm_timeout_s if _comm_timeout_s is not None else dist.default_pg_timeout.total_seconds()
 
 
 def _default_timeout_s() -> float:
-    return dist.default_pg_timeout.total_seconds()
+    return comm_timeout_s()
+
+
+def _key(group: dist.ProcessGroup) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name else f"group@{id(group):x}"
 
 
 def new_stage_group(
@@ -69,7 +97,9 @@ def new_stage_group(
                 f"new_stage_group: a group named {name!r} exists already on rank {dist.get_rank()}; "
                 "each stage makes its group once, at set-up"
             )
-    timeout_s = timeout.total_seconds() if timeout is not None else _default_timeout_s()
+    if timeout is None:
+        timeout = datetime.timedelta(seconds=_default_timeout_s())
+    timeout_s = timeout.total_seconds()
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     store.set(f"fscomm/joined/{name}/{rank}", "1")  # set-up only: lets a failure name who never came
@@ -88,18 +118,18 @@ def new_stage_group(
     state = GroupState(name=name, group=group, timeout_s=timeout_s)
     with _lock:
         _by_name[name] = state
-        _by_group[id(group)] = state
+        _by_group[_key(group)] = state
     return group
 
 
 def group_state(group: dist.ProcessGroup) -> GroupState:
     """fscomm's state of ``group``; a group made outside fscomm is adopted under its torch group name."""
     with _lock:
-        state = _by_group.get(id(group))
-        if state is None:
-            name = getattr(group, "group_desc", None) or getattr(group, "group_name", None) or f"group@{id(group):x}"
+        state = _by_group.get(_key(group))
+        if state is None or state.group is not group:
+            name = getattr(group, "group_desc", None) or _key(group)
             state = GroupState(name=str(name), group=group, timeout_s=_default_timeout_s())
-            _by_group[id(group)] = state
+            _by_group[_key(group)] = state
         return state
 
 
@@ -134,8 +164,44 @@ def claim(group: dist.ProcessGroup, op: str) -> GroupState:
     )
 
 
+def forget(group: dist.ProcessGroup) -> None:
+    """Drops fscomm's record of ``group`` (and its exchange worker): call when destroying it."""
+    with _lock:
+        state = _by_group.pop(_key(group), None)
+        if state is not None and _by_name.get(state.name) is state:
+            del _by_name[state.name]
+    if state is not None:
+        from fscomm.worker import close_worker
+
+        close_worker(state)
+
+
 def forget_all() -> None:
     """Drops fscomm's records of groups (after destroy_process_group, e.g. between tests in one process)."""
     with _lock:
+        states = list(_by_group.values())
         _by_name.clear()
         _by_group.clear()
+    from fscomm.worker import close_worker
+
+    for state in states:
+        close_worker(state)
+
+
+def close_stage_groups() -> None:
+    """Destroys every group made here (collective in torch's sense: every rank calls it, after the last
+    exchange), ending their exchange threads, and forgets them."""
+    with _lock:
+        states = list(_by_group.values())
+    for state in states:
+        forget(state.group)
+        try:
+            dist.destroy_process_group(state.group)
+        except (ValueError, RuntimeError):  # already destroyed with the world group
+            pass
+
+
+def live_groups() -> list[str]:
+    """Names of the groups fscomm holds records of (a test checks none is left after closing)."""
+    with _lock:
+        return sorted(s.name for s in _by_group.values())

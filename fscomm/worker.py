@@ -25,12 +25,12 @@ def helper_event() -> "torch.cuda.Event":
     return torch.cuda.Event(blocking=True)
 
 
-_workers: dict[int, "SerialWorker"] = {}
 _lock = threading.Lock()
 
 
 class SerialWorker:
     def __init__(self, name: str):
+        self.name = name
         self._jobs: "queue.Queue[tuple[Future, Callable[[], Any]] | None]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -52,13 +52,37 @@ class SerialWorker:
                 fut.set_exception(exc)
 
     def shutdown(self) -> None:
+        """Runs the jobs already queued, then ends the thread (bounded by the communication timeout)."""
         self._jobs.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=groups.comm_timeout_s())
+
+    close = shutdown
+
+    def __enter__(self) -> "SerialWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
 
 def worker_for(state: "groups.GroupState") -> SerialWorker:
+    """The exchange worker of ``state``'s group: it belongs to the group's record (made on first use, ended by
+    ``groups.forget``), so a group made later can never inherit a dead group's thread or sequence number."""
     with _lock:
-        w = _workers.get(id(state))
+        w = getattr(state, "worker", None)
         if w is None:
-            w = _workers[id(state)] = SerialWorker(f"fscomm-{state.name}")
+            w = state.worker = SerialWorker(f"fscomm-{state.name}")
         return w
+
+
+def close_worker(state: "groups.GroupState") -> None:
+    with _lock:
+        w = getattr(state, "worker", None)
+        state.worker = None
+    if w is not None:
+        w.shutdown()

@@ -10,6 +10,11 @@ Supported raw formats:
 * ``kuairand``: KuaiRand log CSVs (``user_id, video_id, time_ms`` or ``date`` + ``hourmin``, ``is_click``,
   ...). Labels: the columns named by ``label_columns`` (default ``is_click``).
 
+Known CSV headers are matched whatever their case (``UserID,MovieID,Rating,Timestamp`` is MovieLens's). A
+malformed row (wrong number of fields, a field that does not parse as its column's type, an empty field, or a
+last line without its line end: a file cut mid-row) is an error naming the file and the line, unless
+``bad_rows="skip"``: then such rows are left out and counted (``ConvertReport.skipped_rows``).
+
 Every format becomes one event table (user, item, time, labels, action type); then, per user, events are
 ordered by time (ties keep file order) and cut into samples: the last ``candidates`` events are a sample's
 candidates and everything before them its UIH; ``samples_per_user`` windows are taken backwards from the
@@ -26,6 +31,7 @@ import gzip
 import io
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -43,6 +49,7 @@ from fsdata.schema import write_parquet
 from fsdata.synthetic import segment_arange
 
 FORMATS = ("movielens", "amazon", "kuairand")
+BAD_ROWS = ("error", "skip")
 KUAIRAND_ACTIONS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
 _BLOCK = 64 << 20
 
@@ -64,8 +71,9 @@ def _open(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _blocks(path: str, progress: bool, skip_first_line: bool = False) -> Iterator[bytes]:
-    """The file in blocks of whole lines, with a progress bar over its bytes."""
+def _blocks(path: str, progress: bool, skip_first_line: bool = False) -> Iterator[tuple[bytes, bool]]:
+    """The file in blocks of whole lines, with a progress bar over its bytes; the flag is set on a last block
+    whose last line had no line end (given one here)."""
     size = os.path.getsize(path)
     with _open(path) as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress) as bar:
         raw = f.fileobj if hasattr(f, "fileobj") else f  # gzip: count compressed bytes
@@ -82,11 +90,11 @@ def _blocks(path: str, progress: bool, skip_first_line: bool = False) -> Iterato
             cut = chunk.rfind(b"\n") + 1
             rest = chunk[cut:]
             if cut:
-                yield chunk[:cut]
+                yield chunk[:cut], False
             else:
                 rest = chunk
         if rest.strip():
-            yield rest + b"\n"
+            yield rest + b"\n", True
 
 
 def _first_line(path: str) -> bytes:
@@ -100,36 +108,137 @@ def _concat(tables: list[pa.Table], path: str) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def _read_delimited(path: str, names: list[str], types: dict, delimiter: str, header: bool, progress: bool, replace: Optional[bytes] = None) -> pa.Table:
-    tables = []
-    for block in _blocks(path, progress, skip_first_line=header):
+_NUMBER = {
+    "int": r"^\s*[-+]?\d+\s*$",
+    "float": r"^\s*([-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(?i:nan|inf|infinity))\s*$",
+}
+
+
+class _Rows:
+    """Counts the rows left out under ``bad_rows="skip"``; raises on the first under ``"error"``."""
+
+    def __init__(self, path: str, bad_rows: str) -> None:
+        if bad_rows not in BAD_ROWS:
+            raise ValueError(f"bad_rows must be one of {', '.join(BAD_ROWS)}, got {bad_rows!r}")
+        self.path, self.skip, self.skipped = path, bad_rows == "skip", 0
+
+    def bad(self, line: int, text: str, why: str) -> None:
+        if not self.skip:
+            raise ValueError(f"{self.path}: line {line}: {why}: {text.strip()[:120]!r} (--bad-rows skip leaves such "
+                             "rows out, counted)")
+        self.skipped += 1
+
+
+def _parse_block(block: bytes, first_line: int, unterminated: bool, rows: _Rows, names: list[str], types: dict,
+                 delimiter: str) -> pa.Table:
+    """One block of whole lines as a typed table; malformed rows refused (or left out) with their line number."""
+    lines = block.split(b"\n")[:-1]  # physical lines of the block (it ends with a line end)
+    wrong_count: dict[int, str] = {}
+
+    cursor = [0]
+
+    def invalid(row) -> str:  # wrong field count; rows come in order (one thread), so find the line from its text
+        text = row.text.encode()
+        i = cursor[0]
+        while i < len(lines) and lines[i].rstrip(b"\r") != text:
+            i += 1
+        if i < len(lines):
+            wrong_count[i], cursor[0] = f"{row.actual_columns} fields, expected {row.expected_columns}", i + 1
+        return "skip"
+
+    def any_invalid(row) -> str:
+        wrong_count[-1] = ""
+        return "skip"
+
+    def read(column_types: dict, exact: bool) -> pa.Table:
+        """``exact``: one thread, so the handler sees rows in order (slower: only after a malformed row)."""
+        return pacsv.read_csv(
+            io.BytesIO(block),
+            read_options=pacsv.ReadOptions(column_names=names, use_threads=not exact),
+            parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=invalid if exact else any_invalid),
+            convert_options=pacsv.ConvertOptions(column_types=column_types, include_columns=list(types)),
+        )
+
+    def restart() -> None:
+        wrong_count.clear()
+        cursor[0] = 0
+
+    try:
+        table, typed = read(types, exact=False), True
+        if wrong_count:
+            restart()
+            table = read(types, exact=True)
+    except pa.ArrowInvalid:  # a field that does not parse: find its line from the text
+        restart()
+        table, typed = read({name: pa.string() for name in types}, exact=True), False
+    if not typed or any(table.column(n).null_count for n in types):
+        ok = np.ones(len(table), dtype=bool)
+        for name, t in types.items():
+            col = table.column(name)
+            if typed:
+                ok &= col.is_valid().to_numpy(zero_copy_only=False)
+            else:
+                kind = "int" if pa.types.is_integer(t) else "float" if pa.types.is_floating(t) else None
+                valid = pc.match_substring_regex(col, _NUMBER[kind]) if kind else col.is_valid()
+                ok &= pc.fill_null(valid, False).to_numpy(zero_copy_only=False)
+    else:
+        ok = None
+    # table row k <-> the k-th non-empty physical line that pyarrow did not drop for its field count
+    kept = [i for i, line in enumerate(lines) if line.strip() and i not in wrong_count]
+    problems = {i: why for i, why in wrong_count.items()}
+    if ok is not None:
+        for k in np.flatnonzero(~ok):
+            problems[kept[k]] = "a field is empty or does not parse as its column's type"
+    if unterminated and kept and kept[-1] not in problems:
+        problems[kept[-1]] = "the file ends without a line end after this row (cut short mid-row?)"
+    for i in sorted(problems):
+        rows.bad(first_line + i, lines[i].decode(errors="replace"), problems[i])
+    drop = {k for k, i in enumerate(kept) if i in problems}
+    if drop:
+        table = table.filter(pa.array([k not in drop for k in range(len(table))]))
+    if not typed:
+        table = table.cast(pa.schema([(n, types[n]) for n in table.column_names]))
+    return table
+
+
+def _read_delimited(path: str, names: list[str], types: dict, delimiter: str, header: bool, progress: bool,
+                    replace: Optional[bytes] = None, rows: Optional[_Rows] = None) -> pa.Table:
+    rows = rows if rows is not None else _Rows(path, "error")
+    tables, line = [], 2 if header else 1
+    for block, unterminated in _blocks(path, progress, skip_first_line=header):
+        first_line, line = line, line + block.count(b"\n")
         if replace is not None:
             block = block.replace(replace, delimiter.encode())
         try:
-            tables.append(
-                pacsv.read_csv(
-                    io.BytesIO(block),
-                    read_options=pacsv.ReadOptions(column_names=names),
-                    parse_options=pacsv.ParseOptions(delimiter=delimiter),
-                    convert_options=pacsv.ConvertOptions(column_types=types, include_columns=list(types)),
-                )
-            )
+            tables.append(_parse_block(block, first_line, unterminated, rows, names, types, delimiter))
         except pa.ArrowInvalid as e:
             raise ValueError(f"{path}: cannot parse as {'header + ' if header else ''}'{delimiter}'-separated columns {names}: {e}") from e
     return _concat(tables, path)
 
 
-def read_movielens(paths: Sequence[str], progress: bool = True) -> Events:
+def _header(path: str) -> list[str]:
+    """The first line's column names, lower-cased: known headers match whatever their case."""
+    return [c.strip().lower() for c in _first_line(path).decode(errors="replace").strip().split(",")]
+
+
+def read_movielens(paths: Sequence[str], progress: bool = True, skipped: Optional[list] = None,
+                   bad_rows: str = "error") -> Events:
+    """``skipped``: a list to which the count of rows left out (``bad_rows="skip"``) of each file is appended."""
     tables = []
     types = {"user": pa.int64(), "item": pa.int64(), "rating": pa.float64(), "timestamp": pa.int64()}
     for path in paths:
+        rows = _Rows(path, bad_rows)
         if path.endswith(".csv"):
-            header = _first_line(path).decode().strip().split(",")
-            if header[:4] != ["userId", "movieId", "rating", "timestamp"]:
-                raise ValueError(f"{path}: expected the header userId,movieId,rating,timestamp, got {header}")
-            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"] + header[4:], types, ",", True, progress))
+            header = _header(path)
+            if header[:4] != ["userid", "movieid", "rating", "timestamp"]:
+                raise ValueError(f"{path}: expected the header userId,movieId,rating,timestamp (any case), got {header}")
+            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"] + header[4:], types, ",", True,
+                                          progress, rows=rows))
         else:  # ratings.dat: '::' is not a single-character delimiter, so swap it for a tab first
-            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"], types, "\t", False, progress, replace=b"::"))
+            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"], types, "\t", False, progress,
+                                          replace=b"::", rows=rows))
+        if skipped is not None:
+            skipped.append(rows.skipped)
     t = pa.concat_tables(tables)
     rating = t.column("rating").to_numpy()
     return Events(
@@ -166,7 +275,7 @@ def read_amazon(paths: Sequence[str], progress: bool = True) -> Events:
         schema = pa.schema([(u, pa.string()), (i, pa.string()), (r, pa.float64()), (ts, pa.int64())])
         opts = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
         tables = []
-        for block in _blocks(path, progress):
+        for block, _ in _blocks(path, progress):
             try:
                 tables.append(pajson.read_json(io.BytesIO(block), parse_options=opts))
             except pa.ArrowInvalid as e:
@@ -188,10 +297,13 @@ def read_amazon(paths: Sequence[str], progress: bool = True) -> Events:
     )
 
 
-def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_click",), progress: bool = True) -> Events:
+def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_click",), progress: bool = True,
+                  skipped: Optional[list] = None, bad_rows: str = "error") -> Events:
     tables = []
+    label_columns = [c.lower() for c in label_columns]
     for path in paths:
-        header = _first_line(path).decode().strip().split(",")
+        rows = _Rows(path, bad_rows)
+        header = _header(path)
         need = {"user_id", "video_id", *label_columns}
         missing = need - set(header)
         has_time = "time_ms" in header or {"date", "hourmin"} <= set(header)
@@ -203,7 +315,9 @@ def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_clic
         types = {"user_id": pa.int64(), "video_id": pa.int64()}
         types.update({c: pa.float64() for c in {*label_columns, *KUAIRAND_ACTIONS} & set(header)})
         types.update({c: pa.int64() for c in ("time_ms", "date", "hourmin") if c in header})
-        t = _read_delimited(path, header, types, ",", True, progress)
+        t = _read_delimited(path, header, types, ",", True, progress, rows=rows)
+        if skipped is not None:
+            skipped.append(rows.skipped)
         if "time_ms" in header:
             seconds = t.column("time_ms").to_numpy() // 1000
         else:
@@ -251,6 +365,8 @@ class ConvertReport:
     """Users with at most ``min_history`` events (no sample)."""
     positive_rate: list[float]
     outputs: list[str]
+    skipped_rows: int = 0
+    """Malformed input rows left out (``bad_rows="skip"``)."""
 
 
 def events_to_parquet(
@@ -335,19 +451,26 @@ def events_to_parquet(
 
 
 def convert(
-    fmt: str, inputs: Sequence[str], out: str, label_columns: Sequence[str] = ("is_click",), progress: bool = True, **options
+    fmt: str, inputs: Sequence[str], out: str, label_columns: Sequence[str] = ("is_click",), progress: bool = True,
+    bad_rows: str = "error", **options
 ) -> ConvertReport:
-    """Reads raw files of format ``fmt`` and writes the Parquet dataset; ``options`` go to :func:`events_to_parquet`."""
+    """Reads raw files of format ``fmt`` and writes the Parquet dataset; ``options`` go to :func:`events_to_parquet`.
+    ``bad_rows``: "error" (a malformed row is an error naming its line) or "skip" (left out, counted; CSV formats)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {FORMATS}")
+    if bad_rows not in BAD_ROWS:
+        raise ValueError(f"bad_rows must be one of {', '.join(BAD_ROWS)}, got {bad_rows!r}")
     inputs = [str(p) for p in inputs]
     for p in inputs:
         if not Path(p).is_file():
             raise FileNotFoundError(f"{p}: no such input file")
+    skipped: list[int] = []
     if fmt == "movielens":
-        events = read_movielens(inputs, progress)
+        events = read_movielens(inputs, progress, skipped, bad_rows)
     elif fmt == "amazon":
         events = read_amazon(inputs, progress)
     else:
-        events = read_kuairand(inputs, label_columns, progress)
-    return events_to_parquet(events, out, progress=progress, **options)
+        events = read_kuairand(inputs, label_columns, progress, skipped, bad_rows)
+    report = events_to_parquet(events, out, progress=progress, **options)
+    report.skipped_rows = sum(skipped)
+    return report

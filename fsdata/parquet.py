@@ -12,6 +12,9 @@ Bad input (see docs/schema.md):
 * missing path, unreadable/corrupt/truncated file, wrong schema: ValueError / FileNotFoundError naming the
   file (and the column);
 * negative ids, empty UIH, inconsistent list lengths, nulls: ValueError naming file, row group and sample id;
+* non-finite ``dense`` values or labels, labels outside [0, 1]: ValueError naming file, row group, sample id
+  and column; with ``drop_bad_samples=True`` such samples are left out of the batches instead (a local batch
+  gets shorter, as at an epoch's end) and counted in ``stats()['dropped_bad_samples']``;
 * UIH longer than ``uih_cap``: not an error. The most recent ``uih_cap`` events are kept (the history is
   stored oldest first, so the tail) and the sample is counted in ``stats()['truncated_uih']``.
 """
@@ -42,6 +45,8 @@ from fsdata.schema import (
     UIH_TIMESTAMPS,
     USER_ID,
     Columns,
+    bad_values,
+    metadata_id_overflow,
     metadata_dims,
     validate_columns,
     validate_schema,
@@ -88,6 +93,7 @@ class _RowGroup:
     content_ids: torch.Tensor
     dense: torch.Tensor
     truncated: torch.Tensor  # bool [n]: UIH was cut to the cap
+    bad: Optional[np.ndarray] = None  # bool [n], drop_bad_samples only: samples with unsound values
 
     def slice(self, a: int, b: int) -> Batch:
         uo = self.uih_offsets[a : b + 1]
@@ -127,13 +133,22 @@ class ParquetSource:
     ``epoch`` does not change the order (shuffling is a later stage's job); every epoch has the same samples.
     """
 
-    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], uih_cap: int = 21_000, cache_row_groups: int = 2):
+    def __init__(
+        self,
+        paths: Union[PathLike, Sequence[PathLike]],
+        uih_cap: int = 21_000,
+        cache_row_groups: int = 2,
+        drop_bad_samples: bool = False,
+    ):
         if uih_cap < 1:
             raise ValueError(f"uih_cap must be >= 1, got {uih_cap}")
         if cache_row_groups < 1:
             raise ValueError(f"cache_row_groups must be >= 1, got {cache_row_groups}")
         self.paths = expand_paths(paths)
         self.uih_cap = uih_cap
+        self.drop_bad_samples = drop_bad_samples
+        # How ids beyond the model's item table map to rows, when the dataset declares it (fsdata.id_overflow).
+        self.id_overflow: Optional[str] = None
         self._cache_size = cache_row_groups
         self._cache: OrderedDict[int, _RowGroup] = OrderedDict()
         self._files: dict[int, pq.ParquetFile] = {}
@@ -152,6 +167,10 @@ class ParquetSource:
                     f"{list(self.side_features)} (present in every file or in none)"
                 )
             self._agree(path, *metadata_dims(pf.schema_arrow))
+            overflow = metadata_id_overflow(pf.schema_arrow, path)
+            if f > 0 and overflow != self.id_overflow:
+                raise ValueError(f"{path}: declares id_overflow {overflow!r} but {self.paths[0]} declares {self.id_overflow!r}")
+            self.id_overflow = overflow
             md = pf.metadata
             for i in range(md.num_row_groups):
                 rg_file.append(f), rg_local.append(i), rg_rows.append(md.row_group(i).num_rows)
@@ -160,7 +179,8 @@ class ParquetSource:
         self._rg_start = np.zeros(len(rg_rows) + 1, dtype=np.int64)
         np.cumsum(np.asarray(rg_rows, dtype=np.int64), out=self._rg_start[1:])
         self._columns = [c for c in COLUMNS if c not in (UIH_ACTION_TYPES, UIH_TIMESTAMPS) or c in self.side_features]
-        self._stats = {"samples_read": 0, "truncated_uih": 0, "row_groups_decoded": 0, "cache_hits": 0}
+        self._stats = {"samples_read": 0, "truncated_uih": 0, "row_groups_decoded": 0, "cache_hits": 0,
+                       "dropped_bad_samples": 0}
 
     # ------------------------------------------------------------------ protocol
     def num_samples(self, epoch: int) -> int:
@@ -188,8 +208,13 @@ class ParquetSource:
         for g in range(first, last + 1):
             rg = self._row_group(g)
             lo, hi = max(start, self._rg_start[g]) - self._rg_start[g], min(stop, self._rg_start[g + 1]) - self._rg_start[g]
-            parts.append(rg.slice(int(lo), int(hi)))
+            part = rg.slice(int(lo), int(hi))
             self._stats["truncated_uih"] += int(rg.truncated[lo:hi].sum())
+            if rg.bad is not None and rg.bad[lo:hi].any():
+                keep = ~rg.bad[lo:hi]
+                self._stats["dropped_bad_samples"] += int((~keep).sum())
+                part = keep_rows(part, keep)
+            parts.append(part)
         self._stats["samples_read"] += stop - start
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
@@ -295,7 +320,10 @@ class ParquetSource:
             dense_offsets=dense_off, dense=dense, action_offsets=act_off, uih_action_types=act,
             timestamp_offsets=ts_off, uih_timestamps=ts,
         )
-        num_labels, dense_dim = validate_columns(cols, where, self.num_labels, self.dense_dim)
+        num_labels, dense_dim = validate_columns(
+            cols, where, self.num_labels, self.dense_dim, check_values=not self.drop_bad_samples
+        )
+        bad = bad_values(cols)[0] if self.drop_bad_samples else None
         if len(label_off) > 1:
             self._agree(where, num_labels, None)
         if len(dense_off) > 1:
@@ -327,7 +355,34 @@ class ParquetSource:
             content_ids=_tensor(content),
             dense=_tensor(dense).reshape(n, self.dense_dim or 0),
             truncated=torch.from_numpy(truncated),
+            bad=bad if bad is not None and bad.any() else None,
         )
+
+
+def keep_rows(batch: Batch, keep: np.ndarray) -> Batch:
+    """The samples of ``batch`` where ``keep`` (bool per sample) is true, in order; vectorized."""
+    rows = torch.from_numpy(np.flatnonzero(keep))
+
+    def pick(offsets: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new offsets, indices of the kept values) of the segments ``rows`` of ``offsets``."""
+        starts, lengths = offsets[:-1][rows], (offsets[1:] - offsets[:-1])[rows]
+        index = torch.from_numpy(segment_arange(starts.numpy(), lengths.numpy()))
+        return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]), index
+
+    uih_off, uih_index = pick(batch.uih_offsets, rows)
+    cand_off, cand_index = pick(batch.candidate_offsets, rows)
+    content_off, content_index = pick(batch.content_offsets, cand_index)
+
+    def side(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t[uih_index]
+
+    return Batch(
+        sample_ids=batch.sample_ids[rows], user_ids=batch.user_ids[rows],
+        uih_offsets=uih_off, uih_item_ids=batch.uih_item_ids[uih_index],
+        candidate_offsets=cand_off, candidate_labels=batch.candidate_labels[cand_index],
+        content_offsets=content_off, content_ids=batch.content_ids[content_index],
+        dense=batch.dense[rows], uih_action_types=side(batch.uih_action_types), uih_timestamps=side(batch.uih_timestamps),
+    )
 
 
 def _first_null(arr: pa.Array) -> int:

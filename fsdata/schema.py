@@ -41,6 +41,8 @@ SCHEMA_VERSION = "1"
 META_VERSION = b"freescale.schema_version"
 META_NUM_LABELS = b"freescale.num_labels"
 META_DENSE_DIM = b"freescale.dense_dim"
+META_ID_OVERFLOW = b"freescale.id_overflow"  # optional: how ids beyond the item table map to rows (fsdata.id_overflow)
+ID_OVERFLOW_CHOICES = ("error", "modulo", "hash")
 
 # column -> (required, list nesting depth, leaf type)
 COLUMNS: dict[str, tuple[bool, int, pa.DataType]] = {
@@ -97,6 +99,17 @@ def metadata_dims(schema: pa.Schema) -> tuple[Optional[int], Optional[int]]:
     return get(META_NUM_LABELS), get(META_DENSE_DIM)
 
 
+def metadata_id_overflow(schema: pa.Schema, path: str) -> Optional[str]:
+    """The ``freescale.id_overflow`` a dataset declares (None where it does not)."""
+    value = (schema.metadata or {}).get(META_ID_OVERFLOW)
+    if value is None:
+        return None
+    value = value.decode(errors="replace")
+    if value not in ID_OVERFLOW_CHOICES:
+        raise ValueError(f"{path}: metadata {META_ID_OVERFLOW.decode()} is {value!r}; expected one of {', '.join(ID_OVERFLOW_CHOICES)}")
+    return value
+
+
 def arrow_schema(side_features: Iterable[str] = SIDE_FEATURES, num_labels: int = 1, dense_dim: int = 0) -> pa.Schema:
     """The schema the writer produces (``list``, not ``large_list``), with T and D in the metadata."""
     side = set(side_features)
@@ -142,13 +155,15 @@ def _sample_of(offsets: np.ndarray, value_index: int) -> int:
 
 
 def validate_columns(
-    cols: Columns, where: str, num_labels: Optional[int] = None, dense_dim: Optional[int] = None
+    cols: Columns, where: str, num_labels: Optional[int] = None, dense_dim: Optional[int] = None,
+    check_values: bool = True,
 ) -> tuple[int, int]:
     """Checks the values of one row group or batch; returns its (num_labels T, dense_dim D).
 
     ``where`` names the place ("data.parquet row group 3"); every error also names the first offending
     sample id. ``num_labels`` / ``dense_dim``, when given, are what this piece must match (the file's or the
-    dataset's). Vectorized: a few passes over each column, no per-sample Python loop."""
+    dataset's). ``check_values``: also refuse the values :func:`bad_values` finds (a reader that drops such
+    samples instead checks them itself). Vectorized: a few passes over each column, no per-sample Python loop."""
     sid = cols.sample_ids
 
     def fail(row: int, what: str) -> None:
@@ -203,7 +218,43 @@ def validate_columns(
             row = first(dense_len != expect)
             fail(row, f"{DENSE} has {int(dense_len[row])} values, expected {expect} (D is fixed per dataset)")
         dense_dim = expect
+    if check_values:
+        _, fault = bad_values(cols)
+        if fault is not None:
+            fail(*fault)
     return (num_labels if num_labels is not None else 1), (dense_dim if dense_dim is not None else 0)
+
+
+def bad_values(cols: Columns) -> tuple[np.ndarray, Optional[tuple[int, str]]]:
+    """Samples whose values would train to NaN or to a wrong loss: a non-finite ``dense`` value, a non-finite
+    label, or a label outside [0, 1] (every label column is a binary cross-entropy target, a probability).
+
+    Returns a bool mask over the rows and (row, description) of the first such sample, or None when all are
+    sound. The layout must already be valid (offsets consistent)."""
+    n = len(cols.sample_ids)
+    mask = np.zeros(n, dtype=bool)
+    faults: list[tuple[int, str]] = []
+    dense = cols.dense
+    if len(dense):
+        bad = ~np.isfinite(dense)
+        if bad.any():
+            rows = np.searchsorted(cols.dense_offsets, np.flatnonzero(bad), side="right") - 1
+            mask[rows] = True
+            v = int(np.argmax(bad))
+            faults.append((int(rows[0]), f"non-finite value {float(dense[v])} in column '{DENSE}'"))
+    labels = cols.labels
+    if len(labels):
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(labels) | (labels < 0) | (labels > 1)
+        if bad.any():
+            where = np.flatnonzero(bad)
+            candidates = np.searchsorted(cols.label_offsets, where, side="right") - 1
+            rows = np.searchsorted(cols.candidate_offsets, candidates, side="right") - 1
+            mask[rows] = True
+            v = float(labels[where[0]])
+            what = "non-finite label" if not np.isfinite(v) else "label outside [0, 1] (a binary cross-entropy target)"
+            faults.append((int(rows[0]), f"{what} {v} in column '{CANDIDATE_LABELS}'"))
+    return mask, (min(faults) if faults else None)
 
 
 def batch_columns(batch: Batch) -> Columns:

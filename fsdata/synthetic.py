@@ -162,6 +162,9 @@ class SyntheticConfig:
     copy_weight: float = 3.0
     label_bias: float = -1.5
     dense_weight: float = 1.0
+    id_overflow: Optional[str] = None
+    """How ids beyond a model's item table map to rows (fsdata.id_overflow): presets whose vocabulary is larger
+    than the reference models' tables declare ``modulo``; None leaves it to the job (an error by default)."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "SyntheticConfig":
@@ -215,6 +218,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         content_length_mean=3.0,
         content_length_max=8,
         vocab_size=4_000_000,
+        id_overflow="modulo",
         num_users=1_000,
         num_action_types=8,
         dense_dim=8,
@@ -232,6 +236,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         content_length_mean=2.0,
         content_length_max=4,
         vocab_size=27_000,
+        id_overflow="modulo",
         num_users=138_000,
         num_action_types=10,
         dense_dim=4,

@@ -58,6 +58,11 @@ class StageTransports:
         return cls(transport, transport, transport)
 
 
+def release_stage_transports() -> None:
+    """Forgets the stage transports (their groups are being destroyed: fscomm.groups.close_stage_groups)."""
+    _transports.clear()
+
+
 def stage_transports(backend: str = "host") -> StageTransports:
     """The stage's transports of ``backend``, on groups of their own (made collectively on first use). "host"
     takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force it."""

@@ -41,7 +41,9 @@ as ID exchange time.
 
 Boundaries. The first step has no previous one: its rows are looked up synchronously. A step with no next one
 (``next_ids=None``: end of training) updates all its rows at once. ``flush()`` applies deferred gradients and
-collects the exchanges in flight; it runs before every checkpoint (get_extra_state), evaluation forward and
+collects the exchanges in flight; every rank calls it before a checkpoint (``state_dict()`` itself issues no
+collective and changes nothing: after a training step and before ``flush()`` it refuses, in one line, instead
+of reading tables that deferred gradients have not reached), and it runs before every evaluation forward and
 ``full_tables``; afterwards the tables equal the synchronous ones and the context still holds step i+1's
 embeddings, so training continues where it was. Evaluation forwards look up synchronously and leave the
 context alone. The state in flight (step i+1's ids and embeddings) is part of the checkpoint.
@@ -57,11 +59,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from fscomm.groups import comm_timeout_s
 from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
 from fsdata.id_prefetch import ShardedIds
@@ -116,18 +120,31 @@ class _Sizes:
 EARLY_STARTS = ("forward", "backward")
 EXCLUSIVE_STARTS = ("backward", "forward")
 SCHEDULES = ("prioritized", "sdd")
-_chains: dict[int, SerialWorker] = {}
 _chains_lock = threading.Lock()
+_WAIT_MARGIN_S = 5.0
 
 
 def _chain_for(transport, name: str) -> SerialWorker:
     """The chain thread of ``transport``: the only thread that issues on its group, whichever collection of
-    this process runs work through it."""
+    this process runs work through it. It belongs to the transport (an attribute, not a registry keyed by
+    ``id()``, which a later object can reuse), and ends with ``close_chains(transport)``."""
     with _chains_lock:
-        worker = _chains.get(id(transport))
-        if worker is None:
-            worker = _chains[id(transport)] = SerialWorker(name)
+        worker = getattr(transport, "_fsembed_chain", None)
+        if worker is None or not worker.alive:
+            worker = SerialWorker(name)
+            transport._fsembed_chain = worker
         return worker
+
+
+def close_chains(*transports) -> None:
+    """Ends the chain threads of ``transports`` (their queued work runs first)."""
+    for transport in transports:
+        with _chains_lock:
+            worker = getattr(transport, "_fsembed_chain", None)
+            if worker is not None:
+                transport._fsembed_chain = None
+        if worker is not None:
+            worker.shutdown()
 
 
 class _Later:
@@ -154,8 +171,16 @@ class _Later:
             self._future.set_exception(exc)
 
     def result(self, timeout: Optional[float] = None):
+        """The work's result. The wait is bounded (default: the job's communication timeout plus a margin: the
+        work's own exchanges fail first), so a stuck chain is an error naming it, not a hang."""
         self.start()
-        return self._future.result(timeout)
+        limit = timeout if timeout is not None else comm_timeout_s() + _WAIT_MARGIN_S
+        try:
+            return self._future.result(limit)
+        except FutureTimeout:
+            chain = self._worker.name if self._worker is not None else "the caller's thread"
+            raise TimeoutError(f"embedding chain {chain!r} did not finish its work within {limit:g} s "
+                               "(--comm-timeout-s plus a margin)") from None
 
 
 def _set_per_part(mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -265,7 +290,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
         # (line 21), gradients deferred (line 18's exclusive part)
         self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
-        self._misorder_for_test = False  # test-only: apply deferred gradients after line 12 (must break parity)
+        self._unflushed = False  # a training step ran since the last flush(): the tables lag its deferred work
         # Algorithm 2's C.stream: the side work of lines 6-7, 12 and 20-21 on GPU (None on CPU, where the
         # exchanges progress behind handles in the transport's threads).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -352,6 +377,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             out.update(self._split(c.cur.sid, _PrioritizedLookup.apply(self._anchor, self, name, emb), shard.layout))
             c.awaiting_backward = True
         self._collisions.append((collided, total))
+        self._unflushed = True
         return out
 
     @property
@@ -420,12 +446,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 grads = self._exclusive_grads(pending, timed)  # host waits first (see _follow)
                 counts = sizes.get()
                 self._follow(after)
-                if not self._misorder_for_test:
-                    self._apply_rows(shard, pending, grads)
+                self._apply_rows(shard, pending, grads)  # line 7 before line 12's lookup (tests move it to break parity)
                 rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(counts.fresh_send)))
                 rows = shard.lookup(rows_local)  # line 12's lookup
-                if self._misorder_for_test:
-                    self._apply_rows(shard, pending, grads)
                 # line 12's AllToAll
                 handle = self.bulk_transport.all_to_all(rows, counts.fresh_send, counts.fresh_recv)
             return handle, (pending, rows_local, fresh_shard, nxt.local)
@@ -606,6 +629,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             self._apply_exclusive(shard, pending)
             if c.cur is not None:
                 self._merged(c.cur, shard)
+        self._unflushed = False
 
     def _eval_forward(self, ids: Ids) -> dict[str, torch.Tensor]:
         """Synchronous lookup of up-to-date rows; the training context does not advance."""
@@ -615,7 +639,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         return super().forward(ids)
 
     def get_extra_state(self) -> dict:
-        state = super().get_extra_state()  # flushes
+        if self._unflushed:  # flushing here could start an exchange on one rank alone (rank 0 saving): a hang
+            raise ValueError(
+                f"rank {self.rank}: prioritized embeddings: state_dict() after a training step needs flush() first, "
+                "called on every rank (it completes the exchanges in flight); a complete checkpoint needs every "
+                "rank's shard"
+            )
+        state = super().get_extra_state()
         in_flight = {}
         for name, c in self.ctx.items():
             if c.cur is not None:

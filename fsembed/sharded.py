@@ -210,7 +210,7 @@ class ShardedEmbeddingCollection(nn.Module):
     # Through nn.Module's extra state the tables (and, for the prioritized collection, the exchange in flight)
     # ride in the user's model.state_dict() wherever the collection sits in the model.
     def get_extra_state(self) -> dict:
-        self.flush()
+        """This rank's shard: no collective, no change of state (a complete checkpoint needs every rank's)."""
         return {"world_size": self.plan.world_size, "rank": self.rank, "tables": self.tables_state()}
 
     def set_extra_state(self, state: dict) -> None:

@@ -32,7 +32,7 @@ def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
     paths = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not paths:
         raise ValueError(f"{path}: directory holds no *.parquet files")
-    return ParquetSource(paths, uih_cap=config.uih_cap)
+    return ParquetSource(paths, uih_cap=config.uih_cap, drop_bad_samples=config.drop_bad_samples)
 
 
 def is_factory(name: str) -> bool:

@@ -9,11 +9,21 @@ size restores every rank's loader exactly; another world size restores only what
 the dense model and optimizer (replicated) and the global data cursor (epoch, samples consumed), so no sample is
 lost or repeated — and starts the loader's balancer state afresh. Row-wise sharded tables are resharded from
 every old rank's shard (fsembed.reshard), with their optimizer state.
+
+A complete checkpoint needs every rank's file: each holds only its rank's shard of the sharded tables (their
+state's keys say so: ``rank`` and ``world_size`` beside ``tables``). ``state_dict()`` of a model with sharded
+tables issues no collective; the exchanges still in flight land first through the pipeline's ``flush()``, which
+every rank calls before saving (the trainer does).
+
+Loading is safe: every file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and plain
+containers only), so a checkpoint directory from elsewhere cannot run code; a file carrying anything else (a
+pickled function, a class instance) is refused with one line naming it, before any of it is used.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -66,14 +76,45 @@ def latest(root: str | Path) -> Optional[Path]:
 def saved_world_size(directory: str | Path) -> int:
     marker = Path(directory) / COMPLETE_MARKER
     if not marker.exists():
-        raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-    return int(marker.read_text().split()[0])
+        raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: the save was "
+                         "interrupted, or this is not a step directory)")
+    try:
+        return int(marker.read_text().split()[0])
+    except (ValueError, IndexError):
+        raise ValueError(f"{marker}: unreadable marker (expected the world size)") from None
+
+
+def check_complete(directory: str | Path) -> int:
+    """The world size of the checkpoint in ``directory``; ValueError (one line) if it is missing or incomplete."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint {directory} does not exist (give a step directory, or --resume latest)")
+    world = saved_world_size(directory)
+    missing = [f"rank{r}.pt" for r in range(world) if not (directory / f"rank{r}.pt").is_file()]
+    if missing:
+        raise ValueError(f"checkpoint {directory} is incomplete: it lacks {', '.join(missing)} (written by {world} ranks)")
+    return world
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """One rank's payload, loaded with ``weights_only=True``; anything but weights and plain data is refused."""
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
+                         f"run as code ({first or 'not a weights-only file'})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path}: not a readable checkpoint file (truncated or corrupt?): {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(payload, dict) or WORLD_SIZE_KEY not in payload:
+        raise ValueError(f"{path}: not a FreeScale checkpoint (no {WORLD_SIZE_KEY!r} entry)")
+    return payload
 
 
 def load_all(directory: str | Path) -> list[dict[str, Any]]:
     """Every old rank's payload, in rank order (resharding row-wise tables needs all their shards)."""
-    return [torch.load(Path(directory) / f"rank{r}.pt", map_location="cpu", weights_only=False)
-            for r in range(saved_world_size(directory))]
+    return [read_file(Path(directory) / f"rank{r}.pt") for r in range(check_complete(directory))]
 
 
 def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
@@ -83,11 +124,9 @@ def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, A
     the caller must take only world-size independent parts from it).
     """
     directory = Path(directory)
-    saved_world = saved_world_size(directory)
+    saved_world = check_complete(directory)
     path = directory / f"rank{rank % saved_world}.pt"
-    if not path.exists():
-        raise ValueError(f"checkpoint {directory} lacks {path.name} (written by {saved_world} ranks)")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = read_file(path)
     if int(payload[WORLD_SIZE_KEY]) != saved_world:
         raise ValueError(f"{path}: written by world size {payload[WORLD_SIZE_KEY]}, marker says {saved_world}")
     return payload, saved_world == world_size

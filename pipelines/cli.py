@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
-    except ValueError as error:  # bad user input: the message says what and where; no traceback
+    except (ValueError, OSError) as error:  # bad user input, a missing or unreadable file: what and where, one line
         print(f"freescale {' '.join(a for a in (args.command, getattr(args, 'subcommand', None)) if a)}: error: {error}",
               file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
+from fsdata.schema import ID_OVERFLOW_CHOICES
 from pipelines.schedule import SCHEDULE_CHOICES
 
 
@@ -31,6 +32,8 @@ class DataConfig:
     collision_rate: Optional[float] = _f(None, "synthetic: fraction of rows shared by consecutive batches")
     uih_cap: int = _f(21_000, "longest UIH kept (most recent items); longer ones are truncated and counted")
     data_seed: int = _f(0, "seed of the synthetic generator")
+    id_overflow: Optional[str] = _f(None, "ids beyond the model's item table: error, modulo (id % rows) or hash; unset: what the dataset declares (Parquet metadata freescale.id_overflow, the synthetic preset), else error")
+    drop_bad_samples: bool = _f(False, "Parquet: leave out samples with non-finite dense values or labels, or labels outside [0, 1], counted in the summary's source_stats (default: such a sample is an error naming it)")
 
 
 @dataclass
@@ -38,7 +41,7 @@ class ModelSection:
     model: str = _f("tiny", "reference model preset (tiny, small, production), or a factory of your own model: "
                             "module:function (on sys.path, the current directory first) or path/to/file.py:function "
                             "(docs/api.md: it gets this job's config and returns a pipelines.ModelSpec)")
-    num_items: Optional[int] = _f(None, "override the preset's item table rows (ids are taken modulo it)")
+    num_items: Optional[int] = _f(None, "override the preset's item table rows (ids beyond it: see --id-overflow)")
     dim: Optional[int] = _f(None, "override the preset's width d")
     num_layers: Optional[int] = _f(None, "override the preset's number of transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH seen by the encoder")
@@ -70,6 +73,9 @@ class TrainConfig:
     exclusive_start: str = _f("forward", "freescale: when a backward's exclusive gradients (deferred to the next step, Algorithm 2's line 18) leave on the bulk chain: backward (as soon as the backward has produced them) or forward (the default: held until the next forward has waited for its collision rows: they are not needed before, and do not then share the copy engines and the host transport with the collision gradients and the dense all-reduce at the step's end); the exchanges are the same")
     numa_binding: Optional[str] = _f(None, "GPU runs launched by `freescale train`: bind each rank's threads to CPUs near its GPU (torch's NUMA binding: node, socket, exclusive, core-complex; exclusive gives each local rank cores of its own); under torchrun pass --numa-binding to torchrun instead")
     embedding_schedule: str = _f("auto", "freescale: prioritized (Algorithm 2), sdd (the sdd mode's exchanges: for host-bound steps), or auto: probe both for a few steps after the warm-up and keep the faster (pipelines.schedule); exact either way")
+    comm_timeout_s: float = _f(300.0, "seconds any collective or hand-over between ranks (and the stage worker's and embedding chains' waits) may take before the job stops with an error naming it and the rank(s) that did not arrive (torch's own default is 30 minutes)")
+    verbose: bool = _f(False, "print the full traceback of an error raised on a rank (it is always written to the log file the error line names)")
+    log_dir: Optional[str] = _f(None, "where `freescale train` writes each failed rank's full traceback (default: a new temporary directory, named in the error line)")
     transport: str = _f("host", "transport of the embedding exchanges: host (SM-free: shared memory between ranks of one host, TCP across hosts), host-shm or host-tcp (force one host path), nccl, rdma (the paper's SM-free ring over verbs; untested on real NICs). The loader's CPU-side exchanges always use host")
 
 
@@ -77,6 +83,15 @@ class TrainConfig:
 TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
 
 MODES = ("replicated", "sync", "sdd", "semisync", "freescale", "torchrec")
+
+# Options that only some modes read: the others ignore them (JobConfig.ignored_options warns).
+_BALANCING = ("replicated", "freescale")
+_SHARDED = ("sync", "sdd", "semisync", "freescale")
+MODE_OPTIONS = {
+    "partitioner": _BALANCING, "alpha": _BALANCING, "autotune": _BALANCING, "min_gain": _BALANCING,
+    "transport": _SHARDED, "embedding_lr": (*_SHARDED, "torchrec"), "embedding_optimizer": (*_SHARDED, "torchrec"),
+    "early_start": ("freescale",), "exclusive_start": ("freescale",), "embedding_schedule": ("freescale",),
+}
 
 SECTIONS = {
     "data": DataConfig,
@@ -112,6 +127,8 @@ class JobConfig:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():
             raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
+        if self.data.id_overflow not in (None, *ID_OVERFLOW_CHOICES):
+            raise ValueError(f"id_overflow must be one of {', '.join(ID_OVERFLOW_CHOICES)}, got {self.data.id_overflow!r}")
         if self.train.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.train.mode!r}")
         if self.train.mode == "torchrec":
@@ -138,6 +155,12 @@ class JobConfig:
             raise ValueError(f"embedding_schedule must be one of {', '.join(SCHEDULE_CHOICES)}, got {self.train.embedding_schedule!r}")
         if self.train.transport not in TRANSPORT_CHOICES:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.train.transport!r}")
+        if not self.train.comm_timeout_s > 0:
+            raise ValueError(f"comm_timeout_s must be > 0, got {self.train.comm_timeout_s}")
+        if self.balancer.partitioner != "none":  # an unknown name or an unimportable module:function, before ranks start
+            from fsdata.partition import get_partitioner
+
+            get_partitioner(self.balancer.partitioner, alpha=self.balancer.alpha)
         if self.balancer.autotune and self.balancer.partitioner != "vbs":
             raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
         if not 0.0 <= self.balancer.min_gain < 1.0:
@@ -158,6 +181,15 @@ class JobConfig:
                              f"{self.train.embedding_optimizer!r} (torchrec's fused Adam fails on CPU)")
         if self.train.checkpoint_every or self.train.resume:
             raise ValueError("mode torchrec does not checkpoint or resume (it is a reference run, not a job)")
+
+    def ignored_options(self, explicit: set[str]) -> list[str]:
+        """One warning per option set explicitly (``explicit``: field names) that the chosen mode ignores."""
+        mode = self.train.mode
+        out = []
+        for name, modes in MODE_OPTIONS.items():
+            if name in explicit and mode not in modes:
+                out.append(f"--{name.replace('_', '-')} is ignored in mode {mode} (it applies to mode(s) {', '.join(modes)})")
+        return out
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -194,12 +226,18 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         if unknown:
             raise ValueError(f"{path}: unknown section(s) {sorted(unknown)}; expected {sorted(SECTIONS)}")
     sections = {}
+    explicit: set[str] = set()
     for section, cls in SECTIONS.items():
         names = {f.name for f in dataclasses.fields(cls)}
         values = dict(file_values.get(section, {}))
         unknown = set(values) - names
         if unknown:
             raise ValueError(f"{args.config}: [{section}] has unknown key(s) {sorted(unknown)}")
-        values.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+        explicit.update(values)
+        given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        explicit.update(given)
+        values.update(given)
         sections[section] = cls(**values)
-    return JobConfig(**sections).validate()
+    config = JobConfig(**sections).validate()
+    config.explicit = frozenset(explicit)  # what the user set (flags or TOML): for JobConfig.ignored_options
+    return config

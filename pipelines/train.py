@@ -6,14 +6,25 @@
 Data parallel for now: every rank holds the whole model; after backward one all-reduce carries the gradients
 and the step's bookkeeping (label counts, per-rank compute times), so a step has exactly one blocking
 collective and the straggler wait is measured where it happens (see pipelines.trainer).
+
+Errors. What can be checked before the ranks start is checked there (the config, the data's files and schema, an
+explicit checkpoint directory). An error raised on a rank reaches the user as one line naming the rank and the cause,
+and the rank's full traceback goes to a log file that the line names (``--log-dir``; printed too under
+``--verbose``); the command exits non-zero. A rank that dies without an error (killed, out of memory) is
+named with its exit code or signal. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import logging
 import os
+import signal
 import sys
+import tempfile
+import traceback
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -32,7 +43,15 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _init_process_group(backend: str, rank: int, world_size: int) -> None:
+LOG_DIR_ENV = "FREESCALE_LOG_DIR"  # set by `freescale train` for its ranks: where they leave their errors
+_LAUNCHED_ENV = "FREESCALE_LAUNCHED"  # the ranks of `freescale train` (not torchrun's): the launcher prints the line
+
+
+class RankFailed(RuntimeError):
+    """A rank of `freescale train` failed; the message is the one line the user sees."""
+
+
+def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """init_process_group, with the store keys of a restarted attempt (torchrun --max-restarts) kept apart.
 
     A restarted attempt talks to the launcher's same store. Without a prefix of its own, the stage groups made
@@ -40,18 +59,77 @@ def _init_process_group(backend: str, rank: int, world_size: int) -> None:
     its dead processes ("Connection refused"): every attempt's keys get the attempt number as prefix.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    timeout = datetime.timedelta(seconds=timeout_s)
     if attempt == 0:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=not agent_store and rank == 0
     )
-    dist.init_process_group(backend, store=dist.PrefixStore(f"freescale/attempt{attempt}", store), rank=rank, world_size=world_size)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"freescale/attempt{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's own message on one line. An error carried across a thread by torchdata holds the worker's
+    whole traceback in its text ("Original Traceback ..."): its last line is the original error."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        text = next((line for line in reversed(text.splitlines()) if line.strip()), text)
+        prefix = f"{type(exc).__name__}: "
+        text = text[len(prefix):] if text.startswith(prefix) else text
+    text = " ".join(text.split())
+    return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"
+
+
+def _is_root_cause(exc: BaseException) -> bool:
+    """False for errors that only follow another rank's (its loss was the non-finite one, it closed the
+    connection), so the launcher names the rank where the fault happened."""
+    if getattr(exc, "root", True) is False:
+        return False
+    text = str(exc)
+    return not any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def _report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optional[str]) -> str:
+    """Writes the rank's traceback to its log file and its one-line error beside it; returns the line."""
+    directory = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.mkdtemp(prefix="freescale-")).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / f"rank{rank}.log"
+    full = "".join(traceback.format_exception(exc))
+    log.write_text(full)
+    line = f"rank {rank}: {_one_line(exc)} (traceback: {log})"
+    (directory / f"rank{rank}.error").write_text(json.dumps({"rank": rank, "line": line, "root": _is_root_cause(exc)}))
+    if verbose:
+        print(full, file=sys.stderr, flush=True)
+    return line
 
 
 def worker(config: JobConfig) -> Optional[dict]:
-    """One rank's job. Returns the run summary on rank 0 (None elsewhere)."""
+    """One rank's job. Returns the run summary on rank 0 (None elsewhere).
+
+    An error ends the rank with one line (see the module docstring): under `freescale train` the launcher prints
+    it; under torchrun the rank prints it itself and exits with status 1."""
+    rank = int(os.environ["RANK"])
+    log_dir = config.train.log_dir or os.environ.get(LOG_DIR_ENV)
+    if log_dir:  # which process is which rank: to inspect a stuck one (py-spy dump --pid), or to stop it
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    try:
+        return _rank_job(config)
+    except Exception as exc:
+        line = _report_failure(exc, rank, config.train.verbose, config.train.log_dir)
+        if os.environ.get(_LAUNCHED_ENV) != "1":
+            print(f"freescale train: error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no second traceback from the process wrapper, no hang in a peer's collective at exit
+
+
+def _rank_job(config: JobConfig) -> Optional[dict]:
+    from fscomm import groups
+    from fscomm.heartbeat import Heartbeat
     from pipelines.trainer import Trainer
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -77,12 +155,55 @@ def worker(config: JobConfig) -> Optional[dict]:
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
     # thread. --gil-switch-ms bounds that wait.
     sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
+    timeout_s = config.train.comm_timeout_s
+    groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
-        _init_process_group(backend, rank, world_size)
-    try:
-        return Trainer(config, rank=rank, world_size=world_size, device=device).train()
-    finally:
-        dist.destroy_process_group()
+        _init_process_group(backend, rank, world_size, timeout_s)
+    # On failure the process ends without destroying the groups (worker): a peer may be gone, and an NCCL
+    # group's destruction can then wait for it.
+    with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 10)) as heartbeat:
+        trainer = None
+        try:
+            trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
+            heartbeat.set_status(lambda: f"step {trainer.step}")
+            summary = trainer.train()
+        except Exception as exc:
+            if _is_timeout(exc):
+                step = f"step {trainer.step}" if trainer is not None else "set-up"
+                raise CommTimeout(
+                    f"a collective in {_where(exc)} timed out after {timeout_s:g} s (--comm-timeout-s) at {step}; "
+                    f"other ranks: {heartbeat.diagnose()}; backend said: {' '.join(str(exc).split())[:300]}"
+                ) from exc
+            raise
+        trainer.close()  # on success only: after a failure a peer may be gone, and the process ends anyway
+    dist.destroy_process_group()
+    return summary
+
+
+class CommTimeout(RuntimeError):
+    """A collective or a hand-over between ranks exceeded the communication timeout."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    while exc is not None:
+        text = str(exc).lower()
+        if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of FreeScale's own code in the traceback: the collective's call site."""
+    root = Path(__file__).resolve().parents[1]
+    site = None
+    while exc is not None:
+        for frame in traceback.extract_tb(exc.__traceback__):
+            path = Path(frame.filename).resolve()
+            if root in path.parents and "tests" not in path.relative_to(root).parts:
+                site = f"{frame.name} ({path.relative_to(root)}:{frame.lineno})"
+        exc = exc.__cause__
+    return site or "an unknown place"
 
 
 def _numa_options(config: JobConfig):
@@ -117,8 +238,71 @@ def launch(config: JobConfig) -> Optional[dict]:
         start_method="spawn",
         numa_options=_numa_options(config),
     )
-    results = elastic_launch(launch_config, worker)(config)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    log_dir = config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")
+    os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = log_dir, "1"  # inherited by the spawned ranks
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in loggers]
+    if not config.train.verbose:  # their failure report is a page long; the line below says what failed
+        for log in loggers:
+            log.setLevel(logging.CRITICAL)
+    try:
+        results = elastic_launch(launch_config, worker)(config)
+    except ChildFailedError as failure:
+        raise RankFailed(_failure_line(failure, Path(log_dir))) from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+        os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
     return results.get(0)
+
+
+def _failure_line(failure, log_dir: Path) -> str:
+    """The one line naming the rank where the job failed and why: a rank's own report of the fault, else a rank
+    that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
+    reports = []
+    for path in sorted(log_dir.glob("rank*.error")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    reported = {r["rank"] for r in reports}
+    roots = [r for r in reports if r["root"]]
+    if roots:
+        first = min(roots, key=lambda r: r["rank"])
+        others = sorted(reported - {first["rank"]})
+        return first["line"] + (f"; rank(s) {others} failed after it" if others else "")
+    died = []
+    for rank, f in sorted(failure.failures.items()):
+        if rank in reported or f.exitcode == -signal.SIGTERM:  # SIGTERM: the launcher stopping the others
+            continue
+        how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        died.append(f"rank {rank} died ({how})")
+    if not died and reports:  # the launcher saw only the ranks that failed after it: find it by its missing report
+        started = {int(p.stem[4:]) for p in log_dir.glob("rank*.pid") if p.stem[4:].isdigit()}
+        died = [f"rank {rank} died" for rank in sorted(started - reported)]
+    if died:
+        line = "; ".join(died) + " without an error of its own (killed, out of memory, or a crash in native code)"
+        return line + (f"; rank(s) {sorted(reported)} failed after it" if reported else "")
+    if reports:
+        return min(reports, key=lambda r: r["rank"])["line"]
+    return "; ".join(f"rank {rank} ended with exit code {f.exitcode}" for rank, f in sorted(failure.failures.items()))
+
+
+def check_before_launch(config: JobConfig) -> None:
+    """What can be checked before any rank starts, so that a bad path or file is one line, not N ranks' errors:
+    the Parquet files' footers and schema, an explicit checkpoint directory."""
+    if config.data.data != "synthetic":
+        from fsdata.parquet import ParquetSource
+
+        ParquetSource(config.data.data, uih_cap=config.data.uih_cap)  # footers only: no data is read
+    resume = config.train.resume
+    if resume and resume != "latest":
+        from pipelines import checkpoint
+
+        for r in range(checkpoint.check_complete(resume)):  # weights-only reads (mapped): refuses unsafe files
+            checkpoint.read_file(Path(resume) / f"rank{r}.pt")
 
 
 def print_summary(summary: dict) -> None:
@@ -148,7 +332,17 @@ def print_summary(summary: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    summary = worker(config) if _under_launcher() else launch(config)
+    for warning in config.ignored_options(getattr(config, "explicit", frozenset())):
+        print(f"[freescale] warning: {warning}", file=sys.stderr)
+    if _under_launcher():
+        summary = worker(config)
+    else:
+        check_before_launch(config)
+        try:
+            summary = launch(config)
+        except RankFailed as failure:
+            print(f"freescale train: error: {failure}", file=sys.stderr)
+            return 1
     if summary is None:
         return 0
     print_summary(summary)

@@ -55,10 +55,11 @@ import torch
 import torch.distributed as dist
 
 from fscomm import get_transport
-from fscomm.groups import new_stage_group
+from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
+from fsdata.id_overflow import IdRangeSource
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.loader import build_loader, loader_blocked_s, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
@@ -90,6 +91,14 @@ class _Fetched:
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The step's global loss is NaN or infinite. ``root``: this rank's own loss is (the launcher names it)."""
+
+    def __init__(self, message: str, root: bool) -> None:
+        super().__init__(message)
+        self.root = root
 
 
 def _unnamed(name: str) -> contextlib.nullcontext:
@@ -199,6 +208,11 @@ class Trainer:
         self.spec = build_model_spec(config, self.source)  # the reference model, or a user's (--model factory)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
+        num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
+        if num_items is not None:
+            # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
+            # (fsdata.id_overflow).
+            self.source = IdRangeSource(self.source, num_items, config.data.id_overflow)
         self.model = self.spec.model.to(device)
         self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
         self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
@@ -260,6 +274,35 @@ class Trainer:
         if self.pipeline is not None:
             stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
         return stages
+
+    # ------------------------------------------------------------------ ownership
+    def close(self) -> None:
+        """Ends what this trainer started: the loader's stage worker, the embedding chains' threads, and the
+        process groups (with their exchange threads) made for its stages. Idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        shutdown_loader(self.loader)
+        node = self.loader.root
+        while node is not None:  # torchdata's Prefetcher keeps a thread until its iterator is shut down
+            inner = getattr(node, "_it", None)
+            if inner is not None and hasattr(inner, "_shutdown"):
+                inner._shutdown()
+            node = getattr(node, "source", None)
+        if self.pipeline is not None:
+            from fsembed.comm import release_stage_transports
+            from fsembed.prioritized import close_chains
+
+            t = self.pipeline.collection.transports
+            close_chains(t.forward, t.backward, t.bulk, t.collision)
+            release_stage_transports()
+        close_stage_groups()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
@@ -336,6 +379,7 @@ class Trainer:
                 self._unsettled = None
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
+            self._data_counts = self._count_data_faults()
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             gc_pauses.close()
@@ -346,6 +390,16 @@ class Trainer:
             if self._metrics_file is not None:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
+
+    def _count_data_faults(self) -> dict[str, int]:
+        """Every rank's reads summed (one tiny all-reduce after the loop): ids folded onto the table
+        (id_overflow), samples left out (drop_bad_samples), histories cut to the cap."""
+        names = ("folded_ids", "dropped_bad_samples", "truncated_uih")
+        stats = self.source.stats()
+        counts = torch.tensor([float(stats.get(n, 0)) for n in names], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        return {n: int(v) for n, v in zip(names, counts.tolist())}
 
     def _fetch(self, items: Iterator) -> _Fetched:
         """The next local batch (on the device), with the balancer's metrics of its step when balancing."""
@@ -430,6 +484,12 @@ class Trainer:
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
             self.schedule.observe(self.step - 1, float(per_rank["last_step_s"].max()))
         labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
+        if not np.isfinite(bce_sum):  # every rank sees the same global sum: all stop at this step
+            local = float(sums[0])
+            where = (f"on rank {self.rank} (its loss sum is {local})" if not np.isfinite(local)
+                     else f"on another rank (rank {self.rank}'s loss sum is finite)")
+            raise NonFiniteLoss(f"non-finite loss at step {self.step} {where}: the run stops here",
+                                root=not np.isfinite(local))
         return {
             "step": self.step,
             "loss": bce_sum / labels_all if labels_all > 0 else float("nan"),
@@ -526,6 +586,8 @@ class Trainer:
             return None
         directory = checkpoint.latest(self.config.train.checkpoint_dir) if resume == "latest" else Path(resume)
         if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
+            if self.rank == 0:
+                print(f"[freescale] no checkpoint in {self.config.train.checkpoint_dir}, starting at step 0")
             return None
         payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
         model_state = payload[checkpoint.MODEL_KEY]
@@ -654,5 +716,7 @@ class Trainer:
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
+            "source_stats": self.source.stats(),  # rank 0's reads
+            "data_counts": getattr(self, "_data_counts", None),  # every rank's: folded ids, dropped samples, cut UIHs
             "config": self.config.to_dict(),
         }

@@ -18,6 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-uih", type=int, default=None, help="store at most this many most recent UIH events (default: all)")
     parser.add_argument("--labels", default="is_click", help="KuaiRand: comma-separated label columns (default is_click)")
     parser.add_argument("--row-group-size", type=int, default=1024, help="samples per row group (default 1024)")
+    parser.add_argument(
+        "--bad-rows", choices=["error", "skip"], default="error",
+        help="a malformed CSV row (wrong field count, unparsable or empty field, a last line cut short): error naming "
+             "its line (default), or skip it and count it",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -35,11 +40,14 @@ def main(args: argparse.Namespace) -> int:
         min_history=args.min_history,
         max_uih=args.max_uih,
         row_group_size=args.row_group_size,
+        bad_rows=args.bad_rows,
     )
     print(
         f"{report.events} events of {report.users} users and {report.items} items -> {report.samples} samples "
         f"({report.skipped_users} users with too short a history skipped); positive rate {report.positive_rate}"
     )
+    if report.skipped_rows:
+        print(f"  {report.skipped_rows} malformed row(s) skipped (--bad-rows skip)")
     for path in report.outputs:
         print(f"  wrote {path}")
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -39,6 +41,29 @@ def train(coll, feats, prefetch: bool, after_forward=None, schedules=None):
     return losses
 
 
+def _misorder(prio) -> None:
+    """Mutation injected into one collection: the exclusive gradients that lines 6-7 apply in the bulk chain's
+    early work land after line 12's lookup instead of before it (line 12 then reads rows one update stale)."""
+    import sys
+
+    apply_rows = prio._apply_rows
+
+    def apply_after_the_lookup(shard, pending, grads):
+        if sys._getframe(1).f_code.co_name != "early":  # only the early work's update moves
+            return apply_rows(shard, pending, grads)
+        lookup = shard.lookup
+
+        def lookup_then_apply(rows):
+            out = lookup(rows)
+            del shard.lookup  # back to the class's method
+            apply_rows(shard, pending, grads)
+            return out
+
+        shard.lookup = lookup_then_apply
+
+    prio._apply_rows = apply_after_the_lookup
+
+
 def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
           chain=True, early_start="forward", hook=False, schedules=None, exclusive_start="backward"):
     """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
@@ -55,7 +80,8 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
     transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale,
                                           early_start=early_start, exclusive_start=exclusive_start, **transport)
-    prio._misorder_for_test = misorder
+    if misorder:
+        _misorder(prio)
     ls = train(sync, feats, prefetch)
     lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None,
                schedules=schedules)
@@ -228,31 +254,50 @@ def _chain_without_model_thread(rank, world_size):
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
     train(sync, feats[:1], prefetch=False)
     prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer("sgd"), seed=1)
+    ran = []  # (what, the thread that ran it), observed as the work runs
+    for shard in prio.shards.values():
+        lookup = shard.lookup
+        shard.lookup = lambda rows, lookup=lookup: ran.append(("lookup", threading.current_thread().name)) or lookup(rows)
+    apply = prio.optimizer.apply
+    prio.optimizer.apply = lambda *a: ran.append(("update", threading.current_thread().name)) or apply(*a)
     emb = prio(feats[0], prio.exchange_ids(feats[1]))
     # line 12 is already on its way before the backward: the bulk chain sent the next step's fresh rows
     early = [c.nxt.fresh for c in prio.ctx.values()]
-    early_sent = all(f.in_thread for f in early) and all(f.result(timeout=30)[0].wait() is not None for f in early)
+    early_sent = all(f.result(timeout=30)[0].wait() is not None for f in early)
+    after_forward = list(ran)
     loss_of(emb).backward()
     chains = [c.pending_co for c in prio.ctx.values()]
-    in_threads = all(f.in_thread for f in chains)
     for f in chains:
         f.result(timeout=30)
     updated = all(torch.equal(prio.shards[n].weight, sync.shards[n].weight) for n in prio.shards)
+    in_backward = ran[len(after_forward):]
     prio.flush()
-    return early_sent, in_threads, updated
+    return early_sent, after_forward, in_backward, updated
 
 
 def test_chains_run_off_the_model_thread():
-    for early_sent, in_threads, updated in run_ranks(_chain_without_model_thread, 2, timeout=60):
-        assert early_sent and in_threads and updated
+    """The first step's lookup is the model thread's; line 12's lookup ran on the bulk chain's thread, and the
+    collision updates with line 21's lookups on the collision chain's: seen from inside the work itself."""
+    for early_sent, after_forward, in_backward, updated in run_ranks(_chain_without_model_thread, 2, timeout=60):
+        assert early_sent and updated
+        groups = len(after_forward) // 2  # per group: its first step's lookup, then its line 12's
+        expected = [("lookup", "MainThread"), ("lookup", "fsembed-bulk-chain")] * groups  # threads interleave
+        assert groups and sorted(after_forward) == sorted(expected), after_forward
+        assert in_backward and all(thread == "fsembed-collision-chain" for _, thread in in_backward), in_backward
+        assert {what for what, _ in in_backward} == {"update", "lookup"}
 
 
 def test_misordered_exclusive_update_breaks_parity():
     """Applying step i-1's exclusive gradients after line 12's lookup reads stale rows: parity must fail.
     With "none" every row of step i-1 is exclusive and step i+1 reads it again."""
-    cases = [("sgd", "none", -1, True, True)]
+    cases = [("sgd", "none", -1, True, True),  # exclusive gradients sent from the backward
+             ("sgd", "none", -1, True, True, None, False, True, "forward", False, None, "forward")]  # the default
     results = run_ranks(_cases, 2, args=(cases,), timeout=60)
-    assert not all(r[0]["tables_equal"] and r[0]["losses_equal"] for r in results)
+    for i, case in enumerate(cases):
+        assert not all(r[i]["tables_equal"] and r[i]["losses_equal"] for r in results), case
+    unmutated = [case[:3] + (False,) + case[4:] for case in cases]  # the same cases without the mutation: parity
+    for rank_res in run_ranks(_cases, 2, args=(unmutated,), timeout=60):
+        assert all(r["tables_equal"] and r["losses_equal"] for r in rank_res)
 
 
 def test_semisync_baseline_is_stale_exactly_where_batches_collide():

@@ -40,6 +40,7 @@ def _resume(rank, world_size, opt_name, cut):
     stage("stop")
     first, losses = PrioritizedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=2), []
     _run(first, feats, 0, cut, losses)
+    first.flush()  # every rank: state_dict() itself issues no collective
     state = first.state_dict()
     in_flight = bool(state["_extra_state"]["in_flight"])
 
