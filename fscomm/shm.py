@@ -59,6 +59,9 @@ class ShmUnavailable(TransportUnavailableError):
 class PeerLostError(CollectiveError):
     """A peer's process ended, or it closed its transport, while this rank waited on it."""
 
+    # It follows another rank's failure: the launcher names that rank as the cause (pipelines.train).
+    root = False
+
 
 # --- segments -------------------------------------------------------------------------------------------
 
