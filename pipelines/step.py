@@ -136,11 +136,17 @@ def host_transport(name: str):
     call with a name (every rank alike) and reused by later ones: a loader built after another one was shut down
     (``shutdown_loader``) reuses its groups; two loaders alive at once need names of their own."""
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import live_groups, new_stage_group
 
-    if name not in _host_transports:
-        _host_transports[name] = get_transport("host", group=new_stage_group(name))
-    return _host_transports[name]
+    cached = _host_transports.get(name)
+    if cached is not None and name not in live_groups():  # its group was closed (Trainer.close, close_stage_groups)
+        close = getattr(cached, "close", None)
+        if close is not None:
+            close()
+        cached = None
+    if cached is None:
+        cached = _host_transports[name] = get_transport("host", group=new_stage_group(name))
+    return cached
 
 
 @dataclass
