@@ -223,10 +223,14 @@ class SequenceModel(nn.Module):
         :class:`AttentionPlan` (picklable, holds no module): what the loader's attention-plan stage runs."""
         return functools.partial(attention_plan, max_uih=self.config.max_uih)
 
+    def _uses_flex(self, device: torch.device) -> bool:
+        """FlexAttention's kernels need a head dim of at least 16; below that, CUDA runs the per-sample twin."""
+        return self.config.attention == "jagged" and device.type == "cuda" and self.config.dim // self.config.num_heads >= 16
+
     def _impl(self, device: torch.device) -> AttentionImpl:
         if self.config.attention == "padded":
             return AttentionImpl.PADDED
-        return AttentionImpl.FLEX if device.type == "cuda" else AttentionImpl.TORCH
+        return AttentionImpl.FLEX if self._uses_flex(device) else AttentionImpl.TORCH
 
     def _tokens(self, batch: Batch, uih_rows: torch.Tensor) -> torch.Tensor:
         _, flat, pos, _, _ = self._truncate(batch)
@@ -261,7 +265,9 @@ class SequenceModel(nn.Module):
         uih_rows, content_rows = rows[: rows.shape[0] - num_content], rows[rows.shape[0] - num_content :]
         b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
         plan = attention_plan
-        if self.config.attention == "jagged" and rows.is_cuda:
+        if not self._uses_flex(rows.device):
+            plan = None
+        else:
             if plan is None:
                 plan = self.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
             if plan.device != rows.device:

@@ -74,22 +74,29 @@ def _lists(lo, hi, flo, fhi, num_cols: int, block: int) -> tuple[torch.Tensor, .
     full = torch.clamp(fhi - flo + 1, min=0)
     last_col = max(-(-num_cols // block) - 1, 0)
 
-    def indices(width: int, start: torch.Tensor, jump_at: torch.Tensor, jump_to: torch.Tensor) -> torch.Tensor:
+    def indices(width: int, start: torch.Tensor, jump_at=None, jump_to=None) -> torch.Tensor:
+        """Row i: ``start[i], start[i] + 1, ...``, continuing at ``jump_to[i]`` from entry ``jump_at[i]``."""
         k = torch.arange(width + 1, dtype=torch.int32)
-        out = torch.where(k < jump_at[:, None], start[:, None], (jump_to - jump_at)[:, None]).add_(k)
+        if jump_at is None:
+            out = start[:, None] + k
+        else:
+            out = torch.where(k < jump_at[:, None], start[:, None], (jump_to - jump_at)[:, None]).add_(k)
         return out.clamp_(0, last_col)[None, None]
 
     widest = lambda t: int(t.max()) if t.numel() else 0  # noqa: E731
     idx = indices(widest(partial), lo, n_pre, fhi + 1)
-    full_idx = indices(widest(full), flo, full, flo)
+    full_idx = indices(widest(full), flo)
     return partial[None, None].contiguous(), idx, full[None, None].contiguous(), full_idx
 
 
 def _sample_ids(offsets: torch.Tensor, num_rows: int, block: int, pad: int) -> torch.Tensor:
-    """Each row's sample (int32), padded to whole blocks with ``pad`` so the mask function never reads past N."""
-    lengths = offsets[1:] - offsets[:-1]
-    ids = torch.full((-(-num_rows // block) * block,), pad, dtype=torch.int32)
-    ids[:num_rows] = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths, output_size=num_rows)
+    """Each row's sample (int32), padded to whole blocks with ``pad`` so the mask function never reads past N.
+    A running count of the sample starts passed (cheaper than a repeat_interleave of the lengths)."""
+    padded = -(-num_rows // block) * block
+    starts = torch.zeros(padded + 1, dtype=torch.int32)
+    starts.index_add_(0, offsets[1:-1], torch.ones(offsets.numel() - 2, dtype=torch.int32))
+    ids = torch.cumsum(starts[:padded], 0, dtype=torch.int32)
+    ids[num_rows:] = pad
     return ids
 
 
@@ -170,6 +177,10 @@ def build_block_mask(
     forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size), num_kv, block_size)
     backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size), num_q, block_size)
     q_sample = _sample_ids(q_offsets, num_q, block_size, _PAD_QUERY)
-    kv_sample = _sample_ids(kv_offsets, num_kv, block_size, _PAD_KEY)
+    if causal:
+        kv_sample = q_sample.clone()
+        kv_sample[num_kv:] = _PAD_KEY
+    else:
+        kv_sample = _sample_ids(kv_offsets, num_kv, block_size, _PAD_KEY)
     return JaggedBlockMask(*forward, *backward, q_sample=q_sample, kv_sample=kv_sample, num_q=num_q, num_kv=num_kv,
                            causal=causal, block_size=block_size)

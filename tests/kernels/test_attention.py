@@ -1,6 +1,6 @@
 """Jagged attention: the block mask built from offsets equals create_block_mask's; the per-sample twin equals the
 padded baseline (outputs and gradients, fp32, rtol 1e-5 / atol 1e-5); edge cases (length 1, a sample at the cap, one
-sample, samples without keys); the FlexAttention path against the twin on CUDA (bf16 and fp32)."""
+sample, samples without keys). The FlexAttention path against the twin: test_attention_gpu.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from kernels.attention import AttentionImpl, jagged_attention, resolve_impl
 from kernels.flex.block_mask import build_block_mask
-
-TOL = dict(rtol=1e-5, atol=1e-5)
+from tests.kernels.test_attention_gpu import _compare, _qkv
 
 
 def _offsets(lengths) -> torch.Tensor:
@@ -73,28 +72,6 @@ def test_cross_block_mask_with_empty_samples_lists_every_needed_block():
                _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")), name
 
 
-def _qkv(rows_q: int, rows_kv: int, heads=2, dim=16, dtype=torch.float32, device="cpu", seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    make = lambda n: torch.randn(n, heads, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
-    return make(rows_q), make(rows_kv), make(rows_kv)
-
-
-def _compare(q_lengths, kv_lengths, causal, impl, reference="padded", device="cpu", dtype=torch.float32, tol=TOL):
-    qo = _offsets(q_lengths)
-    ko = qo if causal else _offsets(kv_lengths)
-    q, k, v = _qkv(int(qo[-1]), int(ko[-1]), dtype=dtype, device=device)
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
-    results = []
-    for which in (impl, reference):
-        for t in (q, k, v):
-            t.grad = None
-        out = jagged_attention(q, k, v, qo, None if causal else ko, causal=causal, impl=which)
-        out.backward(grad)
-        results.append([out.detach().float(), *(t.grad.float() for t in (q, k, v))])
-    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
-        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
-
-
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 1], [37], [5, 64, 1, 0, 20], [64, 64], [0, 3, 0]], ids=str)
 def test_causal_twin_equals_padded(lengths):
     _compare(lengths, None, True, "torch")
@@ -124,12 +101,3 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="one set of offsets"):
         jagged_attention(q, k, v, _offsets([2, 2]), _offsets([1, 3]), causal=True)
     assert resolve_impl(None, torch.device("cpu")) is AttentionImpl.TORCH
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str)
-def test_flex_equals_the_twin_on_cuda(dtype, tol):
-    for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
-        _compare(lengths, None, True, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
-    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)

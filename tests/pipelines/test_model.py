@@ -22,7 +22,7 @@ def _sample(i: int, length: int, rng) -> Sample:
 
 def _model(max_uih=64) -> SequenceModel:
     torch.manual_seed(0)
-    return SequenceModel(ModelConfig(num_items=500, dim=16, num_layers=2, num_heads=2, max_uih=max_uih)).eval()
+    return SequenceModel(ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)).eval()  # head dim 16: FlexAttention's least
 
 
 def test_a_sample_scores_the_same_whatever_it_is_batched_with():
@@ -136,7 +136,7 @@ def test_a_model_with_cached_truncations_still_pickles():
 def _pair(max_uih=64, **kw) -> tuple[SequenceModel, SequenceModel]:
     """The jagged and the padded model with the same weights."""
     torch.manual_seed(0)
-    config = ModelConfig(num_items=500, dim=16, num_layers=2, num_heads=2, max_uih=max_uih, **kw)
+    config = ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih, **kw)
     jagged = SequenceModel(config)
     padded = SequenceModel(ModelConfig(**{**config.__dict__, "attention": "padded"}))
     padded.load_state_dict(jagged.state_dict())
