@@ -13,10 +13,16 @@ range inside it (only when the query block lies within one sample), so each row 
 rows at once with a few vectorized ops. The transposed lists (the query blocks of each key block, used by the
 backward) come the same way with rows and columns swapped; for ``causal`` that is the anti-causal direction.
 
+Full blocks are separated only on request (``separate_full_blocks=True``, create_block_mask's layout). By default
+every needed block is listed as partial, so the mask function runs on every pair (as create_block_mask's
+``separate_full_blocks=False`` does): the layout checked against the padded model on the H200 with torch 2.11,
+where FlexAttention over lists with separated full blocks gave wrong results (and once a CUDA fault) that the same
+lists did not give in the compiled CPU kernels; each row's list is then one contiguous range.
+
 With ``causal=False``, a sample without queries (or without keys) between two that have both may leave its key
 (query) blocks inside a partial range: the mask function masks them, so results are exact, and the lists equal
-``create_block_mask``'s whenever every sample has at least one query and one key. With ``causal=True`` they equal
-them always.
+``create_block_mask``'s (partial and full together, when not separated) whenever every sample has at least one
+query and one key. With ``causal=True`` they equal them always.
 
 Tensors are built on the host (int32, FlexAttention's index type) so the loader can build them beside the
 training step; :class:`JaggedBlockMask` moves to the device with the batch and becomes a ``BlockMask`` there.
@@ -36,7 +42,8 @@ BLOCK_SIZE = 128
 _PAD_QUERY, _PAD_KEY = -1, -2  # sample ids of the rows past N that fill the last block: never equal to each other
 
 
-def _ranges(row_offsets: torch.Tensor, col_offsets: torch.Tensor, num_rows: int, direction: str, block: int):
+def _ranges(row_offsets: torch.Tensor, col_offsets: torch.Tensor, num_rows: int, direction: str, block: int,
+            separate_full: bool = True):
     """Per row block: the ``[lo, hi]`` range of column blocks it needs and the ``[flo, fhi]`` part of it that is
     full (empty: ``flo = hi + 1``). ``direction``: ``none``, ``causal`` (row >= column) or ``anticausal``."""
     num_row_blocks = -(-num_rows // block)
@@ -58,7 +65,7 @@ def _ranges(row_offsets: torch.Tensor, col_offsets: torch.Tensor, num_rows: int,
     # A full pair needs every row of the row block in one sample (and present: the last block's missing rows
     # count as masked, as create_block_mask pads them).
     single = (s_first == s_last) & ((r + 1) * block <= num_rows)
-    has_full = single & (fhi >= flo) & (hi >= lo)
+    has_full = single & (fhi >= flo) & (hi >= lo) & separate_full
     flo = torch.where(has_full, flo, hi + 1)
     fhi = torch.where(has_full, fhi, hi)
     return lo, hi, flo, fhi
@@ -106,12 +113,12 @@ class JaggedBlockMask:
 
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
-    full_kv_num_blocks: torch.Tensor
-    full_kv_indices: torch.Tensor
+    full_kv_num_blocks: Optional[torch.Tensor]
+    full_kv_indices: Optional[torch.Tensor]
     q_num_blocks: torch.Tensor
     q_indices: torch.Tensor
-    full_q_num_blocks: torch.Tensor
-    full_q_indices: torch.Tensor
+    full_q_num_blocks: Optional[torch.Tensor]
+    full_q_indices: Optional[torch.Tensor]
     q_sample: torch.Tensor
     """Each query row's sample, int32, padded to whole blocks."""
     kv_sample: torch.Tensor
@@ -159,10 +166,12 @@ class JaggedBlockMask:
 
 
 def build_block_mask(
-    q_offsets: torch.Tensor, kv_offsets: Optional[torch.Tensor] = None, *, causal: bool, block_size: int = BLOCK_SIZE
+    q_offsets: torch.Tensor, kv_offsets: Optional[torch.Tensor] = None, *, causal: bool, block_size: int = BLOCK_SIZE,
+    separate_full_blocks: bool = False,
 ) -> JaggedBlockMask:
     """The block mask of queries packed by ``q_offsets`` over keys packed by ``kv_offsets`` (host int tensors of
-    B + 1 entries each, from 0 to the number of rows; ``causal`` takes one set of offsets)."""
+    B + 1 entries each, from 0 to the number of rows; ``causal`` takes one set of offsets). Full blocks get lists
+    of their own only with ``separate_full_blocks`` (module docstring)."""
     if kv_offsets is None:
         kv_offsets = q_offsets
     if causal and kv_offsets is not q_offsets and not torch.equal(kv_offsets, q_offsets):
@@ -174,8 +183,11 @@ def build_block_mask(
     q_offsets = q_offsets.to(device="cpu", dtype=torch.int64)
     kv_offsets = kv_offsets.to(device="cpu", dtype=torch.int64)
     num_q, num_kv = int(q_offsets[-1]), int(kv_offsets[-1])
-    forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size), num_kv, block_size)
-    backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size), num_q, block_size)
+    split = separate_full_blocks
+    forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size, split), num_kv, block_size)
+    backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size, split), num_q, block_size)
+    if not split:
+        forward, backward = (forward[0], forward[1], None, None), (backward[0], backward[1], None, None)
     q_sample = _sample_ids(q_offsets, num_q, block_size, _PAD_QUERY)
     if causal:
         kv_sample = q_sample.clone()

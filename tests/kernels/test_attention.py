@@ -39,9 +39,17 @@ def _rows(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
 lengths_st = st.lists(st.one_of(st.just(0), st.just(1), st.integers(0, 40)), min_size=1, max_size=6)
 
 
+def _union(mask, direction: str) -> list[list[int]]:
+    """Every listed block of each row, partial and full together."""
+    partial = _rows(getattr(mask, f"{direction}_num_blocks"), getattr(mask, f"{direction}_indices"))
+    full = _rows(getattr(mask, f"full_{direction}_num_blocks"), getattr(mask, f"full_{direction}_indices"))
+    return [sorted(p + f) for p, f in zip(partial, full)]
+
+
 @settings(max_examples=60, deadline=None)
-@given(q_lengths=lengths_st, kv_lengths=lengths_st, causal=st.booleans(), block=st.sampled_from([1, 2, 4, 8, 16]))
-def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths, causal, block):
+@given(q_lengths=lengths_st, kv_lengths=lengths_st, causal=st.booleans(), block=st.sampled_from([1, 2, 4, 8, 16]),
+       separate=st.booleans())
+def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths, causal, block, separate):
     if causal:
         kv_lengths = q_lengths
     else:  # the lists are exact when every sample has queries and keys (kernels/flex/block_mask.py)
@@ -51,10 +59,15 @@ def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths,
         return
     qo, ko = _offsets(q_lengths), _offsets(kv_lengths)
     expected = _reference_mask(qo, ko, causal, block)
-    got = build_block_mask(qo, None if causal else ko, causal=causal, block_size=block)
-    for name in ("kv", "full_kv", "q", "full_q"):
-        assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == \
-               _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")), name
+    got = build_block_mask(qo, None if causal else ko, causal=causal, block_size=block, separate_full_blocks=separate)
+    if separate:
+        for name in ("kv", "full_kv", "q", "full_q"):
+            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == \
+                   _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")), name
+    else:
+        assert got.full_kv_indices is None and got.full_q_indices is None
+        for name in ("kv", "q"):
+            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == _union(expected, name), name
     assert got.block_mask().shape[-2:] == (int(qo[-1]), int(ko[-1]))
 
 
@@ -62,7 +75,7 @@ def test_cross_block_mask_with_empty_samples_lists_every_needed_block():
     """Samples without queries or keys may leave masked blocks in a partial list, never drop a needed one."""
     qo, ko = _offsets([3, 0, 5, 2, 0]), _offsets([0, 7, 4, 0, 9])
     expected = _reference_mask(qo, ko, False, 2)
-    got = build_block_mask(qo, ko, causal=False, block_size=2)
+    got = build_block_mask(qo, ko, causal=False, block_size=2, separate_full_blocks=True)
     for name in ("kv", "q"):
         want = _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices"))
         have = _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices"))
