@@ -171,7 +171,7 @@ def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, ker
 
 def test_batches_over_the_guard_are_skipped_and_recorded_never_cut(tmp_path):
     record = fit_run(tmp_path, "--replay-timings", "12", "--replay-timing-ranks", "2", "--replay-max-pairs", "8000",
-                     "--partitioner", "none")[0]
+                     "--replay-kernel", "padded", "--partitioner", "none")[0]
     rows = json.loads((tmp_path / "replay_timings_padded.json").read_text())["timings"]
     assert record["n_skipped_too_large"] >= 1 and record["n_subset_batches"] == 0
     assert all("replay-max-pairs" in s["reason"] for s in record["skipped_examples"])
