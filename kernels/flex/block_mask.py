@@ -71,14 +71,12 @@ def _ranges(row_offsets: torch.Tensor, col_offsets: torch.Tensor, num_rows: int,
     return lo, hi, flo, fhi
 
 
-def _lists(lo, hi, flo, fhi, num_cols: int, block: int) -> tuple[torch.Tensor, ...]:
-    """(num, indices, full_num, full_indices) in FlexAttention's layout [1, 1, rows(, width)], int32. The partial
-    blocks are ``[lo, flo)`` then ``(fhi, hi]``. The width is the longest list plus one, not the number of column
-    blocks: the kernels read the lists through their strides, and may read one entry past a row's count."""
+def _lists(lo, hi, flo, fhi, num_cols: int, block: int, separate_full: bool) -> tuple[Optional[torch.Tensor], ...]:
+    """(num, indices, full_num, full_indices) in FlexAttention's layout [1, 1, rows(, width)], int32 (the full ones
+    None unless ``separate_full``). The partial blocks are ``[lo, flo)`` then ``(fhi, hi]``. The width is the longest
+    list plus one, not the number of column blocks: the kernels read the lists through their strides, and may read
+    one entry past a row's count."""
     lo, hi, flo, fhi = (t.to(torch.int32) for t in (lo, hi, flo, fhi))
-    n_pre = torch.clamp(flo - lo, min=0)
-    partial = n_pre + torch.clamp(hi - fhi, min=0)
-    full = torch.clamp(fhi - flo + 1, min=0)
     last_col = max(-(-num_cols // block) - 1, 0)
 
     def indices(width: int, start: torch.Tensor, jump_at=None, jump_to=None) -> torch.Tensor:
@@ -91,9 +89,14 @@ def _lists(lo, hi, flo, fhi, num_cols: int, block: int) -> tuple[torch.Tensor, .
         return out.clamp_(0, last_col)[None, None]
 
     widest = lambda t: int(t.max()) if t.numel() else 0  # noqa: E731
-    idx = indices(widest(partial), lo, n_pre, fhi + 1)
-    full_idx = indices(widest(full), flo)
-    return partial[None, None].contiguous(), idx, full[None, None].contiguous(), full_idx
+    if not separate_full:  # one contiguous range per row
+        count = torch.clamp(hi - lo + 1, min=0)
+        return count[None, None].contiguous(), indices(widest(count), lo), None, None
+    n_pre = torch.clamp(flo - lo, min=0)
+    partial = n_pre + torch.clamp(hi - fhi, min=0)
+    full = torch.clamp(fhi - flo + 1, min=0)
+    return (partial[None, None].contiguous(), indices(widest(partial), lo, n_pre, fhi + 1),
+            full[None, None].contiguous(), indices(widest(full), flo))
 
 
 def _sample_ids(offsets: torch.Tensor, num_rows: int, block: int, pad: int) -> torch.Tensor:
@@ -184,10 +187,10 @@ def build_block_mask(
     kv_offsets = kv_offsets.to(device="cpu", dtype=torch.int64)
     num_q, num_kv = int(q_offsets[-1]), int(kv_offsets[-1])
     split = separate_full_blocks
-    forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size, split), num_kv, block_size)
-    backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size, split), num_q, block_size)
-    if not split:
-        forward, backward = (forward[0], forward[1], None, None), (backward[0], backward[1], None, None)
+    forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size, split),
+                     num_kv, block_size, split)
+    backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size, split),
+                      num_q, block_size, split)
     q_sample = _sample_ids(q_offsets, num_q, block_size, _PAD_QUERY)
     if causal:
         kv_sample = q_sample.clone()
