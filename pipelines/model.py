@@ -26,7 +26,6 @@ FreeScale pipeline finds and swaps them by name, so this model's code never chan
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
