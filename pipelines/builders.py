@@ -69,7 +69,8 @@ def build_model(config: ModelSection, source: SampleSource, seed: int) -> Sequen
     sizes = dict(MODEL_PRESETS[config.model])
     overrides = (("num_items", config.num_items), ("dim", config.dim), ("num_layers", config.num_layers), ("max_uih", config.max_uih))
     sizes.update({k: v for k, v in overrides if v is not None})
-    model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1], **sizes)
+    model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1],
+                               attention=config.attention, **sizes)
     torch.manual_seed(seed)
     return SequenceModel(model_config)
 

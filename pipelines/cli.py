@@ -18,6 +18,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "kernels"), "pipelines.bench.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
     (("bench", "transport"), "pipelines.bench.transport", "transport latency, bandwidth and compute contention"),
     (("bench", "embedding"), "pipelines.bench.embedding", "exposed embedding communication: sync vs prioritized"),
+    (("bench", "attention"), "pipelines.bench.attention", "jagged attention (FlexAttention over offsets) vs padded SDPA, fwd+bwd"),
     (("bench", "e2e"), "pipelines.bench.e2e", "every train mode on the same data, bubbles side by side"),
     (("bench", "host"), "pipelines.bench.host", "host work per step that grows with the world size, at 8-256 ranks"),
     (("trace",), "pipelines.commands.trace_report", "where a traced run's host time went, per phase of the step and thread"),

@@ -27,7 +27,7 @@ def _f(default: Any, help: str, **kw) -> Any:
 @dataclass
 class DataConfig:
     data: str = _f("synthetic", "'synthetic' or a Parquet file / directory of Parquet files")
-    preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, movielens-20m)")
+    preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, kuairand-27k, movielens-20m)")
     num_samples: int = _f(100_000, "synthetic samples per epoch")
     collision_rate: Optional[float] = _f(None, "synthetic: fraction of rows shared by consecutive batches")
     uih_cap: int = _f(21_000, "longest UIH kept (most recent items); longer ones are truncated and counted")
@@ -45,6 +45,7 @@ class ModelSection:
     dim: Optional[int] = _f(None, "override the preset's width d")
     num_layers: Optional[int] = _f(None, "override the preset's number of transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH seen by the encoder")
+    attention: str = _f("jagged", "attention of the reference model: jagged (packed tokens, no padding: FlexAttention on CUDA, per-sample SDPA on CPU) or padded (SDPA over batches padded to their longest sample, for comparison)")
 
 
 @dataclass
@@ -123,6 +124,8 @@ class JobConfig:
             raise ValueError(f"device must be cpu, cuda or auto, got {self.train.device!r}")
         if self.data.collision_rate is not None and not 0.0 <= self.data.collision_rate <= 1.0:
             raise ValueError(f"collision_rate must lie in [0, 1], got {self.data.collision_rate}")
+        if self.model.attention not in ("jagged", "padded"):
+            raise ValueError(f"attention must be jagged or padded, got {self.model.attention!r}")
         if self.data.uih_cap < 1:
             raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
         if self.data.data != "synthetic" and not Path(self.data.data).exists():

@@ -6,26 +6,42 @@
     target attn = each candidate attends over its sample's encoded UIH
     head        = MLP(candidate, attended UIH, dense) -> one logit per label column; BCE loss; NE metric
 
-Attention runs through torch's scaled_dot_product_attention over padded batches (CPU and GPU): the UIH encoder
-is causal with padding at the end, so it needs no mask and gets the fused kernels; the target attention masks
-padded keys with a [B, 1, 1, L] mask. No fbgemm kernel is needed anywhere. The padding is exactly what the
-balancer's sparsity metric (Eq. 1) measures, and what variable-batch-size balancing reduces.
+Attention (``ModelConfig.attention``):
+
+* ``jagged`` (default): no padding. Tokens stay packed [N, heads, dim] and each sample attends only within itself
+  (kernels.attention): on CUDA, FlexAttention over a block mask built from the offsets; on CPU, one fused SDPA per
+  sample. A step then costs what its samples' sum of L^2 costs, which is what the balancer balances. The block
+  masks are the loader's work: :func:`attention_plan` is the pure function of a batch's host offsets that a
+  loader stage (fsdata.nodes.attention_plan) runs for a batch ahead, and ``forward(batch, attention_plan)`` takes
+  its result; without one the forward builds it.
+* ``padded``: torch's scaled_dot_product_attention over batches padded to their longest sample. The UIH encoder
+  is causal with padding at the end, so it needs no mask and gets the fused kernels; the target attention masks
+  padded keys with a [B, 1, 1, L] mask. The padding is exactly what the balancer's sparsity metric (Eq. 1)
+  measures, and what variable-batch-size balancing reduces. Kept for comparison: the same numbers as ``jagged``.
+
+No fbgemm kernel is needed anywhere.
 Embedding tables are plain ``nn.Embedding`` modules named ``item_embedding`` and ``action_embedding``; the
 FreeScale pipeline finds and swaps them by name, so this model's code never changes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdata.batch import Batch, offsets_to_lengths
+from kernels.attention import AttentionImpl, jagged_attention
+from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
+
+ATTENTIONS = ("jagged", "padded")
 
 
 @dataclass
@@ -46,10 +62,53 @@ class ModelConfig:
     """Dense feature width of the data."""
     max_uih: int = 21_000
     """Longest UIH the encoder sees (the most recent items are kept); positional table size."""
+    attention: str = "jagged"
+    """``jagged`` (packed tokens, no padding) or ``padded`` (SDPA over batches padded to their longest sample)."""
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
             raise ValueError(f"model dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+
+
+@dataclass
+class AttentionPlan:
+    """The block masks of one batch's jagged attention: the UIH encoder's (causal) and the target attention's
+    (candidates over their sample's UIH). Tensors only: it is pinned and copied to the device with its batch."""
+
+    uih: JaggedBlockMask
+    target: JaggedBlockMask
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "AttentionPlan":
+        return AttentionPlan(self.uih.to(device, non_blocking), self.target.to(device, non_blocking))
+
+    def pin_memory(self) -> "AttentionPlan":
+        return AttentionPlan(self.uih.pin_memory(), self.target.pin_memory())
+
+    def record_stream(self, stream) -> None:
+        self.uih.record_stream(stream)
+        self.target.record_stream(stream)
+
+    @property
+    def device(self) -> torch.device:
+        return self.uih.device
+
+
+def kept_offsets(uih_offsets: torch.Tensor, max_uih: int) -> torch.Tensor:
+    """Host offsets of the UIH the encoder sees: each sample's most recent ``max_uih`` events."""
+    kept = offsets_to_lengths(uih_offsets).clamp(max=max_uih)
+    out = torch.zeros(kept.numel() + 1, dtype=torch.int64)
+    torch.cumsum(kept, 0, out=out[1:])
+    return out
+
+
+def attention_plan(uih_offsets: torch.Tensor, candidate_offsets: torch.Tensor, *, max_uih: int) -> AttentionPlan:
+    """The pure function from a batch's host offsets to its attention plan (after the model's truncation to
+    ``max_uih``). O(blocks) host work; what the loader's attention-plan stage runs for a batch ahead."""
+    uih = kept_offsets(uih_offsets.to(torch.int64), max_uih)
+    return AttentionPlan(build_block_mask(uih, causal=True),
+                         build_block_mask(candidate_offsets.to(torch.int64), uih, causal=False))
 
 
 MODEL_PRESETS: dict[str, dict] = {
@@ -84,15 +143,18 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        h = self.num_heads
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-        # Causal, no mask: padding sits after each sample's last event, so a real token never attends to it, and
-        # SDPA picks its fused (flash / memory-efficient) kernel: memory O(B*L), not the O(B*L^2) of a mask.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(out.transpose(1, 2).reshape(b, n, d))
+    def forward(self, x: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``x``: [B, L, d] (padded) or [N, d] (packed); ``attend(q, k, v)`` takes and returns [..., heads, d / heads]."""
+        h, d = self.num_heads, x.shape[-1]
+        q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, h, d // h)).unbind(-3)
+        x = x + self.proj(attend(q, k, v).flatten(-2))
         return x + self.mlp(self.norm2(x))
+
+
+def _padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[B, L, h, dh] each. Causal, no mask: padding sits after each sample's last event, so a real token never
+    attends to it, and SDPA picks its fused (flash / memory-efficient) kernel: memory O(B*L), not O(B*L^2)."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
 
 
 class SequenceModel(nn.Module):
@@ -121,9 +183,10 @@ class SequenceModel(nn.Module):
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_truncated": {}}  # weak references do not pickle, and the cache is only a cache
 
-    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """Keeps each sample's most recent ``max_uih`` events: offsets and the flat index and position of the kept
-        tokens, and the longest kept length. The sizes come from the batch's host offsets: no device sync."""
+        tokens, the longest kept length, and the kept offsets on the host. The sizes come from the batch's host
+        offsets: no device sync."""
         thread = threading.get_ident()
         last = self._truncated.get(thread)
         if last is not None and last[0]() is batch:
@@ -132,9 +195,10 @@ class SequenceModel(nn.Module):
         self._truncated[thread] = (weakref.ref(batch), result)
         return result
 
-    def _truncate_now(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        host_kept = offsets_to_lengths(batch.host_offsets("uih_offsets")).clamp(max=self.config.max_uih)
-        total, longest = int(host_kept.sum()), int(host_kept.max()) if host_kept.numel() else 0
+    def _truncate_now(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        host_offsets = kept_offsets(batch.host_offsets("uih_offsets"), self.config.max_uih)
+        host_kept = offsets_to_lengths(host_offsets)
+        total, longest = int(host_offsets[-1]), int(host_kept.max()) if host_kept.numel() else 0
         lengths = batch.uih_lengths
         kept = lengths.clamp(max=self.config.max_uih)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -142,7 +206,7 @@ class SequenceModel(nn.Module):
         sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept, output_size=total)
         pos = torch.arange(total, device=lengths.device) - offsets[:-1][sample]
         flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
-        return offsets, flat, pos, longest
+        return offsets, flat, pos, longest, host_offsets
 
     def item_ids(self, batch: Batch) -> torch.Tensor:
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids.
@@ -150,37 +214,82 @@ class SequenceModel(nn.Module):
         One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
         of the whole step at once (pipelines use this same function to prefetch the next batch's ids).
         """
-        _, flat, _, _ = self._truncate(batch)
+        flat = self._truncate(batch)[1]
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
-    def encode_uih(self, batch: Batch, uih_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoded UIH, padded [B, L, d], with its mask [B, L], from the kept UIH items' embedding rows."""
-        offsets, flat, pos, max_len = self._truncate(batch)
+    def plan_function(self) -> Callable[[torch.Tensor, torch.Tensor], AttentionPlan]:
+        """The pure function from a batch's host ``uih_offsets`` and ``candidate_offsets`` to its
+        :class:`AttentionPlan` (picklable, holds no module): what the loader's attention-plan stage runs."""
+        return functools.partial(attention_plan, max_uih=self.config.max_uih)
+
+    def _uses_flex(self, device: torch.device) -> bool:
+        """FlexAttention's kernels need a head dim of at least 16; below that, CUDA runs the per-sample twin."""
+        return self.config.attention == "jagged" and device.type == "cuda" and self.config.dim // self.config.num_heads >= 16
+
+    def _impl(self, device: torch.device) -> AttentionImpl:
+        if self.config.attention == "padded":
+            return AttentionImpl.PADDED
+        return AttentionImpl.FLEX if self._uses_flex(device) else AttentionImpl.TORCH
+
+    def _tokens(self, batch: Batch, uih_rows: torch.Tensor) -> torch.Tensor:
+        _, flat, pos, _, _ = self._truncate(batch)
         tokens = uih_rows + self.position(pos)
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
-        x, mask, _ = _pad(tokens, offsets, max(max_len, 1))
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x), mask
+        return tokens
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def encode_uih(self, batch: Batch, uih_rows: torch.Tensor, plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+        """Encoded UIH from the kept UIH items' embedding rows: packed [N, d] (jagged) or padded [B, L, d]."""
+        offsets, _, _, max_len, host_offsets = self._truncate(batch)
+        tokens = self._tokens(batch, uih_rows)
+        if self.config.attention == "padded":
+            x, _, _ = _pad(tokens, offsets, max(max_len, 1))
+            attend = _padded_causal
+        else:
+            x, impl = tokens, self._impl(tokens.device)
+            mask = plan.uih if plan is not None else None
+            attend = lambda q, k, v: jagged_attention(q, k, v, host_offsets, causal=True, block_mask=mask, impl=impl)  # noqa: E731
+        for block in self.blocks:
+            x = block(x, attend)
+        return self.norm(x)
+
+    def forward(self, batch: Batch, attention_plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+        """``attention_plan``: the batch's block masks from the loader (jagged attention on CUDA); built here
+        when absent."""
         rows = self.item_embedding(self.item_ids(batch))
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0
         num_content = batch.content_ids.numel()
         uih_rows, content_rows = rows[: rows.shape[0] - num_content], rows[rows.shape[0] - num_content :]
-        uih, uih_mask = self.encode_uih(batch, uih_rows)
+        b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
+        plan = attention_plan
+        if not self._uses_flex(rows.device):
+            plan = None
+        else:
+            if plan is None:
+                plan = self.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
+            if plan.device != rows.device:
+                plan = plan.to(rows.device, non_blocking=True)
+        uih = self.encode_uih(batch, uih_rows, plan)
         # Candidate vectors: sum of their content-id rows (a candidate without content gets a zero vector).
         cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
-        # Target attention: candidates padded per sample query their own sample's encoded UIH.
-        c_max = int(offsets_to_lengths(batch.host_offsets("candidate_offsets")).max())
-        q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
-        b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
-        heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
-        attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
-        attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
+        # Target attention: each candidate queries its own sample's encoded UIH.
+        if self.config.attention == "padded":
+            offsets, _, _, max_len, _ = self._truncate(batch)
+            uih_mask = torch.arange(max(max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(offsets).unsqueeze(1)
+            c_max = int(offsets_to_lengths(batch.host_offsets("candidate_offsets")).max())
+            q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
+            heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
+            attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
+            attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
+        else:
+            heads = lambda t: t.view(t.shape[0], h, d // h)  # noqa: E731
+            attended = jagged_attention(
+                heads(self.target_q(cand)), heads(uih), heads(uih), batch.host_offsets("candidate_offsets"),
+                self._truncate(batch)[4], causal=False, block_mask=plan.target if plan is not None else None,
+                impl=self._impl(uih.device),
+            ).reshape(-1, d)
         sample_of_cand = torch.repeat_interleave(
             torch.arange(b, device=cand.device), batch.num_candidates, output_size=cand.shape[0]
         )

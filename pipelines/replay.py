@@ -4,9 +4,14 @@ The cost model of ``pipelines/simulate.py`` assumes its coefficients; replay mea
 time is the time of :class:`pipelines.model.SequenceModel`'s forward, ``bce_sum`` loss and backward on that rank's
 local batch, timed on the actual device (``--device cpu|cuda``), one virtual rank after another, so the step
 time of N virtual ranks is the max of real measured times. That brings the model's real kernel behaviour into the
-figures: the model right-pads every local batch to its longest UIH, so ``count * max L`` tokens go through the
-linear layers and its causal, mask-free SDPA (fused kernels, memory linear in tokens) computes about
-``count * max L^2 / 2`` pairs, which the cost model only approximates.
+figures, which the cost model only approximates. The kernel (``--replay-kernel``) is the model's attention:
+
+* ``jagged``: the model as it trains by default (``ModelConfig.attention = "jagged"``): packed tokens, no padding,
+  each sample's causal attention alone (FlexAttention on CUDA, per-sample SDPA on the CPU), so a local batch
+  costs about its ``sum L`` tokens and ``sum L^2 / 2`` pairs.
+* ``padded``: the model with ``attention = "padded"``: every local batch right-padded to its longest UIH, so
+  ``count * max L`` tokens go through the linear layers and its causal, mask-free SDPA (fused kernels, memory
+  linear in tokens) computes about ``count * max L^2 / 2`` pairs.
 
 How one batch is timed (:meth:`Timer.measure`). The batch is moved to the device, run once untimed (the first call
 of a shape pays SDPA/cuBLAS plan selection and allocator growth), then ``--replay-repeats`` times (default 3), each
@@ -41,12 +46,8 @@ Two modes (``--replay-mode``):
   causal attention pair. ``sum L^2`` and ``max L`` alone are not a padded kernel's work and are left out, so
   they cannot soak up noise.
 
-``--replay-kernel jagged`` measures the paper's variable-length (HSTU-style) kernels with this model's real
-kernels: each partitioner's whole local batch keeps its sample count, every sample set to the batch's RMS UIH
-length (:func:`equal_length`: the most recent events, a shorter sample's own events repeated to fill), so the
-batch has no padding and the same ``count`` and ``sum L^2`` (attention pairs) as the ragged batch. A
-variable-length kernel's time is a sum over samples, which is what the jagged regressors express; the fit
-applies it to the ragged batches of the simulation.
+Both kernels time each partitioner's whole local batch as it is. A variable-length kernel's time is a sum over
+samples, which is what the jagged regressors express.
 
 Jitter (``--replay-jitter``; ``python -m pipelines.replay`` takes both, ``residual,repeat``), one relative factor
 per rank and step, resampled from a pool:
@@ -185,8 +186,8 @@ def select(batch: Batch, idx: np.ndarray) -> Batch:
 
 def equal_length(batch: Batch, length: int) -> Batch:
     """Every sample set to exactly ``length`` UIH events: its most recent ``length`` events, or, when it has fewer,
-    its own events repeated from the start to fill (the last event stays last). A batch without padding, whose
-    padded kernels do exactly the work a variable-length kernel would; candidates and the rest are unchanged."""
+    its own events repeated from the start to fill (the last event stays last): the memory probe's batches, whose
+    tokens are the same for both kernels; candidates and the rest are unchanged."""
     if length < 1:
         raise ValueError(f"equal_length: length must be >= 1, got {length}")
     n = batch.batch_size
@@ -203,12 +204,6 @@ def equal_length(batch: Batch, length: int) -> Batch:
         uih_item_ids=batch.uih_item_ids[keep], uih_action_types=opt(batch.uih_action_types),
         uih_timestamps=opt(batch.uih_timestamps),
     )
-
-
-def rms_length(batch: Batch) -> int:
-    """Root mean square UIH length: the common length with the same ``count * L^2`` as the ragged batch."""
-    length = batch.uih_lengths.numpy().astype(np.float64)
-    return max(1, int(round(math.sqrt(float(np.mean(length * length)))))) if length.size else 1
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -256,32 +251,40 @@ class Timer:
 @dataclass
 class MemoryGuard:
     """Which timed batches may run: ``fixed + per_token * tokens <= limit`` (CUDA, from a probe) and
-    ``count * max L^2 <= max_pairs`` (``--replay-max-pairs``), with ``tokens = count * max L`` (padded)."""
+    ``pairs <= max_pairs`` (``--replay-max-pairs``): for the padded kernel ``tokens = count * max L`` and
+    ``pairs = count * max L^2``, for the jagged one ``sum L`` and ``sum L^2``."""
 
     limit_bytes: float = math.inf
     fixed_bytes: float = 0.0
     per_token_bytes: float = 0.0
     max_pairs: float = math.inf
+    kernel: str = "padded"
 
     def token_cap(self) -> float:
         return (self.limit_bytes - self.fixed_bytes) / self.per_token_bytes if self.per_token_bytes > 0 else math.inf
 
+    def work(self, x: np.ndarray) -> tuple[float, float]:
+        """(tokens, attention pairs) the kernel computes for a batch with features ``x``."""
+        names = ("count_x_max_L", "count_x_max_L2") if self.kernel == "padded" else ("sum_L", "sum_L2")
+        return x[FEATURES.index(names[0])], x[FEATURES.index(names[1])]
+
     def refuses(self, x: np.ndarray) -> Optional[str]:
         """Why a batch with features ``x`` may not run, or None."""
-        tokens, pairs = x[FEATURES.index("count_x_max_L")], x[FEATURES.index("count_x_max_L2")]
+        tokens, pairs = self.work(x)
         if tokens > self.token_cap():
-            return (f"memory: {tokens:.4g} padded tokens need about "
+            return (f"memory: {tokens:.4g} {self.kernel} tokens need about "
                     f"{(self.fixed_bytes + self.per_token_bytes * tokens) / 2**30:.1f} GiB > {self.limit_bytes / 2**30:.1f}")
         if pairs > self.max_pairs:
-            return f"--replay-max-pairs: {pairs:.4g} padded attention pairs > {self.max_pairs:.4g}"
+            return f"--replay-max-pairs: {pairs:.4g} {self.kernel} attention pairs > {self.max_pairs:.4g}"
         return None
 
     @classmethod
-    def probe(cls, timer: Timer, batch: Batch, length: int, limit_gib: float, max_pairs: float) -> "MemoryGuard":
+    def probe(cls, timer: Timer, batch: Batch, length: int, limit_gib: float, max_pairs: float,
+              kernel: str = "padded") -> "MemoryGuard":
         """CUDA: peak bytes of one and of four copies of a sample set to ``length`` events; the line through the
-        two points gives fixed and per-token bytes (activations are linear in tokens: the encoder's causal SDPA
-        has no mask). Elsewhere only ``max_pairs`` applies."""
-        guard = cls(max_pairs=max_pairs)
+        two points gives fixed and per-token bytes (activations are linear in tokens: neither kernel holds a
+        mask of pairs; on equal lengths both kernels see the same tokens). Elsewhere only ``max_pairs`` applies."""
+        guard = cls(max_pairs=max_pairs, kernel=kernel)
         if timer.device.type != "cuda":
             return guard
         peaks = []
@@ -289,7 +292,7 @@ class MemoryGuard:
             timer.measure(equal_length(select(batch, np.zeros(k, dtype=np.int64)), length), repeats=0)
             peaks.append(timer.last_peak_bytes)
         per_token = max((peaks[1] - peaks[0]) / (3 * length), 1.0)
-        return cls(limit_gib * 2**30, max(peaks[0] - per_token * length, 0.0), per_token, max_pairs)
+        return cls(limit_gib * 2**30, max(peaks[0] - per_token * length, 0.0), per_token, max_pairs, kernel)
 
 
 def timing_batches(args: argparse.Namespace, source, rng: np.random.Generator) -> Iterator[tuple[str, int, int, Batch]]:
@@ -424,7 +427,7 @@ class _Direct:
         uih = lengths.uih_lengths.numpy()[idx]
         refused = self.guard.refuses(features([uih])[0])
         if refused:
-            raise ValueError(f"replay direct: a local batch of {uih.size} samples padded to {uih.max()} does not "
+            raise ValueError(f"replay direct: a local batch of {uih.size} samples up to {uih.max()} events does not "
                              f"fit ({refused}); use --replay-mode fit")
         local = select(self._cached[2], ids[idx] - lo)
         if not np.array_equal(local.uih_lengths.numpy(), uih):
@@ -459,7 +462,8 @@ def _model(args: argparse.Namespace, source, device: torch.device) -> SequenceMo
             sizes[key] = getattr(args, flag)
     c = source.config
     # max_uih follows the simulation: a model preset's shorter cap would hide the long-UIH stragglers.
-    config = ModelConfig(**{**sizes, "max_uih": args.max_uih, "num_labels": c.num_labels, "dense_dim": c.dense_dim})
+    config = ModelConfig(**{**sizes, "max_uih": args.max_uih, "num_labels": c.num_labels, "dense_dim": c.dense_dim,
+                            "attention": args.replay_kernel})
     torch.manual_seed(args.seed)
     return SequenceModel(config).to(device)
 
@@ -517,7 +521,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
     timer = Timer(model, device, dtype)
     rng = np.random.default_rng([args.seed, 3])
     started = time.perf_counter()
-    guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args))
+    guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args), kernel)
     rows: list[dict] = []
     skipped: list[dict] = []
     ooms: list[dict] = []
@@ -526,7 +530,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
     cap = guard.token_cap()
     print(f"replay timing ({kernel}): whole local batches of {args.replay_timing_ranks}-rank plans, 1 warm-up + "
           f"{repeats} timed calls each, up to {args.replay_timings} batches or {args.replay_time_budget:.0f} s"
-          + (f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per padded token + {guard.fixed_bytes / 2**30:.2f} "
+          + (f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + {guard.fixed_bytes / 2**30:.2f} "
              f"GiB: at most {cap:.4g} tokens in {args.replay_mem_gib} GiB" if math.isfinite(cap) else ""),
           file=sys.stderr, flush=True)
     jobs = timing_batches(args, source, rng)
@@ -544,7 +548,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
         if local.batch_size == 0:
             skipped.append({"partitioner": name, "step": step, "rank": rank, "count": 0, "reason": "empty"})
             continue
-        timed = local if kernel == "padded" else equal_length(local, rms_length(local))
+        timed = local
         x = features([timed.uih_lengths.numpy()])[0]
         shape = {"partitioner": name, "step": step, "rank": rank, "count": int(x[1]), "max_L": int(x[4]),
                  "tokens": int(x[5])}
@@ -563,7 +567,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
         if times is None:  # outside the except block, so the failed call's tensors are freed first
             # The probe under-estimated this shape: record it, and refuse this many tokens and more from now on.
             ooms.append(shape)
-            guard.limit_bytes = min(guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * x[5])
+            guard.limit_bytes = min(guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * guard.work(x)[0])
             timer.model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             print(f"replay timing ({kernel}): out of memory on {shape}; the cap is now {guard.token_cap():.4g} tokens",
@@ -609,8 +613,8 @@ def build_fit(args: argparse.Namespace) -> Fit:
     info = {
         "replay_mode": "fit",
         "replay_kernel": kernel,
-        "timed_unit": "whole local batch" if kernel == "padded" else
-                      "whole local batch, every sample set to the batch's RMS UIH length (no padding)",
+        "timed_unit": "whole local batch, padded to its longest UIH" if kernel == "padded" else
+                      "whole local batch, jagged (no padding)",
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "dtype": dtype,
         "model_config": dataclasses.asdict(model.config),
@@ -673,8 +677,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("need --replay-time-budget > 0 and --replay-mem-gib > 0")
     if args.replay_kernel not in KERNELS:
         raise ValueError(f"--replay-kernel {args.replay_kernel!r}: choose from {KERNELS} (one per fit)")
-    if args.replay_mode == "direct" and args.replay_kernel != "padded":
-        raise ValueError("--replay-mode direct times the model as it is: only --replay-kernel padded")
     if args.replay_jitter not in JITTERS:
         raise ValueError(f"--replay-jitter {args.replay_jitter!r}: choose from {JITTERS}")
     repeats = _repeats(args)
@@ -702,7 +704,8 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
             device = _device(args)
             source = _source(args, num_samples=args.ranks * args.batch_size * (args.steps + args.warmup), seed=args.seed)
             timer = Timer(_model(args, source, device), device, _dtype(args))
-            guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args))
+            guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args),
+                                      args.replay_kernel)
             _CACHE[key] = _Direct(source, timer, guard, _repeats(args), {
                 "replay_mode": "direct", "device": str(device), "dtype": _dtype(args), "replay_repeats": _repeats(args)})
     cached = _CACHE[key]

@@ -431,10 +431,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--replay-heads", type=int, default=None, help="override the preset's head count")
     replay.add_argument("--replay-mode", default="fit", choices=["fit", "direct"],
                         help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank")
-    replay.add_argument("--replay-kernel", default="padded",
-                        help="padded: the model as it is (pads to the local max UIH); jagged: timed on equal-length"
-                        " batches (no padding), the cost of a variable-length kernel (python -m pipelines.replay"
-                        " takes a comma-separated list)")
+    replay.add_argument("--replay-kernel", default="jagged",
+                        help="the model's attention: jagged (its default: packed tokens, no padding) or padded (pads"
+                        " each local batch to its longest UIH); python -m pipelines.replay takes a comma-separated list")
     replay.add_argument("--replay-timings", type=int, default=300, help="fresh timings for the fit (fit + held-out)")
     replay.add_argument("--replay-heldout", type=float, default=0.25, help="share of the timings held out")
     replay.add_argument("--replay-time-budget", type=float, default=240.0,

@@ -11,9 +11,11 @@
 #                                        # their GC pauses and pinned allocations (~1.5 min)
 #   bash scripts/gpu_suite.sh exclusive  # heavy case, --exclusive-start backward against forward, 3 interleaved pairs each,
 #                                        # with every step's exposed parts (~4 min)
+#   bash scripts/gpu_suite.sh attention  # FlexAttention against the per-sample twin and the jagged model against the padded
+#                                        # one on CUDA, then bench attention (~4 min, most of it compiling)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -109,7 +111,13 @@ PY
     echo "== bench e2e, heavy case: the deferred exclusive gradients sent at the backward or with the next forward"
     heavy_ab exclusive-start "backward forward" 3
     ;;
+  attention)
+    echo "== bench attention: jagged (FlexAttention, block mask from offsets) against padded SDPA, fwd+bwd, bf16"
+    timeout 150 python3 -m pipelines.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -14
+    echo "== GPU tests: FlexAttention against the per-sample twin; the jagged model with a loader plan against the padded one"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls or exclusive" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls, exclusive or attention" >&2; exit 2
     ;;
 esac

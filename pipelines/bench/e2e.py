@@ -10,6 +10,11 @@ gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving 
 embedding schedule freescale kept after its probe (pipelines.schedule; prio or sdd); every mode's timings leave
 out the same warm-up steps, the probe's included.
 
+Every case runs the reference model with ``--attention`` (default jagged: no padding, so a rank's step costs
+what the sum of its samples' L^2 costs, the imbalance the balancer removes; ``padded`` for comparison). Under the
+table, per case and run, ``straggler share`` puts sync's straggler % (no balancer) beside freescale's: the share
+of the step that ranks spent waiting for the slowest one, in real training.
+
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
     light   short sequences, tiny tables (where FreeScale should not help: it must cost nothing there); the item
@@ -60,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
+    parser.add_argument("--attention", choices=("jagged", "padded"), default="jagged",
+                        help="the reference model's attention in every run (see --attention of train)")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
     parser.add_argument("--embedding-schedule", choices=SCHEDULE_CHOICES, default=None,
                         help="override freescale's embedding schedule (default auto: probe prioritized and sdd, keep the faster)")
@@ -100,6 +107,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.loader.batch_size = args.batch_size or c["batch_size"]
     cfg.model.model, cfg.model.max_uih = args.model or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
+    cfg.model.attention = args.attention
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.warmup_steps = warmup_steps(args)
     if args.embedding_schedule is not None:
@@ -175,6 +183,7 @@ def _row(case: str, s: dict) -> dict:
         "kernel_variants": s["kernel_variants"],
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],
+        "attention": s["config"]["model"].get("attention"),
         "min_gain": s["config"]["balancer"]["min_gain"],
         "embedding_schedule": s.get("embedding_schedule"),  # freescale: the probe's choice and its median step times
         "balanced_steps": s["balanced_steps"],  # steps whose samples the balancer moved (None: no balancer)
@@ -210,6 +219,8 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(row)
     pair_with_sync(rows)
     _print_table(rows)
+    for line in straggler_shares(rows):
+        print(line)
     if args.repeats > 1:
         for line in spread(rows):
             print(line)
@@ -242,6 +253,20 @@ def pair_with_sync(rows: list[dict]) -> None:
             continue
         ours["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"]
         ours["bubble_reduction_median"] = 1.0 - ours["bubble_median_ms"] / sync["bubble_median_ms"]
+
+
+def straggler_shares(rows: list[dict]) -> list[str]:
+    """Per case and run: sync's straggler % beside freescale's (the share of the step spent waiting for the
+    slowest rank, without and with the balancer)."""
+    lines = []
+    for (case, repeat), by_mode in _runs(rows).items():
+        sync, ours = by_mode.get("sync"), by_mode.get("freescale")
+        if sync is None or ours is None or sync["straggler_pct"] is None or ours["straggler_pct"] is None:
+            continue
+        lines.append(f"straggler share, {case} (run {repeat + 1}, {ours.get('attention') or 'jagged'} attention): "
+                     f"sync {sync['straggler_pct']:.1f}%, freescale {ours['straggler_pct']:.1f}% "
+                     f"({ours['partitioner']}, moved {ours['balanced_steps']} steps)")
+    return lines
 
 
 def spread(rows: list[dict]) -> list[str]:

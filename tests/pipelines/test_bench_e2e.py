@@ -79,3 +79,14 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
         ["--no-background-stages", "--no-stage-lookahead", "--exclusive-start", "backward", "--early-start", "forward"]))
     assert not changed.loader.background_stages and not changed.loader.stage_lookahead
     assert changed.train.exclusive_start == "backward" and changed.train.early_start == "forward"
+
+
+def test_the_straggler_shares_of_sync_and_freescale_are_reported_side_by_side():
+    from pipelines.bench.e2e import straggler_shares
+
+    rows = [{**_row("heavy", "sync", 0, 1.0, 1.0, 1.0), "straggler_pct": 12.5},
+            {**_row("heavy", "freescale", 0, 1.0, 1.0, 1.0), "straggler_pct": 2.0, "attention": "jagged",
+             "partitioner": "fbs", "balanced_steps": 9},
+            {**_row("light", "freescale", 0, 1.0, 1.0, 1.0), "straggler_pct": 1.0}]
+    (line,) = straggler_shares(rows)
+    assert line == "straggler share, heavy (run 1, jagged attention): sync 12.5%, freescale 2.0% (fbs, moved 9 steps)"

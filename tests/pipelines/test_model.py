@@ -1,4 +1,5 @@
-"""The reference model: padding invariance, truncation to the most recent events, empty batches."""
+"""The reference model: padding invariance, truncation to the most recent events, empty batches, the jagged
+attention against the padded one (fp32, rtol 1e-4 / atol 1e-5 on CPU)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _sample(i: int, length: int, rng) -> Sample:
 
 def _model(max_uih=64) -> SequenceModel:
     torch.manual_seed(0)
-    return SequenceModel(ModelConfig(num_items=500, dim=16, num_layers=2, num_heads=2, max_uih=max_uih)).eval()
+    return SequenceModel(ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)).eval()  # head dim 16: FlexAttention's least
 
 
 def test_a_sample_scores_the_same_whatever_it_is_batched_with():
@@ -130,3 +131,74 @@ def test_a_model_with_cached_truncations_still_pickles():
     torch.save(model, buffer)  # the cache's weak references are left out
     buffer.seek(0)
     assert torch.load(buffer, weights_only=False)._truncated == {}
+
+
+def _pair(max_uih=64, **kw) -> tuple[SequenceModel, SequenceModel]:
+    """The jagged and the padded model with the same weights."""
+    torch.manual_seed(0)
+    config = ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih, **kw)
+    jagged = SequenceModel(config)
+    padded = SequenceModel(ModelConfig(**{**config.__dict__, "attention": "padded"}))
+    padded.load_state_dict(jagged.state_dict())
+    return jagged, padded
+
+
+def _logits_and_grads(model: SequenceModel, batch: Batch, **kw):
+    model.zero_grad(set_to_none=True)
+    logits = model(batch, **kw)
+    bce_sum(logits, batch.candidate_labels).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# fp32 on CPU: the two paths sum the same terms in different orders (per sample against padded), nothing else.
+JAGGED_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [(1,), (64,), (1, 64, 90, 7, 1), (0, 5, 33)], ids=str)
+def test_the_jagged_model_has_the_padded_models_numbers(lengths):
+    """Outputs and every parameter's gradient; samples of length 1, at the cap (64) and past it, a batch of one."""
+    rng = np.random.default_rng(5)
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate(lengths)])
+    jagged, padded = _pair()
+    got, got_grads = _logits_and_grads(jagged.train(), batch)
+    want, want_grads = _logits_and_grads(padded.train(), batch)
+    torch.testing.assert_close(got, want, **JAGGED_TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for name in got_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **JAGGED_TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_an_unknown_attention_is_refused():
+    with pytest.raises(ValueError, match="attention must be one of jagged, padded"):
+        ModelConfig(attention="dense")
+
+
+def test_the_plan_function_is_pure_and_picklable():
+    import pickle
+
+    from kernels.flex.block_mask import build_block_mask
+
+    rng = np.random.default_rng(6)
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((3, 90, 1))])
+    fn = pickle.loads(pickle.dumps(_model(max_uih=64).plan_function()))
+    plan = fn(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
+    kept = torch.tensor([0, 3, 67, 68])  # 90 events truncated to the model's 64
+    expected = build_block_mask(kept, causal=True)
+    assert plan.uih.num_q == 68 and all(torch.equal(a, b) for a, b in zip(plan.uih.tensors().values(), expected.tensors().values()))
+    assert plan.target.num_q == batch.candidate_labels.shape[0] and plan.target.num_kv == 68
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_jagged_model_on_cuda_with_a_loader_plan_has_the_padded_models_numbers():
+    rng = np.random.default_rng(7)
+    host = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((1, 200, 90, 7, 300))])
+    jagged, padded = (m.cuda().train() for m in _pair(max_uih=256))
+    plan = jagged.plan_function()(host.host_offsets("uih_offsets"), host.host_offsets("candidate_offsets"))
+    batch = host.to("cuda")
+    got, got_grads = _logits_and_grads(jagged, batch, attention_plan=plan.pin_memory().to("cuda", non_blocking=True))
+    want, want_grads = _logits_and_grads(padded, batch)
+    tol = dict(rtol=2e-3, atol=2e-4)  # TF32-free fp32, but FlexAttention's kernels sum in their own order
+    torch.testing.assert_close(got, want, **tol)
+    for name in got_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **tol, msg=lambda m: f"{name}: {m}")

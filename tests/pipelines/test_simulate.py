@@ -86,3 +86,11 @@ def test_parquet_lengths_are_read_capped_and_wrapped(tmp_path):
     assert step0.uih_lengths.tolist() == [3, 10, 7, 1] and step0.num_candidates.tolist() == [1, 2, 1, 3]
     assert step1.uih_lengths.tolist() == [10, 3, 10, 7]  # sample 4, then wrapped to 0, 1, 2
     assert step1.rank_offsets.tolist() == [0, 2, 4]
+
+
+def test_the_replay_kernel_is_the_models_default_attention_and_kuairand_27k_simulates():
+    assert parse().replay_kernel == "jagged"
+    records = simulate.run_grid(parse("--preset", "kuairand-27k", "--partitioner", "none,fbs", "--steps", "4",
+                                      "--warmup", "1"), 8, 16, 21000)
+    by = {r["partitioner"]: r for r in records}
+    assert by["fbs"]["straggler_pct"] < by["none"]["straggler_pct"]

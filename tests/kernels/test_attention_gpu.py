@@ -1,0 +1,47 @@
+"""The FlexAttention path against the per-sample twin on CUDA (bf16 and fp32, outputs and gradients), and the
+comparison helper the CPU tests share (no hypothesis here: the GPU machine runs this file alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import jagged_attention
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _offsets(lengths) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+
+
+def _qkv(rows_q: int, rows_kv: int, heads=2, dim=16, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda n: torch.randn(n, heads, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    return make(rows_q), make(rows_kv), make(rows_kv)
+
+
+def _compare(q_lengths, kv_lengths, causal, impl, reference="padded", device="cpu", dtype=torch.float32, tol=TOL):
+    """Output and q/k/v gradients of ``impl`` against ``reference`` on random inputs."""
+    qo = _offsets(q_lengths)
+    ko = qo if causal else _offsets(kv_lengths)
+    q, k, v = _qkv(int(qo[-1]), int(ko[-1]), dtype=dtype, device=device)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    results = []
+    for which in (impl, reference):
+        for t in (q, k, v):
+            t.grad = None
+        out = jagged_attention(q, k, v, qo, None if causal else ko, causal=causal, impl=which)
+        out.backward(grad)
+        results.append([out.detach().float(), *(t.grad.float() for t in (q, k, v))])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str)
+def test_flex_equals_the_twin_on_cuda(dtype, tol):
+    for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
+        _compare(lengths, None, True, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
+    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
