@@ -57,7 +57,9 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
                              "pipelines.ModelSpec (or an nn.Module)")
         return spec
     model = build_model(config.model, source, seed=config.train.seed)
-    return ModelSpec(model, embeddings=["item_embedding"], features=lambda batch: {"item_embedding": model.item_ids(batch)})
+    plan = model.plan_function() if model.config.attention == "jagged" else None
+    return ModelSpec(model, embeddings=["item_embedding"], features=lambda batch: {"item_embedding": model.item_ids(batch)},
+                     plan=plan)
 
 
 def build_model(config: ModelSection, source: SampleSource, seed: int) -> SequenceModel:

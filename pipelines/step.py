@@ -50,6 +50,13 @@ def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     return torch.nn.functional.binary_cross_entropy_with_logits(outputs, batch.candidate_labels, reduction="sum")
 
 
+def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem) -> Any:
+    """The model's forward on the item's batch, with the loader's attention plan as keyword ``attention_plan``
+    when the item carries one."""
+    kwargs = {} if item.attention_plan is None else {"attention_plan": item.attention_plan}
+    return model(*as_args(inputs, item.batch), **kwargs)
+
+
 def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
     """The model's positional arguments for ``batch``: ``(batch,)`` without an ``inputs`` function."""
     if inputs is None:
@@ -170,6 +177,10 @@ class ModelSpec:
     features: Optional[FeatureFn] = None
     #: source -> source, e.g. to add the extra features the model reads (default: the job's source as it is)
     source: Optional[Callable[[Any], Any]] = None
+    #: (uih_offsets, candidate_offsets) -> an attention plan (host int64 offsets in; e.g. block masks out): run by the
+    #: loader's attention-plan stage for a batch ahead when training on CUDA, and handed to the model as its
+    #: ``attention_plan`` keyword (the reference model's ``plan_function()``; default: none)
+    plan: Optional[Callable[[Any, Any], Any]] = None
 
 
 @dataclass
@@ -267,7 +278,7 @@ class TrainStep:
             if upcoming is not None:  # the next batch's ids: prefetched by the loader, else exchanged in the step
                 nxt = upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
             self.stage.begin_step(batch, item.prefetched, nxt)
-        loss_sum = self.loss(self.model(*as_args(self.inputs, batch)), batch)
+        loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
         (loss_sum / max(total, 1.0)).backward()
         labels = batch.candidate_labels
         device_scalars = torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])

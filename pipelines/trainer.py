@@ -61,6 +61,8 @@ from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
 from fsdata.id_prefetch import PrefetchedIds
+from fsdata.item import LoaderItem
+from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.loader import build_loader, loader_blocked_s, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
@@ -72,7 +74,7 @@ from pipelines.config import JobConfig
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
-from pipelines.step import as_args
+from pipelines.step import call_model
 
 # Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
 EXPOSED_SPANS = {
@@ -91,6 +93,7 @@ class _Fetched:
     ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
+    item: Optional[LoaderItem] = None  # the loader's item of the batch (its attention plan, on the device)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -273,6 +276,10 @@ class Trainer:
             )
         if self.pipeline is not None:
             stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
+        if self.spec.plan is not None and self.device.type == "cuda":
+            # The batch's attention plan (block masks) is built a batch ahead with the other stages' host work,
+            # and travels to the device with it: the training thread never builds a mask.
+            stages.append(lambda node: AttentionPlanStage(node, self.spec.plan))
         return stages
 
     # ------------------------------------------------------------------ ownership
@@ -413,7 +420,7 @@ class Trainer:
         ids = item.prefetched.to(self.device) if isinstance(item.prefetched, PrefetchedIds) else None
         if batch.device != self.device:  # on a GPU the stage worker copied it already (fsdata.nodes.device_copy)
             batch = batch.to(self.device, non_blocking=True)
-        return _Fetched(batch, balance, ids, new_epoch, loader_state)
+        return _Fetched(batch, balance, ids, new_epoch, loader_state, replace(item, batch=batch, prefetched=ids))
 
     def _global_labels(self, fetched: _Fetched) -> float:
         if fetched.balance is not None:
@@ -431,16 +438,17 @@ class Trainer:
         """The local loss sum: the model's own (``ModelSpec.loss``), else BCE of its logits against the labels."""
         return self.spec.loss(outputs, batch) if self.spec.loss is not None else bce_sum(outputs, batch.candidate_labels)
 
-    def forward_backward(self, batch: Batch, global_labels: float) -> tuple[float, torch.Tensor]:
+    def forward_backward(self, item: LoaderItem, global_labels: float) -> tuple[float, torch.Tensor]:
         """Backward of the local BCE sum over the global label count; returns the label count and, on the device
         (not read here: no device sync), the BCE sum and the positives.
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
+        batch = item.batch
         labels = batch.candidate_labels
         with self._phase("freescale/forward"):
             if self.pipeline is not None:
                 self.pipeline.begin_step(batch, self.pipeline.current_ids, self.pipeline.upcoming_ids)
-            loss = self._loss(self.model(*as_args(self.spec.inputs, batch)), batch)
+            loss = self._loss(call_model(self.model, self.spec.inputs, item), batch)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
         with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()
@@ -456,7 +464,7 @@ class Trainer:
         early = self.config.train.allreduce_start == "backward"
         t0 = time.perf_counter()
         with self._phase("freescale/forward_backward"):
-            labels, sums = self.forward_backward(batch, global_labels)
+            labels, sums = self.forward_backward(fetched.item, global_labels)
             lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
             slot = {"last_compute_s": self._last_compute_s, "tokens": float(lengths.sum()),
                     "samples": float(batch.batch_size), "sparsity": sparsity(lengths), "last_step_s": self._last_step_s}

@@ -57,10 +57,15 @@ class DeviceCopy(BaseNode[Any]):
             ids = item.prefetched
             if isinstance(ids, PrefetchedIds):
                 ids = ids.wait().pin_memory().to(self.device)
+            plan = item.attention_plan  # moved when it can be (fsdata.nodes.attention_plan), else left as it is
+            if hasattr(plan, "pin_memory") and hasattr(plan, "to"):
+                plan = plan.pin_memory().to(self.device, non_blocking=True)
         self.consumer_stream.wait_stream(self._stream)
         for t in [*batch.tensors().values(), *(ids.tensors() if isinstance(ids, PrefetchedIds) else ())]:
             t.record_stream(self.consumer_stream)
-        return replace(item, batch=batch, prefetched=ids)
+        if hasattr(plan, "record_stream"):
+            plan.record_stream(self.consumer_stream)
+        return replace(item, batch=batch, prefetched=ids, attention_plan=plan)
 
     def get_state(self) -> Dict[str, Any]:
         return self.source.state_dict()
