@@ -9,13 +9,14 @@
 #   bash scripts/gpu_suite.sh allreduce  # heavy case, --allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
 #   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
 #                                        # their GC pauses and pinned allocations (~1.5 min)
+#   bash scripts/gpu_suite.sh transport  # host paths' GPU tests, bench transport tcp vs shm, a jagged training run (~6 min)
 #   bash scripts/gpu_suite.sh exclusive  # heavy case, --exclusive-start backward against forward, 3 interleaved pairs each,
 #                                        # with every step's exposed parts (~4 min)
 #   bash scripts/gpu_suite.sh attention  # FlexAttention against the per-sample twin and the jagged model against the padded
 #                                        # one on CUDA, then bench attention (~4 min, most of it compiling)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -117,7 +118,17 @@ PY
     echo "== GPU tests: FlexAttention against the per-sample twin; the jagged model with a loader plan against the padded one"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
     ;;
+  transport)
+    echo "== GPU tests: the host paths (shared memory, TCP) with a GPU rank; the device copy of loader items"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fscomm/test_shm_gpu.py tests/fscomm/test_host_gpu.py tests/fsdata/test_device_copy_gpu.py 2>&1 | tail -5
+    echo "== bench transport: a GPU rank and a CPU peer, host-tcp against host-shm, beside the copy floor (D2H + H2D)"
+    timeout 150 python3 -m pipelines.bench.transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
+      --reps 10 --pairs 7 --timeout 60 --json "$OUT/transport_gpu.json" 2>&1 | grep -v "^\[bench" | tail -30
+    echo "== the reference model (jagged attention, plans from the loader) trains on the GPU: 2 ranks sharing it"
+    timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model small --uih-cap 4096 --batch-size 16 \
+      --no-progress --summary-json "$OUT/train_gpu.json" 2>&1 | tail -12
+    ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls, exclusive or attention" >&2; exit 2
+    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls, exclusive, attention or transport" >&2; exit 2
     ;;
 esac

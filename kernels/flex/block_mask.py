@@ -13,11 +13,11 @@ range inside it (only when the query block lies within one sample), so each row 
 rows at once with a few vectorized ops. The transposed lists (the query blocks of each key block, used by the
 backward) come the same way with rows and columns swapped; for ``causal`` that is the anti-causal direction.
 
-Full blocks are separated only on request (``separate_full_blocks=True``, create_block_mask's layout). By default
-every needed block is listed as partial, so the mask function runs on every pair (as create_block_mask's
-``separate_full_blocks=False`` does): the layout checked against the padded model on the H200 with torch 2.11,
-where FlexAttention over lists with separated full blocks gave wrong results (and once a CUDA fault) that the same
-lists did not give in the compiled CPU kernels; each row's list is then one contiguous range.
+Full blocks get lists of their own by default (``separate_full_blocks=True``, create_block_mask's layout), so the
+mask function runs only on the partial blocks at the samples' edges and the diagonal. FlexAttention's kernels read
+both lists with the partial list's strides, so both are laid out at one width. ``separate_full_blocks=False``
+lists every needed block as partial (one contiguous range per row): the same numbers, the mask evaluated on every
+pair.
 
 With ``causal=False``, a sample without queries (or without keys) between two that have both may leave its key
 (query) blocks inside a partial range: the mask function masks them, so results are exact, and the lists equal
@@ -95,8 +95,10 @@ def _lists(lo, hi, flo, fhi, num_cols: int, block: int, separate_full: bool) -> 
     n_pre = torch.clamp(flo - lo, min=0)
     partial = n_pre + torch.clamp(hi - fhi, min=0)
     full = torch.clamp(fhi - flo + 1, min=0)
-    return (partial[None, None].contiguous(), indices(widest(partial), lo, n_pre, fhi + 1),
-            full[None, None].contiguous(), indices(widest(full), flo))
+    # One width for both lists: FlexAttention's kernels address the full list with the partial list's strides.
+    width = max(widest(partial), widest(full))
+    return (partial[None, None].contiguous(), indices(width, lo, n_pre, fhi + 1),
+            full[None, None].contiguous(), indices(width, flo))
 
 
 def _sample_ids(offsets: torch.Tensor, num_rows: int, block: int, pad: int) -> torch.Tensor:
@@ -170,7 +172,7 @@ class JaggedBlockMask:
 
 def build_block_mask(
     q_offsets: torch.Tensor, kv_offsets: Optional[torch.Tensor] = None, *, causal: bool, block_size: int = BLOCK_SIZE,
-    separate_full_blocks: bool = False,
+    separate_full_blocks: bool = True,
 ) -> JaggedBlockMask:
     """The block mask of queries packed by ``q_offsets`` over keys packed by ``kv_offsets`` (host int tensors of
     B + 1 entries each, from 0 to the number of rows; ``causal`` takes one set of offsets). Full blocks get lists
