@@ -290,6 +290,13 @@ def add_tuning_arguments(parser: argparse.ArgumentParser, show: bool = True) -> 
             _add(parser, f, show)
 
 
+def apply_tuning(args: argparse.Namespace, config: "JobConfig") -> None:
+    """Sets on ``config`` the tuning knobs given as ``--tuning.NAME`` flags (those left unset keep its values)."""
+    for name, (section, table, _) in _fields().items():
+        if table == TUNING and getattr(args, name, None) is not None:
+            setattr(getattr(config, section), name, getattr(args, name))
+
+
 class _HelpTuning(argparse.Action):
     def __init__(self, option_strings, dest, **kw):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
