@@ -230,7 +230,7 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
                     "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = _losses(tmp_path / "a.jsonl")
     _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--tuning.embedding-schedule",
-                    "prioritized", "--allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+                    "prioritized", "--tuning.allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
     resumed = _losses(tmp_path / "b.jsonl")
     assert len(full) == 6 and resumed == full[3:]
 
