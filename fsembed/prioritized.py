@@ -269,8 +269,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
         when the backward reaches the embeddings. The default here is ``"forward"`` (the staged pipeline's,
         ``pipelines.staged.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
-        ``start_early_rows()``, so held rows would start only when the backward reaches the embeddings, too
-        late to overlap the step's compute.
+        ``start_early_rows()``, so held rows would start only when the backward reaches the embeddings and
+        overlap little of the step's compute.
 
         ``exclusive_start``: when backward i's exclusive gradients (line 18's deferred part) leave on the bulk
         chain: ``"backward"``, as soon as the backward has produced them; ``"forward"`` (the default), held
