@@ -30,15 +30,19 @@ from fsdata.partition import AutoTune, BalanceGate, get_partitioner
 
 @dataclass
 class BalancerConfig:
+    """``partitioner``: a built-in (none, fbs, vbs, kk) or your own, ``module:function`` or
+    ``path/to/file.py:function``; modes replicated and freescale balance, the others ignore it. ``min_gain`` is
+    the balance gate: a step's samples move only when the fitted step-time model predicts the slowest rank at
+    least this fraction faster for it (0: always move; off with ``autotune``)."""
+
     partitioner: str = field(
-        default="fbs", metadata={"help": "none, fbs, vbs, kk, or your own: module:function or path/to/file.py:function (modes replicated and freescale)"}
+        default="fbs", metadata={"help": "none|fbs|vbs|kk|module:function", "metavar": "NAME"}
     )
     alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
-    autotune: bool = field(default=False, metadata={"help": "VBS: tune per-rank budgets from measured step times"})
+    autotune: bool = field(default=False, metadata={"help": "vbs: tune per-rank budgets from step times"})
     min_gain: float = field(
         default=0.0,
-        metadata={"help": "balance gate: move a step's samples only when the fitted step-time model predicts the "
-                          "slowest rank at least this fraction faster for it (0: always move; off with --autotune)"},
+        metadata={"help": "least predicted gain to rebalance"},
     )
 
 

@@ -17,7 +17,7 @@ Given a CUDA ``device``, that worker also pins each batch and copies it to the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
@@ -53,34 +53,33 @@ class AsItems(BaseNode[LoaderItem]):
 
 @dataclass
 class LoaderConfig:
-    batch_size: int = field(default=16, metadata={"help": "local batch size B per rank (samples)"})
-    prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model (0 = none)"})
-    pin_memory: bool = field(default=False, metadata={"help": "pin host memory of batches (the trainer pins them whenever it trains on CUDA)"})
-    background_stages: bool = field(
-        default=True, metadata={"help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread"}
-    )
-    worker_start: Optional[str] = field(
-        default=None,
-        metadata={"help": "when the stage worker starts the batch after next: 'take' (as soon as the consumer takes a "
-                          "batch) or 'backward' (when the consumer calls release_loader; the trainer does so as its "
-                          "backward starts, so the forward runs without the worker beside it; a consumer that never "
-                          "calls it gets each batch computed when it asks). Default: 'backward' under the trainer, "
-                          "'take' for a loader used on its own. With pin_memory on a CPU run: always 'take'"},
-    )
-    stage_lookahead: bool = field(
-        default=True,
-        metadata={"help": "under the worker thread too, start each stage's exchange one batch early, so the worker "
-                          "rarely waits for the other ranks' workers (one more batch in flight per stage); "
-                          "--no-stage-lookahead finishes each exchange in the call that starts it"},
-    )
+    batch_size: int = field(default=16, metadata={"help": "local batch size per rank"})
+    prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model"})
+    # group "tuning": the scheduling knobs, the [tuning] table and --tuning.NAME flags of `freescale train`
+    # (pipelines.config; docs/tuning.md explains each).
+    pin_memory: bool = field(default=False, metadata={
+        "help": "pin host memory of batches (forced on when the trainer trains on CUDA)", "group": "tuning"})
+    background_stages: bool = field(default=True, metadata={
+        "help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread", "group": "tuning"})
+    # 'take': as soon as the consumer takes a batch; 'backward': when the consumer calls release_loader (the
+    # trainer does so as its backward starts, so the forward runs without the worker beside it; a consumer that
+    # never calls it gets each batch computed when it asks). None: 'backward' under the trainer, 'take' for a
+    # loader used on its own; with pin_memory on a CPU run always 'take'.
+    worker_start: Optional[str] = field(default=None, metadata={
+        "help": "when the stage worker starts the batch after next (default: backward under the trainer)",
+        "group": "tuning", "choices": ("take", "backward")})
+    # Off: each stage finishes its exchange in the call that starts it (fewer batches in flight).
+    stage_lookahead: bool = field(default=True, metadata={
+        "help": "start each stage's exchange one batch early, even under the worker thread", "group": "tuning"})
 
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        if self.worker_start not in (None, "take", "backward"):
-            raise ValueError(f"worker_start must be 'take' or 'backward', got {self.worker_start!r}")
+        choices = next(f for f in fields(self) if f.name == "worker_start").metadata["choices"]
+        if self.worker_start not in (None, *choices):
+            raise ValueError(f"worker_start must be one of {', '.join(choices)}, got {self.worker_start!r}")
 
 
 def build_loader(

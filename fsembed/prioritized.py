@@ -267,7 +267,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         either way): ``"forward"``, as forward i issues them; ``"backward"``, held until ``start_early_rows()``
         (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
-        when the backward reaches the embeddings.
+        when the backward reaches the embeddings. The default here is ``"forward"`` (the staged pipeline's,
+        ``pipelines.staged.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
+        ``start_early_rows()``, so held rows would start only when the backward reaches the embeddings and
+        overlap little of the step's compute.
 
         ``exclusive_start``: when backward i's exclusive gradients (line 18's deferred part) leave on the bulk
         chain: ``"backward"``, as soon as the backward has produced them; ``"forward"`` (the default), held

@@ -47,6 +47,9 @@ from torch import nn
 from fsdata.batch import Batch
 
 EMBEDDING_MODES = ("sync", "sdd", "semisync", "freescale")
+# The pipeline's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
+# "backward" needs (see PrioritizedEmbeddingCollection for why the collection alone defaults to "forward").
+EARLY_START, EXCLUSIVE_START = "backward", "forward"
 # batch -> {feature: ids, or the ids of each call of the feature's module this step, in call order}
 FeatureFn = Callable[[Batch], Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
@@ -66,8 +69,8 @@ class StagedPipeline:
         row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
         optimizer,
         transport_name: str = "host",
-        early_start: str = "backward",
-        exclusive_start: str = "forward",
+        early_start: str = EARLY_START,
+        exclusive_start: str = EXCLUSIVE_START,
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
-from pipelines.staged import EMBEDDING_MODES, FeatureFn, StagedPipeline
+from pipelines.staged import EARLY_START, EMBEDDING_MODES, EXCLUSIVE_START, FeatureFn, StagedPipeline
 
 Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -97,8 +97,8 @@ def wrap_model(
     transport: str = "host",
     device: Union[str, torch.device] = "cpu",
     timer=None,
-    early_start: str = "backward",
-    exclusive_start: str = "forward",
+    early_start: str = EARLY_START,
+    exclusive_start: str = EXCLUSIVE_START,
 ) -> StagedPipeline:
     """Swaps ``model``'s embedding modules in place and returns its embedding stage.
 

@@ -153,7 +153,7 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
     torch.set_num_threads(config.train.threads or (min(2, share) if use_cuda else share))
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
-    # thread. --gil-switch-ms bounds that wait.
+    # thread. --tuning.gil-switch-ms bounds that wait.
     sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
     timeout_s = config.train.comm_timeout_s
     groups.set_comm_timeout(timeout_s)

@@ -29,7 +29,7 @@ do; its last bucket carries a bookkeeping block: the label count, the BCE sum an
 and per-rank slots (each rank writes only its own) with tokens, samples, sparsity, and the previous step's compute
 and wall times. So per-rank timings reach every rank with no extra collective, and the block needs nothing that
 only the device's end of the backward tells: it is launched as soon as the backward is queued (unless
-``--allreduce-start compute``), and a step's record is settled with the other ranks' compute times when the next
+``--tuning.allreduce-start compute``), and a step's record is settled with the other ranks' compute times when the next
 step's block arrives, the last step's by one all-reduce after the loop.
 
 Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest

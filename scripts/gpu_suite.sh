@@ -6,11 +6,11 @@
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
 #   bash scripts/gpu_suite.sh pairs      # sync and freescale, 4 interleaved paired runs per case: the spread of the ratios (~5 min)
-#   bash scripts/gpu_suite.sh allreduce  # heavy case, --allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
+#   bash scripts/gpu_suite.sh allreduce  # heavy case, --tuning.allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
 #   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
 #                                        # their GC pauses and pinned allocations (~1.5 min)
 #   bash scripts/gpu_suite.sh transport  # host paths' GPU tests, bench transport tcp vs shm, a jagged training run (~6 min)
-#   bash scripts/gpu_suite.sh exclusive  # heavy case, --exclusive-start backward against forward, 3 interleaved pairs each,
+#   bash scripts/gpu_suite.sh exclusive  # heavy case, --tuning.exclusive-start backward against forward, 3 interleaved pairs each,
 #                                        # with every step's exposed parts (~4 min)
 #   bash scripts/gpu_suite.sh attention  # FlexAttention against the per-sample twin and the jagged model against the padded
 #                                        # one on CUDA, then bench attention (~4 min, most of it compiling)
@@ -28,12 +28,12 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-# heavy_ab FLAG "VALUES" REPEATS: the heavy case's sync and freescale under each value of --FLAG, interleaved
+# heavy_ab KNOB "VALUES" REPEATS: the heavy case's sync and freescale under each value of --tuning.KNOB, interleaved
 heavy_ab() {
   for rep in $(seq "$3"); do
     for value in $2; do
       timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
-        --cases heavy --modes sync,freescale "--$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
+        --cases heavy --modes sync,freescale "--tuning.$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
         | grep -E "^heavy|^stalled" | sed "s/^/$value /"
     done
   done

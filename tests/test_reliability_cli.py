@@ -222,9 +222,9 @@ def test_options_the_mode_ignores_are_named_only_when_set():
         return config.ignored_options(config.explicit)
 
     assert warnings("--mode", "sync") == []  # defaults are never "set"
-    assert warnings("--mode", "sync", "--partitioner", "kk", "--early-start", "backward") == [
+    assert warnings("--mode", "sync", "--partitioner", "kk", "--tuning.early-start", "backward") == [
         "--partitioner is ignored in mode sync (it applies to mode(s) replicated, freescale)",
-        "--early-start is ignored in mode sync (it applies to mode(s) freescale)",
+        "--tuning.early-start is ignored in mode sync (it applies to mode(s) freescale)",
     ]
     assert warnings("--mode", "replicated", "--transport", "host") == [
         "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"]

@@ -31,8 +31,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from pipelines.config import JobConfig
-from pipelines.schedule import PROBE_START, SCHEDULE_CHOICES, ScheduleProbe
+from pipelines.config import JobConfig, add_tuning_arguments, apply_tuning
+from pipelines.schedule import PROBE_START, ScheduleProbe
 
 MODES = ("sync", "sdd", "semisync", "freescale", "replicated")
 TORCHREC_NOTE = (
@@ -68,28 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=("jagged", "padded"), default="jagged",
                         help="the reference model's attention in every run (see --attention of train)")
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
-    parser.add_argument("--embedding-schedule", choices=SCHEDULE_CHOICES, default=None,
-                        help="override freescale's embedding schedule (default auto: probe prioritized and sdd, keep the faster)")
     parser.add_argument("--min-gain", type=float, default=None,
                         help="override the balance gate's threshold (0: the balancer moves samples every step)")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="override the dense all-reduce's bucket size (0: one all-reduce after the backward)")
-    parser.add_argument("--gil-switch-ms", type=float, default=None, help="override Python's thread switch interval per rank (ms)")
-    parser.add_argument("--allreduce-start", choices=("compute", "backward"), default=None,
-                        help="override when the dense all-reduce's last bucket is launched (see --allreduce-start of train)")
-    parser.add_argument("--worker-start", choices=("take", "backward"), default=None,
-                        help="override when the stage worker starts the next batch (see --worker-start of train)")
-    parser.add_argument("--early-start", choices=("forward", "backward"), default=None,
-                        help="override when freescale's bulk chain starts the next batch's fresh rows (see --early-start of train)")
-    parser.add_argument("--exclusive-start", choices=("backward", "forward"), default=None,
-                        help="override when freescale's deferred exclusive gradients leave (see --exclusive-start of train)")
-    parser.add_argument("--no-stage-lookahead", dest="stage_lookahead", action="store_false",
-                        help="the loader's stage worker finishes each stage's exchange in the call that starts it (see "
-                             "--stage-lookahead of train; default: one batch early)")
-    parser.add_argument("--no-background-stages", dest="background_stages", action="store_false",
-                        help="the loader's stages run in the training thread as it takes each batch (see "
-                             "--background-stages of train; default: one batch ahead in a worker thread)")
-    parser.add_argument("--numa-binding", default=None, choices=("node", "socket", "exclusive", "core-complex"),
-                        help="GPU runs: bind each rank near its GPU (see --numa-binding of train)")
+    # every scheduling knob of `freescale train` (--tuning.NAME; default: the train default)
+    add_tuning_arguments(parser, show=True)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
                              "the spread of freescale's paired ratios to sync (for noisy machines)")
@@ -110,28 +92,11 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
     cfg.model.attention = args.attention
     cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
     cfg.train.warmup_steps = warmup_steps(args)
-    if args.embedding_schedule is not None:
-        cfg.train.embedding_schedule = args.embedding_schedule
     cfg.train.device, cfg.train.progress = args.device, False
     cfg.balancer.partitioner = args.partitioner
     if args.min_gain is not None:
         cfg.balancer.min_gain = args.min_gain
-    if args.bucket_mb is not None:
-        cfg.train.bucket_mb = args.bucket_mb
-    if args.gil_switch_ms is not None:
-        cfg.train.gil_switch_ms = args.gil_switch_ms
-    if args.allreduce_start is not None:
-        cfg.train.allreduce_start = args.allreduce_start
-    if args.worker_start is not None:
-        cfg.loader.worker_start = args.worker_start
-    if args.early_start is not None:
-        cfg.train.early_start = args.early_start
-    if args.exclusive_start is not None:
-        cfg.train.exclusive_start = args.exclusive_start
-    cfg.loader.stage_lookahead = args.stage_lookahead
-    cfg.loader.background_stages = args.background_stages
-    if args.numa_binding is not None:
-        cfg.train.numa_binding = args.numa_binding
+    apply_tuning(args, cfg)
     if args.trace:
         cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())

@@ -76,7 +76,8 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
     assert default.loader.background_stages and default.loader.stage_lookahead
     assert default.train.exclusive_start == "forward" and default.train.early_start == "backward"
     changed = case_config("light", "freescale", parser.parse_args(
-        ["--no-background-stages", "--no-stage-lookahead", "--exclusive-start", "backward", "--early-start", "forward"]))
+        ["--tuning.no-background-stages", "--tuning.no-stage-lookahead", "--tuning.exclusive-start", "backward",
+         "--tuning.early-start", "forward"]))
     assert not changed.loader.background_stages and not changed.loader.stage_lookahead
     assert changed.train.exclusive_start == "backward" and changed.train.early_start == "forward"
 

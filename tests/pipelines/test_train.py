@@ -24,10 +24,14 @@ def _parse(*argv):
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text('[loader]\nbatch_size = 7\nprefetch_depth = 3\n[train]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n')
+    toml.write_text('[data]\nbatch_size = 7\nprefetch_depth = 3\n[run]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n'
+                    '[tuning]\ngil_switch_ms = 2.5\nstage_lookahead = false\n')
     cfg = _parse("--config", str(toml), "--batch-size", "9")
     assert cfg.loader.batch_size == 9 and cfg.loader.prefetch_depth == 3 and cfg.train.steps == 5
     assert cfg.balancer.partitioner == "fbs" and cfg.train.lr == 1e-3
+    assert cfg.train.gil_switch_ms == 2.5 and cfg.loader.stage_lookahead is False
+    cfg = _parse("--config", str(toml), "--tuning.gil-switch-ms", "3", "--tuning.stage-lookahead")
+    assert cfg.train.gil_switch_ms == 3.0 and cfg.loader.stage_lookahead is True
 
 
 @pytest.mark.parametrize(
@@ -38,11 +42,11 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--data", "/no/such/file.parquet"], "does not exist"),
         (["--autotune", "--partitioner", "fbs"], "autotune"),
         (["--transport", "carrier-pigeon"], "transport"),
-        (["--gil-switch-ms", "0"], "gil_switch_ms"),
-        (["--worker-start", "forward"], "worker_start"),
-        (["--early-start", "later"], "early_start"),
-        (["--exclusive-start", "later"], "exclusive_start"),
-        (["--numa-binding", "everywhere"], "numa_binding"),
+        (["--tuning.gil-switch-ms", "0"], "gil_switch_ms"),
+        (["--tuning.worker-start", "forward"], "worker_start"),
+        (["--tuning.early-start", "later"], "early_start"),
+        (["--tuning.exclusive-start", "later"], "exclusive_start"),
+        (["--tuning.numa-binding", "everywhere"], "numa_binding"),
         (["--warmup-steps", "-2"], "warmup_steps"),
     ],
 )
@@ -58,20 +62,60 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
     from pipelines.train import _numa_options
 
     assert _numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
-    assert _numa_options(_parse("--device", "cpu", "--numa-binding", "exclusive")) is None
+    assert _numa_options(_parse("--device", "cpu", "--tuning.numa-binding", "exclusive")) is None
     assert "ignored" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _numa_options(_parse("--device", "cuda", "--nproc", "2", "--numa-binding", "node")) is None
+    assert _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "node")) is None
     assert "2 ranks share 1 GPU" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    options = _numa_options(_parse("--device", "cuda", "--nproc", "2", "--numa-binding", "exclusive"))
+    options = _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "exclusive"))
     assert options is not None and options.affinity_mode.value == "exclusive"
+
+
+def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
+    """`freescale train --help` lists the flags a user needs (at most 70 lines at 80 columns); the --tuning.NAME
+    knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
+    from pipelines.config import TUNING, _fields, flag
+
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 70, text
+    assert "--tuning." in text and "docs/tuning.md" in text
+    knobs = [name for name, (_, table, _) in _fields().items() if table == TUNING]
+    assert {"gil_switch_ms", "allreduce_start", "bucket_mb", "early_start", "exclusive_start", "worker_start",
+            "stage_lookahead", "background_stages", "threads", "pin_memory", "numa_binding"} <= set(knobs)
+    assert not any(flag(name) in text for name in knobs)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help-tuning"])
+    listed = capsys.readouterr().out
+    page = (ROOT / "docs" / "tuning.md").read_text()
+    for name in knobs:
+        assert flag(name).replace("--tuning.", "--tuning.no-") in listed or flag(name) in listed, name
+        assert f"`{flag(name)}" in page, f"docs/tuning.md does not document {flag(name)}"
+
+
+def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
+    from pipelines.config import JobConfig
+
+    config = JobConfig()
+    config.train.mode = "fast"
+    with pytest.raises(ValueError, match=r"mode must be one of .*freescale.*got 'fast' \(--mode\)"):
+        config.validate()
+    toml = tmp_path / "job.toml"
+    toml.write_text('[tuning]\nallreduce_start = "later"\n')
+    with pytest.raises(ValueError, match=r"allreduce_start must be one of backward, compute.*--tuning.allreduce-start"):
+        _parse("--config", str(toml))
+    toml.write_text("[run]\ngil_switch_ms = 2.0\n")
+    with pytest.raises(ValueError, match=r"\[run\] has unknown key 'gil_switch_ms' \(it belongs in \[tuning\]\)"):
+        _parse("--config", str(toml))
 
 
 def test_unknown_toml_key(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text("[train]\nstepz = 5\n")
+    toml.write_text("[run]\nstepz = 5\n")
     with pytest.raises(ValueError, match="stepz"):
         _parse("--config", str(toml))
 
@@ -170,8 +214,8 @@ def test_checkpoint_resume_is_exact(tmp_path):
     full = _losses(tmp_path / "a.jsonl")
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--worker-start", "take", "--no-stage-lookahead",
-                    "--early-start", "forward", "--exclusive-start", "backward", "--metrics-jsonl", str(tmp_path / "b.jsonl")),
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--tuning.worker-start", "take", "--tuning.no-stage-lookahead",
+                    "--tuning.early-start", "forward", "--tuning.exclusive-start", "backward", "--metrics-jsonl", str(tmp_path / "b.jsonl")),
          tmp_path)
     resumed = _losses(tmp_path / "b.jsonl")
     assert resumed == full[3:]
@@ -182,11 +226,11 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
     """A checkpoint written under sdd's schedule (nothing in flight) resumed under prioritized updates (which start
     with a synchronous first step), with the last bucket launched after the host saw the backward end (the first
     run: as soon as it was queued, the default): the same losses as straight."""
-    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--embedding-schedule", "sdd",
+    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--tuning.embedding-schedule", "sdd",
                     "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
     full = _losses(tmp_path / "a.jsonl")
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--embedding-schedule",
-                    "prioritized", "--allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--tuning.embedding-schedule",
+                    "prioritized", "--tuning.allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
     resumed = _losses(tmp_path / "b.jsonl")
     assert len(full) == 6 and resumed == full[3:]
 
