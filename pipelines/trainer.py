@@ -398,11 +398,15 @@ class Trainer:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
 
+    def _source_stats(self) -> dict:
+        """The source's read counts; a user's source (ModelSpec.source) may keep none."""
+        return self.source.stats() if hasattr(self.source, "stats") else {}
+
     def _count_data_faults(self) -> dict[str, int]:
         """Every rank's reads summed (one tiny all-reduce after the loop): ids folded onto the table
         (id_overflow), samples left out (drop_bad_samples), histories cut to the cap."""
         names = ("folded_ids", "dropped_bad_samples", "truncated_uih")
-        stats = self.source.stats()
+        stats = self._source_stats()
         counts = torch.tensor([float(stats.get(n, 0)) for n in names], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
@@ -724,7 +728,7 @@ class Trainer:
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
-            "source_stats": self.source.stats(),  # rank 0's reads
+            "source_stats": self._source_stats(),  # rank 0's reads
             "data_counts": getattr(self, "_data_counts", None),  # every rank's: folded ids, dropped samples, cut UIHs
             "config": self.config.to_dict(),
         }

@@ -253,6 +253,7 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
     from fsdata.nodes.background import Background
 
     release = threading.Event()
+    before = {t for t in threading.enumerate() if t.name.startswith("fsdata-stages")}  # other tests' workers
 
     class Stuck(BaseNode):
         def reset(self, initial_state=None):
@@ -277,7 +278,7 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
             release.set()
     finally:
         groups.set_comm_timeout(None)
-    assert not any(t.name.startswith("fsdata-stages") for t in threading.enumerate())
+    assert not {t for t in threading.enumerate() if t.name.startswith("fsdata-stages")} - before
 
 
 @pytest.mark.parametrize("reports, failures, pids, expect", [

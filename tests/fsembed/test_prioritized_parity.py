@@ -55,7 +55,7 @@ def _misorder(prio) -> None:
 
         def lookup_then_apply(rows):
             out = lookup(rows)
-            del shard.lookup  # back to the class's method
+            shard.__dict__.pop("lookup", None)  # back to the class's method (once, however many were stacked)
             apply_rows(shard, pending, grads)
             return out
 
