@@ -3,7 +3,7 @@
 # see docs/tuning.md). The suite comes in parts of at most about ten minutes each:
 #   bash scripts/gpu_suite.sh check      # GPU tests under TORCH_CUDA_SANITIZER=1 + the kernels bench (~5 min)
 #   bash scripts/gpu_suite.sh e2e        # bench embedding + bench e2e, 2 ranks sharing the GPU (~6 min)
-#   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches (~6.5 min)
+#   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches of the jagged model (~2.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
 #   bash scripts/gpu_suite.sh pairs      # sync and freescale, 4 interleaved paired runs per case: the spread of the ratios (~5 min)
 #   bash scripts/gpu_suite.sh allreduce  # heavy case, --tuning.allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
@@ -59,11 +59,10 @@ case "$PART" in
     ;;
   replay)
     echo "== replay simulation: whole local batches of the partitioners' plans, timed on this GPU"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 570 python3 -m pipelines.replay --device cuda \
-      --replay-kernel jagged,padded --replay-jitter repeat,residual --replay-ranks 64,256 --batch-size 128 \
-      --max-uih 21000 --partitioner none,fbs,vbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 \
-      --replay-timings 400 --replay-repeats 3 --replay-time-budget 170 --replay-mem-gib 110 \
-      --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m pipelines.replay --device cuda \
+      --replay-kernel jagged --replay-jitter repeat --replay-ranks 64,256 --batch-size 128 --max-uih 21000 \
+      --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
+      --replay-repeats 2 --replay-time-budget 120 --replay-mem-gib 110 --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
     ;;
   trace)
     echo "== traces: 24 steps per run (15 of warm-up and schedule probe), 5 profiled, then each rank's step split by phase and thread"

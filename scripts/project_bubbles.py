@@ -8,7 +8,7 @@ sync pairs the unbalanced replay with the synchronous path's exposed time; frees
 with the prioritized path's. The embedding exposure is held at its 2-rank value, which flatters sync's side
 least: an AllToAll over N ranks only gets slower.
 
-    python3 scripts/project_bubbles.py docs/bench/replay_h200.json docs/bench/embedding_2xh200.json
+    python3 scripts/project_bubbles.py docs/bench/replay_h200_jagged.json docs/bench/embedding_2xh200.json
 """
 
 from __future__ import annotations
