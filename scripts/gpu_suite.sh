@@ -47,7 +47,7 @@ case "$PART" in
     echo "== no device sync in the model's forward nor in the embedding hub's id check; the dense block through pinned memory"
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/pipelines/test_model.py tests/fsembed/test_swap.py tests/pipelines/test_dense_sync.py 2>&1 | tail -3
     echo "== bench kernels"
-    timeout 330 python3 -m pipelines.bench.kernels --device cuda --world-sizes 8,32,128,512 --json "$OUT/kernels.json" 2>&1 | tail -36
+    timeout 330 python3 -m pipelines.research.bench.kernels --device cuda --world-sizes 8,32,128,512 --json "$OUT/kernels.json" 2>&1 | tail -36
     ;;
   e2e)
     echo "== bench embedding: exposed embedding communication, sync vs prioritized"
@@ -59,7 +59,7 @@ case "$PART" in
     ;;
   replay)
     echo "== replay simulation: whole local batches of the partitioners' plans, timed on this GPU"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m pipelines.replay --device cuda \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m pipelines.research.replay --device cuda \
       --replay-kernel jagged --replay-jitter repeat --replay-ranks 64,256 --batch-size 128 --max-uih 21000 \
       --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
       --replay-repeats 2 --replay-time-budget 120 --replay-mem-gib 110 --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
@@ -113,7 +113,7 @@ PY
     ;;
   attention)
     echo "== bench attention: jagged (FlexAttention, block mask from offsets) against padded SDPA, fwd+bwd, bf16"
-    timeout 150 python3 -m pipelines.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -14
+    timeout 150 python3 -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -14
     echo "== GPU tests: FlexAttention against the per-sample twin; the jagged model with a loader plan against the padded one"
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
     ;;
@@ -121,7 +121,7 @@ PY
     echo "== GPU tests: the host paths (shared memory, TCP) with a GPU rank; the device copy of loader items"
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fscomm/test_shm_gpu.py tests/fscomm/test_host_gpu.py tests/fsdata/test_device_copy_gpu.py 2>&1 | tail -5
     echo "== bench transport: a GPU rank and a CPU peer, host-tcp against host-shm, beside the copy floor (D2H + H2D)"
-    timeout 150 python3 -m pipelines.bench.transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
+    timeout 150 python3 -m pipelines.research.bench.transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
       --reps 10 --pairs 7 --timeout 60 --json "$OUT/transport_gpu.json" 2>&1 | grep -v "^\[bench" | tail -30
     echo "== the reference model (jagged attention, plans from the loader) trains on the GPU: 2 ranks sharing it"
     timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model small --uih-cap 4096 --batch-size 16 \

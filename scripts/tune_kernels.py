@@ -16,7 +16,7 @@ import torch
 from kernels import ops
 from kernels.ops import Impl
 from kernels.triton import triton_jagged_gather, triton_ranged
-from pipelines.bench import kernels as bench
+from pipelines.research.bench import kernels as bench
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.bench import peer as bench_peer
-from pipelines.bench import scaling
+from pipelines.research.bench import peer as bench_peer
+from pipelines.research.bench import scaling
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "multi_gpu_suite.sh"
@@ -66,8 +66,8 @@ def _commands(res: subprocess.CompletedProcess) -> list[str]:
 def test_dry_run_prints_the_commands_without_running_them(tmp_path):
     # the look at what the code offers, for real: peer is not in the registry on this branch
     cmds = _commands(_suite("--dry-run", "transport", "8", out=str(tmp_path)))
-    assert any("-m pipelines.bench.transport --device cuda --nproc 8 --backends host,nccl,nccl-ce " in c for c in cmds)
-    assert any("-m pipelines.bench.peer --nproc 8" in c and f"{tmp_path}/peer_8.json" in c for c in cmds)
+    assert any("-m pipelines.research.bench.transport --device cuda --nproc 8 --backends host,nccl,nccl-ce " in c for c in cmds)
+    assert any("-m pipelines.research.bench.peer --nproc 8" in c and f"{tmp_path}/peer_8.json" in c for c in cmds)
     assert not list(tmp_path.glob("*.json"))  # nothing ran
     cmds = _commands(_suite("--dry-run", "scaling", "4", "light", out=str(tmp_path), SUITE_OFFERS="0 0 0"))
     e2e = next(c for c in cmds if "bench e2e" in c)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_bench_embedding_smoke(tmp_path):
-    from pipelines.bench import embedding
+    from pipelines.research.bench import embedding
 
     parser = argparse.ArgumentParser()
     embedding.add_arguments(parser)
@@ -32,7 +32,7 @@ def test_bench_embedding_smoke(tmp_path):
 
 
 def test_bench_embedding_rejects_bad_arguments():
-    from pipelines.bench import embedding
+    from pipelines.research.bench import embedding
 
     parser = argparse.ArgumentParser()
     embedding.add_arguments(parser)

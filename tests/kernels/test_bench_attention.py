@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from pipelines.bench import attention as bench
+from pipelines.research.bench import attention as bench
 
 
 def test_bench_runs_on_cpu_and_writes_json(tmp_path):

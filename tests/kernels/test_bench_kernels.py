@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pipelines.bench import kernels as bench
+from pipelines.research.bench import kernels as bench
 
 
 def test_bench_runs_on_cpu_and_writes_json(tmp_path):

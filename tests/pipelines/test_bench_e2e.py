@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.bench.e2e import pair_with_sync, spread, stalled_steps
+from pipelines.research.bench.e2e import pair_with_sync, spread, stalled_steps
 from pipelines.trainer import _stall_clues
 
 
@@ -68,7 +68,7 @@ def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
 def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
     import argparse
 
-    from pipelines.bench.e2e import add_arguments, case_config
+    from pipelines.research.bench.e2e import add_arguments, case_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -83,7 +83,7 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
 
 
 def test_the_straggler_shares_of_sync_and_freescale_are_reported_side_by_side():
-    from pipelines.bench.e2e import straggler_shares
+    from pipelines.research.bench.e2e import straggler_shares
 
     rows = [{**_row("heavy", "sync", 0, 1.0, 1.0, 1.0), "straggler_pct": 12.5},
             {**_row("heavy", "freescale", 0, 1.0, 1.0, 1.0), "straggler_pct": 2.0, "attention": "jagged",

@@ -7,7 +7,7 @@ import json
 
 
 def test_bench_host_ops_do_not_grow_with_the_world_size(tmp_path):
-    from pipelines.bench import host
+    from pipelines.research.bench import host
 
     parser = argparse.ArgumentParser()
     host.add_arguments(parser)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_bench_transport_reports_tcp_and_shm_side_by_side(tmp_path, capsys):
-    from pipelines.bench import transport
+    from pipelines.research.bench import transport
 
     parser = argparse.ArgumentParser()
     transport.add_arguments(parser)

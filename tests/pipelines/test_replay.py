@@ -12,7 +12,7 @@ import pytest
 
 from fsdata.partition import GatheredLengths, Plan
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
-from pipelines import replay, simulate
+from pipelines.research import replay, simulate
 
 TINY = ("--preset", "tiny", "--max-uih", "64", "--replay-model-preset", "tiny", "--replay-dim", "8",
         "--replay-heads", "2", "--replay-layers", "1")
@@ -298,7 +298,7 @@ def test_the_replay_path_imports_without_torchdata_or_torchrec():
         "        if name.split('.')[0] in ('torchdata', 'torchrec'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import pipelines.simulate, pipelines.replay, fsdata.synthetic, fsdata.partition\n"
+        "import pipelines.research.simulate, pipelines.research.replay, fsdata.synthetic, fsdata.partition\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from pipelines import simulate
+from pipelines.research import simulate
 
 
 def parse(*argv: str) -> argparse.Namespace:

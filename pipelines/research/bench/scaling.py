@@ -1,13 +1,13 @@
-"""`python -m pipelines.bench.scaling`: the scaling table and the replay cross-check from runs made elsewhere.
+"""`python -m pipelines.research.bench.scaling`: the scaling table and the replay cross-check from runs made elsewhere.
 
-    python -m pipelines.bench.scaling --e2e out/e2e_heavy_1.json out/e2e_heavy_8.json ... [--replay out/replay.json]
+    python -m pipelines.research.bench.scaling --e2e out/e2e_heavy_1.json out/e2e_heavy_8.json ... [--replay out/replay.json]
 
 Reads the JSON of ``freescale bench e2e`` runs at several GPU counts (one rank per GPU, same case and local batch:
 weak scaling) and prints, per case, mode and GPU count: samples/s per GPU, scaling efficiency (samples/s per
 GPU against the same case and mode on 1 GPU), straggler share, bubbles (ms per step) and their parts, and
 freescale's bubble reduction against sync at that GPU count. Repeated runs (``--repeats``) count by their median.
 
-With ``--replay`` (the JSON of ``python -m pipelines.replay``), the replay simulation's straggler share at the
+With ``--replay`` (the JSON of ``python -m pipelines.research.replay``), the replay simulation's straggler share at the
 measured GPU counts beside the measured one: partitioner ``none`` against mode sync (nothing balanced), the
 freescale partitioner (``--partitioner``, default fbs) against mode freescale, and how many points apart.
 """
@@ -104,7 +104,7 @@ def print_tables(table: list[dict], checks: list[dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--e2e", nargs="+", required=True, metavar="JSON", help="JSON files of `freescale bench e2e` runs")
-    parser.add_argument("--replay", metavar="JSON", help="JSON of `python -m pipelines.replay` for the cross-check")
+    parser.add_argument("--replay", metavar="JSON", help="JSON of `python -m pipelines.research.replay` for the cross-check")
     parser.add_argument("--partitioner", default="fbs", help="freescale's partitioner in the e2e runs (default fbs)")
     parser.add_argument("--json", metavar="PATH", help="write the tables as JSON here")
 
@@ -129,6 +129,6 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    _parser = argparse.ArgumentParser(prog="python -m pipelines.bench.scaling", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(prog="python -m pipelines.research.bench.scaling", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

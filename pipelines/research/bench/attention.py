@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from kernels.attention import AttentionImpl, jagged_attention
 from kernels.flex.block_mask import build_block_mask
-from pipelines.bench.kernels import uih_lengths
+from pipelines.research.bench.kernels import uih_lengths
 
 GPU_CASES = "64:4096,128:8000,128:21000"
 CPU_CASES = "4:256,8:512"

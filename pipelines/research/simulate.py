@@ -186,7 +186,7 @@ def build_cost_model(args: argparse.Namespace) -> CostStepTime:
 
 
 # name -> builder(args) or "module:function" of a builder, imported only when chosen (replay needs torch + model).
-STEP_TIME_MODELS: dict[str, object] = {"cost": build_cost_model, "replay": "pipelines.replay:build_step_time"}
+STEP_TIME_MODELS: dict[str, object] = {"cost": build_cost_model, "replay": "pipelines.research.replay:build_step_time"}
 
 
 def build_step_time(args: argparse.Namespace) -> StepTimeFn:
@@ -422,7 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-c", type=float, default=defaults.c, help="seconds per sample")
     cost.add_argument("--cost-d", type=float, default=defaults.d, help="seconds per step")
     cost.add_argument("--cost-pad", type=float, default=defaults.pad, help="seconds per padded token")
-    replay = parser.add_argument_group("replay model (--model replay; see pipelines/replay.py)")
+    replay = parser.add_argument_group("replay model (--model replay; see pipelines/research/replay.py)")
     replay.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model is timed")
     replay.add_argument("--replay-model-preset", default="replay", help="tiny|small|production|replay (default replay:"
                         " d=256, 2 layers, 4 heads); max_uih always follows --max-uih")
@@ -433,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank")
     replay.add_argument("--replay-kernel", default="jagged",
                         help="the model's attention: jagged (its default: packed tokens, no padding) or padded (pads"
-                        " each local batch to its longest UIH); python -m pipelines.replay takes a comma-separated list")
+                        " each local batch to its longest UIH); python -m pipelines.research.replay takes a comma-separated list")
     replay.add_argument("--replay-timings", type=int, default=300, help="fresh timings for the fit (fit + held-out)")
     replay.add_argument("--replay-heldout", type=float, default=0.25, help="share of the timings held out")
     replay.add_argument("--replay-time-budget", type=float, default=240.0,
@@ -441,7 +441,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument("--replay-timing-ranks", type=int, default=8, help="ranks of the plans timed batches come from")
     replay.add_argument("--replay-jitter", default="residual",
                         help="noise per rank and step: residual (the fit's relative residuals) or repeat (repeated"
-                        " timings' spread); python -m pipelines.replay takes a list")
+                        " timings' spread); python -m pipelines.research.replay takes a list")
     replay.add_argument("--replay-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                         help="auto: bf16 autocast on cuda, fp32 on cpu")
     replay.add_argument("--replay-mem-gib", type=float, default=90.0, help="device memory one timed batch may use")

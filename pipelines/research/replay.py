@@ -1,6 +1,6 @@
 """`freescale simulate --model replay`: step times from the real forward+backward of the reference model.
 
-The cost model of ``pipelines/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's busy
+The cost model of ``pipelines/research/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's busy
 time is the time of :class:`pipelines.model.SequenceModel`'s forward, ``bce_sum`` loss and backward on that rank's
 local batch, timed on the actual device (``--device cpu|cuda``), one virtual rank after another, so the step
 time of N virtual ranks is the max of real measured times. That brings the model's real kernel behaviour into the
@@ -49,7 +49,7 @@ Two modes (``--replay-mode``):
 Both kernels time each partitioner's whole local batch as it is. A variable-length kernel's time is a sum over
 samples, which is what the jagged regressors express.
 
-Jitter (``--replay-jitter``; ``python -m pipelines.replay`` takes both, ``residual,repeat``), one relative factor
+Jitter (``--replay-jitter``; ``python -m pipelines.research.replay`` takes both, ``residual,repeat``), one relative factor
 per rank and step, resampled from a pool:
 
 * ``repeat``: the measured run-to-run noise of one call, the deviations of every timed batch's repeats from their
@@ -61,7 +61,7 @@ per rank and step, resampled from a pool:
 Every figure says what it rests on: :meth:`ReplayStepTime.record` (``n_timings_fit``, ``n_timings_heldout``,
 ``n_calls_total``, ``timing_wall_s``, ``r2_heldout``, ``median_rel_err_heldout``, ``repeat_rel_std``, the
 coefficients, the jitter's source and size) goes into the JSON records when the simulation is run through
-:func:`main` (``python -m pipelines.replay``: the flags of ``freescale simulate`` plus ``--replay-ranks`` and
+:func:`main` (``python -m pipelines.research.replay``: the flags of ``freescale simulate`` plus ``--replay-ranks`` and
 ``--replay-repeats``), and the raw timings of each fit go next to ``--json`` (``*_timings_<kernel>.json``), written
 before the fit so they survive a failed one. While timing, a progress line goes to stderr every
 :data:`PROGRESS_EVERY_S` seconds.
@@ -473,7 +473,7 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def _repeats(args: argparse.Namespace) -> int:
-    """``--replay-repeats`` (a flag of ``python -m pipelines.replay``; ``freescale simulate`` uses the default)."""
+    """``--replay-repeats`` (a flag of ``python -m pipelines.research.replay``; ``freescale simulate`` uses the default)."""
     repeats = getattr(args, "replay_repeats", None)
     return DEFAULT_REPEATS if repeats is None else repeats
 
@@ -692,7 +692,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
-    """The builder ``pipelines/simulate.py`` imports for ``--model replay``. It is called once per partitioner:
+    """The builder ``pipelines/research/simulate.py`` imports for ``--model replay``. It is called once per partitioner:
     timings and the fit are made once per setting and shared, each call gets a fresh jitter stream (the same
     noise for every partitioner, as the cost model does)."""
     _check(args)
@@ -759,7 +759,7 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
 
 def main(args: argparse.Namespace) -> int:
     """``freescale simulate`` with ``--model replay``, whose records also carry what each figure rests on."""
-    from pipelines import simulate
+    from pipelines.research import simulate
 
     args.model = "replay"
     simulate._validate(args)
@@ -794,8 +794,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``freescale simulate`` plus those only ``python -m pipelines.replay`` takes."""
-    from pipelines.simulate import add_arguments as add_simulate_arguments
+    """The flags of ``freescale simulate`` plus those only ``python -m pipelines.research.replay`` takes."""
+    from pipelines.research.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(parser)
     parser.add_argument("--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit "
@@ -806,10 +806,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    # Run as the imported module, not as __main__: simulate imports pipelines.replay for the step-time builder, and
+    # Run as the imported module, not as __main__: simulate imports pipelines.research.replay for the step-time builder, and
     # one module object means one fit cache and one ReplayFitError class.
-    from pipelines import replay
+    from pipelines.research import replay
 
-    parser = argparse.ArgumentParser(prog="python -m pipelines.replay")
+    parser = argparse.ArgumentParser(prog="python -m pipelines.research.replay")
     replay.add_arguments(parser)
     sys.exit(replay.main(parser.parse_args()))

@@ -1,4 +1,4 @@
-"""`python -m pipelines.bench.peer`: the copy-engine peer transport (fscomm.peer) measured against plain copies.
+"""`python -m pipelines.research.bench.peer`: the copy-engine peer transport (fscomm.peer) measured against plain copies.
 
 (a) bandwidth: all_to_all with a block of ``--sizes`` bytes to every rank: one exchange alone (median latency)
     and a stream of exchanges, two in flight (GB/s of what leaves each rank: (W - 1) x block per exchange),
@@ -429,6 +429,6 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    _parser = argparse.ArgumentParser(prog="python -m pipelines.bench.peer", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(prog="python -m pipelines.research.bench.peer", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

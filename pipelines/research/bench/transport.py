@@ -559,7 +559,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m pipelines.bench.transport ...` where the `freescale` script is not installed
+if __name__ == "__main__":  # `python -m pipelines.research.bench.transport ...` where the `freescale` script is not installed
     import sys
 
     _parser = argparse.ArgumentParser(prog="freescale bench transport", description=__doc__.split("\n")[0])
