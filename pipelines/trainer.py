@@ -41,9 +41,7 @@ all-reduce itself net of straggler wait) + straggler wait.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -62,29 +60,18 @@ from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
 from fsdata.id_prefetch import PrefetchedIds
 from fsdata.item import LoaderItem
-from fsdata.nodes.attention_plan import AttentionPlanStage
-from fsdata.loader import build_loader, loader_blocked_s, release_loader, shutdown_loader
+from fsdata.loader import build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
-from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
-from fsdata.nodes.shuffle import ShuffleSamples
-from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
+from fsdata.nodes.attention_plan import AttentionPlanStage
+from fsdata.nodes.gather_lengths import StepFeedback
 from pipelines import checkpoint
+from pipelines.accounting import StepAccounting, stall_clues
 from pipelines.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
 from pipelines.config import JobConfig
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
 from pipelines.step import call_model
-
-# Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
-EXPOSED_SPANS = {
-    "ids_a2a": IDS_A2A,
-    "emb_a2a": EMB_A2A,
-    "grad_a2a": GRAD_A2A,
-    "balancer": (GatherLengths.span_name, GatherCandidateLengths.span_name, ShuffleSamples.span_name),
-    "label_count": "label_count",
-}
-
 
 @dataclass
 class _Fetched:
@@ -122,63 +109,6 @@ def _total(values: list[Optional[float]]) -> Optional[float]:
 def _mean(values: list[Optional[float]]) -> Optional[float]:
     total = _total(values)
     return None if total is None else total / max(len(values), 1)
-
-
-class _GcPauses:
-    """Time this process spends in Python's garbage collections, per step (``gc_s``). Whichever thread triggers
-    one, every Python thread of the rank waits, and the other ranks then wait at the next collective; a full
-    collection over the objects tracked after set-up is long. Measured so that a pause in a timed step shows as
-    what it is. The trainer leaves the collector as it is: in the timed steps the pauses are small beside the
-    step, with or without ``gc.freeze()`` after set-up."""
-
-    def __init__(self) -> None:
-        self._start: Optional[float] = None
-        self._total = 0.0
-        self._lock = threading.Lock()
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            with self._lock:
-                self._total += time.perf_counter() - self._start
-            self._start = None
-
-    def take(self) -> float:
-        """Seconds spent collecting since the last call."""
-        with self._lock:
-            total, self._total = self._total, 0.0
-        return total
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
-
-
-def _pinned_allocations() -> Optional[int]:
-    """Pinned host blocks torch's caching host allocator has allocated so far (cudaHostAlloc calls), or None
-    where this torch does not count them. Recorded per step on a GPU as a clue to a stalled step: a batch larger
-    than any before needs a larger pinned block."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
-        return None
-    return stats().get("num_host_alloc")
-
-
-def _stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
-    """Per step, on this rank, what can stall a step besides a late peer: its garbage-collection pauses and the
-    pinned blocks newly allocated by the embedding exchanges' staging pool and by torch's host allocator
-    (cudaHostAlloc takes milliseconds). Step 0's counts are those since set-up; None where not recorded (no
-    embedding stage, not on a GPU)."""
-
-    def grown(key: str) -> Optional[list[int]]:
-        counts = [r.get(key) for r in history]
-        if not counts or any(c is None for c in counts):
-            return None
-        return [counts[0]] + [b - a for a, b in zip(counts, counts[1:])]
-
-    return {"gc_s": [r["gc_s"] for r in history], "new_staging_blocks": grown("staging_allocations"),
-            "new_pinned_blocks": grown("pinned_allocations")}
 
 
 def _compute(record: dict, rank: int) -> Optional[float]:
@@ -258,6 +188,7 @@ class Trainer:
         )
         if resumed is not None:
             self.loader.load_state_dict(resumed)
+        self.accounting = StepAccounting(self.timer, self.loader, self.pipeline, device)
         self.history: list[dict] = []
         self._metrics_file = None
 
@@ -289,6 +220,7 @@ class Trainer:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.accounting.close()
         shutdown_loader(self.loader)
         node = self.loader.root
         while node is not None:  # torchdata's Prefetcher keeps a thread until its iterator is shut down
@@ -319,7 +251,6 @@ class Trainer:
             Path(cfg.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
             self._metrics_file = open(cfg.metrics_jsonl, "w")
         items = iter(self.loader)
-        gc_pauses = _GcPauses()
         profiler = self._profiler()
         start = time.perf_counter()
         ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, cfg.steps - self.step)))
@@ -327,19 +258,12 @@ class Trainer:
         release_loader(self.loader)  # the first step's next batch need not wait for its backward
         try:
             while self.step < cfg.steps:
-                t0 = time.perf_counter()
-                # The timer's own bookkeeping (on a GPU it resolves the last step's CUDA events) and the last batch's
-                # frees (``_retired``) count in the step, not in the loader's time: `data` is the fetch alone.
-                before = self._exposed_totals()
-                blocked = loader_blocked_s(self.loader)
-                t_fetch = time.perf_counter()
+                self.accounting.begin()
                 self._retired, current = current, ahead.popleft()
-                with self._phase("freescale/data"):
+                with self._phase("freescale/data"), self.accounting.fetching():
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
                 upcoming = ahead[0] if ahead else None
-                data_wait = time.perf_counter() - t_fetch
-                blocked = loader_blocked_s(self.loader) - blocked
                 if self.pipeline is not None:
                     self.pipeline.current_ids = current.ids
                     self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
@@ -350,32 +274,17 @@ class Trainer:
                     record = self.torchrec.train_step(self.step, batches, self._count_labels)
                 else:
                     record = self.train_step(current)
-                record["data_wait_s"] = data_wait
-                record["data_blocked_s"] = blocked  # the part of data_wait that waited for the stage worker
-                record["exposed_s"] = self._exposed_delta(before, record)
-                record["step_time_s"] = time.perf_counter() - t0
-                record["gc_s"] = gc_pauses.take()
+                self.accounting.finish(record)
                 self._last_step_s = record["step_time_s"]
                 if self.schedule is not None:
                     record["schedule"] = self.pipeline.collection.schedule
-                if self.pipeline is not None:  # cumulative: a step where it grows paid a pinned allocation
-                    record["staging_allocations"] = self.pipeline.collection.transports.staging_allocations()
-                if self.device.type == "cuda":  # torch's pinned blocks (the stage worker pins every batch)
-                    record["pinned_allocations"] = _pinned_allocations()
                 if current.balance is not None:
                     record["balance"] = current.balance
-                self.timer.add("data_wait", data_wait)
                 self.step += 1
                 if current.new_epoch:
                     self.epoch, self.cursor = self.epoch + 1, 0
                 self.cursor += sum(record["samples_per_rank"])  # a global step consumes exactly its samples
-                if self.torchrec is not None:
-                    self._log(self._settle(record, None), progress)
-                else:  # the previous step's record is complete with the other ranks' compute times of this block
-                    if self._unsettled is not None:
-                        self._log(self._settle(self._unsettled, record["last_compute_all_s"]), progress)
-                    del record["last_compute_all_s"]
-                    self._unsettled = record
+                self._log_settled(record, progress)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
                 if profiler is not None:
@@ -389,7 +298,7 @@ class Trainer:
             self._data_counts = self._count_data_faults()
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
-            gc_pauses.close()
+            self.accounting.close()
             if profiler is not None:
                 profiler.stop()
             if progress is not None:
@@ -397,6 +306,17 @@ class Trainer:
             if self._metrics_file is not None:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
+
+    def _log_settled(self, record: dict, progress) -> None:
+        """Logs the step whose record is complete: this one in mode torchrec; else the previous one, which this
+        step's dense block completed with every rank's compute time (this one waits for the next block)."""
+        if self.torchrec is not None:
+            self._log(self._settle(record, None), progress)
+            return
+        if self._unsettled is not None:
+            self._log(self._settle(self._unsettled, record["last_compute_all_s"]), progress)
+        del record["last_compute_all_s"]
+        self._unsettled = record
 
     def _source_stats(self) -> dict:
         """The source's read counts; a user's source (ModelSpec.source) may keep none."""
@@ -554,24 +474,6 @@ class Trainer:
         return profiler
 
     # ------------------------------------------------------------------ exposed time
-    def _exposed_totals(self) -> dict[str, float]:
-        totals = {name: s["total_s"] for name, s in self.timer.summary().items()}
-        return {
-            part: sum(totals.get(n, 0.0) for n in (spans if isinstance(spans, tuple) else (spans,)))
-            for part, spans in EXPOSED_SPANS.items()
-        }
-
-    def _exposed_delta(self, before: dict[str, float], record: dict) -> dict[str, float]:
-        after = self._exposed_totals()
-        out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
-        out["dense_allreduce"] = None  # filled in by _settle once every rank's compute time is known (torchrec: never)
-        # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
-        # loader's next(); their collective waits are the parts above, counted once).
-        out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)
-        for part in record.get("unmeasured", ()):  # hidden inside torchrec's progress(): unknown, not zero
-            out[part] = None
-        return out
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, upcoming: Optional[_Fetched]) -> None:
         """``upcoming``: the batch already fetched for the next step (the lookahead): the saved loader state is
@@ -715,7 +617,7 @@ class Trainer:
             # every step's exposed parts and straggler wait: what a stalled step waited for
             "exposed_per_step_s": {k: [r["exposed_s"][k] for r in h] for k in (h[0]["exposed_s"] if h else {})},
             "straggler_per_step_s": [r["straggler_wait_s"] for r in h],
-            "stall_clues_per_step": _stall_clues(h),
+            "stall_clues_per_step": stall_clues(h),
             "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],

@@ -166,9 +166,9 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
 def test_garbage_collection_pauses_are_timed():
     import gc
 
-    from pipelines.trainer import _GcPauses
+    from pipelines.accounting import GcPauses
 
-    pauses = _GcPauses()
+    pauses = GcPauses()
     try:
         cycles = []
         for _ in range(20_000):
@@ -356,13 +356,13 @@ def _slow_timer_bookkeeping(rank, world_size):
     import time
 
     trainer = _tiny_trainer(rank, world_size, "sync", 3)
-    totals = trainer._exposed_totals
+    totals = trainer.accounting.exposed_totals
 
     def slow():  # as resolving many CUDA events would be
         time.sleep(0.2)
         return totals()
 
-    trainer._exposed_totals = slow
+    trainer.accounting.exposed_totals = slow
     trainer.train()
     return [(r["data_wait_s"], r["step_time_s"]) for r in trainer.history]
 
