@@ -43,10 +43,11 @@ class LoaderItem:
         )
 
     def pin_memory(self) -> "LoaderItem":
-        """The item with its batch (and the prefetched ids' host tensors) pinned: torchdata's PinMemory node
-        calls this. The other fields pass through as they are."""
+        """The item with its batch (and the prefetched ids' and the attention plan's host tensors, where they can
+        be pinned) pinned: torchdata's PinMemory node calls this. The other fields pass through as they are."""
         prefetched = self.prefetched.pin_memory() if hasattr(self.prefetched, "pin_memory") else self.prefetched
-        return replace(self, batch=self.batch.pin_memory(), prefetched=prefetched)
+        plan = self.attention_plan.pin_memory() if hasattr(self.attention_plan, "pin_memory") else self.attention_plan
+        return replace(self, batch=self.batch.pin_memory(), prefetched=prefetched, attention_plan=plan)
 
 
 def as_item(item: Union[Batch, LoaderItem]) -> LoaderItem:

@@ -24,12 +24,9 @@ Under torchrun it runs as launched; otherwise it starts ``--nproc`` local ranks 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections import deque
@@ -37,6 +34,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from pipelines.research.bench.launch import launch, under_torchrun, write_json
 
 SIZES = [4 << 20, 32 << 20]
 TRAFFIC_BLOCK = 16 << 20
@@ -358,19 +357,6 @@ def rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict]
     return result if rank == 0 else None
 
 
-def _spawned(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        result = rank_main(args, rank, world)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def print_result(result: dict) -> None:
     where = ("ranks SHARE GPU 0: copies within one GPU's memory, not NVLink" if result["shared_gpu"]
              else "one GPU per rank: peer copies between GPUs")
@@ -400,29 +386,13 @@ def main(args: argparse.Namespace) -> int:
     check_args(args)
     if not torch.cuda.is_available():
         raise ValueError("bench peer: needs CUDA (the peer transport copies between GPUs)")
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-        try:
-            result = rank_main(args, dist.get_rank(), dist.get_world_size())
-        finally:
-            dist.destroy_process_group()
-    else:
-        if args.nproc < 2:
-            raise ValueError("bench peer: --nproc must be at least 2 (an exchange needs a peer)")
-        import torch.multiprocessing as mp
-
-        tmp = tempfile.mkdtemp(prefix="fs-bench-peer-")
-        out_path = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned, args=(args.nproc, args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc)
-        with open(out_path) as f:
-            result = json.load(f)
+    if not under_torchrun() and args.nproc < 2:
+        raise ValueError("bench peer: --nproc must be at least 2 (an exchange needs a peer)")
+    result = launch(rank_main, args, "peer")
     if result is None:  # torchrun ranks other than 0
         return 0
     print_result(result)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return 0
 
 

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections import deque
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import TransportUnavailableError, get_transport, new_stage_group
+from pipelines.research.bench.launch import launch, under_torchrun, write_json
 
 SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
 TRAFFIC_BLOCK = 16 << 20
@@ -488,20 +488,6 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
     return result if rank == 0 else None
 
 
-def _spawned(rank: int, world: int, args: argparse.Namespace, store_path: str, out_path: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "2")
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        result = _rank_main(args, rank, world)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def _print(result: dict) -> None:
     print(f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}")
     if "load_average_before" in result:  # a loaded machine's figures are not its capacity
@@ -533,29 +519,13 @@ def _print(result: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-        try:
-            result = _rank_main(args, dist.get_rank(), dist.get_world_size())
-        finally:
-            dist.destroy_process_group()
-    else:
-        if args.nproc < 2:
-            raise ValueError("bench transport: --nproc must be at least 2 (an exchange needs a peer)")
-        import torch.multiprocessing as mp
-
-        tmp = tempfile.mkdtemp(prefix="fs-bench-transport-")
-        out_path = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned, args=(args.nproc, args, os.path.join(tmp, "store"), out_path), nprocs=args.nproc)
-        with open(out_path) as f:
-            result = json.load(f)
+    if not under_torchrun() and args.nproc < 2:
+        raise ValueError("bench transport: --nproc must be at least 2 (an exchange needs a peer)")
+    result = launch(_rank_main, args, "transport", env={"OMP_NUM_THREADS": "2"})
     if result is None:  # torchrun ranks other than 0
         return 0
     _print(result)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.json)
     return 0
 
 
