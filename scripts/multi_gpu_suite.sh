@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The multi-GPU figures on one host with several GPUs (H200s; the GPU count comes from `nvidia-smi -L`). One
-# device call runs at most 10 minutes, so the suite comes in parts; `plan` prints the calls for this host:
+# The multi-GPU figures on one host with several GPUs (H200s; the GPU count comes from `nvidia-smi -L`). The suite
+# comes in parts of at most ten minutes each; `plan` prints the parts for this host:
 #   bash scripts/multi_gpu_suite.sh plan                 # the parts to run here, in order, each under 10 minutes
 #   bash scripts/multi_gpu_suite.sh check                # GPU tests of the peer transport + bench peer on 2 ranks (~3 min)
 #   bash scripts/multi_gpu_suite.sh transport NPROC      # on NPROC GPUs: bench transport (host, nccl, nccl-ce, and peer
@@ -105,7 +105,7 @@ e2e_transport_flag() {  # E2E_TRANSPORT as asked; else peer where registered and
 case "$PART" in
   plan)
     [ $# -eq 1 ] || fail "plan takes no arguments"
-    echo "# $NGPUS GPU(s): one device call per line (each under 10 minutes), then 'table' anywhere"
+    echo "# $NGPUS GPU(s): one part per line (each under 10 minutes), then 'table' anywhere"
     echo "bash scripts/multi_gpu_suite.sh check"
     [ "$NGPUS" -ge 2 ] && echo "bash scripts/multi_gpu_suite.sh transport 2"
     [ "$NGPUS" -gt 2 ] && echo "bash scripts/multi_gpu_suite.sh transport $NGPUS"

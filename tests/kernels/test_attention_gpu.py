@@ -1,5 +1,5 @@
 """The FlexAttention path against the per-sample twin on CUDA (bf16 and fp32, outputs and gradients), and the
-comparison helper the CPU tests share (no hypothesis here: the GPU machine runs this file alone)."""
+comparison helper the CPU tests share (no hypothesis here: this file runs where only torch is installed)."""
 
 from __future__ import annotations
 
