@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
+from fscomm.staged import StagedHandle
 from fscomm.transport import (
     Handle,
     Splits,
@@ -150,25 +151,16 @@ class _PhaseClock:
         self.t = now
 
 
-class PeerHandle(Handle):
+class PeerHandle(StagedHandle):
     """An exchange in the group's worker thread; ``wait()`` orders the caller's stream after the copy out (an
-    event wait: the host blocks only until the worker has queued that copy)."""
+    event wait: the host blocks only until the worker has queued that copy). Complete once the copy out has run
+    on the device too."""
 
     def __init__(self, future: Future, copied: "torch.cuda.Event", device: torch.device):
-        self._future, self._copied, self._device = future, copied, device
-        self.wait_time_s = 0.0
-
-    def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
-            out = self._future.result()
-        finally:
-            self.wait_time_s += time.perf_counter() - t0
-        torch.cuda.current_stream(self._device).wait_event(self._copied)
-        return out
+        super().__init__(future, copied, device)
 
     def is_completed(self) -> bool:
-        return self._future.done() and (self._future.exception() is not None or self._copied.query())
+        return self._future.done() and (self._future.exception() is not None or self._copied_back.query())
 
 
 class PeerTransport:
