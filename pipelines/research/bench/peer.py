@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from pipelines.research.bench.launch import launch, under_torchrun, write_json
+from pipelines.research.bench.traffic import KERNELS, TRAFFIC_BLOCK, ExchangeTraffic, contention_kernel
 
 SIZES = [4 << 20, 32 << 20]
-TRAFFIC_BLOCK = 16 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +66,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.reps < 1 or args.pairs < 0:
         raise ValueError(f"bench peer: --reps must be >= 1 and --pairs >= 0, got {args.reps} and {args.pairs}")
     for k in (k.strip() for k in args.kernels.split(",") if k.strip()):
-        if k not in ("sdpa", "gemm"):
-            raise ValueError(f"bench peer: unknown kernel {k!r} in --kernels; choose sdpa or gemm")
+        if k not in KERNELS:
+            raise ValueError(f"bench peer: unknown kernel {k!r} in --kernels; choose {' or '.join(KERNELS)}")
 
 
 class Rank:
@@ -166,53 +166,6 @@ def trace_exchanges(r: Rank) -> dict:
 # --- contention -------------------------------------------------------------------------------------------
 
 
-class PeerTraffic:
-    """n exchanges of 16 MiB blocks, two in flight, from a thread of its own on every rank (as a loader's would be)."""
-
-    def __init__(self, r: Rank):
-        self.r = r
-        self.x = torch.empty(TRAFFIC_BLOCK * r.world, dtype=torch.uint8, device=r.device)
-        self.splits = [TRAFFIC_BLOCK] * r.world
-
-    def start(self, n: int) -> "PeerTraffic":
-        self.started, self.times, self.error = threading.Event(), {}, None
-        self.thread = threading.Thread(target=self._loop, args=(n,), name="bench-peer-traffic")
-        self.thread.start()
-        self.started.wait()
-        return self
-
-    def _loop(self, n: int) -> None:
-        try:
-            torch.cuda.set_device(self.r.device)
-            stream = torch.cuda.Stream(self.r.device)
-            torch.cuda.set_stream(stream)
-            self.times["start"] = time.monotonic()
-            inflight: deque = deque()
-            for i in range(n):
-                inflight.append(self.r.traffic.all_to_all(self.x, self.splits, self.splits))
-                if i == 0:
-                    self.started.set()
-                if len(inflight) >= 2:
-                    inflight.popleft().wait()
-            while inflight:
-                inflight.popleft().wait()
-            stream.synchronize()
-            self.times["end"] = time.monotonic()
-        except BaseException as exc:  # carried to join()
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def join(self, kernel_end: Optional[float], kernel_end_event=None) -> bool:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return kernel_end is None or self.times["end"] >= kernel_end
-
-    def seconds(self) -> float:
-        return self.times["end"] - self.times["start"]
-
-
 class CopyTraffic:
     """n plain copies of 16 MiB from the rank's GPU to the peer GPU on a side stream, on one rank only: ``who`` 0
     is the computing process itself; ``who`` 1, where the ranks share GPU 0, another process on that GPU (its
@@ -256,15 +209,6 @@ class CopyTraffic:
         return self.begin.elapsed_time(self.end) / 1e3 if self.active else 0.0
 
 
-def _kernel(name: str, device: torch.device):
-    if name == "sdpa":
-        q, k, v = (torch.randn(8, 16, 4096, 128, dtype=torch.bfloat16, device=device) for _ in range(3))
-        f = torch.nn.functional.scaled_dot_product_attention
-        return lambda: [f(q, k, v, is_causal=True) for _ in range(20)][-1]
-    a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) for _ in range(2))
-    return lambda: [a @ b for _ in range(20)][-1]
-
-
 def _trial(r: Rank, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
     """Every rank starts the traffic (if any); rank 0 runs the kernel: (its seconds, the traffic outlasted it,
     judged on the host's monotonic clock, which all processes of the host share, or by events in one process)."""
@@ -292,7 +236,7 @@ def _trial(r: Rank, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
 
 
 def traffic_kinds(r: Rank) -> list[tuple[str, object]]:
-    kinds = [("peer", PeerTraffic(r)), ("copies", CopyTraffic(r, 0))]
+    kinds = [("peer", ExchangeTraffic(r.traffic, r.world, r.device, "bench-peer-traffic")), ("copies", CopyTraffic(r, 0))]
     if r.shared:
         kinds.append(("copies-other-process", CopyTraffic(r, 1)))
     return kinds
@@ -301,7 +245,7 @@ def traffic_kinds(r: Rank) -> list[tuple[str, object]]:
 def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
     rows = []
     for kname in kernels:
-        kernel = _kernel(kname, r.device) if r.rank == 0 else None
+        kernel = contention_kernel(kname, r.device, "peer") if r.rank == 0 else None
         for _ in range(2):
             _trial(r, kernel, None, 0)
         t_alone = _gather(statistics.median([_trial(r, kernel, None, 0)[0] or 0.0 for _ in range(3)]))[0]

@@ -33,9 +33,7 @@ import json
 import math
 import os
 import statistics
-import threading
 import time
-from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -43,9 +41,9 @@ import torch.distributed as dist
 
 from fscomm import TransportUnavailableError, get_transport, new_stage_group
 from pipelines.research.bench.launch import launch, under_torchrun, write_json
+from pipelines.research.bench.traffic import ExchangeTraffic, contention_kernel
 
 SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
-TRAFFIC_BLOCK = 16 << 20
 PEER_KINDS = ("host", "host-tcp", "host-shm", "nccl", "rdma")
 LOCAL_KINDS = ("ce-copies", "nccl-proxy-sm16", "sm-copy-all")
 
@@ -238,54 +236,6 @@ def summary(rows: list[dict]) -> list[dict]:
 # --- traffic ---------------------------------------------------------------------------------------------
 
 
-class PeerTraffic:
-    """n all_to_all exchanges of a transport, two in flight, from a thread of their own (as a loader would)."""
-
-    def __init__(self, ctx: Ctx, name: str):
-        self.ctx, self.t = ctx, ctx.traffic_transports[name]
-        self.x = torch.empty(TRAFFIC_BLOCK * ctx.world, dtype=torch.uint8, device=ctx.device)
-        self.splits = [TRAFFIC_BLOCK] * ctx.world
-        self.stream = torch.cuda.Stream(ctx.device) if ctx.device.type == "cuda" else None
-
-    def start(self, n: int) -> "PeerTraffic":
-        self.started, self.times, self.error = threading.Event(), {}, None
-        self.thread = threading.Thread(target=self._loop, args=(n,), name="bench-traffic")
-        self.thread.start()
-        self.started.wait()
-        return self
-
-    def _loop(self, n: int) -> None:
-        try:
-            if self.stream is not None:
-                torch.cuda.set_stream(self.stream)
-            self.times["start"] = time.perf_counter()
-            inflight: deque = deque()
-            for i in range(n):
-                inflight.append(self.t.all_to_all(self.x, self.splits, self.splits))
-                if i == 0:
-                    self.started.set()
-                if len(inflight) >= 2:
-                    inflight.popleft().wait()
-            while inflight:
-                inflight.popleft().wait()
-            if self.stream is not None:
-                self.stream.synchronize()
-            self.times["end"] = time.perf_counter()
-        except BaseException as exc:  # carried to join()
-            self.error = exc
-        finally:
-            self.started.set()
-
-    def join(self, compute_end: Optional[float]) -> bool:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return compute_end is None or self.times["end"] >= compute_end
-
-    def seconds(self) -> float:
-        return self.times["end"] - self.times["start"]
-
-
 class LocalTraffic:
     """n units of GPU-local traffic on a side stream of the compute rank."""
 
@@ -351,17 +301,6 @@ def _proxy_copy_kernel(blocks: int):
 # --- (b) contention ---------------------------------------------------------------------------------------
 
 
-def _kernel(name: str, device: torch.device):
-    if name == "sdpa":
-        q, k, v = (torch.randn(8, 16, 4096, 128, dtype=torch.bfloat16, device=device) for _ in range(3))
-        f = torch.nn.functional.scaled_dot_product_attention
-        return lambda: [f(q, k, v, is_causal=True) for _ in range(20)][-1]
-    if name == "gemm":
-        a, b = (torch.randn(8192, 8192, dtype=torch.bfloat16, device=device) for _ in range(2))
-        return lambda: [a @ b for _ in range(20)][-1]
-    raise ValueError(f"bench transport: unknown kernel {name!r}; choose sdpa or gemm")
-
-
 def _trial(ctx: Ctx, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
     """All ranks: start the traffic (if any), run the kernel on compute ranks; (kernel seconds, outlasted)."""
     if traffic is not None:
@@ -373,7 +312,7 @@ def _trial(ctx: Ctx, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
         kernel()
         end_evt.record()
         end_evt.synchronize()
-        end_host = time.perf_counter()
+        end_host = time.monotonic()
         seconds = start_evt.elapsed_time(end_evt) / 1e3
     outlasted = True
     if traffic is not None:
@@ -384,7 +323,7 @@ def _trial(ctx: Ctx, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
 def bench_contention(ctx: Ctx) -> list[dict]:
     rows = []
     for kname in [k.strip() for k in ctx.args.kernels.split(",") if k.strip()]:
-        kernel = _kernel(kname, ctx.device) if ctx.computes else None
+        kernel = contention_kernel(kname, ctx.device, "transport") if ctx.computes else None
         for _ in range(2):
             _trial(ctx, kernel, None, 0)  # warm-up
         alone = ctx.gather(statistics.median([_trial(ctx, kernel, None, 0)[0] or 0.0 for _ in range(3)]))
@@ -402,7 +341,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
                 except Exception as exc:  # e.g. no Triton for the proxy kernel
                     traffic = exc
             elif not local:
-                traffic = PeerTraffic(ctx, kind)
+                traffic = ExchangeTraffic(ctx.traffic_transports[kind], ctx.world, ctx.device)
             errs = ctx.gather(str(traffic) if isinstance(traffic, Exception) else None)
             if any(errs):
                 rows.append({"kernel": kname, "traffic": kind, "skipped": next(e for e in errs if e)})
@@ -448,14 +387,14 @@ def trace_hosts(ctx: Ctx) -> dict:
 def trace_host(ctx: Ctx, name: str) -> dict:
     from fscomm.gpu_trace import trace
 
-    traffic = PeerTraffic(ctx, name)
+    traffic = ExchangeTraffic(ctx.traffic_transports[name], ctx.world, ctx.device)
     traffic.start(2).join(None)  # warm the pool before tracing
     out: dict = {}
     if ctx.computes:
         out["host_only"] = trace(lambda: traffic.start(4).join(None)).summary()
     else:
         traffic.start(4).join(None)
-    kernel = _kernel("sdpa", ctx.device) if ctx.computes else None
+    kernel = contention_kernel("sdpa", ctx.device, "transport") if ctx.computes else None
     if ctx.computes:
         kernel()  # build cuDNN's plan outside the trace, or the copies finish before the first attention kernel
         torch.cuda.synchronize(ctx.device)
