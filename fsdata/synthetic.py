@@ -204,26 +204,28 @@ def _lognormal_sigma(median: float, mean: float) -> float:
     return math.sqrt(2.0 * math.log(mean / median))
 
 
+_KUAIRAND_1K: dict[str, Any] = dict(
+    uih_median=3379.0,
+    uih_sigma=_lognormal_sigma(3379.0, 5038.0),
+    uih_max=49_332,
+    num_candidates_mean=8.0,
+    num_candidates_max=32,
+    content_length_mean=3.0,
+    content_length_max=8,
+    vocab_size=4_000_000,
+    id_overflow="modulo",
+    num_users=1_000,
+    num_action_types=8,
+    dense_dim=8,
+    num_labels=2,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # CI: short histories, small vocabulary, a handful of candidates.
     "tiny": dict(),
     # KuaiRand-1K as published: median 3,379, mean 5,038, max 49,332 events per user. A lognormal with that
     # median and mean has sigma = sqrt(2 ln(5038/3379)); the tail is clipped at the published max.
-    "kuairand-1k": dict(
-        uih_median=3379.0,
-        uih_sigma=_lognormal_sigma(3379.0, 5038.0),
-        uih_max=49_332,
-        num_candidates_mean=8.0,
-        num_candidates_max=32,
-        content_length_mean=3.0,
-        content_length_max=8,
-        vocab_size=4_000_000,
-        id_overflow="modulo",
-        num_users=1_000,
-        num_action_types=8,
-        dense_dim=8,
-        num_labels=2,
-    ),
+    "kuairand-1k": _KUAIRAND_1K,
     # KuaiRand-27K as published: median 8,591, mean 11,796, max 228,000 events per user; the same lognormal fit
     # (sigma = sqrt(2 ln(11796/8591)), about 0.80), the tail clipped at the published max. Served at the default
     # uih_cap of 21,000, the production model's max_uih (the length the paper's production setting trains on and
@@ -231,19 +233,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # most recent 21,000 events are kept; uncapped, one 228,000-event history would cost as much attention as
     # about 120 median ones, more than any one rank's step can hold at B=128.
     "kuairand-27k": dict(
+        _KUAIRAND_1K,
         uih_median=8591.0,
         uih_sigma=_lognormal_sigma(8591.0, 11796.0),
         uih_max=228_000,
         uih_cap=21_000,
-        num_candidates_mean=8.0,
-        num_candidates_max=32,
-        content_length_mean=3.0,
-        content_length_max=8,
-        vocab_size=4_000_000,
         num_users=27_000,
-        num_action_types=8,
-        dense_dim=8,
-        num_labels=2,
     ),
     # MovieLens-20M as published: mean 144 ratings per user, at least 20 per user. The shape (sigma = 1.0) is
     # our assumption; the median follows from it.
