@@ -126,6 +126,10 @@ def _fwd_bwd(call: Callable[[], torch.Tensor], grad: torch.Tensor, tensors) -> C
     return run
 
 
+def _max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def bench_case(args, b: int, cap: int, device: torch.device, dtype) -> list[Record]:
     rng = np.random.default_rng(args.seed + b * 100_003 + cap)
     lengths = uih_lengths(rng, b, args.uih_median, args.uih_mean, cap)
@@ -138,7 +142,7 @@ def bench_case(args, b: int, cap: int, device: torch.device, dtype) -> list[Reco
     with torch.no_grad():
         ref = jagged_attention(q, k, v, offsets, causal=True, impl=AttentionImpl.PADDED).float()
         got = jagged_attention(q, k, v, offsets, causal=True, block_mask=mask).float()
-        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        err = _max_rel_err(got, ref)
     padded_ms = _time_ms(device, padded, args.reps, args.warmup)
     jagged_ms = _time_ms(device, jagged, args.reps, args.warmup)
     rec = lambda backend, ms, speedup, e: Record(backend, "lognormal", b, cap, n, ms, speedup,  # noqa: E731
@@ -160,7 +164,7 @@ def bench_equal(args, b: int, length: int, device: torch.device, dtype) -> list[
     with torch.no_grad():
         ref = sdpa_forward().float()
         got = jagged_attention(q, k, v, offsets, causal=True, block_mask=mask).float()
-        err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        err = _max_rel_err(got, ref)
     sdpa_ms = _time_ms(device, sdpa, args.reps, args.warmup)
     jagged_ms = _time_ms(device, jagged, args.reps, args.warmup)
     rec = lambda backend, ms, speedup, e: Record(backend, "equal", b, length, n, ms, speedup,  # noqa: E731
