@@ -10,3 +10,58 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- the multiprocess marker ----------------------------------------------------------------------------------
+# `-m multiprocess` selects the tests that start ranks (scripts/stress_multiprocess.sh runs them over and over to
+# find races), so a test that starts ranks without the marker escapes that run. Counted at run time: a process
+# started through multiprocessing (tests.harness.run_ranks, mp.spawn, torch's elastic launcher in-process), or a
+# command that starts ranks (torchrun, `--nproc N` with N > 1).
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+_started = {"processes": 0}
+_RANK_COMMANDS = ("torch.distributed.run", "torchrun")
+
+
+def _starts_ranks(argv) -> bool:
+    if isinstance(argv, (str, bytes)):
+        argv = str(argv).split()
+    argv = [str(a) for a in argv]
+    if any(a.endswith(c) for a in argv for c in _RANK_COMMANDS):
+        return True
+    for flag in ("--nproc", "--nproc-per-node", "--nproc_per_node"):
+        if flag in argv[:-1] and argv[argv.index(flag) + 1] != "1":
+            return True
+    return False
+
+
+_process_start = multiprocessing.process.BaseProcess.start
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_start(self, *args, **kwargs):
+    _started["processes"] += 1
+    return _process_start(self, *args, **kwargs)
+
+
+def _counting_popen_init(self, args, *rest, **kwargs):
+    if _starts_ranks(args):
+        _started["processes"] += 1
+    return _popen_init(self, args, *rest, **kwargs)
+
+
+multiprocessing.process.BaseProcess.start = _counting_start
+subprocess.Popen.__init__ = _counting_popen_init
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    before = _started["processes"]
+    result = yield
+    if _started["processes"] > before and item.get_closest_marker("multiprocess") is None:
+        pytest.fail(f"{item.nodeid} starts ranks (processes) but lacks @pytest.mark.multiprocess: the stress run "
+                    "(scripts/stress_multiprocess.sh, -m multiprocess) would miss it", pytrace=False)
+    return result

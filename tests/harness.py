@@ -10,6 +10,14 @@ and the stage it was stuck in, so a hang fails fast instead of eating the CI bud
 
 Processes come from a forkserver that has imported torch once, so a rank starts in well under a second and no
 child inherits a parent's OpenMP pool. Each rank runs with one intra-op thread (2 cores, up to 4 ranks).
+
+A rank that returns from ``fn`` waits at a barrier (on the harness's own store, bounded by the call's ``timeout``)
+until every rank has returned, and only then ends its process: otherwise a rank's exit closes connections that a
+peer is still making (a ``new_group`` that the peer is still joining fails with "Connection closed by peer").
+The communication timeout of the world group and of every fscomm group is the harness's ``timeout``, so a wait
+that cannot finish fails within the test's time, never after torch's 30 minutes.
+
+Tests that call it carry the ``multiprocess`` marker (tests/conftest.py fails one that does not).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 _STAGE_DIR_ENV = "FREESCALE_TEST_STAGE_DIR"
+_FINISHED_KEY, _RELEASED_KEY = "harness/finished", "harness/released"
+ranks_started = 0  # calls of run_ranks in this process (tests/conftest.py checks the marker against it)
 _ctx: Optional[mp.context.BaseContext] = None
 
 
@@ -56,16 +66,34 @@ def _read_stage(stage_dir: str, rank: int) -> str:
         return "start (before init_process_group)"
 
 
-def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results):
+def _barrier_at_exit(store, world_size: int, deadline: float) -> None:
+    """Waits until every rank has returned from ``fn``, or until ``deadline`` (then the parent, whose own deadline
+    is the same, names the ranks that did not finish; a rank's error ends the run there sooner)."""
+    if store.add(_FINISHED_KEY, 1) == world_size:
+        store.set(_RELEASED_KEY, "1")
+    remaining = max(0.1, deadline + 1.0 - time.time())
+    try:
+        store.wait([_RELEASED_KEY], datetime.timedelta(seconds=remaining))
+    except Exception:  # its result is posted already: what the parent reports is the peer that did not finish
+        pass
+
+
+def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results,
+               deadline: Optional[float] = None):
+    """One rank. ``deadline`` (``time.time()``): where its exit barrier ends; None: no exit barrier (a caller whose
+    ranks die on purpose)."""
     os.environ.update(env)
     os.environ.update({_STAGE_DIR_ENV: stage_dir, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
     import torch
     import torch.distributed as dist
 
+    from fscomm import groups
+
     torch.set_num_threads(1)
     try:
         stage("init_process_group")
         store = dist.FileStore(store_path, world_size)
+        groups.set_comm_timeout(timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
@@ -75,6 +103,8 @@ def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backe
         # Plain pickle (bytes), not the queue's ForkingPickler: that one shares tensors through file
         # descriptors that die with this process.
         results.put((rank, "ok", pickle.dumps(out)))
+        if deadline is not None:
+            _barrier_at_exit(store, world_size, deadline)
     except BaseException:  # carried to the parent as a value, re-raised there with the rank named
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -103,15 +133,19 @@ def run_ranks(
     Raises RankFailure naming the rank (and its traceback) if any rank raised or died, and TimeoutError naming
     every unfinished rank and its last stage if the ranks did not all finish within ``timeout`` seconds.
     """
+    global ranks_started
+    ranks_started += 1
     ctx = _context()
     stage_dir = tempfile.mkdtemp(prefix="fs-ranks-")
     store_path = os.path.join(stage_dir, "store")
     results = ctx.Queue()
     base_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    wall_deadline = time.time() + timeout  # the ranks' exit barrier ends with the call's own deadline
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, tuple(args), stage_dir, store_path, timeout, backend, base_env, results),
+            args=(fn, r, world_size, tuple(args), stage_dir, store_path, timeout, backend, base_env, results,
+                  wall_deadline),
             daemon=True,
         )
         for r in range(world_size)
