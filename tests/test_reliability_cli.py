@@ -59,6 +59,7 @@ def synth(n=64):
     return SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=n)).read(0, 0, n)
 
 
+@pytest.mark.multiprocess
 def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_path):
     batch = synth()
     batch.uih_item_ids = batch.uih_item_ids.clone()

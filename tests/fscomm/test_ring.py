@@ -121,6 +121,7 @@ def test_disagreeing_splits_are_a_clear_error():
     assert "rank 0 got no message from rank 1" in msgs[0]  # rank 0 is left waiting, and says on whom
 
 
+@pytest.mark.multiprocess
 def test_real_verbs_ring():
     reason = verbs_unavailable_reason()
     if reason is not None:
