@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -103,23 +104,38 @@ def new_stage_group(
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     store.set(f"fscomm/joined/{name}/{rank}", "1")  # set-up only: lets a failure name who never came
+    start = time.monotonic()
     try:
         group = dist.new_group(backend=backend, timeout=timeout, group_desc=name, pg_options=pg_options)
     except Exception as exc:
-        try:
-            missing = [r for r in range(world) if not store.check([f"fscomm/joined/{name}/{r}"])]
-            who = f"rank(s) {missing} never called it" if missing else "every rank called it"
-        except Exception:
-            who = "the store is unreachable"
-        raise RuntimeError(
-            f"new_stage_group({name!r}) on rank {rank} of {world}: not every rank joined within {timeout_s:.1f} s; "
-            f"{who} ({exc})"
-        ) from exc
+        raise RuntimeError(_join_failure(name, rank, world, store, time.monotonic() - start, timeout_s, exc)) from exc
     state = GroupState(name=name, group=group, timeout_s=timeout_s)
     with _lock:
         _by_name[name] = state
         _by_group[_key(group)] = state
     return group
+
+
+_PEER_CLOSED = ("connection closed by peer", "connection reset by peer", "connection refused", "broken pipe")
+
+
+def _join_failure(name: str, rank: int, world: int, store, waited_s: float, timeout_s: float, exc: Exception) -> str:
+    """What went wrong in a group's set-up, in one line: the time that actually passed (a peer's closed connection
+    ends the set-up at once, long before the timeout), whether a peer closed its connection, who never came."""
+    try:
+        missing = [r for r in range(world) if not store.check([f"fscomm/joined/{name}/{r}"])]
+        who = f"rank(s) {missing} never called it" if missing else "every rank called it"
+    except Exception:
+        who = "the store is unreachable"
+    said = " ".join(str(exc).split())
+    if any(s in said.lower() for s in _PEER_CLOSED):
+        what = (f"a peer closed its connection after {waited_s:.1f} s (its process ended or failed while this rank "
+                f"was still connecting; group timeout {timeout_s:.1f} s)")
+    elif waited_s >= 0.9 * timeout_s:
+        what = f"not every rank joined within {timeout_s:.1f} s (the group timeout, run out: waited {waited_s:.1f} s)"
+    else:
+        what = f"failed after {waited_s:.1f} s (group timeout {timeout_s:.1f} s)"
+    return f"new_stage_group({name!r}) on rank {rank} of {world}: {what}; {who} (backend said: {said[:400]})"
 
 
 def group_state(group: dist.ProcessGroup) -> GroupState:
