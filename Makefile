@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test stress
 setup:
 	@bash scripts/setup.sh $(VENV)
 
@@ -12,3 +12,8 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -x --timeout 300 tests
+
+# Not part of CI: the multi-process tests N times in a row, each failure reported (scripts/stress_multiprocess.sh).
+N ?= 10
+stress: setup
+	@bash scripts/stress_multiprocess.sh $(N)
