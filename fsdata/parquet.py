@@ -10,7 +10,7 @@ the value buffers are shared with arrow (zero-copy) unless a UIH had to be cut.
 
 Bad input (see docs/schema.md):
 * missing path, unreadable/corrupt/truncated file, wrong schema: ValueError / FileNotFoundError naming the
-  file (and the column);
+  file (and the column); files of the schema that hold no row at all: ValueError naming the path, "no samples";
 * negative ids, empty UIH, inconsistent list lengths, nulls: ValueError naming file, row group and sample id;
 * non-finite ``dense`` values or labels, labels outside [0, 1]: ValueError naming file, row group, sample id
   and column; with ``drop_bad_samples=True`` such samples are left out of the batches instead (a local batch
@@ -174,6 +174,10 @@ class ParquetSource:
             md = pf.metadata
             for i in range(md.num_row_groups):
                 rg_file.append(f), rg_local.append(i), rg_rows.append(md.row_group(i).num_rows)
+        if sum(rg_rows) == 0:  # else every rank would end its first epoch before its first batch, each on its own
+            where = ", ".join(str(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths))
+            files = f"{len(self.paths)} file{'s' if len(self.paths) > 1 else ''}"
+            raise ValueError(f"{where}: no samples ({files} with the schema but 0 rows)")
         self._rg_file = np.asarray(rg_file, dtype=np.int64)
         self._rg_local = np.asarray(rg_local, dtype=np.int64)
         self._rg_start = np.zeros(len(rg_rows) + 1, dtype=np.int64)
@@ -217,6 +221,18 @@ class ParquetSource:
             parts.append(part)
         self._stats["samples_read"] += stop - start
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
+
+    def first_kept_sample(self) -> Optional[int]:
+        """The global index of the first sample a read keeps (with ``drop_bad_samples``, the first one with sound
+        values), or None when every sample would be left out. Decodes row groups in order until it finds one, so
+        it costs one row group when the data is sound, and a pass over the data when none is."""
+        for g in range(len(self._rg_file)):
+            rg = self._row_group(g)
+            n = int(self._rg_start[g + 1] - self._rg_start[g])
+            kept = np.arange(n) if rg.bad is None else np.flatnonzero(~rg.bad)
+            if len(kept):
+                return int(self._rg_start[g] + kept[0])
+        return None
 
     def __getstate__(self) -> dict:
         # Open file handles and decoded row groups stay behind when the source is sent to another process.

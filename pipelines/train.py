@@ -292,11 +292,16 @@ def _failure_line(failure, log_dir: Path) -> str:
 
 def check_before_launch(config: JobConfig) -> None:
     """What can be checked before any rank starts, so that a bad path or file is one line, not N ranks' errors:
-    the Parquet files' footers and schema, an explicit checkpoint directory."""
+    the Parquet files' footers and schema, that they hold samples (and, with --drop-bad-samples, one that is kept),
+    an explicit checkpoint directory."""
     if config.data.data != "synthetic":
         from fsdata.parquet import ParquetSource
 
-        ParquetSource(config.data.data, uih_cap=config.data.uih_cap)  # footers only: no data is read
+        source = ParquetSource(config.data.data, uih_cap=config.data.uih_cap,  # footers only: no data is read
+                               drop_bad_samples=config.data.drop_bad_samples)
+        if config.data.drop_bad_samples and source.first_kept_sample() is None:  # reads until a sound sample
+            raise ValueError(f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
+                             "has bad values, and --drop-bad-samples leaves them out")
     resume = config.train.resume
     if resume and resume != "latest":
         from pipelines import checkpoint

@@ -133,3 +133,64 @@ def test_a_history_of_one_event_and_of_a_million_events_at_the_converter(tmp_pat
     assert report.samples == 1 and report.events == uih_len + 1
     batch = ParquetSource(tmp_path / "o.parquet", uih_cap=2 * 10**6).read(0, 0, 1)
     assert batch.uih_offsets.tolist() == [0, uih_len] and int(batch.content_ids[0]) == uih_len % 977
+
+
+def _empty_files(tmp_path, *names):
+    """Files of the schema with no row (a filter upstream that kept nothing, an export that failed quietly)."""
+    import pyarrow.parquet as pq
+
+    from fsdata.schema import batch_to_table
+
+    table = batch_to_table(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=4)).read(0, 0, 4))
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.slice(0, 0), tmp_path / name)
+
+
+def _freescale(tmp_path, capsys, *argv):
+    """`freescale ...` in this process: these errors come before any rank starts."""
+    import os
+
+    from pipelines.cli import main
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        code = main(list(argv))
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    lines = [line for line in out.err.splitlines() if line.strip()]
+    return code, lines
+
+
+@pytest.mark.parametrize("data, files", [
+    ("empty.parquet", ["empty.parquet"]),
+    ("dir", ["dir/a.parquet", "dir/b.parquet"]),
+])
+def test_an_empty_source_is_one_line_naming_the_path_before_any_rank_starts(tmp_path, capsys, data, files):
+    _empty_files(tmp_path, *files)
+    with pytest.raises(ValueError, match=f"{data}: no samples"):
+        ParquetSource(tmp_path / data)
+    code, lines = _freescale(tmp_path, capsys, "train", "--nproc", "2", "--device", "cpu", "--data", data)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"freescale train: error: {data}: no samples"), lines
+    code, lines = _freescale(tmp_path, capsys, "data", "stats", data)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"freescale data stats: error: {data}: no samples"), lines
+
+
+def test_a_filter_that_leaves_no_sample_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from fsdata.schema import batch_to_table
+
+    batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8)).read(0, 0, 8)
+    batch.dense = torch.full_like(batch.dense, float("nan"))  # every sample bad: --drop-bad-samples keeps none
+    pq.write_table(batch_to_table(batch), tmp_path / "nan.parquet", row_group_size=4)
+    code, lines = _freescale(tmp_path, capsys, "train", "--nproc", "2", "--device", "cpu", "--data", "nan.parquet",
+                             "--drop-bad-samples")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("freescale train: error: nan.parquet: no samples left: every one of its 8 samples"), lines
+    assert ParquetSource(tmp_path / "nan.parquet", drop_bad_samples=True).first_kept_sample() is None
+    batch.dense[5] = 0.0  # one sound sample, in the second row group: found, and the job may start
+    pq.write_table(batch_to_table(batch), tmp_path / "one.parquet", row_group_size=4)
+    assert ParquetSource(tmp_path / "one.parquet", drop_bad_samples=True).first_kept_sample() == 5

@@ -118,7 +118,11 @@ def main(args: argparse.Namespace) -> int:
 
         source = ParquetSource(args.path, uih_cap=args.uih_cap)
     total = source.num_samples(0)
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
     n = min(total, args.num_samples) if args.num_samples else total
+    if n == 0:  # a source of no samples (a Parquet source refuses one itself): nothing to measure
+        raise ValueError(f"{args.path or args.preset}: no samples")
     torch.set_num_threads(1)
     stats = collect(source, n, args.batch_size, global_batch)
     print_stats(stats)
