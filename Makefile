@@ -16,4 +16,4 @@ test: setup
 # Not part of CI: the multi-process tests N times in a row, each failure reported (scripts/stress_multiprocess.sh).
 N ?= 10
 stress: setup
-	@bash scripts/stress_multiprocess.sh $(N)
+	@PY=$(PY) bash scripts/stress_multiprocess.sh $(N)
