@@ -7,7 +7,9 @@ stage starts its collective one ``next()`` before its result is needed (fsdata.n
 step i computes, Stage III of batch i+1, Stage II of batch i+2 and Stage I of batch i+3 are in flight; the model
 waits only on handles. The collectives go through ``transport`` on a process group of the balancer's own.
 The balance gate (``min_gain``, fsdata.partition.gate) keeps a step's samples local, and skips Stage III's
-exchange, when its fitted step-time model predicts that moving them would not pay.
+exchange, when its fitted step-time model predicts that moving them would not pay. A memory budget
+(``memory_budget``, fsdata.partition.budget) caps every rank's kept tokens; each rank sends its own limit in
+Stage I and the step uses the least, so ``auto`` (from each device's free memory) gives one budget everywhere.
 
 Semantics. Balancing permutes samples within one global step only (every sample of global step s stays in
 step s), so the temporal order of training across steps is kept. Local batch sizes may differ afterwards
@@ -25,7 +27,7 @@ from fscomm.timing import Timer
 from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths, StepFeedback
 from fsdata.nodes.partition_stage import PartitionStage
 from fsdata.nodes.shuffle import ShuffleSamples
-from fsdata.partition import AutoTune, BalanceGate, get_partitioner
+from fsdata.partition import AutoTune, BalanceGate, BudgetSpec, get_partitioner
 
 
 @dataclass
@@ -33,7 +35,9 @@ class BalancerConfig:
     """``partitioner``: a built-in (none, fbs, vbs, kk) or your own, ``module:function`` or
     ``path/to/file.py:function``; modes replicated and freescale balance, the others ignore it. ``min_gain`` is
     the balance gate: a step's samples move only when the fitted step-time model predicts the slowest rank at
-    least this fraction faster for it (0: always move; off with ``autotune``)."""
+    least this fraction faster for it (0: always move; off with ``autotune``). ``memory_budget`` caps the kept
+    tokens of every rank: a count, ``Nx`` (N times the step's mean per rank) or ``auto`` (from the device's free
+    memory; ``auto:bytes_per_token=B,fixed_bytes=F,headroom=H`` sets the memory model); none by default."""
 
     partitioner: str = field(
         default="fbs", metadata={"help": "none|fbs|vbs|kk|module:function", "metavar": "NAME"}
@@ -44,6 +48,12 @@ class BalancerConfig:
         default=0.0,
         metadata={"help": "least predicted gain to rebalance"},
     )
+    memory_budget: Optional[str] = field(
+        default=None, metadata={"help": "tokens per rank at most: N, Nx (x mean) or auto", "metavar": "SPEC"}
+    )
+
+    def __post_init__(self) -> None:
+        BudgetSpec.parse(self.memory_budget)  # a bad spelling fails where the config is made, naming the flag
 
 
 def balancer_stages(
@@ -54,19 +64,28 @@ def balancer_stages(
     capacity: int,
     feedback: Optional[StepFeedback] = None,
     timer: Optional[Timer] = None,
+    device: Any = None,
+    max_uih: Optional[int] = None,
 ) -> list:
-    """The three stage wrappers, or none when the partitioner is 'none' (no exchange at all)."""
+    """The three stage wrappers, or none when the partitioner is 'none' (no exchange at all, so no budget either).
+
+    ``device``: where this rank trains (``memory_budget = auto`` measures it here, once: call this after the
+    model is on the device and before the first step); ``max_uih``: the model's UIH cap, so the budget counts
+    the tokens the model keeps (None: the gathered lengths, which the source has cut at its own cap).
+    """
     if config.autotune and config.partitioner != "vbs":
         raise ValueError(f"--autotune applies to the vbs partitioner, not {config.partitioner!r}")
     if config.partitioner == "none":
         return []
+    budget = BudgetSpec.parse(config.memory_budget, max_uih=max_uih)
+    limit = budget.rank_limit(device) if budget is not None else (0, 0.0)
     partitioner = get_partitioner(config.partitioner, alpha=config.alpha)
     autotune = AutoTune(world_size) if config.autotune else None
     # The gate's model gives every rank the same speed, which autotune exists to correct: not both.
     gate = BalanceGate(config.min_gain) if config.min_gain > 0 and autotune is None else None
     return [
-        lambda node: GatherLengths(node, transport, rank, world_size, capacity, feedback, timer),
+        lambda node: GatherLengths(node, transport, rank, world_size, capacity, feedback, timer, limit),
         lambda node: GatherCandidateLengths(node, transport, world_size, timer),
-        lambda node: PartitionStage(node, partitioner, autotune, gate),
+        lambda node: PartitionStage(node, partitioner, autotune, gate, budget),
         lambda node: ShuffleSamples(node, transport, rank, world_size, timer),
     ]

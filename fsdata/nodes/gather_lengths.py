@@ -3,13 +3,16 @@
 Both are :class:`AsyncStage` nodes: each exchange starts one ``next()`` before its result is needed.
 
 Stage I  — one AllGather of a fixed-size int64 block per rank: a header row (local batch size, the rank's latest
-           measured step time, the step it measures, a schema code, a signature of the user's extra features)
-           and one row per sample (UIH length, number of candidates, sample id, then the length of each extra
-           jagged field), padded to ``capacity`` rows. Fixed size, so no size exchange first.
+           measured step time, the step it measures, a schema code, a signature of the user's extra features,
+           the rank's memory budget in tokens and as a factor of the mean) and one row per sample (UIH length,
+           number of candidates, sample id, then the length of each extra jagged field), padded to ``capacity``
+           rows. Fixed size, so no size exchange first.
 Stage II — one AllGather of the candidates' content lengths, sized per rank from Stage I's candidate counts.
 
 The runtime measurements ride along in Stage I, so the runtime info R that autotune and the online cost model
-read is itself gathered: identical on every rank, hence the same plan everywhere.
+read is itself gathered: identical on every rank, hence the same plan everywhere. So does each rank's memory
+budget: the step's budget is the least the ranks sent (``auto`` measures each rank's own device), the same
+number everywhere.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from fsdata.item import LoaderItem, as_item
 from fsdata.nodes.async_stage import AsyncStage
 from fsdata.partition.base import GatheredLengths
 
-# int64 columns per row before the extra jagged fields' lengths: (uih_length, num_candidates, sample_id, -, -) /
-# header (batch size, step time bits, measured step, schema code, extras signature)
-_ROW = 5
+# int64 columns per row before the extra jagged fields' lengths: (uih_length, num_candidates, sample_id, -, -, -, -)
+# / header (batch size, step time bits, measured step, schema code, extras signature, budget tokens, budget factor
+# bits); a budget column is 0 where the rank has none of that kind
+_ROW = 7
 
 
 class StepFeedback:
@@ -63,6 +67,8 @@ class Gathered:
     measured_steps: torch.Tensor  # int64 [W]: the step each rank's step_time measures (-1: none yet)
     step_times: torch.Tensor  # float64 [W]
     extra_lengths: Optional[torch.Tensor] = None  # int64 [G, K]: each extra jagged field's length (sorted names)
+    budget_tokens: int = 0  # the least memory budget the ranks sent, in tokens (0: none in tokens)
+    budget_factor: float = 0.0  # the least budget the ranks sent as a factor of the mean (0: none as a factor)
 
     @property
     def batch(self) -> Batch:
@@ -108,8 +114,9 @@ class _StageOneDone:
     """Stage I unpacked once: every rank's header row and the real sample rows, in source-rank order."""
 
     item: LoaderItem
-    header: torch.Tensor  # [W, 5+K]: local batch size, step time bits, measured step, schema code, extras signature
-    rows: torch.Tensor  # [G, 5+K]: uih length, candidates, sample id, unused, unused, extra jagged lengths
+    header: torch.Tensor  # [W, 7+K]: local batch size, step time bits, measured step, schema code, extras signature,
+    #                       budget tokens, budget factor bits
+    rows: torch.Tensor  # [G, 7+K]: uih length, candidates, sample id, 4 unused, extra jagged lengths
 
 
 @dataclass
@@ -132,12 +139,14 @@ class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
         capacity: int,
         feedback: Optional[StepFeedback] = None,
         timer: Optional[Timer] = None,
+        memory_budget: tuple[int, float] = (0, 0.0),
     ) -> None:
         super().__init__(source, timer)
         if capacity < 1:
             raise ValueError(f"GatherLengths: capacity must be >= 1, got {capacity}")
         self.transport, self.rank, self.world_size, self.capacity = transport, rank, world_size, capacity
         self.feedback = feedback
+        self.memory_budget = (int(memory_budget[0]), float(memory_budget[1]))  # BudgetSpec.rank_limit()
 
     def start(self, item: LoaderItem) -> _StageOne:
         item = as_item(item)
@@ -151,7 +160,9 @@ class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
         measured_step, seconds = self.feedback.latest() if self.feedback is not None else (-1, 0.0)
         jagged, _ = extra_layout(batch)
         block = torch.zeros(self.capacity + 1, _ROW + len(jagged), dtype=torch.int64)
-        block[0, :_ROW] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch), _extras_signature(batch)])
+        budget_tokens, budget_factor = self.memory_budget
+        block[0, :_ROW] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch),
+                                        _extras_signature(batch), budget_tokens, _float_bits(budget_factor)])
         block[1 : b + 1, 0] = batch.uih_lengths
         block[1 : b + 1, 1] = batch.num_candidates
         block[1 : b + 1, 2] = batch.sample_ids
@@ -160,13 +171,20 @@ class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
         return _StageOne(item, self.transport.all_gather(block))
 
     def finish(self, started: _StageOne) -> _StageOneDone:
-        world = started.handle.wait()  # [W, capacity+1, 5+K]
+        world = started.handle.wait()  # [W, capacity+1, 7+K]
         codes = world[:, 0, 3:5]
         mismatched = torch.nonzero((codes != codes[self.rank]).any(1)).flatten().tolist()
         if mismatched:
             raise ValueError(
                 f"GatherLengths on rank {self.rank}: ranks {mismatched} send batches of another layout "
                 "(side features, dense width, label columns or extra features differ); every rank must read the same schema"
+            )
+        kinds = world[:, 0, 5:7] != 0  # which kind of budget each rank has: the same on all, or the plan would differ
+        mismatched = torch.nonzero((kinds != kinds[self.rank]).any(1)).flatten().tolist()
+        if mismatched:
+            raise ValueError(
+                f"GatherLengths on rank {self.rank}: ranks {mismatched} set --memory-budget otherwise (a token count,"
+                " Nx, auto or none); every rank must be given the same kind of budget"
             )
         counts = world[:, 0, 0]
         rows = world[:, 1:][torch.arange(self.capacity).unsqueeze(0) < counts.unsqueeze(1)]
@@ -208,4 +226,6 @@ class GatherCandidateLengths(AsyncStage[_StageOneDone, _StageTwo, Gathered]):
             measured_steps=header[:, 2].clone(),
             step_times=header[:, 1].clone().view(torch.float64),
             extra_lengths=rows[:, _ROW:].contiguous(),
+            budget_tokens=int(header[:, 5].min()),  # min-reduced: the tightest rank's (auto: the fullest device)
+            budget_factor=float(header[:, 6].clone().view(torch.float64).min()),
         )

@@ -8,7 +8,9 @@ rank's time for it has arrived, in one item or over several. Its input is gather
 steps on every rank.
 
 Measured steps feed VBS autotune (:class:`AutoTune`) and the balance gate (fsdata.partition.gate), which may keep
-a step's identity plan. Their states and the partly measured steps are this node's state, so a resumed job plans
+a step's identity plan. A memory budget (``budget``, fsdata.partition.budget) becomes the step's
+``RuntimeInfo.memory_budget`` from the least the ranks sent in Stage I; a step no plan can fit fails here, before
+it trains, and so does a partitioner's plan that puts a rank over the budget. Their states and the partly measured steps are this node's state, so a resumed job plans
 exactly as the stopped one would have.
 """
 
@@ -23,7 +25,7 @@ from torchdata.nodes import BaseNode
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem
 from fsdata.nodes.gather_lengths import Gathered
-from fsdata.partition import AutoTune, BalanceGate, GatheredLengths, Partitioner, Plan, RuntimeInfo
+from fsdata.partition import AutoTune, BalanceGate, BudgetSpec, GatheredLengths, MemoryBudget, Partitioner, Plan, RuntimeInfo
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Planned:
     step: int
     predicted_gain: Optional[float] = None  # the balance gate's prediction for the partitioner's plan, if gated
     extra_lengths: Optional[torch.Tensor] = None  # int64 [G, K]: the extra jagged fields' lengths (Gathered)
+    memory_budget: Optional[MemoryBudget] = None  # the step's budget, when there is one
 
     @property
     def batch(self) -> Batch:
@@ -90,9 +93,10 @@ class PartitionStage(BaseNode[Planned]):
     GATE_KEY = "gate"
 
     def __init__(self, source: BaseNode[Gathered], partitioner: Partitioner, autotune: Optional[AutoTune] = None,
-                 gate: Optional[BalanceGate] = None) -> None:
+                 gate: Optional[BalanceGate] = None, budget: Optional[BudgetSpec] = None) -> None:
         super().__init__()
         self.source, self.partitioner, self.autotune, self.gate = source, partitioner, autotune, gate
+        self.budget = budget
         self._step = 0
         self._measured = _Measurements()
 
@@ -132,16 +136,21 @@ class PartitionStage(BaseNode[Planned]):
         runtime = RuntimeInfo(step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times)
         if self.autotune is not None:
             runtime.budget_shares = self.autotune.shares_for_step(self._step)
+        who = f"partitioner {self.partitioner!r} at step {self._step}"
+        if self.budget is not None:
+            runtime.memory_budget = self.budget.for_step(item.lengths, item.budget_tokens, item.budget_factor)
+            runtime.memory_budget.check_fits(item.lengths, who)
         plan = self.partitioner(item.lengths, runtime)
-        plan.validate(item.lengths.num_samples, item.lengths.world_size, who=f"partitioner {self.partitioner!r}")
+        enforced = runtime.memory_budget if getattr(self.partitioner, "honours_budget", True) else None
+        plan.validate(item.lengths.num_samples, item.lengths.world_size, who=who, lengths=item.lengths, budget=enforced)
         gain = None
         if self.gate is not None:
-            plan, gain = self.gate.choose(self._step, item.lengths, plan)
+            plan, gain = self.gate.choose(self._step, item.lengths, plan, enforced)
         if self.autotune is not None and hasattr(self.partitioner, "rank_weights"):
             # Judge this step's later measurement against the weight each rank really got, not its planned
             # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
             self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
         planned = Planned(item=item.item, lengths=item.lengths, plan=plan, step=self._step, predicted_gain=gain,
-                          extra_lengths=item.extra_lengths)
+                          extra_lengths=item.extra_lengths, memory_budget=runtime.memory_budget)
         self._step += 1
         return planned

@@ -4,7 +4,8 @@
     plan = get_partitioner("fbs")(lengths, RuntimeInfo(step=i))
 
 Built in: "none" (identity), "fbs", "vbs" (+ :class:`AutoTune`), "kk"; anything else is read as
-"module:function" (see custom.py). See docs/balancer.md for the algorithms, their bounds and measured speed.
+"module:function" (see custom.py). ``RuntimeInfo(memory_budget=MemoryBudget(tokens))`` caps every rank's kept
+tokens (budget.py); the built-ins (not "none") meet any budget >= ``guaranteed_tokens``. See docs/balancer.md for the algorithms, their bounds and measured speed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from fsdata.partition.base import GatheredLengths, Partitioner, Plan, RuntimeInfo
+from fsdata.partition.budget import BudgetSpec, MemoryBudget, MemoryModel, guaranteed_tokens, kept_tokens
 from fsdata.partition.cost import CostModel, OnlineCostFit, rank_features
 from fsdata.partition.custom import CustomPartitioner
 from fsdata.partition.fbs import FBSPartitioner
@@ -57,17 +59,22 @@ def get_partitioner(
 __all__ = [
     "AutoTune",
     "BalanceGate",
+    "BudgetSpec",
     "CostModel",
     "CustomPartitioner",
     "FBSPartitioner",
     "GatheredLengths",
     "IdentityPartitioner",
     "KKPartitioner",
+    "MemoryBudget",
+    "MemoryModel",
     "OnlineCostFit",
     "Partitioner",
     "Plan",
     "RuntimeInfo",
     "VBSPartitioner",
     "get_partitioner",
+    "guaranteed_tokens",
+    "kept_tokens",
     "rank_features",
 ]

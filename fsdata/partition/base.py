@@ -12,10 +12,13 @@ Global sample index ``g``: samples numbered in source-rank order, i.e. source ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from fsdata.partition.budget import MemoryBudget
 
 ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
@@ -137,6 +140,8 @@ class RuntimeInfo:
     step_times: Optional[torch.Tensor] = None  # float64 [W] gathered per-rank compute time of measured_step (s)
     budget_shares: Optional[torch.Tensor] = None  # float64 [W] VBS autotune: share of total weight per rank
     cost_coefficients: Optional[torch.Tensor] = None  # float64 [4] fitted (a, b, c, d) of cost.OnlineCostFit
+    # the most kept tokens any rank may hold this step (budget.py), the same on every rank; None: no budget
+    memory_budget: Optional["MemoryBudget"] = None
     extra: dict = field(default_factory=dict)  # for custom partitioners; must be identical on every rank
 
     def shares(self, world_size: int) -> np.ndarray:
@@ -183,8 +188,10 @@ class Plan:
     def rank_samples(self, rank: int) -> torch.Tensor:
         return self.order[int(self.dest_offsets[rank]) : int(self.dest_offsets[rank + 1])]
 
-    def validate(self, num_samples: int, world_size: Optional[int] = None, who: str = "plan") -> None:
-        """Raises ValueError unless every one of ``num_samples`` samples goes to exactly one rank."""
+    def validate(self, num_samples: int, world_size: Optional[int] = None, who: str = "plan",
+                 lengths: Optional[GatheredLengths] = None, budget: Optional["MemoryBudget"] = None) -> None:
+        """Raises ValueError unless every one of ``num_samples`` samples goes to exactly one rank and, given the
+        step's ``lengths`` and a ``budget``, no rank holds more tokens than it (the message names the rank)."""
         order, offs = self.order, self.dest_offsets
         if order.dim() != 1 or offs.dim() != 1 or offs.numel() < 2:
             raise ValueError(f"{who}: order must be 1-D and dest_offsets 1-D with >= 2 entries")
@@ -201,6 +208,8 @@ class Plan:
             missing = torch.nonzero(seen == 0).flatten()[:5].tolist()
             repeated = torch.nonzero(seen > 1).flatten()[:5].tolist()
             raise ValueError(f"{who}: order is not a permutation (missing {missing}, repeated {repeated})")
+        if budget is not None and lengths is not None:
+            budget.check_plan(lengths, self, who)
 
     @classmethod
     def from_destinations(cls, dest: ArrayLike, world_size: int) -> "Plan":

@@ -8,8 +8,9 @@ returns one of
 - a 1-D integer array of length G: the destination rank of every global sample (each rank then receives its
   samples in ascending global index).
 
-Whatever it returns is checked on every call (exactly once, offsets consistent, ranks in range), and a failure
-names the callable, because a wrong plan would otherwise surface much later as lost or duplicated samples.
+Whatever it returns is checked on every call (exactly once, offsets consistent, ranks in range, and no rank over
+``runtime.memory_budget`` when there is one), and a failure names the callable, because a wrong plan would
+otherwise surface much later as lost or duplicated samples, or as one rank out of memory.
 The callable must be deterministic: every rank calls it on the same inputs and must get the same plan.
 """
 
@@ -42,7 +43,8 @@ class CustomPartitioner:
     def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
         result = self.fn(lengths, runtime, **self.kwargs)
         plan = self._to_plan(result, lengths)
-        plan.validate(lengths.num_samples, lengths.world_size, who=f"custom partitioner {self.spec!r}")
+        plan.validate(lengths.num_samples, lengths.world_size, who=f"custom partitioner {self.spec!r}", lengths=lengths,
+                      budget=runtime.memory_budget)
         return plan
 
     def _to_plan(self, result: Any, lengths: GatheredLengths) -> Plan:

@@ -14,6 +14,12 @@ Counts: every rank gets ``G // n`` samples, and the ``m = G % n`` positions of t
 cheapest samples) go to ranks ``0..m-1`` when that round is even-numbered and to ranks ``n-m..n-1`` when it is
 odd, following the zig-zag; counts therefore differ by at most one. A rank's samples are listed in ascending
 global index (source order), which is the order an AllToAll delivers them in.
+
+Memory budget (``RuntimeInfo.memory_budget``, budget.py). The deal gives every rank one sample of each round of n
+sorted positions, so when the cost order is the token order (the default cost is monotone in L) the plan meets
+any budget >= S/n + the largest sample's tokens already. Where it does not (a fitted or content-weighted cost
+can order otherwise, or the budget is below that bound) the same deal is made in token order, which meets the
+bound whatever the costs, and then repaired by count-keeping swaps.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo, cost_sort_order
+from fsdata.partition.budget import honour, token_sort_order
 from fsdata.partition.cost import CostModel
 
 
@@ -42,6 +49,13 @@ class FBSPartitioner:
         sorted_index = cost_sort_order(costs, lengths)
         dest = np.empty(lengths.num_samples, dtype=np.int64)
         dest[sorted_index] = zigzag_ranks(lengths.num_samples, lengths.world_size)
+
+        def in_token_order(tokens: np.ndarray) -> np.ndarray:
+            by_tokens = np.empty_like(dest)
+            by_tokens[token_sort_order(tokens, costs, lengths)] = zigzag_ranks(lengths.num_samples, lengths.world_size)
+            return by_tokens
+
+        dest = honour(dest, lengths, runtime.memory_budget, costs, [in_token_order], True, "partitioner fbs")
         return Plan.from_destinations(dest, lengths.world_size)
 
     def __repr__(self) -> str:

@@ -25,6 +25,9 @@ differ and the fit sees the per-rank effect directly. Either way a step-time tha
 as ``a`` or ``b`` and reopens the gate. The model gives every rank the same speed; where ranks differ (VBS
 autotune's case), it would judge autotune's uneven plans by the wrong yardstick, so the balancer leaves the gate
 out when autotune is on.
+
+Memory budget: the identity plan is kept only if it meets the step's budget (``RuntimeInfo.memory_budget``); a
+step whose unbalanced batches would put a rank over it is balanced whatever the predicted gain.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from fsdata.partition.base import GatheredLengths, Plan
+from fsdata.partition.budget import MemoryBudget
 from fsdata.partition.cost import CostModel, OnlineCostFit, rank_features
 
 
@@ -79,11 +83,15 @@ class BalanceGate:
         slowest = float((kept @ coefficients).max())
         return 1.0 - float((moved @ coefficients).max()) / slowest if slowest > 0 else 0.0
 
-    def choose(self, step: int, lengths: GatheredLengths, plan: Plan) -> tuple[Plan, Optional[float]]:
+    def choose(self, step: int, lengths: GatheredLengths, plan: Plan,
+               budget: Optional[MemoryBudget] = None) -> tuple[Plan, Optional[float]]:
         """The plan step ``step`` runs (``plan`` or the identity plan) and the predicted gain it was judged by."""
         moved, kept = self._features_of(lengths, plan)
         gain = self._gain(moved, kept)
-        if gain is not None and gain < self.min_gain:
+        keep_local = gain is not None and gain < self.min_gain
+        if keep_local and budget is not None:
+            keep_local = budget.rank_tokens(lengths, Plan.identity(lengths)).max() <= budget.tokens
+        if keep_local:
             plan, moved = Plan.identity(lengths), kept
         self._features[step] = moved  # the features of the plan this step runs
         while len(self._features) > self.history:  # measurements skipped (feedback keeps only the newest)

@@ -16,6 +16,12 @@ algorithm (Karmarkar & Karp 1982; the k-way generalisation of Michiels, Korst, A
 A partial partition is a dense [n, k] array of sample positions plus [n] sums, so a merge is a sort of n sums and
 one concatenation: ``G/n - 1`` merges of O(n log n + size) numpy work each. Measured at G = 65,536 and n = 512
 (128 chunks): see docs/balancer.md.
+
+Memory budget (``RuntimeInfo.memory_budget``, budget.py). Every final subset holds one sample of each chunk, so
+with chunks cut in token order a rank holds at most the largest sample's tokens plus S/n. The plan is first made
+with chunks in cost order (the same chunks when the cost is monotone in tokens, as the default is); if it breaks
+the budget, again with chunks in token order (the differencing still balances cost inside that structure), then
+repaired by count-keeping swaps.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from typing import Optional
 import numpy as np
 
 from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo, cost_sort_order
+from fsdata.partition.budget import honour, token_sort_order
 from fsdata.partition.cost import CostModel
 
 
 def kk_equal_count(sorted_costs: np.ndarray, world_size: int) -> np.ndarray:
-    """[G] destination rank of each position of ``sorted_costs`` (descending), equal counts (+-1).
+    """[G] destination rank of each position of ``sorted_costs``, equal counts (+-1): every rank takes one
+    position of each chunk of n consecutive positions. Descending costs make the chunks KK's own; any other order
+    (the token order of a memory budget) is differenced inside its chunks just the same.
 
     Deterministic: ties in the heap are broken by creation order, and sums are added in a fixed order.
     """
@@ -41,13 +50,14 @@ def kk_equal_count(sorted_costs: np.ndarray, world_size: int) -> np.ndarray:
     padded = np.zeros(chunks * world_size)
     padded[:count] = sorted_costs
     positions = np.arange(chunks * world_size, dtype=np.int64).reshape(chunks, world_size)
-    sums_by_chunk = padded.reshape(chunks, world_size)  # each row descending already
+    sums_by_chunk = padded.reshape(chunks, world_size)
 
     heap: list[tuple[float, int]] = []
     states: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # id -> (members [n, k], sums [n] descending)
     for c in range(chunks):
-        sums = sums_by_chunk[c]
-        states[c] = (positions[c][:, None], sums.copy())
+        heaviest_first = np.argsort(-sums_by_chunk[c], kind="stable")  # identity for descending costs
+        sums = sums_by_chunk[c][heaviest_first]
+        states[c] = (positions[c][heaviest_first][:, None], sums)
         heapq.heappush(heap, (-(sums[0] - sums[-1]), c))
     next_id = chunks
     while len(heap) > 1:
@@ -83,6 +93,14 @@ class KKPartitioner:
         sorted_index = cost_sort_order(costs, lengths)
         dest = np.empty(lengths.num_samples, dtype=np.int64)
         dest[sorted_index] = kk_equal_count(costs[sorted_index], lengths.world_size)
+
+        def in_token_chunks(tokens: np.ndarray) -> np.ndarray:
+            order = token_sort_order(tokens, costs, lengths)
+            by_tokens = np.empty_like(dest)
+            by_tokens[order] = kk_equal_count(costs[order], lengths.world_size)
+            return by_tokens
+
+        dest = honour(dest, lengths, runtime.memory_budget, costs, [in_token_chunks], True, "partitioner kk")
         return Plan.from_destinations(dest, lengths.world_size)
 
     def __repr__(self) -> str:

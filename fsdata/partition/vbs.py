@@ -16,6 +16,17 @@ with unequal (autotuned) shares a chain of pushes can move a cut by several samp
 promised when every ideal segment outweighs the largest sample (then nothing is pushed). With ``G < n`` some
 ranks are necessarily empty; that is legal (Stage III handles empty batches) and cuts are left where they fall.
 
+Memory budget (``RuntimeInfo.memory_budget``, budget.py). Equal weights are not equal tokens: a sample's weight
+per token is ``L ** (alpha - 1)``, so the ranks of the shortest samples hold the most tokens (2.6x the mean on
+kuairand-1k lengths, 64 ranks). When the cuts above break the budget, VBS first looks for contiguous cuts under
+it that are no heavier than the heaviest segment it had (one greedy pass: every segment as long as its weight
+cap, the token budget and the ranks still to fill allow; the longest-first greedy is optimal for such caps, so
+if it fails no contiguous plan succeeds). Under a loose budget that keeps VBS's low sparsity at no cost in
+balance. Under a tight one no contiguous plan can balance weight (a segment of short samples weighs too little
+per token), and VBS deals instead: samples largest first, each to the rank of least weight / share with room for
+its tokens (LPT under the cap). Batch sizes still vary, weight is balanced, tokens are capped; sparsity is then
+FBS's, not VBS's. The deal meets any budget >= S/n + the largest sample's tokens (budget.py says why).
+
 Autotune (:class:`AutoTune`) corrects the per-rank *weight budget share* ``share_r``: the fraction of the step's
 total weight a rank is given. It does not change the weights themselves (that is the cost model's job, see
 ``cost.OnlineCostFit``); it absorbs whatever the weights get wrong per rank position (e.g. alpha too low makes
@@ -30,6 +41,7 @@ import numpy as np
 import torch
 
 from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo, as_numpy, cost_sort_order
+from fsdata.partition.budget import deal_with_room, honour
 from fsdata.partition.cost import CostModel
 
 
@@ -58,6 +70,34 @@ def segment_cuts(sorted_weights: np.ndarray, shares: np.ndarray, ensure_nonempty
     return cuts
 
 
+def capped_cuts(sorted_weights: np.ndarray, sorted_tokens: np.ndarray, weight_caps: np.ndarray, limit: int,
+                ensure_nonempty: bool = True) -> np.ndarray | None:
+    """[n+1] contiguous cuts with segment r weighing at most ``weight_caps[r]`` and holding at most ``limit``
+    tokens, or None if there are none. Greedy: each segment takes as many samples as its caps allow (leaving one
+    for each rank still to fill when ``ensure_nonempty``); a segment that ends no earlier than another plan's
+    leaves the next segment a subset of that plan's to start from, so greedy fails only when every plan fails."""
+    count, world_size = sorted_weights.size, weight_caps.size
+    weight_prefix = np.zeros(count + 1)
+    np.cumsum(sorted_weights, out=weight_prefix[1:])
+    token_prefix = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(sorted_tokens, out=token_prefix[1:])
+    slack = 1e-9 * max(weight_prefix[-1], 1e-300)  # float sums of the same weights in another order
+    cuts = np.zeros(world_size + 1, dtype=np.int64)
+    start = 0
+    for r in range(world_size - 1):
+        by_weight = int(np.searchsorted(weight_prefix, weight_prefix[start] + weight_caps[r] + slack, "right")) - 1
+        by_tokens = int(np.searchsorted(token_prefix, token_prefix[start] + limit, "right")) - 1
+        end = min(by_weight, by_tokens)
+        if ensure_nonempty and count >= world_size:
+            end = min(max(end, start + 1), count - (world_size - 1 - r))
+        cuts[r + 1] = start = max(end, start)
+    cuts[-1] = count
+    weights, tokens = np.diff(weight_prefix[cuts]), np.diff(token_prefix[cuts])
+    if tokens.max(initial=0) > limit or bool((weights > weight_caps + slack).any()):
+        return None
+    return cuts
+
+
 class VBSPartitioner:
     name = "vbs"
 
@@ -68,9 +108,28 @@ class VBSPartitioner:
     def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
         weights = self.cost_model.sample_costs(lengths, runtime)
         sorted_index = cost_sort_order(weights, lengths)
-        cuts = segment_cuts(weights[sorted_index], runtime.shares(lengths.world_size), self.ensure_nonempty)
+        shares = runtime.shares(lengths.world_size)
+        cuts = segment_cuts(weights[sorted_index], shares, self.ensure_nonempty)
+        ranks = np.arange(lengths.world_size, dtype=np.int64)
         dest = np.empty(lengths.num_samples, dtype=np.int64)
-        dest[sorted_index] = np.repeat(np.arange(lengths.world_size, dtype=np.int64), np.diff(cuts))
+        dest[sorted_index] = np.repeat(ranks, np.diff(cuts))
+        budget = runtime.memory_budget
+
+        def contiguous(tokens: np.ndarray) -> np.ndarray | None:
+            segment_weights = np.diff(np.concatenate([[0.0], np.cumsum(weights[sorted_index])])[cuts])
+            heaviest = float((segment_weights / np.maximum(shares, 1e-300)).max())
+            capped = capped_cuts(weights[sorted_index], tokens[sorted_index], heaviest * shares, budget.tokens,
+                                 self.ensure_nonempty)
+            if capped is None:
+                return None
+            out = np.empty_like(dest)
+            out[sorted_index] = np.repeat(ranks, np.diff(capped))
+            return out
+
+        def dealt(tokens: np.ndarray) -> np.ndarray | None:
+            return deal_with_room(sorted_index, weights, tokens, shares, budget.tokens)
+
+        dest = honour(dest, lengths, budget, weights, [contiguous, dealt], False, "partitioner vbs")
         return Plan.from_destinations(dest, lengths.world_size)
 
     def rank_weights(self, lengths: GatheredLengths, runtime: RuntimeInfo, plan: Plan) -> np.ndarray:
