@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from fsdata.source import SampleSource
+from kernels.attention import resolve_impl
 from pipelines.config import DataConfig, JobConfig, ModelSection, TrainConfig
 from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
 from pipelines.step import ModelSpec
@@ -56,14 +57,17 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
             raise ValueError(f"model factory {config.model.model!r} returned a {type(spec).__name__}; return a "
                              "pipelines.ModelSpec (or an nn.Module)")
         return spec
-    model = build_model(config.model, source, seed=config.train.seed)
-    plan = model.plan_function() if model.config.attention == "jagged" else None
+    model = build_model(config.model, source, seed=config.train.seed, deterministic=config.train.deterministic)
+    # A plan only for a kernel that takes block masks (FlexAttention); the loader runs its stage on CUDA alone.
+    plan = model.plan_function() if model.needs_plan(torch.device("cuda")) else None
     return ModelSpec(model, embeddings=["item_embedding"], features=lambda batch: {"item_embedding": model.item_ids(batch)},
                      plan=plan)
 
 
-def build_model(config: ModelSection, source: SampleSource, seed: int) -> SequenceModel:
-    """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank."""
+def build_model(config: ModelSection, source: SampleSource, seed: int, deterministic: bool = False) -> SequenceModel:
+    """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank.
+    ``deterministic`` picks the attention kernel that is reproducible as it is (FlexAttention) where
+    ``attention_impl`` is unset."""
     if config.model not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)} or name a "
                          "factory: module:function or path/to/file.py:function")
@@ -71,8 +75,11 @@ def build_model(config: ModelSection, source: SampleSource, seed: int) -> Sequen
     sizes = dict(MODEL_PRESETS[config.model])
     overrides = (("num_items", config.num_items), ("dim", config.dim), ("num_layers", config.num_layers), ("max_uih", config.max_uih))
     sizes.update({k: v for k, v in overrides if v is not None})
+    impl = config.attention_impl
+    if impl is None and deterministic:
+        impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
     model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1],
-                               attention=config.attention, **sizes)
+                               attention=config.attention, attention_impl=impl, **sizes)
     torch.manual_seed(seed)
     return SequenceModel(model_config)
 

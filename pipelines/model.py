@@ -9,11 +9,14 @@
 Attention (``ModelConfig.attention``):
 
 * ``jagged`` (default): no padding. Tokens stay packed [N, heads, dim] and each sample attends only within itself
-  (kernels.attention): on CUDA, FlexAttention over a block mask built from the offsets; on CPU, one fused SDPA per
-  sample. A step then costs what its samples' sum of L^2 costs, which is what the balancer balances. The block
-  masks are the loader's work: :func:`attention_plan` is the pure function of a batch's host offsets that a
-  loader stage (fsdata.nodes.attention_plan) runs for a batch ahead, and ``forward(batch, attention_plan)`` takes
-  its result; without one the forward builds it.
+  (kernels.attention). A step then costs what its samples' sum of L^2 costs, which is what the balancer balances.
+  The kernel is ``ModelConfig.attention_impl``: on CUDA by default PyTorch's varlen FlashAttention, which reads
+  the kept offsets as int32 on the device (computed there from the batch's lengths, no sync) and their longest
+  length (from the batch's host offsets, once per batch): no plan, no host work per attention call. ``flex``
+  (FlexAttention, the deterministic mode's choice) needs block masks: :func:`attention_plan` is the pure
+  function of a batch's host offsets that a loader stage (fsdata.nodes.attention_plan) runs for a batch ahead
+  when :meth:`SequenceModel.needs_plan` says so, and ``forward(batch, attention_plan)`` takes its result;
+  without one the forward builds it. On CPU, one fused SDPA per sample.
 * ``padded``: torch's scaled_dot_product_attention over batches padded to their longest sample. The UIH encoder
   is causal with padding at the end, so it needs no mask and gets the fused kernels; the target attention masks
   padded keys with a [B, 1, 1, L] mask. The padding is exactly what the balancer's sparsity metric (Eq. 1)
@@ -31,17 +34,19 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdata.batch import Batch, offsets_to_lengths
-from kernels.attention import AttentionImpl, jagged_attention
+from kernels.attention import NEEDS_BLOCK_MASK, AttentionImpl, PackedOffsets, jagged_attention, resolve_impl
 from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
 
 ATTENTIONS = ("jagged", "padded")
+#: The kernels of the jagged attention a model may name (kernels.attention.AttentionImpl); None: the device's default.
+ATTENTION_IMPLS = ("varlen", "flex", "torch")
 
 
 @dataclass
@@ -64,12 +69,18 @@ class ModelConfig:
     """Longest UIH the encoder sees (the most recent items are kept); positional table size."""
     attention: str = "jagged"
     """``jagged`` (packed tokens, no padding) or ``padded`` (SDPA over batches padded to their longest sample)."""
+    attention_impl: Optional[str] = None
+    """The jagged attention's kernel on CUDA: ``varlen``, ``flex`` or ``torch`` (per-sample SDPA); None: varlen
+    (``resolve_impl``'s default). CPU always runs ``torch``."""
 
     def __post_init__(self) -> None:
         if self.dim % self.num_heads:
             raise ValueError(f"model dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"model attention_impl must be one of {', '.join(ATTENTION_IMPLS)} or None, "
+                             f"got {self.attention_impl!r}")
 
 
 @dataclass
@@ -133,6 +144,16 @@ def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[tor
     return padded.view(b, max_len, values.shape[-1]), mask, slot
 
 
+class Kept(NamedTuple):
+    """A batch's UIH after the model's truncation to ``max_uih`` (see ``SequenceModel._truncate``)."""
+
+    offsets: torch.Tensor  # kept offsets, int64 on the batch's device
+    flat: torch.Tensor  # flat index of each kept token in the batch's UIH
+    pos: torch.Tensor  # each kept token's position in its sample
+    uih: PackedOffsets  # the kept offsets for the attention kernels (host, int32 device copy, longest)
+    candidates: PackedOffsets  # the candidate offsets likewise
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -183,9 +204,8 @@ class SequenceModel(nn.Module):
     def __getstate__(self) -> dict:
         return {**super().__getstate__(), "_truncated": {}}  # weak references do not pickle, and the cache is only a cache
 
-    def _truncate(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
-        """Keeps each sample's most recent ``max_uih`` events: offsets and the flat index and position of the kept
-        tokens, the longest kept length, and the kept offsets on the host. The sizes come from the batch's host
+    def _truncate(self, batch: Batch) -> Kept:
+        """Keeps each sample's most recent ``max_uih`` events (:class:`Kept`). The sizes come from the batch's host
         offsets: no device sync."""
         thread = threading.get_ident()
         last = self._truncated.get(thread)
@@ -195,10 +215,9 @@ class SequenceModel(nn.Module):
         self._truncated[thread] = (weakref.ref(batch), result)
         return result
 
-    def _truncate_now(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def _truncate_now(self, batch: Batch) -> Kept:
         host_offsets = kept_offsets(batch.host_offsets("uih_offsets"), self.config.max_uih)
-        host_kept = offsets_to_lengths(host_offsets)
-        total, longest = int(host_offsets[-1]), int(host_kept.max()) if host_kept.numel() else 0
+        total = int(host_offsets[-1])
         lengths = batch.uih_lengths
         kept = lengths.clamp(max=self.config.max_uih)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -206,7 +225,11 @@ class SequenceModel(nn.Module):
         sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept, output_size=total)
         pos = torch.arange(total, device=lengths.device) - offsets[:-1][sample]
         flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
-        return offsets, flat, pos, longest, host_offsets
+        cuda = lengths.device.type == "cuda"  # the int32 device copies only where a CUDA kernel reads them
+        uih = PackedOffsets.from_host(host_offsets, on_device=offsets if cuda else None)
+        candidates = PackedOffsets.from_host(batch.host_offsets("candidate_offsets"),
+                                             on_device=batch.candidate_offsets if cuda else None)
+        return Kept(offsets, flat, pos, uih, candidates)
 
     def item_ids(self, batch: Batch) -> torch.Tensor:
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids.
@@ -214,7 +237,7 @@ class SequenceModel(nn.Module):
         One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
         of the whole step at once (pipelines use this same function to prefetch the next batch's ids).
         """
-        flat = self._truncate(batch)[1]
+        flat = self._truncate(batch).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
     def plan_function(self) -> Callable[[torch.Tensor, torch.Tensor], AttentionPlan]:
@@ -222,17 +245,29 @@ class SequenceModel(nn.Module):
         :class:`AttentionPlan` (picklable, holds no module): what the loader's attention-plan stage runs."""
         return functools.partial(attention_plan, max_uih=self.config.max_uih)
 
-    def _uses_flex(self, device: torch.device) -> bool:
-        """FlexAttention's kernels need a head dim of at least 16; below that, CUDA runs the per-sample twin."""
-        return self.config.attention == "jagged" and device.type == "cuda" and self.config.dim // self.config.num_heads >= 16
-
-    def _impl(self, device: torch.device) -> AttentionImpl:
+    def attention_impl(self, device: torch.device) -> AttentionImpl:
+        """The kernel of this model's attention on ``device``: PADDED for the padded model; for the jagged one the
+        configured kernel (default: the device's, kernels.attention.resolve_impl) where its head dim suits it
+        (FlexAttention's kernels need >= 16, FlashAttention's a multiple of 8 up to 256), else the per-sample twin."""
         if self.config.attention == "padded":
             return AttentionImpl.PADDED
-        return AttentionImpl.FLEX if self._uses_flex(device) else AttentionImpl.TORCH
+        if device.type != "cuda":
+            return AttentionImpl.TORCH
+        impl = resolve_impl(self.config.attention_impl, device)
+        head_dim = self.config.dim // self.config.num_heads
+        if impl is AttentionImpl.FLEX and head_dim < 16:
+            return AttentionImpl.TORCH
+        if impl is AttentionImpl.VARLEN and (head_dim % 8 or head_dim > 256):
+            return AttentionImpl.TORCH
+        return impl
+
+    def needs_plan(self, device: torch.device) -> bool:
+        """Whether this model's attention on ``device`` takes a host-built plan (block masks) from the loader."""
+        return self.attention_impl(device) in NEEDS_BLOCK_MASK
 
     def _tokens(self, batch: Batch, uih_rows: torch.Tensor) -> torch.Tensor:
-        _, flat, pos, _, _ = self._truncate(batch)
+        kept = self._truncate(batch)
+        flat, pos = kept.flat, kept.pos
         tokens = uih_rows + self.position(pos)
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
@@ -240,22 +275,22 @@ class SequenceModel(nn.Module):
 
     def encode_uih(self, batch: Batch, uih_rows: torch.Tensor, plan: Optional[AttentionPlan] = None) -> torch.Tensor:
         """Encoded UIH from the kept UIH items' embedding rows: packed [N, d] (jagged) or padded [B, L, d]."""
-        offsets, _, _, max_len, host_offsets = self._truncate(batch)
+        kept = self._truncate(batch)
         tokens = self._tokens(batch, uih_rows)
         if self.config.attention == "padded":
-            x, _, _ = _pad(tokens, offsets, max(max_len, 1))
+            x, _, _ = _pad(tokens, kept.offsets, max(kept.uih.max_len, 1))
             attend = _padded_causal
         else:
-            x, impl = tokens, self._impl(tokens.device)
+            x, impl = tokens, self.attention_impl(tokens.device)
             mask = plan.uih if plan is not None else None
-            attend = lambda q, k, v: jagged_attention(q, k, v, host_offsets, causal=True, block_mask=mask, impl=impl)  # noqa: E731
+            attend = lambda q, k, v: jagged_attention(q, k, v, kept.uih, causal=True, block_mask=mask, impl=impl)  # noqa: E731
         for block in self.blocks:
             x = block(x, attend)
         return self.norm(x)
 
     def forward(self, batch: Batch, attention_plan: Optional[AttentionPlan] = None) -> torch.Tensor:
-        """``attention_plan``: the batch's block masks from the loader (jagged attention on CUDA); built here
-        when absent."""
+        """``attention_plan``: the batch's block masks from the loader, read where the kernel takes them
+        (:meth:`needs_plan`) and built here when absent; ignored by the other kernels."""
         rows = self.item_embedding(self.item_ids(batch))
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
@@ -264,7 +299,8 @@ class SequenceModel(nn.Module):
         uih_rows, content_rows = rows[: rows.shape[0] - num_content], rows[rows.shape[0] - num_content :]
         b, h, d = batch.batch_size, self.config.num_heads, self.config.dim
         plan = attention_plan
-        if not self._uses_flex(rows.device):
+        impl = self.attention_impl(rows.device)
+        if impl not in NEEDS_BLOCK_MASK:
             plan = None
         else:
             if plan is None:
@@ -276,8 +312,8 @@ class SequenceModel(nn.Module):
         cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         # Target attention: each candidate queries its own sample's encoded UIH.
         if self.config.attention == "padded":
-            offsets, _, _, max_len, _ = self._truncate(batch)
-            uih_mask = torch.arange(max(max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(offsets).unsqueeze(1)
+            kept = self._truncate(batch)
+            uih_mask = torch.arange(max(kept.uih.max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(kept.offsets).unsqueeze(1)
             c_max = int(offsets_to_lengths(batch.host_offsets("candidate_offsets")).max())
             q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
             heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
@@ -285,10 +321,10 @@ class SequenceModel(nn.Module):
             attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
         else:
             heads = lambda t: t.view(t.shape[0], h, d // h)  # noqa: E731
+            kept = self._truncate(batch)
             attended = jagged_attention(
-                heads(self.target_q(cand)), heads(uih), heads(uih), batch.host_offsets("candidate_offsets"),
-                self._truncate(batch)[4], causal=False, block_mask=plan.target if plan is not None else None,
-                impl=self._impl(uih.device),
+                heads(self.target_q(cand)), heads(uih), heads(uih), kept.candidates, kept.uih, causal=False,
+                block_mask=plan.target if plan is not None else None, impl=impl,
             ).reshape(-1, d)
         sample_of_cand = torch.repeat_interleave(
             torch.arange(b, device=cand.device), batch.num_candidates, output_size=cand.shape[0]

@@ -38,6 +38,7 @@ from torch import nn
 
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
+from pipelines.numerics import autocast, autocast_dtype
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
 from pipelines.staged import EARLY_START, EMBEDDING_MODES, EXCLUSIVE_START, FeatureFn, StagedPipeline
 
@@ -199,6 +200,8 @@ class TrainStep:
     ``batch -> model arguments`` (default: the stage's, else the batch). ``loss``: ``(outputs, batch) ->`` the
     sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on
     ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
+    ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
+    ``fp32`` (pipelines.numerics).
     """
 
     def __init__(
@@ -213,11 +216,13 @@ class TrainStep:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         bucket_mb: float = 25.0,
+        precision: str = "auto",
     ) -> None:
         self.model, self.optimizer, self.stage = model, optimizer, stage
         self.loss = loss if loss is not None else bce_loss
         self.inputs = inputs if inputs is not None else getattr(stage, "inputs", None)
         self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype(precision, self.device)
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.dense_sync = DenseSync([p for p in model.parameters() if p.requires_grad], self.rank, self.world_size,
@@ -278,7 +283,8 @@ class TrainStep:
             if upcoming is not None:  # the next batch's ids: prefetched by the loader, else exchanged in the step
                 nxt = upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
             self.stage.begin_step(batch, item.prefetched, nxt)
-        loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
+        with autocast(self.autocast_dtype, self.device):
+            loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
         (loss_sum / max(total, 1.0)).backward()
         labels = batch.candidate_labels
         device_scalars = torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from fscomm import get_transport
 from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
+from pipelines.numerics import autocast, autocast_dtype, check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
@@ -128,6 +129,9 @@ class Trainer:
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        if config.train.deterministic:  # before the first cuBLAS call of this process (pipelines.numerics)
+            enable_determinism()
+        self.autocast_dtype = autocast_dtype(config.train.precision, device)
         # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
         # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
         # covers the compute queued before it (the gradients it sends are still being computed), which is not
@@ -147,6 +151,8 @@ class Trainer:
             # (fsdata.id_overflow).
             self.source = IdRangeSource(self.source, num_items, config.data.id_overflow)
         self.model = self.spec.model.to(device)
+        if config.train.deterministic:
+            check_determinism(self.model, device)
         self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
         self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
         if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
@@ -372,7 +378,8 @@ class Trainer:
         with self._phase("freescale/forward"):
             if self.pipeline is not None:
                 self.pipeline.begin_step(batch, self.pipeline.current_ids, self.pipeline.upcoming_ids)
-            loss = self._loss(call_model(self.model, self.spec.inputs, item), batch)
+            with autocast(self.autocast_dtype, self.device):
+                loss = self._loss(call_model(self.model, self.spec.inputs, item), batch)
         release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
         with self._phase("freescale/backward"):
             (loss / max(global_labels, 1.0)).backward()

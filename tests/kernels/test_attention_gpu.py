@@ -45,3 +45,51 @@ def test_flex_equals_the_twin_on_cuda(dtype, tol):
     for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
         _compare(lengths, None, True, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
     _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=3e-2, atol=3e-2)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str)
+def test_varlen_equals_the_twin_on_cuda(dtype, tol):
+    """fp32 inputs run the kernel in bf16 (kernels.varlen): both precisions hold bf16's tolerance against the
+    per-sample twin in the inputs' dtype."""
+    for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
+        _compare(lengths, None, True, "varlen", reference="torch", device="cuda", dtype=dtype, tol=tol)
+    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "varlen", reference="torch", device="cuda", dtype=dtype, tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_gives_queries_without_keys_zeros_and_finite_gradients():
+    qo, ko = _offsets([2, 1, 3]), _offsets([0, 4, 0])
+    q, k, v = _qkv(6, 4, dtype=torch.bfloat16, device="cuda")
+    out = jagged_attention(q, k, v, qo, ko, causal=False, impl="varlen")
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.equal(out[3:], torch.zeros_like(out[3:]))
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("impl", ["flex", "varlen"])
+def test_deterministic_mode_gives_the_same_gradients_bit_for_bit(impl):
+    """FlexAttention's backward is reproducible as it is; varlen's under torch's deterministic algorithms, which
+    kernels.attention.is_deterministic reports."""
+    from kernels.attention import AttentionImpl, is_deterministic
+
+    qo = _offsets([700, 3, 1500, 64])
+    q, k, v = _qkv(int(qo[-1]), int(qo[-1]), heads=4, dim=64, dtype=torch.bfloat16, device="cuda")
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=q.dtype)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(impl == "varlen")
+    try:
+        assert is_deterministic(AttentionImpl(impl), q.device)
+        grads = []
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            jagged_attention(q, k, v, qo, causal=True, impl=impl).backward(grad)
+            grads.append([t.grad.clone() for t in (q, k, v)])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        torch.use_deterministic_algorithms(before)
