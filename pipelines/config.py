@@ -27,6 +27,8 @@ from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
+from pipelines.model import ATTENTION_IMPLS
+from pipelines.numerics import PRECISIONS
 from pipelines.schedule import SCHEDULE_CHOICES
 from pipelines.staged import EARLY_START, EXCLUSIVE_START
 
@@ -76,6 +78,8 @@ class ModelSection:
     num_layers: Optional[int] = _f(None, "override the preset's transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH in the encoder")
     attention: str = _f("jagged", "jagged (no padding) or padded (for comparison)", choices=("jagged", "padded"))
+    attention_impl: Optional[str] = _f(None, "jagged attention kernel on CUDA (default varlen; flex with "
+                                             "--deterministic)", group="tuning", choices=ATTENTION_IMPLS)
 
 
 @dataclass
@@ -103,6 +107,8 @@ class TrainConfig:
     lr: float = _f(1e-3, "Adam lr of the model's unsharded parameters")
     seed: int = _f(0, "model initialisation seed")
     device: str = _f("auto", "", choices=DEVICES)
+    precision: str = _f("auto", "", choices=PRECISIONS)
+    deterministic: bool = _f(False, "bitwise reproducible steps (docs/tuning.md)")
     summary_json: Optional[str] = _f(None, "write the run summary here", metavar="PATH")
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step", metavar="PATH")
     threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks on CPU, at "
