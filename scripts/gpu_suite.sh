@@ -12,11 +12,13 @@
 #   bash scripts/gpu_suite.sh transport  # host paths' GPU tests, bench transport tcp vs shm, a jagged training run (~6 min)
 #   bash scripts/gpu_suite.sh exclusive  # heavy case, --tuning.exclusive-start backward against forward, 3 interleaved pairs each,
 #                                        # with every step's exposed parts (~4 min)
-#   bash scripts/gpu_suite.sh attention  # FlexAttention against the per-sample twin and the jagged model against the padded
-#                                        # one on CUDA, then bench attention (~4 min, most of it compiling)
+#   bash scripts/gpu_suite.sh attention  # varlen and FlexAttention against the per-sample twin and the jagged model against
+#                                        # the padded one on CUDA, then bench attention (~4 min, most of it compiling)
+#   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
+#   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|transport}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -62,7 +64,7 @@ case "$PART" in
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m pipelines.research.replay --device cuda \
       --replay-kernel jagged --replay-jitter repeat --replay-ranks 64,256 --batch-size 128 --max-uih 21000 \
       --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
-      --replay-repeats 2 --replay-time-budget 120 --replay-mem-gib 110 --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
+      --replay-repeats 3 --replay-time-budget 120 --replay-mem-gib 110 --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
     ;;
   trace)
     echo "== traces: 24 steps per run (15 of warm-up and schedule probe), 5 profiled, then each rank's step split by phase and thread"
@@ -112,10 +114,19 @@ PY
     heavy_ab exclusive-start "backward forward" 3
     ;;
   attention)
-    echo "== bench attention: jagged (FlexAttention, block mask from offsets) against padded SDPA, fwd+bwd, bf16"
-    timeout 150 python3 -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -14
-    echo "== GPU tests: FlexAttention against the per-sample twin; the jagged model with a loader plan against the padded one"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
+    echo "== GPU tests: varlen and FlexAttention against the per-sample twin, empty keys, reproducible backward; the model"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
+    echo "== bench attention: varlen, FlexAttention (and both in the deterministic mode) against padded SDPA, fwd+bwd, bf16"
+    timeout 300 python3 -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -40
+    ;;
+  deterministic)
+    echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
+    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/pipelines/test_deterministic_gpu.py 2>&1 | tail -8
+    ;;
+  long)
+    echo "== bench e2e, long histories (cap 16,384, small model): sync and freescale, 2 interleaved paired runs"
+    timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 30 --cases long --modes sync,freescale \
+      --repeats 2 --json "$OUT/e2e_long.json" 2>&1 | grep -v "^\[bench" | tail -20
     ;;
   transport)
     echo "== GPU tests: the host paths (shared memory, TCP) with a GPU rank; the device copy of loader items"

@@ -89,7 +89,7 @@ import torch
 
 from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.partition import GatheredLengths, Plan, RuntimeInfo, get_partitioner
-from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
+from pipelines.model import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
     **MODEL_PRESETS,
@@ -220,29 +220,42 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _call(self, batch: Batch) -> float:
-        """One forward+backward of a batch already on the device; its seconds."""
+    def _call(self, batch: Batch, plan=None) -> float:
+        """One forward+backward of a batch already on the device, with its attention plan (if its kernel takes
+        one) built beforehand; its seconds."""
         self.model.zero_grad(set_to_none=True)
         self._sync()
         start = time.perf_counter()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
-            loss = bce_sum(self.model(batch).float(), batch.candidate_labels)
+            loss = bce_sum(self.model(batch, plan).float(), batch.candidate_labels)
         loss.backward()
         self._sync()
         self.calls += 1
         return time.perf_counter() - start
 
+    def _plan(self, batch: Batch):
+        """The batch's attention plan, on the device, where the model's kernel takes one (FlexAttention's block
+        masks), else None. Training builds it in the loader's worker a batch ahead and copies it with the batch,
+        so it is built here before the timed calls, never inside one."""
+        if not self.model.needs_plan(self.device):
+            return None
+        plan = self.model.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
+        return plan.to(self.device)
+
     def measure(self, batch: Batch, repeats: int) -> np.ndarray:
-        """One untimed warm-up call of this exact shape, then ``repeats`` timed calls: their seconds, in order."""
+        """One untimed warm-up call of this exact shape, then ``repeats`` timed calls: their seconds, in order.
+        What the loader prepares ahead in training (the copy to the device, the attention plan) is prepared
+        before the first call."""
         batch = batch.to(self.device)
+        plan = self._plan(batch)
         cuda = self.device.type == "cuda"
         if cuda:
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize(self.device)
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._call(batch)
-        times = np.array([self._call(batch) for _ in range(repeats)], dtype=np.float64)
+        self._call(batch, plan)
+        times = np.array([self._call(batch, plan) for _ in range(repeats)], dtype=np.float64)
         if cuda:
             self.last_peak_bytes = float(torch.cuda.max_memory_allocated(self.device) - base)
         return times
@@ -463,7 +476,8 @@ def _model(args: argparse.Namespace, source, device: torch.device) -> SequenceMo
     c = source.config
     # max_uih follows the simulation: a model preset's shorter cap would hide the long-UIH stragglers.
     config = ModelConfig(**{**sizes, "max_uih": args.max_uih, "num_labels": c.num_labels, "dense_dim": c.dense_dim,
-                            "attention": args.replay_kernel})
+                            "attention": args.replay_kernel,
+                            "attention_impl": getattr(args, "replay_attention_impl", None)})
     torch.manual_seed(args.seed)
     return SequenceModel(config).to(device)
 
@@ -800,6 +814,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_simulate_arguments(parser)
     parser.add_argument("--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit "
                         "(default: --ranks)")
+    parser.add_argument("--replay-attention-impl", default=None, choices=ATTENTION_IMPLS,
+                        help="the jagged attention's kernel on CUDA (default: the model's, varlen)")
     parser.add_argument("--replay-repeats", type=int, default=DEFAULT_REPEATS,
                         help="timed calls per batch after one untimed warm-up; its time is their median, their spread"
                         f" the run-to-run noise (default {DEFAULT_REPEATS})")

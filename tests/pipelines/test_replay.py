@@ -93,9 +93,12 @@ class ScriptedTimer(replay.Timer):
         super().__init__(model=None, device=replay.torch.device("cpu"), dtype="fp32")
         self.seconds = list(seconds)
 
-    def _call(self, batch):
+    def _call(self, batch, plan=None):
         self.calls += 1
         return self.seconds.pop(0)
+
+    def _plan(self, batch):
+        return None
 
 
 def test_each_batch_is_warmed_up_once_then_timed_k_times_and_its_time_is_the_median():
@@ -110,6 +113,28 @@ def test_each_batch_is_warmed_up_once_then_timed_k_times_and_its_time_is_the_med
     real = replay.Timer(replay._model(args, source, replay.torch.device("cpu")), replay.torch.device("cpu"), "fp32")
     times = real.measure(source.read(0, 0, 4), repeats=2)
     assert times.shape == (2,) and np.all(times > 0) and real.calls == 3
+
+
+def test_the_timed_calls_do_no_host_plan_work(monkeypatch):
+    """A model whose kernel takes a plan (FlexAttention on CUDA) gets it built once per measured batch, before
+    the first call, as the loader builds it ahead in training; every timed call receives it."""
+    args = parse(*TINY)
+    source = replay._source(args, 100, 0)
+    model = replay._model(args, source, replay.torch.device("cpu"))
+    built, seen = [], []
+    monkeypatch.setattr(model, "needs_plan", lambda device: True)
+    monkeypatch.setattr(model, "plan_function", lambda: lambda uih, cand: built.append(1) or PlanStub())
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda batch, plan=None: seen.append((len(built), plan)) or forward(batch))
+    timer = replay.Timer(model, replay.torch.device("cpu"), "fp32")
+    timer.measure(source.read(0, 0, 4), repeats=3)
+    assert len(built) == 1 and len(seen) == 4  # one build, then the warm-up and three timed calls
+    assert all(n == 1 and isinstance(plan, PlanStub) for n, plan in seen)  # each call after the build, with its plan
+
+
+class PlanStub:
+    def to(self, device):
+        return self
 
 
 def test_timing_batches_are_whole_local_batches_of_the_partitioners_plans():
