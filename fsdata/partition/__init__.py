@@ -5,7 +5,8 @@
 
 Built in: "none" (identity), "fbs", "vbs" (+ :class:`AutoTune`), "kk"; anything else is read as
 "module:function" (see custom.py). ``RuntimeInfo(memory_budget=MemoryBudget(tokens))`` caps every rank's kept
-tokens (budget.py); the built-ins (not "none") meet any budget >= ``guaranteed_tokens``. See docs/balancer.md for the algorithms, their bounds and measured speed.
+tokens (budget.py); the built-ins (not "none") meet any budget >= ``guaranteed_tokens``. See docs/balancer.md
+for the algorithms, their bounds and measured speed.
 """
 
 from __future__ import annotations

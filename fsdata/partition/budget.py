@@ -133,7 +133,8 @@ class MemoryModel:
         if usable < self.bytes_per_token:
             raise ValueError(
                 f"{FLAG} auto: {free_bytes / 2**30:.2f} GiB free leave no room for one token (model: "
-                f"{self.bytes_per_token:.0f} B/token + {self.fixed_bytes / 2**30:.2f} GiB, headroom {self.headroom:.0%})"
+                f"{self.bytes_per_token:.0f} B/token + {self.fixed_bytes / 2**30:.2f} GiB,"
+                f" headroom {self.headroom:.0%})"
             )
         return int(usable // self.bytes_per_token)
 
@@ -200,7 +201,9 @@ class BudgetSpec:
         except (ValueError, OverflowError) as error:
             if str(error).startswith(FLAG):
                 raise
-            raise ValueError(f"{FLAG} must be a token count, Nx or auto[:key=value,...], got {value!r}: {error}") from None
+            raise ValueError(
+                f"{FLAG} must be a token count, Nx or auto[:key=value,...], got {value!r}: {error}"
+            ) from None
 
     def rank_limit(self, device=None) -> tuple[int, float]:
         """What this rank sends in Stage I: ``(tokens, factor)``, the unused one 0. ``auto`` measures the device

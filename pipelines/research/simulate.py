@@ -17,6 +17,12 @@ works, optionally with ``sample_costs(lengths) -> [G]`` (noise-free per-sample s
 
 ``--sweep DIR`` runs the three sweeps of the paper's Figures 2 and 8 (max UIH, batch size, ranks), writes their
 records and PNG plots into DIR.
+
+Memory. Every record has the per-rank kept tokens, max over mean (mean over steps) and the worst step's; with
+``--memory-budget SPEC`` (a token count or ``Nx``, fsdata.partition.budget) every partitioner runs twice, without
+and then with the budget, on the same lengths and the same noise, so the budget's cost in balance is the
+difference of two rows. ``none`` moves nothing: its row with the budget reports how far over it an unbalanced
+step goes.
 """
 
 from __future__ import annotations
@@ -32,7 +38,17 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from fsdata.partition import AutoTune, CostModel, GatheredLengths, OnlineCostFit, Plan, RuntimeInfo, get_partitioner
+from fsdata.partition import (
+    AutoTune,
+    BudgetSpec,
+    CostModel,
+    GatheredLengths,
+    OnlineCostFit,
+    Plan,
+    RuntimeInfo,
+    get_partitioner,
+    kept_tokens,
+)
 from fsdata.partition.cost import rank_features
 from fsdata.partition.metrics import lower_bound, per_rank_sparsity
 
@@ -215,6 +231,7 @@ class SimSettings:
     alpha: float = 1.5
     autotune: bool = True  # VBS only
     fit_cost: bool = False
+    memory_budget: Optional[BudgetSpec] = None  # a token count or Nx; auto needs a device, which is not simulated
 
 
 def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: SimSettings) -> dict:
@@ -226,7 +243,8 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
     pending: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # step -> busy [W], features [W, 4], weights [W]
     latest: Optional[tuple[int, np.ndarray]] = None
     total_step = total_idle = samples = 0.0
-    imbalance, bounds, sparsity, plan_s = [], [], [], []
+    imbalance, bounds, sparsity, plan_s, token_ratio, budget_ratio, budgets = [], [], [], [], [], [], []
+    budget = s.memory_budget
     for step in range(s.steps + s.warmup):
         # Lookahead: the plan of `step` is made while step - lookahead + 1 runs: only older steps are measured.
         for measured in sorted(m for m in pending if m <= step - s.lookahead):
@@ -243,10 +261,13 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
             step_times=None if latest is None else latest[1],
             budget_shares=None if autotune is None else autotune.shares_for_step(step),
             cost_coefficients=None if fit is None else fit.coefficients(),
+            memory_budget=None if budget is None else budget.for_step(lengths),
         )
         start = time.perf_counter()
         plan = part(lengths, runtime)
         elapsed = time.perf_counter() - start
+        if budget is not None and getattr(part, "honours_budget", True):  # the loader's own check
+            plan.validate(lengths.num_samples, s.ranks, f"partitioner {partitioner}", lengths, runtime.memory_budget)
         busy = np.asarray(step_time(lengths, plan), dtype=np.float64)
         tokens = cost_model.token_lengths(lengths)
         dest = plan.destinations().numpy()
@@ -264,6 +285,11 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
         bounds.append(max(1.0, (fixed + costs.max()) / (fixed + costs.sum() / s.ranks)))
         sparsity.append(float(per_rank_sparsity(plan, lengths.uih_lengths).mean()))
         plan_s.append(elapsed)
+        held = np.bincount(dest, weights=kept_tokens(lengths, s.max_uih), minlength=s.ranks)
+        token_ratio.append(held.max() / held.mean())
+        if runtime.memory_budget is not None:
+            budgets.append(runtime.memory_budget.tokens)
+            budget_ratio.append(held.max() / runtime.memory_budget.tokens)
     return {
         "ranks": s.ranks,
         "batch_size": s.batch_size,
@@ -274,6 +300,11 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
         "lower_bound": float(np.mean(bounds)),
         "samples_per_s": samples / total_step,
         "sparsity": float(np.mean(sparsity)),
+        "tokens_max_over_mean": float(np.mean(token_ratio)),  # per-rank kept tokens, mean over steps
+        "tokens_max_over_mean_worst": float(np.max(token_ratio)),
+        "memory_budget": None if budget is None else str(budget),
+        "budget_tokens_mean": float(np.mean(budgets)) if budgets else None,
+        "tokens_max_over_budget_worst": float(np.max(budget_ratio)) if budget_ratio else None,
         "mean_step_s": total_step / s.steps,
         "plan_ms": 1e3 * float(np.mean(plan_s)),
         "steps": s.steps,
@@ -301,27 +332,39 @@ def run_grid(args: argparse.Namespace, ranks: int, batch_size: int, max_uih: int
         lookahead=args.lookahead, sync_s=args.sync_ms / 1e3, alpha=args.alpha, autotune=not args.no_autotune,
         fit_cost=args.fit_cost,
     )
+    budget = simulated_budget(getattr(args, "memory_budget", None))
     records = []
     for name in args.partitioner.split(","):
-        source = make_source(args, ranks, batch_size, max_uih, args.steps + args.warmup)
-        step_time = build_step_time(args)  # fresh jitter stream per partitioner: the same noise for each
-        record = simulate(name.strip(), source, step_time, settings)
-        record["model"] = args.model
-        record["source"] = source.describe()
-        record.update(getattr(step_time, "record", dict)())  # replay: how many fresh timings the figure rests on
-        records.append(record)
+        for spec in (None, budget) if budget is not None else (None,):
+            source = make_source(args, ranks, batch_size, max_uih, args.steps + args.warmup)
+            step_time = build_step_time(args)  # fresh jitter stream per run: the same noise for each
+            settings.memory_budget = spec
+            record = simulate(name.strip(), source, step_time, settings)
+            record["model"] = args.model
+            record["source"] = source.describe()
+            record.update(getattr(step_time, "record", dict)())  # replay: how many fresh timings the figure rests on
+            records.append(record)
     return records
 
 
+def simulated_budget(value: Optional[str]) -> Optional[BudgetSpec]:
+    """``--memory-budget`` for the simulator: a token count or ``Nx``; ``auto`` reads a device, none is simulated."""
+    spec = BudgetSpec.parse(value)
+    if spec is not None and spec.auto is not None:
+        raise ValueError("--memory-budget auto reads a device's free memory; the simulator takes a token count or Nx")
+    return spec
+
+
 def print_table(records: list[dict], out=sys.stdout) -> None:
-    header = f"{'ranks':>6} {'batch':>6} {'max_uih':>8} {'partitioner':>12} {'straggler%':>10} {'max/mean':>9} " \
-             f"{'bound':>7} {'samples/s':>10} {'sparsity':>8} {'plan_ms':>8}"
+    header = f"{'ranks':>6} {'batch':>6} {'max_uih':>8} {'partitioner':>12} {'budget':>7} {'straggler%':>10} " \
+             f"{'max/mean':>9} {'bound':>7} {'tok max/mean':>12} {'samples/s':>10} {'sparsity':>8} {'plan_ms':>8}"
     print(header, file=out)
     for r in records:
         print(
-            f"{r['ranks']:>6} {r['batch_size']:>6} {r['max_uih']:>8} {r['partitioner']:>12} {r['straggler_pct']:>10.2f} "
-            f"{r['imbalance_max_over_mean']:>9.4f} {r['lower_bound']:>7.4f} {r['samples_per_s']:>10.0f} "
-            f"{r['sparsity']:>8.3f} {r['plan_ms']:>8.1f}",
+            f"{r['ranks']:>6} {r['batch_size']:>6} {r['max_uih']:>8} {r['partitioner']:>12} "
+            f"{r.get('memory_budget') or '-':>7} {r['straggler_pct']:>10.2f} {r['imbalance_max_over_mean']:>9.4f} "
+            f"{r['lower_bound']:>7.4f} {r.get('tokens_max_over_mean', float('nan')):>12.4f} "
+            f"{r['samples_per_s']:>10.0f} {r['sparsity']:>8.3f} {r['plan_ms']:>8.1f}",
             file=out,
         )
 
@@ -408,6 +451,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1.5, help="cost exponent of the partitioners' L^alpha")
     parser.add_argument("--no-autotune", action="store_true", help="VBS without autotune")
     parser.add_argument("--fit-cost", action="store_true", help="partitioners use the online least-squares cost fit")
+    parser.add_argument("--memory-budget", default=None, metavar="SPEC",
+                        help="also run every partitioner under this per-rank budget of kept tokens: a count or Nx"
+                        " (N times the step's mean per rank); records and table show both")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default="kuairand-1k", help="synthetic length preset (default kuairand-1k)")
     source.add_argument("--data", default=None, help="Parquet file, directory or glob: its UIH lengths")
@@ -463,6 +509,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--warmup must be >= 0 and --lookahead >= 1")
     for name in args.partitioner.split(","):
         get_partitioner(name.strip())  # fails early, naming a bad partitioner
+    simulated_budget(getattr(args, "memory_budget", None))
 
 
 def main(args: argparse.Namespace) -> int:
