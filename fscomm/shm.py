@@ -16,8 +16,11 @@ Lifecycle and safety: segments are created by their owner with O_EXCL and mode 0
 owner's pid and a random token agreed through the process group (other users cannot guess or pre-create them);
 a segment found with another owner, another mode or a wrong token is refused. Control segments are unlinked as
 soon as every peer has attached; a data segment as soon as every peer has read from it once, so a crash leaves
-nothing behind, except in that short window: the next start unlinks segments of this user whose owner process
-is gone. Data segments grow (new generation) to the largest exchange seen.
+nothing behind, except in that short window (and the last grown data segment, linked until the exchange after
+it): the launchers (`freescale train`, the benches' local ranks) unlink the segments of their ranks' pids once
+the ranks have exited, whatever ended them (``remove_segments_of``), and the next start unlinks segments of this
+user whose owner process is gone (``clean_stale``: what a job under torchrun leaves). Data segments grow (new
+generation) to the largest exchange seen.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import signal
 import socket
 import stat
 import time
@@ -102,6 +106,55 @@ def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def remove_segments_of(pids: Sequence[int], shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlinks this user's fscomm segments owned by ``pids`` whose process has ended; returns their names.
+
+    For a launcher once its ranks have exited: a rank that dies (killed, or ended by the launcher after a peer
+    failed) runs no clean-up, and its segments would stay until some later start's ``clean_stale``. A pid
+    that is alive again (reused) is left alone."""
+    wanted = {str(p) for p in pids if not _pid_alive(int(p))}
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        if not name.startswith(PREFIX) or name[len(PREFIX):].split("-")[0] not in wanted:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.lstat(path).st_uid == uid:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+# Fault injection, for the tests of the launchers' clean-up: FSCOMM_SHM_FAULT=POINT:RANK kills rank RANK (of the
+# world) with SIGKILL at POINT of the segments' life cycle, where a crash would leave them linked: "created" (its
+# control segment made, no peer attached yet), "mapped" (the peers' segments attached, its own not yet unlinked),
+# "exchange" (its first data segment published, before any peer read it).
+FAULT_ENV = "FSCOMM_SHM_FAULT"
+FAULT_POINTS = ("created", "mapped", "exchange")
+
+
+def _fault_at() -> Optional[str]:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    point, _, rank = spec.partition(":")
+    if point not in FAULT_POINTS or not rank.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected POINT:RANK with POINT one of {', '.join(FAULT_POINTS)}")
+    return point if dist.is_initialized() and dist.get_rank() == int(rank) else None
+
+
+def _maybe_fail(fault: Optional[str], point: str) -> None:
+    if fault == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Segment:
@@ -222,6 +275,7 @@ class ShmExchange:
         self.allocations = 0  # data segments this rank has made (one per growth)
         self._broken: Optional[BaseException] = None
         self._streams: dict[int, "torch.cuda.Stream"] = {}
+        self._fault: Optional[str] = None  # a fault-injection point (FSCOMM_SHM_FAULT), tests only
         self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
 
     def _owned(self) -> list:
@@ -245,6 +299,7 @@ class ShmExchange:
             return cls._refuse(required, f"{SHM_DIR} is missing or has less than {MIN_FREE_BYTES >> 20} MiB free "
                                          "(a container's default of 64 MiB is too small: raise its --shm-size)")
         clean_stale()
+        fault = _fault_at()
         n_ctl = max(4096, 8 * (_TABLE + 2 * world))
         name = lambda r: os.path.join(SHM_DIR, f"{PREFIX}{pids[r]}-{token}-{r}-ctl")
         segs: list[Optional[Segment]] = [None] * world
@@ -257,6 +312,7 @@ class ShmExchange:
             ctl[_PID] = os.getpid()
         except Exception as exc:
             error = f"rank {rank}: {exc}"
+        _maybe_fail(fault, "created")
         errors: list = [None] * world
         dist.all_gather_object(errors, error, group=group)
         if error is None and not any(errors):
@@ -271,6 +327,7 @@ class ShmExchange:
                 except Exception as exc:
                     error = f"rank {rank} attaching rank {r}'s segment: {exc}"
                     break
+            _maybe_fail(fault, "mapped")
             dist.all_gather_object(errors, error, group=group)  # every peer has attached mine (or failed)
         if segs[rank] is not None:
             segs[rank].unlink()
@@ -279,7 +336,9 @@ class ShmExchange:
                 if s is not None:
                     s.close()
             return cls._refuse(required, "; ".join(e for e in errors if e))
-        return cls(group, token, pids, segs)
+        exchange = cls(group, token, pids, segs)
+        exchange._fault = fault
+        return exchange
 
     @staticmethod
     def _refuse(required: bool, why: str) -> None:
@@ -397,11 +456,13 @@ class ShmExchange:
                         dst.copy_(src, non_blocking=True)
             published.synchronize()
             self._mine[_READY] = k
+            _maybe_fail(self._fault, "exchange")
         else:
             for src, off in publish:
                 if src.numel():
                     seg.tensor[off: off + src.numel()].copy_(src)
             self._mine[_READY] = k
+            _maybe_fail(self._fault, "exchange")
             for src, dst in local:
                 if src.numel():
                     dst.copy_(src)
