@@ -92,8 +92,9 @@ def _is_root_cause(exc: BaseException) -> bool:
     return not any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
-def _report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optional[str]) -> str:
-    """Writes the rank's traceback to its log file and its one-line error beside it; returns the line."""
+def report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optional[str]) -> str:
+    """Writes the rank's traceback to its log file and its one-line error beside it; returns the line.
+    (The benches' launcher, pipelines.research.bench.launch, reports its ranks' errors the same way.)"""
     directory = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.mkdtemp(prefix="freescale-")).resolve()
     directory.mkdir(parents=True, exist_ok=True)
     log = directory / f"rank{rank}.log"
@@ -106,12 +107,25 @@ def _report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optio
     return line
 
 
+def use_thread_locks_for_progress_bars() -> None:
+    """tqdm's bars take a multiprocessing lock by default: a POSIX semaphore registered with the launcher's
+    resource tracker, released only by the process's clean-up at exit. A rank that ends without it (``os._exit``
+    after its error, a kill) leaves it registered, and the tracker then warns at the launcher's exit about a
+    "leaked semaphore" that the user cannot act on. A rank's bars are drawn by its own threads: a thread lock does."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def worker(config: JobConfig) -> Optional[dict]:
     """One rank's job. Returns the run summary on rank 0 (None elsewhere).
 
     An error ends the rank with one line (see the module docstring): under `freescale train` the launcher prints
     it; under torchrun the rank prints it itself and exits with status 1."""
     rank = int(os.environ["RANK"])
+    use_thread_locks_for_progress_bars()
     log_dir = config.train.log_dir or os.environ.get(LOG_DIR_ENV)
     if log_dir:  # which process is which rank: to inspect a stuck one (py-spy dump --pid), or to stop it
         Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -119,7 +133,7 @@ def worker(config: JobConfig) -> Optional[dict]:
     try:
         return _rank_job(config)
     except Exception as exc:
-        line = _report_failure(exc, rank, config.train.verbose, config.train.log_dir)
+        line = report_failure(exc, rank, config.train.verbose, config.train.log_dir)
         if os.environ.get(_LAUNCHED_ENV) != "1":
             print(f"freescale train: error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -200,7 +214,8 @@ def _where(exc: BaseException) -> str:
     while exc is not None:
         for frame in traceback.extract_tb(exc.__traceback__):
             path = Path(frame.filename).resolve()
-            if root in path.parents and "tests" not in path.relative_to(root).parts:
+            parts = path.relative_to(root).parts if root in path.parents else ()
+            if parts and "tests" not in parts and "site-packages" not in parts:  # a venv may live in the tree
                 site = f"{frame.name} ({path.relative_to(root)}:{frame.lineno})"
         exc = exc.__cause__
     return site or "an unknown place"
@@ -255,12 +270,37 @@ def launch(config: JobConfig) -> Optional[dict]:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
+        remove_rank_segments(Path(log_dir))
     return results.get(0)
 
 
+def rank_pids(log_dir: Path) -> dict[int, int]:
+    """The process id each rank left in ``log_dir`` (``rank<r>.pid``) when it started."""
+    pids = {}
+    for path in log_dir.glob("rank*.pid"):
+        try:
+            pids[int(path.stem[4:])] = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def remove_rank_segments(log_dir: Path) -> list[str]:
+    """Unlinks the shared-memory segments of the job's ranks (their names carry the owner's pid) once they have
+    exited: a rank that was killed, or ended by the launcher after a peer failed, ran no clean-up."""
+    from fscomm.shm import remove_segments_of
+
+    return remove_segments_of(list(rank_pids(log_dir).values()))
+
+
 def _failure_line(failure, log_dir: Path) -> str:
-    """The one line naming the rank where the job failed and why: a rank's own report of the fault, else a rank
-    that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
+    return failure_line({rank: f.exitcode for rank, f in failure.failures.items()}, log_dir)
+
+
+def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
+    """The one line naming the rank where the job failed and why, from the ranks' reports in ``log_dir`` and the
+    exit codes of the ranks the launcher saw fail (negative: the signal): a rank's own report of the fault, else a
+    rank that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
     reports = []
     for path in sorted(log_dir.glob("rank*.error")):
         try:
@@ -274,10 +314,10 @@ def _failure_line(failure, log_dir: Path) -> str:
         others = sorted(reported - {first["rank"]})
         return first["line"] + (f"; rank(s) {others} failed after it" if others else "")
     died = []
-    for rank, f in sorted(failure.failures.items()):
-        if rank in reported or f.exitcode == -signal.SIGTERM:  # SIGTERM: the launcher stopping the others
+    for rank, code in sorted(exitcodes.items()):
+        if rank in reported or code == -signal.SIGTERM:  # SIGTERM: the launcher stopping the others
             continue
-        how = f"signal {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         died.append(f"rank {rank} died ({how})")
     if not died and reports:  # the launcher saw only the ranks that failed after it: find it by its missing report
         started = {int(p.stem[4:]) for p in log_dir.glob("rank*.pid") if p.stem[4:].isdigit()}
@@ -287,7 +327,7 @@ def _failure_line(failure, log_dir: Path) -> str:
         return line + (f"; rank(s) {sorted(reported)} failed after it" if reported else "")
     if reports:
         return min(reports, key=lambda r: r["rank"])["line"]
-    return "; ".join(f"rank {rank} ended with exit code {f.exitcode}" for rank, f in sorted(failure.failures.items()))
+    return "; ".join(f"rank {rank} ended with exit code {code}" for rank, code in sorted(exitcodes.items()))
 
 
 def check_before_launch(config: JobConfig) -> None:

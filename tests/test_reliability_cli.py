@@ -74,12 +74,12 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
 
 def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verbose(tmp_path, capsys):
     """What a failing rank leaves for the launcher (in process: a launch costs seconds)."""
-    from pipelines.train import _report_failure
+    from pipelines.train import report_failure
 
     try:
         raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")
     except ValueError as exc:
-        line = _report_failure(exc, 1, verbose=True, log_dir=str(tmp_path))
+        line = report_failure(exc, 1, verbose=True, log_dir=str(tmp_path))
     assert line == (f"rank 1: nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense' "
                     f"(traceback: {tmp_path / 'rank1.log'})")
     assert "Traceback" in capsys.readouterr().err and "Traceback" in (tmp_path / "rank1.log").read_text()

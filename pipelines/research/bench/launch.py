@@ -1,17 +1,37 @@
 """How a multi-rank bench runs: on torchrun's ranks when launched under torchrun, else on ``--nproc`` local ranks
-spawned here (gloo over a file store); rank 0's result comes back to the launching process."""
+spawned here (gloo over a file store); rank 0's result comes back to the launching process.
+
+Failures end as `freescale train`'s do (docs/reliability.md): a rank that raises writes its traceback to
+``<log dir>/rank<r>.log`` and its one-line error beside it, then exits; the launcher stops the other ranks, removes
+the shared-memory segments its ranks leave (killed ranks run no clean-up), and prints one line naming the rank
+where the fault happened and the cause (``freescale bench NAME: error: rank 1: ...``), exit status 1. The log
+directory is ``$FREESCALE_LOG_DIR`` when set, else a new temporary one. Under torchrun each failing rank prints
+its line itself and exits with status 1; the next start's ``fscomm.shm.clean_stale`` removes what a killed rank
+left.
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import sys
 import tempfile
+import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from fscomm import groups
+from fscomm.shm import remove_segments_of
+from pipelines.train import LOG_DIR_ENV, failure_line, report_failure, use_thread_locks_for_progress_bars
+
 RankMain = Callable[[Any, int, int], Optional[dict]]  # (args, rank, world_size) -> rank 0's result, else None
+
+# After the first rank fails, how long the others get to end on their own (their peer's connection is gone, so
+# they usually fail at once, each with its report) before they are stopped: SIGTERM, then SIGKILL.
+_SETTLE_S, _TERM_GRACE_S = 2.0, 5.0
 
 
 def under_torchrun() -> bool:
@@ -21,37 +41,105 @@ def under_torchrun() -> bool:
 def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, str]] = None) -> Optional[dict]:
     """Runs ``rank_main`` on every rank; returns rank 0's result (None on torchrun's other ranks). ``args`` needs
     ``timeout`` (seconds of the gloo group) and ``nproc`` (local ranks when not under torchrun); ``env``: variables
-    the spawned ranks start with, where not set already."""
+    the spawned ranks start with, where not set already. A failed rank ends the command with one line on stderr
+    and exit status 1 (SystemExit)."""
     timeout = datetime.timedelta(seconds=args.timeout)
     if under_torchrun():
+        use_thread_locks_for_progress_bars()
+        groups.set_comm_timeout(args.timeout)
         dist.init_process_group("gloo", timeout=timeout)
+        rank = dist.get_rank()
         try:
-            return rank_main(args, dist.get_rank(), dist.get_world_size())
-        finally:
-            dist.destroy_process_group()
-    import torch.multiprocessing as mp
+            result = rank_main(args, rank, dist.get_world_size())
+        except Exception as exc:
+            _fail(exc, rank, name, os.environ.get(LOG_DIR_ENV), print_line=True)
+        dist.destroy_process_group()
+        return result
+    import multiprocessing as mp
 
     tmp = tempfile.mkdtemp(prefix=f"fs-bench-{name}-")
     out_path = os.path.join(tmp, "result.json")
-    mp.spawn(_spawned, args=(args.nproc, rank_main, args, os.path.join(tmp, "store"), out_path, env or {}),
-             nprocs=args.nproc)
+    log_dir = Path(os.environ.get(LOG_DIR_ENV) or os.path.join(tmp, "logs"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_spawned, name=f"bench-{name}-rank{r}",
+                         args=(r, args.nproc, rank_main, args, os.path.join(tmp, "store"), out_path, env or {},
+                               str(log_dir), name))
+             for r in range(args.nproc)]
+    try:
+        for p in procs:
+            p.start()
+        exitcodes = _wait(procs)
+    finally:
+        _stop(procs)
+        remove_segments_of([p.pid for p in procs if p.pid is not None])
+    if exitcodes:
+        print(f"freescale bench {name}: error: {failure_line(exitcodes, log_dir)}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     with open(out_path) as f:
         return json.load(f)
 
 
+def _wait(procs) -> dict[int, int]:
+    """Waits for every rank; returns the exit codes of the ranks that failed (none: all succeeded). After the first
+    failure, the others get ``_SETTLE_S`` to end on their own before they are stopped."""
+    failed_at = None
+    while True:
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        failed = {r: c for r, c in codes.items() if c not in (None, 0)}
+        if all(c is not None for c in codes.values()):
+            return failed
+        if failed and failed_at is None:
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > _SETTLE_S:
+            _stop(procs)
+            return {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        time.sleep(0.05)
+
+
+def _stop(procs) -> None:
+    """Ends the ranks still running: SIGTERM, then SIGKILL after ``_TERM_GRACE_S`` (a stopped process ignores
+    SIGTERM)."""
+    alive = [p for p in procs if p.pid is not None and p.exitcode is None]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + _TERM_GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def _fail(exc: BaseException, rank: int, name: str, log_dir: Optional[str], print_line: bool) -> None:
+    """Reports a rank's error (traceback to its log, one line beside it) and ends the process: no second traceback
+    from the process wrapper, no wait at exit on a peer that is gone."""
+    line = report_failure(exc, rank, verbose=False, log_dir=log_dir)
+    if print_line:
+        print(f"freescale bench {name}: error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def _spawned(rank: int, world: int, rank_main: RankMain, args: Any, store_path: str, out_path: str,
-             env: dict[str, str]) -> None:
+             env: dict[str, str], log_dir: str, name: str) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    use_thread_locks_for_progress_bars()
+    # which process is which rank: the launcher's report finds a rank that died without a word by its missing line
+    (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     try:
+        groups.set_comm_timeout(args.timeout)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
         result = rank_main(args, rank, world)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    except Exception as exc:
+        _fail(exc, rank, name, log_dir, print_line=False)
+    dist.destroy_process_group()
 
 
 def write_json(result: Any, path: Optional[str]) -> None:
