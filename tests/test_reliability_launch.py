@@ -148,3 +148,14 @@ def test_a_stage_group_whose_peer_closed_its_connection_says_so_and_the_time_tha
     late = _join_failure("embedding", 0, 2, _Store({0}), 2.0, 2.0, RuntimeError("Timed out"))
     assert "not every rank joined within 2.0 s (the group timeout, run out: waited 2.0 s)" in late
     assert "rank(s) [1] never called it" in late
+
+
+def _rank_and_world(args, rank, world_size):
+    return (rank, world_size)
+
+
+@pytest.mark.multiprocess
+def test_the_bench_launcher_brings_every_ranks_result_back_when_asked():
+    from pipelines.research.bench.launch import launch
+
+    assert launch(_rank_and_world, argparse.Namespace(timeout=30, nproc=2), "demo", every_rank=True) == [(0, 2), (1, 2)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -38,12 +39,16 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, str]] = None) -> Optional[dict]:
-    """Runs ``rank_main`` on every rank; returns rank 0's result (None on torchrun's other ranks). ``args`` needs
+def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, str]] = None,
+           every_rank: bool = False) -> Any:
+    """Runs ``rank_main`` on every rank; returns rank 0's result (None on torchrun's other ranks), or with
+    ``every_rank`` (local ranks only) every rank's result in rank order (any picklable value). ``args`` needs
     ``timeout`` (seconds of the gloo group) and ``nproc`` (local ranks when not under torchrun); ``env``: variables
     the spawned ranks start with, where not set already. A failed rank ends the command with one line on stderr
     and exit status 1 (SystemExit)."""
     timeout = datetime.timedelta(seconds=args.timeout)
+    if under_torchrun() and every_rank:
+        raise ValueError(f"bench {name}: every rank's result comes back from local ranks only, not under torchrun")
     if under_torchrun():
         use_thread_locks_for_progress_bars()
         groups.set_comm_timeout(args.timeout)
@@ -64,7 +69,7 @@ def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, st
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_spawned, name=f"bench-{name}-rank{r}",
                          args=(r, args.nproc, rank_main, args, os.path.join(tmp, "store"), out_path, env or {},
-                               str(log_dir), name))
+                               str(log_dir), name, every_rank))
              for r in range(args.nproc)]
     try:
         for p in procs:
@@ -76,6 +81,12 @@ def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, st
     if exitcodes:
         print(f"freescale bench {name}: error: {failure_line(exitcodes, log_dir)}", file=sys.stderr, flush=True)
         raise SystemExit(1)
+    if every_rank:
+        results = []
+        for r in range(args.nproc):
+            with open(f"{out_path}.rank{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
     with open(out_path) as f:
         return json.load(f)
 
@@ -123,7 +134,7 @@ def _fail(exc: BaseException, rank: int, name: str, log_dir: Optional[str], prin
 
 
 def _spawned(rank: int, world: int, rank_main: RankMain, args: Any, store_path: str, out_path: str,
-             env: dict[str, str], log_dir: str, name: str) -> None:
+             env: dict[str, str], log_dir: str, name: str, every_rank: bool = False) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
     use_thread_locks_for_progress_bars()
@@ -134,7 +145,10 @@ def _spawned(rank: int, world: int, rank_main: RankMain, args: Any, store_path: 
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
         result = rank_main(args, rank, world)
-        if rank == 0:
+        if every_rank:
+            with open(f"{out_path}.rank{rank}.pkl", "wb") as f:
+                pickle.dump(result, f)
+        elif rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
     except Exception as exc:
