@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 # (command path, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("train",), "pipelines.train", "train the reference model, or yours (--model), on local ranks (or under torchrun)"),
+    (("train",), "pipelines.train", "train the reference model or yours (--model) on local ranks or under torchrun"),
     (("data", "synth"), "pipelines.commands.data_synth", "write synthetic heavy-tailed UIH data to Parquet"),
     (("data", "convert"), "pipelines.commands.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),
     (("data", "stats"), "pipelines.commands.data_stats", "length, sparsity and collision statistics of a dataset"),
