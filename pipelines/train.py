@@ -24,6 +24,8 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -262,16 +264,48 @@ def launch(config: JobConfig) -> Optional[dict]:
     if not config.train.verbose:  # their failure report is a page long; the line below says what failed
         for log in loggers:
             log.setLevel(logging.CRITICAL)
+    done = threading.Event()
+    watch = threading.Thread(target=_kill_stopped_ranks_after_a_failure, args=(Path(log_dir), done),
+                             name="freescale-stopped-ranks", daemon=True)
+    watch.start()
     try:
         results = elastic_launch(launch_config, worker)(config)
     except ChildFailedError as failure:
         raise RankFailed(_failure_line(failure, Path(log_dir))) from None
     finally:
+        done.set()
+        watch.join()
         for log, level in zip(loggers, levels):
             log.setLevel(level)
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
         remove_rank_segments(Path(log_dir))
     return results.get(0)
+
+
+_STOPPED_GRACE_S = 5.0
+
+
+def _kill_stopped_ranks_after_a_failure(log_dir: Path, done: threading.Event) -> None:
+    """Once a rank has reported an error, kills the ranks that are stopped (SIGSTOP, a debugger) ``_STOPPED_GRACE_S``
+    later. torch's elastic launcher stops the other ranks with SIGTERM, which a stopped process does not take, and
+    then waits 30 s before its SIGKILL: the job would end that long after its error line. Only this launcher's own
+    children are touched (a pid file left by an earlier job in the same directory may name another process)."""
+    failed_at = None
+    while not done.wait(0.25):
+        if failed_at is None:
+            if next(log_dir.glob("rank*.error"), None) is not None:
+                failed_at = time.monotonic()
+            continue
+        if time.monotonic() - failed_at < _STOPPED_GRACE_S:
+            continue
+        for pid in rank_pids(log_dir).values():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                if state in ("T", "t") and int(ppid) == os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                continue
 
 
 def rank_pids(log_dir: Path) -> dict[int, int]:
