@@ -117,7 +117,8 @@ PY
     echo "== GPU tests: varlen and FlexAttention against the per-sample twin, empty keys, reproducible backward; the model"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
     echo "== bench attention: varlen, FlexAttention (and both in the deterministic mode) against padded SDPA, fwd+bwd, bf16"
-    timeout 300 python3 -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 | tail -40
+    timeout 300 python3 -W ignore -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 \
+      | tee "$OUT/attention.log" | grep -v "^ \|^Traceback" | tail -40
     ;;
   deterministic)
     echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
