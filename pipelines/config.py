@@ -144,6 +144,7 @@ _BALANCING = ("replicated", "freescale")
 _SHARDED = ("sync", "sdd", "semisync", "freescale")
 MODE_OPTIONS = {
     "partitioner": _BALANCING, "alpha": _BALANCING, "autotune": _BALANCING, "min_gain": _BALANCING,
+    "memory_budget": _BALANCING,
     "transport": _SHARDED, "embedding_lr": (*_SHARDED, "torchrec"), "embedding_optimizer": (*_SHARDED, "torchrec"),
     "early_start": ("freescale",), "exclusive_start": ("freescale",), "embedding_schedule": ("freescale",),
 }

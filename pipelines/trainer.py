@@ -207,9 +207,11 @@ class Trainer:
         stages = []
         if self.balancing:  # the loader's batches are on the CPU: the host transport carries them
             transport = get_transport("host", group=new_stage_group("balancer"))
+            # The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps.
+            max_uih = getattr(getattr(self.spec.model, "config", None), "max_uih", None)
             stages += balancer_stages(
                 self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
-                self.feedback, self.worker_timer,
+                self.feedback, self.worker_timer, device=self.device, max_uih=max_uih,
             )
         if self.pipeline is not None:
             stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
