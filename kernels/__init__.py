@@ -1,5 +1,9 @@
-"""kernels: jagged ops, each a dispatcher over a Triton kernel and a vectorized PyTorch twin.
+"""kernels: the jagged ops every stage uses, laid out per implementation (triton/, pytorch/, varlen/, flex/), with
+one dispatch point per op family that validates inputs once and picks an implementation by one vocabulary,
+:class:`kernels.impl.Impl`:
 
-Public entry point: ``from kernels import ops`` (see kernels/ops.py); ``ops.Impl`` picks an implementation. The jagged attention
-(FlexAttention over a block mask built from offsets, or per-sample SDPA) has its own: ``kernels.attention``.
+- ``from kernels import ops``: the jagged data ops (indexed permute, ranged dispatch/combine, keyed transpose,
+  segment sums, collision masks): a Triton kernel and a vectorized PyTorch twin each.
+- ``kernels.attention``: the jagged attention (varlen FlashAttention, FlexAttention over block masks built from
+  offsets, per-sample SDPA, padded SDPA).
 """

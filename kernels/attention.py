@@ -3,7 +3,7 @@
 Tokens are packed ``[N, heads, dim]`` with int64 offsets (B + 1 entries); each query attends only to keys of its
 own sample: ``causal=True`` (self-attention over one set of offsets, a query sees the keys at or before it) or
 ``causal=False`` (cross attention between two sets of offsets, every key of the sample: a candidate over its
-sample's UIH). A query whose sample has no keys gets zeros. Implementations (:class:`AttentionImpl`):
+sample's UIH). A query whose sample has no keys gets zeros. Implementations (:class:`kernels.impl.Impl`):
 
 - ``VARLEN``: PyTorch's variable-length FlashAttention (:mod:`kernels.varlen.varlen_jagged_attention`) over
   int32 device offsets: no block mask, no compilation, no host work per call when the offsets come as
@@ -26,53 +26,40 @@ Which implementations need a host-built plan: :data:`NEEDS_BLOCK_MASK`.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
+from kernels.impl import Impl, resolve
 from kernels.pytorch import pt_jagged_attention
 
 
-class AttentionImpl(enum.Enum):
-    VARLEN = "varlen"
-    FLEX = "flex"
-    TORCH = "torch"
-    PADDED = "padded"
+#: The implementations of the jagged attention (kernels.impl names every kernel implementation).
+SUPPORTED = (Impl.VARLEN, Impl.FLEX, Impl.TORCH, Impl.PADDED)
 
 
 #: The implementations whose kernels take a block mask built on the host from the batch's offsets: a model using
 #: one wants the loader's attention-plan stage; the others need no plan.
-NEEDS_BLOCK_MASK = frozenset({AttentionImpl.FLEX})
+NEEDS_BLOCK_MASK = frozenset({Impl.FLEX})
 #: Where torch's varlen FlashAttention runs (its CPU build imports but raises): the dispatch refuses other devices.
 VARLEN_DEVICE_TYPES = ("cuda",)
 
 
-def resolve_impl(impl: Union[AttentionImpl, str, None], device: torch.device, *, deterministic: bool = False) -> AttentionImpl:
+def resolve_impl(impl: Union[Impl, str, None], device: torch.device, *, deterministic: bool = False) -> Impl:
     """The implementation to run: ``impl`` as given, else the default for ``device`` (VARLEN on CUDA, TORCH on
     CPU), where ``deterministic`` picks FLEX on CUDA (reproducible without the global deterministic flag, and
     faster than VARLEN under it)."""
-    if impl is None:
-        if device.type != "cuda":
-            return AttentionImpl.TORCH
-        return AttentionImpl.FLEX if deterministic else AttentionImpl.VARLEN
-    if isinstance(impl, AttentionImpl):
-        return impl
-    if isinstance(impl, str):
-        try:
-            return AttentionImpl(impl.lower())
-        except ValueError:
-            raise ValueError(f"unknown attention impl {impl!r}; expected one of {[i.value for i in AttentionImpl]}") from None
-    raise ValueError(f"attention impl must be an AttentionImpl, a string or None, got {type(impl).__name__}")
+    default = Impl.TORCH if device.type != "cuda" else (Impl.FLEX if deterministic else Impl.VARLEN)
+    return resolve(impl, op="attention", supported=SUPPORTED, default=default)
 
 
-def is_deterministic(impl: AttentionImpl, device: torch.device) -> bool:
+def is_deterministic(impl: Impl, device: torch.device) -> bool:
     """Whether ``impl``'s backward gives the same bits on every run, as the process is set up now: on CPU every
     implementation is; on CUDA FLEX always, the SDPA/FlashAttention ones only under
     ``torch.use_deterministic_algorithms(True)`` (torch then selects their deterministic backward)."""
-    if device.type != "cuda" or impl is AttentionImpl.FLEX:
+    if device.type != "cuda" or impl is Impl.FLEX:
         return True
     return torch.are_deterministic_algorithms_enabled()
 
@@ -149,7 +136,7 @@ def jagged_attention(
     *,
     causal: bool,
     block_mask: Optional[JaggedBlockMask] = None,
-    impl: Union[AttentionImpl, str, None] = None,
+    impl: Union[Impl, str, None] = None,
 ) -> torch.Tensor:
     """Softmax attention of packed queries ``q`` [Nq, H, D] over packed keys/values ``k``/``v`` [Nkv, H, D],
     within each sample; returns [Nq, H, D]. ``kv_offsets`` defaults to ``q_offsets`` (causal takes only those)."""
@@ -165,14 +152,14 @@ def jagged_attention(
         _require(q.shape[0] == k.shape[0], f"causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
     kind = resolve_impl(impl, q.device)
     match kind:
-        case AttentionImpl.VARLEN:
+        case Impl.VARLEN:
             _require(q.device.type in VARLEN_DEVICE_TYPES, "the VARLEN path runs on CUDA (FlashAttention); use impl='torch' on CPU")
             qp = _packed("q_offsets", q_offsets, q.shape[0], q.device)
             kp = qp if kv_offsets is q_offsets else _packed("kv_offsets", kv_offsets, k.shape[0], q.device)
             from kernels.varlen import varlen_jagged_attention
 
             return varlen_jagged_attention.jagged_attention(q, k, v, qp.device, kp.device, qp.max_len, kp.max_len, causal)
-        case AttentionImpl.FLEX:
+        case Impl.FLEX:
             _require(q.is_cuda, "the FlexAttention path runs on CUDA (it has no CPU backward); use impl='torch' on CPU")
             if block_mask is None:
                 qh, kh = _host(q_offsets).cpu(), _host(kv_offsets).cpu()
@@ -186,11 +173,11 @@ def jagged_attention(
             from kernels.flex import flex_jagged_attention
 
             return flex_jagged_attention.jagged_attention(q, k, v, block_mask)
-        case AttentionImpl.TORCH | AttentionImpl.PADDED:
+        case Impl.TORCH | Impl.PADDED:
             qo = _host_offsets("q_offsets", _host(q_offsets), q.shape[0])
             ko = qo if kv_offsets is q_offsets else _host_offsets("kv_offsets", _host(kv_offsets), k.shape[0])
             _require(not causal or qo == ko, "causal attention takes one set of offsets (queries and keys alike)")
-            twin = pt_jagged_attention.jagged_attention if kind is AttentionImpl.TORCH else pt_jagged_attention.padded_attention
+            twin = pt_jagged_attention.jagged_attention if kind is Impl.TORCH else pt_jagged_attention.padded_attention
             return twin(q, k, v, qo, ko, causal)
         case other:
             raise ValueError(f"kernels.attention.jagged_attention: unhandled impl {other}")

@@ -1,11 +1,12 @@
 """The one dispatch point of the jagged kernels: ``from kernels import ops``.
 
-Every op validates its inputs once, here, then runs one implementation chosen by :class:`Impl`:
+Every op validates its inputs once, here, then runs one implementation chosen by :class:`kernels.impl.Impl`:
 
 - ``Impl.TRITON``: the Triton kernel (default for CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which is how the tests run it).
 - ``Impl.TORCH``: the vectorized PyTorch twin (default for CPU tensors; the reference in tests).
-- ``Impl.EAGER``: the naive per-sample loop; the benchmark's baseline, never the training path.
+- ``Impl.EAGER``: the naive per-sample loop (kernels/pytorch/pt_eager.py); the benchmark's baseline, never the
+  training path.
 
 Shape and dtype checks always run. Checks that read tensor *values* (offsets non-decreasing, indices in range,
 a permutation really being one) need a device-to-host sync, so they run on CPU tensors always and on CUDA
@@ -14,37 +15,26 @@ tensors only when ``FREESCALE_CHECK_KERNEL_INPUTS=1`` (a debugging switch: the h
 
 from __future__ import annotations
 
-import enum
 import importlib
 import os
 from typing import Any, Callable, Optional, Union
 
 import torch
 
-from kernels import eager
+from kernels.impl import Impl, resolve
+from kernels.pytorch import pt_eager as eager
 from kernels.pytorch import pt_jagged_gather, pt_ranged, pt_segment
 
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 CHECK_ENV = "FREESCALE_CHECK_KERNEL_INPUTS"
 
 
-class Impl(enum.Enum):
-    TRITON = "triton"
-    TORCH = "torch"
-    EAGER = "eager"
+#: The implementations every op here has.
+SUPPORTED = (Impl.TRITON, Impl.TORCH, Impl.EAGER)
 
 
-def _resolve(impl: Union[Impl, str, None], tensor: torch.Tensor) -> Impl:
-    if impl is None:
-        return Impl.TRITON if tensor.is_cuda else Impl.TORCH
-    if isinstance(impl, str):
-        try:
-            return Impl(impl.lower())
-        except ValueError:
-            raise ValueError(f"unknown kernel impl {impl!r}; expected one of {[i.value for i in Impl]}") from None
-    if isinstance(impl, Impl):
-        return impl
-    raise ValueError(f"impl must be an Impl, a string or None, got {type(impl).__name__}")
+def _resolve(op: str, impl: Union[Impl, str, None], tensor: torch.Tensor) -> Impl:
+    return resolve(impl, op=f"ops.{op}", supported=SUPPORTED, default=Impl.TRITON if tensor.is_cuda else Impl.TORCH)
 
 
 def _check_values(*tensors: torch.Tensor) -> bool:
@@ -91,7 +81,7 @@ def _run(op: str, impl: Union[Impl, str, None], tensor: torch.Tensor, *, triton:
     """The one dispatch of every op: ``triton(module)`` gets ``kernels.triton.<module of the op>`` (imported here,
     lazily: CPU runs never need Triton), ``twin()`` and ``eager_loop()`` run the other two. A Triton kernel
     without a backward refuses a ``differentiable_input`` that requires grad."""
-    match _resolve(impl, tensor):
+    match _resolve(op, impl, tensor):
         case Impl.TRITON:
             if differentiable_input is not None:
                 _no_grad_through_triton(op, differentiable_input)

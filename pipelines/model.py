@@ -41,11 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdata.batch import Batch, offsets_to_lengths
-from kernels.attention import NEEDS_BLOCK_MASK, AttentionImpl, PackedOffsets, jagged_attention, resolve_impl
+from kernels.attention import NEEDS_BLOCK_MASK, PackedOffsets, jagged_attention, resolve_impl
+from kernels.impl import Impl
 from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
 
 ATTENTIONS = ("jagged", "padded")
-#: The kernels of the jagged attention a model may name (kernels.attention.AttentionImpl); None: the device's default.
+#: The kernels of the jagged attention a model may name (kernels.impl.Impl); None: the device's default.
 ATTENTION_IMPLS = ("varlen", "flex", "torch")
 
 
@@ -245,20 +246,20 @@ class SequenceModel(nn.Module):
         :class:`AttentionPlan` (picklable, holds no module): what the loader's attention-plan stage runs."""
         return functools.partial(attention_plan, max_uih=self.config.max_uih)
 
-    def attention_impl(self, device: torch.device) -> AttentionImpl:
+    def attention_impl(self, device: torch.device) -> Impl:
         """The kernel of this model's attention on ``device``: PADDED for the padded model; for the jagged one the
         configured kernel (default: the device's, kernels.attention.resolve_impl) where its head dim suits it
         (FlexAttention's kernels need >= 16, FlashAttention's a multiple of 8 up to 256), else the per-sample twin."""
         if self.config.attention == "padded":
-            return AttentionImpl.PADDED
+            return Impl.PADDED
         if device.type != "cuda":
-            return AttentionImpl.TORCH
+            return Impl.TORCH
         impl = resolve_impl(self.config.attention_impl, device)
         head_dim = self.config.dim // self.config.num_heads
-        if impl is AttentionImpl.FLEX and head_dim < 16:
-            return AttentionImpl.TORCH
-        if impl is AttentionImpl.VARLEN and (head_dim % 8 or head_dim > 256):
-            return AttentionImpl.TORCH
+        if impl is Impl.FLEX and head_dim < 16:
+            return Impl.TORCH
+        if impl is Impl.VARLEN and (head_dim % 8 or head_dim > 256):
+            return Impl.TORCH
         return impl
 
     def needs_plan(self, device: torch.device) -> bool:

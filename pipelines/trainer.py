@@ -547,7 +547,7 @@ class Trainer:
         change per step are compiling new variants mid-run (kernels.triton.common.fixed_code)."""
         if self.device.type != "cuda":
             return None
-        from kernels.triton.common import compiled_variants
+        from kernels.triton.variants import compiled_variants
 
         return compiled_variants()
 

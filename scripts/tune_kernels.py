@@ -14,7 +14,7 @@ import itertools
 import torch
 
 from kernels import ops
-from kernels.ops import Impl
+from kernels.impl import Impl
 from kernels.triton import triton_jagged_gather, triton_ranged
 from pipelines.research.bench import kernels as bench
 

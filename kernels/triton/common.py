@@ -66,19 +66,3 @@ def fixed_code(*sizes: str) -> dict:
     rank, which every other rank then waits for at the next collective. These sizes only bound loops and masks,
     so one compiled kernel serves them all."""
     return {"do_not_specialize": sizes, "do_not_specialize_on_alignment": sizes}
-
-
-def compiled_variants() -> dict[str, int]:
-    """Compiled variants of each of this package's kernels in this process (all devices): a figure to check that
-    a run compiled each kernel once per dtype and launch shape, not once per step. Empty where the Triton
-    runtime keeps no per-device cache (the interpreter)."""
-    from kernels.triton import triton_jagged_gather, triton_ranged, triton_segment
-    from triton.runtime.jit import JITFunction
-
-    out = {}
-    for module in (triton_jagged_gather, triton_ranged, triton_segment):
-        for name, fn in vars(module).items():
-            caches = getattr(fn, "device_caches", None) if isinstance(fn, JITFunction) else None
-            if caches:
-                out[name] = sum(len(cache[0]) for cache in caches.values())
-    return out

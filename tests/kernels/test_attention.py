@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.attention import AttentionImpl, jagged_attention, resolve_impl
+from kernels.attention import jagged_attention, resolve_impl
+from kernels.impl import Impl
 from kernels.flex.block_mask import build_block_mask
 from tests.kernels.test_attention_gpu import _compare, _qkv
 
@@ -105,12 +106,12 @@ def test_a_query_without_keys_gets_zeros_and_no_nan():
 
 def test_bad_input_is_refused_with_a_message():
     q, k, v = _qkv(4, 4)
-    with pytest.raises(ValueError, match="unknown attention impl"):
+    with pytest.raises(ValueError, match="kernels.attention: unknown impl"):
         jagged_attention(q, k, v, _offsets([4]), causal=True, impl="sdpa")
     with pytest.raises(ValueError, match="from 0 to the 4 packed rows"):
         jagged_attention(q, k, v, _offsets([3]), causal=True)
     with pytest.raises(ValueError, match="runs on CUDA"):
-        jagged_attention(q, k, v, _offsets([4]), causal=True, impl=AttentionImpl.FLEX)
+        jagged_attention(q, k, v, _offsets([4]), causal=True, impl=Impl.FLEX)
     with pytest.raises(ValueError, match="one set of offsets"):
         jagged_attention(q, k, v, _offsets([2, 2]), _offsets([1, 3]), causal=True)
-    assert resolve_impl(None, torch.device("cpu")) is AttentionImpl.TORCH
+    assert resolve_impl(None, torch.device("cpu")) is Impl.TORCH

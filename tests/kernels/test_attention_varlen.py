@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.attention as attention
-from kernels.attention import NEEDS_BLOCK_MASK, AttentionImpl, PackedOffsets, jagged_attention, resolve_impl
+from kernels.attention import NEEDS_BLOCK_MASK, PackedOffsets, jagged_attention, resolve_impl
+from kernels.impl import Impl
 from tests.kernels.test_attention_gpu import _offsets, _qkv
 
 
@@ -77,7 +78,7 @@ def test_packed_offsets_are_taken_as_given_without_host_reads(fake_varlen, monke
     assert packed.device.dtype == torch.int32 and packed.max_len == 4
     # Validating host values is the conversion path's work; offsets that come packed skip it.
     monkeypatch.setattr(attention, "_host_offsets", lambda *a: pytest.fail("host offsets read for packed offsets"))
-    jagged_attention(q, k, v, packed, causal=True, impl=AttentionImpl.VARLEN)
+    jagged_attention(q, k, v, packed, causal=True, impl=Impl.VARLEN)
     stale = PackedOffsets(qo, packed.device[:2], 4)
     with pytest.raises(ValueError, match="must match the host ones"):
         jagged_attention(q, k, v, stale, causal=True, impl="varlen")
@@ -91,9 +92,9 @@ def test_varlen_is_refused_where_flash_attention_does_not_run():
 
 def test_defaults_and_which_kernels_need_a_plan():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve_impl(None, cuda) is AttentionImpl.VARLEN and resolve_impl(None, cpu) is AttentionImpl.TORCH
-    assert resolve_impl(None, cuda, deterministic=True) is AttentionImpl.FLEX
-    assert NEEDS_BLOCK_MASK == {AttentionImpl.FLEX}
+    assert resolve_impl(None, cuda) is Impl.VARLEN and resolve_impl(None, cpu) is Impl.TORCH
+    assert resolve_impl(None, cuda, deterministic=True) is Impl.FLEX
+    assert NEEDS_BLOCK_MASK == {Impl.FLEX}
 
 
 def test_the_reference_model_asks_for_a_plan_only_for_flex():
@@ -103,9 +104,9 @@ def test_the_reference_model_asks_for_a_plan_only_for_flex():
     default = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=16))
     flex = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=16, attention_impl="flex"))
     narrow = SequenceModel(ModelConfig(num_items=10, dim=12, num_heads=2, max_uih=16))  # head dim 6: no flash kernel
-    assert default.attention_impl(cuda) is AttentionImpl.VARLEN and not default.needs_plan(cuda)
-    assert flex.attention_impl(cuda) is AttentionImpl.FLEX and flex.needs_plan(cuda)
-    assert narrow.attention_impl(cuda) is AttentionImpl.TORCH and not narrow.needs_plan(cuda)
-    assert default.attention_impl(torch.device("cpu")) is AttentionImpl.TORCH
+    assert default.attention_impl(cuda) is Impl.VARLEN and not default.needs_plan(cuda)
+    assert flex.attention_impl(cuda) is Impl.FLEX and flex.needs_plan(cuda)
+    assert narrow.attention_impl(cuda) is Impl.TORCH and not narrow.needs_plan(cuda)
+    assert default.attention_impl(torch.device("cpu")) is Impl.TORCH
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         ModelConfig(attention_impl="sdpa")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import ops
-from kernels.ops import Impl
+from kernels.impl import Impl
 from tests.kernels.cases import (
     OFFSET_DTYPES,
     VALUE_DTYPES,
@@ -131,10 +131,12 @@ def test_default_impl_on_cpu_is_the_twin(monkeypatch):
 
 
 def test_unknown_impl_raises():
-    with pytest.raises(ValueError, match="unknown kernel impl 'pytorch'"):
+    with pytest.raises(ValueError, match="kernels.ops.segment_sum: unknown impl 'pytorch'"):
         ops.segment_sum(torch.ones(3), torch.tensor([0, 3]), impl="pytorch")
     with pytest.raises(ValueError, match="impl must be"):
         ops.segment_sum(torch.ones(3), torch.tensor([0, 3]), impl=3)
+    with pytest.raises(ValueError, match="'varlen' is not one of this op's"):
+        ops.segment_sum(torch.ones(3), torch.tensor([0, 3]), impl="varlen")
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton")
 
 from kernels import ops  # noqa: E402
-from kernels.ops import Impl  # noqa: E402
+from kernels.impl import Impl  # noqa: E402
 from kernels.triton import common  # noqa: E402
 from tests.kernels.cases import (  # noqa: E402
     OFFSET_DTYPES,

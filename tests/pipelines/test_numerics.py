@@ -45,14 +45,15 @@ def test_the_deterministic_mode_sets_the_flag_and_the_cublas_workspace(restore_d
 
 def test_a_kernel_that_is_not_reproducible_as_set_up_is_refused(restore_determinism, monkeypatch):
     """On CUDA, varlen's backward is reproducible only under the deterministic algorithms; FlexAttention always."""
-    from kernels.attention import AttentionImpl, is_deterministic
+    from kernels.attention import is_deterministic
+    from kernels.impl import Impl
 
     varlen = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=8, attention_impl="varlen"))
-    assert is_deterministic(AttentionImpl.FLEX, CUDA) and is_deterministic(AttentionImpl.TORCH, CPU)
+    assert is_deterministic(Impl.FLEX, CUDA) and is_deterministic(Impl.TORCH, CPU)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", numerics.CUBLAS_WORKSPACES[0])
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     numerics.check_determinism(varlen, CUDA)  # the flag on: varlen's deterministic backward
-    monkeypatch.setattr(numerics, "is_deterministic", lambda impl, device: impl is AttentionImpl.FLEX)
+    monkeypatch.setattr(numerics, "is_deterministic", lambda impl, device: impl is Impl.FLEX)
     with pytest.raises(ValueError, match="attention kernel 'varlen' is not reproducible"):
         numerics.check_determinism(varlen, CUDA)
 

@@ -3,7 +3,7 @@
 Per case (``--cases B:cap,...``; default on CUDA (64, 4,096), (128, 8,000), (128, 21,000), small ones on CPU), a
 batch of B causal self-attentions with KuaiRand-like UIH lengths (lognormal, median 3,400, mean 5,000 before the
 cap, as ``freescale bench kernels`` draws them), ``--heads`` heads of ``--head-dim``, bf16 on CUDA (fp32 on CPU).
-The kernels (kernels.attention.AttentionImpl), each over the packed tokens [N, heads, dim]:
+The kernels (kernels.impl.Impl), each over the packed tokens [N, heads, dim]:
 
     varlen      PyTorch's varlen FlashAttention over int32 device offsets (CUDA; needs no plan)
     flex        FlexAttention with the block mask built from the offsets (CUDA; needs a plan: built before the
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import NEEDS_BLOCK_MASK, AttentionImpl, PackedOffsets, jagged_attention
+from kernels.attention import NEEDS_BLOCK_MASK, PackedOffsets, jagged_attention
+from kernels.impl import Impl
 from kernels.flex.block_mask import build_block_mask
 from pipelines.research.bench.kernels import uih_lengths
 
@@ -115,14 +116,14 @@ def _parse(spec: str, flag: str, arity: int = 2) -> list[tuple[int, ...]]:
     return out
 
 
-def _kernel(name: str) -> tuple[AttentionImpl, bool]:
+def _kernel(name: str) -> tuple[Impl, bool]:
     """A kernel name of ``--kernels`` -> its implementation and whether it runs in the deterministic mode."""
     base, det = (name[:-4], True) if name.endswith("-det") else (name, False)
     try:
-        return AttentionImpl(base), det
+        return Impl(base), det
     except ValueError:
         raise ValueError(f"bench attention: unknown kernel {name!r} in --kernels; expected one of "
-                         f"{[i.value for i in AttentionImpl]}, each optionally with -det") from None
+                         f"{[i.value for i in Impl]}, each optionally with -det") from None
 
 
 @contextlib.contextmanager
@@ -221,9 +222,9 @@ def bench_case(args, b: int, cap: int, device: torch.device, dtype, kernels: lis
     mask = build_block_mask(offsets, causal=True).to(device) if device.type == "cuda" else None
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is AttentionImpl.FLEX else None)
+        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
 
-    padded = call_for(AttentionImpl.PADDED)
+    padded = call_for(Impl.PADDED)
     return _kernel_rows(args, "lognormal", lengths, kernels, call_for, padded, grad, (q, k, v), b, cap, n, device)
 
 
@@ -240,9 +241,9 @@ def bench_target(args, b: int, cap: int, c: int, device: torch.device, dtype, ke
     mask = build_block_mask(q_offsets, kv_offsets, causal=False).to(device) if device.type == "cuda" else None
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, qp, kp, causal=False, impl=impl, block_mask=mask if impl is AttentionImpl.FLEX else None)
+        return lambda: jagged_attention(q, k, v, qp, kp, causal=False, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
 
-    records = _kernel_rows(args, "target", lengths, kernels, call_for, call_for(AttentionImpl.PADDED), grad, (q, k, v),
+    records = _kernel_rows(args, "target", lengths, kernels, call_for, call_for(Impl.PADDED), grad, (q, k, v),
                            b, cap, n, device)
     return records
 
@@ -262,7 +263,7 @@ def bench_equal(args, b: int, length: int, device: torch.device, dtype, kernels:
                       0.0, False, None, str(device))]
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is AttentionImpl.FLEX else None)
+        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
 
     for r in _kernel_rows(args, "equal", lengths, [x for x in kernels if x != "padded"], call_for, sdpa, grad,
                           (q, k, v), b, length, n, device):

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kernels import ops
-from kernels.ops import Impl
+from kernels.impl import Impl
 
 H200_COPY_BANDWIDTH = 4.3e12  # bytes/s, read + write: an H200's device-to-device copy rate, the bandwidth column's 100%
 NUM_ROWS = 1 << 30  # embedding rows, row-wise sharded over the ranks
