@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fscomm.timing import Timer
-from fsdata.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
+from fsembed.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
 from fsembed.comm import StageTransports, stage_transports
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
@@ -220,6 +220,42 @@ class ShardedEmbeddingCollection(nn.Module):
                 f"this job is rank {self.rank} of {self.plan.world_size} (resharding needs full tables: full_tables())"
             )
         self.load_tables_state(state["tables"])
+
+    def gather_table(self, name: str, dst: Optional[int] = 0) -> Optional[torch.Tensor]:
+        """Table ``name`` whole [num_rows, dim] on rank ``dst`` (None on the others), or on every rank with
+        ``dst=None``. Collective: every rank calls it, for the same tables in the same order, after ``flush()``.
+        Each rank sends only its own rows, so the gathering rank holds one whole table beside its shard, never
+        every table on every rank as :meth:`full_tables` does."""
+        if name not in self.plan.row_boundaries:
+            raise ValueError(f"gather_table: no table {name!r}; the plan has {sorted(self.plan.row_boundaries)}")
+        world = self.plan.world_size
+        if dst is not None and not 0 <= dst < world:
+            raise ValueError(f"gather_table: dst must be a rank in [0, {world}) or None (every rank), got {dst}")
+        if getattr(self, "_unflushed", False):  # its rows still lack the deferred updates of the last step
+            raise ValueError(f"rank {self.rank}: gather_table after a training step needs flush() first, on every rank")
+        t = self.plan.table(name)
+        group = next(g for g in self.plan.groups if name in g.tables)
+        rb = [int(x) for x in self.plan.row_boundaries[name]]
+        base = int(group.table_base[name][self.rank] - group.boundaries[self.rank])
+        # gloo moves host tensors only; NCCL (the default group of a GPU job) moves device tensors only
+        wire = torch.device("cpu") if "gloo" in str(dist.get_backend()) else self.device
+        mine = self.shards[group.name].weight.detach()[base : base + rb[self.rank + 1] - rb[self.rank]].to(wire)
+        if dst is not None and self.rank != dst:
+            if mine.shape[0]:
+                dist.send(mine.contiguous(), dst)
+            return None
+        out = torch.empty(t.num_rows, t.dim, dtype=t.dtype, device=wire)
+        for r in range(world):
+            part = out[rb[r] : rb[r + 1]]  # rows of one rank: a contiguous slice, received in place
+            if r == self.rank:
+                part.copy_(mine)
+            if not part.shape[0]:
+                continue
+            if dst is None:
+                dist.broadcast(part, src=r)
+            elif r != self.rank:
+                dist.recv(part, src=r)
+        return out
 
     def full_tables(self) -> dict[str, torch.Tensor]:
         """Every table whole, gathered on every rank (tests and small benchmarks only: AllGathers whole tables)."""

@@ -23,10 +23,15 @@ per step is prepared with the ids of every call, in call order (a list per featu
 tensor): each call takes the next ids' rows; a module called again with all of its ids gets the same rows again.
 The collection is registered in the model as ``fsembed_collection``: its tables, optimizer state and, for
 prioritized updates, the exchange in flight ride in ``model.state_dict()``.
+
+The hub keeps the user's own modules (``hub.swapped``) with their parameters moved to the meta device (shapes and
+dtypes kept, storage released: the tables live in the collection, and a second whole copy on every rank is what
+sharding avoids). :func:`unswap_embeddings` puts them back, filled with the trained tables gathered to one rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -56,11 +61,21 @@ def flat_features(features: Features) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass
+class SwappedModule:
+    """A user's module that :func:`swap_embeddings` replaced: the module itself, its parameters on the meta
+    device, and where each of its tables goes back."""
+
+    module: nn.Module
+    tables: dict[str, tuple[str, torch.device]]  # table -> (its parameter's path in the module, the weight's device)
+
+
 class EmbeddingHub:
     """Runs the collection once per step and hands each swapped module its rows."""
 
     def __init__(self, collection: ShardedEmbeddingCollection):
         self.collection = collection
+        self.swapped: dict[str, SwappedModule] = {}  # path in the model -> the user's module it replaced
         self._ids: dict[str, torch.Tensor] = {}
         self._out: dict[str, torch.Tensor] = {}
         self._cursor: dict[str, int] = {}  # per feature: ids taken by the calls so far this step
@@ -192,6 +207,50 @@ def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Te
     raise ValueError(f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec EmbeddingCollection")
 
 
+def _table_params(name: str, module: nn.Module) -> dict[str, str]:
+    """table -> the path of its weight in ``module`` (the names :func:`_tables_of` gives the tables)."""
+    if isinstance(module, nn.Embedding):
+        return {name.replace(".", "_"): "weight"}
+    return {cfg.name: f"embeddings.{cfg.name}.weight" for cfg in module.embedding_configs()}
+
+
+def _set_param(module: nn.Module, path: str, value: torch.Tensor, requires_grad: bool) -> None:
+    owner_path, _, attr = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    owner._parameters[attr] = nn.Parameter(value, requires_grad=requires_grad)
+
+
+def _keep(name: str, module: nn.Module) -> SwappedModule:
+    """The module, its tables' weights replaced by meta parameters of the same shape and dtype. New parameter
+    objects, not the old ones emptied: a weight the user also holds elsewhere (tied to an output layer) keeps
+    its values there."""
+    tables = {}
+    for table, path in _table_params(name, module).items():
+        weight = module.get_parameter(path)
+        tables[table] = (path, weight.device)
+        _set_param(module, path, weight.detach().to("meta"), weight.requires_grad)
+    return SwappedModule(module, tables)
+
+
+def unswap_embeddings(model: nn.Module, hub: EmbeddingHub, dst: Optional[int] = 0) -> None:
+    """The inverse of :func:`swap_embeddings`: puts the user's own modules back in ``model`` in place, and removes
+    the collection. On rank ``dst`` their weights are the trained tables (gathered there one at a time); on the
+    other ranks they stay on the meta device (same keys, shapes and dtypes; no values), or with ``dst=None`` every
+    rank gets the tables. Collective: every rank calls it, after the collection's ``flush()``."""
+    if model._modules.get(COLLECTION_NAME) is not hub.collection:
+        raise ValueError(f"fsembed unswap: {type(model).__name__} holds no collection of this hub (never swapped, or "
+                         "already unswapped)")
+    for name, kept in hub.swapped.items():  # the same order on every rank: the gathers pair up
+        for table, (path, device) in kept.tables.items():
+            full = hub.collection.gather_table(table, dst)
+            if full is not None:
+                _set_param(kept.module, path, full.to(device), kept.module.get_parameter(path).requires_grad)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, kept.module)
+    del model._modules[COLLECTION_NAME]
+    hub.swapped = {}
+
+
 def find_embeddings(model: nn.Module, types: Sequence[Union[str, type]]) -> list[str]:
     """Paths of the modules of ``model`` whose type is one of ``types`` (classes, or class names such as
     ``"EmbeddingCollection"``, so torchrec need not be imported), outermost first; none inside another found one."""
@@ -257,5 +316,6 @@ def swap_embeddings(
         else:
             view = ShardedCollectionView(hub, [f for t, _ in found[n] for f in t.features])
         setattr(parent, child, view)
+        hub.swapped[n] = _keep(n, modules[n])
     model.add_module(COLLECTION_NAME, collection)
     return hub

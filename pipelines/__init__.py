@@ -1,5 +1,5 @@
-"""pipelines: the public training API (wrap_model, TrainStep, ModelSpec), the staged train pipeline, the reference
-model, CLI, benchmarks and simulator. See docs/api.md."""
+"""pipelines: the public training API (wrap_model, TrainStep, ModelSpec, unwrap_model), the staged train
+pipeline, the reference model, CLI, benchmarks and simulator. See docs/api.md."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ _EXPORTS = {
     "TrainStep": "pipelines.step",
     "bce_loss": "pipelines.step",
     "host_transport": "pipelines.step",
+    "unwrap_model": "pipelines.step",
     "wrap_model": "pipelines.step",
     "StagedPipeline": "pipelines.staged",
 }

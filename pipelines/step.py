@@ -135,6 +135,24 @@ def wrap_model(
     return stage
 
 
+def unwrap_model(model: nn.Module, stage: StagedPipeline, *, dst: Optional[int] = 0) -> nn.Module:
+    """The inverse of :func:`wrap_model`, after training: puts your own embedding modules back in ``model`` in
+    place, with the trained tables, and removes FreeScale's collection and hooks, so ``model.state_dict()`` is
+    your class's (load it into a fresh instance to serve or evaluate). Returns ``model``.
+
+    Collective: every rank calls it, once, when the stage is done (``stage.flush()`` runs first). The tables
+    are gathered to rank ``dst`` only, one table at a time; on the other ranks the modules come back on the meta
+    device (the same keys, shapes and dtypes, no values: load the saved file to use them). ``dst=None`` gives
+    every rank the tables (each holds every whole table then). The stage trains no more afterwards."""
+    from fsembed.swap import unswap_embeddings
+
+    stage.flush()
+    unswap_embeddings(model, stage.hub, dst)
+    stage._hook.remove()  # the stage's forward hooks would look up tables that are gone
+    stage._after_hook.remove()
+    return model
+
+
 _host_transports: dict[str, Any] = {}
 
 
