@@ -23,7 +23,6 @@ _LAZY = {
     "shutdown_loader": "fsdata.loader",
     "BalancerConfig": "fsdata.balancer",
     "balancer_stages": "fsdata.balancer",
-    "id_prefetch_stages": "fsdata.id_prefetch",
     "ParquetSource": "fsdata.parquet",
     "SyntheticConfig": "fsdata.synthetic",
     "SyntheticSource": "fsdata.synthetic",

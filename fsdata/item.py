@@ -2,13 +2,19 @@
 
     LoaderItem(batch)                                   the reader's local batch
       .report          the balancer's per-step report (Stage III): imbalance before/after, plan metrics
-      .prefetched      the ID-prefetch stage's exchange in flight (fsdata.id_prefetch.PrefetchedIds)
+      .prefetched      the ID-prefetch stage's exchange in flight (fsembed.id_prefetch.PrefetchedIds)
       .attention_plan  what the model's attention needs for this batch, built by the attention-plan stage
       .extras          anything a user's own stage attaches, by name
 
 A stage that adds something returns ``dataclasses.replace(item, field=...)`` (or sets the field on the item it
 owns), so a consumer reads the same fields however the loader was composed, and an absent stage leaves its
 field ``None``.
+
+Attachments. fsdata knows no embedding table and no model: what a stage attaches (``prefetched``,
+``attention_plan``) is carried by the later stages through the attachment's own methods, each used where the
+attachment has it: ``wait()`` completes work in flight (the device-copy stage calls it in the loader's worker),
+``pin_memory()``, ``to(device, non_blocking)`` and ``record_stream(stream)`` move it with its batch, and
+``equals(other)`` says whether a resumed loader reproduced it.
 """
 
 from __future__ import annotations
@@ -25,29 +31,39 @@ from fsdata.batch import Batch
 class LoaderItem:
     batch: Batch
     report: Optional[dict] = None
-    prefetched: Any = None  # fsdata.id_prefetch.PrefetchedIds
+    prefetched: Any = None  # an attachment (above): fsembed.id_prefetch.PrefetchedIds
     attention_plan: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def equals(self, other: "LoaderItem") -> bool:
-        """Exact equality of the batch and the report, and of the prefetched exchanges' layout (keys, splits,
-        permutations; not the ids still in flight): what a resumed loader must reproduce."""
+        """Exact equality of the batch and the report, and of the prefetched attachment by its own ``equals``
+        (for the ids' exchange, its layout, not the ids still in flight): what a resumed loader must reproduce."""
         if not isinstance(other, LoaderItem) or not self.batch.equals(other.batch) or self.report != other.report:
             return False
         a, b = self.prefetched, other.prefetched
         if a is None or b is None:
             return a is b
-        return a.keys.keys() == b.keys.keys() and all(
-            a[k].send_splits == b[k].send_splits and a[k].recv_splits == b[k].recv_splits
-            and torch.equal(a[k].perm.cpu(), b[k].perm.cpu()) for k in a.keys
-        )
+        return a.equals(b) if hasattr(a, "equals") else a == b
 
     def pin_memory(self) -> "LoaderItem":
         """The item with its batch (and the prefetched ids' and the attention plan's host tensors, where they can
         be pinned) pinned: torchdata's PinMemory node calls this. The other fields pass through as they are."""
-        prefetched = self.prefetched.pin_memory() if hasattr(self.prefetched, "pin_memory") else self.prefetched
-        plan = self.attention_plan.pin_memory() if hasattr(self.attention_plan, "pin_memory") else self.attention_plan
-        return replace(self, batch=self.batch.pin_memory(), prefetched=prefetched, attention_plan=plan)
+        return replace(self, batch=self.batch.pin_memory(), prefetched=pinned(self.prefetched),
+                       attention_plan=pinned(self.attention_plan))
+
+
+def pinned(attachment: Any) -> Any:
+    """The attachment with its host tensors pinned, where it can be."""
+    return attachment.pin_memory() if hasattr(attachment, "pin_memory") else attachment
+
+
+def moved(attachment: Any, device: torch.device) -> Any:
+    """The attachment completed (``wait``) and copied to ``device`` through pinned memory, where it can be."""
+    if hasattr(attachment, "wait"):
+        attachment = attachment.wait()
+    if hasattr(attachment, "pin_memory") and hasattr(attachment, "to"):
+        attachment = attachment.pin_memory().to(device, non_blocking=True)
+    return attachment
 
 
 def as_item(item: Union[Batch, LoaderItem]) -> LoaderItem:

@@ -1,6 +1,7 @@
 """fsembed: row-wise sharded embedding tables, sparse optimizers, synchronous and prioritized updates."""
 
 from fsembed.comm import StageTransports, stage_transports
+from fsembed.id_prefetch import PrefetchedIds, ShardedIds, id_prefetch_stages
 from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optimizer
 from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
 from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -8,6 +9,9 @@ from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, ShardedEmbeddingCollecti
 from fsembed.swap import EmbeddingHub, find_embeddings, swap_embeddings
 
 __all__ = [
+    "PrefetchedIds",
+    "ShardedIds",
+    "id_prefetch_stages",
     "StageTransports",
     "stage_transports",
     "EmbeddingHub",

@@ -68,7 +68,7 @@ import torch
 from fscomm.groups import comm_timeout_s
 from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
-from fsdata.id_prefetch import ShardedIds
+from fsembed.id_prefetch import ShardedIds
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
 
@@ -670,6 +670,6 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 continue
             shard = self.shards[name]
             dev = shard.weight.device
-            sid = ShardedIds(name, saved["num_ids"], saved["segments"], saved["perm"].to(dev), saved["send_splits"], saved["recv_splits"], None)
-            sid._shard_ids = saved["local"].to(dev) + shard.base
+            sid = ShardedIds.completed(name, saved["num_ids"], saved["segments"], saved["perm"].to(dev),
+                                       saved["send_splits"], saved["recv_splits"], saved["local"].to(dev) + shard.base)
             c.cur = _Step(sid, saved["local"].to(dev), ready=saved["embeddings"].to(dev))

@@ -28,7 +28,7 @@ modules are named). FreeScale installs itself around it:
   the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
   for only in the next iteration's forward).
 
-The loader's ID-prefetch stage (fsdata.id_prefetch) starts every batch's ID AllToAll one loader call early, and
+The loader's ID-prefetch stage (fsembed.id_prefetch) starts every batch's ID AllToAll one loader call early, and
 the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
 i (``current_ids``, for sdd) and batch i+1 (``upcoming_ids``, for freescale): section 6.1's one extra batch.
 ``begin_step(batch, current_ids, upcoming_ids)`` does so in one call, and names the batch whose features the
@@ -154,7 +154,7 @@ class StagedPipeline:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if self.mode == "sync":
             return []
-        from fsdata.id_prefetch import id_prefetch_stages
+        from fsembed.id_prefetch import id_prefetch_stages
         from pipelines.step import host_transport
 
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the

@@ -59,7 +59,7 @@ from pipelines.numerics import autocast, autocast_dtype, check_determinism, enab
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
-from fsdata.id_prefetch import PrefetchedIds
+from fsembed.id_prefetch import PrefetchedIds
 from fsdata.item import LoaderItem
 from fsdata.loader import build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity

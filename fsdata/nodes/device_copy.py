@@ -30,8 +30,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torchdata.nodes import BaseNode
 
-from fsdata.id_prefetch import PrefetchedIds
-from fsdata.item import LoaderItem, as_item
+from fsdata.item import LoaderItem, as_item, moved
 
 
 class DeviceCopy(BaseNode[Any]):
@@ -54,17 +53,14 @@ class DeviceCopy(BaseNode[Any]):
         item = as_item(next(self.source))
         with torch.cuda.stream(self._stream):
             batch = item.batch.pin_memory().to(self.device, non_blocking=True)
-            ids = item.prefetched
-            if isinstance(ids, PrefetchedIds):
-                ids = ids.wait().pin_memory().to(self.device)
-            plan = item.attention_plan  # moved when it can be (fsdata.nodes.attention_plan), else left as it is
-            if hasattr(plan, "pin_memory") and hasattr(plan, "to"):
-                plan = plan.pin_memory().to(self.device, non_blocking=True)
+            # The attachments (fsdata.item): ids in flight are completed here, in the worker, then moved.
+            ids, plan = moved(item.prefetched, self.device), moved(item.attention_plan, self.device)
         self.consumer_stream.wait_stream(self._stream)
-        for t in [*batch.tensors().values(), *(ids.tensors() if isinstance(ids, PrefetchedIds) else ())]:
+        for t in batch.tensors().values():
             t.record_stream(self.consumer_stream)
-        if hasattr(plan, "record_stream"):
-            plan.record_stream(self.consumer_stream)
+        for attachment in (ids, plan):
+            if hasattr(attachment, "record_stream"):
+                attachment.record_stream(self.consumer_stream)
         return replace(item, batch=batch, prefetched=ids, attention_plan=plan)
 
     def get_state(self) -> Dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The loader's ID-prefetch stage (fsdata/id_prefetch.py) built from fsembed's sharding plan: shard-major ids
+"""The loader's ID-prefetch stage (fsembed/id_prefetch.py) built from fsembed's sharding plan: shard-major ids
 arrive on their owners, exactly once, and the stage resumes exactly (the shared save/load check)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _features(batch):
 def _make_loader(rank, world_size, transport):
     from torchdata.nodes import Loader, Mapper
 
-    from fsdata.id_prefetch import id_prefetch_stages
+    from fsembed.id_prefetch import id_prefetch_stages
     from fsdata.nodes.reader import GlobalBatchReader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
@@ -80,7 +80,7 @@ def test_id_prefetch_delivers_ids_to_owners_and_resumes():
 def test_prefetched_ids_wait_keeps_the_results_for_the_later_copies():
     """What the device copy relies on: after ``wait()`` the results are held (waited once), listed by
     ``tensors()``, and travel with ``pin_memory``/``to``."""
-    from fsdata.id_prefetch import PrefetchedIds, ShardedIds
+    from fsembed.id_prefetch import PrefetchedIds, ShardedIds
 
     class _Handle:
         calls = 0

@@ -187,7 +187,7 @@ def _loss(emb: dict[str, torch.Tensor], dense: list[torch.Tensor], compute_ms: f
 def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: float = 0.0, meet=None):
     """Trains over ``batches`` (CPU) with a one-step lookahead. ``prefetcher`` (prioritized runs): the
     ID-prefetch stage in a thread of its own, two batches ahead, exchanging the CPU ids as the trainer's loader
-    does (fsdata.id_prefetch, off the GPU streams), the result delivered with ``.to(device)``; waiting for it is
+    does (fsembed.id_prefetch, off the GPU streams), the result delivered with ``.to(device)``; waiting for it is
     counted as ID exchange time. Without it (synchronous runs) the ids, already on the device like a batch the
     pipeline copied there, are exchanged inside the step. ``meet()``: the step's end, where the dense all-reduce
     would make the ranks meet; its wait is returned per step apart from the embedding parts."""
@@ -264,7 +264,7 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
 
     from fscomm import get_transport
     from fscomm.groups import new_stage_group
-    from fsdata.id_prefetch import start_prefetch
+    from fsembed.id_prefetch import start_prefetch
 
     prefetch_transport = get_transport("host", group=new_stage_group("bench-id-prefetch"))
     dense_group = new_stage_group("bench-dense-allreduce")

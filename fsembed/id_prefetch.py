@@ -4,7 +4,8 @@ The embedding stage of step i needs the shard-major ids of batch i+1 (Algorithm 
 between i and i+1 on the shards). This node sends them while batch i+1 waits in the loader, so the step finds
 them there, with nothing to wait for but the handle.
 
-fsdata knows nothing of tables. The node is built with plain data from fsembed's sharding plan:
+It belongs to fsembed (the ids' exchange is the embedding's protocol); the loader runs it as one of the stages it
+is given. The node is built with plain data from the sharding plan:
 
     boundaries         {key: Tensor[W+1] int64}, sorted: rank r owns ids [b[r], b[r+1]) of that key
                        (a key is an embedding group of tables that travel together)
@@ -12,7 +13,8 @@ fsdata knows nothing of tables. The node is built with plain data from fsembed's
                        is carried along opaquely (fsembed puts the per-feature id counts there)
     transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
-and yields the loader item with ``prefetched`` set (``PrefetchedIds``). The node is an AsyncStage: the exchange in flight is not loader state
+and yields the loader item with ``prefetched`` set (``PrefetchedIds``, an attachment in the sense of
+fsdata.item: later loader stages complete, pin, move and compare it through its own methods). The node is an AsyncStage: the exchange in flight is not loader state
 (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its ids belong to
 the consumer.
 """
@@ -56,6 +58,12 @@ class ShardedIds:
     sizes_wait_s: float = 0.0  # time blocked on the size exchange (counted as ID exchange time)
     _shard_ids: Optional[torch.Tensor] = field(default=None, repr=False)
     recv_offsets: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @classmethod
+    def completed(cls, key: str, num_ids: int, segments: list[int], perm: torch.Tensor, send_splits: list[int],
+                  recv_splits: list[int], shard_ids: torch.Tensor) -> "ShardedIds":
+        """An exchange whose shard-major ids are already here (a restored checkpoint's step in flight)."""
+        return cls(key, num_ids, segments, perm, send_splits, recv_splits, None, _shard_ids=shard_ids)
 
     def wait(self) -> torch.Tensor:
         """The shard-major ids (blocks until they arrived; later calls return at once)."""
@@ -135,8 +143,21 @@ class PrefetchedIds:
             raise ValueError(f"PrefetchedIds: no key {key!r} (has {sorted(self.keys)})")
         return self.keys[key]
 
-    def to(self, device: torch.device) -> "PrefetchedIds":
+    def to(self, device: torch.device, non_blocking: bool = True) -> "PrefetchedIds":
+        """Every key's exchange delivered on ``device`` (always asynchronously from pinned memory)."""
         return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
+
+    def record_stream(self, stream) -> None:
+        for t in self.tensors():
+            t.record_stream(stream)
+
+    def equals(self, other: Any) -> bool:
+        """The same exchanges' layout (keys, splits, permutations; not the ids still in flight): what a resumed
+        loader must reproduce."""
+        return isinstance(other, PrefetchedIds) and self.keys.keys() == other.keys.keys() and all(
+            a.send_splits == b.send_splits and a.recv_splits == b.recv_splits and torch.equal(a.perm.cpu(), b.perm.cpu())
+            for a, b in ((self[k], other[k]) for k in self.keys)
+        )
 
     def wait(self) -> "PrefetchedIds":
         """Completes every key's exchange (blocks); the results stay with it, so ``pin_memory`` and ``to`` move
