@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fscomm.timing import Timer
-from fsdata.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
+from fsembed.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
 from fsembed.comm import StageTransports, stage_transports
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
