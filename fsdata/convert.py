@@ -23,6 +23,13 @@ dense int ids in order of first appearance; the mappings are written next to the
 (``<out>.user_ids.csv``, ``<out>.item_ids.csv``). Samples are written in the order of their first candidate's
 timestamp, as a streaming trainer would see them. The whole event table is held in memory (about 40 bytes an
 event: 20M MovieLens ratings need about 1 GB).
+
+Held-out split (``eval_out``, leave-last-out, as sequential recommendation is evaluated): per user, the last
+``eval_candidates`` events become that user's one evaluation sample (its UIH: every event before them), written
+to ``eval_out``; the user's training samples are cut from the events before them only, so no evaluation
+candidate is ever a training candidate or in a training UIH. A user gets an evaluation sample only if the events
+left before it still make at least one training sample (more than ``min_history``); other users train on all
+their events.
 """
 
 from __future__ import annotations
@@ -367,48 +374,15 @@ class ConvertReport:
     outputs: list[str]
     skipped_rows: int = 0
     """Malformed input rows left out (``bad_rows="skip"``)."""
+    eval_samples: int = 0
+    """Held-out samples written (``eval_out``), one per eligible user."""
 
 
-def events_to_parquet(
-    events: Events,
-    out: str,
-    candidates: int = 10,
-    samples_per_user: int = 1,
-    min_history: int = 1,
-    max_uih: Optional[int] = None,
-    row_group_size: int = 1024,
-    progress: bool = True,
-) -> ConvertReport:
-    """Cuts the per-user, time-ordered event sequences into samples and writes them (see the module docstring)."""
-    if candidates < 1 or min_history < 1 or samples_per_user < 0 or (max_uih is not None and max_uih < 1):
-        raise ValueError(f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})")
-    n = len(events.time)
-    if n == 0:
-        raise ValueError("no events to convert")
-    if events.action.min() < 0:
-        raise ValueError(f"negative action type {int(events.action.min())} in the events")
-    user, user_keys = _encode(events.user)
-    item, item_keys = _encode(events.item)
-    order = np.lexsort((np.arange(n), events.time, user))
-    user, item, time = user[order], item[order], events.time[order]
-    labels, action = events.labels[order], events.action[order]
-
-    counts = np.bincount(user, minlength=len(user_keys))
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    windows = np.where(counts > min_history, -(-(counts - min_history) // candidates), 0)
-    if samples_per_user:
-        windows = np.minimum(windows, samples_per_user)
-    s_user = np.repeat(np.arange(len(counts)), windows)
-    j = segment_arange(np.zeros(len(windows), dtype=np.int64), windows)  # window j counted back from the end
-    cand_end = counts[s_user] - j * candidates
-    cand_start = np.maximum(min_history, cand_end - candidates)
-    uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
-    base = first[s_user]
-    sample_order = np.lexsort((cand_start, s_user, time[base + cand_start]))
-    s_user, cand_start, cand_end, uih_start, base = (a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base))
+def _write_samples(out: str, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time,
+                   row_group_size: int, progress: bool) -> int:
+    """Writes one sample per entry (user, its candidates' and UIH's event ranges within the user's events from
+    ``base``), in the order given; returns the samples written."""
     num = len(s_user)
-    if num == 0:
-        raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
 
     def batches() -> Iterator[Batch]:
         with tqdm(total=num, unit="sample", desc=f"write {Path(out).name}", disable=not progress) as bar:
@@ -434,7 +408,76 @@ def events_to_parquet(
                 bar.update(sl.stop - sl.start)
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    written = write_parquet(batches(), out, row_group_size=row_group_size)
+    return write_parquet(batches(), out, row_group_size=row_group_size)
+
+
+def events_to_parquet(
+    events: Events,
+    out: str,
+    candidates: int = 10,
+    samples_per_user: int = 1,
+    min_history: int = 1,
+    max_uih: Optional[int] = None,
+    row_group_size: int = 1024,
+    progress: bool = True,
+    eval_out: Optional[str] = None,
+    eval_candidates: Optional[int] = None,
+) -> ConvertReport:
+    """Cuts the per-user, time-ordered event sequences into samples and writes them (see the module docstring);
+    with ``eval_out``, each eligible user's last ``eval_candidates`` (default: ``candidates``) events become its
+    held-out sample there."""
+    if candidates < 1 or min_history < 1 or samples_per_user < 0 or (max_uih is not None and max_uih < 1):
+        raise ValueError(f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})")
+    held = 0 if eval_out is None else (candidates if eval_candidates is None else eval_candidates)
+    if eval_out is not None and held < 1:
+        raise ValueError(f"eval_candidates must be >= 1, got {eval_candidates}")
+    if eval_out is not None and Path(eval_out).resolve() == Path(out).resolve():
+        raise ValueError(f"{eval_out}: the held-out split needs a file of its own, not the training output")
+    n = len(events.time)
+    if n == 0:
+        raise ValueError("no events to convert")
+    if events.action.min() < 0:
+        raise ValueError(f"negative action type {int(events.action.min())} in the events")
+    user, user_keys = _encode(events.user)
+    item, item_keys = _encode(events.item)
+    order = np.lexsort((np.arange(n), events.time, user))
+    user, item, time = user[order], item[order], events.time[order]
+    labels, action = events.labels[order], events.action[order]
+
+    counts = np.bincount(user, minlength=len(user_keys))
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    # A user's held-out events are its last `held`, if the events before them still make a training sample.
+    in_eval = counts - held > min_history if held else np.zeros(len(counts), dtype=bool)
+    train_counts = np.where(in_eval, counts - held, counts)
+    windows = np.where(train_counts > min_history, -(-(train_counts - min_history) // candidates), 0)
+    if samples_per_user:
+        windows = np.minimum(windows, samples_per_user)
+    s_user = np.repeat(np.arange(len(counts)), windows)
+    j = segment_arange(np.zeros(len(windows), dtype=np.int64), windows)  # window j counted back from the end
+    cand_end = train_counts[s_user] - j * candidates
+    cand_start = np.maximum(min_history, cand_end - candidates)
+    uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
+    base = first[s_user]
+    sample_order = np.lexsort((cand_start, s_user, time[base + cand_start]))
+    s_user, cand_start, cand_end, uih_start, base = (a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base))
+    if len(s_user) == 0:
+        raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
+    written = _write_samples(out, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time,
+                             row_group_size, progress)
+    outputs = [str(out)]
+    eval_written = 0
+    if held:
+        e_user = np.flatnonzero(in_eval)
+        if len(e_user) == 0:
+            raise ValueError(f"no user has more than min_history + eval_candidates = {min_history + held} events: "
+                             f"no held-out sample for {eval_out}")
+        e_start, e_end = counts[e_user] - held, counts[e_user]
+        e_uih = np.zeros_like(e_start) if max_uih is None else np.maximum(0, e_start - max_uih)
+        e_order = np.lexsort((e_user, time[first[e_user] + e_start]))
+        e_user, e_start, e_end, e_uih = (a[e_order] for a in (e_user, e_start, e_end, e_uih))
+        eval_written = _write_samples(eval_out, e_user, e_start, e_end, e_uih, first[e_user], item, labels, action,
+                                      time, row_group_size, progress)
+        outputs.append(str(eval_out))
     stem = str(out)[: -len(".parquet")] if str(out).endswith(".parquet") else str(out)
     user_map, item_map = Path(stem + ".user_ids.csv"), Path(stem + ".item_ids.csv")
     _write_mapping(user_map, user_keys)
@@ -446,7 +489,8 @@ def events_to_parquet(
         samples=written,
         skipped_users=int((windows == 0).sum()),
         positive_rate=[float(x) for x in labels.mean(axis=0)],
-        outputs=[str(out), str(user_map), str(item_map)],
+        outputs=[*outputs, str(user_map), str(item_map)],
+        eval_samples=eval_written,
     )
 
 

@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a malformed CSV row (wrong field count, unparsable or empty field, a last line cut short): error naming "
              "its line (default), or skip it and count it",
     )
+    parser.add_argument("--eval-out", default=None, metavar="PATH",
+                        help="also write a held-out split here: per user, its last --eval-candidates events (its "
+                             "history: every event before them), never trained on (leave-last-out)")
+    parser.add_argument("--eval-candidates", type=int, default=None,
+                        help="events per user held out with --eval-out (default: --candidates)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -41,11 +46,16 @@ def main(args: argparse.Namespace) -> int:
         max_uih=args.max_uih,
         row_group_size=args.row_group_size,
         bad_rows=args.bad_rows,
+        eval_out=args.eval_out,
+        eval_candidates=args.eval_candidates,
     )
+    rate = ", ".join(f"{r:.4f}" for r in report.positive_rate)
     print(
-        f"{report.events} events of {report.users} users and {report.items} items -> {report.samples} samples "
-        f"({report.skipped_users} users with too short a history skipped); positive rate {report.positive_rate}"
+        f"{report.events} events of {report.users} users and {report.items} items -> {report.samples} training "
+        f"samples ({report.skipped_users} users with too short a history skipped); positive rate {rate}"
     )
+    if args.eval_out:
+        print(f"  {report.eval_samples} held-out samples (each user's last events, never trained on)")
     if report.skipped_rows:
         print(f"  {report.skipped_rows} malformed row(s) skipped (--bad-rows skip)")
     for path in report.outputs:

@@ -135,3 +135,38 @@ def test_cli_convert(tmp_path, capsys):
     assert data_convert.main(args) == 0
     check(tmp_path / "o.parquet", EVENTS, 2, 0)
     assert "10 events of 3 users and 7 items" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("held", [1, 2])
+def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path, held):
+    """Leave-last-out: a user with more than min_history + held events gets one evaluation sample of its last
+    ``held`` events (UIH: every event before them); its training samples are the reference's cut of the events
+    before them; other users train on all their events."""
+    src = tmp_path / "ratings.dat"
+    src.write_text("".join(f"{u}::{i}::{int(r) if r.is_integer() else r}::{t}\n" for u, i, r, t in EVENTS))
+    report = convert("movielens", [src], tmp_path / "train.parquet", progress=False, candidates=2, samples_per_user=0,
+                     eval_out=str(tmp_path / "eval.parquet"), eval_candidates=held)
+    by_user = {u: sorted([e for e in EVENTS if e[0] == u], key=lambda e: e[3]) for u in (1, 2, 3)}
+    kept = [e for u, ev in by_user.items() for e in (ev[:-held] if len(ev) - held > 1 else ev)]
+    train = ParquetSource(tmp_path / "train.parquet").read(0, 0, ParquetSource(tmp_path / "train.parquet").num_samples(0))
+    item_id = {i: n for n, i in enumerate(dict.fromkeys(e[1] for e in EVENTS))}  # ids in order of first appearance
+    user_id = {u: n for n, u in enumerate(dict.fromkeys(e[0] for e in EVENTS))}
+    want = [(s[0], s[2], s[3]) for s in reference(kept, 2, 0)]
+    got = [(int(s.user_id), s.uih_item_ids.tolist(), [int(c[0]) for c in s.content_ids]) for s in train.to_samples()]
+    # The reference numbers items by first appearance in its own events: map both to the raw keys.
+    raw = {v: k for k, v in item_id.items()}
+    ref_items = {n: i for n, i in enumerate(dict.fromkeys(e[1] for e in kept))}
+    assert [(u, [raw[i] for i in h], [raw[i] for i in c]) for u, h, c in got] == \
+           [(u, [ref_items[i] for i in h], [ref_items[i] for i in c]) for u, h, c in want]
+    held_out = ParquetSource(tmp_path / "eval.parquet")
+    samples = held_out.read(0, 0, held_out.num_samples(0)).to_samples()
+    eligible = [u for u, ev in by_user.items() if len(ev) - held > 1]
+    assert report.eval_samples == len(samples) == len(eligible)
+    for s in samples:
+        ev = by_user[next(u for u, n in user_id.items() if n == int(s.user_id))]
+        assert [raw[int(c[0])] for c in s.content_ids] == [e[1] for e in ev[-held:]]
+        assert [raw[i] for i in s.uih_item_ids.tolist()] == [e[1] for e in ev[:-held]]
+        assert s.candidate_labels[:, 0].tolist() == [float(e[2] >= 4) for e in ev[-held:]]
+    trained = {(int(s.user_id), raw[int(c[0])]) for s in train.to_samples() for c in s.content_ids}
+    trained |= {(int(s.user_id), raw[i]) for s in train.to_samples() for i in s.uih_item_ids.tolist()}
+    assert not any((int(s.user_id), raw[int(c[0])]) in trained for s in samples for c in s.content_ids)
