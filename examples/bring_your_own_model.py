@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py       # sync; freescale with and without balancer
     torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py --partitioner none
-    freescale train --nproc 2 --steps 5 --model examples/bring_your_own_model.py:build_model
+    torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py --export model.pt
+    freescale train --nproc 2 --steps 5 --model examples/bring_your_own_model.py:build_model --export model.pt
 
 The model is the user's: two tables (items, shared by the history and the candidates features; categories, looked
 up by an extra jagged feature of the batch), a KeyedJaggedTensor input and a dense tower of its own. The script
@@ -10,12 +11,17 @@ trains it on the same synthetic data in mode sync (tables sharded, blocking exch
 freescale (balancer, ID prefetch, prioritized updates) and in mode freescale without the balancer, and prints one
 JSON line last: "parity" is true when every per-step loss of freescale equals sync's within rtol 1e-5 with the
 balancer (which changes the order of the sums) and bit for bit without it; the loss lists follow.
+
+``--export PATH``: after the freescale run, ``unwrap_model`` puts the trained tables back into the model's own
+EmbeddingCollection and rank 0 saves ``model.state_dict()``: the state of a plain ``Recommender``, which a fresh
+instance loads with ``load_state_dict(torch.load(PATH))``, no FreeScale needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +31,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from fsdata import Batch, Jagged, LoaderConfig, balancer_stages, BalancerConfig, build_loader, shutdown_loader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from fsembed import RowWiseAdagrad
-from pipelines import ModelSpec, TrainStep, host_transport, wrap_model
+from pipelines import ModelSpec, TrainStep, host_transport, unwrap_model, wrap_model
 
 NUM_ITEMS, NUM_CATEGORIES, DIM = 1000, 50, 8
 
@@ -98,7 +104,7 @@ def build_model(config) -> ModelSpec:
                      types=["EmbeddingCollection"], source=WithCategories)
 
 
-def train(mode: str, partitioner: str, steps: int, rank: int, world: int) -> list[float]:
+def train(mode: str, partitioner: str, steps: int, rank: int, world: int, export: Optional[str] = None) -> list[float]:
     source = WithCategories(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=2000, seed=1, uih_max=64)))
     torch.manual_seed(0)
     model = Recommender(dense_dim=4, num_labels=1)
@@ -114,6 +120,10 @@ def train(mode: str, partitioner: str, steps: int, rank: int, world: int) -> lis
         losses.append(step.progress(items).loss)
     stage.flush()
     shutdown_loader(loader)
+    if export is not None:  # the user's own modules back, the trained tables gathered to rank 0
+        unwrap_model(model, stage, dst=0)
+        if rank == 0:
+            torch.save(model.state_dict(), export)
     return losses
 
 
@@ -121,12 +131,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (none: off)")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--export", metavar="PATH", help="save the freescale run's model (a plain Recommender) here")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     runs = {"sync": train("sync", "none", args.steps, rank, world)}
-    runs["freescale"] = train("freescale", args.partitioner, args.steps, rank, world)
+    runs["freescale"] = train("freescale", args.partitioner, args.steps, rank, world, args.export)
     if args.partitioner != "none":  # and without the balancer: then the losses must be equal bit for bit
         runs["freescale_partitioner_none"] = train("freescale", "none", args.steps, rank, world)
     balanced = args.partitioner != "none"

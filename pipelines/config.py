@@ -104,7 +104,7 @@ class TrainConfig:
     nproc: int = _f(2, "local ranks, not under torchrun")
     steps: int = _f(20, "training steps")
     warmup_steps: int = _f(1, "steps left out of the timings")
-    lr: float = _f(1e-3, "Adam lr of the model's unsharded parameters")
+    lr: float = _f(1e-3, "Adam lr of the dense parameters")
     seed: int = _f(0, "model initialisation seed")
     device: str = _f("auto", "", choices=DEVICES)
     precision: str = _f("auto", "", choices=PRECISIONS)
@@ -118,6 +118,8 @@ class TrainConfig:
                                        group="checkpoint")
     checkpoint_every: int = _f(0, "save every N steps, 0: never", group="checkpoint")
     resume: Optional[str] = _f(None, "'latest' or a step directory", group="checkpoint", metavar="STEP")
+    export: Optional[str] = _f(None, "at the end, torch.save your model's state_dict", group="checkpoint",
+                               metavar="PATH")
     trace: Optional[str] = _f(None, "profile a few steps to PATH.rank{r}.json", metavar="PATH")
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval per rank (ms)", group="tuning")
     allreduce_start: str = _f("backward", "when the dense all-reduce's last bucket is launched", group="tuning",
@@ -147,6 +149,7 @@ MODE_OPTIONS = {
     "memory_budget": _BALANCING,
     "transport": _SHARDED, "embedding_lr": (*_SHARDED, "torchrec"), "embedding_optimizer": (*_SHARDED, "torchrec"),
     "early_start": ("freescale",), "exclusive_start": ("freescale",), "embedding_schedule": ("freescale",),
+    "export": ("replicated", *_SHARDED),
 }
 
 SECTIONS = {

@@ -72,7 +72,7 @@ from pipelines.config import JobConfig
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
 from pipelines.model import bce_sum, normalized_entropy
-from pipelines.step import call_model
+from pipelines.step import call_model, unwrap_model
 
 @dataclass
 class _Fetched:
@@ -304,6 +304,12 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
             self._data_counts = self._count_data_faults()
+            if cfg.export and self.torchrec is None:  # the user's own modules back, with the trained tables
+                if self.pipeline is not None:
+                    unwrap_model(self.model, self.pipeline, dst=0)
+                if self.rank == 0:
+                    Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(self.model.state_dict(), cfg.export)
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             self.accounting.close()

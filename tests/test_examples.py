@@ -38,12 +38,27 @@ def _env(**extra):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
+def _loads_into_a_fresh_recommender(path: Path) -> None:
+    """The exported file is a plain Recommender's state_dict, trained (not the initial weights)."""
+    import torch
+
+    from examples.bring_your_own_model import Recommender
+
+    torch.manual_seed(0)  # the examples' initial weights: the export must differ from them
+    fresh = Recommender(dense_dim=4, num_labels=1)
+    initial = {k: v.clone() for k, v in fresh.state_dict().items()}
+    state = torch.load(path, weights_only=True)
+    fresh.load_state_dict(state)  # strict: exactly the user's class's keys
+    assert sorted(state) == sorted(initial)
+    assert not torch.equal(state["ec.embeddings.item_table.weight"], initial["ec.embeddings.item_table.weight"])
+
+
 @pytest.mark.multiprocess
-def test_bring_your_own_model_example_has_parity_with_sync():
+def test_bring_your_own_model_example_has_parity_with_sync(tmp_path):
     pytest.importorskip("torchrec")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/bring_your_own_model.py", "--steps", "4"],
+         "examples/bring_your_own_model.py", "--steps", "4", "--export", str(tmp_path / "model.pt")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,6 +66,7 @@ def test_bring_your_own_model_example_has_parity_with_sync():
     assert report["parity"] is True and report["parity_balanced"] and report["parity_bit_for_bit"], report
     assert len(report["sync"]) == len(report["freescale"]) == len(report["freescale_partitioner_none"]) == 4
     assert report["freescale_partitioner_none"] == report["sync"]
+    _loads_into_a_fresh_recommender(tmp_path / "model.pt")
 
 
 def _train(args, cwd, tmp_path):
@@ -67,8 +83,10 @@ def _train(args, cwd, tmp_path):
 @pytest.mark.multiprocess
 def test_train_with_a_model_factory_file_from_another_directory(tmp_path):
     pytest.importorskip("torchrec")
-    summary = _train(["--steps", "5", "--model", f"{ROOT}/examples/bring_your_own_model.py:build_model"], tmp_path, tmp_path)
+    summary = _train(["--steps", "5", "--model", f"{ROOT}/examples/bring_your_own_model.py:build_model",
+                      "--export", str(tmp_path / "model.pt")], tmp_path, tmp_path)
     assert summary["steps"] == 5 and all(loss == loss for loss in summary["loss_curve"])  # no NaN
+    _loads_into_a_fresh_recommender(tmp_path / "model.pt")  # --export: the model as the factory's class
 
 
 @pytest.mark.multiprocess
