@@ -31,7 +31,7 @@ from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 from fsdata import Batch, Jagged, LoaderConfig, balancer_stages, BalancerConfig, build_loader, shutdown_loader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from fsembed import RowWiseAdagrad
-from pipelines import ModelSpec, TrainStep, host_transport, unwrap_model, wrap_model
+from pipelines import ModelSpec, TrainStep, data_dims, host_transport, unwrap_model, wrap_model
 
 NUM_ITEMS, NUM_CATEGORIES, DIM = 1000, 50, 8
 
@@ -96,11 +96,9 @@ def build_model(config) -> ModelSpec:
     """The factory of `freescale train --model examples/bring_your_own_model.py:build_model`: gets the job's config,
     returns the model, how a batch becomes its inputs, its loss, which modules to swap, and (here) the source
     with the extra feature the model reads."""
-    from pipelines.builders import build_source
-
-    probe = build_source(config.data, 1).read(0, 0, 1)
+    dims = data_dims(config)  # the job's data: its dense width and label count
     torch.manual_seed(config.train.seed)
-    return ModelSpec(Recommender(dense_dim=probe.dense.shape[1], num_labels=probe.num_labels), inputs=inputs, loss=loss,
+    return ModelSpec(Recommender(dense_dim=dims.dense_dim, num_labels=dims.num_labels), inputs=inputs, loss=loss,
                      types=["EmbeddingCollection"], source=WithCategories)
 
 

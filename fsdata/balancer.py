@@ -33,7 +33,9 @@ from fsdata.partition import AutoTune, BalanceGate, BudgetSpec, get_partitioner
 @dataclass
 class BalancerConfig:
     """``partitioner``: a built-in (none, fbs, vbs, kk) or your own, ``module:function`` or
-    ``path/to/file.py:function``; modes replicated and freescale balance, the others ignore it. ``min_gain`` is
+    ``path/to/file.py:function``. ``balancer_stages`` balance whatever embedding mode the model is wrapped in
+    (the stages a loop composes are the ones that run, mode sync included); `freescale train` composes them in
+    modes replicated and freescale only, and its other modes ignore this section. ``min_gain`` is
     the balance gate: a step's samples move only when the fitted step-time model predicts the slowest rank at
     least this fraction faster for it (0: always move; off with ``autotune``). ``memory_budget`` caps the kept
     tokens of every rank: a count, ``Nx`` (N times the step's mean per rank) or ``auto`` (from the device's free

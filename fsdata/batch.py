@@ -14,7 +14,10 @@ Schema (one training sample, a user's interaction history (UIH) plus the candida
 
 A :class:`Batch` stores B samples jagged, as values + offsets (int64 offsets, ``offsets[0] == 0``):
 ``uih_offsets`` [B+1] into the UIH values, ``candidate_offsets`` [B+1] into the candidate rows, and
-``content_offsets`` [C_total+1] into ``content_ids`` (candidate-major, in sample order).
+``content_offsets`` [C_total+1] into ``content_ids`` (candidate-major, in sample order). Its lengths are
+properties: ``uih_lengths`` [B], ``num_candidates`` [B], ``candidate_lengths`` [C_total] (int64), and
+``num_labels`` (T). ``candidate_labels`` holds one row per candidate (sample 0's candidates first), one column
+per label: [C_total, T] also for T = 1. docs/api.md has the field table.
 Side features are either present for every sample or absent for all (``None``).
 
 A user's own per-sample features travel beside the built-in ones, by name, and every stage moves them (the

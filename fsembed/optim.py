@@ -10,6 +10,10 @@ arithmetic below is written so that a row's result never depends on which other 
 (no reductions across rows; the row-wise mean is a per-row sum over the dim).
 
 State lives beside the weight, one entry per local row (or per element for Adam), so it shards with the rows.
+Every state starts at zero. ``g`` below is a row's summed gradient of the step (of the loss as the backward gives
+it: TrainStep divides the loss by the global label count, and the collection's ``grad_scale``, 1.0 by default,
+multiplies it); the arithmetic is fp32 and the row is written back in the table's dtype. Rows the step did not
+look up are not touched (no decay of their state, no weight decay).
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class RowWiseOptimizer:
 
 @dataclass
 class SGD(RowWiseOptimizer):
+    """``w -= lr g``; no state."""
+
     lr: float = 0.01
     name = "sgd"
 
@@ -81,7 +87,8 @@ class SGD(RowWiseOptimizer):
 
 @dataclass
 class RowWiseAdagrad(RowWiseOptimizer):
-    """fbgemm's EXACT_ROWWISE_ADAGRAD: one accumulator per row, ``acc += mean(g^2)``, ``w -= lr g / (sqrt(acc) + eps)``."""
+    """fbgemm's EXACT_ROWWISE_ADAGRAD: one fp32 accumulator per row (state ``sum``, initially 0),
+    ``acc += mean over the dim of g^2``, then ``w -= lr g / (sqrt(acc) + eps)`` with the updated ``acc``."""
 
     lr: float = 0.01
     eps: float = 1e-8
@@ -101,7 +108,10 @@ class RowWiseAdagrad(RowWiseOptimizer):
 
 @dataclass
 class Adam(RowWiseOptimizer):
-    """Lazy (sparse) Adam: moments of the touched rows only, bias correction by each row's own step count."""
+    """Lazy (sparse) Adam: moments of the touched rows only, bias correction by each row's own step count.
+    State ``m``, ``v`` per element and ``step`` per row, initially 0; per touched row ``step += 1``,
+    ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2``, ``w -= lr m_hat / (sqrt(v_hat) + eps)`` with
+    ``m_hat = m / (1 - beta1^step)``, ``v_hat = v / (1 - beta2^step)``."""
 
     lr: float = 0.001
     beta1: float = 0.9
