@@ -283,7 +283,8 @@ def swap_embeddings(
     """Replaces the modules ``names`` of ``model`` (paths as in ``named_modules()``), or every module of one of
     ``types`` (:func:`find_embeddings`), in place; returns the hub.
 
-    Initial values are the modules' own weights (identical on every rank, as after a seeded construction).
+    Initial values are the modules' own weights (identical on every rank, as after a seeded construction); the
+    modules themselves are kept in ``hub.swapped``, their parameters on the meta device, for :func:`unswap_embeddings`.
     ``row_boundaries``: the sharding plan, ``{table: [W+1] int64 row boundaries}`` for the tables that do not take
     torchrec's row-wise split. ``collection_kwargs`` go to the collection (optimizer, transport, grad_scale,
     device, timer).
