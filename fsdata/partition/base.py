@@ -12,13 +12,10 @@ Global sample index ``g``: samples numbered in source-rank order, i.e. source ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Optional, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from fsdata.partition.budget import MemoryBudget
 
 ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
@@ -141,7 +138,7 @@ class RuntimeInfo:
     budget_shares: Optional[torch.Tensor] = None  # float64 [W] VBS autotune: share of total weight per rank
     cost_coefficients: Optional[torch.Tensor] = None  # float64 [4] fitted (a, b, c, d) of cost.OnlineCostFit
     # the most kept tokens any rank may hold this step (budget.py), the same on every rank; None: no budget
-    memory_budget: Optional["MemoryBudget"] = None
+    memory_budget: Optional["PlanCheck"] = None  # a fsdata.partition.budget.MemoryBudget
     extra: dict = field(default_factory=dict)  # for custom partitioners; must be identical on every rank
 
     def shares(self, world_size: int) -> np.ndarray:
@@ -189,7 +186,7 @@ class Plan:
         return self.order[int(self.dest_offsets[rank]) : int(self.dest_offsets[rank + 1])]
 
     def validate(self, num_samples: int, world_size: Optional[int] = None, who: str = "plan",
-                 lengths: Optional[GatheredLengths] = None, budget: Optional["MemoryBudget"] = None) -> None:
+                 lengths: Optional[GatheredLengths] = None, budget: Optional["PlanCheck"] = None) -> None:
         """Raises ValueError unless every one of ``num_samples`` samples goes to exactly one rank and, given the
         step's ``lengths`` and a ``budget``, no rank holds more tokens than it (the message names the rank)."""
         order, offs = self.order, self.dest_offsets
@@ -233,6 +230,13 @@ class Plan:
         return torch.equal(self.dest_offsets, lengths.rank_offsets) and torch.equal(
             self.order, torch.arange(lengths.num_samples, dtype=torch.int64)
         )
+
+
+class PlanCheck(Protocol):
+    """A constraint a plan must meet beyond exactly-once (fsdata.partition.budget.MemoryBudget: tokens per rank);
+    defined here so that the plan needs no import of the constraints built on it."""
+
+    def check_plan(self, lengths: GatheredLengths, plan: "Plan", who: str = "plan") -> None: ...
 
 
 @runtime_checkable
