@@ -59,11 +59,12 @@ class DataConfig:
     preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, kuairand-27k, movielens-20m)")
     num_samples: int = _f(100_000, "synthetic samples per epoch")
     collision_rate: Optional[float] = _f(None, "synthetic: rows shared by consecutive batches")
-    uih_cap: int = _f(21_000, "longest UIH kept (its most recent items)")
+    uih_cap: int = _f(21_000, "longest UIH kept (most recent)")
     data_seed: int = _f(0, "seed of the synthetic generator")
     id_overflow: Optional[str] = _f(None, "ids beyond the item table",
                                     choices=ID_OVERFLOW_CHOICES)
     drop_bad_samples: bool = _f(False, "Parquet: skip and count samples with bad values")
+    eval_data: Optional[str] = _f(None, "held-out Parquet: NE and AUC at the end", metavar="PATH")
 
 
 @dataclass
@@ -77,7 +78,7 @@ class ModelSection:
     dim: Optional[int] = _f(None, "override the preset's width d")
     num_layers: Optional[int] = _f(None, "override the preset's transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH in the encoder")
-    attention: str = _f("jagged", "jagged (no padding) or padded (for comparison)", choices=("jagged", "padded"))
+    attention: str = _f("jagged", "", choices=("jagged", "padded"))
     attention_impl: Optional[str] = _f(None, "jagged attention kernel on CUDA (default varlen; flex with "
                                              "--deterministic)", group="tuning", choices=ATTENTION_IMPLS)
 
@@ -104,11 +105,12 @@ class TrainConfig:
     nproc: int = _f(2, "local ranks, not under torchrun")
     steps: int = _f(20, "training steps")
     warmup_steps: int = _f(1, "steps left out of the timings")
-    lr: float = _f(1e-3, "Adam lr of the dense parameters")
+    lr: float = _f(1e-3, "dense parameters' Adam lr")
     seed: int = _f(0, "model initialisation seed")
     device: str = _f("auto", "", choices=DEVICES)
     precision: str = _f("auto", "", choices=PRECISIONS)
     deterministic: bool = _f(False, "bitwise reproducible steps (docs/tuning.md)")
+    eval_every: int = _f(0, "evaluate every N steps too")
     summary_json: Optional[str] = _f(None, "write the run summary here", metavar="PATH")
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step", metavar="PATH")
     threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks on CPU, at "
@@ -207,6 +209,12 @@ class JobConfig:
             raise ValueError(f"steps must be >= 0, got {self.train.steps}")
         if self.train.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.train.warmup_steps}")
+        if self.train.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.train.eval_every} (--eval-every)")
+        if self.train.eval_every and self.data.eval_data is None:
+            raise ValueError("--eval-every needs --eval-data (the held-out Parquet file)")
+        if self.data.eval_data is not None and self.train.mode == "torchrec":
+            raise ValueError("--eval-data: mode torchrec (the outside reference) has no held-out evaluation")
         if self.data.collision_rate is not None and not 0.0 <= self.data.collision_rate <= 1.0:
             raise ValueError(f"collision_rate must lie in [0, 1], got {self.data.collision_rate}")
         if self.data.uih_cap < 1:

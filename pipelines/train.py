@@ -376,6 +376,10 @@ def check_before_launch(config: JobConfig) -> None:
         if config.data.drop_bad_samples and source.first_kept_sample() is None:  # reads until a sound sample
             raise ValueError(f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
                              "has bad values, and --drop-bad-samples leaves them out")
+    if config.data.eval_data is not None:  # the held-out file's footers and schema, like the training data's
+        from fsdata.parquet import ParquetSource
+
+        ParquetSource(config.data.eval_data, uih_cap=config.data.uih_cap)
     resume = config.train.resume
     if resume and resume != "latest":
         from pipelines import checkpoint
@@ -407,6 +411,9 @@ def print_summary(summary: dict) -> None:
                   else "not chosen: the run ended inside the schedule probe")
         print(f"  embedding        {chosen}" + (f" (probe medians: {probe})" if probe else ""))
     print(f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out")
+    for e in summary.get("eval") or []:
+        print(f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
+              f"({e['labels']} labels) never trained on")
 
 
 def main(args: argparse.Namespace) -> int:

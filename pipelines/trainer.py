@@ -55,13 +55,14 @@ import torch.distributed as dist
 from fscomm import get_transport
 from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
+from pipelines.evaluate import evaluate
 from pipelines.numerics import autocast, autocast_dtype, check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
 from fsembed.id_prefetch import PrefetchedIds
 from fsdata.item import LoaderItem
-from fsdata.loader import build_loader, release_loader, shutdown_loader
+from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.gather_lengths import StepFeedback
@@ -150,6 +151,8 @@ class Trainer:
             # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
             # (fsdata.id_overflow).
             self.source = IdRangeSource(self.source, num_items, config.data.id_overflow)
+        self.eval_source = self._eval_source(num_items)  # held-out data (--eval-data), read like the training data
+        self.evaluations: list[dict] = []
         self.model = self.spec.model.to(device)
         if config.train.deterministic:
             check_determinism(self.model, device)
@@ -295,6 +298,8 @@ class Trainer:
                 self._log_settled(record, progress)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    self.evaluate(progress)
                 if profiler is not None:
                     profiler.step()
             if self._unsettled is not None:  # the last step: no later block carries its compute times
@@ -304,6 +309,8 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
             self._data_counts = self._count_data_faults()
+            if self.eval_source is not None:
+                self.evaluate(progress)
             if cfg.export and self.torchrec is None:  # the user's own modules back, with the trained tables
                 if self.pipeline is not None:
                     unwrap_model(self.model, self.pipeline, dst=0)
@@ -568,6 +575,42 @@ class Trainer:
         return {**model_state, key: {"world_size": self.world_size, "rank": self.rank, "tables": tables}}
 
     # ------------------------------------------------------------------ output
+    def _eval_source(self, num_items: Optional[int]):
+        """The held-out source (``--eval-data``): Parquet at the training data's cap, through the same wrappers as
+        the training source (a user's feature reader, the item table's id range); None without one."""
+        path = self.config.data.eval_data
+        if path is None:
+            return None
+        from fsdata.parquet import ParquetSource
+
+        source = ParquetSource([Path(path)], uih_cap=self.config.data.uih_cap, drop_bad_samples=self.config.data.drop_bad_samples)
+        if self.spec.source is not None:
+            source = self.spec.source(source)
+        if num_items is not None:
+            source = IdRangeSource(source, num_items, self.config.data.id_overflow)
+        return source
+
+    def evaluate(self, progress=None) -> dict:
+        """One pass over the held-out data (pipelines.evaluate: no gradient, tables flushed, every rank's samples
+        once); its NE and AUC go to the progress output, the metrics JSONL and the summary."""
+        loader = build_loader(self.eval_source, LoaderConfig(batch_size=self.config.loader.batch_size), self.rank,
+                              self.world_size)
+        try:
+            result = evaluate(self.model, loader, stage=self.pipeline, inputs=self.spec.inputs, device=self.device,
+                              precision=self.config.train.precision, world_size=self.world_size)
+        finally:
+            shutdown_loader(loader)
+        record = {"step": self.step, **result.as_dict()}
+        self.evaluations.append(record)
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps({"step": self.step, "eval": result.as_dict()}) + "\n")
+            self._metrics_file.flush()
+        if self.rank == 0 and self.config.train.progress:
+            line = (f"step {self.step}: held-out NE {result.ne:.4f}, AUC {result.auc:.4f} "
+                    f"({result.samples} samples, {self.config.data.eval_data})")
+            (progress.write if progress is not None else print)(line)
+        return record
+
     def _progress_bar(self):
         if self.rank != 0 or not self.config.train.progress:
             return None
@@ -637,6 +680,10 @@ class Trainer:
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
             "embedding_schedule": self.schedule.summary() if self.schedule is not None else None,
+            # held-out evaluations (--eval-data): one per --eval-every steps and one at the end, the last here too
+            "eval": self.evaluations,
+            "eval_ne": self.evaluations[-1]["ne"] if self.evaluations else None,
+            "eval_auc": self.evaluations[-1]["auc"] if self.evaluations else None,
             # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
             "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
             "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
