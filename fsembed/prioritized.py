@@ -69,6 +69,7 @@ from fscomm.groups import comm_timeout_s
 from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
 from fsembed.id_prefetch import ShardedIds
+from fsembed.schedules import RUNTIME_SCHEDULES
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
 
@@ -119,7 +120,6 @@ class _Sizes:
 
 EARLY_STARTS = ("forward", "backward")
 EXCLUSIVE_STARTS = ("backward", "forward")
-SCHEDULES = ("prioritized", "sdd")
 _chains_lock = threading.Lock()
 _WAIT_MARGIN_S = 5.0
 
@@ -316,8 +316,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         (deferred gradients applied, exchanges in flight collected) and drops the context: the next step's rows
         prefetched in it are looked up again, from the same table values. Coming back, the first step looks its
         rows up synchronously, as a job's first step does."""
-        if schedule not in SCHEDULES:
-            raise ValueError(f"prioritized embeddings: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule not in RUNTIME_SCHEDULES:
+            raise ValueError(f"prioritized embeddings: schedule must be one of {RUNTIME_SCHEDULES}, got {schedule!r}")
         if schedule == self.schedule:
             return
         if schedule == "sdd":

@@ -1,7 +1,7 @@
 """Module swap: the user's embedding modules, found by name or by type, replaced by views of one sharded collection.
 
-    hub = swap_embeddings(model, ["item_emb", "user_emb"], mode="prioritized")    # by name (paths in the model)
-    hub = swap_embeddings(model, types=["EmbeddingCollection"], mode="prioritized")  # or every module of a type
+    hub = swap_embeddings(model, ["item_emb", "user_emb"], schedule="prioritized")    # by name (paths in the model)
+    hub = swap_embeddings(model, types=["EmbeddingCollection"], schedule="prioritized")  # or every module of a type
     for batch, next_batch in ...:
         hub.prepare(features_of(batch), features_of(next_batch))   # the exchanges of every table, once
         loss = model(batch)                                        # model code unchanged: item_emb(ids) works
@@ -39,6 +39,7 @@ from torch import nn
 
 from fsembed.plan import ShardingPlan, TableConfig
 from fsembed.prioritized import PrioritizedEmbeddingCollection
+from fsembed.schedules import get_schedule
 from fsembed.sharded import ShardedEmbeddingCollection
 
 COLLECTION_NAME = "fsembed_collection"
@@ -274,7 +275,7 @@ def swap_embeddings(
     names: Optional[Sequence[str]] = None,
     *,
     types: Optional[Sequence[Union[str, type]]] = None,
-    mode: str = "sync",
+    schedule: str = "sync",
     world_size: Optional[int] = None,
     rank: Optional[int] = None,
     row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
@@ -286,13 +287,13 @@ def swap_embeddings(
     Initial values are the modules' own weights (identical on every rank, as after a seeded construction); the
     modules themselves are kept in ``hub.swapped``, their parameters on the meta device, for :func:`unswap_embeddings`.
     ``row_boundaries``: the sharding plan, ``{table: [W+1] int64 row boundaries}`` for the tables that do not take
-    torchrec's row-wise split. ``collection_kwargs`` go to the collection (optimizer, transport, grad_scale,
-    device, timer).
+    torchrec's row-wise split. ``schedule`` (fsembed.schedules) picks the collection: the prioritized one for the
+    schedules that prefetch rows, else the synchronous one. ``collection_kwargs`` go to the collection (optimizer,
+    transport, grad_scale, device, timer).
     """
     import torch.distributed as dist
 
-    if mode not in ("sync", "prioritized"):
-        raise ValueError(f"fsembed swap: mode must be 'sync' or 'prioritized', got {mode!r}")
+    prioritized = get_schedule(schedule).prioritized_collection
     if (names is None) == (types is None):
         raise ValueError("fsembed swap: give the modules to swap by names or by types (one of the two)")
     if names is None:
@@ -306,7 +307,7 @@ def swap_embeddings(
     init = {t.name: w for pairs in found.values() for t, w in pairs}
     plan = ShardingPlan(tables, world_size if world_size is not None else dist.get_world_size(),
                         row_boundaries=dict(row_boundaries or {}))
-    cls = PrioritizedEmbeddingCollection if mode == "prioritized" else ShardedEmbeddingCollection
+    cls = PrioritizedEmbeddingCollection if prioritized else ShardedEmbeddingCollection
     collection = cls(plan, rank, init_tables=init, **collection_kwargs)
     hub = EmbeddingHub(collection)
     for n in names:

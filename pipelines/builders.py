@@ -10,6 +10,7 @@ from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
 from pipelines.config import DataConfig, JobConfig, ModelSection, TrainConfig
 from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
+from pipelines.modes import MODES
 from pipelines.step import ModelSpec
 
 
@@ -87,7 +88,7 @@ def build_model(config: ModelSection, source: SampleSource, seed: int, determini
 def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.device):
     """The embedding stage around ``spec.model`` for the sharded-embedding modes, through the public
     ``wrap_model`` (None for ``replicated``, ``torchrec``)."""
-    if config.mode in ("replicated", "torchrec"):
+    if MODES[config.mode].schedule is None:
         return None
     from fsembed import get_optimizer
     from pipelines.step import wrap_model

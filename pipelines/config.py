@@ -28,6 +28,7 @@ from fsdata.loader import LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
 from pipelines.model import ATTENTION_IMPLS
+from pipelines.modes import BALANCING, MODES, SHARDED
 from pipelines.numerics import PRECISIONS
 from pipelines.schedule import SCHEDULE_CHOICES
 from pipelines.staged import EARLY_START, EXCLUSIVE_START
@@ -40,7 +41,6 @@ def _f(default: Any, help: str, **kw) -> Any:
 # nccl-ce (fscomm/nccl_ce.py) is not offered until it has run on two GPUs or more
 TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
 
-MODES = ("replicated", "sync", "sdd", "semisync", "freescale", "torchrec")
 
 DEVICES = ("cpu", "cuda", "auto")
 OPTIMIZER_CHOICES = ("sgd", "rowwise_adagrad", "adam")
@@ -98,7 +98,7 @@ class TrainConfig:
     temporary directory, named in the error line). The scheduling knobs (group ``tuning``) are explained in
     docs/tuning.md."""
 
-    mode: str = _f("freescale", "", choices=MODES)
+    mode: str = _f("freescale", "", choices=tuple(MODES))
     embedding_optimizer: str = _f("sgd", "", group="embeddings",
                                   choices=OPTIMIZER_CHOICES)
     embedding_lr: float = _f(0.05, "sharded tables' learning rate", group="embeddings")
@@ -144,14 +144,12 @@ class TrainConfig:
 
 
 # Options that only some modes read: the others ignore them (JobConfig.ignored_options warns).
-_BALANCING = ("replicated", "freescale")
-_SHARDED = ("sync", "sdd", "semisync", "freescale")
 MODE_OPTIONS = {
-    "partitioner": _BALANCING, "alpha": _BALANCING, "autotune": _BALANCING, "min_gain": _BALANCING,
-    "memory_budget": _BALANCING,
-    "transport": _SHARDED, "embedding_lr": (*_SHARDED, "torchrec"), "embedding_optimizer": (*_SHARDED, "torchrec"),
+    "partitioner": BALANCING, "alpha": BALANCING, "autotune": BALANCING, "min_gain": BALANCING,
+    "memory_budget": BALANCING,
+    "transport": SHARDED, "embedding_lr": (*SHARDED, "torchrec"), "embedding_optimizer": (*SHARDED, "torchrec"),
     "early_start": ("freescale",), "exclusive_start": ("freescale",), "embedding_schedule": ("freescale",),
-    "export": ("replicated", *_SHARDED),
+    "export": ("replicated", *SHARDED),
 }
 
 SECTIONS = {

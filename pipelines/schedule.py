@@ -35,7 +35,9 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-SCHEDULE_CHOICES = ("auto", "prioritized", "sdd")
+from fsembed.schedules import RUNTIME_SCHEDULES
+
+SCHEDULE_CHOICES = ("auto", *RUNTIME_SCHEDULES)
 # Steps of a process that the probe leaves out: they pay one-time costs (kernel compilation, the first pinned
 # buffers), so the first steps can take several times as long as the later ones.
 PROBE_START = 3

@@ -4,18 +4,11 @@ The model takes a batch and returns logits; it looks its item ids up in ``item_e
 modules are named). FreeScale installs itself around it:
 
 * module swap (fsembed.swap): the named embedding modules become views of one row-wise sharded collection;
-* a forward pre-hook on the model drives the embedding stage, before the model's first layer runs:
-    - ``sync``       ID AllToAll, lookup, embedding AllToAll, all blocking, inside the step (vanilla TorchRec);
-    - ``sdd``        the next batch's ID AllToAll was started during the previous step (TorchRec's
-                     TrainPipelineSparseDist): only the lookup and the embedding AllToAll remain in the step;
-    - ``semisync``   every embedding of the next batch prefetched during this step, the rows this step updates
-                     included, so they arrive stale (TorchRec's TrainPipelineSemiSync): shows what staleness
-                     costs in NE, next to freescale, which waits for exactly those rows;
-    - ``freescale``  prioritized updates (Algorithm 2): this step's embeddings were prefetched during the
-                     previous step, only rows shared with the previous batch waited; the pre-hook hands the
-                     collection the next batch's ids so it can prefetch again. Where the step is bound by the
-                     host, not by the exchanges, the job may run sdd's exchanges instead (``set_schedule``,
-                     chosen from measured step times by pipelines.schedule; exact either way);
+* a forward pre-hook on the model drives the embedding stage, before the model's first layer runs: it hands the
+  step's features and the loader's ID exchanges of this batch and the next to the mode's embedding schedule
+  (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.modes names which mode runs which). Where the
+  step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
+  chosen from measured step times by pipelines.schedule; exact either way);
 * a forward hook on the model starts, as its forward returns, the embedding stage's side work of the next batch
   that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then run in the
   collection's bulk chain beside the backward, where the training thread waits without the GIL);
@@ -45,8 +38,9 @@ import torch
 from torch import nn
 
 from fsdata.batch import Batch
+from fsembed.schedules import get_schedule
+from pipelines.modes import SHARDED, get_mode
 
-EMBEDDING_MODES = ("sync", "sdd", "semisync", "freescale")
 # The pipeline's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
 # "backward" needs (see PrioritizedEmbeddingCollection for why the collection alone defaults to "forward").
 EARLY_START, EXCLUSIVE_START = "backward", "forward"
@@ -76,20 +70,20 @@ class StagedPipeline:
     ) -> None:
         from fsembed.swap import swap_embeddings
 
-        if mode not in EMBEDDING_MODES:
-            raise ValueError(f"StagedPipeline mode must be one of {EMBEDDING_MODES}, got {mode!r}")
-        self.mode, self.features = mode, features
+        self.mode, self.features = get_mode(mode, SHARDED, "StagedPipeline mode"), features
+        self.schedule = get_schedule(self.mode.schedule)  # this step's; freescale's may change (set_schedule)
+        prioritized = self.schedule.prioritized_collection
         self.hub = swap_embeddings(
             model,
             table_names,
             types=types,
             row_boundaries=row_boundaries,
-            mode="prioritized" if mode in ("freescale", "semisync") else "sync",
+            schedule=self.schedule.name,
             optimizer=optimizer,
             timer=timer,
             device=device,
-            **({"stale": mode == "semisync", "early_start": early_start, "exclusive_start": exclusive_start}
-               if mode in ("freescale", "semisync") else {}),
+            **({"stale": self.schedule.stale, "early_start": early_start, "exclusive_start": exclusive_start}
+               if prioritized else {}),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
@@ -124,13 +118,7 @@ class StagedPipeline:
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
             return
-        if self.prioritized:  # the next batch's ids, already sent by the ID-prefetch stage (this batch's: used
-            # only by a first step, whose rows nothing prefetched)
-            self.hub.prepare(self.features(batch), self.upcoming_ids, prefetched=self.current_ids)
-        elif self.mode != "sync":  # this batch's ids, sent by the ID-prefetch stage during the previous step
-            self.hub.prepare(self.features(batch), prefetched=self.current_ids)
-        else:
-            self.hub.prepare(self.features(batch))
+        self.schedule.prepare(self.hub, self.features(batch), self.current_ids, self.upcoming_ids)
 
     def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
         """Starts the next batch's early rows held by the forward (``early_start="backward"``): the collection's
@@ -141,18 +129,21 @@ class StagedPipeline:
     @property
     def prioritized(self) -> bool:
         """Whether this step runs prioritized updates (semisync; freescale unless its schedule is sdd)."""
-        return self.mode in ("freescale", "semisync") and self.collection.schedule == "prioritized"
+        return self.schedule.prioritized_collection
 
     def set_schedule(self, schedule: str) -> None:
-        """freescale's embedding schedule from the next step on: ``prioritized`` or ``sdd`` (the sdd mode's
-        exchanges; bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and pipelines.schedule)."""
-        if self.mode != "freescale":
-            raise ValueError(f"the embedding schedule is chosen in mode freescale only, not {self.mode!r}")
+        """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.modes):
+        ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
+        pipelines.schedule)."""
+        if schedule not in self.mode.switches:
+            raise ValueError(f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "
+                             f"between {list(self.mode.switches) or 'none'}, not to {schedule!r}")
         self.collection.set_schedule(schedule)
+        self.schedule = get_schedule(schedule)
 
     def id_prefetch_stages(self, rank: int, timer=None) -> list:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
-        if self.mode == "sync":
+        if not self.schedule.prefetches_ids:
             return []
         from fsembed.id_prefetch import id_prefetch_stages
         from pipelines.step import host_transport

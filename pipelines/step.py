@@ -40,7 +40,8 @@ from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.numerics import autocast, autocast_dtype
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
-from pipelines.staged import EARLY_START, EMBEDDING_MODES, EXCLUSIVE_START, FeatureFn, StagedPipeline
+from pipelines.modes import SHARDED, get_mode
+from pipelines.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
 
 Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -111,8 +112,7 @@ def wrap_model(
     the batch). ``optimizer``: the tables' row-wise optimizer (fsembed.optim; default SGD). ``row_boundaries``:
     the sharding plan of tables not split torchrec's row-wise way.
     """
-    if mode not in EMBEDDING_MODES:
-        raise ValueError(f"wrap_model: mode must be one of {EMBEDDING_MODES}, got {mode!r}")
+    get_mode(mode, SHARDED, "wrap_model: mode")
     if embeddings is None and types is None:
         from fsembed.swap import SWAPPABLE_TYPES
 

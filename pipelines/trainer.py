@@ -56,6 +56,7 @@ from fscomm import get_transport
 from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
 from pipelines.evaluate import evaluate
+from pipelines.modes import MODES
 from pipelines.numerics import autocast, autocast_dtype, check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
 from fsdata.batch import Batch
@@ -173,7 +174,7 @@ class Trainer:
         resumed = self._load_checkpoint()
         # freescale's embedding schedule per step (pipelines.schedule): probed anew from this process's first step
         self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
-                         if config.train.mode == "freescale" else None)
+                         if MODES[config.train.mode].switches else None)
         # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
         self._last_step_s = self._last_compute_s = 0.0
@@ -203,7 +204,7 @@ class Trainer:
 
     @property
     def balancing(self) -> bool:
-        return self.config.train.mode in ("replicated", "freescale") and self.config.balancer.partitioner != "none"
+        return MODES[self.config.train.mode].balances and self.config.balancer.partitioner != "none"
 
     def _loader_stages(self) -> list:
         """The balancer's stages (when balancing), then the ID-prefetch stage (sdd, freescale)."""

@@ -44,7 +44,7 @@ def _body(rank, world_size):
     for mode in ("sync", "prioritized"):
         stage(mode)
         model = UserModel()
-        hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], mode=mode, optimizer=SGD(lr=LR))
+        hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], schedule=mode, optimizer=SGD(lr=LR))
         losses = []
         for s in range(STEPS):
             items, users = _data(s, rank)

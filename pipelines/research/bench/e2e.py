@@ -37,9 +37,11 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.config import JobConfig, add_tuning_arguments, apply_tuning
+from pipelines.modes import MODES as ALL_MODES
 from pipelines.schedule import PROBE_START, ScheduleProbe
 
-MODES = ("sync", "sdd", "semisync", "freescale", "replicated")
+# every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
+MODES = tuple(name for name in ALL_MODES if name != "torchrec")
 TORCHREC_NOTE = (
     "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.torchrec_ref). n/m = not\n"
     "  measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run inside\n"
