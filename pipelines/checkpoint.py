@@ -1,35 +1,57 @@
-"""Checkpoints: model, optimizer, loader state and the step, one file per rank, written atomically.
+"""Checkpoints: the dense model and optimizer, the sharded tables, each rank's loader state and the step.
 
-    <dir>/step_000040/rank0.pt ... rank{W-1}.pt, then <dir>/step_000040/COMPLETE (written last, by rank 0,
-    after every rank has written its file), so a crash mid-save never leaves a checkpoint that looks whole.
+    <dir>/step_000040/__0_0.distcp ... .metadata   torch.distributed.checkpoint (DCP): every tensor (pipelines.dcp:
+                                                    tables as row-wise chunks of whole tables, even for uneven
+                                                    row_boundaries; the replicated dense state once)
+    <dir>/step_000040/rank0.pt ... rank{W-1}.pt     each rank's own file: loader and balancer state, data cursor,
+                                                    step, the non-tensor rest of model and optimizer state
+    <dir>/step_000040/COMPLETE                      "W dcp", written last, by rank 0, once DCP's coordinator has
+                                                    written .metadata (after every rank's data) and every rank its file
 
-Each rank stores its own loader state (torchtitan's habit): the loader's state is per rank by nature (the
-prefetcher's snapshot, balancer state in flight). On load it is checked against the world size: the same world
-size restores every rank's loader exactly; another world size restores only what is world-size independent —
-the dense model and optimizer (replicated) and the global data cursor (epoch, samples consumed), so no sample is
-lost or repeated — and starts the loader's balancer state afresh. Row-wise sharded tables are resharded from
-every old rank's shard (fsembed.reshard), with their optimizer state.
+Every file is written under a temporary name and renamed (DCP's .metadata too), so a crash or a full disk never
+leaves a step that looks whole: without its COMPLETE marker a step is never resumed. Rewriting a step (a job rerun
+past an earlier resume) removes the old one first, its marker first. A failed write ends in one line naming the
+step, and for a full disk this rank's payload and the bytes free there (statvfs); the temporary file is removed.
 
-A complete checkpoint needs every rank's file: each holds only its rank's shard of the sharded tables (their
-state's keys say so: ``rank`` and ``world_size`` beside ``tables``). ``state_dict()`` of a model with sharded
-tables issues no collective; the exchanges still in flight land first through the pipeline's ``flush()``, which
-every rank calls before saving (the trainer does).
+``--async-checkpoint``: the tensors are copied to the host and DCP's ``async_save`` writes them while training
+goes on; the next save, and the end of training, first wait for it (``wait``). The marker is written when DCP's
+write completes. The save runs on a process group of its own (a background thread must not issue collectives
+on a group the training thread uses).
 
-Loading is safe: every file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and plain
-containers only), so a checkpoint directory from elsewhere cannot run code; a file carrying anything else (a
-pickled function, a class instance) is refused with one line naming it, before any of it is used.
+Each rank stores its own loader state (torchtitan's habit): the prefetcher's snapshot and balancer state in
+flight are per rank by nature. The same world size restores every rank's loader exactly; another world size
+restores what is world-size independent (model, optimizer, tables resharded, the global data cursor: no sample
+lost or repeated) and starts the loader's balancer state afresh.
+
+Resume. ``--resume latest`` takes the newest step that every rank can load: each rank checks every complete step
+(marker, DCP metadata and data file sizes, the rank file it would read), the ranks gather their answers, and all
+take the newest step no rank found a fault in; the steps skipped and why are returned for the job to print. Loading
+ends in an agreement too: no rank reports a resume before every rank has loaded.
+
+Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
+containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
+tensor is refused (pipelines.dcp): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
+holding everything, marker "W") still loads, resharded by fsembed.reshard on another world size.
 """
 
 from __future__ import annotations
 
+import datetime
+import errno
+import io
 import os
 import pickle
 import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from pipelines import dcp
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -37,55 +59,66 @@ LOADER_KEY = "loader"
 STEP_KEY = "step"
 WORLD_SIZE_KEY = "world_size"
 CURSOR_KEY = "cursor"  # {epoch, cursor} of the global reader: the world-size independent position
+FORMAT_KEY = "format"
+STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.dcp.snapshot)
+DCP_FORMAT = "dcp"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be written or loaded. ``root``: this rank's own fault (False: another rank's)."""
+
+    def __init__(self, message: str, root: bool = True) -> None:
+        super().__init__(message)
+        self.root = root
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-def save(root: str | Path, step: int, rank: int, world_size: int, payload: dict[str, Any]) -> Path:
-    """Every rank calls this at the same step (it ends in a barrier)."""
-    directory = step_dir(Path(root), step)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"rank{rank}.pt"
-    tmp = target.with_suffix(".tmp")
-    torch.save({**payload, STEP_KEY: step, WORLD_SIZE_KEY: world_size}, tmp)
-    os.replace(tmp, target)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        (directory / COMPLETE_MARKER).write_text(f"{world_size}\n")
-    if dist.is_initialized():
-        dist.barrier()
-    return directory
+def complete_steps(root: str | Path) -> list[Path]:
+    """Step directories under ``root`` with a COMPLETE marker, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()]
+    return [p for _, p in sorted(steps, reverse=True)]
 
 
 def latest(root: str | Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (None if there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()
-    )
-    return steps[-1][1] if steps else None
+    """The newest step with a COMPLETE marker (None if there is none); ``Checkpointer.restore`` checks it too."""
+    steps = complete_steps(root)
+    return steps[0] if steps else None
 
 
-def saved_world_size(directory: str | Path) -> int:
-    marker = Path(directory) / COMPLETE_MARKER
+def _marker(directory: Path) -> list[str]:
+    marker = directory / COMPLETE_MARKER
     if not marker.exists():
         raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: the save was "
                          "interrupted, or this is not a step directory)")
+    return marker.read_text().split()
+
+
+def saved_world_size(directory: str | Path) -> int:
     try:
-        return int(marker.read_text().split()[0])
-    except (ValueError, IndexError):
-        raise ValueError(f"{marker}: unreadable marker (expected the world size)") from None
+        return int(_marker(Path(directory))[0])
+    except (ValueError, IndexError) as e:
+        if COMPLETE_MARKER in str(e):
+            raise
+        raise ValueError(f"{Path(directory) / COMPLETE_MARKER}: unreadable marker (expected the world size)") from None
+
+
+def saved_format(directory: str | Path) -> str:
+    """``"dcp"``, or ``"files"`` for the earlier format (one torch.save per rank)."""
+    words = _marker(Path(directory))
+    return words[1] if len(words) > 1 else "files"
 
 
 def check_complete(directory: str | Path) -> int:
-    """The world size of the checkpoint in ``directory``; ValueError (one line) if it is missing or incomplete."""
+    """The world size of the checkpoint in ``directory``; ValueError (one line) if it is missing, incomplete or
+    (DCP) its metadata is unsafe or names data files that are missing or cut short."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"checkpoint {directory} does not exist (give a step directory, or --resume latest)")
@@ -93,11 +126,18 @@ def check_complete(directory: str | Path) -> int:
     missing = [f"rank{r}.pt" for r in range(world) if not (directory / f"rank{r}.pt").is_file()]
     if missing:
         raise ValueError(f"checkpoint {directory} is incomplete: it lacks {', '.join(missing)} (written by {world} ranks)")
+    if saved_format(directory) == DCP_FORMAT:
+        dcp.check_metadata(directory)
     return world
 
 
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    return text.split(". ")[0].rstrip(".")
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
-    """One rank's payload, loaded with ``weights_only=True``; anything but weights and plain data is refused."""
+    """One rank's file, loaded with ``weights_only=True``; anything but weights and plain data is refused."""
     path = Path(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -106,23 +146,22 @@ def read_file(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
                          f"run as code ({first or 'not a weights-only file'})") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path}: not a readable checkpoint file (truncated or corrupt?): {' '.join(str(e).split())[:200]}") from None
+        size = path.stat().st_size if path.is_file() else 0
+        raise ValueError(f"{path}: not a readable checkpoint file (truncated or corrupt?): {_first_sentence(str(e))} "
+                         f"({size} bytes)") from None
     if not isinstance(payload, dict) or WORLD_SIZE_KEY not in payload:
         raise ValueError(f"{path}: not a FreeScale checkpoint (no {WORLD_SIZE_KEY!r} entry)")
     return payload
 
 
 def load_all(directory: str | Path) -> list[dict[str, Any]]:
-    """Every old rank's payload, in rank order (resharding row-wise tables needs all their shards)."""
+    """Every old rank's file, in rank order (the earlier format's resharding needs all their shards)."""
     return [read_file(Path(directory) / f"rank{r}.pt") for r in range(check_complete(directory))]
 
 
 def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
-    """This rank's checkpoint payload and whether it was written by the same world size.
-
-    On another world size, rank ``r`` reads the file of rank ``r % old_world_size`` (dense state is replicated;
-    the caller must take only world-size independent parts from it).
-    """
+    """The file this rank reads and whether the checkpoint was written by the same world size. On another world
+    size rank ``r`` reads old rank ``r % old_world_size``'s (only its world-size independent parts are used)."""
     directory = Path(directory)
     saved_world = check_complete(directory)
     path = directory / f"rank{rank % saved_world}.pt"
@@ -130,3 +169,292 @@ def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, A
     if int(payload[WORLD_SIZE_KEY]) != saved_world:
         raise ValueError(f"{path}: written by world size {payload[WORLD_SIZE_KEY]}, marker says {saved_world}")
     return payload, saved_world == world_size
+
+
+def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
+    """What keeps this rank from loading ``directory`` (one line), or None: every file it would read is whole."""
+    directory = Path(directory)
+    try:
+        old = check_complete(directory)
+        payload, same = load(directory, rank, world_size)
+        if saved_format(directory) == DCP_FORMAT:
+            if payload.get(FORMAT_KEY) != DCP_FORMAT or STATE_KEY not in payload:
+                raise ValueError(f"{directory}/rank{rank % old}.pt: not a rank file of a DCP checkpoint")
+            state = payload[STATE_KEY]
+            dcp.empty_targets(dcp.refs(state["model"]) + dcp.refs(state["optimizer"]), dcp.check_metadata(directory), directory)
+        elif not same:  # the earlier format reshards from every old rank's file
+            load_all(directory)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- faults
+def _causes(exc: BaseException) -> list[BaseException]:
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in getattr(e, "failures", {}).values()]  # DCP's CheckpointException
+    return out
+
+
+def _no_space(exc: BaseException, payload: int, free: Optional[int]) -> bool:
+    for e in _causes(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e).lower()
+        # torch.save into a full disk says only "unexpected pos": a short write
+        if "no space left" in text or ("unexpected pos" in text and free is not None and free < payload):
+            return True
+    return False
+
+
+def write_fault(directory: Path, exc: BaseException, payload: int) -> str:
+    """One line for a failed write: a full disk says so, with this rank's payload and the bytes free there."""
+    free = dcp.free_bytes(directory)
+    if _no_space(exc, payload, free):
+        return (f"checkpoint {directory}: no space left on device: this rank writes {payload:,} bytes, "
+                f"{'an unknown number of' if free is None else f'{free:,}'} bytes are free there (statvfs); "
+                "free some space or give another --checkpoint-dir")
+    inner = next((e for e in reversed(_causes(exc)) if not getattr(e, "failures", None)), exc)
+    return f"checkpoint {directory}: writing failed: {type(inner).__name__}: {_first_sentence(str(inner))}"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """``data`` to ``path`` under a temporary name, synced, then renamed; the temporary file never stays."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- the job's saves
+@dataclass
+class Restored:
+    """What a resume restored: where the job continues, and the loader state (None on another world size)."""
+
+    directory: Path
+    step: int
+    epoch: int
+    cursor: int
+    saved_world: int
+    loader_state: Optional[dict]
+    skipped: list[str] = field(default_factory=list)  # newer steps --resume latest left, each with why
+
+
+class Checkpointer:
+    """Saves and restores a job's checkpoints under ``root`` (every rank makes one, collectively, at set-up).
+
+    ``save`` and ``restore`` are collective over a process group of their own; ``wait`` completes an async save.
+    """
+
+    def __init__(self, root: Optional[str | Path], rank: int, world_size: int, async_save: bool = False,
+                 timeout_s: float = 1800.0) -> None:
+        self.root = Path(root) if root else None
+        self.rank, self.world_size, self.async_save = rank, world_size, async_save
+        self.group = None
+        if dist.is_available() and dist.is_initialized():
+            from fscomm.groups import new_stage_group
+
+            # A full save writes every rank's shards before the last collective: the group's timeout bounds the
+            # slowest rank's write, so it is the larger of the job's and half an hour.
+            self.group = new_stage_group("checkpoint", timeout=datetime.timedelta(seconds=timeout_s))
+        self._pending: Optional[tuple[Future, Path, int]] = None
+        self._marker_error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ collectives
+    def _gather(self, value: Any) -> list[Any]:
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _agree(self, error: Optional[str], what: str) -> None:
+        """Every rank raises if any rank failed: its own line where the fault is its own, the first failed rank's
+        elsewhere, so no rank goes on into a collective the failed one never reaches."""
+        errors = self._gather(error)
+        if error is not None:
+            raise CheckpointError(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, line = failed[0]
+            raise CheckpointError(f"{what}: rank {r} failed ({line})", root=False)
+
+    def _raise_dcp(self, exc: BaseException, directory: Path, payload: Optional[int]) -> None:
+        """DCP's CheckpointException (every rank gets every failed rank's exception) as one line per rank."""
+        failures = getattr(exc, "failures", None) or {self.rank: (exc, None)}
+        mine = failures.get(self.rank)
+        if mine is not None:
+            if payload is not None:
+                raise CheckpointError(write_fault(directory, mine[0], payload)) from None
+            raise CheckpointError(f"checkpoint {directory}: {_first_sentence(str(mine[0]))}") from None
+        r = min(failures)
+        raise CheckpointError(f"checkpoint {directory}: rank {r} failed ({type(failures[r][0]).__name__}: "
+                              f"{_first_sentence(str(failures[r][0]))})", root=False) from None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict,
+             cursor: dict) -> Path:
+        """Every rank calls this at the same step, after the pipeline's ``flush()``."""
+        if self.root is None:
+            raise ValueError("checkpoint: no checkpoint directory (--checkpoint-dir)")
+        self.wait()
+        directory = step_dir(self.root, step)
+        tensors, shards, skeleton = dcp.snapshot(model, optimizer)
+        buffer = io.BytesIO()
+        torch.save({FORMAT_KEY: DCP_FORMAT, WORLD_SIZE_KEY: self.world_size, "rank": self.rank, STEP_KEY: step,
+                    CURSOR_KEY: cursor, LOADER_KEY: loader_state, STATE_KEY: skeleton}, buffer)
+        payload = buffer.getbuffer().nbytes + dcp.nbytes(tensors)
+        error = None
+        try:
+            if self.rank == 0:  # an older save of this step goes first, its marker first
+                if directory.exists():
+                    (directory / COMPLETE_MARKER).unlink(missing_ok=True)
+                    shutil.rmtree(directory)
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            error = write_fault(directory, e, payload)
+        self._agree(error, f"checkpoint {directory}")
+        try:
+            _write_atomic(directory / f"rank{self.rank}.pt", buffer.getvalue())
+        except OSError as e:
+            error = write_fault(directory / f"rank{self.rank}.pt", e, payload)
+        self._agree(error, f"checkpoint {directory}")
+        try:
+            future = dcp.save(directory, tensors, shards, self.group, async_save=self.async_save)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._raise_dcp(e, directory, payload)
+        if future is None:
+            self._mark(directory)
+        else:
+            self._pending = (future, directory, payload)
+            if self.rank == 0:  # the marker as soon as DCP's write completes, even if no later wait comes
+                future.add_done_callback(lambda f: self._mark_when_done(f, directory))
+        return directory
+
+    def _mark(self, directory: Path) -> None:
+        if self.rank != 0:
+            return
+        try:
+            _write_atomic(directory / COMPLETE_MARKER, f"{self.world_size} {DCP_FORMAT}\n".encode())
+        except OSError as e:
+            raise CheckpointError(write_fault(directory / COMPLETE_MARKER, e, 16)) from None
+
+    def _mark_when_done(self, future: Future, directory: Path) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        try:
+            self._mark(directory)
+        except CheckpointError as e:
+            self._marker_error = e
+
+    def wait(self) -> None:
+        """Completes the async save in flight, if any (before the next save and at the end of training)."""
+        if self._pending is None:
+            return
+        future, directory, payload = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._raise_dcp(e, directory, payload)
+        if self._marker_error is not None:
+            error, self._marker_error = self._marker_error, None
+            raise error
+
+    # ------------------------------------------------------------------ restore
+    def _choose(self, resume: str) -> tuple[Optional[Path], list[str]]:
+        """The step directory every rank can load, and the newer ones skipped (``resume == "latest"``)."""
+        if resume != "latest":
+            directory = Path(resume)
+            self._agree(problem(directory, self.rank, self.world_size), f"checkpoint {directory}")
+            return directory, []
+        mine = {p.name: problem(p, self.rank, self.world_size) for p in complete_steps(self.root)}
+        everyone = self._gather(mine)
+        names = sorted({n for m in everyone for n in m}, reverse=True)
+        skipped = []
+        for name in names:
+            faults = [f"rank {r}: {m[name]}" if name in m else f"rank {r}: not there" for r, m in enumerate(everyone)
+                      if name not in m or m[name] is not None]
+            if not faults:
+                return self.root / name, skipped
+            skipped.append(f"{name} ({'; '.join(faults)})")
+        if skipped:
+            raise CheckpointError(f"--resume latest: no step under {self.root} that every rank can load: "
+                                  + "; ".join(skipped), root=any(v is not None for v in mine.values()))
+        return None, []
+
+    def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
+        """Loads ``resume`` (a step directory, or "latest": the newest step every rank can load) into model and
+        optimizer; None when "latest" finds no checkpoint. Collective: returns on every rank once all have loaded."""
+        directory, skipped = self._choose(resume)
+        if directory is None:
+            return None
+        old_world = saved_world_size(directory)
+        same = old_world == self.world_size
+        payload: dict = {}
+        targets, error = None, None
+        dcp_format = saved_format(directory) == DCP_FORMAT
+        try:
+            payload, _ = load(directory, self.rank, self.world_size)
+            if dcp_format:
+                targets = dcp.targets(directory, payload[STATE_KEY], model)
+            else:
+                _restore_files(directory, payload, model, optimizer, same)
+        except ValueError as e:
+            error = str(e)
+        self._agree(error, f"checkpoint {directory}")
+        if dcp_format:
+            try:
+                dcp.load(directory, targets.state, targets.shards, self.group)
+            except BaseException as e:
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self._raise_dcp(e, directory, None)
+            try:
+                dcp.apply(directory, targets, payload[STATE_KEY], model, optimizer, same)
+            except ValueError as e:
+                error = str(e)
+            self._agree(error, f"checkpoint {directory}")
+        position = payload[CURSOR_KEY]
+        return Restored(directory, int(payload[STEP_KEY]), int(position["epoch"]), int(position["cursor"]), old_world,
+                        payload[LOADER_KEY] if same else None, skipped)
+
+
+def _restore_files(directory: Path, payload: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   same_world: bool) -> None:
+    """The earlier format: this rank's file; on another world size the tables resharded from every old rank's."""
+    from fsembed.reshard import reshard_tables_state
+
+    model_state = dict(payload[MODEL_KEY])
+    if not same_world:
+        files = None
+        for key, collection in dcp._collections(model).items():
+            files = files or load_all(directory)
+            tables = reshard_tables_state([p[MODEL_KEY][key]["tables"] for p in files], collection.plan, collection.rank)
+            model_state[key] = {"world_size": collection.plan.world_size, "rank": collection.rank, "tables": tables}
+    try:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(payload[OPTIMIZER_KEY])
+    except (RuntimeError, KeyError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise ValueError(f"checkpoint {directory} does not fit this job's model or optimizer: {' '.join(lines[:2])}") from None

@@ -55,7 +55,7 @@ class DataConfig:
     labels, or labels outside [0, 1], and counts them in the summary's ``source_stats``; by default such a
     sample is an error naming it."""
 
-    data: str = _f("synthetic", "'synthetic' or a Parquet file / directory", metavar="PATH")
+    data: str = _f("synthetic", "'synthetic' or Parquet path", metavar="PATH")
     preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, kuairand-27k, movielens-20m)")
     num_samples: int = _f(100_000, "synthetic samples per epoch")
     collision_rate: Optional[float] = _f(None, "synthetic: rows shared by consecutive batches")
@@ -120,6 +120,7 @@ class TrainConfig:
                                        group="checkpoint")
     checkpoint_every: int = _f(0, "save every N steps, 0: never", group="checkpoint")
     resume: Optional[str] = _f(None, "'latest' or a step directory", group="checkpoint", metavar="STEP")
+    async_checkpoint: bool = _f(False, "save checkpoints in the background", group="checkpoint")
     export: Optional[str] = _f(None, "at the end, torch.save your model's state_dict", group="checkpoint",
                                metavar="PATH")
     trace: Optional[str] = _f(None, "profile a few steps to PATH.rank{r}.json", metavar="PATH")

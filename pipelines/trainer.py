@@ -303,6 +303,8 @@ class Trainer:
                     self.evaluate(progress)
                 if profiler is not None:
                     profiler.step()
+            if self._checkpointer is not None:  # an async save still in flight completes (and is checked) first
+                self._checkpointer.wait()
             if self._unsettled is not None:  # the last step: no later block carries its compute times
                 last = gather_per_rank((self._last_compute_s,), self.rank, self.world_size, self.device)[:, 0]
                 self._log(self._settle(self._unsettled, last), progress)
@@ -503,42 +505,38 @@ class Trainer:
         from before it, so the resumed run fetches it again."""
         if self.pipeline is not None:
             self.pipeline.flush()
-        checkpoint.save(
-            self.config.train.checkpoint_dir,
-            self.step,
-            self.rank,
-            self.world_size,
-            {
-                checkpoint.MODEL_KEY: self.model.state_dict(),
-                checkpoint.OPTIMIZER_KEY: self.optimizer.state_dict(),
-                checkpoint.LOADER_KEY: upcoming.loader_state if upcoming is not None else self.loader.state_dict(),
-                checkpoint.CURSOR_KEY: {"epoch": self.epoch, "cursor": self.cursor},
-            },
+        if self._checkpointer is None:
+            raise ValueError("save_checkpoint: the job has no --checkpoint-dir")
+        self._checkpointer.save(
+            self.step, self.model, self.optimizer,
+            loader_state=upcoming.loader_state if upcoming is not None else self.loader.state_dict(),
+            cursor={"epoch": self.epoch, "cursor": self.cursor},
         )
 
     def _load_checkpoint(self) -> Optional[dict]:
         """Restores model, optimizer, step and data position; returns the loader state to restore, if any."""
-        resume = self.config.train.resume
-        if not resume:
+        cfg = self.config.train
+        # At set-up, on every rank: the checkpointer's process group is made collectively.
+        self._checkpointer = (checkpoint.Checkpointer(cfg.checkpoint_dir, self.rank, self.world_size,
+                                                      async_save=cfg.async_checkpoint,
+                                                      timeout_s=max(cfg.comm_timeout_s, 1800.0))
+                              if cfg.checkpoint_dir or cfg.resume else None)
+        if not cfg.resume:
             return None
-        directory = checkpoint.latest(self.config.train.checkpoint_dir) if resume == "latest" else Path(resume)
-        if directory is None:  # nothing saved yet (first launch of a job that resumes on restart)
-            if self.rank == 0:
-                print(f"[freescale] no checkpoint in {self.config.train.checkpoint_dir}, starting at step 0")
-            return None
-        payload, same_world = checkpoint.load(directory, self.rank, self.world_size)
-        model_state = payload[checkpoint.MODEL_KEY]
-        if not same_world and self.pipeline is not None:
-            model_state = self._resharded(directory, model_state)
-        self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(payload[checkpoint.OPTIMIZER_KEY])
-        self.step = int(payload[checkpoint.STEP_KEY])
-        position = payload[checkpoint.CURSOR_KEY]
-        self.epoch, self.cursor = int(position["epoch"]), int(position["cursor"])
+        restored = self._checkpointer.restore(cfg.resume, self.model, self.optimizer)  # returns once all have loaded
         if self.rank == 0:
-            print(f"[freescale] resumed from {directory} at step {self.step} (epoch {self.epoch}, sample {self.cursor})"
-                  + ("" if same_world else f"; loader state rebuilt for world size {self.world_size}"))
-        return payload[checkpoint.LOADER_KEY] if same_world else None
+            for skipped in restored.skipped if restored is not None else []:
+                print(f"[freescale] skipped {skipped}")
+        if restored is None:  # nothing saved yet (first launch of a job that resumes on restart)
+            if self.rank == 0:
+                print(f"[freescale] no checkpoint in {cfg.checkpoint_dir}, starting at step 0")
+            return None
+        self.step, self.epoch, self.cursor = restored.step, restored.epoch, restored.cursor
+        if self.rank == 0:
+            print(f"[freescale] resumed from {restored.directory} at step {self.step} (epoch {self.epoch}, sample "
+                  f"{self.cursor})" + ("" if restored.loader_state is not None
+                                       else f"; loader state rebuilt for world size {self.world_size}"))
+        return restored.loader_state
 
     def _ne_curve(self) -> list[float]:
         """Cumulative NE after every step (what the NE-parity plot draws)."""
@@ -564,16 +562,6 @@ class Trainer:
         from kernels.triton.variants import compiled_variants
 
         return compiled_variants()
-
-    def _resharded(self, directory: Path, model_state: dict) -> dict:
-        """The model state with the sharded tables cut anew for this world size from every old rank's shard."""
-        from fsembed.reshard import reshard_tables_state
-        from fsembed.swap import COLLECTION_NAME
-
-        key = f"{COLLECTION_NAME}._extra_state"
-        shards = [p[checkpoint.MODEL_KEY][key]["tables"] for p in checkpoint.load_all(directory)]
-        tables = reshard_tables_state(shards, self.pipeline.collection.plan, self.rank)
-        return {**model_state, key: {"world_size": self.world_size, "rank": self.rank, "tables": tables}}
 
     # ------------------------------------------------------------------ output
     def _eval_source(self, num_items: Optional[int]):
