@@ -222,8 +222,25 @@ class Segment:
             pass
 
 
-def _close_all(segments: list, ctl: np.ndarray) -> None:
-    """Finalizer: tells the peers this rank is gone, then unlinks and unmaps what it holds."""
+_LINGER_S = 5.0  # at most this long, a closing rank waits for its peers to read its last exchange
+
+
+def _close_all(segments: list, ctl: np.ndarray, peers: list, linger_s: float) -> None:
+    """Finalizer: tells the peers this rank is gone, then unlinks and unmaps what it holds.
+
+    A data segment still linked holds an exchange that a peer may not have mapped yet (a rank's wait returns once
+    it has read its peers, not once they have read it): unlinked now, the peer's read would find no segment. So
+    the rank first waits, at most ``linger_s``, until every peer (``peers``: (control array, pid)) that is alive and
+    has not closed has finished reading its last published exchange."""
+    try:
+        last = int(ctl[_READY])
+        if last >= 0 and any(seg.linked and seg.path.rsplit("-", 1)[1].startswith("d") for seg in segments):
+            deadline = time.monotonic() + linger_s
+            while time.monotonic() < deadline and any(
+                    c[_DONE] < last and not c[_CLOSED] and _pid_alive(pid) for c, pid in peers):
+                time.sleep(1e-3)
+    except Exception:
+        pass
     try:
         ctl[_CLOSED] = 1
     except Exception:
@@ -276,7 +293,12 @@ class ShmExchange:
         self._broken: Optional[BaseException] = None
         self._streams: dict[int, "torch.cuda.Stream"] = {}
         self._fault: Optional[str] = None  # a fault-injection point (FSCOMM_SHM_FAULT), tests only
-        self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
+        self._finalizer = self._make_finalizer()
+
+    def _make_finalizer(self) -> weakref.finalize:
+        peers = [(self._ctl[p], self.pids[p]) for p in range(self.world_size) if p != self.rank]
+        linger_s = min(_LINGER_S, self.state.timeout_s)
+        return weakref.finalize(self, _close_all, self._owned(), self._mine, peers, linger_s)
 
     def _owned(self) -> list:
         return [s for s in self._ctl_segs if s.linked] + ([self._data[self.rank]] if self._data[self.rank] else [])
@@ -516,7 +538,7 @@ class ShmExchange:
             self._data[me], self._data_gen[me] = new, gen
             self.allocations += 1
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close_all, self._owned(), self._mine)
+            self._finalizer = self._make_finalizer()
             self._mine[_CAP] = cap
             self._mine[_GEN] = gen
             self._unlink_after = k
@@ -535,8 +557,16 @@ class ShmExchange:
         if self._data_gen[o] != gen:
             if self._data[o] is not None:
                 self._data[o].close()
+                self._data[o] = None
             path = os.path.join(SHM_DIR, f"{PREFIX}{self.pids[o]}-{self.token}-{o}-d{gen}")
-            self._data[o], self._data_gen[o] = Segment(path, int(ctl[_CAP]), create=False), gen
+            try:
+                self._data[o], self._data_gen[o] = Segment(path, int(ctl[_CAP]), create=False), gen
+            except FileNotFoundError:  # its owner closed (or died) before this rank mapped it
+                how = "closed its transport" if ctl[_CLOSED] else f"removed its segment {path}"
+                raise PeerLostError(
+                    f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
+                    f"rank(s) [{o}] of the group {how} before this rank had read its blocks (shared-memory path)"
+                ) from None
         seg = self._data[o]
         if cuda:
             seg.pin()
