@@ -40,7 +40,7 @@ def _bench_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     transport.add_arguments(parser)
     return parser.parse_args(["--device", "cpu", "--backends", "host-shm", "--sizes", "4096", "--reps", "2",
-                              "--no-contention", "--timeout", "30", *argv])
+                              "--no-contention", "--timeout", "120", *argv])
 
 
 @pytest.mark.multiprocess
@@ -86,7 +86,7 @@ def test_a_bench_rank_that_raises_is_one_line_naming_it_with_the_traceback_in_it
 
     monkeypatch.setenv("FREESCALE_LOG_DIR", str(tmp_path / "logs"))
     with pytest.raises(SystemExit) as ended:
-        launch(_rank_1_raises, argparse.Namespace(timeout=30, nproc=2), "demo")
+        launch(_rank_1_raises, argparse.Namespace(timeout=120, nproc=2), "demo")
     assert ended.value.code == 1
     err = _terminal_lines(capfd.readouterr().err)
     assert len(err) == 1, err
@@ -158,4 +158,4 @@ def _rank_and_world(args, rank, world_size):
 def test_the_bench_launcher_brings_every_ranks_result_back_when_asked():
     from pipelines.research.bench.launch import launch
 
-    assert launch(_rank_and_world, argparse.Namespace(timeout=30, nproc=2), "demo", every_rank=True) == [(0, 2), (1, 2)]
+    assert launch(_rank_and_world, argparse.Namespace(timeout=120, nproc=2), "demo", every_rank=True) == [(0, 2), (1, 2)]
