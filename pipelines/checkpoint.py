@@ -51,7 +51,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pipelines import dcp
+from pipelines import dcp, dcp_state
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -60,7 +60,7 @@ STEP_KEY = "step"
 WORLD_SIZE_KEY = "world_size"
 CURSOR_KEY = "cursor"  # {epoch, cursor} of the global reader: the world-size independent position
 FORMAT_KEY = "format"
-STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.dcp.snapshot)
+STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.dcp_state.snapshot)
 DCP_FORMAT = "dcp"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -181,7 +181,7 @@ def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
             if payload.get(FORMAT_KEY) != DCP_FORMAT or STATE_KEY not in payload:
                 raise ValueError(f"{directory}/rank{rank % old}.pt: not a rank file of a DCP checkpoint")
             state = payload[STATE_KEY]
-            dcp.empty_targets(dcp.refs(state["model"]) + dcp.refs(state["optimizer"]), dcp.check_metadata(directory), directory)
+            dcp_state.empty_targets(dcp_state.refs(state["model"]) + dcp_state.refs(state["optimizer"]), dcp.check_metadata(directory), directory)
         elif not same:  # the earlier format reshards from every old rank's file
             load_all(directory)
     except ValueError as e:
@@ -190,6 +190,18 @@ def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- faults
+def free_bytes(directory: str | Path) -> Optional[int]:
+    """Bytes free to this user on the file system of ``directory`` (or its nearest existing parent)."""
+    path = Path(directory)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _causes(exc: BaseException) -> list[BaseException]:
     out, todo = [], [exc]
     while todo:
@@ -215,7 +227,7 @@ def _no_space(exc: BaseException, payload: int, free: Optional[int]) -> bool:
 
 def write_fault(directory: Path, exc: BaseException, payload: int) -> str:
     """One line for a failed write: a full disk says so, with this rank's payload and the bytes free there."""
-    free = dcp.free_bytes(directory)
+    free = free_bytes(directory)
     if _no_space(exc, payload, free):
         return (f"checkpoint {directory}: no space left on device: this rank writes {payload:,} bytes, "
                 f"{'an unknown number of' if free is None else f'{free:,}'} bytes are free there (statvfs); "
@@ -315,11 +327,11 @@ class Checkpointer:
             raise ValueError("checkpoint: no checkpoint directory (--checkpoint-dir)")
         self.wait()
         directory = step_dir(self.root, step)
-        tensors, shards, skeleton = dcp.snapshot(model, optimizer)
+        tensors, shards, skeleton = dcp_state.snapshot(model, optimizer)
         buffer = io.BytesIO()
         torch.save({FORMAT_KEY: DCP_FORMAT, WORLD_SIZE_KEY: self.world_size, "rank": self.rank, STEP_KEY: step,
                     CURSOR_KEY: cursor, LOADER_KEY: loader_state, STATE_KEY: skeleton}, buffer)
-        payload = buffer.getbuffer().nbytes + dcp.nbytes(tensors)
+        payload = buffer.getbuffer().nbytes + dcp_state.nbytes(tensors)
         error = None
         try:
             if self.rank == 0:  # an older save of this step goes first, its marker first
@@ -417,7 +429,7 @@ class Checkpointer:
         try:
             payload, _ = load(directory, self.rank, self.world_size)
             if dcp_format:
-                targets = dcp.targets(directory, payload[STATE_KEY], model)
+                targets = dcp_state.targets(directory, payload[STATE_KEY], model)
             else:
                 _restore_files(directory, payload, model, optimizer, same)
         except ValueError as e:
@@ -431,7 +443,7 @@ class Checkpointer:
                     raise
                 self._raise_dcp(e, directory, None)
             try:
-                dcp.apply(directory, targets, payload[STATE_KEY], model, optimizer, same)
+                dcp_state.apply(directory, targets, payload[STATE_KEY], model, optimizer, same)
             except ValueError as e:
                 error = str(e)
             self._agree(error, f"checkpoint {directory}")
@@ -448,7 +460,7 @@ def _restore_files(directory: Path, payload: dict, model: torch.nn.Module, optim
     model_state = dict(payload[MODEL_KEY])
     if not same_world:
         files = None
-        for key, collection in dcp._collections(model).items():
+        for key, collection in dcp_state._collections(model).items():
             files = files or load_all(directory)
             tables = reshard_tables_state([p[MODEL_KEY][key]["tables"] for p in files], collection.plan, collection.rank)
             model_state[key] = {"world_size": collection.plan.world_size, "rank": collection.rank, "tables": tables}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines import checkpoint, dcp
+from pipelines import checkpoint, dcp, dcp_state
 from tests.harness import run_ranks, stage
 
 
@@ -228,7 +228,7 @@ def _resume_latest(rank, world_size, root):
         data = (root / "step_000004" / "__0_0.distcp").read_bytes()
         (root / "step_000004" / "__0_0.distcp").write_bytes(data[:100])
     torch.distributed.barrier()
-    apply = dcp.apply
+    apply = dcp_state.apply
 
     def slow_apply(*args, **kwargs):
         time.sleep(1.0)
@@ -236,7 +236,7 @@ def _resume_latest(rank, world_size, root):
         (root / "rank1.loaded").write_text(str(time.time()))
 
     if rank == 1:
-        dcp.apply = slow_apply
+        dcp_state.apply = slow_apply
     restored = saver.restore("latest", *_dense(seed=1))
     returned = time.time()
     torch.distributed.barrier()
