@@ -36,7 +36,6 @@ holding everything, marker "W") still loads, resharded by fsembed.reshard on ano
 
 from __future__ import annotations
 
-import datetime
 import errno
 import io
 import os
@@ -274,17 +273,17 @@ class Checkpointer:
     ``save`` and ``restore`` are collective over a process group of their own; ``wait`` completes an async save.
     """
 
-    def __init__(self, root: Optional[str | Path], rank: int, world_size: int, async_save: bool = False,
-                 timeout_s: float = 1800.0) -> None:
+    def __init__(self, root: Optional[str | Path], rank: int, world_size: int, async_save: bool = False) -> None:
         self.root = Path(root) if root else None
         self.rank, self.world_size, self.async_save = rank, world_size, async_save
         self.group = None
         if dist.is_available() and dist.is_initialized():
             from fscomm.groups import new_stage_group
 
-            # A full save writes every rank's shards before the last collective: the group's timeout bounds the
-            # slowest rank's write, so it is the larger of the job's and half an hour.
-            self.group = new_stage_group("checkpoint", timeout=datetime.timedelta(seconds=timeout_s))
+            # Its collectives wait at most the job's communication timeout, like every other exchange: a save's
+            # last collective waits for the slowest rank's write (a larger checkpoint needs a larger
+            # --comm-timeout-s), and a rank that stopped mid-save ends the others' waits in an error.
+            self.group = new_stage_group("checkpoint")
         self._pending: Optional[tuple[Future, Path, int]] = None
         self._marker_error: Optional[BaseException] = None
 

@@ -518,8 +518,7 @@ class Trainer:
         cfg = self.config.train
         # At set-up, on every rank: the checkpointer's process group is made collectively.
         self._checkpointer = (checkpoint.Checkpointer(cfg.checkpoint_dir, self.rank, self.world_size,
-                                                      async_save=cfg.async_checkpoint,
-                                                      timeout_s=max(cfg.comm_timeout_s, 1800.0))
+                                                      async_save=cfg.async_checkpoint)
                               if cfg.checkpoint_dir or cfg.resume else None)
         if not cfg.resume:
             return None
