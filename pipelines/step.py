@@ -29,6 +29,8 @@ torchrec is imported only where the model uses its types.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -40,6 +42,7 @@ from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.numerics import autocast, autocast_dtype
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
+from pipelines.model import bce_sum
 from pipelines.modes import SHARDED, get_mode
 from pipelines.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
 
@@ -48,8 +51,9 @@ Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of 
 
 
 def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed."""
-    return torch.nn.functional.binary_cross_entropy_with_logits(outputs, batch.candidate_labels, reduction="sum")
+    """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed
+    (pipelines.model.bce_sum, the reference model's)."""
+    return bce_sum(outputs, batch.candidate_labels)
 
 
 def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem) -> Any:
@@ -75,10 +79,19 @@ def _kjt_in(args: tuple, where: str):
     return found[0]
 
 
+def quiet_torchrec_notes() -> None:
+    """torchrec's KeyedJaggedTensor ops call torch.fx's ``is_fx_tracing()``, which logs, once per process and rank,
+    a deprecation note addressed to torchrec's authors: nothing a user of FreeScale can act on, so it is silenced
+    (that one logger, errors still shown) wherever FreeScale takes torchrec types."""
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
 def kjt_features(inputs: Inputs) -> FeatureFn:
     """``batch -> {feature: ids}`` from the KeyedJaggedTensor among the model's inputs: what an
     EmbeddingCollection called once with it looks up."""
     from fsembed.swap import kjt_ids
+
+    quiet_torchrec_notes()
 
     def features(batch: Batch) -> dict[str, torch.Tensor]:
         return kjt_ids(_kjt_in(as_args(inputs, batch), "wrap_model"))
@@ -202,6 +215,15 @@ class ModelSpec:
     plan: Optional[Callable[[Any, Any], Any]] = None
 
 
+def count_labels(batch: Batch, device: torch.device, timer=None) -> float:
+    """The global batch's label count: one small all-reduce over the default group (timed as ``label_count`` by a
+    fscomm.timing.Timer, if given)."""
+    with timer.span("label_count") if timer is not None else contextlib.nullcontext():
+        count = torch.tensor([float(batch.candidate_labels.numel())], device=device)
+        dist.all_reduce(count)
+    return float(count)
+
+
 @dataclass
 class StepResult:
     """One step, as every rank sees it: the global mean loss and the global label count."""
@@ -212,14 +234,18 @@ class StepResult:
 
 
 class TrainStep:
-    """Trains ``model`` one step per ``progress(items)`` call over the loader's items (LoaderItems).
+    """Trains ``model`` one step per ``progress(items)`` call over the loader's items (LoaderItems): the one
+    implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.trainer adds only
+    what a job needs around it: timings, checkpoints, logs).
 
     ``stage``: the embedding stage of ``wrap_model`` (None for a model without sharded tables). ``inputs``:
     ``batch -> model arguments`` (default: the stage's, else the batch). ``loss``: ``(outputs, batch) ->`` the
     sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on
     ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
     ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
-    ``fp32`` (pipelines.numerics).
+    ``fp32`` (pipelines.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
+    all-reduce as ``label_count``; ``phase(name)`` is a context named around the forward and the backward (e.g.
+    ``torch.profiler.record_function``); ``before_backward()`` is called between them.
     """
 
     def __init__(
@@ -235,6 +261,9 @@ class TrainStep:
         world_size: Optional[int] = None,
         bucket_mb: float = 25.0,
         precision: str = "auto",
+        timer=None,
+        phase: Optional[Callable[[str], Any]] = None,
+        before_backward: Optional[Callable[[], None]] = None,
     ) -> None:
         self.model, self.optimizer, self.stage = model, optimizer, stage
         self.loss = loss if loss is not None else bce_loss
@@ -245,6 +274,9 @@ class TrainStep:
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.dense_sync = DenseSync([p for p in model.parameters() if p.requires_grad], self.rank, self.world_size,
                                     self.device, bucket_bytes=int(bucket_mb * 2**20))
+        self.timer = timer
+        self._phase = phase if phase is not None else (lambda name: contextlib.nullcontext())
+        self._before_backward = before_backward
         self._current: Optional[LoaderItem] = None
         self._started = False
         self.step = 0
@@ -282,31 +314,53 @@ class TrainStep:
         return result
 
     # ------------------------------------------------------------------ one step
+    def count_labels(self, batch: Batch) -> float:
+        """The global batch's label count by one small all-reduce (timed as ``label_count``)."""
+        return count_labels(batch, self.device, self.timer)
+
     def global_labels(self, item: LoaderItem) -> float:
-        """The global batch's label count: from the balancer's report, else one small all-reduce."""
+        """The global batch's label count: from the balancer's report, else :meth:`count_labels`."""
         if item.report is not None:
             return float(item.report["global_candidates"] * item.batch.num_labels)
-        count = torch.tensor([float(item.batch.candidate_labels.numel())], device=self.device)
-        dist.all_reduce(count)
-        return float(count)
+        return self.count_labels(item.batch)
+
+    def zero_grad(self) -> None:
+        self.dense_sync.zero_grad()
+
+    def forward_backward(self, item: LoaderItem, upcoming: Optional[LoaderItem], global_labels: float
+                         ) -> tuple[float, torch.Tensor]:
+        """The forward (the embedding stage told this batch's and the next one's ids first) and the backward of
+        the local loss sum over ``global_labels``. Returns this rank's label count and, on the device (not read
+        here: no device sync), its loss sum and positives: the dense all-reduce's payload.
+
+        Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
+        batch, labels = item.batch, item.batch.candidate_labels
+        with self._phase("freescale/forward"):
+            if self.stage is not None:
+                self.stage.begin_step(batch, item.prefetched, self._upcoming_ids(upcoming))
+            with autocast(self.autocast_dtype, self.device):
+                loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
+        if self._before_backward is not None:
+            self._before_backward()
+        with self._phase("freescale/backward"):
+            (loss_sum / max(global_labels, 1.0)).backward()
+        return float(labels.numel()), torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
+
+    def _upcoming_ids(self, upcoming: Optional[LoaderItem]):
+        """The next batch's ids for prioritized updates: the loader's exchange, else its features (exchanged in
+        the step); None at the end, and for schedules that do not prefetch rows."""
+        if upcoming is None or self.stage is None or not self.stage.prioritized:
+            return None
+        return upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
 
     def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
         """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the
-        end). The hooks a loop of one's own calls, in this order."""
-        batch = item.batch
-        self.dense_sync.zero_grad()
+        end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
+        optimizer step. A loop of one's own calls these in this order."""
+        self.zero_grad()
         total = self.global_labels(item)
-        if self.stage is not None:
-            nxt = None
-            if upcoming is not None:  # the next batch's ids: prefetched by the loader, else exchanged in the step
-                nxt = upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
-            self.stage.begin_step(batch, item.prefetched, nxt)
-        with autocast(self.autocast_dtype, self.device):
-            loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
-        (loss_sum / max(total, 1.0)).backward()
-        labels = batch.candidate_labels
-        device_scalars = torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
-        book = self.dense_sync.all_reduce((float(labels.numel()),), (0.0,) * len(PER_RANK_FIELDS), device_scalars)
+        labels, device_scalars = self.forward_backward(item, upcoming, total)
+        book = self.dense_sync.all_reduce((labels,), (0.0,) * len(PER_RANK_FIELDS), device_scalars)
         self.optimizer.step()
         self.step += 1
         count, loss_total, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])

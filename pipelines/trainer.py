@@ -57,11 +57,10 @@ from fscomm.groups import close_stage_groups, new_stage_group
 from fscomm.timing import Timer
 from pipelines.evaluate import evaluate
 from pipelines.modes import MODES
-from pipelines.numerics import autocast, autocast_dtype, check_determinism, enable_determinism
+from pipelines.progress import progress_bar
+from pipelines.numerics import check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
-from fsdata.batch import Batch
 from fsdata.id_overflow import IdRangeSource
-from fsembed.id_prefetch import PrefetchedIds
 from fsdata.item import LoaderItem
 from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_loader
 from fsdata.metrics import sparsity
@@ -73,17 +72,19 @@ from pipelines.builders import build_model_spec, build_pipeline, build_source, b
 from pipelines.config import JobConfig
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
 from pipelines.schedule import ScheduleProbe
-from pipelines.model import bce_sum, normalized_entropy
-from pipelines.step import call_model, unwrap_model
+from pipelines.model import normalized_entropy
+from pipelines.step import TrainStep, count_labels, unwrap_model
+
+DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
+
 
 @dataclass
 class _Fetched:
-    batch: Batch
-    balance: Optional[dict]
-    ids: object  # PrefetchedIds of the batch (ID-prefetch stage of sdd / freescale) or None
+    """A loader item on the device, with where the job stood when it was fetched."""
+
+    item: LoaderItem
     new_epoch: bool
     loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
-    item: Optional[LoaderItem] = None  # the loader's item of the batch (its attention plan, on the device)
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -133,7 +134,6 @@ class Trainer:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         if config.train.deterministic:  # before the first cuBLAS call of this process (pipelines.numerics)
             enable_determinism()
-        self.autocast_dtype = autocast_dtype(config.train.precision, device)
         # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
         # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
         # covers the compute queued before it (the gradients it sends are still being computed), which is not
@@ -165,13 +165,12 @@ class Trainer:
             # Dense part only. On a GPU, fused: a few kernels per step instead of a foreach chain of ops, each of
             # which would give the GIL away on the training thread (every mode alike, so the comparison is fair).
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr, fused=device.type == "cuda")
-            self.dense_sync = DenseSync(self.model.parameters(), rank, world_size, device,
-                                        bucket_bytes=int(config.train.bucket_mb * 2**20))
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
         self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
+        self._first_step = self.step
         # freescale's embedding schedule per step (pipelines.schedule): probed anew from this process's first step
         self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
                          if MODES[config.train.mode].switches else None)
@@ -186,9 +185,20 @@ class Trainer:
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
         self._phase = torch.profiler.record_function if config.train.trace else _unnamed
+        # The step itself is the public API's (pipelines.step.TrainStep): label count, loss, forward and backward,
+        # the dense all-reduce's buckets and the optimizer exist once; this class adds the job around it. A gated
+        # stage worker starts the batch after next as the backward starts (before_backward).
+        self.step_fn: Optional[TrainStep] = None
+        if self.torchrec is None:
+            self.step_fn = TrainStep(
+                self.model, self.spec.loss, self.optimizer, stage=self.pipeline, inputs=self.spec.inputs, device=device,
+                rank=rank, world_size=world_size, bucket_mb=config.train.bucket_mb, precision=config.train.precision,
+                timer=self.timer, phase=self._phase, before_backward=lambda: release_loader(self.loader),
+            )
+            self.dense_sync = self.step_fn.dense_sync
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
         # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
-        # starts the batch after next as the backward starts (forward_backward releases it), unless the config
+        # starts the batch after next as the backward starts (TrainStep.forward_backward releases it), unless the config
         # says otherwise.
         loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda",
                                 worker_start=config.loader.worker_start or "backward")
@@ -276,22 +286,20 @@ class Trainer:
                     if self.step + self.lookahead < cfg.steps:
                         ahead.append(self._fetch(items))
                 upcoming = ahead[0] if ahead else None
-                if self.pipeline is not None:
-                    self.pipeline.current_ids = current.ids
-                    self.pipeline.upcoming_ids = upcoming.ids if upcoming is not None else None
                 if self.schedule is not None:
                     self.pipeline.set_schedule(self.schedule.schedule_for(self.step))
                 if self.torchrec is not None:  # its progress() trains batch i and takes in what it lacks ahead
-                    batches = [f.batch for f in (current, *ahead)]
-                    record = self.torchrec.train_step(self.step, batches, self._count_labels)
+                    batches = [f.item.batch for f in (current, *ahead)]
+                    record = self.torchrec.train_step(self.step, batches,
+                                                      lambda batch: count_labels(batch, self.device, self.timer))
                 else:
-                    record = self.train_step(current)
+                    record = self.train_step(current, upcoming)
                 self.accounting.finish(record)
                 self._last_step_s = record["step_time_s"]
                 if self.schedule is not None:
                     record["schedule"] = self.pipeline.collection.schedule
-                if current.balance is not None:
-                    record["balance"] = current.balance
+                if current.item.report is not None:
+                    record["balance"] = current.item.report
                 self.step += 1
                 if current.new_epoch:
                     self.epoch, self.cursor = self.epoch + 1, 0
@@ -347,73 +355,42 @@ class Trainer:
         return self.source.stats() if hasattr(self.source, "stats") else {}
 
     def _count_data_faults(self) -> dict[str, int]:
-        """Every rank's reads summed (one tiny all-reduce after the loop): ids folded onto the table
-        (id_overflow), samples left out (drop_bad_samples), histories cut to the cap."""
-        names = ("folded_ids", "dropped_bad_samples", "truncated_uih")
-        stats = self._source_stats()
-        counts = torch.tensor([float(stats.get(n, 0)) for n in names], dtype=torch.float64, device=self.device)
+        """The source's read counts summed over every rank (one tiny all-reduce after the loop): samples read,
+        ids folded onto the table (id_overflow), samples left out (drop_bad_samples), histories cut to the cap,
+        and whatever else the source counts. Every rank's source counts the same names."""
+        stats = {k: v for k, v in self._source_stats().items() if isinstance(v, (int, float))}
+        for name in DATA_FAULTS:
+            stats.setdefault(name, 0)
+        names = sorted(stats)
+        counts = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
         return {n: int(v) for n, v in zip(names, counts.tolist())}
 
     def _fetch(self, items: Iterator) -> _Fetched:
-        """The next local batch (on the device), with the balancer's metrics of its step when balancing."""
+        """The next loader item, its batch and prefetched ids on the device (on a GPU the stage worker copied the
+        batch already: fsdata.nodes.device_copy)."""
         new_epoch = False
         loader_state = self.loader.state_dict()
         try:
             item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item, new_epoch = next(iter(self.loader)), True
-        batch, balance = item.batch, item.report  # a LoaderItem (fsdata.item), whatever stages are composed
-        ids = item.prefetched.to(self.device) if isinstance(item.prefetched, PrefetchedIds) else None
-        if batch.device != self.device:  # on a GPU the stage worker copied it already (fsdata.nodes.device_copy)
-            batch = batch.to(self.device, non_blocking=True)
-        return _Fetched(batch, balance, ids, new_epoch, loader_state, replace(item, batch=batch, prefetched=ids))
+        item = self.step_fn.to_device(item) if self.step_fn is not None else item
+        return _Fetched(item, new_epoch, loader_state)
 
-    def _global_labels(self, fetched: _Fetched) -> float:
-        if fetched.balance is not None:
-            return float(fetched.balance["global_candidates"] * fetched.batch.num_labels)
-        return self._count_labels(fetched.batch)
-
-    def _count_labels(self, batch: Batch) -> float:
-        """The global batch's label count: one tiny all-reduce (timed as ``label_count``)."""
-        with self.timer.span("label_count"):
-            count = torch.tensor([float(batch.candidate_labels.numel())], device=self.device)
-            dist.all_reduce(count)
-        return float(count)
-
-    def _loss(self, outputs, batch: Batch) -> torch.Tensor:
-        """The local loss sum: the model's own (``ModelSpec.loss``), else BCE of its logits against the labels."""
-        return self.spec.loss(outputs, batch) if self.spec.loss is not None else bce_sum(outputs, batch.candidate_labels)
-
-    def forward_backward(self, item: LoaderItem, global_labels: float) -> tuple[float, torch.Tensor]:
-        """Backward of the local BCE sum over the global label count; returns the label count and, on the device
-        (not read here: no device sync), the BCE sum and the positives.
-
-        Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
-        batch = item.batch
-        labels = batch.candidate_labels
-        with self._phase("freescale/forward"):
-            if self.pipeline is not None:
-                self.pipeline.begin_step(batch, self.pipeline.current_ids, self.pipeline.upcoming_ids)
-            with autocast(self.autocast_dtype, self.device):
-                loss = self._loss(call_model(self.model, self.spec.inputs, item), batch)
-        release_loader(self.loader)  # a gated stage worker starts the batch after next now, beside the backward
-        with self._phase("freescale/backward"):
-            (loss / max(global_labels, 1.0)).backward()
-        return float(labels.numel()), torch.stack([loss.detach().float(), labels.sum().float()])
-
-    def train_step(self, fetched: _Fetched) -> dict:
+    def train_step(self, fetched: _Fetched, upcoming: Optional[_Fetched]) -> dict:
         """Forward, backward, the dense all-reduce and the optimizer step. The record it returns lacks what needs
         the other ranks' compute times of this step (straggler wait, the all-reduce's exposed part): they come in
         the next step's block and ``_settle`` fills them in; ``last_compute_all_s`` is the previous step's."""
-        batch = fetched.batch
-        self.dense_sync.zero_grad()
-        global_labels = self._global_labels(fetched)
+        batch, step = fetched.item.batch, self.step_fn
+        step.zero_grad()
+        global_labels = step.global_labels(fetched.item)
         early = self.config.train.allreduce_start == "backward"
         t0 = time.perf_counter()
         with self._phase("freescale/forward_backward"):
-            labels, sums = self.forward_backward(fetched.item, global_labels)
+            labels, sums = step.forward_backward(fetched.item, upcoming.item if upcoming is not None else None,
+                                                 global_labels)
             lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
             slot = {"last_compute_s": self._last_compute_s, "tokens": float(lengths.sum()),
                     "samples": float(batch.batch_size), "sparsity": sparsity(lengths), "last_step_s": self._last_step_s}
@@ -434,7 +411,7 @@ class Trainer:
         self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
         self.timer.add("forward_backward", compute)
         self.timer.add("dense_allreduce", sync_time)
-        self.optimizer.step()
+        step.optimizer.step()
         self._last_compute_s = compute
         # numpy on the host block (no torch op: see pipelines.dense_sync)
         per_rank = per_rank_of(book, self.world_size)
@@ -602,10 +579,8 @@ class Trainer:
     def _progress_bar(self):
         if self.rank != 0 or not self.config.train.progress:
             return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.config.train.steps, initial=self.step, desc=f"train {self.config.train.mode} "
-                    f"({self.world_size} ranks)", unit="step")
+        return progress_bar(self.config.train.steps, self.step,
+                            f"train {self.config.train.mode} ({self.world_size} ranks)")
 
     def _log(self, record: dict, progress) -> None:
         self.history.append(record)
@@ -680,7 +655,9 @@ class Trainer:
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,
             "source": self.source.describe(),
-            "source_stats": self._source_stats(),  # rank 0's reads
-            "data_counts": getattr(self, "_data_counts", None),  # every rank's: folded ids, dropped samples, cut UIHs
+            # every rank's reads summed: samples read, folded ids, dropped samples, cut UIHs, ...
+            "data_counts": getattr(self, "_data_counts", None),
+            "first_step": self._first_step,  # this process's first step: after a resume, the step it resumed at
+            "last_step": self.step,
             "config": self.config.to_dict(),
         }

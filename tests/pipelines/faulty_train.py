@@ -21,11 +21,11 @@ if __name__ == "__main__":
     args = parser.parse_args()
     original = trainer_module.Trainer.train_step
 
-    def train_step(self, fetched):
+    def train_step(self, fetched, upcoming):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and self.rank == args.fault_rank and self.step == args.fault_step:
             os._exit(17)
-        return original(self, fetched)
+        return original(self, fetched, upcoming)
 
     trainer_module.Trainer.train_step = train_step
     sys.exit(main(args))

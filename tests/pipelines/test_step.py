@@ -235,3 +235,40 @@ def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path)
     config.model.model = f"{tmp_path}/my_model.py:nothing"
     with pytest.raises(ValueError, match="has no attribute 'nothing'"):
         build_model_spec(config, build_source(config.data, 2))
+
+
+def _both_paths_body(rank, world_size, mutate):
+    """The API's loop and `freescale train`'s trainer on the same rank, optionally with a bug injected into the
+    one step implementation (TrainStep.forward_backward: the loss scaled by twice the global label count)."""
+    from fsdata.item import LoaderItem
+    from pipelines import step as step_module
+    from pipelines.step import TrainStep, wrap_model
+    from tests.pipelines.test_train import _tiny_trainer
+
+    if mutate:
+        original = step_module.TrainStep.forward_backward
+        step_module.TrainStep.forward_backward = lambda self, item, upcoming, total: original(self, item, upcoming, 2 * total)
+    stage("api")
+    model = UserModel()
+    emb = wrap_model(model, embeddings=["items", "users"], mode="freescale", features=_features, inputs=_inputs)
+    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+    items = iter([LoaderItem(_batch(s, rank)) for s in range(STEPS)])
+    api = []
+    while step.has_next(items):
+        api.append(step.progress(items).loss)
+    stage("trainer")
+    trainer = _tiny_trainer(rank, world_size, "freescale", 4)
+    with trainer:
+        trainer.train()
+        job = [r["loss"] for r in trainer.history]
+    return api, job
+
+
+@pytest.mark.multiprocess
+def test_one_step_implementation_serves_the_api_and_the_trainer():
+    """A bug in the shared step shows in both paths: there is no second copy that would hide it."""
+    clean = run_ranks(_both_paths_body, 2, args=(False,), timeout=180)
+    buggy = run_ranks(_both_paths_body, 2, args=(True,), timeout=180)
+    for (api, job), (api_bug, job_bug) in zip(clean, buggy):
+        assert api[0] == api_bug[0] and job[0] == job_bug[0]  # the first loss is computed before any update
+        assert api[1:] != api_bug[1:] and job[1:] != job_bug[1:]  # the halved gradients change every later step

@@ -298,9 +298,9 @@ def _batches_let_go(rank, world_size):
     trained, at_forward, at_backward, at_optimizer = [], [], [], []
     train_step, optimizer_step = trainer.train_step, trainer.optimizer.step
 
-    def recording_train_step(fetched):
-        trained.append(weakref.ref(fetched.batch))
-        return train_step(fetched)
+    def recording_train_step(fetched, upcoming):
+        trained.append(weakref.ref(fetched.item.batch))
+        return train_step(fetched, upcoming)
 
     def checking_optimizer_step(*args, **kwargs):
         at_optimizer.append([ref() is not None for ref in trained])
