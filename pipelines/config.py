@@ -52,7 +52,7 @@ NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 class DataConfig:
     """``id_overflow`` unset takes what the dataset declares (Parquet metadata ``freescale.id_overflow``, the
     synthetic preset), else ``error``. ``drop_bad_samples`` leaves out samples with non-finite dense values or
-    labels, or labels outside [0, 1], and counts them in the summary's ``source_stats``; by default such a
+    labels, or labels outside [0, 1], and counts them in the summary's ``data_counts``; by default such a
     sample is an error naming it."""
 
     data: str = _f("synthetic", "'synthetic' or Parquet path", metavar="PATH")

@@ -176,6 +176,9 @@ class TorchrecReference:
     def __init__(self, model: SequenceModel, *, optimizer_name: str, embedding_lr: float, lr: float,
                  device: torch.device) -> None:
         require_torchrec()
+        from pipelines.step import quiet_torchrec_notes
+
+        quiet_torchrec_notes()
         from torchrec import EmbeddingCollection, EmbeddingConfig
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.model_parallel import DistributedModelParallel

@@ -400,6 +400,12 @@ def print_summary(summary: dict) -> None:
         value = summary.get(key)
         line = f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {'n/m' if value is None else value}"
         print(line + (f"  {notes[key]}" if key in notes else ""))
+    first, last = summary.get("first_step"), summary.get("last_step")
+    if first:  # resumed: --steps is the step the job runs to, not how many this process runs
+        print(f"  resumed          at step {first}, ran to step {last} (--steps {last} is the step to reach)")
+    counts = summary.get("data_counts")
+    if counts:
+        print("  data, all ranks  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items())))
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):

@@ -1,0 +1,59 @@
+"""Progress output of a long job: tqdm's bar on a terminal, plain lines in a file.
+
+A bar redraws itself with carriage returns, which a log file keeps as one ever longer line (tens of KB for a few
+hundred steps). When the stream is not a terminal, :class:`PlainProgress` prints one line every ``every`` steps
+or ``seconds`` seconds, whichever comes first, and at the end, with the same figures the bar shows.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+
+class PlainProgress:
+    """tqdm's interface as far as the trainer uses it (update, set_postfix, write, close), as plain lines."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "", stream: Optional[TextIO] = None,
+                 every: Optional[int] = None, seconds: float = 30.0) -> None:
+        self.total, self.n, self.desc = total, initial, desc
+        self.stream = stream if stream is not None else sys.stderr
+        self.every = every if every is not None else max(1, (total - initial) // 20)
+        self.seconds = seconds
+        self._start = self._last = time.monotonic()
+        self._postfix = ""
+        self._printed = self._initial = initial
+
+    def set_postfix(self, **values) -> None:
+        self._postfix = ", ".join(f"{k} {v}" for k, v in values.items())
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if self.n - self._printed >= self.every or now - self._last >= self.seconds or self.n >= self.total:
+            self._line(now)
+
+    def _line(self, now: float) -> None:
+        elapsed = now - self._start
+        done = self.n - self._initial
+        rate = f", {done / elapsed:.2f} steps/s" if elapsed > 0 and done > 0 else ""
+        postfix = f", {self._postfix}" if self._postfix else ""
+        print(f"{self.desc}: step {self.n}/{self.total}{postfix} ({elapsed:.0f} s{rate})", file=self.stream, flush=True)
+        self._printed, self._last = self.n, now
+
+    def write(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.n != self._printed:
+            self._line(time.monotonic())
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step"):
+    """tqdm's bar where stderr is a terminal, else :class:`PlainProgress`."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit)
+    return PlainProgress(total, initial, desc)

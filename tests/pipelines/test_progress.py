@@ -1,0 +1,29 @@
+"""Progress output in a file: plain lines (no carriage return), every N steps and at the end, with the bar's
+figures; the bar only on a terminal."""
+
+from __future__ import annotations
+
+import io
+
+from pipelines.progress import PlainProgress, progress_bar
+
+
+def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
+    out = io.StringIO()
+    bar = PlainProgress(total=10, initial=2, desc="train freescale (2 ranks)", stream=out, every=3, seconds=1e9)
+    for _ in range(7):
+        bar.set_postfix(loss="0.6931")
+        bar.update(1)
+    bar.write("step 9: held-out NE 0.9")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert [line.split(":")[1].split(",")[0].strip() for line in lines if "step " in line and "held-out" not in line] == \
+        ["step 5/10", "step 8/10", "step 9/10"]
+    assert all(line.startswith("train freescale (2 ranks): step") for line in lines if "held-out" not in line)
+    assert "loss 0.6931" in lines[0] and lines[2] == "step 9: held-out NE 0.9"
+
+
+def test_a_stream_that_is_not_a_terminal_gets_plain_lines(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert isinstance(progress_bar(5), PlainProgress)
