@@ -411,6 +411,18 @@ def _write_samples(out: str, s_user, cand_start, cand_end, uih_start, base, item
     return write_parquet(batches(), out, row_group_size=row_group_size)
 
 
+def _held_out_ranges(users: np.ndarray, counts: np.ndarray, first: np.ndarray, time: np.ndarray, held: int,
+                     max_uih: Optional[int]) -> tuple[np.ndarray, ...]:
+    """Each user's held-out sample: its last ``held`` events as candidates, the events before them (at most
+    ``max_uih``) as its UIH; in the order of their first candidate's time. (user, cand_start, cand_end, uih_start,
+    base) as :func:`_write_samples` takes them."""
+    start, end = counts[users] - held, counts[users]
+    uih = np.zeros_like(start) if max_uih is None else np.maximum(0, start - max_uih)
+    order = np.lexsort((users, time[first[users] + start]))
+    users, start, end, uih = (a[order] for a in (users, start, end, uih))
+    return users, start, end, uih, first[users]
+
+
 def events_to_parquet(
     events: Events,
     out: str,
@@ -467,16 +479,11 @@ def events_to_parquet(
     outputs = [str(out)]
     eval_written = 0
     if held:
-        e_user = np.flatnonzero(in_eval)
-        if len(e_user) == 0:
+        if not in_eval.any():
             raise ValueError(f"no user has more than min_history + eval_candidates = {min_history + held} events: "
                              f"no held-out sample for {eval_out}")
-        e_start, e_end = counts[e_user] - held, counts[e_user]
-        e_uih = np.zeros_like(e_start) if max_uih is None else np.maximum(0, e_start - max_uih)
-        e_order = np.lexsort((e_user, time[first[e_user] + e_start]))
-        e_user, e_start, e_end, e_uih = (a[e_order] for a in (e_user, e_start, e_end, e_uih))
-        eval_written = _write_samples(eval_out, e_user, e_start, e_end, e_uih, first[e_user], item, labels, action,
-                                      time, row_group_size, progress)
+        ranges = _held_out_ranges(np.flatnonzero(in_eval), counts, first, time, held, max_uih)
+        eval_written = _write_samples(eval_out, *ranges, item, labels, action, time, row_group_size, progress)
         outputs.append(str(eval_out))
     stem = str(out)[: -len(".parquet")] if str(out).endswith(".parquet") else str(out)
     user_map, item_map = Path(stem + ".user_ids.csv"), Path(stem + ".item_ids.csv")
