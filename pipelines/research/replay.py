@@ -526,16 +526,12 @@ def _progress(kernel: str, rows: list[dict], skipped: list[dict], calls: int, el
           f"{elapsed:.0f}/{args.replay_time_budget:.0f} s, {len(skipped)} skipped{tail}", file=sys.stderr, flush=True)
 
 
-def build_fit(args: argparse.Namespace) -> Fit:
-    """Times whole local batches (``--replay-timings`` of them, or as many as ``--replay-time-budget`` allows), each
-    one warm-up plus ``--replay-repeats`` calls; fits their medians; checks the fit on held-out batches."""
-    device, dtype, kernel, repeats = _device(args), _dtype(args), args.replay_kernel, _repeats(args)
-    source = _source(args, num_samples=10**9, seed=args.seed + 1_000)  # fresh samples, not the simulated ones
-    model = _model(args, source, device)
-    timer = Timer(model, device, dtype)
-    rng = np.random.default_rng([args.seed, 3])
-    started = time.perf_counter()
-    guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args), kernel)
+def _time_batches(args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard", jobs, started: float
+                  ) -> tuple[list[dict], list[dict], list[dict]]:
+    """Times the whole local batches ``jobs`` yields, one warm-up and ``--replay-repeats`` calls each, until
+    ``--replay-timings`` of them or the time budget; batches the memory guard refuses, and those that run out of
+    memory, are recorded apart. Returns (timed rows, skipped, out of memory)."""
+    kernel, repeats = args.replay_kernel, _repeats(args)
     rows: list[dict] = []
     skipped: list[dict] = []
     ooms: list[dict] = []
@@ -547,7 +543,6 @@ def build_fit(args: argparse.Namespace) -> Fit:
           + (f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + {guard.fixed_bytes / 2**30:.2f} "
              f"GiB: at most {cap:.4g} tokens in {args.replay_mem_gib} GiB" if math.isfinite(cap) else ""),
           file=sys.stderr, flush=True)
-    jobs = timing_batches(args, source, rng)
     while True:
         elapsed = time.perf_counter() - started
         next_end = elapsed + (np.mean(batch_walls) if batch_walls else 0.0)  # when the next batch would end
@@ -593,38 +588,18 @@ def build_fit(args: argparse.Namespace) -> Fit:
                      "local_sum_L": float(local_x[2]), "local_sum_L2": float(local_x[3]), "times_s": times.tolist(),
                      "median_s": float(np.median(times)), "rel_spread": rel_spread(times),
                      "peak_gib": None if timer.last_peak_bytes is None else timer.last_peak_bytes / 2**30})
-    wall = time.perf_counter() - started
-    _progress(kernel, rows, skipped, timer.calls, wall, args)
-    n = len(rows)
-    context = {"replay_kernel": kernel, "device": str(device), "dtype": dtype, "replay_repeats": repeats,
-               "timing_wall_s": wall, "skipped": skipped, "oom": ooms}
-    _write_timings(args, context, rows)  # before the fit: the raw timings survive a failed one
-    cols = [FEATURES.index(f) for f in FIT_FEATURES[kernel]]
-    n_held = int(round(n * args.replay_heldout))
-    if n - n_held < len(cols) + 2 or n_held < 2:
-        raise ReplayFitError(f"replay: only {n} whole local batches timed within --replay-time-budget "
-                         f"{args.replay_time_budget}s ({len(skipped)} skipped as too large, {len(ooms)} out of memory); "
-                         f"the fit needs {len(cols) + 2} plus at least 2 held out")
-    x = np.array([[1.0, r["count"], r["sum_L"], r["sum_L2"], r["max_L"], r["tokens"], r["count"] * float(r["max_L"]) ** 2]
-                  for r in rows])
-    y = np.array([r["median_s"] for r in rows])
-    order = rng.permutation(n)
-    held, fit_idx = order[:n_held], order[n_held:]
-    coef, keep = _trim(x[fit_idx], y[fit_idx], cols)
-    residuals = (y[fit_idx] / np.maximum(x[fit_idx] @ coef, 1e-12) - 1.0)[keep]
-    pool = np.concatenate([repeat_deviations(r["times_s"]) for r in rows])
-    spreads = np.array([r["rel_spread"] for r in rows])
-    held_set = set(held.tolist())
-    for i, row in enumerate(rows):
-        row["heldout"] = i in held_set
-        row["predicted_s"] = float(x[i] @ coef)
-    for i, kept in zip(fit_idx, keep):
-        rows[i]["outlier_dropped"] = not bool(kept)
+    return rows, skipped, ooms
+
+
+def _fit_info(args, kernel, device, dtype, model, timer, guard, rows, skipped, ooms, wall, x, y, coef, keep, fit_idx,
+              held, residuals, pool, spreads) -> dict:
+    """What a fit rests on, for the records (see the module docstring)."""
+    n, repeats, n_held = len(rows), _repeats(args), int(held.size)
     pred, truth = x[held] @ coef, y[held]
     rel_err = np.abs(pred - truth) / truth
     ss_res, ss_tot = float(np.sum((truth - pred) ** 2)), float(np.sum((truth - truth.mean()) ** 2))
     nan = float("nan")
-    info = {
+    return {
         "replay_mode": "fit",
         "replay_kernel": kernel,
         "timed_unit": "whole local batch, padded to its longest UIH" if kernel == "padded" else
@@ -674,6 +649,48 @@ def build_fit(args: argparse.Namespace) -> Fit:
         "jitter_rel_std_fit": float(np.sqrt(np.mean(residuals * residuals))),
         "jitter_rel_p5_p95_fit": [float(np.quantile(residuals, 0.05)), float(np.quantile(residuals, 0.95))],
     }
+
+
+def build_fit(args: argparse.Namespace) -> Fit:
+    """Times whole local batches (``--replay-timings`` of them, or as many as ``--replay-time-budget`` allows), each
+    one warm-up plus ``--replay-repeats`` calls; fits their medians; checks the fit on held-out batches."""
+    device, dtype, kernel, repeats = _device(args), _dtype(args), args.replay_kernel, _repeats(args)
+    source = _source(args, num_samples=10**9, seed=args.seed + 1_000)  # fresh samples, not the simulated ones
+    model = _model(args, source, device)
+    timer = Timer(model, device, dtype)
+    rng = np.random.default_rng([args.seed, 3])
+    started = time.perf_counter()
+    guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args), kernel)
+    rows, skipped, ooms = _time_batches(args, timer, guard, timing_batches(args, source, rng), started)
+    wall = time.perf_counter() - started
+    _progress(kernel, rows, skipped, timer.calls, wall, args)
+    n = len(rows)
+    context = {"replay_kernel": kernel, "device": str(device), "dtype": dtype, "replay_repeats": repeats,
+               "timing_wall_s": wall, "skipped": skipped, "oom": ooms}
+    _write_timings(args, context, rows)  # before the fit: the raw timings survive a failed one
+    cols = [FEATURES.index(f) for f in FIT_FEATURES[kernel]]
+    n_held = int(round(n * args.replay_heldout))
+    if n - n_held < len(cols) + 2 or n_held < 2:
+        raise ReplayFitError(f"replay: only {n} whole local batches timed within --replay-time-budget "
+                         f"{args.replay_time_budget}s ({len(skipped)} skipped as too large, {len(ooms)} out of memory); "
+                         f"the fit needs {len(cols) + 2} plus at least 2 held out")
+    x = np.array([[1.0, r["count"], r["sum_L"], r["sum_L2"], r["max_L"], r["tokens"], r["count"] * float(r["max_L"]) ** 2]
+                  for r in rows])
+    y = np.array([r["median_s"] for r in rows])
+    order = rng.permutation(n)
+    held, fit_idx = order[:n_held], order[n_held:]
+    coef, keep = _trim(x[fit_idx], y[fit_idx], cols)
+    residuals = (y[fit_idx] / np.maximum(x[fit_idx] @ coef, 1e-12) - 1.0)[keep]
+    pool = np.concatenate([repeat_deviations(r["times_s"]) for r in rows])
+    spreads = np.array([r["rel_spread"] for r in rows])
+    held_set = set(held.tolist())
+    for i, row in enumerate(rows):
+        row["heldout"] = i in held_set
+        row["predicted_s"] = float(x[i] @ coef)
+    for i, kept in zip(fit_idx, keep):
+        rows[i]["outlier_dropped"] = not bool(kept)
+    info = _fit_info(args, kernel, device, dtype, model, timer, guard, rows, skipped, ooms, wall, x, y, coef, keep,
+                     fit_idx, held, residuals, pool, spreads)
     _write_timings(args, {**context, **{k: v for k, v in info.items() if k != "model_config"}}, rows)
     print(f"replay fit ({kernel} kernel): {n} whole local batches x {repeats} repeats in {wall:.0f} s, held-out R^2 "
           f"{info['r2_heldout']:.4f}, median rel err {info['median_rel_err_heldout']:.4f}, run-to-run spread "
