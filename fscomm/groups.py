@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from fscomm.worker import close_worker
+
 DEFAULT_GROUP_NAME = "fscomm-default"
 
 
@@ -187,8 +189,6 @@ def forget(group: dist.ProcessGroup) -> None:
         if state is not None and _by_name.get(state.name) is state:
             del _by_name[state.name]
     if state is not None:
-        from fscomm.worker import close_worker
-
         close_worker(state)
 
 
@@ -198,8 +198,6 @@ def forget_all() -> None:
         states = list(_by_group.values())
         _by_name.clear()
         _by_group.clear()
-    from fscomm.worker import close_worker
-
     for state in states:
         close_worker(state)
 

@@ -29,7 +29,7 @@ from fscomm import groups
 from fscomm.shm import ShmExchange
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
+from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes, TransportBase
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -48,7 +48,7 @@ def unpad_blocks(recv: torch.Tensor, sizes: Sequence[int], row_bytes: int, out: 
     return out
 
 
-class HostTransport:
+class HostTransport(TransportBase):
     name = "host"
     group_backend = "gloo"
     path = "auto"  # shm between ranks of one host, else tcp

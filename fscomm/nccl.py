@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.transport import (
+    TransportBase,
     Handle,
     Splits,
     TransportUnavailableError,
@@ -34,7 +35,7 @@ def nccl_unavailable_reason() -> Optional[str]:
     return None
 
 
-class NcclTransport:
+class NcclTransport(TransportBase):
     name = "nccl"
     group_backend = "nccl"
 

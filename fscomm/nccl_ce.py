@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.nccl import nccl_unavailable_reason
-from fscomm.transport import Handle, Splits, TransportUnavailableError, WorkHandle, check_all_gather, check_all_to_all, row_bytes
+from fscomm.transport import Handle, Splits, TransportUnavailableError, WorkHandle, check_all_gather, check_all_to_all, row_bytes, TransportBase
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -139,7 +139,7 @@ class _SymmetricPool:
         self._holders[slot] = handle
 
 
-class NcclCeTransport:
+class NcclCeTransport(TransportBase):
     name = "nccl-ce"
     group_backend = "nccl"
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from fscomm import groups
 from fscomm.staged import StagedHandle
 from fscomm.transport import (
+    TransportBase,
     Handle,
     Splits,
     TransportUnavailableError,
@@ -163,7 +164,7 @@ class PeerHandle(StagedHandle):
         return self._future.done() and (self._future.exception() is not None or self._copied_back.query())
 
 
-class PeerTransport:
+class PeerTransport(TransportBase):
     name = "peer"
     group_backend = "gloo"
 

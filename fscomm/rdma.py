@@ -27,7 +27,7 @@ from fscomm import groups
 from fscomm.ring import AllToAllPlan, RingError, RingLink, all_to_all_plan, exchange_rows, ring_all_gather, ring_all_to_all
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, prepare_all_to_all, row_bytes
+from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, prepare_all_to_all, row_bytes, TransportBase
 
 QUEUE_DEPTH = 64  # the smallest queues made; larger worlds get W-1
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
@@ -262,7 +262,7 @@ class VerbsRingLink:
 # --- the transport -------------------------------------------------------------------------------------
 
 
-class RdmaTransport:
+class RdmaTransport(TransportBase):
     name = "rdma"
     group_backend = "gloo"  # the group serves the store, the rank numbering and the thread guard
 

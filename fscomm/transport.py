@@ -94,8 +94,24 @@ class WorkHandle(Handle):
 
 @runtime_checkable
 class Transport(Protocol):
+    """What every backend offers and callers may use (TransportBase gives the defaults)."""
+
     name: str
     group: dist.ProcessGroup
+    active_path: Optional[str]  # the path this transport's group takes, where the backend chooses one
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """Why this backend cannot run on this machine, or None."""
+        ...
+
+    def pool_stats(self) -> dict[str, int]:
+        """Counters of its pinned staging memory; ``allocations`` stays flat after warm-up (0 without a pool)."""
+        ...
+
+    def close(self) -> None:
+        """Releases what it holds beyond its group (segments, pinned pools, queue pairs). Idempotent."""
+        ...
 
     def all_gather(self, tensor: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> Handle:
         """sizes None: every rank sends the same shape, result [W, *shape]. sizes: per-rank dim-0 sizes (this
@@ -107,6 +123,23 @@ class Transport(Protocol):
         ``keep_host``: the caller will read the result on the host (``handle.host()``); a backend whose
         exchange passes through host memory keeps those bytes, so the read needs no device sync."""
         ...
+
+
+class TransportBase:
+    """The defaults of the :class:`Transport` methods a backend may not need: available anywhere, no staging pool,
+    nothing to release, no choice of path."""
+
+    active_path: Optional[str] = None  # where a backend picks its path per group (host: "shm" or "tcp")
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        return None
+
+    def pool_stats(self) -> dict[str, int]:
+        return {"allocations": 0}
+
+    def close(self) -> None:
+        pass
 
 
 # --- validation shared by every backend -------------------------------------------------------------------

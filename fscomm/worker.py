@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 import torch
 
-from fscomm import groups
 
 
 def helper_event() -> "torch.cuda.Event":
@@ -29,8 +28,11 @@ _lock = threading.Lock()
 
 
 class SerialWorker:
-    def __init__(self, name: str):
-        self.name = name
+    """``join_timeout_s``: how long :meth:`shutdown` waits for the queued jobs (the group's communication timeout:
+    a job is an exchange, bounded by it)."""
+
+    def __init__(self, name: str, join_timeout_s: float):
+        self.name, self.join_timeout_s = name, join_timeout_s
         self._jobs: "queue.Queue[tuple[Future, Callable[[], Any]] | None]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -55,7 +57,7 @@ class SerialWorker:
         """Runs the jobs already queued, then ends the thread (bounded by the communication timeout)."""
         self._jobs.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=groups.comm_timeout_s())
+            self._thread.join(timeout=self.join_timeout_s)
 
     close = shutdown
 
@@ -70,17 +72,18 @@ class SerialWorker:
         return self._thread.is_alive()
 
 
-def worker_for(state: "groups.GroupState") -> SerialWorker:
-    """The exchange worker of ``state``'s group: it belongs to the group's record (made on first use, ended by
-    ``groups.forget``), so a group made later can never inherit a dead group's thread or sequence number."""
+def worker_for(state) -> SerialWorker:
+    """The exchange worker of ``state``'s group (a fscomm.groups.GroupState): it belongs to the group's record
+    (made on first use, ended by ``groups.forget``), so a group made later can never inherit a dead group's thread
+    or sequence number."""
     with _lock:
         w = getattr(state, "worker", None)
         if w is None:
-            w = state.worker = SerialWorker(f"fscomm-{state.name}")
+            w = state.worker = SerialWorker(f"fscomm-{state.name}", join_timeout_s=state.timeout_s)
         return w
 
 
-def close_worker(state: "groups.GroupState") -> None:
+def close_worker(state) -> None:
     with _lock:
         w = getattr(state, "worker", None)
         state.worker = None

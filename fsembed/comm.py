@@ -19,8 +19,8 @@ by the collision chain's thread (prioritized.py): the moment the collision gradi
 the rows and sends them, while the model thread runs the dense all-reduce and the optimizer; a group takes one
 issuing thread.
 
-Groups are made collectively, once per process, on first use: every rank must build its first collection at
-the same point of its program.
+Groups are made collectively, once per process, on first use (fscomm.registry, which owns them and closes them):
+every rank must build its first collection at the same point of its program.
 """
 
 from __future__ import annotations
@@ -29,12 +29,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fscomm import TransportUnavailableError, get_transport
-from fscomm.groups import new_stage_group
+from fscomm import TransportUnavailableError
+from fscomm.registry import stage_transport
 
 ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk", "fsembed-collision")
-
-_transports: dict[tuple[str, str], object] = {}
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class StageTransports:
         Flat after warm-up, unless an exchange outgrows every block so far: then the allocation (cudaHostAlloc,
         which synchronises the device) stalls the step it falls in."""
         unique = {id(t): t for t in (self.forward, self.backward, self.bulk, self.collision) if t is not None}
-        return sum(t.pool_stats()["allocations"] for t in unique.values() if hasattr(t, "pool_stats"))
+        return sum(t.pool_stats()["allocations"] for t in unique.values())
 
     @classmethod
     def single(cls, transport) -> "StageTransports":
@@ -58,29 +56,17 @@ class StageTransports:
         return cls(transport, transport, transport)
 
 
-def release_stage_transports() -> None:
-    """Forgets the stage transports (their groups are being destroyed: fscomm.groups.close_stage_groups)."""
-    _transports.clear()
-
-
 def stage_transports(backend: str = "host") -> StageTransports:
     """The stage's transports of ``backend``, on groups of their own (made collectively on first use). "host"
     takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force it."""
     if not dist.is_initialized():
         raise RuntimeError("fsembed: torch.distributed is not initialised (init_process_group before building a collection)")
-    out = []
-    for role in ROLES:
-        key = (role, backend)
-        if key not in _transports:
-            group_backend, options = "nccl" if backend.startswith("nccl") else "gloo", None
-            if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
-                from fscomm.nccl_ce import NcclCeTransport, ce_group_options
+    options = None
+    if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
+        from fscomm.nccl_ce import NcclCeTransport, ce_group_options
 
-                reason = NcclCeTransport.unavailable_reason()
-                if reason is not None:
-                    raise TransportUnavailableError(f"transport 'nccl-ce' cannot run on this machine: {reason}")
-                options = ce_group_options()
-            group = new_stage_group(f"{role}-{backend}", backend=group_backend, pg_options=options)
-            _transports[key] = get_transport(backend, group=group)
-        out.append(_transports[key])
-    return StageTransports(*out)
+        reason = NcclCeTransport.unavailable_reason()
+        if reason is not None:
+            raise TransportUnavailableError(f"transport 'nccl-ce' cannot run on this machine: {reason}")
+        options = ce_group_options()
+    return StageTransports(*(stage_transport(f"{role}-{backend}", backend, pg_options=options) for role in ROLES))

@@ -70,6 +70,7 @@ from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
 from fsembed.id_prefetch import ShardedIds
 from fsembed.schedules import RUNTIME_SCHEDULES
+from fscomm.registry import bound_thread, close_bound_threads
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
 
@@ -120,31 +121,18 @@ class _Sizes:
 
 EARLY_STARTS = ("forward", "backward")
 EXCLUSIVE_STARTS = ("backward", "forward")
-_chains_lock = threading.Lock()
 _WAIT_MARGIN_S = 5.0
 
 
 def _chain_for(transport, name: str) -> SerialWorker:
-    """The chain thread of ``transport``: the only thread that issues on its group, whichever collection of
-    this process runs work through it. It belongs to the transport (an attribute, not a registry keyed by
-    ``id()``, which a later object can reuse), and ends with ``close_chains(transport)``."""
-    with _chains_lock:
-        worker = getattr(transport, "_fsembed_chain", None)
-        if worker is None or not worker.alive:
-            worker = SerialWorker(name)
-            transport._fsembed_chain = worker
-        return worker
+    """The chain thread ``name`` of ``transport``: the only thread that issues that chain's work on its group,
+    whichever collection of this process runs it (fscomm.registry owns it; ``close_chains`` ends it)."""
+    return bound_thread(transport, name)
 
 
 def close_chains(*transports) -> None:
     """Ends the chain threads of ``transports`` (their queued work runs first)."""
-    for transport in transports:
-        with _chains_lock:
-            worker = getattr(transport, "_fsembed_chain", None)
-            if worker is not None:
-                transport._fsembed_chain = None
-        if worker is not None:
-            worker.shutdown()
+    close_bound_threads(*transports)
 
 
 class _Later:

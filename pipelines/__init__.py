@@ -16,7 +16,7 @@ _EXPORTS = {
     "EvalResult": "pipelines.evaluate",
     "data_dims": "pipelines.dims",
     "DataDims": "pipelines.dims",
-    "host_transport": "pipelines.step",
+    "host_transport": "fscomm.registry",
     "unwrap_model": "pipelines.step",
     "wrap_model": "pipelines.step",
     "StagedPipeline": "pipelines.staged",

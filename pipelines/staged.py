@@ -145,8 +145,8 @@ class StagedPipeline:
         """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
         if not self.schedule.prefetches_ids:
             return []
+        from fscomm.registry import host_transport
         from fsembed.id_prefetch import id_prefetch_stages
-        from pipelines.step import host_transport
 
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
         # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdata.batch import Batch
+from fscomm.registry import host_transport  # noqa: F401  (the public API's name for a loader stage's transport)
 from fsdata.item import LoaderItem, as_item
 from pipelines.numerics import autocast, autocast_dtype
 from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
@@ -164,28 +165,6 @@ def unwrap_model(model: nn.Module, stage: StagedPipeline, *, dst: Optional[int] 
     stage._hook.remove()  # the stage's forward hooks would look up tables that are gone
     stage._after_hook.remove()
     return model
-
-
-_host_transports: dict[str, Any] = {}
-
-
-def host_transport(name: str):
-    """The SM-free host transport on a process group of its own named ``name``, for a loader stage's exchanges
-    (each exchanging stage gets its own: two threads never issue on one group). Made collectively on the first
-    call with a name (every rank alike) and reused by later ones: a loader built after another one was shut down
-    (``shutdown_loader``) reuses its groups; two loaders alive at once need names of their own."""
-    from fscomm import get_transport
-    from fscomm.groups import live_groups, new_stage_group
-
-    cached = _host_transports.get(name)
-    if cached is not None and name not in live_groups():  # its group was closed (Trainer.close, close_stage_groups)
-        close = getattr(cached, "close", None)
-        if close is not None:
-            close()
-        cached = None
-    if cached is None:
-        cached = _host_transports[name] = get_transport("host", group=new_stage_group(name))
-    return cached
 
 
 @dataclass

@@ -52,8 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fscomm import get_transport
-from fscomm.groups import close_stage_groups, new_stage_group
+from fscomm.registry import close_stage_transports, host_transport
 from fscomm.timing import Timer
 from pipelines.evaluate import evaluate
 from pipelines.modes import MODES
@@ -220,7 +219,7 @@ class Trainer:
         """The balancer's stages (when balancing), then the ID-prefetch stage (sdd, freescale)."""
         stages = []
         if self.balancing:  # the loader's batches are on the CPU: the host transport carries them
-            transport = get_transport("host", group=new_stage_group("balancer"))
+            transport = host_transport("balancer")
             # The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps.
             max_uih = getattr(getattr(self.spec.model, "config", None), "max_uih", None)
             stages += balancer_stages(
@@ -250,14 +249,7 @@ class Trainer:
             if inner is not None and hasattr(inner, "_shutdown"):
                 inner._shutdown()
             node = getattr(node, "source", None)
-        if self.pipeline is not None:
-            from fsembed.comm import release_stage_transports
-            from fsembed.prioritized import close_chains
-
-            t = self.pipeline.collection.transports
-            close_chains(t.forward, t.backward, t.bulk, t.collision)
-            release_stage_transports()
-        close_stage_groups()
+        close_stage_transports()  # the chains' threads, the stage transports and their groups (fscomm.registry)
 
     def __enter__(self) -> "Trainer":
         return self

@@ -420,7 +420,7 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
     result["latency"] = bench_latency(ctx)
     result["load_average_after"] = os.getloadavg()
     result["summary"] = summary(result["latency"])
-    result["paths"] = {name: getattr(t, "active_path", None) for name, t in ctx.transports.items()}
+    result["paths"] = {name: t.active_path for name, t in ctx.transports.items()}
     if ctx.any_cuda and not args.no_contention:
         result["host_trace"] = trace_hosts(ctx)
         result["contention"] = bench_contention(ctx)
