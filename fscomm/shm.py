@@ -63,7 +63,7 @@ class ShmUnavailable(TransportUnavailableError):
 class PeerLostError(CollectiveError):
     """A peer's process ended, or it closed its transport, while this rank waited on it."""
 
-    # It follows another rank's failure: the launcher names that rank as the cause (pipelines.train).
+    # It follows another rank's failure: the launcher names that rank as the cause (pipelines.job.train).
     root = False
 
 

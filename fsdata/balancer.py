@@ -15,7 +15,7 @@ Semantics. Balancing permutes samples within one global step only (every sample 
 step s), so the temporal order of training across steps is kept. Local batch sizes may differ afterwards
 (VBS; also the last global batch of an epoch): the trainer backpropagates the sum of its local losses and
 divides the summed gradients by the global label count, so the gradient is the global mean's whatever the
-split (pipelines.trainer). Embedding gradients follow the same scaling since they flow from the same loss.
+split (pipelines.job.trainer). Embedding gradients follow the same scaling since they flow from the same loss.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class LoaderConfig:
     batch_size: int = field(default=16, metadata={"help": "local batch size per rank"})
     prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model"})
     # group "tuning": the scheduling knobs, the [tuning] table and --tuning.NAME flags of `freescale train`
-    # (pipelines.config; docs/tuning.md explains each).
+    # (pipelines.job.config; docs/tuning.md explains each).
     pin_memory: bool = field(default=False, metadata={
         "help": "pin host memory of batches (forced on when the trainer trains on CUDA)", "group": "tuning"})
     background_stages: bool = field(default=True, metadata={

@@ -256,7 +256,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
         when the backward reaches the embeddings. The default here is ``"forward"`` (the staged pipeline's,
-        ``pipelines.staged.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
+        ``pipelines.api.staged.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
         ``start_early_rows()``, so held rows would start only when the backward reaches the embeddings and
         overlap little of the step's compute.
 
@@ -300,7 +300,7 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         """``"prioritized"`` (Algorithm 2, the default) or ``"sdd"``: every training step looks its rows up and
         exchanges them inside the step, as the synchronous collection does (its ids still come prefetched).
         Both give the synchronous path's numbers bit for bit, so a job may switch between them at any step
-        boundary (pipelines.schedule chooses from measured step times). Leaving the prioritized schedule flushes
+        boundary (pipelines.job.schedule chooses from measured step times). Leaving the prioritized schedule flushes
         (deferred gradients applied, exchanges in flight collected) and drops the context: the next step's rows
         prefetched in it are looked up again, from the same table values. Coming back, the first step looks its
         rows up synchronously, as a job's first step does."""

@@ -1,5 +1,5 @@
 """The embedding schedules: how one training step's embedding exchanges run, each one class behind one call,
-``prepare(hub, features, current_ids, upcoming_ids)``, which the embedding stage (pipelines.staged) makes before
+``prepare(hub, features, current_ids, upcoming_ids)``, which the embedding stage (pipelines.api.staged) makes before
 the model's forward:
 
     sync         ID AllToAll, lookup and embedding AllToAll, all blocking, inside the step (vanilla TorchRec)

@@ -7,7 +7,7 @@
         loss = model(batch)                                        # model code unchanged: item_emb(ids) works
         loss.backward()
 
-(pipelines.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
+(pipelines.api.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
 
 The modules may be ``nn.Embedding`` (one table, its feature is the module's name) or torchrec's
 ``EmbeddingCollection`` (its tables and feature names as configured; a table may serve several features).
@@ -31,6 +31,7 @@ sharding avoids). :func:`unswap_embeddings` puts them back, filled with the trai
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -165,6 +166,13 @@ class ShardedCollectionView(nn.Module):
 
         jts = kjt_split(kjt)
         return {f: JaggedTensor(values=self._hub.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts}
+
+
+def quiet_torchrec_notes() -> None:
+    """torchrec's KeyedJaggedTensor ops call torch.fx's ``is_fx_tracing()``, which logs, once per process and rank,
+    a deprecation note addressed to torchrec's authors: nothing a user of FreeScale can act on, so it is silenced
+    (that one logger, errors still shown) wherever FreeScale takes torchrec types."""
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
 def kjt_split(kjt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -1,5 +1,12 @@
-"""pipelines: the public training API (wrap_model, TrainStep, ModelSpec, unwrap_model), the staged train
-pipeline, the reference model, CLI, benchmarks and simulator. See docs/api.md."""
+"""pipelines, in the parts a reader finds by name:
+
+    api/       the training API a user's script calls: wrap_model, TrainStep, ModelSpec, unwrap_model, evaluate
+    job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints
+    models/    the reference model, and torchrec's pipeline around it as the outside reference
+    cli/       the `freescale` command and its data commands
+    research/  the measuring tools: benchmarks, the simulator, the replay
+
+The public names are re-exported here (``from pipelines import TrainStep, wrap_model, ...``; docs/api.md)."""
 
 from __future__ import annotations
 
@@ -8,18 +15,18 @@ from typing import Any
 
 # Loaded on first use, so `freescale data ...` and other commands do not import the training stack.
 _EXPORTS = {
-    "ModelSpec": "pipelines.step",
-    "StepResult": "pipelines.step",
-    "TrainStep": "pipelines.step",
-    "bce_loss": "pipelines.step",
-    "evaluate": "pipelines.evaluate",
-    "EvalResult": "pipelines.evaluate",
-    "data_dims": "pipelines.dims",
-    "DataDims": "pipelines.dims",
+    "ModelSpec": "pipelines.api.step",
+    "StepResult": "pipelines.api.step",
+    "TrainStep": "pipelines.api.step",
+    "bce_loss": "pipelines.api.step",
+    "evaluate": "pipelines.api.evaluate",
+    "EvalResult": "pipelines.api.evaluate",
+    "data_dims": "pipelines.job.dims",
+    "DataDims": "pipelines.job.dims",
     "host_transport": "fscomm.registry",
-    "unwrap_model": "pipelines.step",
-    "wrap_model": "pipelines.step",
-    "StagedPipeline": "pipelines.staged",
+    "unwrap_model": "pipelines.api.step",
+    "wrap_model": "pipelines.api.step",
+    "StagedPipeline": "pipelines.api.staged",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -74,7 +74,7 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
 
 def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verbose(tmp_path, capsys):
     """What a failing rank leaves for the launcher (in process: a launch costs seconds)."""
-    from pipelines.train import report_failure
+    from pipelines.job.train import report_failure
 
     try:
         raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")
@@ -114,7 +114,7 @@ def test_a_checkpoint_carrying_a_pickled_callable_is_refused_and_nothing_runs(tm
     proc = cli(tmp_path, capsys, "train", *FAST, "--resume", str(tmp_path / "ck" / "step_000001"))
     one_line_error(proc, "rank0.pt: refused: it holds objects other than tensors and plain data")
     assert not marker.exists()
-    from pipelines import checkpoint
+    from pipelines.job import checkpoint
 
     with pytest.raises(ValueError, match="refused"):  # and every load of the library path refuses it too
         checkpoint.load(tmp_path / "ck" / "step_000001", 0, 1)
@@ -220,7 +220,7 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
 
 def test_options_the_mode_ignores_are_named_only_when_set():
     from pipelines.cli import build_parser
-    from pipelines.config import config_from_args
+    from pipelines.job.config import config_from_args
 
     def warnings(*argv):
         config = config_from_args(build_parser().parse_args(["train", *argv]))
@@ -242,7 +242,7 @@ def test_options_the_mode_ignores_are_named_only_when_set():
 ])
 def test_new_flags_are_validated(argv, match):
     from pipelines.cli import build_parser
-    from pipelines.config import config_from_args
+    from pipelines.job.config import config_from_args
 
     with pytest.raises(ValueError, match=match):
         config_from_args(build_parser().parse_args(["train", *argv]))
@@ -299,7 +299,7 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
 def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports, failures, pids, expect):
     from types import SimpleNamespace
 
-    from pipelines.train import _failure_line
+    from pipelines.job.train import _failure_line
 
     for rank, root in reports.items():
         line = f"rank {rank}: cause {rank} (traceback: x)"

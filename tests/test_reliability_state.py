@@ -56,7 +56,7 @@ def test_state_dict_on_rank_0_alone_does_not_hang():
 
 def _build_and_close_twice(rank, world_size):
     from fscomm import groups
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     before = {t.name for t in threading.enumerate()}

@@ -108,7 +108,7 @@ def test_a_bad_declaration_in_the_metadata_is_refused(tmp_path):
 
 
 def _nan_on_rank_1_at_step_2(rank, world_size):
-    from pipelines.trainer import NonFiniteLoss, Trainer
+    from pipelines.job.trainer import NonFiniteLoss, Trainer
     from tests.pipelines.tiny import tiny_config
 
     with Trainer(tiny_config("sync", 5).validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as t:

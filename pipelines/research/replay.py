@@ -1,7 +1,7 @@
 """`freescale simulate --model replay`: step times from the real forward+backward of the reference model.
 
 The cost model of ``pipelines/research/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's busy
-time is the time of :class:`pipelines.model.SequenceModel`'s forward, ``bce_sum`` loss and backward on that rank's
+time is the time of :class:`pipelines.models.reference.SequenceModel`'s forward, ``bce_sum`` loss and backward on that rank's
 local batch, timed on the actual device (``--device cpu|cuda``), one virtual rank after another, so the step
 time of N virtual ranks is the max of real measured times. That brings the model's real kernel behaviour into the
 figures, which the cost model only approximates. The kernel (``--replay-kernel``) is the model's attention:
@@ -89,7 +89,7 @@ import torch
 
 from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.partition import GatheredLengths, Plan, RuntimeInfo, get_partitioner
-from pipelines.model import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
+from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
     **MODEL_PRESETS,

@@ -125,7 +125,7 @@ def test_bad_inputs(tmp_path):
 def test_cli_convert(tmp_path, capsys):
     import argparse
 
-    from pipelines.commands import data_convert
+    from pipelines.cli import data_convert
 
     src = tmp_path / "ratings.dat"
     src.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))

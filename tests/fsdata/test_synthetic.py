@@ -159,7 +159,7 @@ def test_cli_synth_then_stats(tmp_path, capsys):
     import json
 
     from fsdata.parquet import ParquetSource
-    from pipelines.commands import data_stats, data_synth
+    from pipelines.cli import data_stats, data_synth
 
     out = tmp_path / "s.parquet"
     argv = ["--num-samples", "640", "--out", str(out), "--row-group-size", "100", "--collision-rate", "0.3", "--batch-size", "64"]

@@ -98,7 +98,7 @@ def test_defaults_and_which_kernels_need_a_plan():
 
 
 def test_the_reference_model_asks_for_a_plan_only_for_flex():
-    from pipelines.model import ModelConfig, SequenceModel
+    from pipelines.models.reference import ModelConfig, SequenceModel
 
     cuda = torch.device("cuda")
     default = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=16))

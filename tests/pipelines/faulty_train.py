@@ -1,4 +1,4 @@
-"""`pipelines.train` with one rank killed mid-step on the first attempt (for the restart test).
+"""`pipelines.job.train` with one rank killed mid-step on the first attempt (for the restart test).
 
     torchrun ... -m tests.pipelines.faulty_train --fault-rank 1 --fault-step 5 <train flags>
 
@@ -10,8 +10,8 @@ import argparse
 import os
 import sys
 
-from pipelines import trainer as trainer_module
-from pipelines.train import add_arguments, main
+from pipelines.job import trainer as trainer_module
+from pipelines.job.train import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

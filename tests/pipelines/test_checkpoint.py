@@ -1,4 +1,4 @@
-"""Distributed checkpoints (pipelines.checkpoint, pipelines.dcp): row-wise shards of uneven tables across world
+"""Distributed checkpoints (pipelines.job.checkpoint, pipelines.job.dcp): row-wise shards of uneven tables across world
 sizes, async saves, a resume from another world size equal to a run started there, refused crafted files, and the
 faults of a save or a resume (a full disk, a broken newest step) in one line each."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines import checkpoint, dcp, dcp_state
+from pipelines.job import checkpoint, dcp, dcp_state
 from tests.harness import run_ranks, stage
 
 
@@ -257,7 +257,7 @@ def test_resume_latest_takes_the_newest_step_every_rank_can_load_and_says_what_i
 
 
 def _trainer(rank, world_size, steps, root, **train):
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     cfg = tiny_config("freescale", steps)

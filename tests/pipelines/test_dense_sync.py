@@ -18,7 +18,7 @@ def _model() -> torch.nn.Module:
 
 
 def _step(rank, world_size, bucket_bytes, skip_last_layers):
-    from pipelines.dense_sync import DenseSync
+    from pipelines.api.dense_sync import DenseSync
 
     model = _model()
     sync = DenseSync(model.parameters(), rank, world_size, torch.device("cpu"), bucket_bytes=bucket_bytes)
@@ -69,14 +69,14 @@ def test_every_rank_gets_the_summed_gradients_and_the_block(bucket_bytes, skip_l
 
 
 def test_negative_bucket_size_is_refused():
-    from pipelines.dense_sync import DenseSync
+    from pipelines.api.dense_sync import DenseSync
 
     with pytest.raises(ValueError, match="bucket_bytes must be >= 0"):
         DenseSync(_model().parameters(), 0, 1, torch.device("cpu"), bucket_bytes=-1)
 
 
 def test_wrong_number_of_fields_is_refused():
-    from pipelines.dense_sync import DenseSync
+    from pipelines.api.dense_sync import DenseSync
 
     sync = DenseSync(_model().parameters(), 0, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="expected 3 global fields"):
@@ -86,7 +86,7 @@ def test_wrong_number_of_fields_is_refused():
 
 
 def _step_cuda(rank, world_size):
-    from pipelines.dense_sync import DenseSync
+    from pipelines.api.dense_sync import DenseSync
 
     device = torch.device("cuda", 0)
     model = _model().to(device)
@@ -106,7 +106,7 @@ def test_the_block_comes_back_through_pinned_memory_on_cuda():
 
 def test_the_block_is_read_by_field_name():
     """Each rank's slot holds PER_RANK_FIELDS in order after the global fields; the trainer reads them by name."""
-    from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, per_rank_of
+    from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, per_rank_of
 
     world, n = 3, len(PER_RANK_FIELDS)
     book = np.arange(len(GLOBAL_FIELDS) + world * n, dtype=np.float64)

@@ -1,4 +1,4 @@
-"""Held-out evaluation (pipelines.evaluate): NE and AUC against an independent computation (a plain sort-based
+"""Held-out evaluation (pipelines.api.evaluate): NE and AUC against an independent computation (a plain sort-based
 AUC, the NE formula over the model's own logits), and `freescale train --eval-data` on a converted file with
 the held-out split: every held-out sample counted once over the ranks, the figures in the summary and output."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
-from pipelines.evaluate import evaluate
-from pipelines.model import ModelConfig, SequenceModel
+from pipelines.api.evaluate import evaluate
+from pipelines.models.reference import ModelConfig, SequenceModel
 
 
 def _sample(i: int, length: int, rng) -> Sample:

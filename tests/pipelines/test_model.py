@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
-from pipelines.model import ModelConfig, SequenceModel, bce_sum
+from pipelines.models.reference import ModelConfig, SequenceModel, bce_sum
 
 
 def _sample(i: int, length: int, rng) -> Sample:

@@ -1,4 +1,4 @@
-"""Precision and the deterministic mode (pipelines.numerics): the autocast dtype per device, the mode's set-up, and
+"""Precision and the deterministic mode (pipelines.api.numerics): the autocast dtype per device, the mode's set-up, and
 the refusal of a model whose attention kernel would not be reproducible. The GPU end-to-end check:
 test_deterministic_gpu.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines import numerics
-from pipelines.model import ModelConfig, SequenceModel
+from pipelines.api import numerics
+from pipelines.models.reference import ModelConfig, SequenceModel
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -60,8 +60,8 @@ def test_a_kernel_that_is_not_reproducible_as_set_up_is_refused(restore_determin
 
 def test_the_deterministic_job_picks_flex_for_the_reference_model():
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
-    from pipelines.builders import build_model_spec
-    from pipelines.config import JobConfig
+    from pipelines.job.builders import build_model_spec
+    from pipelines.job.config import JobConfig
 
     source = SyntheticSource(SyntheticConfig(num_samples=4))
     config = JobConfig()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from pipelines.progress import PlainProgress, progress_bar
+from pipelines.job.progress import PlainProgress, progress_bar
 
 
 def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():

@@ -1,4 +1,4 @@
-"""The embedding schedule probe (pipelines.schedule): which schedule each step runs, and the choice."""
+"""The embedding schedule probe (pipelines.job.schedule): which schedule each step runs, and the choice."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.schedule import ScheduleProbe
+from pipelines.job.schedule import ScheduleProbe
 
 
 def run(probe: ScheduleProbe, seconds, steps: int, first: int = 0) -> list[str]:
@@ -124,7 +124,7 @@ def _train(rank, world_size, name):
     """One run per process group (a process makes its stage groups once)."""
     import torch
 
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
 
     mode, schedule, faster = RUNS[name]
     trainer = Trainer(_config(mode, schedule), rank=rank, world_size=world_size, device=torch.device("cpu"))
@@ -140,7 +140,7 @@ def _train(rank, world_size, name):
 
 @pytest.mark.multiprocess
 def test_the_trainer_switches_schedules_on_every_rank_alike_and_keeps_sync_losses():
-    from pipelines.schedule import PROBE_START
+    from pipelines.job.schedule import PROBE_START
     from tests.harness import run_ranks
 
     results = {name: run_ranks(_train, 2, args=(name,), timeout=120) for name in RUNS}

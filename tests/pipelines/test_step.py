@@ -1,4 +1,4 @@
-"""The public training API (pipelines.step) against an unsharded single-process oracle written here in plain torch.
+"""The public training API (pipelines.api.step) against an unsharded single-process oracle written here in plain torch.
 
 A user's model with plain nn.Embedding tables (one of them called twice per step, with other ids each time) and a
 dense head, trained by TrainStep on 2 gloo ranks in modes sync and freescale, must follow the oracle step by step:
@@ -72,7 +72,7 @@ def _optimizer(name):
 
 def _train_body(rank, world_size, optimizer):
     from fsdata.item import LoaderItem
-    from pipelines.step import TrainStep, wrap_model
+    from pipelines.api.step import TrainStep, wrap_model
 
     out = {}
     for mode in ("sync", "freescale"):
@@ -146,7 +146,7 @@ def test_train_step_follows_the_unsharded_oracle(optimizer):
 
 def _called_more_than_prepared_body(rank, world_size):
     from fsdata.item import LoaderItem
-    from pipelines.step import TrainStep, wrap_model
+    from pipelines.api.step import TrainStep, wrap_model
 
     model = UserModel()
     # the candidates' ids are missing: the second call of `items` asks for ids that were never prepared
@@ -203,7 +203,7 @@ def test_find_embeddings_by_type_takes_the_outermost_modules():
 
 
 def test_wrap_model_needs_features_or_a_kjt_input():
-    from pipelines.step import wrap_model
+    from pipelines.api.step import wrap_model
 
     with pytest.raises(ValueError, match="give features"):
         wrap_model(UserModel(), embeddings=["items"])
@@ -212,9 +212,9 @@ def test_wrap_model_needs_features_or_a_kjt_input():
 def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path):
     """`[model] model` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
     config and its ModelSpec goes through the same wrap as the reference model."""
-    from pipelines.builders import build_model_spec, build_source
+    from pipelines.job.builders import build_model_spec, build_source
     from pipelines.cli import build_parser
-    from pipelines.config import config_from_args
+    from pipelines.job.config import config_from_args
 
     (tmp_path / "my_model.py").write_text(
         "import torch\nfrom pipelines import ModelSpec\n\n"
@@ -241,8 +241,8 @@ def _both_paths_body(rank, world_size, mutate):
     """The API's loop and `freescale train`'s trainer on the same rank, optionally with a bug injected into the
     one step implementation (TrainStep.forward_backward: the loss scaled by twice the global label count)."""
     from fsdata.item import LoaderItem
-    from pipelines import step as step_module
-    from pipelines.step import TrainStep, wrap_model
+    from pipelines.api import step as step_module
+    from pipelines.api.step import TrainStep, wrap_model
     from tests.pipelines.test_train import _tiny_trainer
 
     if mutate:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipelines.cli import build_parser
-from pipelines.config import config_from_args
+from pipelines.job.config import config_from_args
 from tests.harness import run_ranks, stage
 
 STEPS = 4
@@ -33,7 +33,7 @@ def _config(mode: str):
 
 
 def _train_both(rank, world_size):
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
 
     out = {}
     for mode in ("sync", "torchrec"):
@@ -72,7 +72,7 @@ def _parse(*argv):
 
 
 def test_without_torchrec_the_error_names_the_package(monkeypatch):
-    from pipelines.torchrec_ref import require_torchrec
+    from pipelines.models.torchrec_ref import require_torchrec
 
     monkeypatch.setitem(sys.modules, "torchrec", None)  # as where torchrec is not installed
     with pytest.raises(ValueError, match=r"torchrec.*not importable here: it is a CPU reference only"):

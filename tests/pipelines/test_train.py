@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.config import config_from_args
+from pipelines.job.config import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
     """torch's NUMA binding binds local rank r near GPU r: a CPU run, or ranks sharing GPUs, get none, and say so."""
     import torch
 
-    from pipelines.train import _numa_options
+    from pipelines.job.train import _numa_options
 
     assert _numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
     assert _numa_options(_parse("--device", "cpu", "--tuning.numa-binding", "exclusive")) is None
@@ -76,7 +76,7 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
 def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
     """`freescale train --help` lists the flags a user needs (at most 70 lines at 80 columns); the --tuning.NAME
     knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
-    from pipelines.config import TUNING, _fields, flag
+    from pipelines.job.config import TUNING, _fields, flag
 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
@@ -98,7 +98,7 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
 
 
 def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
-    from pipelines.config import JobConfig
+    from pipelines.job.config import JobConfig
 
     config = JobConfig()
     config.train.mode = "fast"
@@ -137,7 +137,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     proc = _run(cmd, tmp_path)
     trace = json.loads((tmp_path / "trace.rank1.json").read_text())
     assert {"freescale/data", "freescale/forward", "freescale/backward"} <= {e.get("name") for e in trace["traceEvents"]}
-    from pipelines.commands.trace_report import report
+    from pipelines.cli.trace_report import report
 
     r = report(tmp_path / "trace.rank1.json")  # `freescale trace`: the step split by phase and thread
     assert {"forward", "backward", "dense_allreduce"} <= set(r["phases"]) and r["gpu_busy_ms"] is None
@@ -166,7 +166,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
 def test_garbage_collection_pauses_are_timed():
     import gc
 
-    from pipelines.accounting import GcPauses
+    from pipelines.job.accounting import GcPauses
 
     pauses = GcPauses()
     try:
@@ -187,7 +187,7 @@ def test_garbage_collection_pauses_are_timed():
 def test_torchrun_entry(tmp_path):
     summary = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pipelines.train", "--steps", "3", "--summary-json", str(summary), "--no-progress"]
+           "-m", "pipelines.job.train", "--steps", "3", "--summary-json", str(summary), "--no-progress"]
     _run(cmd, tmp_path)
     s = json.loads(summary.read_text())
     assert s["steps"] == 3 and s["world_size"] == 2
@@ -282,7 +282,7 @@ def _tiny_trainer(rank, world_size, mode, steps, **train):
     """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``train``: further TrainConfig fields."""
     import torch
 
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     cfg = tiny_config(mode, steps)

@@ -25,7 +25,7 @@ their sample's UIH (cross attention, no causality); ``equal`` (``--equal B:L``, 
 against SDPA on [B, heads, L, dim] directly (what is left is a kernel's own efficiency); ``model``
 (``--model-case``, CUDA): one forward+backward of the replay's reference model (d=256, 2 layers, 4 heads, bf16
 autocast) on one B x cap batch, varlen against flex (its plan built before the timing); and ``plan``, the host
-cost of the reference model's attention plan (pipelines.model.attention_plan) per batch at ``--plan-case``.
+cost of the reference model's attention plan (pipelines.models.reference.attention_plan) per batch at ``--plan-case``.
 The targets printed at the end are the gates of BENCHMARKS.md's attention table.
 """
 
@@ -275,7 +275,7 @@ def bench_equal(args, b: int, length: int, device: torch.device, dtype, kernels:
 def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
     """One forward+backward of the replay's reference model on one batch, varlen against flex (plan built ahead)."""
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
-    from pipelines.model import ModelConfig, SequenceModel, bce_sum
+    from pipelines.models.reference import ModelConfig, SequenceModel, bce_sum
     from pipelines.research.replay import REPLAY_MODEL_PRESETS
 
     source = SyntheticSource(SyntheticConfig.from_preset("kuairand-1k", num_samples=b, seed=args.seed, uih_cap=cap))
@@ -308,7 +308,7 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
 
 
 def bench_plan(args, b: int, cap: int) -> Record:
-    from pipelines.model import attention_plan
+    from pipelines.models.reference import attention_plan
 
     rng = np.random.default_rng(args.seed + 7)
     lengths = uih_lengths(rng, b, args.uih_median, args.uih_mean, cap)

@@ -1,13 +1,13 @@
 """`freescale bench e2e`: every train mode on the same data in one invocation, bubbles side by side.
 
-For each case (a workload) and each mode it launches the same job (`pipelines.train.launch`), then prints one
+For each case (a workload) and each mode it launches the same job (`pipelines.job.train.launch`), then prints one
 table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
 ``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
 shows as "n/m" (None in the JSON), never as 0. ``moved``: the steps whose samples the balancer moved; the balance
 gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay. ``emb``: the
-embedding schedule freescale kept after its probe (pipelines.schedule; prio or sdd); every mode's timings leave
+embedding schedule freescale kept after its probe (pipelines.job.schedule; prio or sdd); every mode's timings leave
 out the same warm-up steps, the probe's included.
 
 Every case runs the reference model with ``--attention`` (default jagged: no padding, so a rank's step costs
@@ -36,14 +36,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from pipelines.config import JobConfig, add_tuning_arguments, apply_tuning
-from pipelines.modes import MODES as ALL_MODES
-from pipelines.schedule import PROBE_START, ScheduleProbe
+from pipelines.job.config import JobConfig, add_tuning_arguments, apply_tuning
+from pipelines.api.modes import MODES as ALL_MODES
+from pipelines.job.schedule import PROBE_START, ScheduleProbe
 
 # every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
 MODES = tuple(name for name in ALL_MODES if name != "torchrec")
 TORCHREC_NOTE = (
-    "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.torchrec_ref). n/m = not\n"
+    "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.models.torchrec_ref). n/m = not\n"
     "  measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run inside\n"
     "  progress(), which times none of its parts, so compute alone, straggler % and bubbles are unknown; step time,\n"
     "  QPS, data, label count and NE are measured as in every mode (step time includes one bookkeeping all-reduce).\n"
@@ -176,7 +176,7 @@ def _row(case: str, s: dict) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pipelines.train import launch
+    from pipelines.job.train import launch
 
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]

@@ -312,7 +312,7 @@ def _worker(rank, world_size, cfg, points, store_dir, queue):
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    sys.setswitchinterval(1e-3)  # as the trainer's ranks (pipelines/train.py): several Python threads per rank
+    sys.setswitchinterval(1e-3)  # as the trainer's ranks (pipelines/job/train.py): several Python threads per rank
     try:
         store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))

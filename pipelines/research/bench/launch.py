@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.shm import remove_segments_of
-from pipelines.train import LOG_DIR_ENV, failure_line, report_failure, use_thread_locks_for_progress_bars
+from pipelines.job.train import LOG_DIR_ENV, failure_line, report_failure, use_thread_locks_for_progress_bars
 
 RankMain = Callable[[Any, int, int], Optional[dict]]  # (args, rank, world_size) -> rank 0's result, else None
 

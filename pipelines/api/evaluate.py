@@ -10,7 +10,7 @@ pair up.
 Metrics, over the whole held-out set (all ranks, each sample once):
 
 - **NE**: the summed BCE over the label count, divided by the entropy of the labels' positive rate (as the
-  training NE, pipelines.model.normalized_entropy).
+  training NE, pipelines.models.reference.normalized_entropy).
 - **AUC**: the area under the ROC curve per label column (torchmetrics' binary AUROC over every rank's
   predictions, gathered), and their mean over the columns that have both classes (a column without positives or
   without negatives has no AUC: NaN).
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from fsdata.item import as_item
-from pipelines.model import normalized_entropy
-from pipelines.numerics import autocast, autocast_dtype
+from pipelines.models.reference import normalized_entropy
+from pipelines.api.numerics import autocast, autocast_dtype
 
 
 @dataclass
@@ -78,7 +78,7 @@ def evaluate(
     loader's). ``stage``: the embedding stage of ``wrap_model`` (flushed first); ``inputs``: ``batch -> model
     arguments`` (default: the stage's, else the batch). The model's outputs must be per-candidate logits
     [candidates, labels] (the reference model's). The model is left in the mode it was in."""
-    from pipelines.step import call_model
+    from pipelines.api.step import call_model
 
     device = torch.device(device)
     world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size

@@ -8,10 +8,10 @@ import torch
 
 from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
-from pipelines.config import DataConfig, JobConfig, ModelSection, TrainConfig
-from pipelines.model import MODEL_PRESETS, ModelConfig, SequenceModel
-from pipelines.modes import MODES
-from pipelines.step import ModelSpec
+from pipelines.job.config import DataConfig, JobConfig, ModelSection, TrainConfig
+from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
+from pipelines.api.modes import MODES
+from pipelines.api.step import ModelSpec
 
 
 def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
@@ -91,7 +91,7 @@ def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.de
     if MODES[config.mode].schedule is None:
         return None
     from fsembed import get_optimizer
-    from pipelines.step import wrap_model
+    from pipelines.api.step import wrap_model
 
     return wrap_model(
         spec.model,
@@ -114,7 +114,7 @@ def build_torchrec_reference(model: SequenceModel, config: TrainConfig, device: 
     the outside reference; None in the other modes)."""
     if config.mode != "torchrec":
         return None
-    from pipelines.torchrec_ref import TorchrecReference
+    from pipelines.models.torchrec_ref import TorchrecReference
 
     return TorchrecReference(
         model, optimizer_name=config.embedding_optimizer, embedding_lr=config.embedding_lr, lr=config.lr, device=device

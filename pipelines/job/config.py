@@ -27,11 +27,11 @@ from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
-from pipelines.model import ATTENTION_IMPLS
-from pipelines.modes import BALANCING, MODES, SHARDED
-from pipelines.numerics import PRECISIONS
-from pipelines.schedule import SCHEDULE_CHOICES
-from pipelines.staged import EARLY_START, EXCLUSIVE_START
+from pipelines.models.reference import ATTENTION_IMPLS
+from pipelines.api.modes import BALANCING, MODES, SHARDED
+from pipelines.api.numerics import PRECISIONS
+from pipelines.job.schedule import SCHEDULE_CHOICES
+from pipelines.api.staged import EARLY_START, EXCLUSIVE_START
 
 
 def _f(default: Any, help: str, **kw) -> Any:
@@ -85,7 +85,7 @@ class ModelSection:
 
 @dataclass
 class TrainConfig:
-    """``mode``: see pipelines.trainer (``torchrec`` runs the real torchrec, a CPU reference).
+    """``mode``: see pipelines.job.trainer (``torchrec`` runs the real torchrec, a CPU reference).
 
     ``warmup_steps``: the first steps are left out of the summary's timings (samples/s, step time, straggler,
     bubbles): they pay one-time costs such as kernel compilation and the first pinned-memory allocations; their
@@ -246,7 +246,7 @@ class JobConfig:
         return self
 
     def _validate_torchrec(self) -> None:
-        from pipelines.torchrec_ref import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
+        from pipelines.models.torchrec_ref import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
 
         missing = missing_packages()
         if missing:

@@ -6,9 +6,9 @@ modules are named). FreeScale installs itself around it:
 * module swap (fsembed.swap): the named embedding modules become views of one row-wise sharded collection;
 * a forward pre-hook on the model drives the embedding stage, before the model's first layer runs: it hands the
   step's features and the loader's ID exchanges of this batch and the next to the mode's embedding schedule
-  (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.modes names which mode runs which). Where the
+  (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.api.modes names which mode runs which). Where the
   step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
-  chosen from measured step times by pipelines.schedule; exact either way);
+  chosen from measured step times by pipelines.job.schedule; exact either way);
 * a forward hook on the model starts, as its forward returns, the embedding stage's side work of the next batch
   that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then run in the
   collection's bulk chain beside the backward, where the training thread waits without the GIL);
@@ -25,9 +25,9 @@ The loader's ID-prefetch stage (fsembed.id_prefetch) starts every batch's ID All
 the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
 i (``current_ids``, for sdd) and batch i+1 (``upcoming_ids``, for freescale): section 6.1's one extra batch.
 ``begin_step(batch, current_ids, upcoming_ids)`` does so in one call, and names the batch whose features the
-pre-hook looks up, so the model may take other inputs than the batch (pipelines.step: ``inputs``).
+pre-hook looks up, so the model may take other inputs than the batch (pipelines.api.step: ``inputs``).
 
-Built through the public ``pipelines.step.wrap_model`` (the reference model too).
+Built through the public ``pipelines.api.step.wrap_model`` (the reference model too).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch import nn
 
 from fsdata.batch import Batch
 from fsembed.schedules import get_schedule
-from pipelines.modes import SHARDED, get_mode
+from pipelines.api.modes import SHARDED, get_mode
 
 # The pipeline's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
 # "backward" needs (see PrioritizedEmbeddingCollection for why the collection alone defaults to "forward").
@@ -132,9 +132,9 @@ class StagedPipeline:
         return self.schedule.prioritized_collection
 
     def set_schedule(self, schedule: str) -> None:
-        """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.modes):
+        """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.api.modes):
         ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
-        pipelines.schedule)."""
+        pipelines.job.schedule)."""
         if schedule not in self.mode.switches:
             raise ValueError(f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "
                              f"between {list(self.mode.switches) or 'none'}, not to {schedule!r}")

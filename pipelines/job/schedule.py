@@ -23,7 +23,7 @@ and a shared host's noise can hide a few percent either way, so a tie runs sdd. 
 the gap is far wider than the margin (the probes' medians are in each run's record and in BENCHMARKS.md).
 
 A step's time is its wall time on the slowest rank. It reaches every rank one step late, in the per-rank slots
-of the next step's dense all-reduce (pipelines.dense_sync), so every rank sees the same numbers and switches at
+of the next step's dense all-reduce (pipelines.api.dense_sync), so every rank sees the same numbers and switches at
 the same step: no collective of its own. That lag costs a step at the end of each probe, so the choice runs
 from step ``start + 2 * steps + 3`` on; ``ScheduleProbe.length`` counts one step more, the choice's first (a
 transition again when it is prioritized). A resumed job probes again: measurements of another process (and

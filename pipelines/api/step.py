@@ -9,12 +9,12 @@
         loss = step.progress(items)
 
 ``wrap_model`` swaps the model's embedding modules (by name or by type) for views of one row-wise sharded
-collection (fsembed.swap) and returns the embedding stage (pipelines.staged.StagedPipeline): its forward pre-hook
+collection (fsembed.swap) and returns the embedding stage (pipelines.api.staged.StagedPipeline): its forward pre-hook
 runs the embedding exchanges of the mode (sync, sdd, semisync, freescale) before the model's first layer, and its
 ``loader_stages`` start every batch's ID AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``,
 in the spirit of torchrec's ``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that
 prioritized updates need (batch i+1's ids go to step i's forward), runs forward and backward, all-reduces the
-dense gradients (pipelines.dense_sync) and steps the dense optimizer.
+dense gradients (pipelines.api.dense_sync) and steps the dense optimizer.
 
 Loss semantics. ``loss(outputs, batch)`` returns the SUM of the per-label losses of the local batch; the step
 divides it by the global number of labels (every rank's ``batch.candidate_labels.numel()``), so the gradient is
@@ -30,7 +30,6 @@ torchrec is imported only where the model uses its types.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -41,11 +40,11 @@ from torch import nn
 from fsdata.batch import Batch
 from fscomm.registry import host_transport  # noqa: F401  (the public API's name for a loader stage's transport)
 from fsdata.item import LoaderItem, as_item
-from pipelines.numerics import autocast, autocast_dtype
-from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
-from pipelines.model import bce_sum
-from pipelines.modes import SHARDED, get_mode
-from pipelines.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
+from pipelines.api.numerics import autocast, autocast_dtype
+from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
+from pipelines.models.reference import bce_sum
+from pipelines.api.modes import SHARDED, get_mode
+from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
 
 Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -53,7 +52,7 @@ Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of 
 
 def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed
-    (pipelines.model.bce_sum, the reference model's)."""
+    (pipelines.models.reference.bce_sum, the reference model's)."""
     return bce_sum(outputs, batch.candidate_labels)
 
 
@@ -80,17 +79,10 @@ def _kjt_in(args: tuple, where: str):
     return found[0]
 
 
-def quiet_torchrec_notes() -> None:
-    """torchrec's KeyedJaggedTensor ops call torch.fx's ``is_fx_tracing()``, which logs, once per process and rank,
-    a deprecation note addressed to torchrec's authors: nothing a user of FreeScale can act on, so it is silenced
-    (that one logger, errors still shown) wherever FreeScale takes torchrec types."""
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-
 def kjt_features(inputs: Inputs) -> FeatureFn:
     """``batch -> {feature: ids}`` from the KeyedJaggedTensor among the model's inputs: what an
     EmbeddingCollection called once with it looks up."""
-    from fsembed.swap import kjt_ids
+    from fsembed.swap import kjt_ids, quiet_torchrec_notes
 
     quiet_torchrec_notes()
 
@@ -170,7 +162,7 @@ def unwrap_model(model: nn.Module, stage: StagedPipeline, *, dst: Optional[int] 
 @dataclass
 class ModelSpec:
     """What a model factory returns (``freescale train --model module:function`` or ``path/file.py:function``;
-    the factory is called with the job's config, pipelines.config.JobConfig, on every rank, and must build the same
+    the factory is called with the job's config, pipelines.job.config.JobConfig, on every rank, and must build the same
     initial weights everywhere, e.g. after ``torch.manual_seed(config.train.seed)``).
 
     Only ``model`` is required; the rest defaults to the reference model's conventions."""
@@ -214,7 +206,7 @@ class StepResult:
 
 class TrainStep:
     """Trains ``model`` one step per ``progress(items)`` call over the loader's items (LoaderItems): the one
-    implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.trainer adds only
+    implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.job.trainer adds only
     what a job needs around it: timings, checkpoints, logs).
 
     ``stage``: the embedding stage of ``wrap_model`` (None for a model without sharded tables). ``inputs``:
@@ -222,7 +214,7 @@ class TrainStep:
     sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on
     ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
     ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
-    ``fp32`` (pipelines.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
+    ``fp32`` (pipelines.api.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
     all-reduce as ``label_count``; ``phase(name)`` is a context named around the forward and the backward (e.g.
     ``torch.profiler.record_function``); ``before_backward()`` is called between them.
     """

@@ -52,7 +52,7 @@ from torch import nn
 
 from fsdata.batch import CONTENT_KEY, UIH_ITEM_KEY, Batch, offsets_to_lengths
 from fsdata.metrics import sparsity
-from pipelines.model import SequenceModel, bce_sum
+from pipelines.models.reference import SequenceModel, bce_sum
 
 TORCHREC_PACKAGES = ("torchrec", "fbgemm_gpu")
 TABLE_NAME = "item_embedding"  # the swapped module's name, as fsembed.swap names its table
@@ -176,7 +176,7 @@ class TorchrecReference:
     def __init__(self, model: SequenceModel, *, optimizer_name: str, embedding_lr: float, lr: float,
                  device: torch.device) -> None:
         require_torchrec()
-        from pipelines.step import quiet_torchrec_notes
+        from fsembed.swap import quiet_torchrec_notes
 
         quiet_torchrec_notes()
         from torchrec import EmbeddingCollection, EmbeddingConfig

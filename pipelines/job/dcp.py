@@ -13,7 +13,7 @@ DTensor's Shard(0) cannot express arbitrary boundaries and ShardedTensor's opera
 Reading is safe. DCP's stock reader unpickles ``.metadata`` with ``pickle.load``; :func:`read_metadata` uses an
 unpickler that resolves only DCP's metadata classes, torch dtypes/layouts/sizes and paths, and refuses any other
 name before anything is constructed. The stock load planner would ``torch.load(weights_only=False)`` a non-tensor
-item; FreeScale writes none (pipelines.dcp_state keeps them in each rank's own file), so :func:`check_metadata`
+item; FreeScale writes none (pipelines.job.dcp_state keeps them in each rank's own file), so :func:`check_metadata`
 refuses a checkpoint that declares one, and the planner refuses one again should it be asked to read it. Tensor
 data is read by DCP with ``weights_only=True``.
 """

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipelines.commands.trace_report import report
+from pipelines.cli.trace_report import report
 
 
 def _x(name, cat, tid, ts, dur):

@@ -64,7 +64,7 @@ def check_determinism(model: torch.nn.Module, device: torch.device) -> None:
     through ``attention_impl(device)``) is reproducible in it."""
     if not torch.are_deterministic_algorithms_enabled():
         raise ValueError("--deterministic: torch's deterministic algorithms are off (call "
-                         "pipelines.numerics.enable_determinism() first)")
+                         "pipelines.api.numerics.enable_determinism() first)")
     if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         raise ValueError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG must be one of {', '.join(CUBLAS_WORKSPACES)}")
     pick = getattr(model, "attention_impl", None)

@@ -1,11 +1,11 @@
-"""`freescale train` and `torchrun -m pipelines.train`: the training entry point.
+"""`freescale train` and `torchrun -m pipelines.job.train`: the training entry point.
 
     freescale train --nproc 2 --steps 20 --summary-json out.json     # launches 2 local ranks itself
-    torchrun --nproc-per-node 2 -m pipelines.train --steps 20         # or under torchrun
+    torchrun --nproc-per-node 2 -m pipelines.job.train --steps 20         # or under torchrun
 
 Data parallel for now: every rank holds the whole model; after backward one all-reduce carries the gradients
 and the step's bookkeeping (label counts, per-rank compute times), so a step has exactly one blocking
-collective and the straggler wait is measured where it happens (see pipelines.trainer).
+collective and the straggler wait is measured where it happens (see pipelines.job.trainer).
 
 Errors. What can be checked before the ranks start is checked there (the config, the data's files and schema, an
 explicit checkpoint directory). An error raised on a rank reaches the user as one line naming the rank and the cause,
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pipelines.config import JobConfig, add_config_arguments, config_from_args
+from pipelines.job.config import JobConfig, add_config_arguments, config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,7 +146,7 @@ def worker(config: JobConfig) -> Optional[dict]:
 def _rank_job(config: JobConfig) -> Optional[dict]:
     from fscomm import groups
     from fscomm.heartbeat import Heartbeat
-    from pipelines.trainer import Trainer
+    from pipelines.job.trainer import Trainer
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -382,7 +382,7 @@ def check_before_launch(config: JobConfig) -> None:
         ParquetSource(config.data.eval_data, uih_cap=config.data.uih_cap)
     resume = config.train.resume
     if resume and resume != "latest":
-        from pipelines import checkpoint
+        from pipelines.job import checkpoint
 
         for r in range(checkpoint.check_complete(resume)):  # weights-only reads (mapped): refuses unsafe files
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
@@ -446,7 +446,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # torchrun -m pipelines.train ...
-    parser = argparse.ArgumentParser(prog="pipelines.train", description="FreeScale training (one rank)")
+if __name__ == "__main__":  # torchrun -m pipelines.job.train ...
+    parser = argparse.ArgumentParser(prog="pipelines.job.train", description="FreeScale training (one rank)")
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

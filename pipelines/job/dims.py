@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from pipelines.config import JobConfig
+    from pipelines.job.config import JobConfig
 
 
 class DataDims(NamedTuple):
@@ -20,9 +20,9 @@ class DataDims(NamedTuple):
 
 def data_dims(config: "JobConfig") -> DataDims:
     """The dense width and label count of the job's source (``config.data``: synthetic preset or Parquet), read
-    from its first sample, as the reference model is shaped (pipelines.builders.build_model). The same on every
+    from its first sample, as the reference model is shaped (pipelines.job.builders.build_model). The same on every
     rank; a source without samples gives (0, 1)."""
-    from pipelines.builders import build_source
+    from pipelines.job.builders import build_source
 
     source = build_source(config.data, config.loader.batch_size)
     probe = source.read(0, 0, min(1, source.num_samples(0)))

@@ -1,6 +1,6 @@
 """Checkpoints: the dense model and optimizer, the sharded tables, each rank's loader state and the step.
 
-    <dir>/step_000040/__0_0.distcp ... .metadata   torch.distributed.checkpoint (DCP): every tensor (pipelines.dcp:
+    <dir>/step_000040/__0_0.distcp ... .metadata   torch.distributed.checkpoint (DCP): every tensor (pipelines.job.dcp:
                                                     tables as row-wise chunks of whole tables, even for uneven
                                                     row_boundaries; the replicated dense state once)
     <dir>/step_000040/rank0.pt ... rank{W-1}.pt     each rank's own file: loader and balancer state, data cursor,
@@ -30,7 +30,7 @@ ends in an agreement too: no rank reports a resume before every rank has loaded.
 
 Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
 containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
-tensor is refused (pipelines.dcp): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
+tensor is refused (pipelines.job.dcp): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
 holding everything, marker "W") still loads, resharded by fsembed.reshard on another world size.
 """
 
@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pipelines import dcp, dcp_state
+from pipelines.job import dcp, dcp_state
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -59,7 +59,7 @@ STEP_KEY = "step"
 WORLD_SIZE_KEY = "world_size"
 CURSOR_KEY = "cursor"  # {epoch, cursor} of the global reader: the world-size independent position
 FORMAT_KEY = "format"
-STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.dcp_state.snapshot)
+STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.job.dcp_state.snapshot)
 DCP_FORMAT = "dcp"
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("batch sizes must be >= 1")
     if args.preset:
         from fsdata.synthetic import SyntheticSource
-        from pipelines.commands.data_synth import synthetic_config
+        from pipelines.cli.data_synth import synthetic_config
 
         ns = argparse.Namespace(
             preset=args.preset, set=args.set, collision_rate=args.collision_rate, batch_size=global_batch, seed=args.seed, uih_cap=args.uih_cap

@@ -15,7 +15,7 @@ Modes (``--mode``), one harness:
     semisync    next batch's embeddings prefetched before this step's update: stale rows (TrainPipelineSemiSync)
     freescale   balancer (``--partitioner``, default fbs) + prioritized embedding updates + SM-free transport
     torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
-                reference (pipelines.torchrec_ref; the parts its progress() hides are reported as None)
+                reference (pipelines.models.torchrec_ref; the parts its progress() hides are reported as None)
 
 Gradient semantics. Local batches may differ in size (the last global batch of an epoch, variable batch size
 balancing), so each rank backpropagates the sum of its candidates' BCE divided by the *global* label count,
@@ -24,7 +24,7 @@ are spread. The sharded tables' gradients come from the same scaled loss, so the
 The global label count comes free with the balancer's gathered lengths; without the balancer it costs one
 tiny all-reduce before the forward (timed as ``label_count``).
 
-The dense all-reduce (pipelines.dense_sync) runs in buckets that start while the backward still runs, as DDP's
+The dense all-reduce (pipelines.api.dense_sync) runs in buckets that start while the backward still runs, as DDP's
 do; its last bucket carries a bookkeeping block: the label count, the BCE sum and positives (for loss and NE),
 and per-rank slots (each rank writes only its own) with tokens, samples, sparsity, and the previous step's compute
 and wall times. So per-rank timings reach every rank with no extra collective, and the block needs nothing that
@@ -54,10 +54,10 @@ import torch.distributed as dist
 
 from fscomm.registry import close_stage_transports, host_transport
 from fscomm.timing import Timer
-from pipelines.evaluate import evaluate
-from pipelines.modes import MODES
-from pipelines.progress import progress_bar
-from pipelines.numerics import check_determinism, enable_determinism
+from pipelines.api.evaluate import evaluate
+from pipelines.api.modes import MODES
+from pipelines.job.progress import progress_bar
+from pipelines.api.numerics import check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
 from fsdata.id_overflow import IdRangeSource
 from fsdata.item import LoaderItem
@@ -65,14 +65,14 @@ from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_l
 from fsdata.metrics import sparsity
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.gather_lengths import StepFeedback
-from pipelines import checkpoint
-from pipelines.accounting import StepAccounting, stall_clues
-from pipelines.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
-from pipelines.config import JobConfig
-from pipelines.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
-from pipelines.schedule import ScheduleProbe
-from pipelines.model import normalized_entropy
-from pipelines.step import TrainStep, count_labels, unwrap_model
+from pipelines.job import checkpoint
+from pipelines.job.accounting import StepAccounting, stall_clues
+from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
+from pipelines.job.config import JobConfig
+from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
+from pipelines.job.schedule import ScheduleProbe
+from pipelines.models.reference import normalized_entropy
+from pipelines.api.step import TrainStep, count_labels, unwrap_model
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
 
@@ -131,7 +131,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        if config.train.deterministic:  # before the first cuBLAS call of this process (pipelines.numerics)
+        if config.train.deterministic:  # before the first cuBLAS call of this process (pipelines.api.numerics)
             enable_determinism()
         # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
         # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
@@ -170,7 +170,7 @@ class Trainer:
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
         self._first_step = self.step
-        # freescale's embedding schedule per step (pipelines.schedule): probed anew from this process's first step
+        # freescale's embedding schedule per step (pipelines.job.schedule): probed anew from this process's first step
         self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
                          if MODES[config.train.mode].switches else None)
         # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
@@ -184,7 +184,7 @@ class Trainer:
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
         self._phase = torch.profiler.record_function if config.train.trace else _unnamed
-        # The step itself is the public API's (pipelines.step.TrainStep): label count, loss, forward and backward,
+        # The step itself is the public API's (pipelines.api.step.TrainStep): label count, loss, forward and backward,
         # the dense all-reduce's buckets and the optimizer exist once; this class adds the job around it. A gated
         # stage worker starts the batch after next as the backward starts (before_backward).
         self.step_fn: Optional[TrainStep] = None
@@ -405,7 +405,7 @@ class Trainer:
         self.timer.add("dense_allreduce", sync_time)
         step.optimizer.step()
         self._last_compute_s = compute
-        # numpy on the host block (no torch op: see pipelines.dense_sync)
+        # numpy on the host block (no torch op: see pipelines.api.dense_sync)
         per_rank = per_rank_of(book, self.world_size)
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
             self.schedule.observe(self.step - 1, float(per_rank["last_step_s"].max()))
@@ -548,7 +548,7 @@ class Trainer:
         return source
 
     def evaluate(self, progress=None) -> dict:
-        """One pass over the held-out data (pipelines.evaluate: no gradient, tables flushed, every rank's samples
+        """One pass over the held-out data (pipelines.api.evaluate: no gradient, tables flushed, every rank's samples
         once); its NE and AUC go to the progress output, the metrics JSONL and the summary."""
         loader = build_loader(self.eval_source, LoaderConfig(batch_size=self.config.loader.batch_size), self.rank,
                               self.world_size)

@@ -1,1 +1,0 @@
-"""Subcommands of `freescale` that are not training or benchmarks."""
