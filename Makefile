@@ -11,6 +11,7 @@ demo: setup
 	$(VENV)/bin/freescale train --nproc 2 --steps 20 --summary-json out/demo-summary.json
 
 test: setup
+	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -x --timeout 300 tests
 
 # Not part of CI: the multi-process tests N times in a row, each failure reported (scripts/stress_multiprocess.sh).
