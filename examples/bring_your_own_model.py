@@ -41,18 +41,35 @@ class Recommender(nn.Module):
 
     def __init__(self, dense_dim: int, num_labels: int) -> None:
         super().__init__()
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name="item_table", embedding_dim=DIM, num_embeddings=NUM_ITEMS, feature_names=["history", "candidates"]),
-            EmbeddingConfig(name="category_table", embedding_dim=DIM, num_embeddings=NUM_CATEGORIES, feature_names=["category_ids"]),
-        ], device=torch.device("cpu"))
+        self.ec = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name="item_table",
+                    embedding_dim=DIM,
+                    num_embeddings=NUM_ITEMS,
+                    feature_names=["history", "candidates"],
+                ),
+                EmbeddingConfig(
+                    name="category_table",
+                    embedding_dim=DIM,
+                    num_embeddings=NUM_CATEGORIES,
+                    feature_names=["category_ids"],
+                ),
+            ],
+            device=torch.device("cpu"),
+        )
         self.tower = nn.Sequential(nn.Linear(3 * DIM + dense_dim, 32), nn.ReLU(), nn.Linear(32, num_labels))
 
     def forward(self, kjt: KeyedJaggedTensor, num_candidates: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         out = self.ec(kjt)  # {feature: JaggedTensor of its rows}
-        history, categories = (torch.segment_reduce(out[f].values(), "sum", lengths=out[f].lengths(), unsafe=True)
-                               for f in ("history", "category_ids"))
+        history, categories = (
+            torch.segment_reduce(out[f].values(), "sum", lengths=out[f].lengths(), unsafe=True)
+            for f in ("history", "category_ids")
+        )
         candidates = out["candidates"].values()
-        user = torch.cat([history, categories, dense], 1).repeat_interleave(num_candidates, 0, output_size=candidates.shape[0])
+        user = torch.cat([history, categories, dense], 1).repeat_interleave(
+            num_candidates, 0, output_size=candidates.shape[0]
+        )
         return self.tower(torch.cat([candidates, user], 1))
 
 
@@ -98,15 +115,22 @@ def build_model(config) -> ModelSpec:
     with the extra feature the model reads."""
     dims = data_dims(config)  # the job's data: its dense width and label count
     torch.manual_seed(config.train.seed)
-    return ModelSpec(Recommender(dense_dim=dims.dense_dim, num_labels=dims.num_labels), inputs=inputs, loss=loss,
-                     types=["EmbeddingCollection"], source=WithCategories)
+    return ModelSpec(
+        Recommender(dense_dim=dims.dense_dim, num_labels=dims.num_labels),
+        inputs=inputs,
+        loss=loss,
+        types=["EmbeddingCollection"],
+        source=WithCategories,
+    )
 
 
 def train(mode: str, partitioner: str, steps: int, rank: int, world: int, export: Optional[str] = None) -> list[float]:
     source = WithCategories(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=2000, seed=1, uih_max=64)))
     torch.manual_seed(0)
     model = Recommender(dense_dim=4, num_labels=1)
-    stage = wrap_model(model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05))
+    stage = wrap_model(
+        model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05)
+    )
     stages = []
     if mode == "freescale" and partitioner != "none":
         stages += balancer_stages(BalancerConfig(partitioner), host_transport("balancer"), rank, world, capacity=16)
@@ -142,7 +166,8 @@ def main() -> None:
     sync, fs = runs["sync"], runs["freescale"]
     report = {"partitioner": args.partitioner, "steps": args.steps}
     report["parity_balanced" if balanced else "parity_bit_for_bit"] = len(sync) == len(fs) == args.steps and all(
-        abs(a - b) <= 1e-5 * abs(a) if balanced else a == b for a, b in zip(sync, fs))
+        abs(a - b) <= 1e-5 * abs(a) if balanced else a == b for a, b in zip(sync, fs)
+    )
     if balanced:
         report["parity_bit_for_bit"] = runs["freescale_partitioner_none"] == sync
     report["parity"] = all(v for k, v in report.items() if k.startswith("parity_"))

@@ -83,7 +83,11 @@ def trace(fn: Callable[[], None]) -> GpuActivity:
         cat = e.get("cat", "")
         if cat not in ("kernel", "gpu_memcpy"):
             continue
-        item = {"name": e.get("name", ""), "stream": int(e.get("args", {}).get("stream", -1)),
-                "ts": float(e.get("ts", 0.0)), "dur": float(e.get("dur", 0.0))}
+        item = {
+            "name": e.get("name", ""),
+            "stream": int(e.get("args", {}).get("stream", -1)),
+            "ts": float(e.get("ts", 0.0)),
+            "dur": float(e.get("dur", 0.0)),
+        }
         (act.kernels if cat == "kernel" else act.memcpys).append(item)
     return act

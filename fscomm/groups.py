@@ -93,7 +93,9 @@ def new_stage_group(
     if not isinstance(name, str) or not name:
         raise ValueError(f"new_stage_group: name must be a non-empty string, got {name!r}")
     if not dist.is_initialized():
-        raise RuntimeError(f"new_stage_group({name!r}): torch.distributed is not initialised (init_process_group first)")
+        raise RuntimeError(
+            f"new_stage_group({name!r}): torch.distributed is not initialised (init_process_group first)"
+        )
     with _lock:
         if name in _by_name:
             raise ValueError(
@@ -131,8 +133,10 @@ def _join_failure(name: str, rank: int, world: int, store, waited_s: float, time
         who = "the store is unreachable"
     said = " ".join(str(exc).split())
     if any(s in said.lower() for s in _PEER_CLOSED):
-        what = (f"a peer closed its connection after {waited_s:.1f} s (its process ended or failed while this rank "
-                f"was still connecting; group timeout {timeout_s:.1f} s)")
+        what = (
+            f"a peer closed its connection after {waited_s:.1f} s (its process ended or failed while this rank "
+            f"was still connecting; group timeout {timeout_s:.1f} s)"
+        )
     elif waited_s >= 0.9 * timeout_s:
         what = f"not every rank joined within {timeout_s:.1f} s (the group timeout, run out: waited {waited_s:.1f} s)"
     else:

@@ -29,7 +29,16 @@ from fscomm import groups
 from fscomm.shm import ShmExchange
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, WorkHandle, as_bytes, check_all_gather, prepare_all_to_all, row_bytes, TransportBase
+from fscomm.transport import (
+    Handle,
+    Splits,
+    WorkHandle,
+    as_bytes,
+    check_all_gather,
+    prepare_all_to_all,
+    row_bytes,
+    TransportBase,
+)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -64,7 +73,9 @@ class HostTransport(TransportBase):
         Collective: every rank of ``group`` makes its transport at the same point (the locality check)."""
         backend = dist.get_backend(group)
         if backend != "gloo":
-            raise ValueError(f"host transport: needs a gloo group (the exchange runs on the CPU), got a {backend!r} group")
+            raise ValueError(
+                f"host transport: needs a gloo group (the exchange runs on the CPU), got a {backend!r} group"
+            )
         self.group = group
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
@@ -73,7 +84,9 @@ class HostTransport(TransportBase):
         self.stage_cpu = stage_cpu
         self.shm: Optional[ShmExchange] = None
         if self.path == "shm" and stage_cpu:
-            raise ValueError("host transport: stage_cpu runs the staged gloo path; it cannot be combined with 'host-shm'")
+            raise ValueError(
+                "host transport: stage_cpu runs the staged gloo path; it cannot be combined with 'host-shm'"
+            )
         if self.path != "tcp" and not stage_cpu:
             self.shm = ShmExchange.connect(group, required=self.path == "shm")
         self.active_path = "shm" if self.shm is not None else "tcp"
@@ -95,7 +108,9 @@ class HostTransport(TransportBase):
 
     # --- public collectives ---------------------------------------------------------------------------
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False
+    ) -> Handle:
         """``keep_host``: the received bytes stay readable on the host too (``handle.host()``, no device sync)."""
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
@@ -111,7 +126,12 @@ class HostTransport(TransportBase):
             return WorkHandle(work, lambda: out, state, "all_to_all", seq, keep=(x,))
         n_in, n_out = sum(send_b), sum(recv_b)  # work buffer: [what leaves | what arrives]
         return self.stager.run(
-            state, "all_to_all", seq, x, out, n_in + n_out,
+            state,
+            "all_to_all",
+            seq,
+            x,
+            out,
+            n_in + n_out,
             copy_out=lambda w: [(as_bytes(x), w[:n_in])],
             exchange=lambda w: exchange(w[:n_in], w[n_in:], False),
             copy_back=lambda w, res: [(w[n_in:], as_bytes(res))],
@@ -134,7 +154,9 @@ class HostTransport(TransportBase):
             starts = [0]
             for s in sizes_l:
                 starts.append(starts[-1] + s * rb)
-            pieces = [(slice(r * block, r * block + sizes_l[r] * rb), slice(starts[r], starts[r + 1])) for r in range(W)]
+            pieces = [
+                (slice(r * block, r * block + sizes_l[r] * rb), slice(starts[r], starts[r + 1])) for r in range(W)
+            ]
         if self.shm is not None:
             xb = x.numel() * x.element_size()
             where = [slice(r * xb, (r + 1) * xb) for r in range(W)] if pieces is None else [dst for _, dst in pieces]
@@ -151,8 +173,9 @@ class HostTransport(TransportBase):
             send[: x.numel() * x.element_size()] = as_bytes(x)
             recv = torch.empty(W * block, dtype=torch.uint8)
             work = exchange(send, recv, True)
-            return WorkHandle(work, lambda: unpad_blocks(recv, sizes_l, rb, out), state, "all_gather", seq,
-                              keep=(send, recv))
+            return WorkHandle(
+                work, lambda: unpad_blocks(recv, sizes_l, rb, out), state, "all_gather", seq, keep=(send, recv)
+            )
 
         xb = x.numel() * x.element_size()  # work buffer: [own block | W blocks]
         if pieces is None:
@@ -160,7 +183,12 @@ class HostTransport(TransportBase):
         else:
             back = lambda w, res: [(w[block:][src], as_bytes(res)[dst]) for src, dst in pieces if dst.stop > dst.start]
         return self.stager.run(
-            state, "all_gather", seq, x, out, block + W * block,
+            state,
+            "all_gather",
+            seq,
+            x,
+            out,
+            block + W * block,
             copy_out=lambda w: [(as_bytes(x), w[:xb])],
             exchange=lambda w: exchange(w[:block], w[block:], False),
             copy_back=back,

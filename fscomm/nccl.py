@@ -54,9 +54,13 @@ class NcclTransport(TransportBase):
 
     def _check_device(self, tensor: torch.Tensor, op: str) -> None:
         if not tensor.is_cuda:
-            raise ValueError(f"fscomm nccl {op} on rank {self.rank}: NCCL needs a CUDA tensor, got one on {tensor.device}")
+            raise ValueError(
+                f"fscomm nccl {op} on rank {self.rank}: NCCL needs a CUDA tensor, got one on {tensor.device}"
+            )
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False
+    ) -> Handle:
         """``keep_host`` changes nothing here: the data never touches the host, so ``handle.host()`` syncs."""
         state = groups.claim(self.group, "all_to_all")
         send, recv = check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)

@@ -30,7 +30,16 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.nccl import nccl_unavailable_reason
-from fscomm.transport import Handle, Splits, TransportUnavailableError, WorkHandle, check_all_gather, check_all_to_all, row_bytes, TransportBase
+from fscomm.transport import (
+    Handle,
+    Splits,
+    TransportUnavailableError,
+    WorkHandle,
+    check_all_gather,
+    check_all_to_all,
+    row_bytes,
+    TransportBase,
+)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -53,8 +62,10 @@ def ce_unavailable_reason(world_size: Optional[int] = None) -> Optional[str]:
         return "copy-engine collectives need two GPUs or more (world size is 1)"
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and int(local) != world_size:
-        return (f"the job spans several nodes (LOCAL_WORLD_SIZE {local} of WORLD_SIZE {world_size}); copy-engine "
-                "collectives work within one NVLink domain only")
+        return (
+            f"the job spans several nodes (LOCAL_WORLD_SIZE {local} of WORLD_SIZE {world_size}); copy-engine "
+            "collectives work within one NVLink domain only"
+        )
     if local is None and torch.cuda.device_count() < world_size:
         return f"{world_size} ranks but {torch.cuda.device_count()} GPU(s) here: copy-engine collectives need one node"
     return None
@@ -107,7 +118,9 @@ class _SymmetricPool:
             symm_mem.set_backend("NCCL")
         except Exception as exc:  # another backend was chosen earlier in this process
             if getattr(symm_mem, "get_backend", lambda *_: None)(device) != "NCCL":
-                raise TransportUnavailableError(f"transport 'nccl-ce': symmetric memory cannot use NCCL here ({exc})") from exc
+                raise TransportUnavailableError(
+                    f"transport 'nccl-ce': symmetric memory cannot use NCCL here ({exc})"
+                ) from exc
         self._group, self._device = group, device
         self._mem_pool = symm_mem.get_mem_pool(device)
         self.plan = SlotPlan()
@@ -159,7 +172,8 @@ class NcclCeTransport(TransportBase):
         if policy is not None and policy != dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO:
             raise TransportUnavailableError(
                 "transport 'nccl-ce': the group was made without NCCL_CTA_POLICY_ZERO, so NCCL would run its SM "
-                "kernels; make it with fscomm.nccl_ce.ce_group_options() or pass group=None")
+                "kernels; make it with fscomm.nccl_ce.ce_group_options() or pass group=None"
+            )
         self.group = group
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
@@ -173,7 +187,9 @@ class NcclCeTransport(TransportBase):
 
     def _check(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if not tensor.is_cuda:
-            raise ValueError(f"fscomm nccl-ce {op} on rank {self.rank}: needs a CUDA tensor, got one on {tensor.device}")
+            raise ValueError(
+                f"fscomm nccl-ce {op} on rank {self.rank}: needs a CUDA tensor, got one on {tensor.device}"
+            )
         return tensor.contiguous()
 
     def all_gather(self, tensor: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> Handle:
@@ -206,8 +222,15 @@ class NcclCeTransport(TransportBase):
         pool.hold(slot, handle)
         return handle
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, pad_to: Optional[int] = None,
-                   *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self,
+        tensor: torch.Tensor,
+        send_splits: Splits,
+        recv_splits: Splits,
+        pad_to: Optional[int] = None,
+        *,
+        keep_host: bool = False,
+    ) -> Handle:
         """``keep_host`` changes nothing here: the data never touches the host, so ``handle.host()`` syncs."""
         state = groups.claim(self.group, "all_to_all")
         send_l, recv_l = check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
@@ -218,10 +241,13 @@ class NcclCeTransport(TransportBase):
             raise ValueError(
                 f"fscomm nccl-ce all_to_all on rank {self.rank}: copy-engine AlltoAll moves equal blocks only, and "
                 f"these splits are unequal (send {send_l}, recv {recv_l}); pass pad_to=<largest split of any rank> "
-                "to pad every block, or use the 'host' transport")
+                "to pad every block, or use the 'host' transport"
+            )
         block_rows = send_l[0] if pad_to is None else int(pad_to)
         if block_rows < max(send_l + recv_l):
-            raise ValueError(f"fscomm nccl-ce all_to_all on rank {self.rank}: pad_to={pad_to} is smaller than a split ({max(send_l + recv_l)})")
+            raise ValueError(
+                f"fscomm nccl-ce all_to_all on rank {self.rank}: pad_to={pad_to} is smaller than a split ({max(send_l + recv_l)})"
+            )
         rb = row_bytes(x)
         block = block_rows * rb
         pool = self._bufs(x.device)

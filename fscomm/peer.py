@@ -107,12 +107,16 @@ def plan_exchange(sent: Sequence[Sequence[int]], send_offsets: Sequence[int], ra
         return sum(sent[s][dst] for s in range(src) if s != dst)
 
     need = tuple(sum(sent[s][d] for s in range(world) if s != d) for d in range(world))
-    pushes = tuple((d, int(send_offsets[d]), sent[rank][d], buffer_offset(rank, d))
-                   for d in range(world) if d != rank and sent[rank][d] > 0)
+    pushes = tuple(
+        (d, int(send_offsets[d]), sent[rank][d], buffer_offset(rank, d))
+        for d in range(world)
+        if d != rank and sent[rank][d] > 0
+    )
     before = sum(sent[s][rank] for s in range(rank))  # what the sources below this rank sent it
     own = (int(send_offsets[rank]), sent[rank][rank], before)
-    copy_out = tuple(piece for piece in ((0, before, 0), (before, need[rank] - before, before + sent[rank][rank]))
-                     if piece[1] > 0)
+    copy_out = tuple(
+        piece for piece in ((0, before, 0), (before, need[rank] - before, before + sent[rank][rank])) if piece[1] > 0
+    )
     return Plan(pushes, own, copy_out, need)
 
 
@@ -125,7 +129,8 @@ def check_table(sent: Sequence[Sequence[int]], expected: Sequence[Sequence[int]]
             if sent[s][d] != expected[d][s]:
                 raise ValueError(
                     f"fscomm peer {op} on rank {rank}: rank {d} expects {expected[d][s]} bytes from rank {s}, which "
-                    f"sends {sent[s][d]} (recv_splits / sizes of rank {d} disagree with what rank {s} sends)")
+                    f"sends {sent[s][d]} (recv_splits / sizes of rank {d} disagree with what rank {s} sends)"
+                )
 
 
 def check_same_host(peers: Sequence[tuple[str, str, int]], rank: int) -> None:
@@ -134,12 +139,14 @@ def check_same_host(peers: Sequence[tuple[str, str, int]], rank: int) -> None:
     if len(hosts) > 1:
         raise TransportUnavailableError(
             f"transport 'peer' on rank {rank}: the ranks are on {len(hosts)} hosts ({', '.join(hosts[:4])}); it "
-            "copies between GPUs of one host only: use 'host' or 'rdma' across hosts")
+            "copies between GPUs of one host only: use 'host' or 'rdma' across hosts"
+        )
     views = sorted({(p[1], p[2]) for p in peers})
     if len(views) > 1:
         raise TransportUnavailableError(
             f"transport 'peer' on rank {rank}: the ranks see different GPUs (CUDA_VISIBLE_DEVICES, count: {views}); "
-            "CUDA IPC names a peer's buffer by its device index, so every rank must see the same devices")
+            "CUDA IPC names a peer's buffer by its device index, so every rank must see the same devices"
+        )
 
 
 class _PhaseClock:
@@ -186,7 +193,9 @@ class PeerTransport(TransportBase):
         """Collective: every rank of ``group`` (a gloo group) makes it, in the same order."""
         backend = dist.get_backend(group)
         if backend != "gloo":
-            raise ValueError(f"peer transport: needs a gloo group (its control exchange runs on the CPU), got a {backend!r} group")
+            raise ValueError(
+                f"peer transport: needs a gloo group (its control exchange runs on the CPU), got a {backend!r} group"
+            )
         self.group = group
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
@@ -218,7 +227,9 @@ class PeerTransport(TransportBase):
 
     # --- public collectives ---------------------------------------------------------------------------
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False
+    ) -> Handle:
         """``keep_host`` changes nothing here: the data never touches the host, so ``handle.host()`` syncs."""
         state = groups.claim(self.group, "all_to_all")
         check_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
@@ -261,18 +272,32 @@ class PeerTransport(TransportBase):
         if self._closed:
             raise RuntimeError(f"fscomm peer {op} on rank {self.rank}: the transport is closed")
         if self._failed is not None:
-            raise RuntimeError(f"fscomm peer {op} on rank {self.rank}: an earlier exchange failed ({self._failed}); "
-                               "the peers' buffers may be mid-exchange, make a new transport")
+            raise RuntimeError(
+                f"fscomm peer {op} on rank {self.rank}: an earlier exchange failed ({self._failed}); "
+                "the peers' buffers may be mid-exchange, make a new transport"
+            )
         if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
             where = getattr(tensor, "device", type(tensor).__name__)
-            raise ValueError(f"fscomm peer {op} on rank {self.rank}: needs a CUDA tensor, got one on {where} "
-                             "(the 'host' transport moves CPU tensors)")
+            raise ValueError(
+                f"fscomm peer {op} on rank {self.rank}: needs a CUDA tensor, got one on {where} "
+                "(the 'host' transport moves CPU tensors)"
+            )
         if self.device is not None and tensor.device != self.device:
-            raise ValueError(f"fscomm peer {op} on rank {self.rank}: the tensor is on {tensor.device}, but this "
-                             f"rank's buffers are on {self.device} (one device per rank)")
+            raise ValueError(
+                f"fscomm peer {op} on rank {self.rank}: the tensor is on {tensor.device}, but this "
+                f"rank's buffers are on {self.device} (one device per rank)"
+            )
 
-    def _submit(self, state: groups.GroupState, op: str, x: torch.Tensor, out: torch.Tensor, sent_row: list[int],
-                offsets: list[int], expected_row: list[int]) -> Handle:
+    def _submit(
+        self,
+        state: groups.GroupState,
+        op: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        sent_row: list[int],
+        offsets: list[int],
+        expected_row: list[int],
+    ) -> Handle:
         if self.device is None:
             self.device = x.device
             self._streams = [torch.cuda.Stream(device=x.device) for _ in range(self.world_size)]
@@ -373,8 +398,9 @@ class PeerTransport(TransportBase):
         shared = None
         if self.rank in growing:
             self._buffer = None
-            self._buffer = torch.empty(grown_capacity(need[self.rank], self._capacity[self.rank]),
-                                       dtype=torch.uint8, device=self.device)
+            self._buffer = torch.empty(
+                grown_capacity(need[self.rank], self._capacity[self.rank]), dtype=torch.uint8, device=self.device
+            )
             shared = reduce_tensor(self._buffer)
         handles: list = [None] * self.world_size
         self._collective(op, seq, lambda: dist.all_gather_object(handles, shared, group=self.group))

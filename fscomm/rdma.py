@@ -24,10 +24,27 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
-from fscomm.ring import AllToAllPlan, RingError, RingLink, all_to_all_plan, exchange_rows, ring_all_gather, ring_all_to_all
+from fscomm.ring import (
+    AllToAllPlan,
+    RingError,
+    RingLink,
+    all_to_all_plan,
+    exchange_rows,
+    ring_all_gather,
+    ring_all_to_all,
+)
 from fscomm.staged import Stager
 from fscomm.staging import PinnedPool
-from fscomm.transport import Handle, Splits, TransportUnavailableError, as_bytes, check_all_gather, prepare_all_to_all, row_bytes, TransportBase
+from fscomm.transport import (
+    Handle,
+    Splits,
+    TransportUnavailableError,
+    as_bytes,
+    check_all_gather,
+    prepare_all_to_all,
+    row_bytes,
+    TransportBase,
+)
 
 QUEUE_DEPTH = 64  # the smallest queues made; larger worlds get W-1
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
@@ -38,8 +55,10 @@ def queue_depth(world_size: int, max_qp_wr: int, max_cqe: int) -> int:
     up front), or a ValueError when the device's limits are below it."""
     need = max(QUEUE_DEPTH, world_size - 1)
     if need > max_qp_wr or need > max_cqe:
-        raise ValueError(f"transport 'rdma': {world_size} ranks need {need} receives posted at once, but the device "
-                         f"allows {max_qp_wr} work requests per queue and {max_cqe} completions per queue")
+        raise ValueError(
+            f"transport 'rdma': {world_size} ranks need {need} receives posted at once, but the device "
+            f"allows {max_qp_wr} work requests per queue and {max_cqe} completions per queue"
+        )
     return need
 
 
@@ -81,8 +100,10 @@ def wait_completions(poll_send, poll_recv, sends: int, recvs: int, timeout_s: fl
             delay = _SLEEP_MIN_S
             continue
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rdma ring: timed out after {timeout_s:.1f} s waiting for "
-                               f"{recvs} receive(s) from the left neighbour and {sends} send(s) to the right")
+            raise TimeoutError(
+                f"rdma ring: timed out after {timeout_s:.1f} s waiting for "
+                f"{recvs} receive(s) from the left neighbour and {sends} send(s) to the right"
+            )
         time.sleep(delay)
         delay = min(2 * delay, _SLEEP_MAX_S)
     return got
@@ -105,8 +126,17 @@ def verbs_unavailable_reason() -> Optional[str]:
 # --- the buffer handling of one exchange, on any RingLink ------------------------------------------------
 
 
-def ring_all_gather_bytes(link: RingLink, pool: PinnedPool, register, own: torch.Tensor, out: torch.Tensor,
-                          sizes_b: Sequence[int], rank: int, world_size: int, timeout_s: float) -> None:
+def ring_all_gather_bytes(
+    link: RingLink,
+    pool: PinnedPool,
+    register,
+    own: torch.Tensor,
+    out: torch.Tensor,
+    sizes_b: Sequence[int],
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+) -> None:
     """Gathers byte chunks (sizes_b[r] from rank r, ``own`` here) into ``out`` in rank order."""
     offsets = [0]
     for n in sizes_b:
@@ -121,9 +151,18 @@ def ring_all_gather_bytes(link: RingLink, pool: PinnedPool, register, own: torch
         pool.release(scratch)
 
 
-def ring_all_to_all_bytes(link: RingLink, pool: PinnedPool, register, send: torch.Tensor, out: torch.Tensor,
-                          send_b: Sequence[int], recv_b: Sequence[int], rank: int, world_size: int,
-                          timeout_s: float) -> None:
+def ring_all_to_all_bytes(
+    link: RingLink,
+    pool: PinnedPool,
+    register,
+    send: torch.Tensor,
+    out: torch.Tensor,
+    send_b: Sequence[int],
+    recv_b: Sequence[int],
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+) -> None:
     """``send`` holds this rank's blocks in destination order (send_b bytes each); ``out`` receives the blocks
     for this rank in origin order (recv_b bytes each). The split matrix goes round the ring first."""
     W = world_size
@@ -136,8 +175,10 @@ def ring_all_to_all_bytes(link: RingLink, pool: PinnedPool, register, send: torc
     column = [matrix[o][rank] for o in range(W)]
     if column != list(recv_b):
         bad = [o for o in range(W) if column[o] != recv_b[o]]
-        raise ValueError(f"fscomm rdma all_to_all on rank {rank}: recv_splits disagree with what rank(s) {bad} send "
-                         f"(bytes expected {list(recv_b)}, sent {column})")
+        raise ValueError(
+            f"fscomm rdma all_to_all on rank {rank}: recv_splits disagree with what rank(s) {bad} send "
+            f"(bytes expected {list(recv_b)}, sent {column})"
+        )
     plan: AllToAllPlan = all_to_all_plan(rank, W, matrix)
     scratch = pool.acquire(plan.scratch_bytes)
     register(scratch.block)
@@ -164,8 +205,16 @@ def ring_all_to_all_bytes(link: RingLink, pool: PinnedPool, register, send: torc
 class VerbsRingLink:
     """Two RC queue pairs: one to the right neighbour (sends), one from the left (receives)."""
 
-    def __init__(self, store, prefix: str, rank: int, world_size: int, device: Optional[str] = None,
-                 port: int = 1, gid_index: int = 0):
+    def __init__(
+        self,
+        store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        device: Optional[str] = None,
+        port: int = 1,
+        gid_index: int = 0,
+    ):
         from pyverbs import enums as e
         from pyverbs.addr import AHAttr
         from pyverbs.cq import CQ
@@ -191,8 +240,13 @@ class VerbsRingLink:
         self.qp_left = QP(self.pd, init(self.recv_cq, cap_l), QPAttr(port_num=port))
         port_attr = self.ctx.query_port(port)
         gid = self.ctx.query_gid(port, gid_index)
-        me = {"lid": port_attr.lid, "gid": str(gid), "right_qpn": self.qp_right.qp_num,
-              "left_qpn": self.qp_left.qp_num, "psn": random.randrange(1 << 24)}
+        me = {
+            "lid": port_attr.lid,
+            "gid": str(gid),
+            "right_qpn": self.qp_right.qp_num,
+            "left_qpn": self.qp_left.qp_num,
+            "psn": random.randrange(1 << 24),
+        }
         store.set(f"{prefix}/{rank}", json.dumps(me))
         right = json.loads(store.get(f"{prefix}/{(rank + 1) % world_size}"))
         left = json.loads(store.get(f"{prefix}/{(rank - 1) % world_size}"))
@@ -251,8 +305,9 @@ class VerbsRingLink:
         self.qp_right.post_send(wr)
 
     def wait(self, sends: int, recvs: int, timeout_s: float) -> list[int]:
-        return wait_completions(lambda n: self._poll(self.send_cq, n), lambda n: self._poll(self.recv_cq, n), sends,
-                                recvs, timeout_s)
+        return wait_completions(
+            lambda n: self._poll(self.send_cq, n), lambda n: self._poll(self.recv_cq, n), sends, recvs, timeout_s
+        )
 
     def _poll(self, cq, most: int) -> list[tuple[bool, int, int]]:
         n, wcs = cq.poll(min(most, 16))
@@ -270,8 +325,15 @@ class RdmaTransport(TransportBase):
     def unavailable_reason(cls) -> Optional[str]:
         return verbs_unavailable_reason()
 
-    def __init__(self, group: dist.ProcessGroup, pool: Optional[PinnedPool] = None, link: Optional[RingLink] = None,
-                 device: Optional[str] = None, rank: Optional[int] = None, world_size: Optional[int] = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        pool: Optional[PinnedPool] = None,
+        link: Optional[RingLink] = None,
+        device: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
         """``link``: a RingLink to use instead of verbs queue pairs (the tests' fake), with ``rank`` and
         ``world_size`` given when ``group`` is a stand-in rather than a process group."""
         self.group = group
@@ -304,19 +366,40 @@ class RdmaTransport(TransportBase):
             sizes_b = [s * row_bytes(x) for s in sizes_l]
         n_in, n_out = sizes_b[self.rank], sum(sizes_b)
         pool, timeout = self.stager.pool, self.state.timeout_s
-        exchange = lambda w: ring_all_gather_bytes(self.link, pool, self._register, w[:n_in], w[n_in:], sizes_b,
-                                                   self.rank, W, timeout)
-        return self.stager.run(state, "all_gather", state.take_seq(), x, out, n_in + n_out,
-                               copy_out=lambda w: [(as_bytes(x), w[:n_in])], exchange=exchange,
-                               copy_back=lambda w, res: [(w[n_in:], as_bytes(res))])
+        exchange = lambda w: ring_all_gather_bytes(
+            self.link, pool, self._register, w[:n_in], w[n_in:], sizes_b, self.rank, W, timeout
+        )
+        return self.stager.run(
+            state,
+            "all_gather",
+            state.take_seq(),
+            x,
+            out,
+            n_in + n_out,
+            copy_out=lambda w: [(as_bytes(x), w[:n_in])],
+            exchange=exchange,
+            copy_back=lambda w, res: [(w[n_in:], as_bytes(res))],
+        )
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False
+    ) -> Handle:
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         n_in, n_out = sum(send_b), sum(recv_b)
         pool, timeout = self.stager.pool, self.state.timeout_s
-        exchange = lambda w: ring_all_to_all_bytes(self.link, pool, self._register, w[:n_in], w[n_in:], send_b,
-                                                   recv_b, self.rank, self.world_size, timeout)
-        return self.stager.run(state, "all_to_all", state.take_seq(), x, out, n_in + n_out,
-                               copy_out=lambda w: [(as_bytes(x), w[:n_in])], exchange=exchange,
-                               copy_back=lambda w, res: [(w[n_in:], as_bytes(res))], keep_host=keep_host)
+        exchange = lambda w: ring_all_to_all_bytes(
+            self.link, pool, self._register, w[:n_in], w[n_in:], send_b, recv_b, self.rank, self.world_size, timeout
+        )
+        return self.stager.run(
+            state,
+            "all_to_all",
+            state.take_seq(),
+            x,
+            out,
+            n_in + n_out,
+            copy_out=lambda w: [(as_bytes(x), w[:n_in])],
+            exchange=exchange,
+            copy_back=lambda w, res: [(w[n_in:], as_bytes(res))],
+            keep_host=keep_host,
+        )

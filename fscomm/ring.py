@@ -49,10 +49,14 @@ def all_gather_steps(rank: int, world_size: int, offsets: Sequence[int]) -> list
 
 def _expect(got: list[int], want: list[int], what: str, left: int) -> None:
     if got != want:
-        raise RingError(f"ring {what}: expected {want} bytes from rank {left}, received {got}: the ranks disagree on sizes")
+        raise RingError(
+            f"ring {what}: expected {want} bytes from rank {left}, received {got}: the ranks disagree on sizes"
+        )
 
 
-def ring_all_gather(link: RingLink, buf: torch.Tensor, offsets: Sequence[int], rank: int, world_size: int, timeout_s: float) -> None:
+def ring_all_gather(
+    link: RingLink, buf: torch.Tensor, offsets: Sequence[int], rank: int, world_size: int, timeout_s: float
+) -> None:
     """In place in ``buf``: this rank's chunk must be at its offsets; all chunks are there on return."""
     steps = all_gather_steps(rank, world_size, offsets)
     left = (rank - 1) % world_size
@@ -117,7 +121,9 @@ def ring_all_to_all(
         _expect(link.wait(1, 1, timeout_s), [recv.stop - recv.start], f"all_to_all step {s}", left)
 
 
-def exchange_rows(link: RingLink, buf: torch.Tensor, row: Sequence[int], rank: int, world_size: int, timeout_s: float) -> list[list[int]]:
+def exchange_rows(
+    link: RingLink, buf: torch.Tensor, row: Sequence[int], rank: int, world_size: int, timeout_s: float
+) -> list[list[int]]:
     """Ring AllGather of one int64 row per rank (the split matrix an AllToAll needs everywhere); ``buf`` is a
     registered scratch of at least 8*W*W bytes."""
     W = world_size

@@ -95,7 +95,7 @@ def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
     for name in names:
         if not name.startswith(PREFIX):
             continue
-        parts = name[len(PREFIX):].split("-")
+        parts = name[len(PREFIX) :].split("-")
         if not parts or not parts[0].isdigit() or _pid_alive(int(parts[0])):
             continue
         path = os.path.join(shm_dir, name)
@@ -122,7 +122,7 @@ def remove_segments_of(pids: Sequence[int], shm_dir: str = SHM_DIR) -> list[str]
         return removed
     uid = os.getuid()
     for name in names:
-        if not name.startswith(PREFIX) or name[len(PREFIX):].split("-")[0] not in wanted:
+        if not name.startswith(PREFIX) or name[len(PREFIX) :].split("-")[0] not in wanted:
             continue
         path = os.path.join(shm_dir, name)
         try:
@@ -165,7 +165,9 @@ class Segment:
         try:
             fd = os.open(path, flags, 0o600)
         except FileExistsError as exc:
-            raise ShmUnavailable(f"shared-memory segment {path} exists already (pre-created by someone else?); refused") from exc
+            raise ShmUnavailable(
+                f"shared-memory segment {path} exists already (pre-created by someone else?); refused"
+            ) from exc
         try:
             if create:
                 os.fchmod(fd, 0o600)  # whatever the umask
@@ -173,13 +175,16 @@ class Segment:
                     os.posix_fallocate(fd, 0, nbytes)
                 except OSError as exc:
                     os.unlink(path)
-                    raise ShmUnavailable(f"cannot reserve {nbytes} bytes of shared memory for {path} ({exc}); "
-                                         f"{os.path.dirname(path)} is too small for this exchange") from exc
+                    raise ShmUnavailable(
+                        f"cannot reserve {nbytes} bytes of shared memory for {path} ({exc}); "
+                        f"{os.path.dirname(path)} is too small for this exchange"
+                    ) from exc
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600:
                 raise ShmUnavailable(
                     f"shared-memory segment {path} has owner uid {st.st_uid} and mode {oct(stat.S_IMODE(st.st_mode))}; "
-                    f"only uid {os.getuid()} with mode 0o600 is accepted")
+                    f"only uid {os.getuid()} with mode 0o600 is accepted"
+                )
             if st.st_size < nbytes:
                 raise ShmUnavailable(f"shared-memory segment {path} has {st.st_size} bytes, expected at least {nbytes}")
             self.mm = mmap.mmap(fd, nbytes)
@@ -205,8 +210,10 @@ class Segment:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1)  # portable: any device
             if int(err) != 0:
                 self.pin_refused = True
-                warnings.warn(f"fscomm: cudaHostRegister of shared-memory segment {self.path} failed (CUDA error "
-                              f"{int(err)}); its copies run unpinned, synchronously and slower")
+                warnings.warn(
+                    f"fscomm: cudaHostRegister of shared-memory segment {self.path} failed (CUDA error "
+                    f"{int(err)}); its copies run unpinned, synchronously and slower"
+                )
                 return
             self.cuda_registered = True
 
@@ -237,7 +244,8 @@ def _close_all(segments: list, ctl: np.ndarray, peers: list, linger_s: float) ->
         if last >= 0 and any(seg.linked and seg.path.rsplit("-", 1)[1].startswith("d") for seg in segments):
             deadline = time.monotonic() + linger_s
             while time.monotonic() < deadline and any(
-                    c[_DONE] < last and not c[_CLOSED] and _pid_alive(pid) for c, pid in peers):
+                c[_DONE] < last and not c[_CLOSED] and _pid_alive(pid) for c, pid in peers
+            ):
                 time.sleep(1e-3)
     except Exception:
         pass
@@ -308,8 +316,13 @@ class ShmExchange:
         """Collective on ``group``: the exchange when every rank is on this host and can map the others'
         segments; None (or ShmUnavailable if ``required``) otherwise, on every rank alike."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        me = (*_host_identity(), os.getuid(), os.getpid(), _free_bytes() >= MIN_FREE_BYTES,
-              secrets.token_hex(16) if rank == 0 else None)
+        me = (
+            *_host_identity(),
+            os.getuid(),
+            os.getpid(),
+            _free_bytes() >= MIN_FREE_BYTES,
+            secrets.token_hex(16) if rank == 0 else None,
+        )
         everyone: list = [None] * world
         dist.all_gather_object(everyone, me, group=group)
         token = everyone[0][5]
@@ -318,8 +331,11 @@ class ShmExchange:
             hosts = sorted({e[0] for e in everyone})
             return cls._refuse(required, f"the group's ranks are not all on one host ({hosts})")
         if not all(e[4] for e in everyone):
-            return cls._refuse(required, f"{SHM_DIR} is missing or has less than {MIN_FREE_BYTES >> 20} MiB free "
-                                         "(a container's default of 64 MiB is too small: raise its --shm-size)")
+            return cls._refuse(
+                required,
+                f"{SHM_DIR} is missing or has less than {MIN_FREE_BYTES >> 20} MiB free "
+                "(a container's default of 64 MiB is too small: raise its --shm-size)",
+            )
         clean_stale()
         fault = _fault_at()
         n_ctl = max(4096, 8 * (_TABLE + 2 * world))
@@ -382,8 +398,16 @@ class ShmExchange:
 
     # --- collectives (called by HostTransport after validation) ---------------------------------------
 
-    def all_to_all(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor, send_b: list[int],
-                   recv_b: list[int], keep_host: bool) -> Handle:
+    def all_to_all(
+        self,
+        op: str,
+        seq: int,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        send_b: list[int],
+        recv_b: list[int],
+        keep_host: bool,
+    ) -> Handle:
         W, me = self.world_size, self.rank
         xb, ob = as_bytes(x), as_bytes(out)
         s_off, r_off = np.concatenate([[0], np.cumsum(send_b)]), np.concatenate([[0], np.cumsum(recv_b)])
@@ -392,15 +416,14 @@ class ShmExchange:
         publish, table, pos = [], [(0, 0)] * W, 0
         for d in range(W):
             if d != me or host_copy:
-                publish.append((xb[s_off[d]: s_off[d + 1]], pos))
+                publish.append((xb[s_off[d] : s_off[d + 1]], pos))
                 table[d] = (pos, send_b[d])
                 pos += send_b[d]
-        local = [] if host_copy else [(xb[s_off[me]: s_off[me + 1]], ob[r_off[me]: r_off[me + 1]])]
-        reads = [(o, ob[r_off[o]: r_off[o + 1]]) for o in range(W) if o != me or host_copy]
+        local = [] if host_copy else [(xb[s_off[me] : s_off[me + 1]], ob[r_off[me] : r_off[me + 1]])]
+        reads = [(o, ob[r_off[o] : r_off[o + 1]]) for o in range(W) if o != me or host_copy]
         return self._submit(op, seq, x, out, publish, pos, table, local, reads, host_copy)
 
-    def all_gather(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor,
-                   pieces: list[slice]) -> Handle:
+    def all_gather(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor, pieces: list[slice]) -> Handle:
         """``pieces[r]``: rank r's bytes in ``out``'s bytes."""
         xb, ob = as_bytes(x), as_bytes(out)
         n = xb.numel()
@@ -414,8 +437,10 @@ class ShmExchange:
 
     def _submit(self, op, seq, x, out, publish, publish_nbytes, table, local, reads, host_copy) -> Handle:
         if self._broken is not None:
-            raise CollectiveError(f"fscomm {op} #{seq} on group {self.state.name!r}: the shared-memory path "
-                                  f"failed earlier and cannot be used again ({self._broken})")
+            raise CollectiveError(
+                f"fscomm {op} #{seq} on group {self.state.name!r}: the shared-memory path "
+                f"failed earlier and cannot be used again ({self._broken})"
+            )
         cuda = x.is_cuda
         ready = None
         copied_back = None
@@ -430,8 +455,9 @@ class ShmExchange:
 
         def job() -> torch.Tensor:
             try:
-                return self._run(op, seq, k, held, out, publish, publish_nbytes, table, local, reads,
-                                 ready, copied_back, host_future)
+                return self._run(
+                    op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back, host_future
+                )
             except BaseException as exc:
                 self._broken = exc
                 err = exc if isinstance(exc, CollectiveError) else diagnose(self.state, op, seq, exc)
@@ -449,8 +475,9 @@ class ShmExchange:
             self._streams[idx] = torch.cuda.Stream(device=idx)
         return self._streams[idx]
 
-    def _run(self, op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back,
-             host_future) -> torch.Tensor:
+    def _run(
+        self, op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back, host_future
+    ) -> torch.Tensor:
         me, W = self.rank, self.world_size
         cuda = ready is not None
         what = f"{op} #{seq}"
@@ -470,7 +497,7 @@ class ShmExchange:
             with torch.cuda.stream(stream):
                 for src, off in publish:
                     if src.numel():
-                        seg.tensor[off: off + src.numel()].copy_(src, non_blocking=True)
+                        seg.tensor[off : off + src.numel()].copy_(src, non_blocking=True)
                 published = helper_event()
                 published.record(stream)
                 for src, dst in local:
@@ -482,7 +509,7 @@ class ShmExchange:
         else:
             for src, off in publish:
                 if src.numel():
-                    seg.tensor[off: off + src.numel()].copy_(src)
+                    seg.tensor[off : off + src.numel()].copy_(src)
             self._mine[_READY] = k
             _maybe_fail(self._fault, "exchange")
             for src, dst in local:
@@ -496,8 +523,13 @@ class ShmExchange:
         while pending:
             posted = [o for o in pending if self._ctl[o][_READY] >= k]
             if not posted:
-                self._wait(lambda p: p not in pending or self._ctl[p][_READY] >= k, what, "to publish its blocks",
-                           only=list(pending), any_of=True)
+                self._wait(
+                    lambda p: p not in pending or self._ctl[p][_READY] >= k,
+                    what,
+                    "to publish its blocks",
+                    only=list(pending),
+                    any_of=True,
+                )
                 continue
             for o in posted:
                 dst = pending.pop(o)
@@ -515,7 +547,7 @@ class ShmExchange:
             hb = as_bytes(host_out)
             for src, dst in host_parts:
                 start = dst.data_ptr() - base
-                hb[start: start + src.numel()].copy_(src)
+                hb[start : start + src.numel()].copy_(src)
             host_future.set_result(host_out)
         if cuda:
             copied_back.record(stream)
@@ -551,8 +583,10 @@ class ShmExchange:
         ctl = self._ctl[o]
         off, n = int(ctl[_TABLE + 2 * self.rank]), int(ctl[_TABLE + 2 * self.rank + 1])
         if n != nbytes:
-            raise ValueError(f"fscomm {what} on rank {self.rank}: rank {o} sends {n} bytes here but {nbytes} "
-                             "were expected (recv_splits / sizes disagree with the sender)")
+            raise ValueError(
+                f"fscomm {what} on rank {self.rank}: rank {o} sends {n} bytes here but {nbytes} "
+                "were expected (recv_splits / sizes disagree with the sender)"
+            )
         gen = int(ctl[_GEN])
         if self._data_gen[o] != gen:
             if self._data[o] is not None:
@@ -570,10 +604,11 @@ class ShmExchange:
         seg = self._data[o]
         if cuda:
             seg.pin()
-        return seg.tensor[off: off + n]
+        return seg.tensor[off : off + n]
 
-    def _wait(self, ok: Callable[[int], bool], what: str, doing: str, only: Optional[list[int]] = None,
-              any_of: bool = False) -> None:
+    def _wait(
+        self, ok: Callable[[int], bool], what: str, doing: str, only: Optional[list[int]] = None, any_of: bool = False
+    ) -> None:
         """Sleeps between polls until ``ok(peer)`` holds for every peer (or for one, ``any_of``); a named error
         on timeout, on a peer's process gone, or on a peer that closed its transport."""
         peers = only if only is not None else [p for p in range(self.world_size) if p != self.rank]
@@ -597,10 +632,13 @@ class ShmExchange:
                     raise CollectiveError(
                         f"fscomm {what} on group {self.state.name!r} timed out on rank {self.rank} of "
                         f"{self.world_size} (group timeout {self.state.timeout_s:.1f} s): rank(s) {missing} did not "
-                        f"come {doing} (shared-memory path)")
+                        f"come {doing} (shared-memory path)"
+                    )
             time.sleep(delay)
             delay = min(2 * delay, _SLEEP_MAX_S)
 
     def _message(self, what: str, peer: int, how: str, doing: str) -> str:
-        return (f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
-                f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)")
+        return (
+            f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
+            f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)"
+        )

@@ -27,8 +27,13 @@ class StagedHandle(Handle):
     """An exchange in flight in the worker thread; on CUDA ``wait()`` orders the caller's stream after the copy
     back (an event wait: the host does not block on the GPU)."""
 
-    def __init__(self, future: Future, copied_back: Optional["torch.cuda.Event"], device: torch.device,
-                 host_future: Optional[Future] = None):
+    def __init__(
+        self,
+        future: Future,
+        copied_back: Optional["torch.cuda.Event"],
+        device: torch.device,
+        host_future: Optional[Future] = None,
+    ):
         self._future = future
         self._copied_back = copied_back
         self._device = device

@@ -118,7 +118,9 @@ class Transport(Protocol):
         rank's must equal tensor.shape[0]), result [sum(sizes), *shape[1:]] in rank order."""
         ...
 
-    def all_to_all(self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False) -> Handle:
+    def all_to_all(
+        self, tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, *, keep_host: bool = False
+    ) -> Handle:
         """Rows send_splits[r] go to rank r (in order along dim 0); result [sum(recv_splits), *shape[1:]].
         ``keep_host``: the caller will read the result on the host (``handle.host()``); a backend whose
         exchange passes through host memory keeps those bytes, so the read needs no device sync."""
@@ -149,13 +151,17 @@ def as_splits(splits: Splits, what: str, op: str, world_size: int, rank: int) ->
     """A list of ``world_size`` non-negative ints from a list or a 1-D integer tensor, or a ValueError."""
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
-            raise ValueError(f"fscomm {op} on rank {rank}: {what} must be a 1-D integer tensor, got {splits.dtype} {tuple(splits.shape)}")
+            raise ValueError(
+                f"fscomm {op} on rank {rank}: {what} must be a 1-D integer tensor, got {splits.dtype} {tuple(splits.shape)}"
+            )
         values = [int(v) for v in splits.tolist()]
     else:
         try:
             values = [int(v) for v in splits]
         except TypeError as exc:
-            raise ValueError(f"fscomm {op} on rank {rank}: {what} must be a list of ints or a 1-D tensor, got {type(splits).__name__}") from exc
+            raise ValueError(
+                f"fscomm {op} on rank {rank}: {what} must be a list of ints or a 1-D tensor, got {type(splits).__name__}"
+            ) from exc
     if len(values) != world_size:
         raise ValueError(f"fscomm {op} on rank {rank}: {what} has {len(values)} entries, world size is {world_size}")
     if any(v < 0 for v in values):
@@ -163,13 +169,19 @@ def as_splits(splits: Splits, what: str, op: str, world_size: int, rank: int) ->
     return values
 
 
-def check_all_to_all(tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, world_size: int, rank: int) -> tuple[list[int], list[int]]:
+def check_all_to_all(
+    tensor: torch.Tensor, send_splits: Splits, recv_splits: Splits, world_size: int, rank: int
+) -> tuple[list[int], list[int]]:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
-        raise ValueError(f"fscomm all_to_all on rank {rank}: need a tensor with at least one dimension, got {getattr(tensor, 'shape', type(tensor))}")
+        raise ValueError(
+            f"fscomm all_to_all on rank {rank}: need a tensor with at least one dimension, got {getattr(tensor, 'shape', type(tensor))}"
+        )
     send = as_splits(send_splits, "send_splits", "all_to_all", world_size, rank)
     recv = as_splits(recv_splits, "recv_splits", "all_to_all", world_size, rank)
     if sum(send) != tensor.shape[0]:
-        raise ValueError(f"fscomm all_to_all on rank {rank}: send_splits sum to {sum(send)} but the tensor has {tensor.shape[0]} rows")
+        raise ValueError(
+            f"fscomm all_to_all on rank {rank}: send_splits sum to {sum(send)} but the tensor has {tensor.shape[0]} rows"
+        )
     return send, recv
 
 
@@ -184,7 +196,9 @@ def prepare_all_to_all(
     return x, out, [s * rb for s in send], [r * rb for r in recv]
 
 
-def check_all_gather(tensor: torch.Tensor, sizes: Optional[Sequence[int]], world_size: int, rank: int) -> Optional[list[int]]:
+def check_all_gather(
+    tensor: torch.Tensor, sizes: Optional[Sequence[int]], world_size: int, rank: int
+) -> Optional[list[int]]:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"fscomm all_gather on rank {rank}: need a tensor, got {type(tensor).__name__}")
     if sizes is None:
@@ -193,7 +207,9 @@ def check_all_gather(tensor: torch.Tensor, sizes: Optional[Sequence[int]], world
         raise ValueError(f"fscomm all_gather on rank {rank}: sizes given, but the tensor is 0-dimensional")
     values = as_splits(sizes, "sizes", "all_gather", world_size, rank)
     if values[rank] != tensor.shape[0]:
-        raise ValueError(f"fscomm all_gather on rank {rank}: sizes[{rank}]={values[rank]} but the tensor has {tensor.shape[0]} rows")
+        raise ValueError(
+            f"fscomm all_gather on rank {rank}: sizes[{rank}]={values[rank]} but the tensor has {tensor.shape[0]} rows"
+        )
     return values
 
 

@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 
 
-
 def helper_event() -> "torch.cuda.Event":
     """A CUDA event that a helper thread (an exchange's worker, an embedding chain) waits on with ``synchronize()``:
     a blocking-sync event, so the thread sleeps until the GPU reaches it instead of spinning on a core, as CUDA's

@@ -41,9 +41,7 @@ class BalancerConfig:
     tokens of every rank: a count, ``Nx`` (N times the step's mean per rank) or ``auto`` (from the device's free
     memory; ``auto:bytes_per_token=B,fixed_bytes=F,headroom=H`` sets the memory model); none by default."""
 
-    partitioner: str = field(
-        default="fbs", metadata={"help": "none|fbs|vbs|kk|module:function", "metavar": "NAME"}
-    )
+    partitioner: str = field(default="fbs", metadata={"help": "none|fbs|vbs|kk|module:function", "metavar": "NAME"})
     alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
     autotune: bool = field(default=False, metadata={"help": "vbs: tune per-rank budgets from step times"})
     min_gain: float = field(

@@ -116,19 +116,27 @@ class Jagged:
         return cls(values, lengths_to_offsets(lengths))
 
 
-def _check_extras(extra_jagged: Mapping[str, "Jagged"], extra_dense: Mapping[str, torch.Tensor], batch_size: int) -> None:
+def _check_extras(
+    extra_jagged: Mapping[str, "Jagged"], extra_dense: Mapping[str, torch.Tensor], batch_size: int
+) -> None:
     for name, jt in extra_jagged.items():
         if not isinstance(jt, Jagged):
             raise ValueError(f"Batch.extra_jagged[{name!r}] must be an fsdata.batch.Jagged, got {type(jt).__name__}")
         if jt.values.dtype not in EXTRA_DTYPES or jt.values.dim() != 1:
-            raise ValueError(f"Batch.extra_jagged[{name!r}]: values must be 1-D int64 or float32, got {jt.values.dtype} {tuple(jt.values.shape)}")
+            raise ValueError(
+                f"Batch.extra_jagged[{name!r}]: values must be 1-D int64 or float32, got {jt.values.dtype} {tuple(jt.values.shape)}"
+            )
         if jt.offsets.dtype != torch.int64 or jt.offsets.shape != (batch_size + 1,):
-            raise ValueError(f"Batch.extra_jagged[{name!r}]: offsets must be int64 [{batch_size + 1}], got {jt.offsets.dtype} {tuple(jt.offsets.shape)}")
+            raise ValueError(
+                f"Batch.extra_jagged[{name!r}]: offsets must be int64 [{batch_size + 1}], got {jt.offsets.dtype} {tuple(jt.offsets.shape)}"
+            )
         if name in BUILTIN_KJT_KEYS:
             raise ValueError(f"Batch.extra_jagged: {name!r} is a built-in key; name the field otherwise")
     for name, t in extra_dense.items():
         if t.dtype not in EXTRA_DTYPES or t.dim() < 1 or t.shape[0] != batch_size:
-            raise ValueError(f"Batch.extra_dense[{name!r}] must be int64 or float32 [{batch_size}, ...], got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"Batch.extra_dense[{name!r}] must be int64 or float32 [{batch_size}, ...], got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 @dataclass
@@ -202,8 +210,10 @@ class Batch:
         dense_names = sorted(samples[0].extra_dense) if samples else []
         for s in samples:
             if sorted(s.extra_jagged) != jagged_names or sorted(s.extra_dense) != dense_names:
-                raise ValueError(f"sample {s.sample_id}: extra features {sorted(s.extra_jagged)} / {sorted(s.extra_dense)} "
-                                 f"differ from the first sample's {jagged_names} / {dense_names}")
+                raise ValueError(
+                    f"sample {s.sample_id}: extra features {sorted(s.extra_jagged)} / {sorted(s.extra_dense)} "
+                    f"differ from the first sample's {jagged_names} / {dense_names}"
+                )
         extra_jagged = {}
         for name in jagged_names:
             parts = [np.asarray(s.extra_jagged[name]) for s in samples]
@@ -220,9 +230,7 @@ class Batch:
             uih_offsets=lengths_to_offsets(uih_lengths),
             uih_item_ids=_cat([s.uih_item_ids for s in samples], torch.int64),
             candidate_offsets=lengths_to_offsets(num_cands),
-            candidate_labels=(
-                _cat([s.candidate_labels for s in samples], torch.float32).reshape(-1, num_labels)
-            ),
+            candidate_labels=(_cat([s.candidate_labels for s in samples], torch.float32).reshape(-1, num_labels)),
             content_offsets=lengths_to_offsets(content_lengths),
             content_ids=_cat(content_parts, torch.int64),
             dense=(
@@ -253,7 +261,10 @@ class Batch:
                     dense=b.dense[i].numpy(),
                     uih_action_types=None if b.uih_action_types is None else b.uih_action_types[u0:u1].numpy(),
                     uih_timestamps=None if b.uih_timestamps is None else b.uih_timestamps[u0:u1].numpy(),
-                    extra_jagged={k: jt.values[int(jt.offsets[i]) : int(jt.offsets[i + 1])].numpy() for k, jt in b.extra_jagged.items()},
+                    extra_jagged={
+                        k: jt.values[int(jt.offsets[i]) : int(jt.offsets[i + 1])].numpy()
+                        for k, jt in b.extra_jagged.items()
+                    },
                     extra_dense={k: t[i].numpy() for k, t in b.extra_dense.items()},
                 )
             )
@@ -283,8 +294,10 @@ class Batch:
         if any((sorted(b.extra_jagged), sorted(b.extra_dense)) != names for b in batches):
             raise ValueError("Batch.concat: the batches carry different extra features")
         extra_jagged = {
-            k: Jagged(torch.cat([b.extra_jagged[k].values for b in batches]),
-                      lengths_to_offsets(torch.cat([b.extra_jagged[k].lengths for b in batches])))
+            k: Jagged(
+                torch.cat([b.extra_jagged[k].values for b in batches]),
+                lengths_to_offsets(torch.cat([b.extra_jagged[k].lengths for b in batches])),
+            )
             for k in names[0]
         }
         return cls(
@@ -309,7 +322,9 @@ class Batch:
             if v is None:
                 return None
             if isinstance(v, dict):
-                return {k: Jagged(fn(x.values), fn(x.offsets)) if isinstance(x, Jagged) else fn(x) for k, x in v.items()}
+                return {
+                    k: Jagged(fn(x.values), fn(x.offsets)) if isinstance(x, Jagged) else fn(x) for k, x in v.items()
+                }
             return fn(v)
 
         return dataclasses.replace(self, **{f.name: one(getattr(self, f.name)) for f in dataclasses.fields(self)})
@@ -319,7 +334,9 @@ class Batch:
         if moved.device.type != "cpu":
             # not a field: what the batch carries besides its tensors, dropped by _map and on the way back to the host
             moved._host_offsets = (
-                getattr(self, "_host_offsets", None) if self.device.type != "cpu" else {n: getattr(self, n) for n in OFFSET_FIELDS}
+                getattr(self, "_host_offsets", None)
+                if self.device.type != "cpu"
+                else {n: getattr(self, n) for n in OFFSET_FIELDS}
             )
         return moved
 
@@ -379,7 +396,9 @@ class Batch:
         for name in sorted(self.extra_jagged):  # a KJT holds one values dtype: the extras must be ids here
             jt = self.extra_jagged[name]
             if jt.values.dtype != torch.int64:
-                raise ValueError(f"Batch.to_kjt: extra jagged field {name!r} is {jt.values.dtype}; a KJT carries int64 ids only")
+                raise ValueError(
+                    f"Batch.to_kjt: extra jagged field {name!r} is {jt.values.dtype}; a KJT carries int64 ids only"
+                )
             keys.append(name), values.append(jt.values), lengths.append(jt.lengths)
         return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
 
@@ -402,11 +421,16 @@ class Batch:
             raise ValueError(f"KeyedJaggedTensor lacks FreeScale keys {sorted(missing)} (has {keys})")
         b = int(sample_ids.numel())
         if kjt.lengths().numel() != b * len(keys):
-            raise ValueError(f"KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x {b} samples")
+            raise ValueError(
+                f"KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x {b} samples"
+            )
         ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
         starts = [0] + ends[:-1]
         all_values, all_lengths = kjt.values(), kjt.lengths()
-        jt = {k: (all_values[s:e], all_lengths[i * b : (i + 1) * b]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))}
+        jt = {
+            k: (all_values[s:e], all_lengths[i * b : (i + 1) * b])
+            for i, (k, s, e) in enumerate(zip(keys, starts, ends))
+        }
         uih_values, uih_lengths = jt[UIH_ITEM_KEY]
         cand_values, cand_lengths = jt[CONTENT_LENGTHS_KEY]
         return cls(

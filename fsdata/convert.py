@@ -57,7 +57,16 @@ from fsdata.synthetic import segment_arange
 
 FORMATS = ("movielens", "amazon", "kuairand")
 BAD_ROWS = ("error", "skip")
-KUAIRAND_ACTIONS = ("is_click", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "long_view", "is_profile_enter")
+KUAIRAND_ACTIONS = (
+    "is_click",
+    "is_like",
+    "is_follow",
+    "is_comment",
+    "is_forward",
+    "is_hate",
+    "long_view",
+    "is_profile_enter",
+)
 _BLOCK = 64 << 20
 
 
@@ -82,7 +91,10 @@ def _blocks(path: str, progress: bool, skip_first_line: bool = False) -> Iterato
     """The file in blocks of whole lines, with a progress bar over its bytes; the flag is set on a last block
     whose last line had no line end (given one here)."""
     size = os.path.getsize(path)
-    with _open(path) as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress) as bar:
+    with (
+        _open(path) as f,
+        tqdm(total=size, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress) as bar,
+    ):
         raw = f.fileobj if hasattr(f, "fileobj") else f  # gzip: count compressed bytes
         if skip_first_line:
             f.readline()
@@ -131,13 +143,16 @@ class _Rows:
 
     def bad(self, line: int, text: str, why: str) -> None:
         if not self.skip:
-            raise ValueError(f"{self.path}: line {line}: {why}: {text.strip()[:120]!r} (--bad-rows skip leaves such "
-                             "rows out, counted)")
+            raise ValueError(
+                f"{self.path}: line {line}: {why}: {text.strip()[:120]!r} (--bad-rows skip leaves such "
+                "rows out, counted)"
+            )
         self.skipped += 1
 
 
-def _parse_block(block: bytes, first_line: int, unterminated: bool, rows: _Rows, names: list[str], types: dict,
-                 delimiter: str) -> pa.Table:
+def _parse_block(
+    block: bytes, first_line: int, unterminated: bool, rows: _Rows, names: list[str], types: dict, delimiter: str
+) -> pa.Table:
     """One block of whole lines as a typed table; malformed rows refused (or left out) with their line number."""
     lines = block.split(b"\n")[:-1]  # physical lines of the block (it ends with a line end)
     wrong_count: dict[int, str] = {}
@@ -162,7 +177,9 @@ def _parse_block(block: bytes, first_line: int, unterminated: bool, rows: _Rows,
         return pacsv.read_csv(
             io.BytesIO(block),
             read_options=pacsv.ReadOptions(column_names=names, use_threads=not exact),
-            parse_options=pacsv.ParseOptions(delimiter=delimiter, invalid_row_handler=invalid if exact else any_invalid),
+            parse_options=pacsv.ParseOptions(
+                delimiter=delimiter, invalid_row_handler=invalid if exact else any_invalid
+            ),
             convert_options=pacsv.ConvertOptions(column_types=column_types, include_columns=list(types)),
         )
 
@@ -208,8 +225,16 @@ def _parse_block(block: bytes, first_line: int, unterminated: bool, rows: _Rows,
     return table
 
 
-def _read_delimited(path: str, names: list[str], types: dict, delimiter: str, header: bool, progress: bool,
-                    replace: Optional[bytes] = None, rows: Optional[_Rows] = None) -> pa.Table:
+def _read_delimited(
+    path: str,
+    names: list[str],
+    types: dict,
+    delimiter: str,
+    header: bool,
+    progress: bool,
+    replace: Optional[bytes] = None,
+    rows: Optional[_Rows] = None,
+) -> pa.Table:
     rows = rows if rows is not None else _Rows(path, "error")
     tables, line = [], 2 if header else 1
     for block, unterminated in _blocks(path, progress, skip_first_line=header):
@@ -219,7 +244,9 @@ def _read_delimited(path: str, names: list[str], types: dict, delimiter: str, he
         try:
             tables.append(_parse_block(block, first_line, unterminated, rows, names, types, delimiter))
         except pa.ArrowInvalid as e:
-            raise ValueError(f"{path}: cannot parse as {'header + ' if header else ''}'{delimiter}'-separated columns {names}: {e}") from e
+            raise ValueError(
+                f"{path}: cannot parse as {'header + ' if header else ''}'{delimiter}'-separated columns {names}: {e}"
+            ) from e
     return _concat(tables, path)
 
 
@@ -228,8 +255,9 @@ def _header(path: str) -> list[str]:
     return [c.strip().lower() for c in _first_line(path).decode(errors="replace").strip().split(",")]
 
 
-def read_movielens(paths: Sequence[str], progress: bool = True, skipped: Optional[list] = None,
-                   bad_rows: str = "error") -> Events:
+def read_movielens(
+    paths: Sequence[str], progress: bool = True, skipped: Optional[list] = None, bad_rows: str = "error"
+) -> Events:
     """``skipped``: a list to which the count of rows left out (``bad_rows="skip"``) of each file is appended."""
     tables = []
     types = {"user": pa.int64(), "item": pa.int64(), "rating": pa.float64(), "timestamp": pa.int64()}
@@ -238,12 +266,27 @@ def read_movielens(paths: Sequence[str], progress: bool = True, skipped: Optiona
         if path.endswith(".csv"):
             header = _header(path)
             if header[:4] != ["userid", "movieid", "rating", "timestamp"]:
-                raise ValueError(f"{path}: expected the header userId,movieId,rating,timestamp (any case), got {header}")
-            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"] + header[4:], types, ",", True,
-                                          progress, rows=rows))
+                raise ValueError(
+                    f"{path}: expected the header userId,movieId,rating,timestamp (any case), got {header}"
+                )
+            tables.append(
+                _read_delimited(
+                    path, ["user", "item", "rating", "timestamp"] + header[4:], types, ",", True, progress, rows=rows
+                )
+            )
         else:  # ratings.dat: '::' is not a single-character delimiter, so swap it for a tab first
-            tables.append(_read_delimited(path, ["user", "item", "rating", "timestamp"], types, "\t", False, progress,
-                                          replace=b"::", rows=rows))
+            tables.append(
+                _read_delimited(
+                    path,
+                    ["user", "item", "rating", "timestamp"],
+                    types,
+                    "\t",
+                    False,
+                    progress,
+                    replace=b"::",
+                    rows=rows,
+                )
+            )
         if skipped is not None:
             skipped.append(rows.skipped)
     t = pa.concat_tables(tables)
@@ -271,7 +314,9 @@ def read_amazon(paths: Sequence[str], progress: bool = True) -> Events:
         try:
             keys = set(json.loads(_first_line(path)))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: the first line is not a JSON object ({e}); expected Amazon reviews as JSON lines") from e
+            raise ValueError(
+                f"{path}: the first line is not a JSON object ({e}); expected Amazon reviews as JSON lines"
+            ) from e
         form = next((f for f, cols in _AMAZON_FORMS.items() if set(cols[:4]) <= keys), None)
         if form is None:
             raise ValueError(
@@ -304,8 +349,13 @@ def read_amazon(paths: Sequence[str], progress: bool = True) -> Events:
     )
 
 
-def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_click",), progress: bool = True,
-                  skipped: Optional[list] = None, bad_rows: str = "error") -> Events:
+def read_kuairand(
+    paths: Sequence[str],
+    label_columns: Sequence[str] = ("is_click",),
+    progress: bool = True,
+    skipped: Optional[list] = None,
+    bad_rows: str = "error",
+) -> Events:
     tables = []
     label_columns = [c.lower() for c in label_columns]
     for path in paths:
@@ -328,18 +378,31 @@ def read_kuairand(paths: Sequence[str], label_columns: Sequence[str] = ("is_clic
         if "time_ms" in header:
             seconds = t.column("time_ms").to_numpy() // 1000
         else:
-            day = pc.strptime(pc.cast(t.column("date"), pa.string()), format="%Y%m%d", unit="s").cast(pa.int64()).to_numpy()
+            day = (
+                pc.strptime(pc.cast(t.column("date"), pa.string()), format="%Y%m%d", unit="s")
+                .cast(pa.int64())
+                .to_numpy()
+            )
             hm = t.column("hourmin").to_numpy()
             seconds = day + (hm // 100) * 3600 + (hm % 100) * 60
         action = np.zeros(len(t), dtype=np.int64)
         for bit, name in enumerate(KUAIRAND_ACTIONS):
             if name in t.column_names:
                 action |= (np.nan_to_num(t.column(name).to_numpy(zero_copy_only=False)) > 0).astype(np.int64) << bit
-        labels = np.stack([np.nan_to_num(t.column(c).to_numpy(zero_copy_only=False)) > 0 for c in label_columns], axis=1)
-        tables.append(pa.table({
-            "user": t.column("user_id"), "item": t.column("video_id"), "time": seconds,
-            "action": action, **{f"label{j}": labels[:, j].astype(np.float32) for j in range(len(label_columns))},
-        }))
+        labels = np.stack(
+            [np.nan_to_num(t.column(c).to_numpy(zero_copy_only=False)) > 0 for c in label_columns], axis=1
+        )
+        tables.append(
+            pa.table(
+                {
+                    "user": t.column("user_id"),
+                    "item": t.column("video_id"),
+                    "time": seconds,
+                    "action": action,
+                    **{f"label{j}": labels[:, j].astype(np.float32) for j in range(len(label_columns))},
+                }
+            )
+        )
     t = pa.concat_tables(tables)
     return Events(
         user=t.column("user"),
@@ -378,8 +441,20 @@ class ConvertReport:
     """Held-out samples written (``eval_out``), one per eligible user."""
 
 
-def _write_samples(out: str, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time,
-                   row_group_size: int, progress: bool) -> int:
+def _write_samples(
+    out: str,
+    s_user,
+    cand_start,
+    cand_end,
+    uih_start,
+    base,
+    item,
+    labels,
+    action,
+    time,
+    row_group_size: int,
+    progress: bool,
+) -> int:
     """Writes one sample per entry (user, its candidates' and UIH's event ranges within the user's events from
     ``base``), in the order given; returns the samples written."""
     num = len(s_user)
@@ -411,8 +486,9 @@ def _write_samples(out: str, s_user, cand_start, cand_end, uih_start, base, item
     return write_parquet(batches(), out, row_group_size=row_group_size)
 
 
-def _held_out_ranges(users: np.ndarray, counts: np.ndarray, first: np.ndarray, time: np.ndarray, held: int,
-                     max_uih: Optional[int]) -> tuple[np.ndarray, ...]:
+def _held_out_ranges(
+    users: np.ndarray, counts: np.ndarray, first: np.ndarray, time: np.ndarray, held: int, max_uih: Optional[int]
+) -> tuple[np.ndarray, ...]:
     """Each user's held-out sample: its last ``held`` events as candidates, the events before them (at most
     ``max_uih``) as its UIH; in the order of their first candidate's time. (user, cand_start, cand_end, uih_start,
     base) as :func:`_write_samples` takes them."""
@@ -439,7 +515,9 @@ def events_to_parquet(
     with ``eval_out``, each eligible user's last ``eval_candidates`` (default: ``candidates``) events become its
     held-out sample there."""
     if candidates < 1 or min_history < 1 or samples_per_user < 0 or (max_uih is not None and max_uih < 1):
-        raise ValueError(f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})")
+        raise ValueError(
+            f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})"
+        )
     held = 0 if eval_out is None else (candidates if eval_candidates is None else eval_candidates)
     if eval_out is not None and held < 1:
         raise ValueError(f"eval_candidates must be >= 1, got {eval_candidates}")
@@ -471,17 +549,22 @@ def events_to_parquet(
     uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
     base = first[s_user]
     sample_order = np.lexsort((cand_start, s_user, time[base + cand_start]))
-    s_user, cand_start, cand_end, uih_start, base = (a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base))
+    s_user, cand_start, cand_end, uih_start, base = (
+        a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base)
+    )
     if len(s_user) == 0:
         raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
-    written = _write_samples(out, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time,
-                             row_group_size, progress)
+    written = _write_samples(
+        out, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time, row_group_size, progress
+    )
     outputs = [str(out)]
     eval_written = 0
     if held:
         if not in_eval.any():
-            raise ValueError(f"no user has more than min_history + eval_candidates = {min_history + held} events: "
-                             f"no held-out sample for {eval_out}")
+            raise ValueError(
+                f"no user has more than min_history + eval_candidates = {min_history + held} events: "
+                f"no held-out sample for {eval_out}"
+            )
         ranges = _held_out_ranges(np.flatnonzero(in_eval), counts, first, time, held, max_uih)
         eval_written = _write_samples(eval_out, *ranges, item, labels, action, time, row_group_size, progress)
         outputs.append(str(eval_out))
@@ -502,8 +585,13 @@ def events_to_parquet(
 
 
 def convert(
-    fmt: str, inputs: Sequence[str], out: str, label_columns: Sequence[str] = ("is_click",), progress: bool = True,
-    bad_rows: str = "error", **options
+    fmt: str,
+    inputs: Sequence[str],
+    out: str,
+    label_columns: Sequence[str] = ("is_click",),
+    progress: bool = True,
+    bad_rows: str = "error",
+    **options,
 ) -> ConvertReport:
     """Reads raw files of format ``fmt`` and writes the Parquet dataset; ``options`` go to :func:`events_to_parquet`.
     ``bad_rows``: "error" (a malformed row is an error naming its line) or "skip" (left out, counted; CSV formats)."""

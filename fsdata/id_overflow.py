@@ -83,12 +83,18 @@ class IdRangeSource:
         if self.overflow == "error":
             raise ValueError(self._message(batch, over_uih, over_content, count))
         self._folded += count
-        fold = (lambda t: torch.remainder(t, self.num_rows)) if self.overflow == "modulo" else (lambda t: hash_ids(t, self.num_rows))
+        fold = (
+            (lambda t: torch.remainder(t, self.num_rows))
+            if self.overflow == "modulo"
+            else (lambda t: hash_ids(t, self.num_rows))
+        )
         return replace(batch, uih_item_ids=fold(batch.uih_item_ids), content_ids=fold(batch.content_ids))
 
     def _message(self, batch: Batch, over_uih: torch.Tensor, over_content: torch.Tensor, count: int) -> str:
-        largest = max(int(batch.uih_item_ids.max()) if len(batch.uih_item_ids) else 0,
-                      int(batch.content_ids.max()) if len(batch.content_ids) else 0)
+        largest = max(
+            int(batch.uih_item_ids.max()) if len(batch.uih_item_ids) else 0,
+            int(batch.content_ids.max()) if len(batch.content_ids) else 0,
+        )
         if over_uih.any():
             column, value_index = UIH_ITEM_IDS, int(torch.nonzero(over_uih)[0])
             row = int(torch.searchsorted(batch.uih_offsets, value_index, right=True)) - 1

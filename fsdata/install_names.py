@@ -50,9 +50,11 @@ def shadowed_names(root: Optional[Path] = None) -> list[str]:
         package_dir = Path(spec.origin).resolve().parent
         if package_dir == root / name:
             continue
-        lines.append(f"freescale: the top-level module {name!r} is {package_dir}, installed by "
-                     f"{_distribution_of(name, package_dir)}, not FreeScale's (which installs '{name}' too): "
-                     f"uninstall one of them, or give FreeScale an environment of its own")
+        lines.append(
+            f"freescale: the top-level module {name!r} is {package_dir}, installed by "
+            f"{_distribution_of(name, package_dir)}, not FreeScale's (which installs '{name}' too): "
+            f"uninstall one of them, or give FreeScale an environment of its own"
+        )
     return lines
 
 

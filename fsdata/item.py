@@ -48,8 +48,12 @@ class LoaderItem:
     def pin_memory(self) -> "LoaderItem":
         """The item with its batch (and the prefetched ids' and the attention plan's host tensors, where they can
         be pinned) pinned: torchdata's PinMemory node calls this. The other fields pass through as they are."""
-        return replace(self, batch=self.batch.pin_memory(), prefetched=pinned(self.prefetched),
-                       attention_plan=pinned(self.attention_plan))
+        return replace(
+            self,
+            batch=self.batch.pin_memory(),
+            prefetched=pinned(self.prefetched),
+            attention_plan=pinned(self.attention_plan),
+        )
 
 
 def pinned(attachment: Any) -> Any:

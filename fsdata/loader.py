@@ -57,20 +57,37 @@ class LoaderConfig:
     prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model"})
     # group "tuning": the scheduling knobs, the [tuning] table and --tuning.NAME flags of `freescale train`
     # (pipelines.job.config; docs/tuning.md explains each).
-    pin_memory: bool = field(default=False, metadata={
-        "help": "pin host memory of batches (forced on when the trainer trains on CUDA)", "group": "tuning"})
-    background_stages: bool = field(default=True, metadata={
-        "help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread", "group": "tuning"})
+    pin_memory: bool = field(
+        default=False,
+        metadata={"help": "pin host memory of batches (forced on when the trainer trains on CUDA)", "group": "tuning"},
+    )
+    background_stages: bool = field(
+        default=True,
+        metadata={
+            "help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread",
+            "group": "tuning",
+        },
+    )
     # 'take': as soon as the consumer takes a batch; 'backward': when the consumer calls release_loader (the
     # trainer does so as its backward starts, so the forward runs without the worker beside it; a consumer that
     # never calls it gets each batch computed when it asks). None: 'backward' under the trainer, 'take' for a
     # loader used on its own; with pin_memory on a CPU run always 'take'.
-    worker_start: Optional[str] = field(default=None, metadata={
-        "help": "when the stage worker starts the batch after next (default: backward under the trainer)",
-        "group": "tuning", "choices": ("take", "backward")})
+    worker_start: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "when the stage worker starts the batch after next (default: backward under the trainer)",
+            "group": "tuning",
+            "choices": ("take", "backward"),
+        },
+    )
     # Off: each stage finishes its exchange in the call that starts it (fewer batches in flight).
-    stage_lookahead: bool = field(default=True, metadata={
-        "help": "start each stage's exchange one batch early, even under the worker thread", "group": "tuning"})
+    stage_lookahead: bool = field(
+        default=True,
+        metadata={
+            "help": "start each stage's exchange one batch early, even under the worker thread",
+            "group": "tuning",
+        },
+    )
 
     def validate(self) -> None:
         if self.batch_size < 1:

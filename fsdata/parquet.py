@@ -169,7 +169,9 @@ class ParquetSource:
             self._agree(path, *metadata_dims(pf.schema_arrow))
             overflow = metadata_id_overflow(pf.schema_arrow, path)
             if f > 0 and overflow != self.id_overflow:
-                raise ValueError(f"{path}: declares id_overflow {overflow!r} but {self.paths[0]} declares {self.id_overflow!r}")
+                raise ValueError(
+                    f"{path}: declares id_overflow {overflow!r} but {self.paths[0]} declares {self.id_overflow!r}"
+                )
             self.id_overflow = overflow
             md = pf.metadata
             for i in range(md.num_row_groups):
@@ -183,8 +185,13 @@ class ParquetSource:
         self._rg_start = np.zeros(len(rg_rows) + 1, dtype=np.int64)
         np.cumsum(np.asarray(rg_rows, dtype=np.int64), out=self._rg_start[1:])
         self._columns = [c for c in COLUMNS if c not in (UIH_ACTION_TYPES, UIH_TIMESTAMPS) or c in self.side_features]
-        self._stats = {"samples_read": 0, "truncated_uih": 0, "row_groups_decoded": 0, "cache_hits": 0,
-                       "dropped_bad_samples": 0}
+        self._stats = {
+            "samples_read": 0,
+            "truncated_uih": 0,
+            "row_groups_decoded": 0,
+            "cache_hits": 0,
+            "dropped_bad_samples": 0,
+        }
 
     # ------------------------------------------------------------------ protocol
     def num_samples(self, epoch: int) -> int:
@@ -211,7 +218,10 @@ class ParquetSource:
         parts = []
         for g in range(first, last + 1):
             rg = self._row_group(g)
-            lo, hi = max(start, self._rg_start[g]) - self._rg_start[g], min(stop, self._rg_start[g + 1]) - self._rg_start[g]
+            lo, hi = (
+                max(start, self._rg_start[g]) - self._rg_start[g],
+                min(stop, self._rg_start[g + 1]) - self._rg_start[g],
+            )
             part = rg.slice(int(lo), int(hi))
             self._stats["truncated_uih"] += int(rg.truncated[lo:hi].sum())
             if rg.bad is not None and rg.bad[lo:hi].any():
@@ -269,9 +279,16 @@ class ParquetSource:
         o = torch.zeros(1, dtype=torch.int64)
         side = {c: (z.clone() if c in (self.side_features or ()) else None) for c in (UIH_ACTION_TYPES, UIH_TIMESTAMPS)}
         return Batch(
-            sample_ids=z, user_ids=z.clone(), uih_offsets=o, uih_item_ids=z.clone(), candidate_offsets=o.clone(),
-            candidate_labels=torch.zeros(0, t), content_offsets=o.clone(), content_ids=z.clone(),
-            dense=torch.zeros(0, d), **side,
+            sample_ids=z,
+            user_ids=z.clone(),
+            uih_offsets=o,
+            uih_item_ids=z.clone(),
+            candidate_offsets=o.clone(),
+            candidate_labels=torch.zeros(0, t),
+            content_offsets=o.clone(),
+            content_ids=z.clone(),
+            dense=torch.zeros(0, d),
+            **side,
         )
 
     def _row_group(self, g: int) -> _RowGroup:
@@ -298,7 +315,9 @@ class ParquetSource:
             col = table.column(name)
             arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
             if arr.null_count:
-                raise ValueError(f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed")
+                raise ValueError(
+                    f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed"
+                )
             return arr
 
         def leaf_np(name: str, leaf: pa.Array) -> np.ndarray:
@@ -331,10 +350,20 @@ class ParquetSource:
         cols = Columns(
             sample_ids=array(SAMPLE_ID).to_numpy(zero_copy_only=True),
             user_ids=array(USER_ID).to_numpy(zero_copy_only=True),
-            uih_offsets=uih_off, uih_item_ids=uih, candidate_offsets=cand_off, label_offsets=label_off, labels=labels,
-            content_candidate_offsets=ccand_off, content_offsets=content_off, content_ids=content,
-            dense_offsets=dense_off, dense=dense, action_offsets=act_off, uih_action_types=act,
-            timestamp_offsets=ts_off, uih_timestamps=ts,
+            uih_offsets=uih_off,
+            uih_item_ids=uih,
+            candidate_offsets=cand_off,
+            label_offsets=label_off,
+            labels=labels,
+            content_candidate_offsets=ccand_off,
+            content_offsets=content_off,
+            content_ids=content,
+            dense_offsets=dense_off,
+            dense=dense,
+            action_offsets=act_off,
+            uih_action_types=act,
+            timestamp_offsets=ts_off,
+            uih_timestamps=ts,
         )
         num_labels, dense_dim = validate_columns(
             cols, where, self.num_labels, self.dense_dim, check_values=not self.drop_bad_samples
@@ -348,7 +377,11 @@ class ParquetSource:
 
         uih_len = np.diff(uih_off)
         truncated = uih_len > self.uih_cap
-        uih_t, act_t, ts_t = _tensor(uih), (None if act is None else _tensor(act)), (None if ts is None else _tensor(ts))
+        uih_t, act_t, ts_t = (
+            _tensor(uih),
+            (None if act is None else _tensor(act)),
+            (None if ts is None else _tensor(ts)),
+        )
         uih_off_t = torch.from_numpy(uih_off)
         if truncated.any():  # keep the most recent uih_cap events (the tail: histories are stored oldest first)
             kept = np.minimum(uih_len, self.uih_cap)
@@ -393,11 +426,17 @@ def keep_rows(batch: Batch, keep: np.ndarray) -> Batch:
         return None if t is None else t[uih_index]
 
     return Batch(
-        sample_ids=batch.sample_ids[rows], user_ids=batch.user_ids[rows],
-        uih_offsets=uih_off, uih_item_ids=batch.uih_item_ids[uih_index],
-        candidate_offsets=cand_off, candidate_labels=batch.candidate_labels[cand_index],
-        content_offsets=content_off, content_ids=batch.content_ids[content_index],
-        dense=batch.dense[rows], uih_action_types=side(batch.uih_action_types), uih_timestamps=side(batch.uih_timestamps),
+        sample_ids=batch.sample_ids[rows],
+        user_ids=batch.user_ids[rows],
+        uih_offsets=uih_off,
+        uih_item_ids=batch.uih_item_ids[uih_index],
+        candidate_offsets=cand_off,
+        candidate_labels=batch.candidate_labels[cand_index],
+        content_offsets=content_off,
+        content_ids=batch.content_ids[content_index],
+        dense=batch.dense[rows],
+        uih_action_types=side(batch.uih_action_types),
+        uih_timestamps=side(batch.uih_timestamps),
     )
 
 

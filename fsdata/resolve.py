@@ -49,8 +49,10 @@ def _import_module(name: str, spec: str, what: str):
     try:
         return importlib.import_module(name)
     except ImportError as error:
-        raise ValueError(f"{what} {spec!r}: cannot import module {name!r} (looked on sys.path, current directory "
-                         f"{cwd} first): {error}; or name a file: path/to/file.py:function") from error
+        raise ValueError(
+            f"{what} {spec!r}: cannot import module {name!r} (looked on sys.path, current directory "
+            f"{cwd} first): {error}; or name a file: path/to/file.py:function"
+        ) from error
 
 
 def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
@@ -58,7 +60,9 @@ def load_callable(spec: str, what: str = "function") -> Callable[..., Any]:
     module_part, sep, attribute = spec.rpartition(":")
     if not sep or not module_part or not attribute:
         raise ValueError(f"{what} {spec!r} must be written 'module.path:function' or 'path/to/file.py:function'")
-    module = _load_file(module_part, spec, what) if is_file_spec(module_part) else _import_module(module_part, spec, what)
+    module = (
+        _load_file(module_part, spec, what) if is_file_spec(module_part) else _import_module(module_part, spec, what)
+    )
     target: Any = module
     for part in attribute.split("."):
         if not hasattr(target, part):

@@ -106,7 +106,9 @@ def metadata_id_overflow(schema: pa.Schema, path: str) -> Optional[str]:
         return None
     value = value.decode(errors="replace")
     if value not in ID_OVERFLOW_CHOICES:
-        raise ValueError(f"{path}: metadata {META_ID_OVERFLOW.decode()} is {value!r}; expected one of {', '.join(ID_OVERFLOW_CHOICES)}")
+        raise ValueError(
+            f"{path}: metadata {META_ID_OVERFLOW.decode()} is {value!r}; expected one of {', '.join(ID_OVERFLOW_CHOICES)}"
+        )
     return value
 
 
@@ -121,7 +123,11 @@ def arrow_schema(side_features: Iterable[str] = SIDE_FEATURES, num_labels: int =
         for _ in range(depth):
             t = pa.list_(t)
         fields.append(pa.field(name, t, nullable=False))
-    meta = {META_VERSION: SCHEMA_VERSION.encode(), META_NUM_LABELS: str(num_labels).encode(), META_DENSE_DIM: str(dense_dim).encode()}
+    meta = {
+        META_VERSION: SCHEMA_VERSION.encode(),
+        META_NUM_LABELS: str(num_labels).encode(),
+        META_DENSE_DIM: str(dense_dim).encode(),
+    }
     return pa.schema(fields, metadata=meta)
 
 
@@ -155,7 +161,10 @@ def _sample_of(offsets: np.ndarray, value_index: int) -> int:
 
 
 def validate_columns(
-    cols: Columns, where: str, num_labels: Optional[int] = None, dense_dim: Optional[int] = None,
+    cols: Columns,
+    where: str,
+    num_labels: Optional[int] = None,
+    dense_dim: Optional[int] = None,
     check_values: bool = True,
 ) -> tuple[int, int]:
     """Checks the values of one row group or batch; returns its (num_labels T, dense_dim D).
@@ -305,7 +314,9 @@ def batch_to_table(batch: Batch) -> pa.Table:
     cand_off = _np(b.candidate_offsets) - int(b.candidate_offsets[0])
     cont_off = _np(b.content_offsets) - int(b.content_offsets[0])
     num_c, num_labels, dense_dim = b.candidate_labels.shape[0], b.num_labels, int(b.dense.shape[1])
-    label_inner = _list_array(np.arange(num_c + 1, dtype=np.int64) * num_labels, pa.array(_np(b.candidate_labels).reshape(-1)))
+    label_inner = _list_array(
+        np.arange(num_c + 1, dtype=np.int64) * num_labels, pa.array(_np(b.candidate_labels).reshape(-1))
+    )
     content_inner = _list_array(cont_off, pa.array(_np(b.content_ids)))
     cols = {
         SAMPLE_ID: pa.array(_np(b.sample_ids)),

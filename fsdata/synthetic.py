@@ -184,18 +184,30 @@ class SyntheticConfig:
         need(self.num_samples >= 0, f"num_samples must be >= 0, got {self.num_samples}")
         need(0.0 <= self.collision_rate <= 1.0, f"collision_rate must be in [0, 1], got {self.collision_rate}")
         need(self.collision_block_size >= 1, f"collision_block_size must be >= 1, got {self.collision_block_size}")
-        need(1 <= self.uih_min <= self.uih_median, f"need 1 <= uih_min <= uih_median, got {self.uih_min}, {self.uih_median}")
+        need(
+            1 <= self.uih_min <= self.uih_median,
+            f"need 1 <= uih_min <= uih_median, got {self.uih_min}, {self.uih_median}",
+        )
         need(self.uih_cap >= 1, f"uih_cap must be >= 1, got {self.uih_cap}")
         need(self.uih_max is None or self.uih_max >= self.uih_min, "uih_max must be >= uih_min")
         need(self.uih_sigma >= 0, "uih_sigma must be >= 0")
-        need(1 <= self.num_candidates_mean <= self.num_candidates_max <= 65_536, "need 1 <= num_candidates_mean <= num_candidates_max <= 65536")
-        need(1 <= self.content_length_mean <= self.content_length_max, "need 1 <= content_length_mean <= content_length_max")
+        need(
+            1 <= self.num_candidates_mean <= self.num_candidates_max <= 65_536,
+            "need 1 <= num_candidates_mean <= num_candidates_max <= 65536",
+        )
+        need(
+            1 <= self.content_length_mean <= self.content_length_max,
+            "need 1 <= content_length_mean <= content_length_max",
+        )
         need(2 <= self.vocab_size <= 2**31, f"vocab_size must be in [2, 2^31], got {self.vocab_size}")
         need(self.vocab_size % _SLOT_MULT != 0, "vocab_size must not be a multiple of 2654435761")
         need(0.0 < self.unique_fraction <= 1.0, "unique_fraction must be in (0, 1]")
         need(self.zipf_exponent > 0, "zipf_exponent must be > 0")
         need(self.num_users >= 1 and self.num_action_types >= 1, "num_users and num_action_types must be >= 1")
-        need(1 <= self.num_labels <= 64 and 0 <= self.dense_dim <= 4096, "need 1 <= num_labels <= 64, 0 <= dense_dim <= 4096")
+        need(
+            1 <= self.num_labels <= 64 and 0 <= self.dense_dim <= 4096,
+            "need 1 <= num_labels <= 64, 0 <= dense_dim <= 4096",
+        )
         need(0.0 <= self.copy_fraction <= 1.0, "copy_fraction must be in [0, 1]")
         need(self.mean_gap_s >= 0, "mean_gap_s must be >= 0")
 
@@ -272,9 +284,9 @@ class SyntheticSource:
         self._samples_generated = 0
         self._truncated = 0
         c = config
-        self._label_w = _normal(_key(c.seed, _S_W), _key(c.seed, _S_W, 1), np.arange(c.num_labels * c.dense_dim)).reshape(
-            c.num_labels, c.dense_dim
-        ) / math.sqrt(max(c.dense_dim, 1))
+        self._label_w = _normal(
+            _key(c.seed, _S_W), _key(c.seed, _S_W, 1), np.arange(c.num_labels * c.dense_dim)
+        ).reshape(c.num_labels, c.dense_dim) / math.sqrt(max(c.dense_dim, 1))
         calib = self._skeleton(_CALIBRATION_EPOCH, np.arange(8192, dtype=np.int64))
         self.draws_per_sample = float(calib["draws"].mean())
         n = int(round(c.unique_fraction * self.draws_per_sample * c.collision_block_size))
@@ -423,7 +435,9 @@ class SyntheticSource:
 
         # A sample's draws: its UIH first, then its candidates' content ids.
         uih_ids, uih_h = self._ids_at(epoch, block, total_draws, segment_arange(draw_start, uih_len))
-        content_draws, _ = self._ids_at(epoch, block, total_draws, segment_arange(draw_start + uih_len, draws - uih_len))
+        content_draws, _ = self._ids_at(
+            epoch, block, total_draws, segment_arange(draw_start + uih_len, draws - uih_len)
+        )
         uih_offsets = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(uih_len, out=uih_offsets[1:])
 
@@ -436,10 +450,16 @@ class SyntheticSource:
         draw_slot = np.ones(len(content), dtype=bool)
         draw_slot[first[copied]] = False
         content[draw_slot] = content_draws
-        copy_pos = np.floor(_uniform(_key(c.seed, epoch, _S_COPYPOS), cand_key[copied]) * uih_len[cand_sample[copied]]).astype(np.int64)
+        copy_pos = np.floor(
+            _uniform(_key(c.seed, epoch, _S_COPYPOS), cand_key[copied]) * uih_len[cand_sample[copied]]
+        ).astype(np.int64)
         content[first[copied]] = uih_ids[uih_offsets[cand_sample[copied]] + copy_pos]
 
-        dense = _normal(_key(c.seed, epoch, _S_DENSE), _key(c.seed, epoch, _S_DENSE2), (idx[:, None] * 4096 + np.arange(c.dense_dim)).reshape(-1))
+        dense = _normal(
+            _key(c.seed, epoch, _S_DENSE),
+            _key(c.seed, epoch, _S_DENSE2),
+            (idx[:, None] * 4096 + np.arange(c.dense_dim)).reshape(-1),
+        )
         dense = dense.reshape(B, c.dense_dim).astype(np.float32)
         logits = c.copy_weight * copied[:, None] + c.label_bias
         if c.dense_dim:

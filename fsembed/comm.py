@@ -60,7 +60,9 @@ def stage_transports(backend: str = "host") -> StageTransports:
     """The stage's transports of ``backend``, on groups of their own (made collectively on first use). "host"
     takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force it."""
     if not dist.is_initialized():
-        raise RuntimeError("fsembed: torch.distributed is not initialised (init_process_group before building a collection)")
+        raise RuntimeError(
+            "fsembed: torch.distributed is not initialised (init_process_group before building a collection)"
+        )
     options = None
     if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
         from fscomm.nccl_ce import NcclCeTransport, ce_group_options

@@ -60,8 +60,16 @@ class ShardedIds:
     recv_offsets: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @classmethod
-    def completed(cls, key: str, num_ids: int, segments: list[int], perm: torch.Tensor, send_splits: list[int],
-                  recv_splits: list[int], shard_ids: torch.Tensor) -> "ShardedIds":
+    def completed(
+        cls,
+        key: str,
+        num_ids: int,
+        segments: list[int],
+        perm: torch.Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        shard_ids: torch.Tensor,
+    ) -> "ShardedIds":
         """An exchange whose shard-major ids are already here (a restored checkpoint's step in flight)."""
         return cls(key, num_ids, segments, perm, send_splits, recv_splits, None, _shard_ids=shard_ids)
 
@@ -90,9 +98,12 @@ class ShardedIds:
         """The same exchange with its host-side tensors pinned (so that ``to`` copies them asynchronously)."""
         if self.perm.is_cuda:
             return self
-        return replace(self, perm=self.perm.pin_memory(),
-                       _shard_ids=None if self._shard_ids is None else self._shard_ids.pin_memory(),
-                       recv_offsets=None if self.recv_offsets is None else self.recv_offsets.pin_memory())
+        return replace(
+            self,
+            perm=self.perm.pin_memory(),
+            _shard_ids=None if self._shard_ids is None else self._shard_ids.pin_memory(),
+            recv_offsets=None if self.recv_offsets is None else self.recv_offsets.pin_memory(),
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds now (not the result still in flight)."""
@@ -104,8 +115,14 @@ class ShardedIds:
         if self.perm.device == torch.device(device):
             return self
         return ShardedIds(
-            self.key, self.num_ids, self.segments, self.perm.to(device, non_blocking=True), self.send_splits,
-            self.recv_splits, _OnDevice(self.handle, device), self.sizes_wait_s,
+            self.key,
+            self.num_ids,
+            self.segments,
+            self.perm.to(device, non_blocking=True),
+            self.send_splits,
+            self.recv_splits,
+            _OnDevice(self.handle, device),
+            self.sizes_wait_s,
             None if self._shard_ids is None else self._shard_ids.to(device, non_blocking=True),
             None if self.recv_offsets is None else self.recv_offsets.to(device, non_blocking=True),
         )
@@ -154,9 +171,15 @@ class PrefetchedIds:
     def equals(self, other: Any) -> bool:
         """The same exchanges' layout (keys, splits, permutations; not the ids still in flight): what a resumed
         loader must reproduce."""
-        return isinstance(other, PrefetchedIds) and self.keys.keys() == other.keys.keys() and all(
-            a.send_splits == b.send_splits and a.recv_splits == b.recv_splits and torch.equal(a.perm.cpu(), b.perm.cpu())
-            for a, b in ((self[k], other[k]) for k in self.keys)
+        return (
+            isinstance(other, PrefetchedIds)
+            and self.keys.keys() == other.keys.keys()
+            and all(
+                a.send_splits == b.send_splits
+                and a.recv_splits == b.recv_splits
+                and torch.equal(a.perm.cpu(), b.perm.cpu())
+                for a, b in ((self[k], other[k]) for k in self.keys)
+            )
         )
 
     def wait(self) -> "PrefetchedIds":
@@ -202,8 +225,17 @@ class SizedIds:
         sizes_wait = time.perf_counter() - t0
         recv_splits = [int(x) for x in recv.reshape(-1).tolist()]
         handle = self.transport.all_to_all(self.send_ids, self.send_splits, recv_splits)
-        return ShardedIds(self.key, self.num_ids, self.segments, self.perm, self.send_splits, recv_splits, handle, sizes_wait,
-                          recv_offsets=lengths_to_offsets(recv_splits))
+        return ShardedIds(
+            self.key,
+            self.num_ids,
+            self.segments,
+            self.perm,
+            self.send_splits,
+            recv_splits,
+            handle,
+            sizes_wait,
+            recv_offsets=lengths_to_offsets(recv_splits),
+        )
 
 
 def start_size_exchange(
@@ -212,26 +244,41 @@ def start_size_exchange(
     """Groups ``ids`` by owning shard and starts the size exchange; returns at once."""
     world_size = boundaries.numel() - 1
     if ids.dim() != 1 or ids.dtype != torch.int64:
-        raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(
+            f"ID prefetch, rank {rank}, key {key!r}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}"
+        )
     if sum(segments) != ids.numel():
-        raise ValueError(f"ID prefetch, rank {rank}, key {key!r}: segments {segments} do not add up to {ids.numel()} ids")
+        raise ValueError(
+            f"ID prefetch, rank {rank}, key {key!r}: segments {segments} do not add up to {ids.numel()} ids"
+        )
     send_ids, splits, perm = _dispatch(ids, boundaries.to(ids.device))
     sizes = transport.all_to_all(splits.to(torch.int64).reshape(world_size, 1), [1] * world_size, [1] * world_size)
-    return SizedIds(key, int(ids.numel()), list(segments), perm, send_ids, [int(x) for x in splits.tolist()], sizes, transport)
+    return SizedIds(
+        key, int(ids.numel()), list(segments), perm, send_ids, [int(x) for x in splits.tolist()], sizes, transport
+    )
 
 
 def start_sizes(
-    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
+    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]],
+    boundaries: Mapping[str, torch.Tensor],
+    transport,
+    rank: int,
 ) -> dict[str, SizedIds]:
     """Starts the size exchange of every key, in sorted key order (the same collective order on every rank)."""
     missing = set(boundaries) - set(keyed_ids)
     if missing:
         raise ValueError(f"ID prefetch, rank {rank}: the feature extractor gave no ids for keys {sorted(missing)}")
-    return {k: start_size_exchange(k, keyed_ids[k][0], keyed_ids[k][1], boundaries[k], transport, rank) for k in sorted(boundaries)}
+    return {
+        k: start_size_exchange(k, keyed_ids[k][0], keyed_ids[k][1], boundaries[k], transport, rank)
+        for k in sorted(boundaries)
+    }
 
 
 def start_prefetch(
-    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]], boundaries: Mapping[str, torch.Tensor], transport, rank: int
+    keyed_ids: Mapping[str, tuple[torch.Tensor, list[int]]],
+    boundaries: Mapping[str, torch.Tensor],
+    transport,
+    rank: int,
 ) -> PrefetchedIds:
     """Starts the exchange of every key now (sizes waited for at once), in sorted key order."""
     return PrefetchedIds({k: sized.post() for k, sized in start_sizes(keyed_ids, boundaries, transport, rank).items()})

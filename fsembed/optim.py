@@ -62,10 +62,14 @@ class RowWiseOptimizer:
     def init_state(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return {}
 
-    def update_rows(self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor, grad: torch.Tensor) -> None:
+    def update_rows(
+        self, weight: torch.Tensor, state: dict[str, torch.Tensor], rows: torch.Tensor, grad: torch.Tensor
+    ) -> None:
         raise NotImplementedError
 
-    def apply(self, weight: torch.Tensor, state: dict[str, torch.Tensor], local_ids: torch.Tensor, grads: torch.Tensor) -> None:
+    def apply(
+        self, weight: torch.Tensor, state: dict[str, torch.Tensor], local_ids: torch.Tensor, grads: torch.Tensor
+    ) -> None:
         """Sums duplicates of shard-major (local_ids, grads) and updates those rows in place."""
         if local_ids.numel() == 0:
             return
@@ -131,8 +135,8 @@ class Adam(RowWiseOptimizer):
         state["step"].index_copy_(0, rows, step)
         state["m"].index_copy_(0, rows, m)
         state["v"].index_copy_(0, rows, v)
-        m_hat = m / (1 - self.beta1 ** step).unsqueeze(1)
-        v_hat = v / (1 - self.beta2 ** step).unsqueeze(1)
+        m_hat = m / (1 - self.beta1**step).unsqueeze(1)
+        v_hat = v / (1 - self.beta2**step).unsqueeze(1)
         w = weight.index_select(0, rows).float()
         weight.index_copy_(0, rows, (w - self.lr * m_hat / (v_hat.sqrt() + self.eps)).to(weight.dtype))
 

@@ -86,8 +86,15 @@ class ShardingPlan:
             b = self.row_boundaries.get(t.name)
             if b is None:
                 self.row_boundaries[t.name] = row_wise_boundaries(t.num_rows, self.world_size)
-            elif b.shape != (self.world_size + 1,) or int(b[0]) != 0 or int(b[-1]) != t.num_rows or bool((b[1:] < b[:-1]).any()):
-                raise ValueError(f"ShardingPlan: table {t.name!r}: boundaries {b.tolist()} are not a sorted [W+1] split of {t.num_rows} rows")
+            elif (
+                b.shape != (self.world_size + 1,)
+                or int(b[0]) != 0
+                or int(b[-1]) != t.num_rows
+                or bool((b[1:] < b[:-1]).any())
+            ):
+                raise ValueError(
+                    f"ShardingPlan: table {t.name!r}: boundaries {b.tolist()} are not a sorted [W+1] split of {t.num_rows} rows"
+                )
         if not self.groups:
             self.groups = self._build_groups()
 
@@ -98,7 +105,9 @@ class ShardingPlan:
         groups = []
         for (dtype, dim), tables in by_key.items():
             W = self.world_size
-            local = torch.stack([self.row_boundaries[t.name][1:] - self.row_boundaries[t.name][:-1] for t in tables])  # [T, W]
+            local = torch.stack(
+                [self.row_boundaries[t.name][1:] - self.row_boundaries[t.name][:-1] for t in tables]
+            )  # [T, W]
             per_rank = local.sum(0)
             bounds = torch.zeros(W + 1, dtype=torch.int64)
             torch.cumsum(per_rank, 0, out=bounds[1:])
@@ -126,7 +135,9 @@ class ShardingPlan:
 
     def table_of(self, feature: str) -> TableConfig:
         if feature not in self._feature_table:
-            raise ValueError(f"ShardingPlan: feature {feature!r} is not in any table (features: {sorted(self._feature_table)})")
+            raise ValueError(
+                f"ShardingPlan: feature {feature!r} is not in any table (features: {sorted(self._feature_table)})"
+            )
         return self.table(self._feature_table[feature])
 
     @property
@@ -172,7 +183,9 @@ class ShardingPlan:
 
         return extract
 
-    def unstack(self, group: str, stacked_local: torch.Tensor, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def unstack(
+        self, group: str, stacked_local: torch.Tensor, rank: int
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Rank-local stacked rows of a group -> {table: (mask, row ids)} (tests, state_dict and checks)."""
         g = next(x for x in self.groups if x.name == group)
         out = {}
@@ -186,5 +199,6 @@ class ShardingPlan:
 
     def describe(self) -> str:
         return "; ".join(
-            f"{g.name}: tables {g.tables}, rows per rank {(g.boundaries[1:] - g.boundaries[:-1]).tolist()}" for g in self.groups
+            f"{g.name}: tables {g.tables}, rows per rank {(g.boundaries[1:] - g.boundaries[:-1]).tolist()}"
+            for g in self.groups
         )

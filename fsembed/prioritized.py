@@ -92,10 +92,16 @@ class _Sizes:
     queued long before, never for the work queued after it; this rank's counts are the flags it received back,
     summed on the host. Computed once, by whichever of the backward and line 12 (the bulk chain) asks first."""
 
-    def __init__(self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds,
-                 flags_handle):
-        counts = torch.stack([_set_per_part(co_shard, step.recv_offsets_on(co_shard.device)),
-                              _set_per_part(fresh_shard, nxt.recv_offsets_on(fresh_shard.device))], 1)  # [W, 2]: row q counts rank q's ids
+    def __init__(
+        self, co_shard: torch.Tensor, fresh_shard: torch.Tensor, step: ShardedIds, nxt: ShardedIds, flags_handle
+    ):
+        counts = torch.stack(
+            [
+                _set_per_part(co_shard, step.recv_offsets_on(co_shard.device)),
+                _set_per_part(fresh_shard, nxt.recv_offsets_on(fresh_shard.device)),
+            ],
+            1,
+        )  # [W, 2]: row q counts rank q's ids
         self._event = None
         if co_shard.device.type == "cuda":
             self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
@@ -167,8 +173,9 @@ class _Later:
             return self._future.result(limit)
         except FutureTimeout:
             chain = self._worker.name if self._worker is not None else "the caller's thread"
-            raise TimeoutError(f"embedding chain {chain!r} did not finish its work within {limit:g} s "
-                               "(--comm-timeout-s plus a margin)") from None
+            raise TimeoutError(
+                f"embedding chain {chain!r} did not finish its work within {limit:g} s (--comm-timeout-s plus a margin)"
+            ) from None
 
 
 def _set_per_part(mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -245,8 +252,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
     ``next_ids`` are the next step's ids (``PrefetchedIds`` from the loader, or ``{feature: ids}``), None at
     the last step. Every training forward must be followed by its backward before the next forward."""
 
-    def __init__(self, *args, stale: bool = False, early_start: str = "forward", exclusive_start: str = "forward",
-                 **kwargs):
+    def __init__(
+        self, *args, stale: bool = False, early_start: str = "forward", exclusive_start: str = "forward", **kwargs
+    ):
         """``stale=True``: the semi-synchronous baseline (TorchRec's TrainPipelineSemiSync pattern): every row
         of step i+1 is fetched early, the rows step i also updates included, so those arrive one update stale.
         Not FreeScale's numerics: it exists to measure what staleness costs.
@@ -270,12 +278,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         if early_start not in EARLY_STARTS:
             raise ValueError(f"prioritized embeddings: early_start must be one of {EARLY_STARTS}, got {early_start!r}")
         if exclusive_start not in EXCLUSIVE_STARTS:
-            raise ValueError(f"prioritized embeddings: exclusive_start must be one of {EXCLUSIVE_STARTS}, got "
-                             f"{exclusive_start!r}")
+            raise ValueError(
+                f"prioritized embeddings: exclusive_start must be one of {EXCLUSIVE_STARTS}, got {exclusive_start!r}"
+            )
         super().__init__(*args, **kwargs)
         self.stale = bool(stale)
         self.early_start, self.exclusive_start = early_start, exclusive_start
-        self._held: list[_Later] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
+        self._held: list[
+            _Later
+        ] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
         self.ctx = {name: _GroupContext() for name in self.shards}
         self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
@@ -349,10 +360,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             return super().forward(ids)
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
-            raise ValueError(f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one (groups {busy})")
+            raise ValueError(
+                f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one (groups {busy})"
+            )
         first = any(c.cur is None for c in self.ctx.values())
         if first and ids is None:
-            raise ValueError(f"rank {self.rank}: prioritized embeddings: the first step (and the step after a last one) needs its ids")
+            raise ValueError(
+                f"rank {self.rank}: prioritized embeddings: the first step (and the step after a last one) needs its ids"
+            )
         pre_now = self._as_prefetched(ids) if first else None
         pre_next = None if next_ids is None else self._as_prefetched(next_ids)
         out: dict[str, torch.Tensor] = {}
@@ -437,7 +452,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 grads = self._exclusive_grads(pending, timed)  # host waits first (see _follow)
                 counts = sizes.get()
                 self._follow(after)
-                self._apply_rows(shard, pending, grads)  # line 7 before line 12's lookup (tests move it to break parity)
+                self._apply_rows(
+                    shard, pending, grads
+                )  # line 7 before line 12's lookup (tests move it to break parity)
                 rows_local = nxt.local.index_select(0, _positions(fresh_shard, sum(counts.fresh_send)))
                 rows = shard.lookup(rows_local)  # line 12's lookup
                 # line 12's AllToAll
@@ -486,8 +503,15 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.optimizer.apply(shard.weight, shard.state, rows, grads)
 
-    def _collision_chain(self, shard: GroupShard, grads_handle, rows: torch.Tensor, carried_local: torch.Tensor,
-                         carried_send: list[int], carried_recv: list[int]) -> _Later:
+    def _collision_chain(
+        self,
+        shard: GroupShard,
+        grads_handle,
+        rows: torch.Tensor,
+        carried_local: torch.Tensor,
+        carried_send: list[int],
+        carried_recv: list[int],
+    ) -> _Later:
         """Lines 20-21 once the collision gradients have left: update those rows when their gradients arrive,
         then look up and send the rows' new values for step i+1.
 
@@ -607,7 +631,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         reshard). Afterwards the tables equal the synchronous path's; training continues unchanged."""
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
-            raise ValueError(f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})")
+            raise ValueError(
+                f"rank {self.rank}: prioritized embeddings: flush between a forward and its backward (groups {busy})"
+            )
         self.start_early_rows()
         for name, c in self.ctx.items():
             shard = self.shards[name]
@@ -642,9 +668,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             if c.cur is not None:
                 s = c.cur
                 in_flight[name] = {
-                    "num_ids": s.sid.num_ids, "segments": list(s.sid.segments), "perm": s.sid.perm.clone(),
-                    "send_splits": list(s.sid.send_splits), "recv_splits": list(s.sid.recv_splits),
-                    "local": s.local.clone(), "embeddings": s.ready.clone(),
+                    "num_ids": s.sid.num_ids,
+                    "segments": list(s.sid.segments),
+                    "perm": s.sid.perm.clone(),
+                    "send_splits": list(s.sid.send_splits),
+                    "recv_splits": list(s.sid.recv_splits),
+                    "local": s.local.clone(),
+                    "embeddings": s.ready.clone(),
                 }
         state["in_flight"] = in_flight
         return state
@@ -658,6 +688,13 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
                 continue
             shard = self.shards[name]
             dev = shard.weight.device
-            sid = ShardedIds.completed(name, saved["num_ids"], saved["segments"], saved["perm"].to(dev),
-                                       saved["send_splits"], saved["recv_splits"], saved["local"].to(dev) + shard.base)
+            sid = ShardedIds.completed(
+                name,
+                saved["num_ids"],
+                saved["segments"],
+                saved["perm"].to(dev),
+                saved["send_splits"],
+                saved["recv_splits"],
+                saved["local"].to(dev) + shard.base,
+            )
             c.cur = _Step(sid, saved["local"].to(dev), ready=saved["embeddings"].to(dev))

@@ -30,7 +30,9 @@ def _group_keys(states: Sequence[Mapping[str, torch.Tensor]], group: str) -> lis
     return keys
 
 
-def split_rank_state(state: Mapping[str, torch.Tensor], plan: ShardingPlan, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+def split_rank_state(
+    state: Mapping[str, torch.Tensor], plan: ShardingPlan, rank: int
+) -> dict[str, dict[str, torch.Tensor]]:
     """One rank's ``tables_state()`` -> ``{suffix: {table: its local rows}}`` (views, no copy): the row range
     ``plan.row_boundaries[table][rank:rank+2]`` of each table, cut out of the group's stacked block."""
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -38,7 +40,9 @@ def split_rank_state(state: Mapping[str, torch.Tensor], plan: ShardingPlan, rank
         for key in _group_keys([state], g.name):
             suffix = key[len(g.name) + 1 :]
             if state[key].shape[0] != g.local_rows(rank):
-                raise ValueError(f"reshard: rank {rank}'s {key} has {state[key].shape[0]} rows, the plan gives it {g.local_rows(rank)}")
+                raise ValueError(
+                    f"reshard: rank {rank}'s {key} has {state[key].shape[0]} rows, the plan gives it {g.local_rows(rank)}"
+                )
             for name in g.tables:
                 rb = plan.row_boundaries[name]
                 start = int(g.table_base[name][rank] - g.boundaries[rank])
@@ -57,19 +61,29 @@ def stack_rank_state(local: Mapping[str, Mapping[str, torch.Tensor]], plan: Shar
     return out
 
 
-def full_tables_state(states: Sequence[Mapping[str, torch.Tensor]], old_plan: ShardingPlan) -> dict[str, dict[str, torch.Tensor]]:
+def full_tables_state(
+    states: Sequence[Mapping[str, torch.Tensor]], old_plan: ShardingPlan
+) -> dict[str, dict[str, torch.Tensor]]:
     """``states[r]``: old rank r's ``tables_state()``. Returns ``{suffix: {table: whole tensor}}`` for the weight
     (suffix ``"weight"``) and every per-row optimizer state."""
     if len(states) != old_plan.world_size:
         raise ValueError(f"reshard: {len(states)} rank states for a plan of {old_plan.world_size} ranks")
     parts = [split_rank_state(state, old_plan, r) for r, state in enumerate(states)]
-    return {suffix: {name: torch.cat([p[suffix][name] for p in parts]) for name in tables} for suffix, tables in parts[0].items()}
+    return {
+        suffix: {name: torch.cat([p[suffix][name] for p in parts]) for name in tables}
+        for suffix, tables in parts[0].items()
+    }
 
 
-def shard_tables_state(full: Mapping[str, Mapping[str, torch.Tensor]], new_plan: ShardingPlan, rank: int) -> dict[str, torch.Tensor]:
+def shard_tables_state(
+    full: Mapping[str, Mapping[str, torch.Tensor]], new_plan: ShardingPlan, rank: int
+) -> dict[str, torch.Tensor]:
     """The ``tables_state()`` layout of ``rank`` under ``new_plan``, sliced from whole tables."""
     local = {
-        suffix: {name: t[int(new_plan.row_boundaries[name][rank]) : int(new_plan.row_boundaries[name][rank + 1])] for name, t in tables.items()}
+        suffix: {
+            name: t[int(new_plan.row_boundaries[name][rank]) : int(new_plan.row_boundaries[name][rank + 1])]
+            for name, t in tables.items()
+        }
         for suffix, tables in full.items()
     }
     return stack_rank_state(local, new_plan)

@@ -49,7 +49,9 @@ class GroupShard:
         return self.weight.index_select(0, local_ids)
 
 
-def _init_group_weight(plan: ShardingPlan, layout: GroupLayout, rank: int, full: Mapping[str, torch.Tensor], seed: int, device) -> torch.Tensor:
+def _init_group_weight(
+    plan: ShardingPlan, layout: GroupLayout, rank: int, full: Mapping[str, torch.Tensor], seed: int, device
+) -> torch.Tensor:
     """Local rows of every table of the group, stacked. Tables not in ``full`` get a seeded uniform init that is
     identical whatever the world size (the whole table is drawn, then sliced)."""
     parts = []
@@ -58,7 +60,9 @@ def _init_group_weight(plan: ShardingPlan, layout: GroupLayout, rank: int, full:
         if name in full:
             table = full[name]
             if tuple(table.shape) != (t.num_rows, t.dim):
-                raise ValueError(f"table {name!r}: initial values have shape {tuple(table.shape)}, expected {(t.num_rows, t.dim)}")
+                raise ValueError(
+                    f"table {name!r}: initial values have shape {tuple(table.shape)}, expected {(t.num_rows, t.dim)}"
+                )
         else:
             gen = torch.Generator().manual_seed(seed + sum(map(ord, name)))
             bound = 1.0 / t.num_rows**0.5
@@ -115,9 +119,13 @@ class ShardedEmbeddingCollection(nn.Module):
         super().__init__()
         self.rank = dist.get_rank() if rank is None else rank
         if not 0 <= self.rank < plan.world_size:
-            raise ValueError(f"ShardedEmbeddingCollection: rank {self.rank} outside the plan's world size {plan.world_size}")
+            raise ValueError(
+                f"ShardedEmbeddingCollection: rank {self.rank} outside the plan's world size {plan.world_size}"
+            )
         if dist.is_initialized() and dist.get_world_size() != plan.world_size:
-            raise ValueError(f"ShardedEmbeddingCollection: plan is for {plan.world_size} ranks, the job has {dist.get_world_size()}")
+            raise ValueError(
+                f"ShardedEmbeddingCollection: plan is for {plan.world_size} ranks, the job has {dist.get_world_size()}"
+            )
         self.plan = plan
         self.device = torch.device(device)
         if transport is None:
@@ -133,7 +141,12 @@ class ShardedEmbeddingCollection(nn.Module):
         self.grad_scale = float(grad_scale)
         self.timer = timer if timer is not None else Timer(self.device)
         self.shards: dict[str, GroupShard] = {
-            g.name: GroupShard(g, self.rank, _init_group_weight(plan, g, self.rank, init_tables or {}, seed, self.device), self.optimizer)
+            g.name: GroupShard(
+                g,
+                self.rank,
+                _init_group_weight(plan, g, self.rank, init_tables or {}, seed, self.device),
+                self.optimizer,
+            )
             for g in plan.groups
         }
         # The fused optimizer updates the tables in backward; autograd only needs one leaf to reach it.
@@ -202,7 +215,9 @@ class ShardedEmbeddingCollection(nn.Module):
         for name, shard in self.shards.items():
             w = state.get(f"{name}.weight")
             if w is None or w.shape != shard.weight.shape:
-                raise ValueError(f"rank {self.rank}: table state of group {name!r} missing or of the wrong shape (another world size?)")
+                raise ValueError(
+                    f"rank {self.rank}: table state of group {name!r} missing or of the wrong shape (another world size?)"
+                )
             shard.weight.copy_(w)
             for k, v in shard.state.items():
                 v.copy_(state[f"{name}.{k}"])

@@ -47,8 +47,10 @@ COLLECTION_NAME = "fsembed_collection"
 Features = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]  # feature -> ids, or the ids of each call
 SWAPPABLE_TYPES = ("Embedding", "EmbeddingCollection")
 POOLED_TYPES = ("EmbeddingBag", "EmbeddingBagCollection")
-CALLS_HINT = ("A module called more than once per step must be prepared with the ids of every call: return them from "
-              "features(batch) as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated")
+CALLS_HINT = (
+    "A module called more than once per step must be prepared with the ids of every call: return them from "
+    "features(batch) as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated"
+)
 
 
 def flat_features(features: Features) -> dict[str, torch.Tensor]:
@@ -102,15 +104,19 @@ class EmbeddingHub:
         queues the rest), so the comparison is queued and read back at the next ``prepare`` (or ``verify()``),
         when the step has synchronised anyway: a mismatch still raises, one step later at most."""
         if feature not in self._out:
-            raise ValueError(f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the model)")
+            raise ValueError(
+                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the model)"
+            )
         flat, every = ids.reshape(-1), self._ids[feature]
         if flat.dtype != every.dtype:  # a KJT may hold int32 ids
             flat = flat.to(every.dtype)
         start = self._cursor[feature] % max(every.numel(), 1)
         if start + flat.numel() > every.numel():
-            raise ValueError(f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
-                             f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
-                             f"prepared. {CALLS_HINT}")
+            raise ValueError(
+                f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
+                f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
+                f"prepared. {CALLS_HINT}"
+            )
         self._cursor[feature] = start + flat.numel()
         prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
@@ -134,13 +140,17 @@ class EmbeddingHub:
         partial = {k: (c, self._ids[k].numel()) for k, c in self._cursor.items() if c % max(self._ids[k].numel(), 1)}
         self._cursor = {k: 0 for k in self._cursor}
         if partial:
-            raise ValueError(f"fsembed swap: the model looked up only part of the ids prepared for {partial} (taken, "
-                             "prepared): features(batch) must give exactly the ids of every call of the module, in call order")
+            raise ValueError(
+                f"fsembed swap: the model looked up only part of the ids prepared for {partial} (taken, "
+                "prepared): features(batch) must give exactly the ids of every call of the module, in call order"
+            )
 
     @staticmethod
     def _mismatch(features: list[str]) -> ValueError:
-        return ValueError(f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare "
-                          f"received. {CALLS_HINT}")
+        return ValueError(
+            f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare "
+            f"received. {CALLS_HINT}"
+        )
 
 
 class ShardedEmbeddingView(nn.Module):
@@ -165,7 +175,9 @@ class ShardedCollectionView(nn.Module):
         from torchrec.sparse.jagged_tensor import JaggedTensor
 
         jts = kjt_split(kjt)
-        return {f: JaggedTensor(values=self._hub.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts}
+        return {
+            f: JaggedTensor(values=self._hub.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts
+        }
 
 
 def quiet_torchrec_notes() -> None:
@@ -183,7 +195,9 @@ def kjt_split(kjt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     starts = [0] + ends[:-1]
     stride = kjt.lengths().numel() // max(len(keys), 1)
     values, lengths = kjt.values(), kjt.lengths()
-    return {k: (values[s:e], lengths[i * stride : (i + 1) * stride]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))}
+    return {
+        k: (values[s:e], lengths[i * stride : (i + 1) * stride]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))
+    }
 
 
 def kjt_ids(kjt) -> dict[str, torch.Tensor]:
@@ -196,7 +210,8 @@ def _pooled_refusal(name: str, module: nn.Module) -> ValueError:
         f"fsembed swap: module {name!r} is a {type(module).__name__}, whose lookups are pooled: prioritized updates "
         "split each looked-up row's gradient by whether the next batch uses that row again, so they need one "
         "embedding per id (unpooled). Use nn.Embedding or torchrec's EmbeddingCollection (same tables and feature "
-        "names) and pool its output in your model, e.g. torch.segment_reduce(jt.values(), 'sum', lengths=jt.lengths())")
+        "names) and pool its output in your model, e.g. torch.segment_reduce(jt.values(), 'sum', lengths=jt.lengths())"
+    )
 
 
 def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Tensor]]:
@@ -211,9 +226,13 @@ def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Te
         out = []
         for cfg in module.embedding_configs():
             w = module.embeddings[cfg.name].weight.detach()
-            out.append((TableConfig(cfg.name, cfg.num_embeddings, cfg.embedding_dim, tuple(cfg.feature_names), w.dtype), w))
+            out.append(
+                (TableConfig(cfg.name, cfg.num_embeddings, cfg.embedding_dim, tuple(cfg.feature_names), w.dtype), w)
+            )
         return out
-    raise ValueError(f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec EmbeddingCollection")
+    raise ValueError(
+        f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec EmbeddingCollection"
+    )
 
 
 def _table_params(name: str, module: nn.Module) -> dict[str, str]:
@@ -247,8 +266,10 @@ def unswap_embeddings(model: nn.Module, hub: EmbeddingHub, dst: Optional[int] = 
     other ranks they stay on the meta device (same keys, shapes and dtypes; no values), or with ``dst=None`` every
     rank gets the tables. Collective: every rank calls it, after the collection's ``flush()``."""
     if model._modules.get(COLLECTION_NAME) is not hub.collection:
-        raise ValueError(f"fsembed unswap: {type(model).__name__} holds no collection of this hub (never swapped, or "
-                         "already unswapped)")
+        raise ValueError(
+            f"fsembed unswap: {type(model).__name__} holds no collection of this hub (never swapped, or "
+            "already unswapped)"
+        )
     for name, kept in hub.swapped.items():  # the same order on every rank: the gathers pair up
         for table, (path, device) in kept.tables.items():
             full = hub.collection.gather_table(table, dst)
@@ -266,7 +287,9 @@ def find_embeddings(model: nn.Module, types: Sequence[Union[str, type]]) -> list
     wanted = {t if isinstance(t, str) else t.__name__ for t in types}
     unknown = wanted - set(SWAPPABLE_TYPES) - set(POOLED_TYPES)
     if unknown:
-        raise ValueError(f"fsembed swap: types {sorted(unknown)} cannot be swapped; choose from {list(SWAPPABLE_TYPES)}")
+        raise ValueError(
+            f"fsembed swap: types {sorted(unknown)} cannot be swapped; choose from {list(SWAPPABLE_TYPES)}"
+        )
     found: list[str] = []
     for name, module in model.named_modules():
         if name and type(module).__name__ in wanted and not any(name.startswith(f + ".") for f in found):
@@ -309,12 +332,17 @@ def swap_embeddings(
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
-        raise ValueError(f"fsembed swap: no module named {missing} in {type(model).__name__} (named_modules() has {sorted(modules)[:20]}...)")
+        raise ValueError(
+            f"fsembed swap: no module named {missing} in {type(model).__name__} (named_modules() has {sorted(modules)[:20]}...)"
+        )
     found = {n: _tables_of(n, modules[n]) for n in names}
     tables = [t for pairs in found.values() for t, _ in pairs]
     init = {t.name: w for pairs in found.values() for t, w in pairs}
-    plan = ShardingPlan(tables, world_size if world_size is not None else dist.get_world_size(),
-                        row_boundaries=dict(row_boundaries or {}))
+    plan = ShardingPlan(
+        tables,
+        world_size if world_size is not None else dist.get_world_size(),
+        row_boundaries=dict(row_boundaries or {}),
+    )
     cls = PrioritizedEmbeddingCollection if prioritized else ShardedEmbeddingCollection
     collection = cls(plan, rank, init_tables=init, **collection_kwargs)
     hub = EmbeddingHub(collection)

@@ -75,12 +75,15 @@ class PackedOffsets:
     max_len: int
 
     @classmethod
-    def from_host(cls, host: torch.Tensor, device: Union[str, torch.device, None] = None,
-                  on_device: Optional[torch.Tensor] = None) -> "PackedOffsets":
+    def from_host(
+        cls, host: torch.Tensor, device: Union[str, torch.device, None] = None, on_device: Optional[torch.Tensor] = None
+    ) -> "PackedOffsets":
         """From host offsets; the device copy is ``on_device`` (any integer dtype, e.g. offsets a model already
         computed there) as int32, else a copy of ``host`` to ``device`` (none without a device)."""
-        _require(host.device.type == "cpu" and host.dim() == 1 and host.numel() >= 1,
-                 f"PackedOffsets.host must be a 1-D CPU tensor with at least one entry, got {tuple(host.shape)} on {host.device}")
+        _require(
+            host.device.type == "cpu" and host.dim() == 1 and host.numel() >= 1,
+            f"PackedOffsets.host must be a 1-D CPU tensor with at least one entry, got {tuple(host.shape)} on {host.device}",
+        )
         host = host.to(torch.int64)
         longest = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
         if on_device is not None:
@@ -98,10 +101,16 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _host_offsets(name: str, offsets: torch.Tensor, rows: int) -> list[int]:
-    _require(offsets.dim() == 1 and offsets.numel() >= 1, f"{name} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}")
+    _require(
+        offsets.dim() == 1 and offsets.numel() >= 1,
+        f"{name} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}",
+    )
     _require(offsets.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {offsets.dtype}")
     values = offsets.tolist()
-    _require(values[0] == 0 and values[-1] == rows, f"{name} must run from 0 to the {rows} packed rows, got [{values[0]}, {values[-1]}]")
+    _require(
+        values[0] == 0 and values[-1] == rows,
+        f"{name} must run from 0 to the {rows} packed rows, got [{values[0]}, {values[-1]}]",
+    )
     bad = next((s for s in range(len(values) - 1) if values[s + 1] < values[s]), None)
     _require(bad is None, f"{name} must be non-decreasing; sample {bad} has a negative length")
     return values
@@ -118,9 +127,11 @@ def _packed(name: str, offsets: Offsets, rows: int, device: torch.device) -> Pac
     """VARLEN's view of ``offsets``: as given when packed with a device copy (checked by shape only: reading its
     values would cost the host work and sync it exists to avoid), else packed here from validated host values."""
     if isinstance(offsets, PackedOffsets) and offsets.device is not None:
-        _require(offsets.device.device == device and offsets.device.numel() == offsets.host.numel(),
-                 f"{name}: the device offsets ({offsets.device.numel()} entries on {offsets.device.device}) must match "
-                 f"the host ones ({offsets.host.numel()}) and be on {device}")
+        _require(
+            offsets.device.device == device and offsets.device.numel() == offsets.host.numel(),
+            f"{name}: the device offsets ({offsets.device.numel()} entries on {offsets.device.device}) must match "
+            f"the host ones ({offsets.host.numel()}) and be on {device}",
+        )
         return offsets
     host = _host(offsets).cpu()
     _host_offsets(name, host, rows)
@@ -140,33 +151,51 @@ def jagged_attention(
 ) -> torch.Tensor:
     """Softmax attention of packed queries ``q`` [Nq, H, D] over packed keys/values ``k``/``v`` [Nkv, H, D],
     within each sample; returns [Nq, H, D]. ``kv_offsets`` defaults to ``q_offsets`` (causal takes only those)."""
-    _require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, f"q, k, v must be [N, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    _require(q.shape[1:] == k.shape[1:] == v.shape[1:], f"q, k, v must agree in heads and dim, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _require(
+        q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+        f"q, k, v must be [N, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}",
+    )
+    _require(
+        q.shape[1:] == k.shape[1:] == v.shape[1:],
+        f"q, k, v must agree in heads and dim, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}",
+    )
     _require(k.shape[0] == v.shape[0], f"k and v must have the same rows, got {k.shape[0]} and {v.shape[0]}")
     _require(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if kv_offsets is None:
         kv_offsets = q_offsets
-    _require(_host(q_offsets).numel() == _host(kv_offsets).numel(),
-             f"q_offsets has {_host(q_offsets).numel() - 1} samples, kv_offsets {_host(kv_offsets).numel() - 1}")
+    _require(
+        _host(q_offsets).numel() == _host(kv_offsets).numel(),
+        f"q_offsets has {_host(q_offsets).numel() - 1} samples, kv_offsets {_host(kv_offsets).numel() - 1}",
+    )
     if causal:
-        _require(q.shape[0] == k.shape[0], f"causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
+        _require(
+            q.shape[0] == k.shape[0],
+            f"causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}",
+        )
     kind = resolve_impl(impl, q.device)
     match kind:
         case Impl.VARLEN:
-            _require(q.device.type in VARLEN_DEVICE_TYPES, "the VARLEN path runs on CUDA (FlashAttention); use impl='torch' on CPU")
+            _require(
+                q.device.type in VARLEN_DEVICE_TYPES,
+                "the VARLEN path runs on CUDA (FlashAttention); use impl='torch' on CPU",
+            )
             qp = _packed("q_offsets", q_offsets, q.shape[0], q.device)
             kp = qp if kv_offsets is q_offsets else _packed("kv_offsets", kv_offsets, k.shape[0], q.device)
             from kernels.varlen import varlen_jagged_attention
 
-            return varlen_jagged_attention.jagged_attention(q, k, v, qp.device, kp.device, qp.max_len, kp.max_len, causal)
+            return varlen_jagged_attention.jagged_attention(
+                q, k, v, qp.device, kp.device, qp.max_len, kp.max_len, causal
+            )
         case Impl.FLEX:
             _require(q.is_cuda, "the FlexAttention path runs on CUDA (it has no CPU backward); use impl='torch' on CPU")
             if block_mask is None:
                 qh, kh = _host(q_offsets).cpu(), _host(kv_offsets).cpu()
                 block_mask = build_block_mask(qh, None if causal else kh, causal=causal).to(q.device)
-            _require(block_mask.causal == causal and (block_mask.num_q, block_mask.num_kv) == (q.shape[0], k.shape[0]),
-                     f"block_mask is for {'causal' if block_mask.causal else 'cross'} attention of {block_mask.num_q} x "
-                     f"{block_mask.num_kv} rows, got {'causal' if causal else 'cross'} {q.shape[0]} x {k.shape[0]}")
+            _require(
+                block_mask.causal == causal and (block_mask.num_q, block_mask.num_kv) == (q.shape[0], k.shape[0]),
+                f"block_mask is for {'causal' if block_mask.causal else 'cross'} attention of {block_mask.num_q} x "
+                f"{block_mask.num_kv} rows, got {'causal' if causal else 'cross'} {q.shape[0]} x {k.shape[0]}",
+            )
             _require(block_mask.device == q.device, f"block_mask is on {block_mask.device}, q on {q.device}")
             if q.shape[0] == 0:
                 return q.new_zeros(0, q.shape[1], v.shape[2])

@@ -26,8 +26,9 @@ def resolve(impl: Union[Impl, str, None], *, op: str, supported: Collection[Impl
         try:
             impl = Impl(impl.lower())
         except ValueError:
-            raise ValueError(f"kernels.{op}: unknown impl {impl!r}; expected one of "
-                             f"{[i.value for i in supported]}") from None
+            raise ValueError(
+                f"kernels.{op}: unknown impl {impl!r}; expected one of {[i.value for i in supported]}"
+            ) from None
     if not isinstance(impl, Impl):
         raise ValueError(f"kernels.{op}: impl must be an Impl, a string or None, got {type(impl).__name__}")
     if impl not in supported:

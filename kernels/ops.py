@@ -52,18 +52,30 @@ def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
 
 
 def _check_offsets(op: str, offsets: torch.Tensor, num_values: int, name: str = "offsets", cover: bool = False) -> None:
-    _require(offsets.dim() == 1 and offsets.numel() >= 1, op, f"{name} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}")
+    _require(
+        offsets.dim() == 1 and offsets.numel() >= 1,
+        op,
+        f"{name} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}",
+    )
     _require(offsets.dtype in _OFFSET_DTYPES, op, f"{name} must be int32 or int64, got {offsets.dtype}")
     if not _check_values(offsets):
         return
     if offsets.numel() > 1:
         bad = torch.nonzero(offsets[1:] < offsets[:-1]).flatten()
-        _require(bad.numel() == 0, op, f"{name} must be non-decreasing; segment {int(bad[0]) if bad.numel() else -1} has negative length")
+        _require(
+            bad.numel() == 0,
+            op,
+            f"{name} must be non-decreasing; segment {int(bad[0]) if bad.numel() else -1} has negative length",
+        )
     first, last = int(offsets[0]), int(offsets[-1])
     _require(first >= 0, op, f"{name}[0] = {first} is negative")
     _require(last <= num_values, op, f"{name}[-1] = {last} exceeds the {num_values} value rows")
     if cover:
-        _require(first == 0 and last == num_values, op, f"{name} must span all {num_values} value rows, got [{first}, {last}]")
+        _require(
+            first == 0 and last == num_values,
+            op,
+            f"{name} must span all {num_values} value rows, got [{first}, {last}]",
+        )
 
 
 def _check_values_tensor(op: str, values: torch.Tensor) -> None:
@@ -72,12 +84,23 @@ def _check_values_tensor(op: str, values: torch.Tensor) -> None:
 
 def _no_grad_through_triton(op: str, values: torch.Tensor) -> None:
     """Only ranged_combine has a Triton backward; elsewhere a silently detached output would lose gradients."""
-    _require(not (values.requires_grad and torch.is_grad_enabled()), op,
-             "the Triton kernel is not differentiable; pass impl=Impl.TORCH for values that require grad")
+    _require(
+        not (values.requires_grad and torch.is_grad_enabled()),
+        op,
+        "the Triton kernel is not differentiable; pass impl=Impl.TORCH for values that require grad",
+    )
 
 
-def _run(op: str, impl: Union[Impl, str, None], tensor: torch.Tensor, *, triton: Callable[[Any], Any],
-         twin: Callable[[], Any], eager_loop: Callable[[], Any], differentiable_input: Optional[torch.Tensor] = None):
+def _run(
+    op: str,
+    impl: Union[Impl, str, None],
+    tensor: torch.Tensor,
+    *,
+    triton: Callable[[Any], Any],
+    twin: Callable[[], Any],
+    eager_loop: Callable[[], Any],
+    differentiable_input: Optional[torch.Tensor] = None,
+):
     """The one dispatch of every op: ``triton(module)`` gets ``kernels.triton.<module of the op>`` (imported here,
     lazily: CPU runs never need Triton), ``twin()`` and ``eager_loop()`` run the other two. A Triton kernel
     without a backward refuses a ``differentiable_input`` that requires grad."""
@@ -123,17 +146,30 @@ def indexed_permute(
     op = "indexed_permute"
     _check_values_tensor(op, values)
     _check_offsets(op, offsets, values.shape[0])
-    _require(order.dim() == 1 and order.dtype == torch.int64, op, f"order must be a 1-D int64 tensor, got {order.dtype} of shape {tuple(order.shape)}")
+    _require(
+        order.dim() == 1 and order.dtype == torch.int64,
+        op,
+        f"order must be a 1-D int64 tensor, got {order.dtype} of shape {tuple(order.shape)}",
+    )
     _check_same_device(op, values=values, offsets=offsets, order=order)
     num_segments = offsets.numel() - 1
     if order.numel() and _check_values(order):
         lo, hi = int(order.min()), int(order.max())
-        _require(lo >= 0 and hi < num_segments, op, f"order holds segment {lo if lo < 0 else hi}, outside [0, {num_segments})")
+        _require(
+            lo >= 0 and hi < num_segments,
+            op,
+            f"order holds segment {lo if lo < 0 else hi}, outside [0, {num_segments})",
+        )
     _require(output_size is None or output_size >= 0, op, f"output_size must be >= 0, got {output_size}")
-    return _run(op, impl, values, differentiable_input=values,
-                triton=lambda m: m.indexed_permute(values, offsets, order, output_size),
-                twin=lambda: pt_jagged_gather.indexed_permute(values, offsets, order, output_size),
-                eager_loop=lambda: eager.indexed_permute(values, offsets, order))
+    return _run(
+        op,
+        impl,
+        values,
+        differentiable_input=values,
+        triton=lambda m: m.indexed_permute(values, offsets, order, output_size),
+        twin=lambda: pt_jagged_gather.indexed_permute(values, offsets, order, output_size),
+        eager_loop=lambda: eager.indexed_permute(values, offsets, order),
+    )
 
 
 def keyed_transpose(
@@ -150,10 +186,15 @@ def keyed_transpose(
         _require(int(lengths.min()) >= 0, op, "lengths must be non-negative")
         total = int(lengths.sum())
         _require(total == values.shape[0], op, f"lengths sum to {total} but values has {values.shape[0]} rows")
-    return _run(op, impl, values, differentiable_input=values,
-                triton=lambda m: m.keyed_transpose(values, lengths),
-                twin=lambda: pt_jagged_gather.keyed_transpose(values, lengths),
-                eager_loop=lambda: eager.keyed_transpose(values, lengths))
+    return _run(
+        op,
+        impl,
+        values,
+        differentiable_input=values,
+        triton=lambda m: m.keyed_transpose(values, lengths),
+        twin=lambda: pt_jagged_gather.keyed_transpose(values, lengths),
+        eager_loop=lambda: eager.keyed_transpose(values, lengths),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -171,21 +212,36 @@ def ranged_dispatch(
     ``offsets`` (the samples' id ranges) is used only by the eager baseline (one sample at a time).
     """
     op = "ranged_dispatch"
-    _require(ids.dim() == 1 and ids.dtype == torch.int64, op, f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}")
-    _require(boundaries.dim() == 1 and boundaries.numel() >= 2 and boundaries.dtype == torch.int64, op,
-             f"boundaries must be 1-D int64 with world_size + 1 >= 2 entries, got {boundaries.dtype} of shape {tuple(boundaries.shape)}")
+    _require(
+        ids.dim() == 1 and ids.dtype == torch.int64,
+        op,
+        f"ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}",
+    )
+    _require(
+        boundaries.dim() == 1 and boundaries.numel() >= 2 and boundaries.dtype == torch.int64,
+        op,
+        f"boundaries must be 1-D int64 with world_size + 1 >= 2 entries, got {boundaries.dtype} of shape {tuple(boundaries.shape)}",
+    )
     _check_same_device(op, ids=ids, boundaries=boundaries)
     if _check_values(boundaries, ids):
         bad = torch.nonzero(boundaries[1:] < boundaries[:-1]).flatten()
-        _require(bad.numel() == 0, op, f"boundaries must be sorted; shard {int(bad[0]) if bad.numel() else -1} ends before it starts")
+        _require(
+            bad.numel() == 0,
+            op,
+            f"boundaries must be sorted; shard {int(bad[0]) if bad.numel() else -1} ends before it starts",
+        )
         if ids.numel():
             lo, hi = int(ids.min()), int(ids.max())
             b0, bw = int(boundaries[0]), int(boundaries[-1])
             _require(lo >= b0 and hi < bw, op, f"id {lo if lo < b0 else hi} is outside the sharded rows [{b0}, {bw})")
-    return _run(op, impl, ids,
-                triton=lambda m: m.ranged_dispatch(ids, boundaries),
-                twin=lambda: pt_ranged.ranged_dispatch(ids, boundaries),
-                eager_loop=lambda: eager.ranged_dispatch(ids, boundaries, offsets))
+    return _run(
+        op,
+        impl,
+        ids,
+        triton=lambda m: m.ranged_dispatch(ids, boundaries),
+        twin=lambda: pt_ranged.ranged_dispatch(ids, boundaries),
+        eager_loop=lambda: eager.ranged_dispatch(ids, boundaries, offsets),
+    )
 
 
 def ranged_combine(
@@ -202,17 +258,31 @@ def ranged_combine(
     scatter per sample and source shard)."""
     op = "ranged_combine"
     _check_values_tensor(op, values)
-    _require(perm.dim() == 1 and perm.dtype == torch.int64, op, f"perm must be a 1-D int64 tensor, got {perm.dtype} of shape {tuple(perm.shape)}")
-    _require(perm.numel() == values.shape[0], op, f"perm has {perm.numel()} entries but values has {values.shape[0]} rows")
+    _require(
+        perm.dim() == 1 and perm.dtype == torch.int64,
+        op,
+        f"perm must be a 1-D int64 tensor, got {perm.dtype} of shape {tuple(perm.shape)}",
+    )
+    _require(
+        perm.numel() == values.shape[0], op, f"perm has {perm.numel()} entries but values has {values.shape[0]} rows"
+    )
     _check_same_device(op, values=values, perm=perm)
     if perm.numel() and _check_values(perm):
         lo, hi = int(perm.min()), int(perm.max())
         _require(lo >= 0 and hi < perm.numel(), op, f"perm holds {lo if lo < 0 else hi}, outside [0, {perm.numel()})")
-        _require(bool((torch.bincount(perm, minlength=perm.numel()) == 1).all()), op, "perm is not a permutation (an index repeats)")
-    return _run(op, impl, values,
-                triton=lambda m: m.ranged_combine(values, perm),
-                twin=lambda: pt_ranged.ranged_combine(values, perm),
-                eager_loop=lambda: eager.ranged_combine(values, perm, splits, offsets))
+        _require(
+            bool((torch.bincount(perm, minlength=perm.numel()) == 1).all()),
+            op,
+            "perm is not a permutation (an index repeats)",
+        )
+    return _run(
+        op,
+        impl,
+        values,
+        triton=lambda m: m.ranged_combine(values, perm),
+        twin=lambda: pt_ranged.ranged_combine(values, perm),
+        eager_loop=lambda: eager.ranged_combine(values, perm, splits, offsets),
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -227,10 +297,15 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor, *, impl: Union[Impl
     _require(values.dtype != torch.bool, op, "values must be numeric, got bool")
     _check_offsets(op, offsets, values.shape[0], cover=True)
     _check_same_device(op, values=values, offsets=offsets)
-    return _run(op, impl, values, differentiable_input=values,
-                triton=lambda m: m.segment_sum(values, offsets),
-                twin=lambda: pt_segment.segment_sum(values, offsets),
-                eager_loop=lambda: eager.segment_sum(values, offsets))
+    return _run(
+        op,
+        impl,
+        values,
+        differentiable_input=values,
+        triton=lambda m: m.segment_sum(values, offsets),
+        twin=lambda: pt_segment.segment_sum(values, offsets),
+        eager_loop=lambda: eager.segment_sum(values, offsets),
+    )
 
 
 def collision_mask(
@@ -243,10 +318,22 @@ def collision_mask(
     """BoolTensor[len(ids)]: ``ids[i] in other`` (Algorithm 2's collision marking between batch i and i+1).
     ``offsets`` is used only by the eager baseline (one membership test per segment, e.g. per sample)."""
     op = "collision_mask"
-    _require(ids.dim() == 1 and other.dim() == 1, op, f"ids and other must be 1-D, got shapes {tuple(ids.shape)} and {tuple(other.shape)}")
-    _require(ids.dtype in _OFFSET_DTYPES and other.dtype == ids.dtype, op, f"ids and other must share an integer dtype (int32/int64), got {ids.dtype} and {other.dtype}")
+    _require(
+        ids.dim() == 1 and other.dim() == 1,
+        op,
+        f"ids and other must be 1-D, got shapes {tuple(ids.shape)} and {tuple(other.shape)}",
+    )
+    _require(
+        ids.dtype in _OFFSET_DTYPES and other.dtype == ids.dtype,
+        op,
+        f"ids and other must share an integer dtype (int32/int64), got {ids.dtype} and {other.dtype}",
+    )
     _check_same_device(op, ids=ids, other=other)
-    return _run(op, impl, ids,
-                triton=lambda m: m.collision_mask(ids, other),
-                twin=lambda: pt_segment.collision_mask(ids, other),
-                eager_loop=lambda: eager.collision_mask(ids, other, offsets))
+    return _run(
+        op,
+        impl,
+        ids,
+        triton=lambda m: m.collision_mask(ids, other),
+        twin=lambda: pt_segment.collision_mask(ids, other),
+        eager_loop=lambda: eager.collision_mask(ids, other, offsets),
+    )

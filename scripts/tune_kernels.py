@@ -37,10 +37,14 @@ def main() -> None:
         n = work.global_ids.numel()
         for elements, warps in itertools.product((1024, 2048, 4096), (4, 8)):
             triton_jagged_gather.ELEMENTS_PER_PROGRAM, triton_jagged_gather.NUM_WARPS = elements, warps
-            us = timer.gpu_us(lambda: ops.indexed_permute(work.global_ids, work.global_uih_offsets, work.order,
-                                                          output_size=n), 10)
-            print(f"indexed_permute/global W={w} elements={elements} warps={warps}: {us:.1f} us "
-                  f"({2 * n * 8 / us / 1e3:.0f} GB/s)", flush=True)
+            us = timer.gpu_us(
+                lambda: ops.indexed_permute(work.global_ids, work.global_uih_offsets, work.order, output_size=n), 10
+            )
+            print(
+                f"indexed_permute/global W={w} elements={elements} warps={warps}: {us:.1f} us "
+                f"({2 * n * 8 / us / 1e3:.0f} GB/s)",
+                flush=True,
+            )
         del work
         torch.cuda.empty_cache()
 

@@ -62,6 +62,9 @@ def pytest_runtest_call(item):
     before = _started["processes"]
     result = yield
     if _started["processes"] > before and item.get_closest_marker("multiprocess") is None:
-        pytest.fail(f"{item.nodeid} starts ranks (processes) but lacks @pytest.mark.multiprocess: the stress run "
-                    "(scripts/stress_multiprocess.sh, -m multiprocess) would miss it", pytrace=False)
+        pytest.fail(
+            f"{item.nodeid} starts ranks (processes) but lacks @pytest.mark.multiprocess: the stress run "
+            "(scripts/stress_multiprocess.sh, -m multiprocess) would miss it",
+            pytrace=False,
+        )
     return result

@@ -78,8 +78,9 @@ def _barrier_at_exit(store, world_size: int, deadline: float) -> None:
         pass
 
 
-def _rank_main(fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results,
-               deadline: Optional[float] = None):
+def _rank_main(
+    fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results, deadline: Optional[float] = None
+):
     """One rank. ``deadline`` (``time.time()``): where its exit barrier ends; None: no exit barrier (a caller whose
     ranks die on purpose)."""
     os.environ.update(env)
@@ -144,8 +145,19 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, tuple(args), stage_dir, store_path, timeout, backend, base_env, results,
-                  wall_deadline),
+            args=(
+                fn,
+                r,
+                world_size,
+                tuple(args),
+                stage_dir,
+                store_path,
+                timeout,
+                backend,
+                base_env,
+                results,
+                wall_deadline,
+            ),
             daemon=True,
         )
         for r in range(world_size)
@@ -158,7 +170,9 @@ def run_ranks(
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stuck = [f"rank {r} in stage '{_read_stage(stage_dir, r)}'" for r in range(world_size) if r not in outcome]
+                stuck = [
+                    f"rank {r} in stage '{_read_stage(stage_dir, r)}'" for r in range(world_size) if r not in outcome
+                ]
                 raise TimeoutError(f"{fn.__name__}: ranks did not finish within {timeout:.0f} s: " + "; ".join(stuck))
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.5))

@@ -27,8 +27,20 @@ def test_custom_partitioner_example_is_a_valid_partitioner():
 def test_compose_loader_example_runs_under_torchrun():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/compose_loader.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/compose_loader.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 4: tokens per rank before" in proc.stdout and "loader state keys" in proc.stdout
@@ -57,9 +69,24 @@ def _loads_into_a_fresh_recommender(path: Path) -> None:
 def test_bring_your_own_model_example_has_parity_with_sync(tmp_path):
     pytest.importorskip("torchrec")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/bring_your_own_model.py", "--steps", "4", "--export", str(tmp_path / "model.pt")],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/bring_your_own_model.py",
+            "--steps",
+            "4",
+            "--export",
+            str(tmp_path / "model.pt"),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -72,9 +99,23 @@ def test_bring_your_own_model_example_has_parity_with_sync(tmp_path):
 def _train(args, cwd, tmp_path):
     summary = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--no-progress", "--summary-json", str(summary),
-         *args],
-        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--no-progress",
+            "--summary-json",
+            str(summary),
+            *args,
+        ],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(summary.read_text())
@@ -83,8 +124,18 @@ def _train(args, cwd, tmp_path):
 @pytest.mark.multiprocess
 def test_train_with_a_model_factory_file_from_another_directory(tmp_path):
     pytest.importorskip("torchrec")
-    summary = _train(["--steps", "5", "--model", f"{ROOT}/examples/bring_your_own_model.py:build_model",
-                      "--export", str(tmp_path / "model.pt")], tmp_path, tmp_path)
+    summary = _train(
+        [
+            "--steps",
+            "5",
+            "--model",
+            f"{ROOT}/examples/bring_your_own_model.py:build_model",
+            "--export",
+            str(tmp_path / "model.pt"),
+        ],
+        tmp_path,
+        tmp_path,
+    )
     assert summary["steps"] == 5 and all(loss == loss for loss in summary["loss_curve"])  # no NaN
     _loads_into_a_fresh_recommender(tmp_path / "model.pt")  # --export: the model as the factory's class
 
@@ -92,10 +143,15 @@ def test_train_with_a_model_factory_file_from_another_directory(tmp_path):
 @pytest.mark.multiprocess
 def test_custom_partitioner_commands_run_from_the_root_and_from_elsewhere(tmp_path):
     # as documented, from the repository root: module:function, found with the current directory first
-    by_module = _train(["--steps", "3", "--partitioner", "examples.custom_partitioner:round_robin_longest"], ROOT, tmp_path)
+    by_module = _train(
+        ["--steps", "3", "--partitioner", "examples.custom_partitioner:round_robin_longest"], ROOT, tmp_path
+    )
     # from any directory, by file path
-    by_file = _train(["--steps", "3", "--partitioner", f"{ROOT}/examples/custom_partitioner.py:round_robin_longest"],
-                     tmp_path, tmp_path)
+    by_file = _train(
+        ["--steps", "3", "--partitioner", f"{ROOT}/examples/custom_partitioner.py:round_robin_longest"],
+        tmp_path,
+        tmp_path,
+    )
     assert by_module["loss_curve"] == by_file["loss_curve"]
     assert by_module["config"]["balancer"]["partitioner"] == "examples.custom_partitioner:round_robin_longest"
 
@@ -112,7 +168,11 @@ def test_the_api_walkthrough_runs_as_written(tmp_path):
     script.write_text(code)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 10: loss" in proc.stdout

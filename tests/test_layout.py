@@ -8,8 +8,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first; a module may import its own layer and the ones before it.
-LAYERS = ["kernels", "fscomm", "fsdata", "fsembed", "pipelines.models", "pipelines.api", "pipelines.job",
-          "pipelines.cli", "pipelines.research"]
+LAYERS = [
+    "kernels",
+    "fscomm",
+    "fsdata",
+    "fsembed",
+    "pipelines.models",
+    "pipelines.api",
+    "pipelines.job",
+    "pipelines.cli",
+    "pipelines.research",
+]
 TOP = {"pipelines.cli": 7, "pipelines.research": 7}  # both on top, neither imports the other
 
 

@@ -66,8 +66,14 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
     batch.uih_item_ids[batch.uih_offsets[5]] = -3  # sample 5: on rank 1 (batch size 4 per rank)
     pq.write_table(batch_to_table(batch), tmp_path / "bad.parquet", row_group_size=4)  # row group 1: rank 1 only
     proc = freescale(tmp_path, "train", *FAST, "--data", "bad.parquet", "--log-dir", "logs")
-    line = one_line_error(proc, "freescale train: error: rank 1:", "bad.parquet row group 1", "sample_id 5",
-                          "negative id -3 in uih_item_ids", "traceback: ")
+    line = one_line_error(
+        proc,
+        "freescale train: error: rank 1:",
+        "bad.parquet row group 1",
+        "sample_id 5",
+        "negative id -3 in uih_item_ids",
+        "traceback: ",
+    )
     log = Path(line.split("traceback: ")[1].split(")")[0])
     assert log.is_file() and "Traceback" in log.read_text()
 
@@ -80,8 +86,10 @@ def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verb
         raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")
     except ValueError as exc:
         line = report_failure(exc, 1, verbose=True, log_dir=str(tmp_path))
-    assert line == (f"rank 1: nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense' "
-                    f"(traceback: {tmp_path / 'rank1.log'})")
+    assert line == (
+        f"rank 1: nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense' "
+        f"(traceback: {tmp_path / 'rank1.log'})"
+    )
     assert "Traceback" in capsys.readouterr().err and "Traceback" in (tmp_path / "rank1.log").read_text()
     report = json.loads((tmp_path / "rank1.error").read_text())
     assert report == {"rank": 1, "line": line, "root": True}
@@ -121,12 +129,15 @@ def test_a_checkpoint_carrying_a_pickled_callable_is_refused_and_nothing_runs(tm
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("damage, match", [
-    ("missing", "does not exist"),
-    ("no-marker", "no COMPLETE marker: the save was interrupted"),
-    ("lacks-rank", "is incomplete: it lacks rank1.pt"),
-    ("truncated", "rank0.pt: not a readable checkpoint file"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ("missing", "does not exist"),
+        ("no-marker", "no COMPLETE marker: the save was interrupted"),
+        ("lacks-rank", "is incomplete: it lacks rank1.pt"),
+        ("truncated", "rank0.pt: not a readable checkpoint file"),
+    ],
+)
 def test_an_explicit_checkpoint_that_is_missing_or_incomplete_is_one_line(tmp_path, capsys, damage, match):
     import torch
 
@@ -162,9 +173,32 @@ def _start_long_job(tmp_path, *extra):
     """`freescale train` of many steps under a 3 s communication timeout, once it has trained a few steps."""
     log_dir = tmp_path / "logs"
     metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--device", "cpu", "--no-progress",
-           "--batch-size", "4", "--steps", "100000", "--mode", "replicated", "--partitioner", "none",
-           "--comm-timeout-s", "3", "--log-dir", str(log_dir), "--metrics-jsonl", str(metrics), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--batch-size",
+        "4",
+        "--steps",
+        "100000",
+        "--mode",
+        "replicated",
+        "--partitioner",
+        "none",
+        "--comm-timeout-s",
+        "3",
+        "--log-dir",
+        str(log_dir),
+        "--metrics-jsonl",
+        str(metrics),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -206,8 +240,9 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     """Also: --resume latest over a directory without a complete checkpoint says so and trains from step 0, and an
     option the mode ignores gets a warning (one launch for the three: each costs seconds)."""
     (tmp_path / "ck" / "step_000004").mkdir(parents=True)  # an interrupted save: no marker, not a checkpoint
-    proc, pids, _ = _start_long_job(tmp_path, "--mode", "sync", "--partitioner", "kk", "--checkpoint-dir", "ck",
-                                    "--resume", "latest")
+    proc, pids, _ = _start_long_job(
+        tmp_path, "--mode", "sync", "--partitioner", "kk", "--checkpoint-dir", "ck", "--resume", "latest"
+    )
     os.kill(pids[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
@@ -232,14 +267,18 @@ def test_options_the_mode_ignores_are_named_only_when_set():
         "--tuning.early-start is ignored in mode sync (it applies to mode(s) freescale)",
     ]
     assert warnings("--mode", "replicated", "--transport", "host") == [
-        "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"]
+        "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"
+    ]
     assert warnings("--mode", "freescale", "--partitioner", "kk", "--transport", "host") == []
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["--comm-timeout-s", "0"], "comm_timeout_s must be > 0"),
-    (["--id-overflow", "wrap"], "id_overflow must be one of error, modulo, hash"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--comm-timeout-s", "0"], "comm_timeout_s must be > 0"),
+        (["--id-overflow", "wrap"], "id_overflow must be one of error, modulo, hash"),
+    ],
+)
 def test_new_flags_are_validated(argv, match):
     from pipelines.cli import build_parser
     from pipelines.job.config import config_from_args
@@ -277,7 +316,9 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
         with Background(Stuck()) as node:
             node.reset()
             t0 = time.monotonic()
-            with pytest.raises(TimeoutError, match=r"stage worker did not hand over the next item within 0.5 s .*stages: Stuck"):
+            with pytest.raises(
+                TimeoutError, match=r"stage worker did not hand over the next item within 0.5 s .*stages: Stuck"
+            ):
                 next(node)
             assert time.monotonic() - t0 < 3
             release.set()
@@ -286,16 +327,19 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
     assert not {t for t in threading.enumerate() if t.name.startswith("fsdata-stages")} - before
 
 
-@pytest.mark.parametrize("reports, failures, pids, expect", [
-    # rank 1's own fault is named, not rank 0's consequence of it
-    ({0: False, 1: True}, {0: 1, 1: 1}, [0, 1], "rank 1: cause 1 (traceback: x); rank(s) [0] failed after it"),
-    # a rank killed without a report, seen by the launcher
-    ({0: False}, {0: 1, 1: -9}, [0, 1], "rank 1 died (signal SIGKILL) without an error of its own"),
-    # ... not seen by it (it saw rank 0 fail first): found by its missing report
-    ({0: False}, {0: 1}, [0, 1], "rank 1 died without an error of its own"),
-    # the launcher stopping the others (SIGTERM) is not a cause
-    ({}, {0: -9, 1: -15}, [0, 1], "rank 0 died (signal SIGKILL) without an error of its own"),
-])
+@pytest.mark.parametrize(
+    "reports, failures, pids, expect",
+    [
+        # rank 1's own fault is named, not rank 0's consequence of it
+        ({0: False, 1: True}, {0: 1, 1: 1}, [0, 1], "rank 1: cause 1 (traceback: x); rank(s) [0] failed after it"),
+        # a rank killed without a report, seen by the launcher
+        ({0: False}, {0: 1, 1: -9}, [0, 1], "rank 1 died (signal SIGKILL) without an error of its own"),
+        # ... not seen by it (it saw rank 0 fail first): found by its missing report
+        ({0: False}, {0: 1}, [0, 1], "rank 1 died without an error of its own"),
+        # the launcher stopping the others (SIGTERM) is not a cause
+        ({}, {0: -9, 1: -15}, [0, 1], "rank 0 died (signal SIGKILL) without an error of its own"),
+    ],
+)
 def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports, failures, pids, expect):
     from types import SimpleNamespace
 

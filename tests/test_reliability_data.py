@@ -31,12 +31,15 @@ def test_known_headers_match_whatever_their_case(tmp_path):
     assert a.events == 5 and a.skipped_rows == 0
 
 
-@pytest.mark.parametrize("bad, line, why", [
-    ("1,13,4.0\n", 4, "3 fields, expected 4"),  # a row cut mid-line, inside the file
-    ("1,13,4.0,abc\n", 4, "does not parse as its column's type"),
-    ("1,,4.0,500\n", 4, "a field is empty"),
-    ("1,13,4.0,500,7\n", 4, "5 fields, expected 4"),
-])
+@pytest.mark.parametrize(
+    "bad, line, why",
+    [
+        ("1,13,4.0\n", 4, "3 fields, expected 4"),  # a row cut mid-line, inside the file
+        ("1,13,4.0,abc\n", 4, "does not parse as its column's type"),
+        ("1,,4.0,500\n", 4, "a field is empty"),
+        ("1,13,4.0,500,7\n", 4, "5 fields, expected 4"),
+    ],
+)
 def test_malformed_rows_are_refused_with_their_line_or_skipped_and_counted(tmp_path, bad, line, why):
     rows = ROWS.splitlines(keepends=True)
     path = ml(tmp_path, "".join(rows[:2]) + bad + "".join(rows[2:]))
@@ -58,14 +61,29 @@ def test_kuairand_header_case_and_bad_rows(tmp_path):
     path.write_text("User_ID,Video_ID,Time_MS,Is_Click\n1,5,1000,1\n1,6,2000,0\n1,7,x,1\n2,5,1500,1\n2,6,2500,0\n")
     with pytest.raises(ValueError, match="log.csv: line 4: "):
         convert("kuairand", [str(path)], str(tmp_path / "k.parquet"), candidates=1, progress=False)
-    report = convert("kuairand", [str(path)], str(tmp_path / "k.parquet"), candidates=1, progress=False, bad_rows="skip")
+    report = convert(
+        "kuairand", [str(path)], str(tmp_path / "k.parquet"), candidates=1, progress=False, bad_rows="skip"
+    )
     assert report.events == 4 and report.skipped_rows == 1
 
 
 def test_a_missing_input_is_one_line_at_the_cli(tmp_path, capsys):
     from pipelines.cli import main
 
-    assert main(["data", "convert", "--format", "movielens", str(tmp_path / "nope.csv"), "--out", str(tmp_path / "o.parquet")]) == 2
+    assert (
+        main(
+            [
+                "data",
+                "convert",
+                "--format",
+                "movielens",
+                str(tmp_path / "nope.csv"),
+                "--out",
+                str(tmp_path / "o.parquet"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.strip() == f"freescale data convert: error: {tmp_path / 'nope.csv'}: no such input file"
 
@@ -103,10 +121,20 @@ def test_a_file_cut_mid_row_group_and_a_directory_with_one_corrupt_file(tmp_path
 
 def _one_sample(uih_len: int) -> Batch:
     uih = np.arange(uih_len, dtype=np.int64) % 5000
-    return Batch.from_samples([Sample(
-        sample_id=0, user_id=1, uih_item_ids=uih, candidate_labels=np.ones((1, 1), dtype=np.float32),
-        content_ids=[np.asarray([3], dtype=np.int64)], dense=np.zeros(2, dtype=np.float32),
-    )], num_labels=1, dense_dim=2)
+    return Batch.from_samples(
+        [
+            Sample(
+                sample_id=0,
+                user_id=1,
+                uih_item_ids=uih,
+                candidate_labels=np.ones((1, 1), dtype=np.float32),
+                content_ids=[np.asarray([3], dtype=np.int64)],
+                dense=np.zeros(2, dtype=np.float32),
+            )
+        ],
+        num_labels=1,
+        dense_dim=2,
+    )
 
 
 @pytest.mark.parametrize("uih_len", [1, 10**6])
@@ -164,10 +192,13 @@ def _freescale(tmp_path, capsys, *argv):
     return code, lines
 
 
-@pytest.mark.parametrize("data, files", [
-    ("empty.parquet", ["empty.parquet"]),
-    ("dir", ["dir/a.parquet", "dir/b.parquet"]),
-])
+@pytest.mark.parametrize(
+    "data, files",
+    [
+        ("empty.parquet", ["empty.parquet"]),
+        ("dir", ["dir/a.parquet", "dir/b.parquet"]),
+    ],
+)
 def test_an_empty_source_is_one_line_naming_the_path_before_any_rank_starts(tmp_path, capsys, data, files):
     _empty_files(tmp_path, *files)
     with pytest.raises(ValueError, match=f"{data}: no samples"):
@@ -175,7 +206,9 @@ def test_an_empty_source_is_one_line_naming_the_path_before_any_rank_starts(tmp_
     code, lines = _freescale(tmp_path, capsys, "train", "--nproc", "2", "--device", "cpu", "--data", data)
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"freescale train: error: {data}: no samples"), lines
     code, lines = _freescale(tmp_path, capsys, "data", "stats", data)
-    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"freescale data stats: error: {data}: no samples"), lines
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"freescale data stats: error: {data}: no samples"), (
+        lines
+    )
 
 
 def test_a_filter_that_leaves_no_sample_is_one_line_before_any_rank_starts(tmp_path, capsys):
@@ -186,10 +219,13 @@ def test_a_filter_that_leaves_no_sample_is_one_line_before_any_rank_starts(tmp_p
     batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8)).read(0, 0, 8)
     batch.dense = torch.full_like(batch.dense, float("nan"))  # every sample bad: --drop-bad-samples keeps none
     pq.write_table(batch_to_table(batch), tmp_path / "nan.parquet", row_group_size=4)
-    code, lines = _freescale(tmp_path, capsys, "train", "--nproc", "2", "--device", "cpu", "--data", "nan.parquet",
-                             "--drop-bad-samples")
+    code, lines = _freescale(
+        tmp_path, capsys, "train", "--nproc", "2", "--device", "cpu", "--data", "nan.parquet", "--drop-bad-samples"
+    )
     assert code == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("freescale train: error: nan.parquet: no samples left: every one of its 8 samples"), lines
+    assert lines[0].startswith("freescale train: error: nan.parquet: no samples left: every one of its 8 samples"), (
+        lines
+    )
     assert ParquetSource(tmp_path / "nan.parquet", drop_bad_samples=True).first_kept_sample() is None
     batch.dense[5] = 0.0  # one sound sample, in the second row group: found, and the job may start
     pq.write_table(batch_to_table(batch), tmp_path / "one.parquet", row_group_size=4)

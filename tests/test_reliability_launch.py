@@ -39,14 +39,29 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser()
     transport.add_arguments(parser)
-    return parser.parse_args(["--device", "cpu", "--backends", "host-shm", "--sizes", "4096", "--reps", "2",
-                              "--no-contention", "--timeout", "120", *argv])
+    return parser.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--backends",
+            "host-shm",
+            "--sizes",
+            "4096",
+            "--reps",
+            "2",
+            "--no-contention",
+            "--timeout",
+            "120",
+            *argv,
+        ]
+    )
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("point", ["created", "mapped", "exchange"])
 def test_a_bench_rank_killed_at_each_point_of_the_segments_life_leaves_one_line_and_no_segment(
-        tmp_path, monkeypatch, capfd, point):
+    tmp_path, monkeypatch, capfd, point
+):
     from fscomm.shm import FAULT_ENV
     from pipelines.research.bench import launch, transport
 
@@ -90,7 +105,9 @@ def test_a_bench_rank_that_raises_is_one_line_naming_it_with_the_traceback_in_it
     assert ended.value.code == 1
     err = _terminal_lines(capfd.readouterr().err)
     assert len(err) == 1, err
-    assert err[0].startswith("freescale bench demo: error: rank 1: the bench's input is bad on purpose (traceback: "), err
+    assert err[0].startswith("freescale bench demo: error: rank 1: the bench's input is bad on purpose (traceback: "), (
+        err
+    )
     assert "Traceback" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
@@ -100,9 +117,31 @@ def test_a_train_rank_killed_mid_exchange_leaves_no_segment(tmp_path):
 
     log_dir = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--device", "cpu", "--no-progress",
-         "--batch-size", "4", "--num-samples", "64", "--steps", "4", "--log-dir", str(log_dir)],
-        cwd=tmp_path, env={**ENV, FAULT_ENV: "exchange:1"}, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--batch-size",
+            "4",
+            "--num-samples",
+            "64",
+            "--steps",
+            "4",
+            "--log-dir",
+            str(log_dir),
+        ],
+        cwd=tmp_path,
+        env={**ENV, FAULT_ENV: "exchange:1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1
     err = _terminal_lines(proc.stderr)
     assert len(err) <= 3 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -121,9 +160,30 @@ def test_a_rank_that_fails_with_its_progress_bar_drawn_leaves_no_stray_warning(t
     batch.uih_item_ids[batch.uih_offsets[25]] = -3  # step 3, rank 0 (the rank that draws the bar)
     pq.write_table(batch_to_table(batch), tmp_path / "late.parquet", row_group_size=4)
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--device", "cpu", "--batch-size", "4",
-         "--steps", "6", "--data", "late.parquet", "--log-dir", str(tmp_path / "logs")],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "4",
+            "--steps",
+            "6",
+            "--data",
+            "late.parquet",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 1
     assert "rank 0: late.parquet row group 6: sample_id 25" in proc.stderr, proc.stderr[-3000:]
     assert "leaked" not in proc.stderr and "resource_tracker" not in proc.stderr, proc.stderr[-3000:]
@@ -143,7 +203,9 @@ def test_a_stage_group_whose_peer_closed_its_connection_says_so_and_the_time_tha
 
     closed = RuntimeError("Gloo connectFullMesh failed with [...] Connection closed by peer [127.0.0.1]:60571")
     msg = _join_failure("fscomm-default", 0, 2, _Store({0, 1}), 0.04, 1800.0, closed)
-    assert msg.startswith("new_stage_group('fscomm-default') on rank 0 of 2: a peer closed its connection after 0.0 s"), msg
+    assert msg.startswith(
+        "new_stage_group('fscomm-default') on rank 0 of 2: a peer closed its connection after 0.0 s"
+    ), msg
     assert "every rank called it" in msg and "within 1800" not in msg and "\n" not in msg
     late = _join_failure("embedding", 0, 2, _Store({0}), 2.0, 2.0, RuntimeError("Timed out"))
     assert "not every rank joined within 2.0 s (the group timeout, run out: waited 2.0 s)" in late
@@ -158,4 +220,7 @@ def _rank_and_world(args, rank, world_size):
 def test_the_bench_launcher_brings_every_ranks_result_back_when_asked():
     from pipelines.research.bench.launch import launch
 
-    assert launch(_rank_and_world, argparse.Namespace(timeout=120, nproc=2), "demo", every_rank=True) == [(0, 2), (1, 2)]
+    assert launch(_rank_and_world, argparse.Namespace(timeout=120, nproc=2), "demo", every_rank=True) == [
+        (0, 2),
+        (1, 2),
+    ]

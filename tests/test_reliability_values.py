@@ -34,13 +34,16 @@ def damaged(n=64, **changes):
     return batch
 
 
-@pytest.mark.parametrize("column, index, value, match", [
-    ("dense", 9, float("nan"), r"sample_id 2 \(row 2\): non-finite value nan in column 'dense'"),
-    ("dense", 0, float("inf"), r"sample_id 0 \(row 0\): non-finite value inf in column 'dense'"),
-    ("candidate_labels", 0, float("nan"), r"sample_id 0 .*non-finite label nan in column 'candidate_labels'"),
-    ("candidate_labels", 0, 1.5, r"sample_id 0 .*label outside \[0, 1\].* 1.5 in column 'candidate_labels'"),
-    ("candidate_labels", 0, -0.5, r"label outside \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "column, index, value, match",
+    [
+        ("dense", 9, float("nan"), r"sample_id 2 \(row 2\): non-finite value nan in column 'dense'"),
+        ("dense", 0, float("inf"), r"sample_id 0 \(row 0\): non-finite value inf in column 'dense'"),
+        ("candidate_labels", 0, float("nan"), r"sample_id 0 .*non-finite label nan in column 'candidate_labels'"),
+        ("candidate_labels", 0, 1.5, r"sample_id 0 .*label outside \[0, 1\].* 1.5 in column 'candidate_labels'"),
+        ("candidate_labels", 0, -0.5, r"label outside \[0, 1\]"),
+    ],
+)
 def test_bad_values_are_refused_at_read_naming_sample_and_column(tmp_path, column, index, value, match):
     path = write_raw(damaged(**{column: (index, value)}), tmp_path / "bad.parquet")
     source = ParquetSource(path)
@@ -62,15 +65,18 @@ def test_drop_bad_samples_leaves_them_out_and_counts_them(tmp_path):
     clean = synth(64).read(0, 0, 20)  # the samples kept are exactly the clean ones
     for i, sid in enumerate(out.sample_ids.tolist()):
         a, b = out.uih_offsets, clean.uih_offsets
-        assert torch.equal(out.uih_item_ids[a[i]:a[i + 1]], clean.uih_item_ids[b[sid]:b[sid + 1]])
+        assert torch.equal(out.uih_item_ids[a[i] : a[i + 1]], clean.uih_item_ids[b[sid] : b[sid + 1]])
         assert torch.equal(out.dense[i], clean.dense[sid])
 
 
 def test_ids_beyond_the_table_are_an_error_naming_sample_and_largest_id(tmp_path):
     batch = damaged(uih_item_ids=(5, 2**62))
     source = IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "big.parquet")), num_rows=20_000)
-    with pytest.raises(ValueError, match=r"sample_id 0: id in column 'uih_item_ids' beyond the item table's 20000 rows "
-                                         r"\(1 such ids in this batch, the largest 4611686018427387904\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample_id 0: id in column 'uih_item_ids' beyond the item table's 20000 rows "
+        r"\(1 such ids in this batch, the largest 4611686018427387904\)",
+    ):
         source.read(0, 0, 16)
 
 
@@ -78,8 +84,10 @@ def test_ids_beyond_the_table_are_an_error_naming_sample_and_largest_id(tmp_path
 def test_a_declared_fold_maps_ids_onto_rows_and_counts_them(tmp_path, overflow):
     batch = damaged(uih_item_ids=(5, 2**62))
     meta = {META_ID_OVERFLOW: overflow.encode()}
-    for source in (IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "a.parquet")), 20_000, overflow),
-                   IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "b.parquet", meta)), 20_000)):
+    for source in (
+        IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "a.parquet")), 20_000, overflow),
+        IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "b.parquet", meta)), 20_000),
+    ):
         out = source.read(0, 0, 16)
         assert int(out.uih_item_ids.max()) < 20_000 and source.stats()["folded_ids"] == 1
         expect = 2**62 % 20_000 if overflow == "modulo" else int(hash_ids(torch.tensor([2**62]), 20_000))
@@ -112,6 +120,7 @@ def _nan_on_rank_1_at_step_2(rank, world_size):
     from tests.pipelines.tiny import tiny_config
 
     with Trainer(tiny_config("sync", 5).validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as t:
+
         def poison(module, args, out):
             return out * float("nan") if rank == 1 and t.step == 2 else out
 

@@ -115,8 +115,11 @@ class Background(BaseNode[T]):
             try:
                 self._wait(pending, "finish its item in flight")  # its collectives complete on every rank
             except Exception as exc:  # the item is discarded; a real fault recurs when it is recomputed
-                print(f"[freescale] warning: the loader's item in flight failed while it was discarded: "
-                      f"{' '.join(str(exc).split())}", file=sys.stderr)
+                print(
+                    f"[freescale] warning: the loader's item in flight failed while it was discarded: "
+                    f"{' '.join(str(exc).split())}",
+                    file=sys.stderr,
+                )
         self._owed = False
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:

@@ -35,7 +35,10 @@ from fsdata.item import LoaderItem, as_item, moved
 
 class DeviceCopy(BaseNode[Any]):
     def __init__(
-        self, source: BaseNode[Any], device: Union[str, torch.device], consumer_stream: Optional["torch.cuda.Stream"] = None
+        self,
+        source: BaseNode[Any],
+        device: Union[str, torch.device],
+        consumer_stream: Optional["torch.cuda.Stream"] = None,
     ) -> None:
         super().__init__()
         self.device = torch.device(device)
@@ -43,7 +46,9 @@ class DeviceCopy(BaseNode[Any]):
             raise ValueError(f"DeviceCopy: copies batches to a CUDA device, got {self.device}")
         self.source = source
         self._stream = torch.cuda.Stream(self.device)
-        self.consumer_stream = consumer_stream if consumer_stream is not None else torch.cuda.current_stream(self.device)
+        self.consumer_stream = (
+            consumer_stream if consumer_stream is not None else torch.cuda.current_stream(self.device)
+        )
 
     def reset(self, initial_state: Optional[Dict[str, Any]] = None) -> None:
         super().reset(initial_state)

@@ -161,8 +161,17 @@ class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
         jagged, _ = extra_layout(batch)
         block = torch.zeros(self.capacity + 1, _ROW + len(jagged), dtype=torch.int64)
         budget_tokens, budget_factor = self.memory_budget
-        block[0, :_ROW] = torch.tensor([b, _float_bits(seconds), measured_step, _schema_code(batch),
-                                        _extras_signature(batch), budget_tokens, _float_bits(budget_factor)])
+        block[0, :_ROW] = torch.tensor(
+            [
+                b,
+                _float_bits(seconds),
+                measured_step,
+                _schema_code(batch),
+                _extras_signature(batch),
+                budget_tokens,
+                _float_bits(budget_factor),
+            ]
+        )
         block[1 : b + 1, 0] = batch.uih_lengths
         block[1 : b + 1, 1] = batch.num_candidates
         block[1 : b + 1, 2] = batch.sample_ids

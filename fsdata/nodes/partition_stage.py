@@ -25,7 +25,16 @@ from torchdata.nodes import BaseNode
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem
 from fsdata.nodes.gather_lengths import Gathered
-from fsdata.partition import AutoTune, BalanceGate, BudgetSpec, GatheredLengths, MemoryBudget, Partitioner, Plan, RuntimeInfo
+from fsdata.partition import (
+    AutoTune,
+    BalanceGate,
+    BudgetSpec,
+    GatheredLengths,
+    MemoryBudget,
+    Partitioner,
+    Plan,
+    RuntimeInfo,
+)
 
 
 @dataclass
@@ -92,8 +101,14 @@ class PartitionStage(BaseNode[Planned]):
     AUTOTUNE_KEY = "autotune"
     GATE_KEY = "gate"
 
-    def __init__(self, source: BaseNode[Gathered], partitioner: Partitioner, autotune: Optional[AutoTune] = None,
-                 gate: Optional[BalanceGate] = None, budget: Optional[BudgetSpec] = None) -> None:
+    def __init__(
+        self,
+        source: BaseNode[Gathered],
+        partitioner: Partitioner,
+        autotune: Optional[AutoTune] = None,
+        gate: Optional[BalanceGate] = None,
+        budget: Optional[BudgetSpec] = None,
+    ) -> None:
         super().__init__()
         self.source, self.partitioner, self.autotune, self.gate = source, partitioner, autotune, gate
         self.budget = budget
@@ -133,7 +148,9 @@ class PartitionStage(BaseNode[Planned]):
                 self.autotune.observe(step, times)
             if self.gate is not None:
                 self.gate.observe(step, times)
-        runtime = RuntimeInfo(step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times)
+        runtime = RuntimeInfo(
+            step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times
+        )
         if self.autotune is not None:
             runtime.budget_shares = self.autotune.shares_for_step(self._step)
         who = f"partitioner {self.partitioner!r} at step {self._step}"
@@ -150,7 +167,14 @@ class PartitionStage(BaseNode[Planned]):
             # Judge this step's later measurement against the weight each rank really got, not its planned
             # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
             self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
-        planned = Planned(item=item.item, lengths=item.lengths, plan=plan, step=self._step, predicted_gain=gain,
-                          extra_lengths=item.extra_lengths, memory_budget=runtime.memory_budget)
+        planned = Planned(
+            item=item.item,
+            lengths=item.lengths,
+            plan=plan,
+            step=self._step,
+            predicted_gain=gain,
+            extra_lengths=item.extra_lengths,
+            memory_budget=runtime.memory_budget,
+        )
         self._step += 1
         return planned

@@ -42,7 +42,9 @@ class GlobalBatchReader(BaseNode[Batch]):
         self.world_size = world_size
         self._start = dict(start) if start is not None else {self.EPOCH_KEY: 0, self.CURSOR_KEY: 0}
         if set(self._start) != {self.EPOCH_KEY, self.CURSOR_KEY}:
-            raise ValueError(f"GlobalBatchReader start must hold exactly 'epoch' and 'cursor', got {sorted(self._start)}")
+            raise ValueError(
+                f"GlobalBatchReader start must hold exactly 'epoch' and 'cursor', got {sorted(self._start)}"
+            )
         self._epoch = int(self._start[self.EPOCH_KEY])
         self._cursor = int(self._start[self.CURSOR_KEY])
         self._started = False

@@ -108,8 +108,12 @@ class _Field:
 
 def _wire_fields(batch: Batch) -> list[_Field]:
     """The fields of a batch in wire order (the module docstring's layout)."""
-    fields = [_Field("sample_ids", torch.int64), _Field("user_ids", torch.int64),
-              _Field("dense", torch.float32, (batch.dense.shape[1],)), _Field("uih_item_ids", torch.int64)]
+    fields = [
+        _Field("sample_ids", torch.int64),
+        _Field("user_ids", torch.int64),
+        _Field("dense", torch.float32, (batch.dense.shape[1],)),
+        _Field("uih_item_ids", torch.int64),
+    ]
     fields += [_Field(n, torch.int64) for n in ("uih_action_types", "uih_timestamps") if getattr(batch, n) is not None]
     fields += [_Field("candidate_labels", torch.float32, (batch.num_labels,)), _Field("content_ids", torch.int64)]
     jagged, dense = extra_layout(batch)
@@ -160,7 +164,9 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
 
     span_name = "balancer_stage3_wait"
 
-    def __init__(self, source: BaseNode[Planned], transport: Any, rank: int, world_size: int, timer: Optional[Timer] = None) -> None:
+    def __init__(
+        self, source: BaseNode[Planned], transport: Any, rank: int, world_size: int, timer: Optional[Timer] = None
+    ) -> None:
         super().__init__(source, timer)
         self.transport, self.rank, self.world_size = transport, rank, world_size
 
@@ -201,7 +207,9 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
         if not bool((source_rank.diff() >= 0).all()):  # a plan with its own order within a rank
             recv_offsets, recv_order = self._arrival_segments(source_rank, mine_sizes)
         handle = self.transport.all_to_all(send, send_splits, chunks.sum(0).tolist())
-        return _InFlight(p, handle, chunks.t().reshape(-1).tolist(), recv_offsets, recv_order, chunks.sum(1).tolist(), mine, fields)
+        return _InFlight(
+            p, handle, chunks.t().reshape(-1).tolist(), recv_offsets, recv_order, chunks.sum(1).tolist(), mine, fields
+        )
 
     @staticmethod
     def _arrival_segments(source_rank: torch.Tensor, mine_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +264,10 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
             dense=value("dense"),
             uih_action_types=value("uih_action_types") if "uih_action_types" in received_fields else None,
             uih_timestamps=value("uih_timestamps") if "uih_timestamps" in received_fields else None,
-            extra_jagged={k: Jagged(value(f"jagged:{k}"), lengths_to_offsets(extra_lengths[mine, i]))
-                          for i, k in enumerate(jagged_names)},
+            extra_jagged={
+                k: Jagged(value(f"jagged:{k}"), lengths_to_offsets(extra_lengths[mine, i]))
+                for i, k in enumerate(jagged_names)
+            },
             extra_dense={s.name.partition(":")[2]: value(s.name) for s in f.fields if s.name.startswith("dense:")},
         )
         return replace(f.planned.item, batch=balanced, report=self._info(f.planned, g_uih, moved=True))

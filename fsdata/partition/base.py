@@ -185,15 +185,23 @@ class Plan:
     def rank_samples(self, rank: int) -> torch.Tensor:
         return self.order[int(self.dest_offsets[rank]) : int(self.dest_offsets[rank + 1])]
 
-    def validate(self, num_samples: int, world_size: Optional[int] = None, who: str = "plan",
-                 lengths: Optional[GatheredLengths] = None, budget: Optional["PlanCheck"] = None) -> None:
+    def validate(
+        self,
+        num_samples: int,
+        world_size: Optional[int] = None,
+        who: str = "plan",
+        lengths: Optional[GatheredLengths] = None,
+        budget: Optional["PlanCheck"] = None,
+    ) -> None:
         """Raises ValueError unless every one of ``num_samples`` samples goes to exactly one rank and, given the
         step's ``lengths`` and a ``budget``, no rank holds more tokens than it (the message names the rank)."""
         order, offs = self.order, self.dest_offsets
         if order.dim() != 1 or offs.dim() != 1 or offs.numel() < 2:
             raise ValueError(f"{who}: order must be 1-D and dest_offsets 1-D with >= 2 entries")
         if world_size is not None and offs.numel() != world_size + 1:
-            raise ValueError(f"{who}: dest_offsets has {offs.numel()} entries, expected world_size+1 = {world_size + 1}")
+            raise ValueError(
+                f"{who}: dest_offsets has {offs.numel()} entries, expected world_size+1 = {world_size + 1}"
+            )
         if int(offs[0]) != 0 or int(offs[-1]) != order.numel() or bool((offs[1:] < offs[:-1]).any()):
             raise ValueError(f"{who}: dest_offsets must rise from 0 to len(order)={order.numel()}, got {offs.tolist()}")
         if order.numel() != num_samples:

@@ -228,8 +228,9 @@ class BudgetSpec:
 
 
 # ---------------------------------------------------------------------------------------------- meeting it
-def deal_with_room(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, shares: np.ndarray,
-                   limit: int) -> Optional[np.ndarray]:
+def deal_with_room(
+    order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, shares: np.ndarray, limit: int
+) -> Optional[np.ndarray]:
     """[G] ranks: each sample of ``order`` (cost-descending) to the rank of least ``load / share`` that has room
     for its tokens (LPT under a cap); None if a sample finds no room (impossible for ``limit >=
     guaranteed_tokens``). The first ``W`` samples go to distinct ranks, so none is left empty when ``G >= W``."""
@@ -257,8 +258,14 @@ def deal_with_room(order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, sha
     return dest
 
 
-def repair(dest: np.ndarray, tokens: np.ndarray, limit: int, world_size: int, equal_counts: bool,
-           max_moves: Optional[int] = None) -> np.ndarray:
+def repair(
+    dest: np.ndarray,
+    tokens: np.ndarray,
+    limit: int,
+    world_size: int,
+    equal_counts: bool,
+    max_moves: Optional[int] = None,
+) -> np.ndarray:
     """Moves (VBS) or swaps (FBS, KK: counts kept) samples from the rank of most tokens to the rank of fewest until
     no rank is over ``limit`` or nothing helps; returns the new destinations (checked by the caller).
 
@@ -281,8 +288,11 @@ def repair(dest: np.ndarray, tokens: np.ndarray, limit: int, world_size: int, eq
         if not ok.any():
             break
         enough = ok & (delta >= excess)
-        pick = int(np.argmin(np.where(enough, delta, np.iinfo(np.int64).max))) if enough.any() else \
-            int(np.argmax(np.where(ok, delta, -1)))
+        pick = (
+            int(np.argmin(np.where(enough, delta, np.iinfo(np.int64).max)))
+            if enough.any()
+            else int(np.argmax(np.where(ok, delta, -1)))
+        )
         if equal_counts:
             i, j = mine[pick // theirs.size], theirs[pick % theirs.size]
             dest[i], dest[j] = s, r
@@ -302,9 +312,15 @@ def token_sort_order(tokens: np.ndarray, costs: np.ndarray, lengths: GatheredLen
     return np.lexsort((lengths.sample_ids.numpy(), -costs, -tokens))
 
 
-def honour(dest: np.ndarray, lengths: GatheredLengths, budget: Optional[MemoryBudget], costs: np.ndarray,
-           alternatives: Sequence[Callable[[np.ndarray], Optional[np.ndarray]]], equal_counts: bool,
-           who: str) -> np.ndarray:
+def honour(
+    dest: np.ndarray,
+    lengths: GatheredLengths,
+    budget: Optional[MemoryBudget],
+    costs: np.ndarray,
+    alternatives: Sequence[Callable[[np.ndarray], Optional[np.ndarray]]],
+    equal_counts: bool,
+    who: str,
+) -> np.ndarray:
     """``dest`` if it meets ``budget``; else the first of ``alternatives(tokens)`` that does; else a token repair
     of the last one tried; else a ValueError with the figures. A budget that no plan can meet fails first."""
     if budget is None:

@@ -100,7 +100,9 @@ class OnlineCostFit:
         x = np.asarray(features, dtype=np.float64)
         y = as_numpy(step_times, np.float64, "step_times")
         if x.ndim != 2 or x.shape[1] != NUM_FEATURES or x.shape[0] != y.size:
-            raise ValueError(f"OnlineCostFit.update: features {x.shape} and step_times {y.shape} do not match [W, 4], [W]")
+            raise ValueError(
+                f"OnlineCostFit.update: features {x.shape} and step_times {y.shape} do not match [W, 4], [W]"
+            )
         if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
             raise ValueError("OnlineCostFit.update: features and step times must be finite")
         f = self.forgetting

@@ -43,8 +43,13 @@ class CustomPartitioner:
     def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
         result = self.fn(lengths, runtime, **self.kwargs)
         plan = self._to_plan(result, lengths)
-        plan.validate(lengths.num_samples, lengths.world_size, who=f"custom partitioner {self.spec!r}", lengths=lengths,
-                      budget=runtime.memory_budget)
+        plan.validate(
+            lengths.num_samples,
+            lengths.world_size,
+            who=f"custom partitioner {self.spec!r}",
+            lengths=lengths,
+            budget=runtime.memory_budget,
+        )
         return plan
 
     def _to_plan(self, result: Any, lengths: GatheredLengths) -> Plan:

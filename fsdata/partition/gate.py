@@ -44,8 +44,13 @@ from fsdata.partition.cost import CostModel, OnlineCostFit, rank_features
 class BalanceGate:
     """Chooses, per step, between the partitioner's plan and the identity plan (see the module docstring)."""
 
-    def __init__(self, min_gain: float, cost_model: Optional[CostModel] = None, fit: Optional[OnlineCostFit] = None,
-                 history: int = 16) -> None:
+    def __init__(
+        self,
+        min_gain: float,
+        cost_model: Optional[CostModel] = None,
+        fit: Optional[OnlineCostFit] = None,
+        history: int = 16,
+    ) -> None:
         if not np.isfinite(min_gain) or not 0.0 <= min_gain < 1.0:
             raise ValueError(f"BalanceGate min_gain must be in [0, 1), got {min_gain}")
         if history < 1:
@@ -83,8 +88,9 @@ class BalanceGate:
         slowest = float((kept @ coefficients).max())
         return 1.0 - float((moved @ coefficients).max()) / slowest if slowest > 0 else 0.0
 
-    def choose(self, step: int, lengths: GatheredLengths, plan: Plan,
-               budget: Optional[MemoryBudget] = None) -> tuple[Plan, Optional[float]]:
+    def choose(
+        self, step: int, lengths: GatheredLengths, plan: Plan, budget: Optional[MemoryBudget] = None
+    ) -> tuple[Plan, Optional[float]]:
         """The plan step ``step`` runs (``plan`` or the identity plan) and the predicted gain it was judged by."""
         moved, kept = self._features_of(lengths, plan)
         gain = self._gain(moved, kept)

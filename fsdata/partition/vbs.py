@@ -70,8 +70,13 @@ def segment_cuts(sorted_weights: np.ndarray, shares: np.ndarray, ensure_nonempty
     return cuts
 
 
-def capped_cuts(sorted_weights: np.ndarray, sorted_tokens: np.ndarray, weight_caps: np.ndarray, limit: int,
-                ensure_nonempty: bool = True) -> np.ndarray | None:
+def capped_cuts(
+    sorted_weights: np.ndarray,
+    sorted_tokens: np.ndarray,
+    weight_caps: np.ndarray,
+    limit: int,
+    ensure_nonempty: bool = True,
+) -> np.ndarray | None:
     """[n+1] contiguous cuts with segment r weighing at most ``weight_caps[r]`` and holding at most ``limit``
     tokens, or None if there are none. Greedy: each segment takes as many samples as its caps allow (leaving one
     for each rank still to fill when ``ensure_nonempty``); a segment that ends no earlier than another plan's
@@ -118,8 +123,9 @@ class VBSPartitioner:
         def contiguous(tokens: np.ndarray) -> np.ndarray | None:
             segment_weights = np.diff(np.concatenate([[0.0], np.cumsum(weights[sorted_index])])[cuts])
             heaviest = float((segment_weights / np.maximum(shares, 1e-300)).max())
-            capped = capped_cuts(weights[sorted_index], tokens[sorted_index], heaviest * shares, budget.tokens,
-                                 self.ensure_nonempty)
+            capped = capped_cuts(
+                weights[sorted_index], tokens[sorted_index], heaviest * shares, budget.tokens, self.ensure_nonempty
+            )
             if capped is None:
                 return None
             out = np.empty_like(dest)

@@ -42,8 +42,14 @@ BLOCK_SIZE = 128
 _PAD_QUERY, _PAD_KEY = -1, -2  # sample ids of the rows past N that fill the last block: never equal to each other
 
 
-def _ranges(row_offsets: torch.Tensor, col_offsets: torch.Tensor, num_rows: int, direction: str, block: int,
-            separate_full: bool = True):
+def _ranges(
+    row_offsets: torch.Tensor,
+    col_offsets: torch.Tensor,
+    num_rows: int,
+    direction: str,
+    block: int,
+    separate_full: bool = True,
+):
     """Per row block: the ``[lo, hi]`` range of column blocks it needs and the ``[flo, fhi]`` part of it that is
     full (empty: ``flo = hi + 1``). ``direction``: ``none``, ``causal`` (row >= column) or ``anticausal``."""
     num_row_blocks = -(-num_rows // block)
@@ -97,8 +103,12 @@ def _lists(lo, hi, flo, fhi, num_cols: int, block: int, separate_full: bool) -> 
     full = torch.clamp(fhi - flo + 1, min=0)
     # One width for both lists: FlexAttention's kernels address the full list with the partial list's strides.
     width = max(widest(partial), widest(full))
-    return (partial[None, None].contiguous(), indices(width, lo, n_pre, fhi + 1),
-            full[None, None].contiguous(), indices(width, flo))
+    return (
+        partial[None, None].contiguous(),
+        indices(width, lo, n_pre, fhi + 1),
+        full[None, None].contiguous(),
+        indices(width, flo),
+    )
 
 
 def _sample_ids(offsets: torch.Tensor, num_rows: int, block: int, pad: int) -> torch.Tensor:
@@ -133,7 +143,11 @@ class JaggedBlockMask:
     block_size: int = BLOCK_SIZE
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
 
     def _map(self, fn) -> "JaggedBlockMask":
         return dataclasses.replace(self, **{k: fn(v) for k, v in self.tensors().items()})
@@ -158,20 +172,35 @@ class JaggedBlockMask:
 
         q_sample, kv_sample = self.q_sample, self.kv_sample
         if self.causal:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return (q_sample[q_idx] == kv_sample[kv_idx]) & (q_idx >= kv_idx)
         else:
+
             def mask_mod(b, h, q_idx, kv_idx):
                 return q_sample[q_idx] == kv_sample[kv_idx]
+
         return BlockMask(
-            (self.num_q, self.num_kv), self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
-            self.full_kv_indices, self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
-            BLOCK_SIZE=(self.block_size, self.block_size), mask_mod=mask_mod,
+            (self.num_q, self.num_kv),
+            self.kv_num_blocks,
+            self.kv_indices,
+            self.full_kv_num_blocks,
+            self.full_kv_indices,
+            self.q_num_blocks,
+            self.q_indices,
+            self.full_q_num_blocks,
+            self.full_q_indices,
+            BLOCK_SIZE=(self.block_size, self.block_size),
+            mask_mod=mask_mod,
         )
 
 
 def build_block_mask(
-    q_offsets: torch.Tensor, kv_offsets: Optional[torch.Tensor] = None, *, causal: bool, block_size: int = BLOCK_SIZE,
+    q_offsets: torch.Tensor,
+    kv_offsets: Optional[torch.Tensor] = None,
+    *,
+    causal: bool,
+    block_size: int = BLOCK_SIZE,
     separate_full_blocks: bool = True,
 ) -> JaggedBlockMask:
     """The block mask of queries packed by ``q_offsets`` over keys packed by ``kv_offsets`` (host int tensors of
@@ -182,22 +211,40 @@ def build_block_mask(
     if causal and kv_offsets is not q_offsets and not torch.equal(kv_offsets, q_offsets):
         raise ValueError("build_block_mask: causal attention takes one set of offsets (queries and keys alike)")
     if q_offsets.numel() != kv_offsets.numel():
-        raise ValueError(f"build_block_mask: {q_offsets.numel() - 1} query samples but {kv_offsets.numel() - 1} key samples")
+        raise ValueError(
+            f"build_block_mask: {q_offsets.numel() - 1} query samples but {kv_offsets.numel() - 1} key samples"
+        )
     if block_size < 1:
         raise ValueError(f"build_block_mask: block_size must be >= 1, got {block_size}")
     q_offsets = q_offsets.to(device="cpu", dtype=torch.int64)
     kv_offsets = kv_offsets.to(device="cpu", dtype=torch.int64)
     num_q, num_kv = int(q_offsets[-1]), int(kv_offsets[-1])
     split = separate_full_blocks
-    forward = _lists(*_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size, split),
-                     num_kv, block_size, split)
-    backward = _lists(*_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size, split),
-                      num_q, block_size, split)
+    forward = _lists(
+        *_ranges(q_offsets, kv_offsets, num_q, "causal" if causal else "none", block_size, split),
+        num_kv,
+        block_size,
+        split,
+    )
+    backward = _lists(
+        *_ranges(kv_offsets, q_offsets, num_kv, "anticausal" if causal else "none", block_size, split),
+        num_q,
+        block_size,
+        split,
+    )
     q_sample = _sample_ids(q_offsets, num_q, block_size, _PAD_QUERY)
     if causal:
         kv_sample = q_sample.clone()
         kv_sample[num_kv:] = _PAD_KEY
     else:
         kv_sample = _sample_ids(kv_offsets, num_kv, block_size, _PAD_KEY)
-    return JaggedBlockMask(*forward, *backward, q_sample=q_sample, kv_sample=kv_sample, num_q=num_q, num_kv=num_kv,
-                           causal=causal, block_size=block_size)
+    return JaggedBlockMask(
+        *forward,
+        *backward,
+        q_sample=q_sample,
+        kv_sample=kv_sample,
+        num_q=num_q,
+        num_kv=num_kv,
+        causal=causal,
+        block_size=block_size,
+    )

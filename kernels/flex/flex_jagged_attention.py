@@ -24,7 +24,9 @@ def _compiled():
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: JaggedBlockMask) -> torch.Tensor:
     out = _compiled()(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
         block_mask=mask.block_mask(),
     )
     return out.squeeze(0).transpose(0, 1)

@@ -13,7 +13,9 @@ from typing import Optional
 import torch
 
 
-def indexed_permute(values: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def indexed_permute(
+    values: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     starts = offsets.tolist()
     pieces = []
     out_offsets = [0]
@@ -45,7 +47,10 @@ def ranged_dispatch(
 
 
 def ranged_combine(
-    values: torch.Tensor, perm: torch.Tensor, splits: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None
+    values: torch.Tensor,
+    perm: torch.Tensor,
+    splits: Optional[torch.Tensor] = None,
+    offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per sample (``offsets``: the samples' rows of the output; None: one sample), per source shard
     (``splits``: the dispatch's per-shard counts; None: one shard): scatter the sample's rows that came back
@@ -59,8 +64,10 @@ def ranged_combine(
     for size in sizes:
         shard_starts.append(shard_starts[-1] + size)
     # Within a shard's block the rows keep batch order, so each sample's rows are one contiguous run of it.
-    cuts = [torch.searchsorted(perm[a:b], torch.tensor(bounds, device=perm.device)).tolist()
-            for a, b in zip(shard_starts[:-1], shard_starts[1:])]
+    cuts = [
+        torch.searchsorted(perm[a:b], torch.tensor(bounds, device=perm.device)).tolist()
+        for a, b in zip(shard_starts[:-1], shard_starts[1:])
+    ]
     for s in range(len(bounds) - 1):
         for r, start in enumerate(shard_starts[:-1]):
             a, b = start + cuts[r][s], start + cuts[r][s + 1]

@@ -25,9 +25,7 @@ def gather_segments(
     num_segments = src_starts.numel()
     total = int(out_offsets[-1]) if output_size is None else int(output_size)
     out_lengths = (out_offsets[1:] - out_offsets[:-1]).to(torch.int64)
-    segment = torch.repeat_interleave(
-        torch.arange(num_segments, device=values.device), out_lengths, output_size=total
-    )
+    segment = torch.repeat_interleave(torch.arange(num_segments, device=values.device), out_lengths, output_size=total)
     position = torch.arange(total, device=values.device, dtype=torch.int64)
     src = src_starts.to(torch.int64)[segment] + position - out_offsets[:-1].to(torch.int64)[segment]
     return values.index_select(0, src)

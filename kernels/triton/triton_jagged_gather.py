@@ -67,7 +67,16 @@ def _gather_segments_kernel(
 
 
 @triton.jit(**fixed_code("num_blocks", "num_segments", "total", "steps"))
-def _block_segment_kernel(out_offsets_ptr, block_segment_ptr, num_blocks, num_segments, total, steps, BLOCK_R: tl.constexpr, LANES: tl.constexpr):
+def _block_segment_kernel(
+    out_offsets_ptr,
+    block_segment_ptr,
+    num_blocks,
+    num_segments,
+    total,
+    steps,
+    BLOCK_R: tl.constexpr,
+    LANES: tl.constexpr,
+):
     """block_segment[b] = segment of output row b * BLOCK_R (the last entry: of the last row)."""
     b = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
     mask = b <= num_blocks
@@ -90,7 +99,16 @@ def _permute_meta_kernel(offsets_ptr, order_ptr, out_offsets_ptr, src_starts_ptr
 
 
 @triton.jit(**fixed_code("batch_size"))
-def _transpose_meta_kernel(lengths_ptr, in_offsets_ptr, out_lengths_ptr, out_offsets_ptr, src_starts_ptr, num_keys, batch_size, LANES: tl.constexpr):
+def _transpose_meta_kernel(
+    lengths_ptr,
+    in_offsets_ptr,
+    out_lengths_ptr,
+    out_offsets_ptr,
+    src_starts_ptr,
+    num_keys,
+    batch_size,
+    LANES: tl.constexpr,
+):
     """Output segment j = b * F + f is input segment f * B + b: its length and input start."""
     j = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES).to(tl.int64)
     mask = j < num_keys * batch_size
@@ -121,8 +139,14 @@ def gather_segments(
     num_blocks = cdiv(total, block_r)
     block_segment = torch.empty(num_blocks + 1, dtype=torch.int64, device=values.device)
     _block_segment_kernel[(cdiv(num_blocks + 1, META_LANES),)](
-        out_offsets, block_segment, num_blocks, num_segments, total, search_steps(num_segments),
-        BLOCK_R=block_r, LANES=META_LANES,
+        out_offsets,
+        block_segment,
+        num_blocks,
+        num_segments,
+        total,
+        search_steps(num_segments),
+        BLOCK_R=block_r,
+        LANES=META_LANES,
     )
     _gather_segments_kernel[(num_blocks,)](
         bits,

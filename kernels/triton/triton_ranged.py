@@ -52,8 +52,18 @@ def _dispatch_count_kernel(ids_ptr, boundaries_ptr, counts_ptr, n, world_size, n
 
 @triton.jit(**fixed_code("n", "num_blocks", "steps"))
 def _dispatch_scatter_kernel(
-    ids_ptr, boundaries_ptr, inclusive_ptr, send_ptr, perm_ptr, splits_ptr, n, world_size, num_blocks, steps,
-    BLOCK: tl.constexpr, SPLIT_LANES: tl.constexpr,
+    ids_ptr,
+    boundaries_ptr,
+    inclusive_ptr,
+    send_ptr,
+    perm_ptr,
+    splits_ptr,
+    n,
+    world_size,
+    num_blocks,
+    steps,
+    BLOCK: tl.constexpr,
+    SPLIT_LANES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx, mask, ids, shard, rank, count = _shard_and_rank(ids_ptr, boundaries_ptr, n, world_size, steps, pid, BLOCK)
@@ -90,14 +100,27 @@ def ranged_dispatch(ids: torch.Tensor, boundaries: torch.Tensor) -> tuple[torch.
     )
     inclusive = torch.cumsum(counts, 0, dtype=torch.int64)
     _dispatch_scatter_kernel[grid](
-        ids, boundaries, inclusive, send, perm, splits, n, world_size, num_blocks, steps,
-        BLOCK=DISPATCH_BLOCK, SPLIT_LANES=256, num_warps=DISPATCH_WARPS,
+        ids,
+        boundaries,
+        inclusive,
+        send,
+        perm,
+        splits,
+        n,
+        world_size,
+        num_blocks,
+        steps,
+        BLOCK=DISPATCH_BLOCK,
+        SPLIT_LANES=256,
+        num_warps=DISPATCH_WARPS,
     )
     return send, splits, perm
 
 
 @triton.jit(**fixed_code("n"))
-def _permute_rows_kernel(src_ptr, out_ptr, perm_ptr, n, width, SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _permute_rows_kernel(
+    src_ptr, out_ptr, perm_ptr, n, width, SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """SCATTER: out[perm[j]] = src[j] (combine); else out[j] = src[perm[j]] (its backward)."""
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -122,8 +145,15 @@ def _permute_rows(values: torch.Tensor, perm: torch.Tensor, scatter: bool) -> to
         return out
     block_r, block_d = tile_shape(width, COMBINE_ELEMENTS_PER_PROGRAM)
     _permute_rows_kernel[(cdiv(n, block_r),)](
-        bits, out.view(bits.dtype).reshape(n, width), perm.contiguous(), n, width,
-        SCATTER=scatter, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=COMBINE_WARPS,
+        bits,
+        out.view(bits.dtype).reshape(n, width),
+        perm.contiguous(),
+        n,
+        width,
+        SCATTER=scatter,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=COMBINE_WARPS,
     )
     return out
 

@@ -22,7 +22,9 @@ MASK_BLOCK = 1024
 
 
 @triton.jit
-def _segment_sum_kernel(values_ptr, offsets_ptr, out_ptr, width, IS_FLOAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _segment_sum_kernel(
+    values_ptr, offsets_ptr, out_ptr, width, IS_FLOAT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     seg = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
     col_mask = cols < width
@@ -52,8 +54,13 @@ def segment_sum(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return out
     block_d = min(next_power_of_2(width), SEGMENT_MAX_BLOCK_D)
     _segment_sum_kernel[(num_segments, cdiv(width, block_d))](
-        flat, offsets.contiguous(), out.view(num_segments, width), width,
-        IS_FLOAT=floating, BLOCK_R=SEGMENT_BLOCK_R, BLOCK_D=block_d,
+        flat,
+        offsets.contiguous(),
+        out.view(num_segments, width),
+        width,
+        IS_FLOAT=floating,
+        BLOCK_R=SEGMENT_BLOCK_R,
+        BLOCK_D=block_d,
     )
     return out
 
@@ -78,6 +85,12 @@ def collision_mask(ids: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     sorted_other = torch.sort(other).values
     m = sorted_other.numel()
     _member_kernel[(cdiv(ids.numel(), MASK_BLOCK),)](
-        ids.contiguous(), sorted_other, out.view(torch.uint8), ids.numel(), m, search_steps(m), BLOCK=MASK_BLOCK,
+        ids.contiguous(),
+        sorted_other,
+        out.view(torch.uint8),
+        ids.numel(),
+        m,
+        search_steps(m),
+        BLOCK=MASK_BLOCK,
     )
     return out

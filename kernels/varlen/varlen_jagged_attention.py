@@ -57,8 +57,14 @@ def jagged_attention(
     # its own internals see exactly these dtypes.
     with torch.autocast("cuda", enabled=False):
         out = varlen_attn(
-            query=q.to(dtype), key=k.to(dtype), value=v.to(dtype), cu_seq_q=cu_q, cu_seq_k=cu_kv,
-            max_q=int(max_q), max_k=int(max_kv), window_size=(-1, 0) if causal else (-1, -1),
+            query=q.to(dtype),
+            key=k.to(dtype),
+            value=v.to(dtype),
+            cu_seq_q=cu_q,
+            cu_seq_k=cu_kv,
+            max_q=int(max_q),
+            max_k=int(max_kv),
+            window_size=(-1, 0) if causal else (-1, -1),
         )
     if not causal:
         out = torch.where(_has_keys(cu_q, cu_kv, q.shape[0])[:, None, None], out, out.new_zeros(()))

@@ -53,8 +53,14 @@ class DenseSync:
     over the ranks; returns the block on the host (a float64 numpy array): GLOBAL_FIELDS, then world_size x
     PER_RANK_FIELDS."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], rank: int, world_size: int, device: torch.device,
-                 bucket_bytes: int = 0):
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        bucket_bytes: int = 0,
+    ):
         if bucket_bytes < 0:
             raise ValueError(f"DenseSync: bucket_bytes must be >= 0, got {bucket_bytes}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
@@ -63,7 +69,11 @@ class DenseSync:
         self.buckets: list[_Bucket] = []
         for p in reversed([p for p in params if p.requires_grad]):
             last = self.buckets[-1] if self.buckets else None
-            if last is None or last.dtype != p.dtype or (last.numel and (last.numel + p.numel()) * p.element_size() > cap):
+            if (
+                last is None
+                or last.dtype != p.dtype
+                or (last.numel and (last.numel + p.numel()) * p.element_size() > cap)
+            ):
                 last = _Bucket(p.dtype)
                 self.buckets.append(last)
             last.params.append(p)
@@ -115,12 +125,14 @@ class DenseSync:
             with self._lock:
                 self._pending[self._bucket_of[id(p)]] -= 1
                 self._start_ready()
+
         return accumulated
 
     def _start_ready(self, upto: Optional[int] = None) -> None:
         """Starts, in index order, the buckets whose gradients are all in (every bucket below ``upto``)."""
         while self._next < len(self.buckets) and (
-            (upto is not None and self._next < upto) or (self._next < len(self.buckets) - 1 and self._pending[self._next] == 0)
+            (upto is not None and self._next < upto)
+            or (self._next < len(self.buckets) - 1 and self._pending[self._next] == 0)
         ):
             self._works.append(dist.all_reduce(self.buckets[self._next].buffer, async_op=True))
             self._next += 1
@@ -136,14 +148,16 @@ class DenseSync:
         with self._lock:
             self._reset_pending()
 
-    def all_reduce(self, scalars: tuple[float, ...], mine: tuple[float, ...],
-                   device_scalars: Optional[torch.Tensor] = None) -> np.ndarray:
+    def all_reduce(
+        self, scalars: tuple[float, ...], mine: tuple[float, ...], device_scalars: Optional[torch.Tensor] = None
+    ) -> np.ndarray:
         """``start`` then ``finish``."""
         self.start(scalars, mine, device_scalars)
         return self.finish()
 
-    def start(self, scalars: tuple[float, ...], mine: tuple[float, ...],
-              device_scalars: Optional[torch.Tensor] = None) -> None:
+    def start(
+        self, scalars: tuple[float, ...], mine: tuple[float, ...], device_scalars: Optional[torch.Tensor] = None
+    ) -> None:
         """Launches the all-reduces not started yet, the block's bucket last, without waiting for anything: on a
         GPU they wait for the backward's kernels on the device (stream order), so this may run as soon as the
         backward is queued, as DDP's last bucket does. ``scalars`` and then ``device_scalars`` (a tensor on the
@@ -151,9 +165,11 @@ class DenseSync:
         are the GLOBAL_FIELDS; ``mine`` this rank's PER_RANK_FIELDS."""
         n_device = 0 if device_scalars is None else device_scalars.numel()
         if len(scalars) + n_device != len(GLOBAL_FIELDS) or len(mine) != len(PER_RANK_FIELDS):
-            raise ValueError(f"DenseSync.all_reduce: expected {len(GLOBAL_FIELDS)} global fields {GLOBAL_FIELDS} and "
-                             f"{len(PER_RANK_FIELDS)} per-rank fields {PER_RANK_FIELDS}, got {len(scalars)} + {n_device} "
-                             f"and {len(mine)}")
+            raise ValueError(
+                f"DenseSync.all_reduce: expected {len(GLOBAL_FIELDS)} global fields {GLOBAL_FIELDS} and "
+                f"{len(PER_RANK_FIELDS)} per-rank fields {PER_RANK_FIELDS}, got {len(scalars)} + {n_device} "
+                f"and {len(mine)}"
+            )
         for p, view in zip(self.buckets[-1].params, self.buckets[-1].views):
             if p.grad is not view:
                 view.copy_(p.grad)
@@ -185,7 +201,7 @@ class DenseSync:
 
 def per_rank_of(book: np.ndarray, world_size: int) -> dict[str, np.ndarray]:
     """Every rank's value of each of PER_RANK_FIELDS in a bookkeeping block, by name ([world_size] each)."""
-    slots = book[len(GLOBAL_FIELDS):].reshape(world_size, len(PER_RANK_FIELDS))
+    slots = book[len(GLOBAL_FIELDS) :].reshape(world_size, len(PER_RANK_FIELDS))
     return {name: slots[:, i] for i, name in enumerate(PER_RANK_FIELDS)}
 
 

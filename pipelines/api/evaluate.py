@@ -93,7 +93,9 @@ def evaluate(
         for raw in items:
             item = as_item(raw)
             batch = item.batch if item.batch.device == device else item.batch.to(device, non_blocking=True)
-            item = item if batch is item.batch else type(item)(batch, item.report, None, item.attention_plan, item.extras)
+            item = (
+                item if batch is item.batch else type(item)(batch, item.report, None, item.attention_plan, item.extras)
+            )
             if stage is not None:  # names the batch whose features the lookup takes (the model may take other inputs)
                 stage.begin_step(batch)
             with autocast(dtype, device):
@@ -111,8 +113,10 @@ def evaluate(
         dist.all_reduce(counted)
         samples = int(counted)
     if logits.shape != labels.shape:
-        raise ValueError(f"evaluate: the model's outputs {tuple(logits.shape)} are not per-candidate logits of the "
-                         f"labels' shape {tuple(labels.shape)}")
+        raise ValueError(
+            f"evaluate: the model's outputs {tuple(logits.shape)} are not per-candidate logits of the "
+            f"labels' shape {tuple(labels.shape)}"
+        )
     bce = torch.nn.functional.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="sum")
     count = labels.numel()
     per_label = [_auc(torch.sigmoid(logits[:, t]), labels[:, t]) for t in range(labels.shape[1])]

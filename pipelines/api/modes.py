@@ -35,14 +35,17 @@ class Mode:
             raise ValueError(f"mode {self.name}: unknown embedding schedule {self.schedule!r}")
 
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("replicated", None, balances=True),
-    Mode("sync", "sync", balances=False),
-    Mode("sdd", "sdd", balances=False),
-    Mode("semisync", "semisync", balances=False),
-    Mode("freescale", "prioritized", balances=True, switches=RUNTIME_SCHEDULES),
-    Mode("torchrec", None, balances=False),
-)}
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("replicated", None, balances=True),
+        Mode("sync", "sync", balances=False),
+        Mode("sdd", "sdd", balances=False),
+        Mode("semisync", "semisync", balances=False),
+        Mode("freescale", "prioritized", balances=True, switches=RUNTIME_SCHEDULES),
+        Mode("torchrec", None, balances=False),
+    )
+}
 #: The modes whose tables FreeScale shards (wrap_model's modes).
 SHARDED = tuple(name for name, m in MODES.items() if m.schedule is not None)
 #: The modes in which `freescale train` balances.

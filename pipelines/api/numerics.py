@@ -53,8 +53,10 @@ def enable_determinism() -> None:
     if ``CUBLAS_WORKSPACE_CONFIG`` already holds another value (cuBLAS would not be reproducible)."""
     workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACES[0])
     if workspace not in CUBLAS_WORKSPACES:
-        raise ValueError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG={workspace!r} is set; cuBLAS is reproducible "
-                         f"only with {' or '.join(CUBLAS_WORKSPACES)}: unset it or set one of them")
+        raise ValueError(
+            f"--deterministic: CUBLAS_WORKSPACE_CONFIG={workspace!r} is set; cuBLAS is reproducible "
+            f"only with {' or '.join(CUBLAS_WORKSPACES)}: unset it or set one of them"
+        )
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 
@@ -63,13 +65,17 @@ def check_determinism(model: torch.nn.Module, device: torch.device) -> None:
     """Raises unless the process is in the deterministic mode and ``model``'s attention kernel (where it tells,
     through ``attention_impl(device)``) is reproducible in it."""
     if not torch.are_deterministic_algorithms_enabled():
-        raise ValueError("--deterministic: torch's deterministic algorithms are off (call "
-                         "pipelines.api.numerics.enable_determinism() first)")
+        raise ValueError(
+            "--deterministic: torch's deterministic algorithms are off (call "
+            "pipelines.api.numerics.enable_determinism() first)"
+        )
     if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         raise ValueError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG must be one of {', '.join(CUBLAS_WORKSPACES)}")
     pick = getattr(model, "attention_impl", None)
     if callable(pick):
         impl = pick(device)
         if not is_deterministic(impl, device):
-            raise ValueError(f"--deterministic: the model's attention kernel {impl.value!r} is not reproducible on "
-                             f"{device.type} as set up")
+            raise ValueError(
+                f"--deterministic: the model's attention kernel {impl.value!r} is not reproducible on "
+                f"{device.type} as set up"
+            )

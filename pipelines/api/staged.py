@@ -82,8 +82,11 @@ class StagedPipeline:
             optimizer=optimizer,
             timer=timer,
             device=device,
-            **({"stale": self.schedule.stale, "early_start": early_start, "exclusive_start": exclusive_start}
-               if prioritized else {}),
+            **(
+                {"stale": self.schedule.stale, "early_start": early_start, "exclusive_start": exclusive_start}
+                if prioritized
+                else {}
+            ),
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
@@ -91,7 +94,9 @@ class StagedPipeline:
         # ID-prefetch stage started for batch i and batch i+1.
         self.current_ids = None
         self.upcoming_ids = None
-        self._batch: Optional[Batch] = None  # the batch of the next forward (begin_step); else the forward's first argument
+        self._batch: Optional[Batch] = (
+            None  # the batch of the next forward (begin_step); else the forward's first argument
+        )
         self._hook = model.register_forward_pre_hook(self._before_forward)
         self._after_hook = model.register_forward_hook(self._after_forward)
 
@@ -112,8 +117,10 @@ class StagedPipeline:
         batch, self._batch = self._batch, None
         if batch is None:
             if not args or not isinstance(args[0], Batch):
-                raise ValueError("FreeScale embedding stage: the model's forward does not take the batch; call "
-                                 "stage.begin_step(batch, current_ids, upcoming_ids) before it (TrainStep does)")
+                raise ValueError(
+                    "FreeScale embedding stage: the model's forward does not take the batch; call "
+                    "stage.begin_step(batch, current_ids, upcoming_ids) before it (TrainStep does)"
+                )
             batch = args[0]
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
             self.hub.prepare(self.features(batch))
@@ -136,8 +143,10 @@ class StagedPipeline:
         ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
         pipelines.job.schedule)."""
         if schedule not in self.mode.switches:
-            raise ValueError(f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "
-                             f"between {list(self.mode.switches) or 'none'}, not to {schedule!r}")
+            raise ValueError(
+                f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "
+                f"between {list(self.mode.switches) or 'none'}, not to {schedule!r}"
+            )
         self.collection.set_schedule(schedule)
         self.schedule = get_schedule(schedule)
 

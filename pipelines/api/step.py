@@ -74,8 +74,10 @@ def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
 def _kjt_in(args: tuple, where: str):
     found = [a for a in args if type(a).__name__ == "KeyedJaggedTensor"]
     if not found:
-        raise ValueError(f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
-                         "give features=batch -> {feature: ids}")
+        raise ValueError(
+            f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
+            "give features=batch -> {feature: ids}"
+        )
     return found[0]
 
 
@@ -125,17 +127,28 @@ def wrap_model(
         types = SWAPPABLE_TYPES
     if features is None:
         if inputs is None:
-            raise ValueError("wrap_model: give features=batch -> {feature: ids} (nn.Embedding tables), or "
-                             "inputs=batch -> model arguments holding a KeyedJaggedTensor (EmbeddingCollection)")
+            raise ValueError(
+                "wrap_model: give features=batch -> {feature: ids} (nn.Embedding tables), or "
+                "inputs=batch -> model arguments holding a KeyedJaggedTensor (EmbeddingCollection)"
+            )
         features = kjt_features(inputs)
     if optimizer is None:
         from fsembed.optim import SGD
 
         optimizer = SGD()
     stage = StagedPipeline(
-        model, mode, features, list(embeddings) if embeddings is not None else None, types=types,
-        row_boundaries=row_boundaries, optimizer=optimizer, transport_name=transport, early_start=early_start,
-        exclusive_start=exclusive_start, timer=timer, device=torch.device(device),
+        model,
+        mode,
+        features,
+        list(embeddings) if embeddings is not None else None,
+        types=types,
+        row_boundaries=row_boundaries,
+        optimizer=optimizer,
+        transport_name=transport,
+        early_start=early_start,
+        exclusive_start=exclusive_start,
+        timer=timer,
+        device=torch.device(device),
     )
     stage.inputs = inputs
     return stage
@@ -243,8 +256,13 @@ class TrainStep:
         self.autocast_dtype = autocast_dtype(precision, self.device)
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
-        self.dense_sync = DenseSync([p for p in model.parameters() if p.requires_grad], self.rank, self.world_size,
-                                    self.device, bucket_bytes=int(bucket_mb * 2**20))
+        self.dense_sync = DenseSync(
+            [p for p in model.parameters() if p.requires_grad],
+            self.rank,
+            self.world_size,
+            self.device,
+            bucket_bytes=int(bucket_mb * 2**20),
+        )
         self.timer = timer
         self._phase = phase if phase is not None else (lambda name: contextlib.nullcontext())
         self._before_backward = before_backward
@@ -298,8 +316,9 @@ class TrainStep:
     def zero_grad(self) -> None:
         self.dense_sync.zero_grad()
 
-    def forward_backward(self, item: LoaderItem, upcoming: Optional[LoaderItem], global_labels: float
-                         ) -> tuple[float, torch.Tensor]:
+    def forward_backward(
+        self, item: LoaderItem, upcoming: Optional[LoaderItem], global_labels: float
+    ) -> tuple[float, torch.Tensor]:
         """The forward (the embedding stage told this batch's and the next one's ids first) and the backward of
         the local loss sum over ``global_labels``. Returns this rank's label count and, on the device (not read
         here: no device sync), its loss sum and positives: the dense all-reduce's payload.

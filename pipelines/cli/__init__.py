@@ -11,16 +11,36 @@ from typing import Optional, Sequence
 
 # (command path, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("train",), "pipelines.job.train", "train the reference model or yours (--model) on local ranks or under torchrun"),
+    (
+        ("train",),
+        "pipelines.job.train",
+        "train the reference model or yours (--model) on local ranks or under torchrun",
+    ),
     (("data", "synth"), "pipelines.cli.data_synth", "write synthetic heavy-tailed UIH data to Parquet"),
     (("data", "convert"), "pipelines.cli.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),
     (("data", "stats"), "pipelines.cli.data_stats", "length, sparsity and collision statistics of a dataset"),
     (("bench", "kernels"), "pipelines.research.bench.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
-    (("bench", "transport"), "pipelines.research.bench.transport", "transport latency, bandwidth and compute contention"),
-    (("bench", "embedding"), "pipelines.research.bench.embedding", "exposed embedding communication: sync vs prioritized"),
-    (("bench", "attention"), "pipelines.research.bench.attention", "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd"),
+    (
+        ("bench", "transport"),
+        "pipelines.research.bench.transport",
+        "transport latency, bandwidth and compute contention",
+    ),
+    (
+        ("bench", "embedding"),
+        "pipelines.research.bench.embedding",
+        "exposed embedding communication: sync vs prioritized",
+    ),
+    (
+        ("bench", "attention"),
+        "pipelines.research.bench.attention",
+        "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd",
+    ),
     (("bench", "e2e"), "pipelines.research.bench.e2e", "every train mode on the same data, bubbles side by side"),
-    (("bench", "host"), "pipelines.research.bench.host", "host work per step that grows with the world size, at 8-256 ranks"),
+    (
+        ("bench", "host"),
+        "pipelines.research.bench.host",
+        "host work per step that grows with the world size, at 8-256 ranks",
+    ),
     (("trace",), "pipelines.cli.trace_report", "where a traced run's host time went, per phase of the step and thread"),
     (("simulate",), "pipelines.research.simulate", "straggler simulation of N ranks (cost model or replay)"),
 ]
@@ -66,7 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except (ValueError, OSError) as error:  # bad user input, a missing or unreadable file: what and where, one line
-        print(f"freescale {' '.join(a for a in (args.command, getattr(args, 'subcommand', None)) if a)}: error: {error}",
-              file=sys.stderr)
+        print(
+            f"freescale {' '.join(a for a in (args.command, getattr(args, 'subcommand', None)) if a)}: error: {error}",
+            file=sys.stderr,
+        )
         return 2
-

@@ -7,27 +7,50 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, choices=["movielens", "amazon", "kuairand"], help="raw format")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="raw file(s): ratings.dat|csv, reviews .jsonl[.gz], KuaiRand log CSVs")
-    parser.add_argument("--out", required=True, help="output Parquet file (id mappings are written beside it)")
-    parser.add_argument("--candidates", type=int, default=10, help="events per sample that become its candidates (default 10)")
     parser.add_argument(
-        "--samples-per-user", type=int, default=1,
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="raw file(s): ratings.dat|csv, reviews .jsonl[.gz], KuaiRand log CSVs",
+    )
+    parser.add_argument("--out", required=True, help="output Parquet file (id mappings are written beside it)")
+    parser.add_argument(
+        "--candidates", type=int, default=10, help="events per sample that become its candidates (default 10)"
+    )
+    parser.add_argument(
+        "--samples-per-user",
+        type=int,
+        default=1,
         help="windows per user, taken backwards from the latest events; 0 = all (output grows with history length squared)",
     )
     parser.add_argument("--min-history", type=int, default=1, help="shortest UIH of a sample (default 1)")
-    parser.add_argument("--max-uih", type=int, default=None, help="store at most this many most recent UIH events (default: all)")
-    parser.add_argument("--labels", default="is_click", help="KuaiRand: comma-separated label columns (default is_click)")
+    parser.add_argument(
+        "--max-uih", type=int, default=None, help="store at most this many most recent UIH events (default: all)"
+    )
+    parser.add_argument(
+        "--labels", default="is_click", help="KuaiRand: comma-separated label columns (default is_click)"
+    )
     parser.add_argument("--row-group-size", type=int, default=1024, help="samples per row group (default 1024)")
     parser.add_argument(
-        "--bad-rows", choices=["error", "skip"], default="error",
+        "--bad-rows",
+        choices=["error", "skip"],
+        default="error",
         help="a malformed CSV row (wrong field count, unparsable or empty field, a last line cut short): error naming "
-             "its line (default), or skip it and count it",
+        "its line (default), or skip it and count it",
     )
-    parser.add_argument("--eval-out", default=None, metavar="PATH",
-                        help="also write a held-out split here: per user, its last --eval-candidates events (its "
-                             "history: every event before them), never trained on (leave-last-out)")
-    parser.add_argument("--eval-candidates", type=int, default=None,
-                        help="events per user held out with --eval-out (default: --candidates)")
+    parser.add_argument(
+        "--eval-out",
+        default=None,
+        metavar="PATH",
+        help="also write a held-out split here: per user, its last --eval-candidates events (its "
+        "history: every event before them), never trained on (leave-last-out)",
+    )
+    parser.add_argument(
+        "--eval-candidates",
+        type=int,
+        default=None,
+        help="events per user held out with --eval-out (default: --candidates)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -21,13 +21,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("path", nargs="?", help="Parquet file or directory (or use --preset)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="measure a synthetic preset instead of files")
-    parser.add_argument("--num-samples", type=int, default=None, help="samples to measure (default: all of PATH; 8192 for --preset)")
-    parser.add_argument("--batch-size", type=int, default=128, help="local batch size for sparsity (default 128, the paper's)")
-    parser.add_argument("--global-batch-size", type=int, default=None, help="global batch size for the collision rate (default: --batch-size)")
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="samples to measure (default: all of PATH; 8192 for --preset)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=128, help="local batch size for sparsity (default 128, the paper's)"
+    )
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="global batch size for the collision rate (default: --batch-size)",
+    )
     parser.add_argument("--collision-rate", type=float, default=None, help="--preset: the knob (default: the preset's)")
     parser.add_argument("--seed", type=int, default=None, help="--preset: generator seed")
     parser.add_argument("--uih-cap", type=int, default=21_000, help="UIH cap applied while reading (default 21000)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="--preset: override a SyntheticConfig field")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="--preset: override a SyntheticConfig field"
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the statistics as JSON")
 
 
@@ -35,7 +46,14 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     if len(values) == 0:
         return {}
     p = np.percentile(values, [50, 90, 99])
-    return {"mean": float(values.mean()), "p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2]), "min": int(values.min()), "max": int(values.max())}
+    return {
+        "mean": float(values.mean()),
+        "p50": float(p[0]),
+        "p90": float(p[1]),
+        "p99": float(p[2]),
+        "min": int(values.min()),
+        "max": int(values.max()),
+    }
 
 
 def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -> dict:
@@ -49,7 +67,11 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
         for lo in range(0, num_samples, global_batch_size):
             batch = source.read(0, lo, min(num_samples, lo + global_batch_size))
             lengths = batch.uih_lengths
-            uih.append(lengths.numpy()), ncand.append(batch.num_candidates.numpy()), clen.append(batch.candidate_lengths.numpy())
+            (
+                uih.append(lengths.numpy()),
+                ncand.append(batch.num_candidates.numpy()),
+                clen.append(batch.candidate_lengths.numpy()),
+            )
             for s in range(0, batch.batch_size, batch_size):
                 if s + batch_size <= batch.batch_size:  # whole local batches only: a short tail would bias Eq. 1
                     sparsities.append(sparsity(lengths[s : s + batch_size]))
@@ -71,7 +93,14 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
         "sparsity_eq1_mean": float(np.mean(sparsities)) if sparsities else None,
         "global_batch_size": global_batch_size,
         "collision_rate": (
-            {"mean": float(rates_a.mean()), "min": float(rates_a.min()), "max": float(rates_a.max()), "pairs": len(rates)} if rates else None
+            {
+                "mean": float(rates_a.mean()),
+                "min": float(rates_a.min()),
+                "max": float(rates_a.max()),
+                "pairs": len(rates),
+            }
+            if rates
+            else None
         ),
         "unique_rows_per_id": float(np.mean(dup)),
     }
@@ -85,7 +114,9 @@ def print_stats(stats: dict) -> None:
     print(f"  samples: {stats['samples']}")
     for key in ("uih_lengths", "num_candidates", "candidate_lengths"):
         p = stats[key]
-        print(f"  {key:18s} mean {p['mean']:9.1f}  p50 {p['p50']:8.0f}  p90 {p['p90']:8.0f}  p99 {p['p99']:8.0f}  min {p['min']}  max {p['max']}")
+        print(
+            f"  {key:18s} mean {p['mean']:9.1f}  p50 {p['p50']:8.0f}  p90 {p['p90']:8.0f}  p99 {p['p99']:8.0f}  min {p['min']}  max {p['max']}"
+        )
     if stats["sparsity_eq1_mean"] is not None:
         print(f"  sparsity (Eq. 1) at batch size {stats['batch_size']}: {stats['sparsity_eq1_mean']:.3f}")
     c = stats["collision_rate"]
@@ -110,7 +141,12 @@ def main(args: argparse.Namespace) -> int:
         from pipelines.cli.data_synth import synthetic_config
 
         ns = argparse.Namespace(
-            preset=args.preset, set=args.set, collision_rate=args.collision_rate, batch_size=global_batch, seed=args.seed, uih_cap=args.uih_cap
+            preset=args.preset,
+            set=args.set,
+            collision_rate=args.collision_rate,
+            batch_size=global_batch,
+            seed=args.seed,
+            uih_cap=args.uih_cap,
         )
         source = SyntheticSource(synthetic_config(ns, args.num_samples or 8192))
     else:

@@ -15,20 +15,29 @@ from tqdm import tqdm
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdata.synthetic import PRESETS
 
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="length/vocabulary shape (default: tiny)")
+    parser.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="length/vocabulary shape (default: tiny)"
+    )
     parser.add_argument("--num-samples", type=int, required=True, help="samples to write")
     parser.add_argument("--out", required=True, help="output Parquet file")
     parser.add_argument("--row-group-size", type=int, default=1024, help="samples per row group (default 1024)")
-    parser.add_argument("--collision-rate", type=float, default=None, help="share of unique rows consecutive global batches share")
     parser.add_argument(
-        "--batch-size", type=int, default=None,
+        "--collision-rate", type=float, default=None, help="share of unique rows consecutive global batches share"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
         help="global batch size (local batch x world size) the collision rate refers to (default: the preset's, 128)",
     )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--epoch", type=int, default=0, help="which epoch of the generator to write")
     parser.add_argument("--uih-cap", type=int, default=None, help="longest UIH written (default 21000)")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
         help="override any SyntheticConfig field, e.g. --set vocab_size=1000000 --set dense_dim=0 (repeatable)",
     )
 
@@ -59,7 +68,12 @@ def synthetic_config(args: argparse.Namespace, num_samples: int):
     from fsdata.synthetic import SyntheticConfig
 
     overrides = parse_overrides(args.set)
-    for name, value in (("collision_rate", args.collision_rate), ("collision_block_size", args.batch_size), ("seed", args.seed), ("uih_cap", args.uih_cap)):
+    for name, value in (
+        ("collision_rate", args.collision_rate),
+        ("collision_block_size", args.batch_size),
+        ("seed", args.seed),
+        ("uih_cap", args.uih_cap),
+    ):
         if value is not None:
             overrides[name] = value
     return SyntheticConfig.from_preset(args.preset, num_samples=num_samples, **overrides)

@@ -76,8 +76,10 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 def report(path: Path, top: int = 4) -> dict:
     """The summary of one trace (times in ms per profiled step)."""
     events = _load(path)
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and str(e["name"]).startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    steps = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and str(e["name"]).startswith("ProfilerStep#")),
+        key=lambda e: e["ts"],
+    )
     if not steps:
         raise ValueError(f"{path}: no profiled steps (ProfilerStep annotations) in this trace")
     trainer = Counter(e["tid"] for e in steps).most_common(1)[0][0]
@@ -98,8 +100,11 @@ def report(path: Path, top: int = 4) -> dict:
         elif cat in GPU_CATEGORIES:
             gpu.append(span)
     top_level = {tid: _top_level_starts(spans) for tid, spans in ops.items()}
-    marks = [(float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events
-             if e.get("tid") == trainer and e.get("cat") == "user_annotation" and e["name"] in PHASES]
+    marks = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+        for e in events
+        if e.get("tid") == trainer and e.get("cat") == "user_annotation" and e["name"] in PHASES
+    ]
     n = len(steps)
     windows: dict[str, list[tuple[float, float]]] = {name: [] for name in (*PHASES, "other")}
     for lo, hi in step_spans:
@@ -126,8 +131,11 @@ def report(path: Path, top: int = 4) -> dict:
             if busy / n >= 50 or rt / n >= 50:  # at least 0.05 ms per step
                 threads[str(tid)] = {"ops_ms": busy / n / 1e3, "ops": count / n, "cuda_runtime_ms": rt / n / 1e3}
         own = threads.get(str(trainer), {"ops_ms": 0.0})
-        phases[name.split("/")[-1]] = {"wall_ms": wall / n / 1e3, "between_ops_ms": wall / n / 1e3 - own["ops_ms"],
-                                       "threads": threads}
+        phases[name.split("/")[-1]] = {
+            "wall_ms": wall / n / 1e3,
+            "between_ops_ms": wall / n / 1e3 - own["ops_ms"],
+            "threads": threads,
+        }
     lo, hi = step_spans[0][0], max(t for _, t in step_spans)
     return {
         "trace": str(path),
@@ -137,7 +145,8 @@ def report(path: Path, top: int = 4) -> dict:
         "gpu_busy_ms": _union(_clip(gpu, lo, hi)) / n / 1e3 if gpu else None,
         "phases": phases,
         "cuda_runtime_top": {
-            str(tid): {call: us / n / 1e3 for call, us in calls.most_common(top)} for tid, calls in runtime_calls.items()
+            str(tid): {call: us / n / 1e3 for call, us in calls.most_common(top)}
+            for tid, calls in runtime_calls.items()
         },
     }
 
@@ -146,14 +155,20 @@ def _print(r: dict) -> None:
     gpu = "" if r["gpu_busy_ms"] is None else f"; GPU busy {r['gpu_busy_ms']:.2f} ms/step"
     steps = ", ".join(f"{s:.1f}" for s in r["step_ms"])
     print(f"{r['trace']}: {r['steps']} profiled steps ({steps} ms){gpu}; training thread {r['training_thread']}")
-    print(f"  {'phase':16s} {'wall ms':>8s} {'between ops':>11s}   per thread: ms in ops (top-level ops), ms in CUDA runtime")
+    print(
+        f"  {'phase':16s} {'wall ms':>8s} {'between ops':>11s}   per thread: ms in ops (top-level ops), ms in CUDA runtime"
+    )
     for name, p in r["phases"].items():
-        cells = [f"{tid}{'*' if tid == r['training_thread'] else ''}: {t['ops_ms']:.2f} ({t['ops']:.0f}), {t['cuda_runtime_ms']:.2f}"
-                 for tid, t in sorted(p["threads"].items(), key=lambda kv: -kv[1]["ops_ms"])]
+        cells = [
+            f"{tid}{'*' if tid == r['training_thread'] else ''}: {t['ops_ms']:.2f} ({t['ops']:.0f}), {t['cuda_runtime_ms']:.2f}"
+            for tid, t in sorted(p["threads"].items(), key=lambda kv: -kv[1]["ops_ms"])
+        ]
         print(f"  {name:16s} {p['wall_ms']:8.2f} {p['between_ops_ms']:11.2f}   " + "; ".join(cells))
     for tid, calls in r["cuda_runtime_top"].items():
         if calls:
-            print(f"  CUDA runtime, thread {tid}: " + ", ".join(f"{c} {ms:.3f}" for c, ms in calls.items()) + " (ms/step)")
+            print(
+                f"  CUDA runtime, thread {tid}: " + ", ".join(f"{c} {ms:.3f}" for c, ms in calls.items()) + " (ms/step)"
+            )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -86,9 +86,11 @@ def stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
             return None
         return [counts[0]] + [b - a for a, b in zip(counts, counts[1:])]
 
-    return {"gc_s": [r["gc_s"] for r in history], "new_staging_blocks": grown("staging_allocations"),
-            "new_pinned_blocks": grown("pinned_allocations")}
-
+    return {
+        "gc_s": [r["gc_s"] for r in history],
+        "new_staging_blocks": grown("staging_allocations"),
+        "new_pinned_blocks": grown("pinned_allocations"),
+    }
 
 
 class StepAccounting:

@@ -25,7 +25,11 @@ def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
             overrides["collision_rate"] = config.collision_rate
         return SyntheticSource(
             SyntheticConfig.from_preset(
-                config.preset, num_samples=config.num_samples, seed=config.data_seed, uih_cap=config.uih_cap, **overrides
+                config.preset,
+                num_samples=config.num_samples,
+                seed=config.data_seed,
+                uih_cap=config.uih_cap,
+                **overrides,
             )
         )
     from fsdata.parquet import ParquetSource
@@ -55,14 +59,20 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
         if isinstance(spec, torch.nn.Module):
             spec = ModelSpec(spec)
         if not isinstance(spec, ModelSpec):
-            raise ValueError(f"model factory {config.model.model!r} returned a {type(spec).__name__}; return a "
-                             "pipelines.ModelSpec (or an nn.Module)")
+            raise ValueError(
+                f"model factory {config.model.model!r} returned a {type(spec).__name__}; return a "
+                "pipelines.ModelSpec (or an nn.Module)"
+            )
         return spec
     model = build_model(config.model, source, seed=config.train.seed, deterministic=config.train.deterministic)
     # A plan only for a kernel that takes block masks (FlexAttention); the loader runs its stage on CUDA alone.
     plan = model.plan_function() if model.needs_plan(torch.device("cuda")) else None
-    return ModelSpec(model, embeddings=["item_embedding"], features=lambda batch: {"item_embedding": model.item_ids(batch)},
-                     plan=plan)
+    return ModelSpec(
+        model,
+        embeddings=["item_embedding"],
+        features=lambda batch: {"item_embedding": model.item_ids(batch)},
+        plan=plan,
+    )
 
 
 def build_model(config: ModelSection, source: SampleSource, seed: int, deterministic: bool = False) -> SequenceModel:
@@ -70,17 +80,29 @@ def build_model(config: ModelSection, source: SampleSource, seed: int, determini
     ``deterministic`` picks the attention kernel that is reproducible as it is (FlexAttention) where
     ``attention_impl`` is unset."""
     if config.model not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)} or name a "
-                         "factory: module:function or path/to/file.py:function")
+        raise ValueError(
+            f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)} or name a "
+            "factory: module:function or path/to/file.py:function"
+        )
     probe = source.read(0, 0, min(1, source.num_samples(0)))
     sizes = dict(MODEL_PRESETS[config.model])
-    overrides = (("num_items", config.num_items), ("dim", config.dim), ("num_layers", config.num_layers), ("max_uih", config.max_uih))
+    overrides = (
+        ("num_items", config.num_items),
+        ("dim", config.dim),
+        ("num_layers", config.num_layers),
+        ("max_uih", config.max_uih),
+    )
     sizes.update({k: v for k, v in overrides if v is not None})
     impl = config.attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
-    model_config = ModelConfig(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1],
-                               attention=config.attention, attention_impl=impl, **sizes)
+    model_config = ModelConfig(
+        num_labels=max(probe.num_labels, 1),
+        dense_dim=probe.dense.shape[1],
+        attention=config.attention,
+        attention_impl=impl,
+        **sizes,
+    )
     torch.manual_seed(seed)
     return SequenceModel(model_config)
 

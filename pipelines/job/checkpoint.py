@@ -82,7 +82,11 @@ def complete_steps(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()]
+    steps = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()
+    ]
     return [p for _, p in sorted(steps, reverse=True)]
 
 
@@ -95,8 +99,10 @@ def latest(root: str | Path) -> Optional[Path]:
 def _marker(directory: Path) -> list[str]:
     marker = directory / COMPLETE_MARKER
     if not marker.exists():
-        raise ValueError(f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: the save was "
-                         "interrupted, or this is not a step directory)")
+        raise ValueError(
+            f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: the save was "
+            "interrupted, or this is not a step directory)"
+        )
     return marker.read_text().split()
 
 
@@ -124,7 +130,9 @@ def check_complete(directory: str | Path) -> int:
     world = saved_world_size(directory)
     missing = [f"rank{r}.pt" for r in range(world) if not (directory / f"rank{r}.pt").is_file()]
     if missing:
-        raise ValueError(f"checkpoint {directory} is incomplete: it lacks {', '.join(missing)} (written by {world} ranks)")
+        raise ValueError(
+            f"checkpoint {directory} is incomplete: it lacks {', '.join(missing)} (written by {world} ranks)"
+        )
     if saved_format(directory) == DCP_FORMAT:
         dcp.check_metadata(directory)
     return world
@@ -142,12 +150,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         first = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
-        raise ValueError(f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
-                         f"run as code ({first or 'not a weights-only file'})") from None
+        raise ValueError(
+            f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
+            f"run as code ({first or 'not a weights-only file'})"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:
         size = path.stat().st_size if path.is_file() else 0
-        raise ValueError(f"{path}: not a readable checkpoint file (truncated or corrupt?): {_first_sentence(str(e))} "
-                         f"({size} bytes)") from None
+        raise ValueError(
+            f"{path}: not a readable checkpoint file (truncated or corrupt?): {_first_sentence(str(e))} ({size} bytes)"
+        ) from None
     if not isinstance(payload, dict) or WORLD_SIZE_KEY not in payload:
         raise ValueError(f"{path}: not a FreeScale checkpoint (no {WORLD_SIZE_KEY!r} entry)")
     return payload
@@ -180,7 +191,11 @@ def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
             if payload.get(FORMAT_KEY) != DCP_FORMAT or STATE_KEY not in payload:
                 raise ValueError(f"{directory}/rank{rank % old}.pt: not a rank file of a DCP checkpoint")
             state = payload[STATE_KEY]
-            dcp_state.empty_targets(dcp_state.refs(state["model"]) + dcp_state.refs(state["optimizer"]), dcp.check_metadata(directory), directory)
+            dcp_state.empty_targets(
+                dcp_state.refs(state["model"]) + dcp_state.refs(state["optimizer"]),
+                dcp.check_metadata(directory),
+                directory,
+            )
         elif not same:  # the earlier format reshards from every old rank's file
             load_all(directory)
     except ValueError as e:
@@ -228,9 +243,11 @@ def write_fault(directory: Path, exc: BaseException, payload: int) -> str:
     """One line for a failed write: a full disk says so, with this rank's payload and the bytes free there."""
     free = free_bytes(directory)
     if _no_space(exc, payload, free):
-        return (f"checkpoint {directory}: no space left on device: this rank writes {payload:,} bytes, "
-                f"{'an unknown number of' if free is None else f'{free:,}'} bytes are free there (statvfs); "
-                "free some space or give another --checkpoint-dir")
+        return (
+            f"checkpoint {directory}: no space left on device: this rank writes {payload:,} bytes, "
+            f"{'an unknown number of' if free is None else f'{free:,}'} bytes are free there (statvfs); "
+            "free some space or give another --checkpoint-dir"
+        )
     inner = next((e for e in reversed(_causes(exc)) if not getattr(e, "failures", None)), exc)
     return f"checkpoint {directory}: writing failed: {type(inner).__name__}: {_first_sentence(str(inner))}"
 
@@ -243,7 +260,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -315,12 +332,16 @@ class Checkpointer:
                 raise CheckpointError(write_fault(directory, mine[0], payload)) from None
             raise CheckpointError(f"checkpoint {directory}: {_first_sentence(str(mine[0]))}") from None
         r = min(failures)
-        raise CheckpointError(f"checkpoint {directory}: rank {r} failed ({type(failures[r][0]).__name__}: "
-                              f"{_first_sentence(str(failures[r][0]))})", root=False) from None
+        raise CheckpointError(
+            f"checkpoint {directory}: rank {r} failed ({type(failures[r][0]).__name__}: "
+            f"{_first_sentence(str(failures[r][0]))})",
+            root=False,
+        ) from None
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict,
-             cursor: dict) -> Path:
+    def save(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, cursor: dict
+    ) -> Path:
         """Every rank calls this at the same step, after the pipeline's ``flush()``."""
         if self.root is None:
             raise ValueError("checkpoint: no checkpoint directory (--checkpoint-dir)")
@@ -328,8 +349,18 @@ class Checkpointer:
         directory = step_dir(self.root, step)
         tensors, shards, skeleton = dcp_state.snapshot(model, optimizer)
         buffer = io.BytesIO()
-        torch.save({FORMAT_KEY: DCP_FORMAT, WORLD_SIZE_KEY: self.world_size, "rank": self.rank, STEP_KEY: step,
-                    CURSOR_KEY: cursor, LOADER_KEY: loader_state, STATE_KEY: skeleton}, buffer)
+        torch.save(
+            {
+                FORMAT_KEY: DCP_FORMAT,
+                WORLD_SIZE_KEY: self.world_size,
+                "rank": self.rank,
+                STEP_KEY: step,
+                CURSOR_KEY: cursor,
+                LOADER_KEY: loader_state,
+                STATE_KEY: skeleton,
+            },
+            buffer,
+        )
         payload = buffer.getbuffer().nbytes + dcp_state.nbytes(tensors)
         error = None
         try:
@@ -404,14 +435,19 @@ class Checkpointer:
         names = sorted({n for m in everyone for n in m}, reverse=True)
         skipped = []
         for name in names:
-            faults = [f"rank {r}: {m[name]}" if name in m else f"rank {r}: not there" for r, m in enumerate(everyone)
-                      if name not in m or m[name] is not None]
+            faults = [
+                f"rank {r}: {m[name]}" if name in m else f"rank {r}: not there"
+                for r, m in enumerate(everyone)
+                if name not in m or m[name] is not None
+            ]
             if not faults:
                 return self.root / name, skipped
             skipped.append(f"{name} ({'; '.join(faults)})")
         if skipped:
-            raise CheckpointError(f"--resume latest: no step under {self.root} that every rank can load: "
-                                  + "; ".join(skipped), root=any(v is not None for v in mine.values()))
+            raise CheckpointError(
+                f"--resume latest: no step under {self.root} that every rank can load: " + "; ".join(skipped),
+                root=any(v is not None for v in mine.values()),
+            )
         return None, []
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
@@ -447,12 +483,20 @@ class Checkpointer:
                 error = str(e)
             self._agree(error, f"checkpoint {directory}")
         position = payload[CURSOR_KEY]
-        return Restored(directory, int(payload[STEP_KEY]), int(position["epoch"]), int(position["cursor"]), old_world,
-                        payload[LOADER_KEY] if same else None, skipped)
+        return Restored(
+            directory,
+            int(payload[STEP_KEY]),
+            int(position["epoch"]),
+            int(position["cursor"]),
+            old_world,
+            payload[LOADER_KEY] if same else None,
+            skipped,
+        )
 
 
-def _restore_files(directory: Path, payload: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   same_world: bool) -> None:
+def _restore_files(
+    directory: Path, payload: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer, same_world: bool
+) -> None:
     """The earlier format: this rank's file; on another world size the tables resharded from every old rank's."""
     from fsembed.reshard import reshard_tables_state
 
@@ -461,11 +505,15 @@ def _restore_files(directory: Path, payload: dict, model: torch.nn.Module, optim
         files = None
         for key, collection in dcp_state._collections(model).items():
             files = files or load_all(directory)
-            tables = reshard_tables_state([p[MODEL_KEY][key]["tables"] for p in files], collection.plan, collection.rank)
+            tables = reshard_tables_state(
+                [p[MODEL_KEY][key]["tables"] for p in files], collection.plan, collection.rank
+            )
             model_state[key] = {"world_size": collection.plan.world_size, "rank": collection.rank, "tables": tables}
     try:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(payload[OPTIMIZER_KEY])
     except (RuntimeError, KeyError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise ValueError(f"checkpoint {directory} does not fit this job's model or optimizer: {' '.join(lines[:2])}") from None
+        raise ValueError(
+            f"checkpoint {directory} does not fit this job's model or optimizer: {' '.join(lines[:2])}"
+        ) from None

@@ -61,8 +61,7 @@ class DataConfig:
     collision_rate: Optional[float] = _f(None, "synthetic: rows shared by consecutive batches")
     uih_cap: int = _f(21_000, "longest UIH kept (most recent)")
     data_seed: int = _f(0, "seed of the synthetic generator")
-    id_overflow: Optional[str] = _f(None, "ids beyond the item table",
-                                    choices=ID_OVERFLOW_CHOICES)
+    id_overflow: Optional[str] = _f(None, "ids beyond the item table", choices=ID_OVERFLOW_CHOICES)
     drop_bad_samples: bool = _f(False, "Parquet: skip and count samples with bad values")
     eval_data: Optional[str] = _f(None, "held-out Parquet: NE and AUC at the end", metavar="PATH")
 
@@ -79,8 +78,12 @@ class ModelSection:
     num_layers: Optional[int] = _f(None, "override the preset's transformer blocks")
     max_uih: Optional[int] = _f(None, "override the preset's longest UIH in the encoder")
     attention: str = _f("jagged", "", choices=("jagged", "padded"))
-    attention_impl: Optional[str] = _f(None, "jagged attention kernel on CUDA (default varlen; flex with "
-                                             "--deterministic)", group="tuning", choices=ATTENTION_IMPLS)
+    attention_impl: Optional[str] = _f(
+        None,
+        "jagged attention kernel on CUDA (default varlen; flex with --deterministic)",
+        group="tuning",
+        choices=ATTENTION_IMPLS,
+    )
 
 
 @dataclass
@@ -99,8 +102,7 @@ class TrainConfig:
     docs/tuning.md."""
 
     mode: str = _f("freescale", "", choices=tuple(MODES))
-    embedding_optimizer: str = _f("sgd", "", group="embeddings",
-                                  choices=OPTIMIZER_CHOICES)
+    embedding_optimizer: str = _f("sgd", "", group="embeddings", choices=OPTIMIZER_CHOICES)
     embedding_lr: float = _f(0.05, "sharded tables' learning rate", group="embeddings")
     nproc: int = _f(2, "local ranks, not under torchrun")
     steps: int = _f(20, "training steps")
@@ -113,43 +115,56 @@ class TrainConfig:
     eval_every: int = _f(0, "evaluate every N steps too")
     summary_json: Optional[str] = _f(None, "write the run summary here", metavar="PATH")
     metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step", metavar="PATH")
-    threads: Optional[int] = _f(None, "torch intra-op threads per rank (default: cores / local ranks on CPU, at "
-                                      "most 2 on GPU)", group="tuning")
+    threads: Optional[int] = _f(
+        None, "torch intra-op threads per rank (default: cores / local ranks on CPU, at most 2 on GPU)", group="tuning"
+    )
     progress: bool = _f(True, "progress bar on rank 0")
-    checkpoint_dir: Optional[str] = _f(None, "checkpoint directory", metavar="DIR",
-                                       group="checkpoint")
+    checkpoint_dir: Optional[str] = _f(None, "checkpoint directory", metavar="DIR", group="checkpoint")
     checkpoint_every: int = _f(0, "save every N steps, 0: never", group="checkpoint")
     resume: Optional[str] = _f(None, "'latest' or a step directory", group="checkpoint", metavar="STEP")
     async_checkpoint: bool = _f(False, "save checkpoints in the background", group="checkpoint")
-    export: Optional[str] = _f(None, "at the end, torch.save your model's state_dict", group="checkpoint",
-                               metavar="PATH")
+    export: Optional[str] = _f(
+        None, "at the end, torch.save your model's state_dict", group="checkpoint", metavar="PATH"
+    )
     trace: Optional[str] = _f(None, "profile a few steps to PATH.rank{r}.json", metavar="PATH")
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval per rank (ms)", group="tuning")
-    allreduce_start: str = _f("backward", "when the dense all-reduce's last bucket is launched", group="tuning",
-                              choices=ALLREDUCE_STARTS)
-    bucket_mb: float = _f(1.0, "dense all-reduce bucket size in MiB (0: one all-reduce after the backward)",
-                          group="tuning")
-    early_start: str = _f(EARLY_START, "freescale: when the next batch's fresh rows start", group="tuning",
-                          choices=EARLY_STARTS)
-    exclusive_start: str = _f(EXCLUSIVE_START, "freescale: when deferred exclusive gradients leave", group="tuning",
-                              choices=EXCLUSIVE_STARTS)
-    numa_binding: Optional[str] = _f(None, "GPU runs: bind each rank's threads near its GPU", group="tuning",
-                                     choices=NUMA_BINDINGS)
-    embedding_schedule: str = _f("auto", "freescale: auto probes both, keeps the faster",
-                                 group="tuning", choices=SCHEDULE_CHOICES)
+    allreduce_start: str = _f(
+        "backward", "when the dense all-reduce's last bucket is launched", group="tuning", choices=ALLREDUCE_STARTS
+    )
+    bucket_mb: float = _f(
+        1.0, "dense all-reduce bucket size in MiB (0: one all-reduce after the backward)", group="tuning"
+    )
+    early_start: str = _f(
+        EARLY_START, "freescale: when the next batch's fresh rows start", group="tuning", choices=EARLY_STARTS
+    )
+    exclusive_start: str = _f(
+        EXCLUSIVE_START, "freescale: when deferred exclusive gradients leave", group="tuning", choices=EXCLUSIVE_STARTS
+    )
+    numa_binding: Optional[str] = _f(
+        None, "GPU runs: bind each rank's threads near its GPU", group="tuning", choices=NUMA_BINDINGS
+    )
+    embedding_schedule: str = _f(
+        "auto", "freescale: auto probes both, keeps the faster", group="tuning", choices=SCHEDULE_CHOICES
+    )
     comm_timeout_s: float = _f(300.0, "timeout of waits between ranks")
     verbose: bool = _f(False, "print a failed rank's full traceback")
     log_dir: Optional[str] = _f(None, "where failed ranks' tracebacks go", metavar="DIR")
-    transport: str = _f("host", "", group="embeddings",
-                        choices=TRANSPORT_CHOICES)
+    transport: str = _f("host", "", group="embeddings", choices=TRANSPORT_CHOICES)
 
 
 # Options that only some modes read: the others ignore them (JobConfig.ignored_options warns).
 MODE_OPTIONS = {
-    "partitioner": BALANCING, "alpha": BALANCING, "autotune": BALANCING, "min_gain": BALANCING,
+    "partitioner": BALANCING,
+    "alpha": BALANCING,
+    "autotune": BALANCING,
+    "min_gain": BALANCING,
     "memory_budget": BALANCING,
-    "transport": SHARDED, "embedding_lr": (*SHARDED, "torchrec"), "embedding_optimizer": (*SHARDED, "torchrec"),
-    "early_start": ("freescale",), "exclusive_start": ("freescale",), "embedding_schedule": ("freescale",),
+    "transport": SHARDED,
+    "embedding_lr": (*SHARDED, "torchrec"),
+    "embedding_optimizer": (*SHARDED, "torchrec"),
+    "early_start": ("freescale",),
+    "exclusive_start": ("freescale",),
+    "embedding_schedule": ("freescale",),
     "export": ("replicated", *SHARDED),
 }
 
@@ -169,8 +184,11 @@ TUNING = "tuning"
 
 def _fields() -> dict[str, tuple[str, str, dataclasses.Field]]:
     """field name -> (section, table, field), over every section (names are unique across sections)."""
-    return {f.name: (section, f.metadata.get("group", _CLASS_GROUP[section]), f)
-            for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    return {
+        f.name: (section, f.metadata.get("group", _CLASS_GROUP[section]), f)
+        for section, cls in SECTIONS.items()
+        for f in dataclasses.fields(cls)
+    }
 
 
 def flag(name: str) -> str:
@@ -234,7 +252,9 @@ class JobConfig:
             raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
         if not self.train.comm_timeout_s > 0:
             raise ValueError(f"comm_timeout_s must be > 0, got {self.train.comm_timeout_s}")
-        if self.balancer.partitioner != "none":  # an unknown name or an unimportable module:function, before ranks start
+        if (
+            self.balancer.partitioner != "none"
+        ):  # an unknown name or an unimportable module:function, before ranks start
             from fsdata.partition import get_partitioner
 
             get_partitioner(self.balancer.partitioner, alpha=self.balancer.alpha)
@@ -254,8 +274,10 @@ class JobConfig:
         if self.train.device == "cuda":
             raise ValueError("mode torchrec is a CPU reference only: use --device cpu")
         if self.train.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
-            raise ValueError(f"mode torchrec supports embedding_optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
-                             f"{self.train.embedding_optimizer!r} (torchrec's fused Adam fails on CPU)")
+            raise ValueError(
+                f"mode torchrec supports embedding_optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+                f"{self.train.embedding_optimizer!r} (torchrec's fused Adam fails on CPU)"
+            )
         if self.train.checkpoint_every or self.train.resume:
             raise ValueError("mode torchrec does not checkpoint or resume (it is a reference run, not a job)")
 
@@ -295,10 +317,18 @@ def _add(parser, f: dataclasses.Field, show: bool) -> None:
             parser.add_argument(option, dest=f.name, action="store_const", const=value, help=help_text)
     else:
         conv = int if "int" in kind else float if "float" in kind else str
-        metavar = f.metadata.get("metavar") or ("NAME" if "choices" in f.metadata else "N" if conv is int
-                                                else "X" if conv is float else f.name.split("_")[-1].upper())
-        parser.add_argument(name, dest=f.name, default=None, type=conv, metavar=metavar,
-                            help=_help(f) if show else argparse.SUPPRESS)
+        metavar = f.metadata.get("metavar") or (
+            "NAME"
+            if "choices" in f.metadata
+            else "N"
+            if conv is int
+            else "X"
+            if conv is float
+            else f.name.split("_")[-1].upper()
+        )
+        parser.add_argument(
+            name, dest=f.name, default=None, type=conv, metavar=metavar, help=_help(f) if show else argparse.SUPPRESS
+        )
 
 
 def add_tuning_arguments(parser: argparse.ArgumentParser, show: bool = True) -> None:
@@ -320,10 +350,14 @@ class _HelpTuning(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        tuning = argparse.ArgumentParser(prog=parser.prog, usage="%(prog)s [--tuning.NAME VALUE ...]",
-                                         add_help=False, formatter_class=parser.formatter_class,
-                                         description="Scheduling knobs ([tuning] table of --config); docs/tuning.md "
-                                                     "explains each and when to change it.")
+        tuning = argparse.ArgumentParser(
+            prog=parser.prog,
+            usage="%(prog)s [--tuning.NAME VALUE ...]",
+            add_help=False,
+            formatter_class=parser.formatter_class,
+            description="Scheduling knobs ([tuning] table of --config); docs/tuning.md "
+            "explains each and when to change it.",
+        )
         add_tuning_arguments(tuning.add_argument_group("tuning"))
         tuning.print_help()
         parser.exit()
@@ -337,10 +371,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field of every section, in help groups that are the TOML tables; tuning flags hidden."""
     parser.usage = "%(prog)s [--config job.toml] [options]"
     parser.formatter_class = _formatter
-    parser.add_argument("--config", metavar="TOML",
-                        help="TOML: a table per group below, and [tuning]")
-    parser.add_argument("--help-tuning", action=_HelpTuning,
-                        help="the --tuning.NAME knobs (docs/tuning.md)")
+    parser.add_argument("--config", metavar="TOML", help="TOML: a table per group below, and [tuning]")
+    parser.add_argument("--help-tuning", action=_HelpTuning, help="the --tuning.NAME knobs (docs/tuning.md)")
     groups = {table: parser.add_argument_group(table) for table in TABLES if table != TUNING}
     for name, (_, table, f) in _fields().items():
         if table != TUNING:

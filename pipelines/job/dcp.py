@@ -50,12 +50,27 @@ METADATA_FILE = ".metadata"
 # What DCP's .metadata may name (torch 2.11 .. 2.13 write these); anything else is refused unread.
 _METADATA = "torch.distributed.checkpoint.metadata"
 _SAFE_GLOBALS = {
-    (_METADATA, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                             "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    (_METADATA, n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("builtins", "object"), ("builtins", "set"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+    ("builtins", "set"),
 }
 
 
@@ -63,7 +78,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
@@ -78,13 +95,16 @@ def read_metadata(path: str | Path) -> Metadata:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path}: refused: {e}, which loading would run as code (DCP metadata holds only "
-                         "torch.distributed.checkpoint.metadata classes)") from None
+        raise ValueError(
+            f"{path}: refused: {e}, which loading would run as code (DCP metadata holds only "
+            "torch.distributed.checkpoint.metadata classes)"
+        ) from None
     except FileNotFoundError:
         raise ValueError(f"{path}: missing (a DCP checkpoint's index, written last by DCP's coordinator)") from None
     except (EOFError, OSError, AttributeError, TypeError, ValueError, IndexError) as e:
-        raise ValueError(f"{path}: not readable DCP metadata (truncated or corrupt?): {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}") from None
+        raise ValueError(
+            f"{path}: not readable DCP metadata (truncated or corrupt?): {type(e).__name__}: {' '.join(str(e).split())}"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{path}: not DCP metadata (it holds a {type(metadata).__name__})")
     return metadata
@@ -97,8 +117,10 @@ def check_metadata(directory: str | Path) -> Metadata:
     metadata = read_metadata(directory)
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(f"{directory / METADATA_FILE}: refused: item {key!r} is a pickled object, not a tensor "
-                             "(FreeScale keeps non-tensor state out of DCP; loading it would run it as code)")
+            raise ValueError(
+                f"{directory / METADATA_FILE}: refused: item {key!r} is a pickled object, not a tensor "
+                "(FreeScale keeps non-tensor state out of DCP; loading it would run it as code)"
+            )
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = str(info.relative_path)
@@ -154,7 +176,9 @@ class _SavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         self.local = {k: v for k, v in state_dict.items() if k in self.shards}
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.shards}, storage_meta, is_coordinator)
+        super().set_up_planner(
+            {k: v for k, v in state_dict.items() if k not in self.shards}, storage_meta, is_coordinator
+        )
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -164,11 +188,17 @@ class _SavePlanner(DefaultSavePlanner):
                 continue
             shard = self.shards[key]
             chunk = shard.chunk(local)
-            items.append(WriteItem(
-                index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local),
-                                            size=torch.Size([shard.num_rows, *local.shape[1:]])),
-            ))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk,
+                        properties=TensorProperties.create_from_tensor(local),
+                        size=torch.Size([shard.num_rows, *local.shape[1:]]),
+                    ),
+                )
+            )
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
 
@@ -197,8 +227,10 @@ class _LoadPlanner(DefaultLoadPlanner):
                 raise ValueError(f"the checkpoint has no tensor {key!r} (another model or embedding optimizer?)")
             shard = self.shards[key]
             if tuple(md.size) != (shard.num_rows, *local.shape[1:]):
-                raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(md.size)}, this job's is "
-                                 f"{(shard.num_rows, *local.shape[1:])}")
+                raise ValueError(
+                    f"checkpoint tensor {key!r} has shape {tuple(md.size)}, this job's is "
+                    f"{(shard.num_rows, *local.shape[1:])}"
+                )
             if local.shape[0]:
                 items += create_read_items_for_chunk_list(key, md, [shard.chunk(local)])
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
@@ -209,8 +241,10 @@ class _LoadPlanner(DefaultLoadPlanner):
         return local if local is not None else super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise ValueError(f"refused: checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor "
-                         "(loading it would run it as code)")
+        raise ValueError(
+            f"refused: checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor "
+            "(loading it would run it as code)"
+        )
 
 
 def _dist_kwargs(group) -> dict:
@@ -227,8 +261,13 @@ def _quiet_single_process():
         yield
 
 
-def save(directory: str | Path, state: Mapping[str, torch.Tensor], shards: Mapping[str, RowShard], group=None,
-         async_save: bool = False) -> Optional[Future]:
+def save(
+    directory: str | Path,
+    state: Mapping[str, torch.Tensor],
+    shards: Mapping[str, RowShard],
+    group=None,
+    async_save: bool = False,
+) -> Optional[Future]:
     """Writes ``state`` (this rank's tensors; ``shards``: the keys that are row shards) into ``directory``;
     collective over ``group``. ``async_save``: returns the future of DCP's async_save (the state must be this
     rank's own copy: it is written while training goes on)."""

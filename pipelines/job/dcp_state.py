@@ -71,7 +71,9 @@ def empty_targets(keys: list[str], metadata: Metadata, directory: Path) -> dict[
     for key in keys:
         md = metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(f"checkpoint {directory}: its rank file names tensor {key!r}, which its DCP metadata lacks")
+            raise ValueError(
+                f"checkpoint {directory}: its rank file names tensor {key!r}, which its DCP metadata lacks"
+            )
         out[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return out
 
@@ -93,8 +95,11 @@ def _collections(model: torch.nn.Module) -> dict[str, Any]:
     """``{state_dict key of its extra state: collection}`` for each sharded embedding collection in ``model``."""
     from fsembed.sharded import ShardedEmbeddingCollection
 
-    return {f"{name}{EXTRA_STATE}": m for name, m in model.named_modules()
-            if name and isinstance(m, ShardedEmbeddingCollection)}
+    return {
+        f"{name}{EXTRA_STATE}": m
+        for name, m in model.named_modules()
+        if name and isinstance(m, ShardedEmbeddingCollection)
+    }
 
 
 def _table_key(extra_key: str, table: str, suffix: str) -> str:
@@ -171,8 +176,14 @@ def targets(directory: str | Path, skeleton: dict, model: torch.nn.Module) -> Ta
     return out
 
 
-def apply(directory: str | Path, loaded: Targets, skeleton: dict, model: torch.nn.Module,
-          optimizer: torch.optim.Optimizer, same_world: bool) -> None:
+def apply(
+    directory: str | Path,
+    loaded: Targets,
+    skeleton: dict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    same_world: bool,
+) -> None:
     """Puts loaded tensors into the model and optimizer: the tables restacked for this rank, the exchange in flight
     only at the same world size. ValueError (one line) when the checkpoint does not fit the model."""
     from fsembed.reshard import stack_rank_state
@@ -180,12 +191,17 @@ def apply(directory: str | Path, loaded: Targets, skeleton: dict, model: torch.n
     model_state = join_tensors(skeleton["model"], loaded.state)
     for key, collection in _collections(model).items():
         saved = skeleton["extra"].get(key, {})
-        model_state[key] = {"world_size": collection.plan.world_size, "rank": collection.rank,
-                            "tables": stack_rank_state(loaded.local.get(key, {}), collection.plan),
-                            **({"in_flight": saved.get("in_flight", {})} if same_world else {})}
+        model_state[key] = {
+            "world_size": collection.plan.world_size,
+            "rank": collection.rank,
+            "tables": stack_rank_state(loaded.local.get(key, {}), collection.plan),
+            **({"in_flight": saved.get("in_flight", {})} if same_world else {}),
+        }
     try:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(join_tensors(skeleton["optimizer"], loaded.state))
     except (RuntimeError, KeyError, ValueError) as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        raise ValueError(f"checkpoint {directory} does not fit this job's model or optimizer: {' '.join(lines[:2])}") from None
+        raise ValueError(
+            f"checkpoint {directory} does not fit this job's model or optimizer: {' '.join(lines[:2])}"
+        ) from None

@@ -1,8 +1,8 @@
 """What a model factory reads from the job's data before building the model: the dense width and the label count.
 
-    def build_model(config):              # freescale train --model file.py:build_model
-        dims = data_dims(config)
-        return ModelSpec(MyModel(dense_dim=dims.dense_dim, num_labels=dims.num_labels), ...)
+def build_model(config):              # freescale train --model file.py:build_model
+    dims = data_dims(config)
+    return ModelSpec(MyModel(dense_dim=dims.dense_dim, num_labels=dims.num_labels), ...)
 """
 
 from __future__ import annotations

@@ -15,8 +15,15 @@ from typing import Optional, TextIO
 class PlainProgress:
     """tqdm's interface as far as the trainer uses it (update, set_postfix, write, close), as plain lines."""
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "", stream: Optional[TextIO] = None,
-                 every: Optional[int] = None, seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        total: int,
+        initial: int = 0,
+        desc: str = "",
+        stream: Optional[TextIO] = None,
+        every: Optional[int] = None,
+        seconds: float = 30.0,
+    ) -> None:
         self.total, self.n, self.desc = total, initial, desc
         self.stream = stream if stream is not None else sys.stderr
         self.every = every if every is not None else max(1, (total - initial) // 20)

@@ -48,8 +48,15 @@ class ScheduleProbe:
     """Which embedding schedule each step runs. ``schedule_for(step)`` before the step (the same on every rank),
     ``observe(step, seconds)`` once that step's time (slowest rank) is known, in any later step."""
 
-    def __init__(self, schedule: str = "auto", *, first_step: int = 0, start: int = PROBE_START, steps: int = PROBE_STEPS,
-                 margin: float = 0.05) -> None:
+    def __init__(
+        self,
+        schedule: str = "auto",
+        *,
+        first_step: int = 0,
+        start: int = PROBE_START,
+        steps: int = PROBE_STEPS,
+        margin: float = 0.05,
+    ) -> None:
         if schedule not in SCHEDULE_CHOICES:
             raise ValueError(f"embedding_schedule must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
         if steps < 1 or start < 0:

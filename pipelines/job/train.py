@@ -69,8 +69,13 @@ def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: flo
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=not agent_store and rank == 0
     )
-    dist.init_process_group(backend, store=dist.PrefixStore(f"freescale/attempt{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"freescale/attempt{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -80,7 +85,7 @@ def _one_line(exc: BaseException) -> str:
     if "Original Traceback" in text:
         text = next((line for line in reversed(text.splitlines()) if line.strip()), text)
         prefix = f"{type(exc).__name__}: "
-        text = text[len(prefix):] if text.startswith(prefix) else text
+        text = text[len(prefix) :] if text.startswith(prefix) else text
     text = " ".join(text.split())
     return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"
 
@@ -161,7 +166,9 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
         torch.cuda.set_device(device)
     if use_cuda and config.train.numa_binding is not None and hasattr(os, "sched_getaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
-        print(f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), numa_binding={config.train.numa_binding}")
+        print(
+            f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), numa_binding={config.train.numa_binding}"
+        )
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
     # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
     # single ops by milliseconds.
@@ -232,7 +239,9 @@ def _numa_options(config: JobConfig):
         print(f"[freescale] numa_binding={mode} ignored: it binds ranks near their GPUs, and this run has none")
         return None
     if config.train.nproc > torch.cuda.device_count():
-        print(f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} GPU(s)")
+        print(
+            f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} GPU(s)"
+        )
         return None
     from torch.numa.binding import AffinityMode, NumaOptions
 
@@ -265,8 +274,12 @@ def launch(config: JobConfig) -> Optional[dict]:
         for log in loggers:
             log.setLevel(logging.CRITICAL)
     done = threading.Event()
-    watch = threading.Thread(target=_kill_stopped_ranks_after_a_failure, args=(Path(log_dir), done),
-                             name="freescale-stopped-ranks", daemon=True)
+    watch = threading.Thread(
+        target=_kill_stopped_ranks_after_a_failure,
+        args=(Path(log_dir), done),
+        name="freescale-stopped-ranks",
+        daemon=True,
+    )
     watch.start()
     try:
         results = elastic_launch(launch_config, worker)(config)
@@ -371,11 +384,16 @@ def check_before_launch(config: JobConfig) -> None:
     if config.data.data != "synthetic":
         from fsdata.parquet import ParquetSource
 
-        source = ParquetSource(config.data.data, uih_cap=config.data.uih_cap,  # footers only: no data is read
-                               drop_bad_samples=config.data.drop_bad_samples)
+        source = ParquetSource(
+            config.data.data,
+            uih_cap=config.data.uih_cap,  # footers only: no data is read
+            drop_bad_samples=config.data.drop_bad_samples,
+        )
         if config.data.drop_bad_samples and source.first_kept_sample() is None:  # reads until a sound sample
-            raise ValueError(f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
-                             "has bad values, and --drop-bad-samples leaves them out")
+            raise ValueError(
+                f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
+                "has bad values, and --drop-bad-samples leaves them out"
+            )
     if config.data.eval_data is not None:  # the held-out file's footers and schema, like the training data's
         from fsdata.parquet import ParquetSource
 
@@ -396,9 +414,24 @@ def print_summary(summary: dict) -> None:
         "loss": f"mean BCE per label over the last {steps - steps // 2} of these {steps} steps (after a resume: of the resumed part)",
         "ne": "normalized entropy over the same steps: that BCE / the entropy of the labels' positive rate (1 = predicting the rate; lower is better)",
     }
-    for key in ("mode", "steps", "world_size", "samples", "wall_s", "samples_per_s", "loss", "ne", "straggler_pct", "bubble_s"):
+    for key in (
+        "mode",
+        "steps",
+        "world_size",
+        "samples",
+        "wall_s",
+        "samples_per_s",
+        "loss",
+        "ne",
+        "straggler_pct",
+        "bubble_s",
+    ):
         value = summary.get(key)
-        line = f"  {key:<16} {value:.4g}" if isinstance(value, float) else f"  {key:<16} {'n/m' if value is None else value}"
+        line = (
+            f"  {key:<16} {value:.4g}"
+            if isinstance(value, float)
+            else f"  {key:<16} {'n/m' if value is None else value}"
+        )
         print(line + (f"  {notes[key]}" if key in notes else ""))
     first, last = summary.get("first_step"), summary.get("last_step")
     if first:  # resumed: --steps is the step the job runs to, not how many this process runs
@@ -413,13 +446,20 @@ def print_summary(summary: dict) -> None:
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
         probe = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in schedule["probe_median_s"].items() if v is not None)
-        chosen = (f"{schedule['choice']} from step {schedule['decided_at']}" if schedule["choice"]
-                  else "not chosen: the run ended inside the schedule probe")
+        chosen = (
+            f"{schedule['choice']} from step {schedule['decided_at']}"
+            if schedule["choice"]
+            else "not chosen: the run ended inside the schedule probe"
+        )
         print(f"  embedding        {chosen}" + (f" (probe medians: {probe})" if probe else ""))
-    print(f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out")
+    print(
+        f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out"
+    )
     for e in summary.get("eval") or []:
-        print(f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
-              f"({e['labels']} labels) never trained on")
+        print(
+            f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
+            f"({e['labels']} labels) never trained on"
+        )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -171,8 +171,11 @@ class Trainer:
         resumed = self._load_checkpoint()
         self._first_step = self.step
         # freescale's embedding schedule per step (pipelines.job.schedule): probed anew from this process's first step
-        self.schedule = (ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
-                         if MODES[config.train.mode].switches else None)
+        self.schedule = (
+            ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
+            if MODES[config.train.mode].switches
+            else None
+        )
         # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
         self._last_step_s = self._last_compute_s = 0.0
@@ -190,20 +193,38 @@ class Trainer:
         self.step_fn: Optional[TrainStep] = None
         if self.torchrec is None:
             self.step_fn = TrainStep(
-                self.model, self.spec.loss, self.optimizer, stage=self.pipeline, inputs=self.spec.inputs, device=device,
-                rank=rank, world_size=world_size, bucket_mb=config.train.bucket_mb, precision=config.train.precision,
-                timer=self.timer, phase=self._phase, before_backward=lambda: release_loader(self.loader),
+                self.model,
+                self.spec.loss,
+                self.optimizer,
+                stage=self.pipeline,
+                inputs=self.spec.inputs,
+                device=device,
+                rank=rank,
+                world_size=world_size,
+                bucket_mb=config.train.bucket_mb,
+                precision=config.train.precision,
+                timer=self.timer,
+                phase=self._phase,
+                before_backward=lambda: release_loader(self.loader),
             )
             self.dense_sync = self.step_fn.dense_sync
         # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
         # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
         # starts the batch after next as the backward starts (TrainStep.forward_backward releases it), unless the config
         # says otherwise.
-        loader_config = replace(config.loader, pin_memory=config.loader.pin_memory or device.type == "cuda",
-                                worker_start=config.loader.worker_start or "backward")
+        loader_config = replace(
+            config.loader,
+            pin_memory=config.loader.pin_memory or device.type == "cuda",
+            worker_start=config.loader.worker_start or "backward",
+        )
         self.loader = build_loader(
-            self.source, loader_config, rank, world_size, self._loader_stages(),
-            start={"epoch": self.epoch, "cursor": self.cursor}, device=device,
+            self.source,
+            loader_config,
+            rank,
+            world_size,
+            self._loader_stages(),
+            start={"epoch": self.epoch, "cursor": self.cursor},
+            device=device,
         )
         if resumed is not None:
             self.loader.load_state_dict(resumed)
@@ -223,8 +244,15 @@ class Trainer:
             # The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps.
             max_uih = getattr(getattr(self.spec.model, "config", None), "max_uih", None)
             stages += balancer_stages(
-                self.config.balancer, transport, self.rank, self.world_size, self.config.loader.batch_size,
-                self.feedback, self.worker_timer, device=self.device, max_uih=max_uih,
+                self.config.balancer,
+                transport,
+                self.rank,
+                self.world_size,
+                self.config.loader.batch_size,
+                self.feedback,
+                self.worker_timer,
+                device=self.device,
+                max_uih=max_uih,
             )
         if self.pipeline is not None:
             stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
@@ -282,8 +310,9 @@ class Trainer:
                     self.pipeline.set_schedule(self.schedule.schedule_for(self.step))
                 if self.torchrec is not None:  # its progress() trains batch i and takes in what it lacks ahead
                     batches = [f.item.batch for f in (current, *ahead)]
-                    record = self.torchrec.train_step(self.step, batches,
-                                                      lambda batch: count_labels(batch, self.device, self.timer))
+                    record = self.torchrec.train_step(
+                        self.step, batches, lambda batch: count_labels(batch, self.device, self.timer)
+                    )
                 else:
                     record = self.train_step(current, upcoming)
                 self.accounting.finish(record)
@@ -381,11 +410,17 @@ class Trainer:
         early = self.config.train.allreduce_start == "backward"
         t0 = time.perf_counter()
         with self._phase("freescale/forward_backward"):
-            labels, sums = step.forward_backward(fetched.item, upcoming.item if upcoming is not None else None,
-                                                 global_labels)
+            labels, sums = step.forward_backward(
+                fetched.item, upcoming.item if upcoming is not None else None, global_labels
+            )
             lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
-            slot = {"last_compute_s": self._last_compute_s, "tokens": float(lengths.sum()),
-                    "samples": float(batch.batch_size), "sparsity": sparsity(lengths), "last_step_s": self._last_step_s}
+            slot = {
+                "last_compute_s": self._last_compute_s,
+                "tokens": float(lengths.sum()),
+                "samples": float(batch.batch_size),
+                "sparsity": sparsity(lengths),
+                "last_step_s": self._last_step_s,
+            }
             mine = tuple(slot[name] for name in PER_RANK_FIELDS)  # this rank's slot, in the block's order
             if early:  # queued behind the backward on the device: it runs as soon as the backward is done
                 with self._phase("freescale/dense_allreduce"):
@@ -412,10 +447,14 @@ class Trainer:
         labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
         if not np.isfinite(bce_sum):  # every rank sees the same global sum: all stop at this step
             local = float(sums[0])
-            where = (f"on rank {self.rank} (its loss sum is {local})" if not np.isfinite(local)
-                     else f"on another rank (rank {self.rank}'s loss sum is finite)")
-            raise NonFiniteLoss(f"non-finite loss at step {self.step} {where}: the run stops here",
-                                root=not np.isfinite(local))
+            where = (
+                f"on rank {self.rank} (its loss sum is {local})"
+                if not np.isfinite(local)
+                else f"on another rank (rank {self.rank}'s loss sum is finite)"
+            )
+            raise NonFiniteLoss(
+                f"non-finite loss at step {self.step} {where}: the run stops here", root=not np.isfinite(local)
+            )
         return {
             "step": self.step,
             "loss": bce_sum / labels_all if labels_all > 0 else float("nan"),
@@ -456,7 +495,9 @@ class Trainer:
         target = Path(f"{path}.rank{self.rank}.json")
         target.parent.mkdir(parents=True, exist_ok=True)
         steps = self.config.train.steps
-        skip = max(0, min(self.config.train.warmup_steps - 1, steps - 3))  # past the warm-up, then one profiler warm-up step
+        skip = max(
+            0, min(self.config.train.warmup_steps - 1, steps - 3)
+        )  # past the warm-up, then one profiler warm-up step
         active = max(1, min(5, steps - skip - 2))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         profiler = profile(
@@ -477,7 +518,9 @@ class Trainer:
         if self._checkpointer is None:
             raise ValueError("save_checkpoint: the job has no --checkpoint-dir")
         self._checkpointer.save(
-            self.step, self.model, self.optimizer,
+            self.step,
+            self.model,
+            self.optimizer,
             loader_state=upcoming.loader_state if upcoming is not None else self.loader.state_dict(),
             cursor={"epoch": self.epoch, "cursor": self.cursor},
         )
@@ -486,9 +529,11 @@ class Trainer:
         """Restores model, optimizer, step and data position; returns the loader state to restore, if any."""
         cfg = self.config.train
         # At set-up, on every rank: the checkpointer's process group is made collectively.
-        self._checkpointer = (checkpoint.Checkpointer(cfg.checkpoint_dir, self.rank, self.world_size,
-                                                      async_save=cfg.async_checkpoint)
-                              if cfg.checkpoint_dir or cfg.resume else None)
+        self._checkpointer = (
+            checkpoint.Checkpointer(cfg.checkpoint_dir, self.rank, self.world_size, async_save=cfg.async_checkpoint)
+            if cfg.checkpoint_dir or cfg.resume
+            else None
+        )
         if not cfg.resume:
             return None
         restored = self._checkpointer.restore(cfg.resume, self.model, self.optimizer)  # returns once all have loaded
@@ -501,9 +546,15 @@ class Trainer:
             return None
         self.step, self.epoch, self.cursor = restored.step, restored.epoch, restored.cursor
         if self.rank == 0:
-            print(f"[freescale] resumed from {restored.directory} at step {self.step} (epoch {self.epoch}, sample "
-                  f"{self.cursor})" + ("" if restored.loader_state is not None
-                                       else f"; loader state rebuilt for world size {self.world_size}"))
+            print(
+                f"[freescale] resumed from {restored.directory} at step {self.step} (epoch {self.epoch}, sample "
+                f"{self.cursor})"
+                + (
+                    ""
+                    if restored.loader_state is not None
+                    else f"; loader state rebuilt for world size {self.world_size}"
+                )
+            )
         return restored.loader_state
 
     def _ne_curve(self) -> list[float]:
@@ -540,7 +591,9 @@ class Trainer:
             return None
         from fsdata.parquet import ParquetSource
 
-        source = ParquetSource([Path(path)], uih_cap=self.config.data.uih_cap, drop_bad_samples=self.config.data.drop_bad_samples)
+        source = ParquetSource(
+            [Path(path)], uih_cap=self.config.data.uih_cap, drop_bad_samples=self.config.data.drop_bad_samples
+        )
         if self.spec.source is not None:
             source = self.spec.source(source)
         if num_items is not None:
@@ -550,11 +603,19 @@ class Trainer:
     def evaluate(self, progress=None) -> dict:
         """One pass over the held-out data (pipelines.api.evaluate: no gradient, tables flushed, every rank's samples
         once); its NE and AUC go to the progress output, the metrics JSONL and the summary."""
-        loader = build_loader(self.eval_source, LoaderConfig(batch_size=self.config.loader.batch_size), self.rank,
-                              self.world_size)
+        loader = build_loader(
+            self.eval_source, LoaderConfig(batch_size=self.config.loader.batch_size), self.rank, self.world_size
+        )
         try:
-            result = evaluate(self.model, loader, stage=self.pipeline, inputs=self.spec.inputs, device=self.device,
-                              precision=self.config.train.precision, world_size=self.world_size)
+            result = evaluate(
+                self.model,
+                loader,
+                stage=self.pipeline,
+                inputs=self.spec.inputs,
+                device=self.device,
+                precision=self.config.train.precision,
+                world_size=self.world_size,
+            )
         finally:
             shutdown_loader(loader)
         record = {"step": self.step, **result.as_dict()}
@@ -563,16 +624,19 @@ class Trainer:
             self._metrics_file.write(json.dumps({"step": self.step, "eval": result.as_dict()}) + "\n")
             self._metrics_file.flush()
         if self.rank == 0 and self.config.train.progress:
-            line = (f"step {self.step}: held-out NE {result.ne:.4f}, AUC {result.auc:.4f} "
-                    f"({result.samples} samples, {self.config.data.eval_data})")
+            line = (
+                f"step {self.step}: held-out NE {result.ne:.4f}, AUC {result.auc:.4f} "
+                f"({result.samples} samples, {self.config.data.eval_data})"
+            )
             (progress.write if progress is not None else print)(line)
         return record
 
     def _progress_bar(self):
         if self.rank != 0 or not self.config.train.progress:
             return None
-        return progress_bar(self.config.train.steps, self.step,
-                            f"train {self.config.train.mode} ({self.world_size} ranks)")
+        return progress_bar(
+            self.config.train.steps, self.step, f"train {self.config.train.mode} ({self.world_size} ranks)"
+        )
 
     def _log(self, record: dict, progress) -> None:
         self.history.append(record)
@@ -581,7 +645,9 @@ class Trainer:
             self._metrics_file.flush()
         if progress is not None:
             straggler = record["straggler_pct"]
-            progress.set_postfix(loss=f"{record['loss']:.4f}", straggler="n/m" if straggler is None else f"{straggler:.1f}%")
+            progress.set_postfix(
+                loss=f"{record['loss']:.4f}", straggler="n/m" if straggler is None else f"{straggler:.1f}%"
+            )
             progress.update(1)
 
     def _summary(self, wall: float) -> dict:
@@ -631,7 +697,9 @@ class Trainer:
             "exposed_per_step_s": {k: [r["exposed_s"][k] for r in h] for k in (h[0]["exposed_s"] if h else {})},
             "straggler_per_step_s": [r["straggler_wait_s"] for r in h],
             "stall_clues_per_step": stall_clues(h),
-            "exposed_s": {k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})},
+            "exposed_s": {
+                k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})
+            },
             "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
             "unmeasured": h[0].get("unmeasured", []) if h else [],
             "embedding_schedule": self.schedule.summary() if self.schedule is not None else None,

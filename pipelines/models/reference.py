@@ -80,8 +80,9 @@ class ModelConfig:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"model attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"model attention_impl must be one of {', '.join(ATTENTION_IMPLS)} or None, "
-                             f"got {self.attention_impl!r}")
+            raise ValueError(
+                f"model attention_impl must be one of {', '.join(ATTENTION_IMPLS)} or None, got {self.attention_impl!r}"
+            )
 
 
 @dataclass
@@ -119,8 +120,9 @@ def attention_plan(uih_offsets: torch.Tensor, candidate_offsets: torch.Tensor, *
     """The pure function from a batch's host offsets to its attention plan (after the model's truncation to
     ``max_uih``). O(blocks) host work; what the loader's attention-plan stage runs for a batch ahead."""
     uih = kept_offsets(uih_offsets.to(torch.int64), max_uih)
-    return AttentionPlan(build_block_mask(uih, causal=True),
-                         build_block_mask(candidate_offsets.to(torch.int64), uih, causal=False))
+    return AttentionPlan(
+        build_block_mask(uih, causal=True), build_block_mask(candidate_offsets.to(torch.int64), uih, causal=False)
+    )
 
 
 MODEL_PRESETS: dict[str, dict] = {
@@ -176,7 +178,9 @@ class Block(nn.Module):
 def _padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[B, L, h, dh] each. Causal, no mask: padding sits after each sample's last event, so a real token never
     attends to it, and SDPA picks its fused (flash / memory-efficient) kernel: memory O(B*L), not O(B*L^2)."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
 
 
 class SequenceModel(nn.Module):
@@ -203,7 +207,10 @@ class SequenceModel(nn.Module):
         self._truncated: dict[int, tuple] = {}
 
     def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_truncated": {}}  # weak references do not pickle, and the cache is only a cache
+        return {
+            **super().__getstate__(),
+            "_truncated": {},
+        }  # weak references do not pickle, and the cache is only a cache
 
     def _truncate(self, batch: Batch) -> Kept:
         """Keeps each sample's most recent ``max_uih`` events (:class:`Kept`). The sizes come from the batch's host
@@ -228,8 +235,9 @@ class SequenceModel(nn.Module):
         flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
         cuda = lengths.device.type == "cuda"  # the int32 device copies only where a CUDA kernel reads them
         uih = PackedOffsets.from_host(host_offsets, on_device=offsets if cuda else None)
-        candidates = PackedOffsets.from_host(batch.host_offsets("candidate_offsets"),
-                                             on_device=batch.candidate_offsets if cuda else None)
+        candidates = PackedOffsets.from_host(
+            batch.host_offsets("candidate_offsets"), on_device=batch.candidate_offsets if cuda else None
+        )
         return Kept(offsets, flat, pos, uih, candidates)
 
     def item_ids(self, batch: Batch) -> torch.Tensor:
@@ -314,18 +322,28 @@ class SequenceModel(nn.Module):
         # Target attention: each candidate queries its own sample's encoded UIH.
         if self.config.attention == "padded":
             kept = self._truncate(batch)
-            uih_mask = torch.arange(max(kept.uih.max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(kept.offsets).unsqueeze(1)
+            uih_mask = torch.arange(max(kept.uih.max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(
+                kept.offsets
+            ).unsqueeze(1)
             c_max = int(offsets_to_lengths(batch.host_offsets("candidate_offsets")).max())
             q, _, cand_slot = _pad(self.target_q(cand), batch.candidate_offsets, max(c_max, 1))  # [B, Cmax, d]
             heads = lambda t: t.view(b, t.shape[1], h, d // h).transpose(1, 2)  # noqa: E731
-            attended = F.scaled_dot_product_attention(heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :])
+            attended = F.scaled_dot_product_attention(
+                heads(q), heads(uih), heads(uih), attn_mask=uih_mask[:, None, None, :]
+            )
             attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
         else:
             heads = lambda t: t.view(t.shape[0], h, d // h)  # noqa: E731
             kept = self._truncate(batch)
             attended = jagged_attention(
-                heads(self.target_q(cand)), heads(uih), heads(uih), kept.candidates, kept.uih, causal=False,
-                block_mask=plan.target if plan is not None else None, impl=impl,
+                heads(self.target_q(cand)),
+                heads(uih),
+                heads(uih),
+                kept.candidates,
+                kept.uih,
+                causal=False,
+                block_mask=plan.target if plan is not None else None,
+                impl=impl,
             ).reshape(-1, d)
         sample_of_cand = torch.repeat_interleave(
             torch.arange(b, device=cand.device), batch.num_candidates, output_size=cand.shape[0]

@@ -131,8 +131,10 @@ class _LookedUpRows(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows, self.rows = self.rows, None
         if rows is None or rows.shape[0] != ids.numel():
-            raise RuntimeError(f"torchrec mode: item_embedding called with {ids.numel()} ids, the collection looked up "
-                               f"{None if rows is None else rows.shape[0]} rows")
+            raise RuntimeError(
+                f"torchrec mode: item_embedding called with {ids.numel()} ids, the collection looked up "
+                f"{None if rows is None else rows.shape[0]} rows"
+            )
         return rows.reshape(*ids.shape, self.dim)
 
 
@@ -173,8 +175,9 @@ class TorchrecReference:
 
     lookahead = 2  # batches the pipeline holds beyond the current one: i+1 in input dist, i+2 loaded
 
-    def __init__(self, model: SequenceModel, *, optimizer_name: str, embedding_lr: float, lr: float,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: SequenceModel, *, optimizer_name: str, embedding_lr: float, lr: float, device: torch.device
+    ) -> None:
         require_torchrec()
         from fsembed.swap import quiet_torchrec_notes
 
@@ -194,15 +197,23 @@ class TorchrecReference:
         if device.type != "cpu":
             raise ValueError(f"mode torchrec is a CPU reference only (got device {device}); pass --device cpu")
         if optimizer_name not in EMBEDDING_OPTIMIZERS:
-            raise ValueError(f"mode torchrec supports --embedding-optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
-                             f"{optimizer_name!r} (torchrec's fused Adam fails on CPU)")
+            raise ValueError(
+                f"mode torchrec supports --embedding-optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+                f"{optimizer_name!r} (torchrec's fused Adam fails on CPU)"
+            )
         Pipelineable.register(TorchrecInput)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model = model
         weight = model.item_embedding.weight.detach()
         collection = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=TABLE_NAME, embedding_dim=weight.shape[1], num_embeddings=weight.shape[0],
-                                    feature_names=[UIH_ITEM_KEY, CONTENT_KEY])],
+            tables=[
+                EmbeddingConfig(
+                    name=TABLE_NAME,
+                    embedding_dim=weight.shape[1],
+                    num_embeddings=weight.shape[0],
+                    feature_names=[UIH_ITEM_KEY, CONTENT_KEY],
+                )
+            ],
             device=device,
         )
         with torch.no_grad():
@@ -213,8 +224,11 @@ class TorchrecReference:
             apply_optimizer_in_backward(RowWiseAdagrad, collection.parameters(), {"lr": embedding_lr, "eps": 1e-8})
         model.item_embedding = _LookedUpRows(weight.shape[1])
         plan = construct_module_sharding_plan(
-            collection, per_param_sharding={TABLE_NAME: row_wise()}, local_size=self.world_size,
-            world_size=self.world_size, device_type=device.type,
+            collection,
+            per_param_sharding={TABLE_NAME: row_wise()},
+            local_size=self.world_size,
+            world_size=self.world_size,
+            device_type=device.type,
         )
         self.dmp = DistributedModelParallel(
             _TorchrecSequenceModel(collection, _DenseStep(model, self.world_size)),
@@ -247,8 +261,10 @@ class TorchrecReference:
         for offset, batch in enumerate(batches):
             if step + offset >= self._fed_steps:
                 if batch.batch_size == 0:
-                    raise ValueError(f"mode torchrec: rank {self.rank} got an empty local batch at step {step + offset}; "
-                                     "the model's empty-batch path skips dense parameters that DDP's static graph expects")
+                    raise ValueError(
+                        f"mode torchrec: rank {self.rank} got an empty local batch at step {step + offset}; "
+                        "the model's empty-batch path skips dense parameters that DDP's static graph expects"
+                    )
                 self._feed.append(TorchrecInput(item_ids_kjt(self.model, batch), batch, global_labels(batch)))
                 self._in_flight.append(batch)
                 self._fed_steps += 1
@@ -262,7 +278,7 @@ class TorchrecReference:
         t1 = time.perf_counter()
         book = self._bookkeeping(stats, progress_s, batch)
         bookkeeping_s = time.perf_counter() - t1
-        per_rank = book[len(_GLOBAL_FIELDS):].view(self.world_size, len(_PER_RANK_FIELDS))
+        per_rank = book[len(_GLOBAL_FIELDS) :].view(self.world_size, len(_PER_RANK_FIELDS))
         tokens = per_rank[:, 1]
         return {
             "step": step,

@@ -175,11 +175,16 @@ def select(batch: Batch, idx: np.ndarray) -> Batch:
     content = torch.from_numpy(segment_arange(xo[:-1][cand].numpy(), (xo[1:] - xo[:-1])[cand].numpy()))
     opt = lambda t, i: None if t is None else t[i]  # noqa: E731
     return Batch(
-        sample_ids=batch.sample_ids[idx], user_ids=batch.user_ids[idx],
-        uih_offsets=lengths_to_offsets((uo[1:] - uo[:-1])[idx]), uih_item_ids=batch.uih_item_ids[uih],
-        candidate_offsets=lengths_to_offsets((co[1:] - co[:-1])[idx]), candidate_labels=batch.candidate_labels[cand],
-        content_offsets=lengths_to_offsets((xo[1:] - xo[:-1])[cand]), content_ids=batch.content_ids[content],
-        dense=batch.dense[idx], uih_action_types=opt(batch.uih_action_types, uih),
+        sample_ids=batch.sample_ids[idx],
+        user_ids=batch.user_ids[idx],
+        uih_offsets=lengths_to_offsets((uo[1:] - uo[:-1])[idx]),
+        uih_item_ids=batch.uih_item_ids[uih],
+        candidate_offsets=lengths_to_offsets((co[1:] - co[:-1])[idx]),
+        candidate_labels=batch.candidate_labels[cand],
+        content_offsets=lengths_to_offsets((xo[1:] - xo[:-1])[cand]),
+        content_ids=batch.content_ids[content],
+        dense=batch.dense[idx],
+        uih_action_types=opt(batch.uih_action_types, uih),
         uih_timestamps=opt(batch.uih_timestamps, uih),
     )
 
@@ -200,8 +205,10 @@ def equal_length(batch: Batch, length: int) -> Batch:
     keep = torch.from_numpy(uo[:-1][sample] + (have[sample] - length + j) % np.maximum(have[sample], 1))
     opt = lambda t: None if t is None else t[keep]  # noqa: E731
     return dataclasses.replace(
-        batch, uih_offsets=torch.arange(n + 1, dtype=torch.int64) * length,
-        uih_item_ids=batch.uih_item_ids[keep], uih_action_types=opt(batch.uih_action_types),
+        batch,
+        uih_offsets=torch.arange(n + 1, dtype=torch.int64) * length,
+        uih_item_ids=batch.uih_item_ids[keep],
+        uih_action_types=opt(batch.uih_action_types),
         uih_timestamps=opt(batch.uih_timestamps),
     )
 
@@ -285,15 +292,18 @@ class MemoryGuard:
         """Why a batch with features ``x`` may not run, or None."""
         tokens, pairs = self.work(x)
         if tokens > self.token_cap():
-            return (f"memory: {tokens:.4g} {self.kernel} tokens need about "
-                    f"{(self.fixed_bytes + self.per_token_bytes * tokens) / 2**30:.1f} GiB > {self.limit_bytes / 2**30:.1f}")
+            return (
+                f"memory: {tokens:.4g} {self.kernel} tokens need about "
+                f"{(self.fixed_bytes + self.per_token_bytes * tokens) / 2**30:.1f} GiB > {self.limit_bytes / 2**30:.1f}"
+            )
         if pairs > self.max_pairs:
             return f"--replay-max-pairs: {pairs:.4g} {self.kernel} attention pairs > {self.max_pairs:.4g}"
         return None
 
     @classmethod
-    def probe(cls, timer: Timer, batch: Batch, length: int, limit_gib: float, max_pairs: float,
-              kernel: str = "padded") -> "MemoryGuard":
+    def probe(
+        cls, timer: Timer, batch: Batch, length: int, limit_gib: float, max_pairs: float, kernel: str = "padded"
+    ) -> "MemoryGuard":
         """CUDA: peak bytes of one and of four copies of a sample set to ``length`` events; the line through the
         two points gives fixed and per-token bytes (activations are linear in tokens: neither kernel holds a
         mask of pairs; on equal lengths both kernels see the same tokens). Elsewhere only ``max_pairs`` applies."""
@@ -318,8 +328,14 @@ def timing_batches(args: argparse.Namespace, source, rng: np.random.Generator) -
     for step in itertools.count():
         lo, hi = step * w * b, (step + 1) * w * b
         sizes = source.lengths(0, lo, hi)
-        lengths = GatheredLengths(sizes["uih_lengths"], sizes["num_candidates"], sizes["candidate_lengths"],
-                                  np.arange(w * b), np.arange(w + 1) * b, w)
+        lengths = GatheredLengths(
+            sizes["uih_lengths"],
+            sizes["num_candidates"],
+            sizes["candidate_lengths"],
+            np.arange(w * b),
+            np.arange(w + 1) * b,
+            w,
+        )
         batch = source.read(0, lo, hi)
         plans = {name: parts[name](lengths, RuntimeInfo(step=step)) for name in TIMING_PARTITIONERS}
         ranks = {name: rng.permutation(w) for name in TIMING_PARTITIONERS}
@@ -353,7 +369,9 @@ class Fit:
     coefficients: np.ndarray
     residuals: np.ndarray  # relative residuals y / pred - 1 of the fit set: jitter "residual"
     info: dict = field(default_factory=dict)
-    repeats: np.ndarray = field(default_factory=lambda: np.zeros(0))  # repeat_deviations of every batch: jitter "repeat"
+    repeats: np.ndarray = field(
+        default_factory=lambda: np.zeros(0)
+    )  # repeat_deviations of every batch: jitter "repeat"
     timings: list = field(default_factory=list)  # one dict per timed batch (the *_timings_<kernel>.json file)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
@@ -373,8 +391,10 @@ class ReplayStepTime:
         if jitter not in JITTERS:
             raise ValueError(f"--replay-jitter {jitter!r}: choose from {JITTERS}")
         if jitter == "repeat" and fit.repeats.size < 2:
-            raise ValueError(f"--replay-jitter repeat: only {fit.repeats.size} deviations of repeated timings; "
-                             "time with --replay-repeats >= 2")
+            raise ValueError(
+                f"--replay-jitter repeat: only {fit.repeats.size} deviations of repeated timings; "
+                "time with --replay-repeats >= 2"
+            )
         self.fit, self.jitter = fit, jitter
         self.noise = fit.residuals if jitter == "residual" else fit.repeats
         self.params = fit  # simulate reads params.d as the fixed per-rank cost of the lower bound
@@ -396,9 +416,13 @@ class ReplayStepTime:
     def record(self) -> dict:
         """What the figures rest on, for the JSON records."""
         noise = self.noise
-        return {**self.fit.info, "jitter": self.jitter, "jitter_source": JITTER_SOURCES[self.jitter],
-                "jitter_rel_std": float(np.sqrt(np.mean(noise * noise))) if noise.size else 0.0,
-                "n_jitter_values": int(noise.size)}
+        return {
+            **self.fit.info,
+            "jitter": self.jitter,
+            "jitter_source": JITTER_SOURCES[self.jitter],
+            "jitter_rel_std": float(np.sqrt(np.mean(noise * noise))) if noise.size else 0.0,
+            "n_jitter_values": int(noise.size),
+        }
 
     def describe(self) -> str:
         return f"replay({self.record()})"
@@ -417,8 +441,12 @@ class DirectStepTime:
 
     def record(self) -> dict:
         pool = np.concatenate(self.direct.deviations) if self.direct.deviations else np.zeros(0)
-        return {**self.direct.info, "n_timings_sim": self.n_timings_sim, "n_calls_total": self.direct.timer.calls,
-                "repeat_rel_std": float(np.sqrt(np.mean(pool * pool))) if pool.size else float("nan")}
+        return {
+            **self.direct.info,
+            "n_timings_sim": self.n_timings_sim,
+            "n_calls_total": self.direct.timer.calls,
+            "repeat_rel_std": float(np.sqrt(np.mean(pool * pool))) if pool.size else float("nan"),
+        }
 
     def describe(self) -> str:
         return f"replay({self.record()})"
@@ -440,12 +468,16 @@ class _Direct:
         uih = lengths.uih_lengths.numpy()[idx]
         refused = self.guard.refuses(features([uih])[0])
         if refused:
-            raise ValueError(f"replay direct: a local batch of {uih.size} samples up to {uih.max()} events does not "
-                             f"fit ({refused}); use --replay-mode fit")
+            raise ValueError(
+                f"replay direct: a local batch of {uih.size} samples up to {uih.max()} events does not "
+                f"fit ({refused}); use --replay-mode fit"
+            )
         local = select(self._cached[2], ids[idx] - lo)
         if not np.array_equal(local.uih_lengths.numpy(), uih):
-            raise ValueError("replay direct: the simulated lengths are not those of the synthetic source's samples "
-                             f"{ids[idx][:4].tolist()}...; direct mode needs the same --preset, --seed and --max-uih")
+            raise ValueError(
+                "replay direct: the simulated lengths are not those of the synthetic source's samples "
+                f"{ids[idx][:4].tolist()}...; direct mode needs the same --preset, --seed and --max-uih"
+            )
         times = self.timer.measure(local, self.repeats)
         self.deviations.append(repeat_deviations(times))
         return float(np.median(times))
@@ -463,21 +495,32 @@ def _source(args: argparse.Namespace, num_samples: int, seed: int):
 
     if getattr(args, "data", None):
         raise ValueError("--model replay draws real samples from a synthetic --preset; --data is not supported")
-    return SyntheticSource(SyntheticConfig.from_preset(args.preset, uih_cap=args.max_uih, num_samples=num_samples, seed=seed))
+    return SyntheticSource(
+        SyntheticConfig.from_preset(args.preset, uih_cap=args.max_uih, num_samples=num_samples, seed=seed)
+    )
 
 
 def _model(args: argparse.Namespace, source, device: torch.device) -> SequenceModel:
     if args.replay_model_preset not in REPLAY_MODEL_PRESETS:
-        raise ValueError(f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}")
+        raise ValueError(
+            f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}"
+        )
     sizes = dict(REPLAY_MODEL_PRESETS[args.replay_model_preset])
     for key, flag in (("dim", "replay_dim"), ("num_layers", "replay_layers"), ("num_heads", "replay_heads")):
         if getattr(args, flag) is not None:
             sizes[key] = getattr(args, flag)
     c = source.config
     # max_uih follows the simulation: a model preset's shorter cap would hide the long-UIH stragglers.
-    config = ModelConfig(**{**sizes, "max_uih": args.max_uih, "num_labels": c.num_labels, "dense_dim": c.dense_dim,
-                            "attention": args.replay_kernel,
-                            "attention_impl": getattr(args, "replay_attention_impl", None)})
+    config = ModelConfig(
+        **{
+            **sizes,
+            "max_uih": args.max_uih,
+            "num_labels": c.num_labels,
+            "dense_dim": c.dense_dim,
+            "attention": args.replay_kernel,
+            "attention_impl": getattr(args, "replay_attention_impl", None),
+        }
+    )
     torch.manual_seed(args.seed)
     return SequenceModel(config).to(device)
 
@@ -500,9 +543,27 @@ _CACHE: dict[tuple, object] = {}
 
 
 def _key(args: argparse.Namespace) -> tuple:
-    names = ("device", "preset", "max_uih", "batch_size", "seed", "alpha", "replay_model_preset", "replay_dim",
-             "replay_layers", "replay_heads", "replay_kernel", "replay_timings", "replay_heldout", "replay_mode", "replay_dtype",
-             "replay_mem_gib", "replay_time_budget", "replay_timing_ranks", "replay_max_pairs")
+    names = (
+        "device",
+        "preset",
+        "max_uih",
+        "batch_size",
+        "seed",
+        "alpha",
+        "replay_model_preset",
+        "replay_dim",
+        "replay_layers",
+        "replay_heads",
+        "replay_kernel",
+        "replay_timings",
+        "replay_heldout",
+        "replay_mode",
+        "replay_dtype",
+        "replay_mem_gib",
+        "replay_time_budget",
+        "replay_timing_ranks",
+        "replay_max_pairs",
+    )
     direct = ("ranks", "steps", "warmup") if args.replay_mode == "direct" else ()  # a fit serves every rank count
     return tuple(getattr(args, n, None) for n in names + direct) + (_repeats(args),)
 
@@ -520,14 +581,25 @@ def _write_timings(args: argparse.Namespace, info: dict, rows: list[dict]) -> No
 
 def _progress(kernel: str, rows: list[dict], skipped: list[dict], calls: int, elapsed: float, args) -> None:
     last = rows[-1] if rows else None
-    tail = (f"; last {last['partitioner']} count {last['count']} max L {last['max_L']}: "
-            f"{1e3 * last['median_s']:.1f} ms, spread {last['rel_spread']:.2%}") if last else ""
-    print(f"replay timing ({kernel}): {len(rows)}/{args.replay_timings} batches, {calls} calls, "
-          f"{elapsed:.0f}/{args.replay_time_budget:.0f} s, {len(skipped)} skipped{tail}", file=sys.stderr, flush=True)
+    tail = (
+        (
+            f"; last {last['partitioner']} count {last['count']} max L {last['max_L']}: "
+            f"{1e3 * last['median_s']:.1f} ms, spread {last['rel_spread']:.2%}"
+        )
+        if last
+        else ""
+    )
+    print(
+        f"replay timing ({kernel}): {len(rows)}/{args.replay_timings} batches, {calls} calls, "
+        f"{elapsed:.0f}/{args.replay_time_budget:.0f} s, {len(skipped)} skipped{tail}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def _time_batches(args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard", jobs, started: float
-                  ) -> tuple[list[dict], list[dict], list[dict]]:
+def _time_batches(
+    args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard", jobs, started: float
+) -> tuple[list[dict], list[dict], list[dict]]:
     """Times the whole local batches ``jobs`` yields, one warm-up and ``--replay-repeats`` calls each, until
     ``--replay-timings`` of them or the time budget; batches the memory guard refuses, and those that run out of
     memory, are recorded apart. Returns (timed rows, skipped, out of memory)."""
@@ -538,11 +610,18 @@ def _time_batches(args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard"
     batch_walls: list[float] = []
     printed = started
     cap = guard.token_cap()
-    print(f"replay timing ({kernel}): whole local batches of {args.replay_timing_ranks}-rank plans, 1 warm-up + "
-          f"{repeats} timed calls each, up to {args.replay_timings} batches or {args.replay_time_budget:.0f} s"
-          + (f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + {guard.fixed_bytes / 2**30:.2f} "
-             f"GiB: at most {cap:.4g} tokens in {args.replay_mem_gib} GiB" if math.isfinite(cap) else ""),
-          file=sys.stderr, flush=True)
+    print(
+        f"replay timing ({kernel}): whole local batches of {args.replay_timing_ranks}-rank plans, 1 warm-up + "
+        f"{repeats} timed calls each, up to {args.replay_timings} batches or {args.replay_time_budget:.0f} s"
+        + (
+            f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + {guard.fixed_bytes / 2**30:.2f} "
+            f"GiB: at most {cap:.4g} tokens in {args.replay_mem_gib} GiB"
+            if math.isfinite(cap)
+            else ""
+        ),
+        file=sys.stderr,
+        flush=True,
+    )
     while True:
         elapsed = time.perf_counter() - started
         next_end = elapsed + (np.mean(batch_walls) if batch_walls else 0.0)  # when the next batch would end
@@ -559,14 +638,23 @@ def _time_batches(args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard"
             continue
         timed = local
         x = features([timed.uih_lengths.numpy()])[0]
-        shape = {"partitioner": name, "step": step, "rank": rank, "count": int(x[1]), "max_L": int(x[4]),
-                 "tokens": int(x[5])}
+        shape = {
+            "partitioner": name,
+            "step": step,
+            "rank": rank,
+            "count": int(x[1]),
+            "max_L": int(x[4]),
+            "tokens": int(x[5]),
+        }
         refused = guard.refuses(x)
         if refused:
             skipped.append({**shape, "reason": refused})
             if len(skipped) <= 5:  # the record counts them all
-                print(f"replay timing ({kernel}): skipped a whole local batch {shape}: {refused}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"replay timing ({kernel}): skipped a whole local batch {shape}: {refused}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         t0 = time.perf_counter()
         try:
@@ -576,23 +664,58 @@ def _time_batches(args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard"
         if times is None:  # outside the except block, so the failed call's tensors are freed first
             # The probe under-estimated this shape: record it, and refuse this many tokens and more from now on.
             ooms.append(shape)
-            guard.limit_bytes = min(guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * guard.work(x)[0])
+            guard.limit_bytes = min(
+                guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * guard.work(x)[0]
+            )
             timer.model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            print(f"replay timing ({kernel}): out of memory on {shape}; the cap is now {guard.token_cap():.4g} tokens",
-                  file=sys.stderr, flush=True)
+            print(
+                f"replay timing ({kernel}): out of memory on {shape}; the cap is now {guard.token_cap():.4g} tokens",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         batch_walls.append(time.perf_counter() - t0)
         local_x = features([local.uih_lengths.numpy()])[0]
-        rows.append({**shape, "sum_L": float(x[2]), "sum_L2": float(x[3]), "local_max_L": int(local_x[4]),
-                     "local_sum_L": float(local_x[2]), "local_sum_L2": float(local_x[3]), "times_s": times.tolist(),
-                     "median_s": float(np.median(times)), "rel_spread": rel_spread(times),
-                     "peak_gib": None if timer.last_peak_bytes is None else timer.last_peak_bytes / 2**30})
+        rows.append(
+            {
+                **shape,
+                "sum_L": float(x[2]),
+                "sum_L2": float(x[3]),
+                "local_max_L": int(local_x[4]),
+                "local_sum_L": float(local_x[2]),
+                "local_sum_L2": float(local_x[3]),
+                "times_s": times.tolist(),
+                "median_s": float(np.median(times)),
+                "rel_spread": rel_spread(times),
+                "peak_gib": None if timer.last_peak_bytes is None else timer.last_peak_bytes / 2**30,
+            }
+        )
     return rows, skipped, ooms
 
 
-def _fit_info(args, kernel, device, dtype, model, timer, guard, rows, skipped, ooms, wall, x, y, coef, keep, fit_idx,
-              held, residuals, pool, spreads) -> dict:
+def _fit_info(
+    args,
+    kernel,
+    device,
+    dtype,
+    model,
+    timer,
+    guard,
+    rows,
+    skipped,
+    ooms,
+    wall,
+    x,
+    y,
+    coef,
+    keep,
+    fit_idx,
+    held,
+    residuals,
+    pool,
+    spreads,
+) -> dict:
     """What a fit rests on, for the records (see the module docstring)."""
     n, repeats, n_held = len(rows), _repeats(args), int(held.size)
     pred, truth = x[held] @ coef, y[held]
@@ -602,8 +725,9 @@ def _fit_info(args, kernel, device, dtype, model, timer, guard, rows, skipped, o
     return {
         "replay_mode": "fit",
         "replay_kernel": kernel,
-        "timed_unit": "whole local batch, padded to its longest UIH" if kernel == "padded" else
-                      "whole local batch, jagged (no padding)",
+        "timed_unit": "whole local batch, padded to its longest UIH"
+        if kernel == "padded"
+        else "whole local batch, jagged (no padding)",
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         "dtype": dtype,
         "model_config": dataclasses.asdict(model.config),
@@ -665,17 +789,30 @@ def build_fit(args: argparse.Namespace) -> Fit:
     wall = time.perf_counter() - started
     _progress(kernel, rows, skipped, timer.calls, wall, args)
     n = len(rows)
-    context = {"replay_kernel": kernel, "device": str(device), "dtype": dtype, "replay_repeats": repeats,
-               "timing_wall_s": wall, "skipped": skipped, "oom": ooms}
+    context = {
+        "replay_kernel": kernel,
+        "device": str(device),
+        "dtype": dtype,
+        "replay_repeats": repeats,
+        "timing_wall_s": wall,
+        "skipped": skipped,
+        "oom": ooms,
+    }
     _write_timings(args, context, rows)  # before the fit: the raw timings survive a failed one
     cols = [FEATURES.index(f) for f in FIT_FEATURES[kernel]]
     n_held = int(round(n * args.replay_heldout))
     if n - n_held < len(cols) + 2 or n_held < 2:
-        raise ReplayFitError(f"replay: only {n} whole local batches timed within --replay-time-budget "
-                         f"{args.replay_time_budget}s ({len(skipped)} skipped as too large, {len(ooms)} out of memory); "
-                         f"the fit needs {len(cols) + 2} plus at least 2 held out")
-    x = np.array([[1.0, r["count"], r["sum_L"], r["sum_L2"], r["max_L"], r["tokens"], r["count"] * float(r["max_L"]) ** 2]
-                  for r in rows])
+        raise ReplayFitError(
+            f"replay: only {n} whole local batches timed within --replay-time-budget "
+            f"{args.replay_time_budget}s ({len(skipped)} skipped as too large, {len(ooms)} out of memory); "
+            f"the fit needs {len(cols) + 2} plus at least 2 held out"
+        )
+    x = np.array(
+        [
+            [1.0, r["count"], r["sum_L"], r["sum_L2"], r["max_L"], r["tokens"], r["count"] * float(r["max_L"]) ** 2]
+            for r in rows
+        ]
+    )
     y = np.array([r["median_s"] for r in rows])
     order = rng.permutation(n)
     held, fit_idx = order[:n_held], order[n_held:]
@@ -689,12 +826,36 @@ def build_fit(args: argparse.Namespace) -> Fit:
         row["predicted_s"] = float(x[i] @ coef)
     for i, kept in zip(fit_idx, keep):
         rows[i]["outlier_dropped"] = not bool(kept)
-    info = _fit_info(args, kernel, device, dtype, model, timer, guard, rows, skipped, ooms, wall, x, y, coef, keep,
-                     fit_idx, held, residuals, pool, spreads)
+    info = _fit_info(
+        args,
+        kernel,
+        device,
+        dtype,
+        model,
+        timer,
+        guard,
+        rows,
+        skipped,
+        ooms,
+        wall,
+        x,
+        y,
+        coef,
+        keep,
+        fit_idx,
+        held,
+        residuals,
+        pool,
+        spreads,
+    )
     _write_timings(args, {**context, **{k: v for k, v in info.items() if k != "model_config"}}, rows)
-    print(f"replay fit ({kernel} kernel): {n} whole local batches x {repeats} repeats in {wall:.0f} s, held-out R^2 "
-          f"{info['r2_heldout']:.4f}, median rel err {info['median_rel_err_heldout']:.4f}, run-to-run spread "
-          f"{info['repeat_rel_std']:.4f}", file=sys.stderr, flush=True)
+    print(
+        f"replay fit ({kernel} kernel): {n} whole local batches x {repeats} repeats in {wall:.0f} s, held-out R^2 "
+        f"{info['r2_heldout']:.4f}, median rel err {info['median_rel_err_heldout']:.4f}, run-to-run spread "
+        f"{info['repeat_rel_std']:.4f}",
+        file=sys.stderr,
+        flush=True,
+    )
     return Fit(coef, residuals, info, repeats=pool, timings=rows)
 
 
@@ -716,7 +877,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.replay_jitter == "repeat" and repeats < 2:
         raise ValueError("--replay-jitter repeat is the spread of repeated calls: it needs --replay-repeats >= 2")
     if args.replay_model_preset not in REPLAY_MODEL_PRESETS:
-        raise ValueError(f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}")
+        raise ValueError(
+            f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}"
+        )
     if getattr(args, "data", None):
         raise ValueError("--model replay draws real samples from a synthetic --preset; --data is not supported")
     _device(args)
@@ -733,12 +896,25 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
             _CACHE[key] = build_fit(args)
         else:
             device = _device(args)
-            source = _source(args, num_samples=args.ranks * args.batch_size * (args.steps + args.warmup), seed=args.seed)
+            source = _source(
+                args, num_samples=args.ranks * args.batch_size * (args.steps + args.warmup), seed=args.seed
+            )
             timer = Timer(_model(args, source, device), device, _dtype(args))
-            guard = MemoryGuard.probe(timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args),
-                                      args.replay_kernel)
-            _CACHE[key] = _Direct(source, timer, guard, _repeats(args), {
-                "replay_mode": "direct", "device": str(device), "dtype": _dtype(args), "replay_repeats": _repeats(args)})
+            guard = MemoryGuard.probe(
+                timer, source.read(0, 0, 1), args.max_uih, args.replay_mem_gib, _max_pairs(args), args.replay_kernel
+            )
+            _CACHE[key] = _Direct(
+                source,
+                timer,
+                guard,
+                _repeats(args),
+                {
+                    "replay_mode": "direct",
+                    "device": str(device),
+                    "dtype": _dtype(args),
+                    "replay_repeats": _repeats(args),
+                },
+            )
     cached = _CACHE[key]
     if isinstance(cached, Fit):
         return ReplayStepTime(cached, args.seed, args.replay_jitter)
@@ -750,8 +926,11 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
     """The run's lines under the table: per kernel what the fit rests on, per jitter what the noise is."""
     lines = []
     for kernel in kernels:
-        lines += [f"{kernel} kernel: FAILED, {r['error']}" for r in records
-                  if r.get("replay_kernel") == kernel and "error" in r]
+        lines += [
+            f"{kernel} kernel: FAILED, {r['error']}"
+            for r in records
+            if r.get("replay_kernel") == kernel and "error" in r
+        ]
         group = [r for r in records if r.get("replay_kernel", "padded") == kernel and "error" not in r]
         if not group:
             continue
@@ -767,23 +946,33 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
                 f"p90 {f['p90_rel_err_heldout']:.4f}; run-to-run spread of one call {f['repeat_rel_std']:.4f} (per batch:"
                 f" median {f['repeat_rel_spread_median']:.4f}, p90 {f['repeat_rel_spread_p90']:.4f}); timed count "
                 f"{f['timed_count_range']}, max L {f['timed_max_L_range']}, {f['timed_s_range'][0] * 1e3:.1f}-"
-                f"{f['timed_s_range'][1] * 1e3:.1f} ms; coefficients {f['coefficients']}")
+                f"{f['timed_s_range'][1] * 1e3:.1f} ms; coefficients {f['coefficients']}"
+            )
             if f["n_skipped_too_large"] or f["n_oom"]:
-                lines.append(f"  WARNING: {f['n_skipped_too_large'] + f['n_oom']} whole local batches could not be "
-                             f"timed ({f['skipped_by_partitioner']}); the fit extrapolates to them")
+                lines.append(
+                    f"  WARNING: {f['n_skipped_too_large'] + f['n_oom']} whole local batches could not be "
+                    f"timed ({f['skipped_by_partitioner']}); the fit extrapolates to them"
+                )
         else:
-            lines.append(f"{kernel} kernel, direct: every rank timed, {f.get('replay_repeats')} repeats each, run-to-run "
-                         f"spread {f.get('repeat_rel_std', float('nan')):.4f}")
+            lines.append(
+                f"{kernel} kernel, direct: every rank timed, {f.get('replay_repeats')} repeats each, run-to-run "
+                f"spread {f.get('repeat_rel_std', float('nan')):.4f}"
+            )
         for jitter in jitters:
             rows = [r for r in group if r.get("jitter", jitter) == jitter]
             if f.get("replay_mode") == "fit" and rows:
-                lines.append(f"  {kernel}/{jitter} jitter = {JITTER_SOURCES[jitter]}: rel std "
-                             f"{rows[0]['jitter_rel_std']:.4f} over {rows[0]['n_jitter_values']} values")
+                lines.append(
+                    f"  {kernel}/{jitter} jitter = {JITTER_SOURCES[jitter]}: rel std "
+                    f"{rows[0]['jitter_rel_std']:.4f} over {rows[0]['n_jitter_values']} values"
+                )
             for ranks in ranks_list:
                 by = {r["partitioner"]: r["straggler_pct"] for r in rows if r["ranks"] == ranks}
                 if "none" in by:
-                    others = "".join(f" / {p} {v:.2f}% ({by['none'] / max(v, 1e-12):.1f}x lower)"
-                                     for p, v in by.items() if p != "none")
+                    others = "".join(
+                        f" / {p} {v:.2f}% ({by['none'] / max(v, 1e-12):.1f}x lower)"
+                        for p, v in by.items()
+                        if p != "none"
+                    )
                     lines.append(f"  {kernel}/{jitter} jitter, ranks {ranks}: straggler none {by['none']:.2f}%{others}")
     return lines
 
@@ -829,13 +1018,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pipelines.research.simulate import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(parser)
-    parser.add_argument("--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit "
-                        "(default: --ranks)")
-    parser.add_argument("--replay-attention-impl", default=None, choices=ATTENTION_IMPLS,
-                        help="the jagged attention's kernel on CUDA (default: the model's, varlen)")
-    parser.add_argument("--replay-repeats", type=int, default=DEFAULT_REPEATS,
-                        help="timed calls per batch after one untimed warm-up; its time is their median, their spread"
-                        f" the run-to-run noise (default {DEFAULT_REPEATS})")
+    parser.add_argument(
+        "--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit (default: --ranks)"
+    )
+    parser.add_argument(
+        "--replay-attention-impl",
+        default=None,
+        choices=ATTENTION_IMPLS,
+        help="the jagged attention's kernel on CUDA (default: the model's, varlen)",
+    )
+    parser.add_argument(
+        "--replay-repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="timed calls per batch after one untimed warm-up; its time is their median, their spread"
+        f" the run-to-run noise (default {DEFAULT_REPEATS})",
+    )
 
 
 if __name__ == "__main__":

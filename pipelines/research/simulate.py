@@ -88,7 +88,13 @@ class LognormalLengths:
     """KuaiRand-like lengths without fsdata.synthetic: lognormal, median 3,379, mean 5,038, cut at max UIH."""
 
     def __init__(self, ranks: int, batch_size: int, max_uih: int, seed: int, candidates: int = 1) -> None:
-        self.ranks, self.batch_size, self.max_uih, self.seed, self.candidates = ranks, batch_size, max_uih, seed, candidates
+        self.ranks, self.batch_size, self.max_uih, self.seed, self.candidates = (
+            ranks,
+            batch_size,
+            max_uih,
+            seed,
+            candidates,
+        )
         self.sigma = math.sqrt(2.0 * math.log(KUAIRAND_MEAN / KUAIRAND_MEDIAN))
 
     def step(self, step: int) -> GatheredLengths:
@@ -97,8 +103,12 @@ class LognormalLengths:
         uih = np.minimum(np.maximum(rng.lognormal(math.log(KUAIRAND_MEDIAN), self.sigma, g), 1), self.max_uih)
         cands = np.full(g, self.candidates, dtype=np.int64)
         return GatheredLengths(
-            uih.astype(np.int64), cands, np.ones(g * self.candidates, dtype=np.int64),
-            np.arange(step * g, (step + 1) * g), np.arange(self.ranks + 1) * self.batch_size, self.ranks,
+            uih.astype(np.int64),
+            cands,
+            np.ones(g * self.candidates, dtype=np.int64),
+            np.arange(step * g, (step + 1) * g),
+            np.arange(self.ranks + 1) * self.batch_size,
+            self.ranks,
         )
 
     def describe(self) -> str:
@@ -131,8 +141,12 @@ class ParquetLengths:
         idx = (np.arange(step * g, (step + 1) * g)) % self.uih.size
         cands = self.cands[idx]
         return GatheredLengths(
-            self.uih[idx], cands, np.ones(int(cands.sum()), dtype=np.int64), np.arange(step * g, (step + 1) * g),
-            np.arange(self.ranks + 1) * self.batch_size, self.ranks,
+            self.uih[idx],
+            cands,
+            np.ones(int(cands.sum()), dtype=np.int64),
+            np.arange(step * g, (step + 1) * g),
+            np.arange(self.ranks + 1) * self.batch_size,
+            self.ranks,
         )
 
     def describe(self) -> str:
@@ -195,7 +209,12 @@ class CostStepTime:
 
 def build_cost_model(args: argparse.Namespace) -> CostStepTime:
     params = CostParams(
-        a=args.cost_a, b=args.cost_b, c=args.cost_c, d=args.cost_d, pad=args.cost_pad, kernel=args.kernel,
+        a=args.cost_a,
+        b=args.cost_b,
+        c=args.cost_c,
+        d=args.cost_d,
+        pad=args.cost_pad,
+        kernel=args.kernel,
         jitter=args.jitter,
     )
     return CostStepTime(params, seed=args.seed)
@@ -214,7 +233,9 @@ def build_step_time(args: argparse.Namespace) -> StepTimeFn:
         try:
             builder = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"--model {args.model}: its step-time builder {builder} is not available ({error})") from error
+            raise ValueError(
+                f"--model {args.model}: its step-time builder {builder} is not available ({error})"
+            ) from error
     return builder(args)
 
 
@@ -280,7 +301,9 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
         total_idle += (longest - busy).mean()
         samples += lengths.num_samples
         imbalance.append(longest / busy.mean())
-        costs = step_time.sample_costs(lengths) if hasattr(step_time, "sample_costs") else cost_model.sample_costs(lengths)
+        costs = (
+            step_time.sample_costs(lengths) if hasattr(step_time, "sample_costs") else cost_model.sample_costs(lengths)
+        )
         fixed = getattr(getattr(step_time, "params", None), "d", 0.0)
         bounds.append(max(1.0, (fixed + costs.max()) / (fixed + costs.sum() / s.ranks)))
         sparsity.append(float(per_rank_sparsity(plan, lengths.uih_lengths).mean()))
@@ -328,8 +351,15 @@ def make_source(args: argparse.Namespace, ranks: int, batch_size: int, max_uih: 
 
 def run_grid(args: argparse.Namespace, ranks: int, batch_size: int, max_uih: int) -> list[dict]:
     settings = SimSettings(
-        ranks=ranks, batch_size=batch_size, max_uih=max_uih, steps=args.steps, warmup=args.warmup,
-        lookahead=args.lookahead, sync_s=args.sync_ms / 1e3, alpha=args.alpha, autotune=not args.no_autotune,
+        ranks=ranks,
+        batch_size=batch_size,
+        max_uih=max_uih,
+        steps=args.steps,
+        warmup=args.warmup,
+        lookahead=args.lookahead,
+        sync_s=args.sync_ms / 1e3,
+        alpha=args.alpha,
+        autotune=not args.no_autotune,
         fit_cost=args.fit_cost,
     )
     budget = simulated_budget(getattr(args, "memory_budget", None))
@@ -356,8 +386,10 @@ def simulated_budget(value: Optional[str]) -> Optional[BudgetSpec]:
 
 
 def print_table(records: list[dict], out=sys.stdout) -> None:
-    header = f"{'ranks':>6} {'batch':>6} {'max_uih':>8} {'partitioner':>12} {'budget':>7} {'straggler%':>10} " \
-             f"{'max/mean':>9} {'bound':>7} {'tok max/mean':>12} {'samples/s':>10} {'sparsity':>8} {'plan_ms':>8}"
+    header = (
+        f"{'ranks':>6} {'batch':>6} {'max_uih':>8} {'partitioner':>12} {'budget':>7} {'straggler%':>10} "
+        f"{'max/mean':>9} {'bound':>7} {'tok max/mean':>12} {'samples/s':>10} {'sparsity':>8} {'plan_ms':>8}"
+    )
     print(header, file=out)
     for r in records:
         print(
@@ -416,7 +448,9 @@ def plot_sweeps(records: list[dict], out_dir: str) -> list[str]:
         for i, name in enumerate(dict.fromkeys(r["partitioner"] for r in rows)):
             pts = sorted((r[axis], r["sparsity"], r["straggler_pct"]) for r in rows if r["partitioner"] == name)
             xs = [p[0] for p in pts]
-            style = dict(marker="os^xdv"[i % 6], linestyle=("-", "--", "-.", ":")[i % 4], label=name)  # overlaps stay visible
+            style = dict(
+                marker="os^xdv"[i % 6], linestyle=("-", "--", "-.", ":")[i % 4], label=name
+            )  # overlaps stay visible
             left.plot(xs, [p[1] for p in pts], **style)
             right.plot(xs, [p[2] for p in pts], **style)
         for ax, title in ((left, "sparsity (Eq. 1) of the local batches"), (right, "straggler %")):
@@ -451,9 +485,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=1.5, help="cost exponent of the partitioners' L^alpha")
     parser.add_argument("--no-autotune", action="store_true", help="VBS without autotune")
     parser.add_argument("--fit-cost", action="store_true", help="partitioners use the online least-squares cost fit")
-    parser.add_argument("--memory-budget", default=None, metavar="SPEC",
-                        help="also run every partitioner under this per-rank budget of kept tokens: a count or Nx"
-                        " (N times the step's mean per rank); records and table show both")
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SPEC",
+        help="also run every partitioner under this per-rank budget of kept tokens: a count or Nx"
+        " (N times the step's mean per rank); records and table show both",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", default="kuairand-1k", help="synthetic length preset (default kuairand-1k)")
     source.add_argument("--data", default=None, help="Parquet file, directory or glob: its UIH lengths")
@@ -470,33 +508,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-pad", type=float, default=defaults.pad, help="seconds per padded token")
     replay = parser.add_argument_group("replay model (--model replay; see pipelines/research/replay.py)")
     replay.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model is timed")
-    replay.add_argument("--replay-model-preset", default="replay", help="tiny|small|production|replay (default replay:"
-                        " d=256, 2 layers, 4 heads); max_uih always follows --max-uih")
+    replay.add_argument(
+        "--replay-model-preset",
+        default="replay",
+        help="tiny|small|production|replay (default replay:"
+        " d=256, 2 layers, 4 heads); max_uih always follows --max-uih",
+    )
     replay.add_argument("--replay-dim", type=int, default=None, help="override the preset's width d")
     replay.add_argument("--replay-layers", type=int, default=None, help="override the preset's layer count")
     replay.add_argument("--replay-heads", type=int, default=None, help="override the preset's head count")
-    replay.add_argument("--replay-mode", default="fit", choices=["fit", "direct"],
-                        help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank")
-    replay.add_argument("--replay-kernel", default="jagged",
-                        help="the model's attention: jagged (its default: packed tokens, no padding) or padded (pads"
-                        " each local batch to its longest UIH); python -m pipelines.research.replay takes a comma-separated list")
+    replay.add_argument(
+        "--replay-mode",
+        default="fit",
+        choices=["fit", "direct"],
+        help="fit: time a few hundred batches, fit, simulate from the fit; direct: time every rank",
+    )
+    replay.add_argument(
+        "--replay-kernel",
+        default="jagged",
+        help="the model's attention: jagged (its default: packed tokens, no padding) or padded (pads"
+        " each local batch to its longest UIH); python -m pipelines.research.replay takes a comma-separated list",
+    )
     replay.add_argument("--replay-timings", type=int, default=300, help="fresh timings for the fit (fit + held-out)")
     replay.add_argument("--replay-heldout", type=float, default=0.25, help="share of the timings held out")
-    replay.add_argument("--replay-time-budget", type=float, default=240.0,
-                        help="stop timing after this many seconds (the records say how many timings were made)")
+    replay.add_argument(
+        "--replay-time-budget",
+        type=float,
+        default=240.0,
+        help="stop timing after this many seconds (the records say how many timings were made)",
+    )
     replay.add_argument("--replay-timing-ranks", type=int, default=8, help="ranks of the plans timed batches come from")
-    replay.add_argument("--replay-jitter", default="residual",
-                        help="noise per rank and step: residual (the fit's relative residuals) or repeat (repeated"
-                        " timings' spread); python -m pipelines.research.replay takes a list")
-    replay.add_argument("--replay-dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                        help="auto: bf16 autocast on cuda, fp32 on cpu")
+    replay.add_argument(
+        "--replay-jitter",
+        default="residual",
+        help="noise per rank and step: residual (the fit's relative residuals) or repeat (repeated"
+        " timings' spread); python -m pipelines.research.replay takes a list",
+    )
+    replay.add_argument(
+        "--replay-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="auto: bf16 autocast on cuda, fp32 on cpu",
+    )
     replay.add_argument("--replay-mem-gib", type=float, default=90.0, help="device memory one timed batch may use")
-    replay.add_argument("--replay-max-pairs", type=float, default=None,
-                        help="cap on count * max_L^2 (padded attention pairs) of one timed batch")
+    replay.add_argument(
+        "--replay-max-pairs",
+        type=float,
+        default=None,
+        help="cap on count * max_L^2 (padded attention pairs) of one timed batch",
+    )
     parser.add_argument("--json", default=None, help="write the records (a JSON list) here")
-    parser.add_argument("--sweep", default=None, metavar="DIR",
-                        help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
-                        " --max-uih); PNG plots into DIR, records to --json (default DIR/balancer_sweep.json)")
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="DIR",
+        help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
+        " --max-uih); PNG plots into DIR, records to --json (default DIR/balancer_sweep.json)",
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:

@@ -188,7 +188,11 @@ def _thread_guard(rank, world_size):
     th.start()
     th.join()
     # the loader thread has ended: a new thread (a restarted loader) may take its group over
-    th2 = threading.Thread(target=lambda: out.__setitem__("takeover", get_transport("host", loader_group).all_gather(torch.tensor(rank)).wait().tolist()))
+    th2 = threading.Thread(
+        target=lambda: out.__setitem__(
+            "takeover", get_transport("host", loader_group).all_gather(torch.tensor(rank)).wait().tolist()
+        )
+    )
     th2.start()
     th2.join()
     return out

@@ -49,4 +49,4 @@ def test_padded_layout_round_trips_with_byte_range_copies():
     for src, dst in pieces:
         back[src].copy_(padded[dst])
     assert torch.equal(back, packed)
-    assert padded[block_rows * rb: 2 * block_rows * rb].eq(255).all()  # rank 1's block is padding only
+    assert padded[block_rows * rb : 2 * block_rows * rb].eq(255).all()  # rank 1's block is padding only

@@ -35,7 +35,11 @@ def _apply(sent: list[list[int]], offsets: list[list[int]], inputs: list[torch.T
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5).flatmap(lambda w: st.lists(st.lists(st.integers(0, 9), min_size=w, max_size=w), min_size=w, max_size=w)))
+@given(
+    st.integers(1, 5).flatmap(
+        lambda w: st.lists(st.lists(st.integers(0, 9), min_size=w, max_size=w), min_size=w, max_size=w)
+    )
+)
 def test_all_to_all_plan_delivers_every_piece_once_in_rank_order(sent):
     world = len(sent)
     inputs = [torch.randint(0, 200, (sum(sent[r]),), dtype=torch.uint8) for r in range(world)]
@@ -60,7 +64,11 @@ def test_all_gather_plan_sends_the_whole_input_to_every_rank(nbytes):
 def test_plan_keeps_the_own_piece_out_of_the_buffer_and_skips_empty_copies():
     sent = [[3, 0, 2], [4, 5, 0], [0, 1, 6]]
     plan = plan_exchange(sent, [0, 3, 3], rank=1)
-    assert plan.need == (4, 1, 2)  # rank 1's buffer: rank 0's 0 bytes + rank 2's 1 byte; its own 5 bytes go straight out
+    assert plan.need == (
+        4,
+        1,
+        2,
+    )  # rank 1's buffer: rank 0's 0 bytes + rank 2's 1 byte; its own 5 bytes go straight out
     assert plan.pushes == ((0, 0, 4, 0),)  # nothing to rank 2 (0 bytes)
     assert plan.own == (3, 5, 0)
     assert plan.copy_out == ((0, 1, 5),)  # rank 2's byte lands after the own piece

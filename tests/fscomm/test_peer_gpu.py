@@ -9,8 +9,11 @@ import torch
 
 from tests.harness import run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
 
@@ -51,8 +54,12 @@ def _against_gloo(rank, world_size):
         got = h.wait().cpu()
         want = torch.empty((int(s[:, rank].sum()), 3), dtype=dtype)
         row = 3 * x.element_size()  # gloo moves the bytes: it lacks bf16 and bool
-        dist.all_to_all_single(want.view(torch.uint8).reshape(-1), x.view(torch.uint8).reshape(-1),
-                               (s[:, rank] * row).tolist(), (s[rank] * row).tolist())
+        dist.all_to_all_single(
+            want.view(torch.uint8).reshape(-1),
+            x.view(torch.uint8).reshape(-1),
+            (s[:, rank] * row).tolist(),
+            (s[rank] * row).tolist(),
+        )
         mismatches.append(not torch.equal(got, want))
     remaps_after_issue = t.buffer_stats()["remaps"]
     # all_gather: equal shapes, then per-rank sizes
@@ -85,7 +92,9 @@ def test_all_to_all_matches_gloo_and_all_gather_is_right():
         assert remaps == 3 and stats["remaps"] == remaps, stats  # 1 MiB, then 2 and 4 MiB with the big ones
         assert stats["capacity_bytes"] == 4 << 20 and stats["exchanges"] == 12 + 2 + 1, stats
         assert torch.equal(gathered, torch.stack([torch.full((2, 4), float(r)) for r in range(2)]))
-        assert torch.equal(varied, torch.cat([torch.arange(3 * (r + 1), dtype=torch.int32).reshape(r + 1, 3) for r in range(2)]))
+        assert torch.equal(
+            varied, torch.cat([torch.arange(3 * (r + 1), dtype=torch.int32).reshape(r + 1, 3) for r in range(2)])
+        )
         assert "rank 1 expects 4 bytes from rank 0, which sends 8" in mismatch_error, mismatch_error
         assert torch.equal(after, torch.tensor([0.0, 1.0]))
         assert closed_error is not None and "closed" in closed_error

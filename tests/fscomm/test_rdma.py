@@ -27,8 +27,13 @@ def test_rdma_transport_end_to_end_on_the_fake_link(world_size):
     splits = [[(3 * s + 2 * d + 1) % 5 for d in range(W)] for s in range(W)]  # uneven, with zeros
 
     def rank_fn(rank, link):
-        t = RdmaTransport(SimpleNamespace(group_desc=f"fake-rdma-{rank}"), pool=PinnedPool(pin=False), link=link,
-                          rank=rank, world_size=W)
+        t = RdmaTransport(
+            SimpleNamespace(group_desc=f"fake-rdma-{rank}"),
+            pool=PinnedPool(pin=False),
+            link=link,
+            rank=rank,
+            world_size=W,
+        )
         out = []
         for step in range(3):
             x = torch.cat([_rows(rank, d, splits[rank][d], step) for d in range(W)])

@@ -25,7 +25,9 @@ def test_ring_all_gather_variable_and_zero_chunks(world_size):
     def rank_fn(rank, link):
         out = torch.empty(sum(sizes), dtype=torch.uint8)
         for _ in range(3):  # the pool's blocks come back: registered once, reused
-            ring_all_gather_bytes(link, pools[rank], link.register, _block(rank, 0, sizes[rank]), out, sizes, rank, world_size, 5.0)
+            ring_all_gather_bytes(
+                link, pools[rank], link.register, _block(rank, 0, sizes[rank]), out, sizes, rank, world_size, 5.0
+            )
         return out
 
     outs = FakeRing(world_size).run(rank_fn)
@@ -62,7 +64,18 @@ def test_ring_all_to_all_uneven_and_zero_splits(world_size, salt):
         for rep in range(2):
             send = torch.cat([_block(rank, d, M[rank][d], salt + rep) for d in range(world_size)])
             out = torch.empty(sum(M[o][rank] for o in range(world_size)), dtype=torch.uint8)
-            ring_all_to_all_bytes(link, pools[rank], link.register, send, out, M[rank], [M[o][rank] for o in range(world_size)], rank, world_size, 5.0)
+            ring_all_to_all_bytes(
+                link,
+                pools[rank],
+                link.register,
+                send,
+                out,
+                M[rank],
+                [M[o][rank] for o in range(world_size)],
+                rank,
+                world_size,
+                5.0,
+            )
             outs.append(out)
         return outs
 
@@ -95,7 +108,17 @@ def test_silent_peer_times_out_naming_the_neighbour():
     def rank_fn(rank, link):
         out = torch.empty(6, dtype=torch.uint8)
         try:
-            ring_all_gather_bytes(link, PinnedPool(pin=False), link.register, torch.zeros(2, dtype=torch.uint8), out, [2, 2, 2], rank, 3, 0.5)
+            ring_all_gather_bytes(
+                link,
+                PinnedPool(pin=False),
+                link.register,
+                torch.zeros(2, dtype=torch.uint8),
+                out,
+                [2, 2, 2],
+                rank,
+                3,
+                0.5,
+            )
         except TimeoutError as exc:
             return str(exc)
         return "no error"
@@ -139,5 +162,9 @@ def _verbs_body(rank, world_size):
     ag = t.all_gather(x, sizes=[10, 10]).wait()
     recv = [3, 3] if rank == 0 else [7, 7]
     a2a = t.all_to_all(x, [3, 7], recv).wait()
-    want = torch.cat([torch.arange(10.0)[:3], torch.arange(10.0)[:3] + 100] if rank == 0 else [torch.arange(10.0)[3:], torch.arange(10.0)[3:] + 100])
+    want = torch.cat(
+        [torch.arange(10.0)[:3], torch.arange(10.0)[:3] + 100]
+        if rank == 0
+        else [torch.arange(10.0)[3:], torch.arange(10.0)[3:] + 100]
+    )
     return torch.equal(ag, torch.cat([torch.arange(10.0), torch.arange(10.0) + 100])) and torch.equal(a2a, want)

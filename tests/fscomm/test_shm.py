@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 def _mine_in_shm(pids) -> list[str]:
     from fscomm.shm import PREFIX, SHM_DIR
 
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and int(n[len(PREFIX):].split("-")[0]) in pids]
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and int(n[len(PREFIX) :].split("-")[0]) in pids]
 
 
 def _growth_and_lifecycle(rank, world_size):
@@ -35,8 +35,14 @@ def _growth_and_lifecycle(rank, world_size):
     for step, rows in enumerate([3, 5000, 0, 70000, 2]):  # grows twice; zero rows; shrinking needs no new segment
         x = torch.arange(rows * world_size * 4, dtype=torch.float32).reshape(rows * world_size, 4) + 1e6 * rank
         got = t.all_to_all(x, [rows] * world_size, [rows] * world_size).wait()
-        want = torch.cat([(torch.arange(rows * world_size * 4, dtype=torch.float32).reshape(rows * world_size, 4)
-                           + 1e6 * o)[rows * rank: rows * (rank + 1)] for o in range(world_size)])
+        want = torch.cat(
+            [
+                (torch.arange(rows * world_size * 4, dtype=torch.float32).reshape(rows * world_size, 4) + 1e6 * o)[
+                    rows * rank : rows * (rank + 1)
+                ]
+                for o in range(world_size)
+            ]
+        )
         results.append(torch.equal(got, want))
         gens.append(t.shm._data_gen[rank])
     dist.barrier()
@@ -131,9 +137,25 @@ def _run_rank0_only(fn, world_size: int, timeout: float):
     ctx = harness._context()
     stage_dir = tempfile.mkdtemp(prefix="fs-ranks-")
     results = ctx.Queue()
-    procs = [ctx.Process(target=harness._rank_main, daemon=True,
-                         args=(fn, r, world_size, (), stage_dir, os.path.join(stage_dir, "store"), timeout, "gloo",
-                               {"OMP_NUM_THREADS": "1"}, results)) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=harness._rank_main,
+            daemon=True,
+            args=(
+                fn,
+                r,
+                world_size,
+                (),
+                stage_dir,
+                os.path.join(stage_dir, "store"),
+                timeout,
+                "gloo",
+                {"OMP_NUM_THREADS": "1"},
+                results,
+            ),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     try:

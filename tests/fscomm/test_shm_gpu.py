@@ -28,7 +28,10 @@ def _exchanges(rank, world_size, devices):
 
     def run():
         for step, dtype in enumerate((torch.bfloat16, torch.int64, torch.float32, torch.bool)):
-            rows = [[(step + 2 * s + d) % 4 * (50 if step == 2 else 1) for d in range(world_size)] for s in range(world_size)]
+            rows = [
+                [(step + 2 * s + d) % 4 * (50 if step == 2 else 1) for d in range(world_size)]
+                for s in range(world_size)
+            ]
             x = torch.cat([_payload(rank, d, step, rows[rank][d], dtype) for d in range(world_size)]).to(dev)
             h1 = t.all_to_all(x, rows[rank], [rows[s][rank] for s in range(world_size)], keep_host=step % 2 == 0)
             y = _payload(rank, 99, step, 2 + rank, dtype).to(dev)

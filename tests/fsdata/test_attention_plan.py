@@ -35,7 +35,9 @@ class AsItems(BaseNode):
 
 
 def _items():
-    return AsItems(GlobalBatchReader(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=3)), 4, 0, 1))
+    return AsItems(
+        GlobalBatchReader(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=3)), 4, 0, 1)
+    )
 
 
 def _plan_fn(uih_offsets, candidate_offsets):

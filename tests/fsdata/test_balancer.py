@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from tests.harness import run_ranks, stage
 
-NUM_SAMPLES = 45  # 45 = 3 full global steps of 2x6 + 9: the last global batch is uneven (and empty on some ranks at W=4)
+NUM_SAMPLES = (
+    45  # 45 = 3 full global steps of 2x6 + 9: the last global batch is uneven (and empty on some ranks at W=4)
+)
 BATCH = 6
 
 
@@ -55,8 +57,10 @@ def _exactly_once_body(rank, world_size, partitioner, lookahead=True):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("partitioner,world_size,lookahead",
-                         [("fbs", 2, True), ("fbs", 2, False), ("vbs", 3, True), ("kk", 4, True), ("fbs", 4, True)])
+@pytest.mark.parametrize(
+    "partitioner,world_size,lookahead",
+    [("fbs", 2, True), ("fbs", 2, False), ("vbs", 3, True), ("kk", 4, True), ("fbs", 4, True)],
+)
 def test_exactly_once_and_same_plan(partitioner, world_size, lookahead):
     """``lookahead``: the stage worker starts each exchange one batch early (the default) or finishes it at once."""
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
@@ -199,7 +203,9 @@ def _autotune_body(rank, world_size):
     transport = get_transport("host", group=new_stage_group("balancer"))
     stages = balancer_stages(BalancerConfig("vbs", autotune=True), transport, rank, world_size, BATCH, feedback)
     counts = []
-    for step, item in enumerate(build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)):
+    for step, item in enumerate(
+        build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)
+    ):
         batch = item.batch
         # Rank 1 is twice as slow per token: autotune must move work to rank 0.
         feedback.report(step, float(batch.uih_lengths.sum()) * (2.0 if rank == 1 else 1.0) * 1e-4)
@@ -293,8 +299,10 @@ def _reference_stats(values, offsets):
     """Per rank: token sum and Eq. 1 sparsity, one segment at a time (fsdata.metrics.sparsity)."""
     from fsdata.metrics import sparsity
 
-    return ([int(sum(values[lo:hi])) for lo, hi in zip(offsets[:-1], offsets[1:])],
-            [sparsity(np.asarray(values[lo:hi], dtype=np.int64)) for lo, hi in zip(offsets[:-1], offsets[1:])])
+    return (
+        [int(sum(values[lo:hi])) for lo, hi in zip(offsets[:-1], offsets[1:])],
+        [sparsity(np.asarray(values[lo:hi], dtype=np.int64)) for lo, hi in zip(offsets[:-1], offsets[1:])],
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -347,9 +355,14 @@ class ExtraFeatureSource:
         batch = self.inner.read(epoch, start, stop)
         sid = batch.sample_ids
         lengths = sid % 4
-        categories = torch.cat([s * 10 + torch.arange(int(n)) for s, n in zip(sid.tolist(), lengths.tolist())] or [torch.zeros(0, dtype=torch.int64)])
-        batch.extra_jagged = {"category_ids": Jagged.from_lengths(categories, lengths),
-                              "scores": Jagged.from_lengths(sid.repeat_interleave(2).float() / 7, torch.full_like(sid, 2))}
+        categories = torch.cat(
+            [s * 10 + torch.arange(int(n)) for s, n in zip(sid.tolist(), lengths.tolist())]
+            or [torch.zeros(0, dtype=torch.int64)]
+        )
+        batch.extra_jagged = {
+            "category_ids": Jagged.from_lengths(categories, lengths),
+            "scores": Jagged.from_lengths(sid.repeat_interleave(2).float() / 7, torch.full_like(sid, 2)),
+        }
         batch.extra_dense = {"age": sid.float() * 0.5, "pair": torch.stack([sid, -sid], 1)}
         return batch
 
@@ -362,7 +375,9 @@ def _extras_body(rank, world_size, partitioner):
 
     transport = get_transport("host", group=new_stage_group("balancer"))
     stages = balancer_stages(BalancerConfig(partitioner=partitioner), transport, rank, world_size, capacity=BATCH)
-    loader = build_loader(ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank, world_size, stages)
+    loader = build_loader(
+        ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank, world_size, stages
+    )
     return [(item.batch.to_samples(), item.report["exchanged"]) for item in loader]
 
 
@@ -379,9 +394,15 @@ def test_shuffle_moves_the_users_extra_features(partitioner, world_size):
                 ref = expected[s.sample_id]
                 assert sorted(s.extra_jagged) == ["category_ids", "scores"] and sorted(s.extra_dense) == ["age", "pair"]
                 for k in ref.extra_jagged:
-                    assert s.extra_jagged[k].dtype == ref.extra_jagged[k].dtype and (s.extra_jagged[k] == ref.extra_jagged[k]).all()
+                    assert (
+                        s.extra_jagged[k].dtype == ref.extra_jagged[k].dtype
+                        and (s.extra_jagged[k] == ref.extra_jagged[k]).all()
+                    )
                 for k in ref.extra_dense:
-                    assert s.extra_dense[k].dtype == ref.extra_dense[k].dtype and (s.extra_dense[k] == ref.extra_dense[k]).all()
+                    assert (
+                        s.extra_dense[k].dtype == ref.extra_dense[k].dtype
+                        and (s.extra_dense[k] == ref.extra_dense[k]).all()
+                    )
                 assert (s.uih_item_ids == ref.uih_item_ids).all() and (s.dense == ref.dense).all()
                 seen.append(s.sample_id)
     assert sorted(seen) == sorted(expected)
@@ -425,8 +446,9 @@ def _extras_resume_body(rank, world_size):
 
     def make():
         stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world_size, capacity=BATCH)
-        return build_loader(ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank,
-                            world_size, stages)
+        return build_loader(
+            ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank, world_size, stages
+        )
 
     run_test_save_load_state(make, midpoint=2)
     return True

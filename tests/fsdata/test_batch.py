@@ -39,11 +39,16 @@ def samples(draw, with_side: bool = True):
 def _same_samples(a: list[Sample], b: list[Sample]) -> bool:
     def key(s: Sample):
         return (
-            s.sample_id, s.user_id, s.uih_item_ids.tolist(), s.candidate_labels.tolist(),
-            [c.tolist() for c in s.content_ids], s.dense.tolist(),
+            s.sample_id,
+            s.user_id,
+            s.uih_item_ids.tolist(),
+            s.candidate_labels.tolist(),
+            [c.tolist() for c in s.content_ids],
+            s.dense.tolist(),
             None if s.uih_action_types is None else s.uih_action_types.tolist(),
             None if s.uih_timestamps is None else s.uih_timestamps.tolist(),
         )
+
     return [key(s) for s in a] == [key(s) for s in b]
 
 
@@ -69,7 +74,11 @@ def test_kjt_round_trip_is_lossless(drawn, with_side):
     kjt = batch.to_kjt()
     assert kjt.stride() == batch.batch_size
     back = Batch.from_kjt(
-        kjt, sample_ids=batch.sample_ids, user_ids=batch.user_ids, candidate_labels=batch.candidate_labels, dense=batch.dense
+        kjt,
+        sample_ids=batch.sample_ids,
+        user_ids=batch.user_ids,
+        candidate_labels=batch.candidate_labels,
+        dense=batch.dense,
     )
     assert back.equals(batch)
 
@@ -100,36 +109,78 @@ def test_extra_features_round_trip_through_samples_concat_kjt_and_devices():
     from fsdata.batch import Jagged
 
     def sample(i):
-        return Sample(i, i, np.arange(i + 1), np.zeros((2, 1), np.float32), [np.arange(2), np.arange(1)],
-                      np.zeros(3, np.float32), extra_jagged={"category_ids": np.arange(i, dtype=np.int64)},
-                      extra_dense={"age": np.array([float(i)], np.float32)})
+        return Sample(
+            i,
+            i,
+            np.arange(i + 1),
+            np.zeros((2, 1), np.float32),
+            [np.arange(2), np.arange(1)],
+            np.zeros(3, np.float32),
+            extra_jagged={"category_ids": np.arange(i, dtype=np.int64)},
+            extra_dense={"age": np.array([float(i)], np.float32)},
+        )
 
     batch = Batch.from_samples([sample(i) for i in range(4)])
     assert batch.extra_jagged["category_ids"].offsets.tolist() == [0, 0, 1, 3, 6]
     assert Batch.from_samples(batch.to_samples()).equals(batch)
     both = Batch.concat([batch, batch])
-    assert both.extra_jagged["category_ids"].lengths.tolist() == [0, 1, 2, 3] * 2 and both.extra_dense["age"].shape == (8, 1)
+    assert both.extra_jagged["category_ids"].lengths.tolist() == [0, 1, 2, 3] * 2 and both.extra_dense["age"].shape == (
+        8,
+        1,
+    )
     moved = batch._map(torch.clone)  # what to() / pin_memory() do to every tensor, the extras' included
-    assert moved.equals(batch) and moved.extra_jagged["category_ids"].values is not batch.extra_jagged["category_ids"].values
+    assert (
+        moved.equals(batch)
+        and moved.extra_jagged["category_ids"].values is not batch.extra_jagged["category_ids"].values
+    )
     assert "extra_jagged.category_ids.values" in batch.tensors() and "extra_dense.age" in batch.tensors()
     with pytest.raises(ValueError, match="offsets must be int64"):
-        Batch(**{**{f: getattr(batch, f) for f in ("sample_ids", "user_ids", "uih_offsets", "uih_item_ids",
-              "candidate_offsets", "candidate_labels", "content_offsets", "content_ids", "dense")},
-              "extra_jagged": {"bad": Jagged(torch.arange(3), torch.tensor([0, 3]))}})
+        Batch(
+            **{
+                **{
+                    f: getattr(batch, f)
+                    for f in (
+                        "sample_ids",
+                        "user_ids",
+                        "uih_offsets",
+                        "uih_item_ids",
+                        "candidate_offsets",
+                        "candidate_labels",
+                        "content_offsets",
+                        "content_ids",
+                        "dense",
+                    )
+                },
+                "extra_jagged": {"bad": Jagged(torch.arange(3), torch.tensor([0, 3]))},
+            }
+        )
     with pytest.raises(ValueError, match="differ from the first sample"):
-        Batch.from_samples([sample(0), Sample(1, 1, np.arange(2), np.zeros((1, 1), np.float32), [np.arange(1)],
-                                              np.zeros(3, np.float32))])
+        Batch.from_samples(
+            [
+                sample(0),
+                Sample(1, 1, np.arange(2), np.zeros((1, 1), np.float32), [np.arange(1)], np.zeros(3, np.float32)),
+            ]
+        )
 
 
 def test_extra_jagged_fields_are_kjt_keys():
     pytest.importorskip("torchrec")
     from fsdata.batch import Jagged
 
-    batch = Batch.from_samples([Sample(i, i, np.arange(i + 1), np.zeros((1, 1), np.float32), [np.arange(2)],
-                                       np.zeros(2, np.float32)) for i in range(3)])
+    batch = Batch.from_samples(
+        [
+            Sample(i, i, np.arange(i + 1), np.zeros((1, 1), np.float32), [np.arange(2)], np.zeros(2, np.float32))
+            for i in range(3)
+        ]
+    )
     batch.extra_jagged = {"tags": Jagged.from_lengths(torch.arange(5), [2, 0, 3])}
     kjt = batch.to_kjt()
     assert "tags" in kjt.keys()
-    back = Batch.from_kjt(kjt, sample_ids=batch.sample_ids, user_ids=batch.user_ids,
-                          candidate_labels=batch.candidate_labels, dense=batch.dense)
+    back = Batch.from_kjt(
+        kjt,
+        sample_ids=batch.sample_ids,
+        user_ids=batch.user_ids,
+        candidate_labels=batch.candidate_labels,
+        dense=batch.dense,
+    )
     assert back.equals(batch)

@@ -12,8 +12,16 @@ from fsdata.parquet import ParquetSource
 
 # (user, item, rating, time): deliberately out of time order, with a tie, a one-event user and string-like keys
 EVENTS = [
-    (1, 10, 5.0, 300), (1, 11, 3.0, 100), (2, 10, 4.0, 50), (1, 12, 4.5, 200), (1, 13, 1.0, 400),
-    (3, 14, 2.0, 10), (1, 14, 4.0, 400), (2, 15, 5.0, 60), (1, 16, 2.0, 500), (2, 11, 3.5, 70),
+    (1, 10, 5.0, 300),
+    (1, 11, 3.0, 100),
+    (2, 10, 4.0, 50),
+    (1, 12, 4.5, 200),
+    (1, 13, 1.0, 400),
+    (3, 14, 2.0, 10),
+    (1, 14, 4.0, 400),
+    (2, 15, 5.0, 60),
+    (1, 16, 2.0, 500),
+    (2, 11, 3.5, 70),
 ]
 
 
@@ -29,7 +37,16 @@ def reference(events, k, samples_per_user, min_history=1):
         end, taken = len(ev), 0
         while end > min_history and (samples_per_user == 0 or taken < samples_per_user):
             start = max(min_history, end - k)
-            out.append((ev[start][3], users[u], start, [items[e[1]] for e in ev[:start]], [items[e[1]] for e in ev[start:end]], [float(e[2] >= 4) for e in ev[start:end]]))
+            out.append(
+                (
+                    ev[start][3],
+                    users[u],
+                    start,
+                    [items[e[1]] for e in ev[:start]],
+                    [items[e[1]] for e in ev[start:end]],
+                    [float(e[2] >= 4) for e in ev[start:end]],
+                )
+            )
             end, taken = start, taken + 1
     out.sort(key=lambda s: (s[0], s[1], s[2]))
     return [s[1:] for s in out]
@@ -40,7 +57,9 @@ def check(path, events, k, samples_per_user, labels_of=None):
     got = []
     for s in batch.to_samples():
         cands = [int(c[0]) for c in s.content_ids]
-        got.append((int(s.user_id), len(s.uih_item_ids), s.uih_item_ids.tolist(), cands, s.candidate_labels[:, 0].tolist()))
+        got.append(
+            (int(s.user_id), len(s.uih_item_ids), s.uih_item_ids.tolist(), cands, s.candidate_labels[:, 0].tolist())
+        )
         assert np.all(np.diff(s.uih_timestamps) >= 0)
         assert s.dense[0] == pytest.approx(np.log1p(len(s.uih_item_ids)))
     assert got == reference(events, k, samples_per_user)
@@ -51,16 +70,22 @@ def check(path, events, k, samples_per_user, labels_of=None):
 def test_movielens_dat(tmp_path, samples_per_user, k):
     src = tmp_path / "ratings.dat"
     src.write_text("".join(f"{u}::{i}::{int(r) if r.is_integer() else r}::{t}\n" for u, i, r, t in EVENTS))
-    report = convert("movielens", [src], tmp_path / "ml.parquet", progress=False, candidates=k, samples_per_user=samples_per_user)
+    report = convert(
+        "movielens", [src], tmp_path / "ml.parquet", progress=False, candidates=k, samples_per_user=samples_per_user
+    )
     check(tmp_path / "ml.parquet", EVENTS, k, samples_per_user)
     assert (report.events, report.users, report.items, report.skipped_users) == (10, 3, 7, 1)
     items = pacsv.read_csv(tmp_path / "ml.item_ids.csv")
-    assert items.column("original").to_pylist() == [10, 11, 12, 13, 14, 15, 16] and items.column("id").to_pylist() == list(range(7))
+    assert items.column("original").to_pylist() == [10, 11, 12, 13, 14, 15, 16] and items.column(
+        "id"
+    ).to_pylist() == list(range(7))
 
 
 def test_movielens_csv_matches_dat(tmp_path):
     (tmp_path / "ratings.dat").write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
-    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in EVENTS))
+    (tmp_path / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in EVENTS)
+    )
     convert("movielens", [tmp_path / "ratings.dat"], tmp_path / "a.parquet", progress=False, samples_per_user=0)
     convert("movielens", [tmp_path / "ratings.csv"], tmp_path / "b.parquet", progress=False, samples_per_user=0)
     a, b = (ParquetSource(tmp_path / f"{x}.parquet") for x in "ab")
@@ -90,13 +115,23 @@ def test_kuairand_csv(tmp_path, clock):
     lines = []
     for u, i, r, t in EVENTS:
         minutes = t  # one event per minute of a day
-        lines.append(f"{u},{i},20220408,{minutes // 60:02d}{minutes % 60:02d},{1649376000000 + minutes * 60_000},{int(r >= 4)},{int(r >= 5)},1,0")
+        lines.append(
+            f"{u},{i},20220408,{minutes // 60:02d}{minutes % 60:02d},{1649376000000 + minutes * 60_000},{int(r >= 4)},{int(r >= 5)},1,0"
+        )
     if clock == "date+hourmin":
         header = header.replace(",time_ms", "")
         lines = [",".join(p for j, p in enumerate(line.split(",")) if j != 4) for line in lines]
     src = tmp_path / "log_standard.csv"
     src.write_text(header + "\n" + "\n".join(lines) + "\n")
-    convert("kuairand", [src], tmp_path / "kr.parquet", label_columns=("is_click", "is_like"), progress=False, candidates=2, samples_per_user=0)
+    convert(
+        "kuairand",
+        [src],
+        tmp_path / "kr.parquet",
+        label_columns=("is_click", "is_like"),
+        progress=False,
+        candidates=2,
+        samples_per_user=0,
+    )
     check(tmp_path / "kr.parquet", EVENTS, 2, 0)
     b = ParquetSource(tmp_path / "kr.parquet").read(0, 0, 2)
     assert b.num_labels == 2
@@ -131,7 +166,20 @@ def test_cli_convert(tmp_path, capsys):
     src.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
     parser = argparse.ArgumentParser()
     data_convert.add_arguments(parser)
-    args = parser.parse_args(["--format", "movielens", str(src), "--out", str(tmp_path / "o.parquet"), "--candidates", "2", "--samples-per-user", "0", "--no-progress"])
+    args = parser.parse_args(
+        [
+            "--format",
+            "movielens",
+            str(src),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--candidates",
+            "2",
+            "--samples-per-user",
+            "0",
+            "--no-progress",
+        ]
+    )
     assert data_convert.main(args) == 0
     check(tmp_path / "o.parquet", EVENTS, 2, 0)
     assert "10 events of 3 users and 7 items" in capsys.readouterr().out
@@ -144,11 +192,21 @@ def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path,
     before them; other users train on all their events."""
     src = tmp_path / "ratings.dat"
     src.write_text("".join(f"{u}::{i}::{int(r) if r.is_integer() else r}::{t}\n" for u, i, r, t in EVENTS))
-    report = convert("movielens", [src], tmp_path / "train.parquet", progress=False, candidates=2, samples_per_user=0,
-                     eval_out=str(tmp_path / "eval.parquet"), eval_candidates=held)
+    report = convert(
+        "movielens",
+        [src],
+        tmp_path / "train.parquet",
+        progress=False,
+        candidates=2,
+        samples_per_user=0,
+        eval_out=str(tmp_path / "eval.parquet"),
+        eval_candidates=held,
+    )
     by_user = {u: sorted([e for e in EVENTS if e[0] == u], key=lambda e: e[3]) for u in (1, 2, 3)}
     kept = [e for u, ev in by_user.items() for e in (ev[:-held] if len(ev) - held > 1 else ev)]
-    train = ParquetSource(tmp_path / "train.parquet").read(0, 0, ParquetSource(tmp_path / "train.parquet").num_samples(0))
+    train = ParquetSource(tmp_path / "train.parquet").read(
+        0, 0, ParquetSource(tmp_path / "train.parquet").num_samples(0)
+    )
     item_id = {i: n for n, i in enumerate(dict.fromkeys(e[1] for e in EVENTS))}  # ids in order of first appearance
     user_id = {u: n for n, u in enumerate(dict.fromkeys(e[0] for e in EVENTS))}
     want = [(s[0], s[2], s[3]) for s in reference(kept, 2, 0)]
@@ -156,8 +214,9 @@ def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path,
     # The reference numbers items by first appearance in its own events: map both to the raw keys.
     raw = {v: k for k, v in item_id.items()}
     ref_items = {n: i for n, i in enumerate(dict.fromkeys(e[1] for e in kept))}
-    assert [(u, [raw[i] for i in h], [raw[i] for i in c]) for u, h, c in got] == \
-           [(u, [ref_items[i] for i in h], [ref_items[i] for i in c]) for u, h, c in want]
+    assert [(u, [raw[i] for i in h], [raw[i] for i in c]) for u, h, c in got] == [
+        (u, [ref_items[i] for i in h], [ref_items[i] for i in c]) for u, h, c in want
+    ]
     held_out = ParquetSource(tmp_path / "eval.parquet")
     samples = held_out.read(0, 0, held_out.num_samples(0)).to_samples()
     eligible = [u for u, ev in by_user.items() if len(ev) - held > 1]

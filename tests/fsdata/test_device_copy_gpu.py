@@ -60,7 +60,6 @@ def test_device_copy_resumes_exactly():
     run_test_save_load_state(lambda: Loader(_consume(Background(DeviceCopy(_reader(), "cuda")))), midpoint=4)
 
 
-
 def test_a_cpu_loaders_state_resumes_through_the_copy():
     cpu = Loader(Background(_reader()))
     it = iter(cpu)

@@ -22,12 +22,16 @@ def test_loader_resumes_exactly(prefetch):
 
 def test_every_rank_takes_the_same_steps_and_nothing_is_dropped():
     source, world, b = _source(50), 3, 4
-    per_rank = [list(build_loader(source, LoaderConfig(batch_size=b, prefetch_depth=0), r, world)) for r in range(world)]
+    per_rank = [
+        list(build_loader(source, LoaderConfig(batch_size=b, prefetch_depth=0), r, world)) for r in range(world)
+    ]
     assert len({len(x) for x in per_rank}) == 1  # ceil(50 / 12) = 5 steps everywhere
     assert len(per_rank[0]) == 5
     ids = sorted(i for items in per_rank for item in items for i in item.batch.sample_ids.tolist())
     assert ids == sorted(source.read(0, 0, 50).sample_ids.tolist())
-    assert [len(item.batch) for item in per_rank[2]][-1] == 0  # the last global batch holds 2 samples: rank 2's is empty
+    assert [len(item.batch) for item in per_rank[2]][
+        -1
+    ] == 0  # the last global batch holds 2 samples: rank 2's is empty
 
 
 def test_cursor_resumes_on_another_world_size():
@@ -59,17 +63,23 @@ def test_epochs_differ_and_count():
     assert reader.get_state() == {"epoch": 0, "cursor": 0}
 
 
-@pytest.mark.parametrize("kwargs", [dict(batch_size=0), dict(batch_size=2, prefetch_depth=-1),
-                                    dict(batch_size=2, worker_start="forward")])
+@pytest.mark.parametrize(
+    "kwargs", [dict(batch_size=0), dict(batch_size=2, prefetch_depth=-1), dict(batch_size=2, worker_start="forward")]
+)
 def test_bad_loader_config(kwargs):
     with pytest.raises(ValueError):
         build_loader(_source(), LoaderConfig(**kwargs), 0, 1)
 
 
-@pytest.mark.parametrize("worker_start, pin_memory, gated", [
-    (None, False, False), ("take", False, False), ("backward", False, True),
-    ("backward", True, False),  # PinMemory's own thread takes the items: a gate would only race it
-])
+@pytest.mark.parametrize(
+    "worker_start, pin_memory, gated",
+    [
+        (None, False, False),
+        ("take", False, False),
+        ("backward", False, True),
+        ("backward", True, False),  # PinMemory's own thread takes the items: a gate would only race it
+    ],
+)
 def test_which_stage_worker_is_gated(worker_start, pin_memory, gated, monkeypatch):
     import fsdata.loader
     from fsdata.loader import _workers

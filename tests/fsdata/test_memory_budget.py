@@ -47,21 +47,31 @@ def held(lengths: GatheredLengths, plan: Plan, budget: MemoryBudget) -> np.ndarr
 
 # ---------------------------------------------------------------------------------------------- the guarantee
 @SETTINGS
-@given(lengths=gathered(), name=st.sampled_from(BALANCING), cost=st.sampled_from(sorted(COSTS)),
-       above=st.sampled_from([0, 0, 1, 7, 1000]), max_uih=st.sampled_from([None, 3, 2000]),
-       per_sample=st.sampled_from([0, 0, 5]), data=st.data())
-def test_no_plan_exceeds_a_budget_at_or_above_the_guaranteed_bound(lengths, name, cost, above, max_uih, per_sample,
-                                                                   data):
+@given(
+    lengths=gathered(),
+    name=st.sampled_from(BALANCING),
+    cost=st.sampled_from(sorted(COSTS)),
+    above=st.sampled_from([0, 0, 1, 7, 1000]),
+    max_uih=st.sampled_from([None, 3, 2000]),
+    per_sample=st.sampled_from([0, 0, 5]),
+    data=st.data(),
+)
+def test_no_plan_exceeds_a_budget_at_or_above_the_guaranteed_bound(
+    lengths, name, cost, above, max_uih, per_sample, data
+):
     """Bound: ceil(S / W) + the largest sample's tokens, for any lengths, world size and cost; counts stay equal
     (+-1) for FBS and KK; VBS also under autotuned shares."""
     tokens = kept_tokens(lengths, max_uih, per_sample)
     budget = MemoryBudget(max(1, guaranteed_tokens(tokens, lengths.world_size) + above), max_uih, per_sample)
     shares = None
     if name == "vbs" and data.draw(st.booleans()):
-        shares = torch.tensor(data.draw(st.lists(st.floats(0.05, 3.0), min_size=lengths.world_size,
-                                                 max_size=lengths.world_size)), dtype=torch.float64)
-    plan = get_partitioner(name, cost_model=COSTS[cost])(lengths, RuntimeInfo(memory_budget=budget,
-                                                                              budget_shares=shares))
+        shares = torch.tensor(
+            data.draw(st.lists(st.floats(0.05, 3.0), min_size=lengths.world_size, max_size=lengths.world_size)),
+            dtype=torch.float64,
+        )
+    plan = get_partitioner(name, cost_model=COSTS[cost])(
+        lengths, RuntimeInfo(memory_budget=budget, budget_shares=shares)
+    )
     plan.validate(lengths.num_samples, lengths.world_size, lengths=lengths, budget=budget)
     assert held(lengths, plan, budget).max(initial=0) <= budget.tokens
     if name != "vbs":
@@ -105,8 +115,12 @@ def test_the_same_inputs_give_the_same_plan(name):
     uih = np.minimum(rng.lognormal(np.log(3379), 0.89, 32 * 64), 21000).astype(np.int64)
     lengths = GatheredLengths.from_rank_lengths(np.split(uih, 32))
     budget = MemoryBudget(int(1.05 * kept_tokens(lengths).sum() / 32))
-    plans = [get_partitioner(name)(GatheredLengths.from_rank_lengths(np.split(uih.copy(), 32)),
-                                   RuntimeInfo(memory_budget=budget)) for _ in range(2)]
+    plans = [
+        get_partitioner(name)(
+            GatheredLengths.from_rank_lengths(np.split(uih.copy(), 32)), RuntimeInfo(memory_budget=budget)
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(plans[0].order, plans[1].order) and torch.equal(plans[0].dest_offsets, plans[1].dest_offsets)
 
 
@@ -138,8 +152,11 @@ def test_a_sample_over_the_budget_and_a_batch_over_the_worlds_fail_naming_the_fi
     lengths = GatheredLengths.from_rank_lengths([[10, 20], [30, 40]], sample_ids=[7, 8, 9, 12])
     with pytest.raises(ValueError, match=r"sample 12 \(source rank 1\) keeps 40 tokens, over the budget of 39"):
         get_partitioner("fbs")(lengths, RuntimeInfo(memory_budget=MemoryBudget(39)))
-    with pytest.raises(ValueError, match=r"global batch keeps 100 tokens, over the world's budget of 2 ranks x 45 = 90"
-                                         r" \(--memory-budget\); raise the budget to at least 90"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch keeps 100 tokens, over the world's budget of 2 ranks x 45 = 90"
+        r" \(--memory-budget\); raise the budget to at least 90",
+    ):
         get_partitioner("kk")(lengths, RuntimeInfo(memory_budget=MemoryBudget(45)))
 
 
@@ -155,8 +172,11 @@ def test_plan_validate_refuses_a_plan_over_the_budget_and_so_does_a_users_partit
     plan.validate(4, 2, lengths=lengths, budget=MemoryBudget(60))
     user = get_partitioner("tests.fsdata.test_memory_budget:everything_to_rank_zero")
     user(lengths, RuntimeInfo())  # no budget: any exactly-once plan goes
-    with pytest.raises(ValueError, match=r"custom partitioner .*everything_to_rank_zero.*: rank 0 holds 100 tokens in 4"
-                                         r" samples, over the memory budget of 70"):
+    with pytest.raises(
+        ValueError,
+        match=r"custom partitioner .*everything_to_rank_zero.*: rank 0 holds 100 tokens in 4"
+        r" samples, over the memory budget of 70",
+    ):
         user(lengths, RuntimeInfo(memory_budget=MemoryBudget(70)))
 
 
@@ -186,9 +206,14 @@ def test_the_spellings_of_memory_budget():
     spec = BudgetSpec.parse("auto:bytes_per_token=1000, headroom=0.2")
     assert spec.auto == MemoryModel(bytes_per_token=1000.0, headroom=0.2)
     assert spec.for_step(lengths, tokens=77).tokens == 77  # the least the ranks sent
-    for bad, message in (("lots", "token count, Nx or auto"), ("0.9x", "factor must be >= 1"), ("0", ">= 1 token"),
-                         ("12.5", "whole number"), ("auto:speed=1", "unknown key 'speed'"),
-                         ("auto:headroom=1.5", "headroom must be in")):
+    for bad, message in (
+        ("lots", "token count, Nx or auto"),
+        ("0.9x", "factor must be >= 1"),
+        ("0", ">= 1 token"),
+        ("12.5", "whole number"),
+        ("auto:speed=1", "unknown key 'speed'"),
+        ("auto:headroom=1.5", "headroom must be in"),
+    ):
         with pytest.raises(ValueError, match=message):
             BudgetSpec.parse(bad)
 
@@ -232,13 +257,16 @@ def _budget_body(rank, world_size):
 
     def loader(budget):
         source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=45, seed=3, uih_max=200))
-        stages = balancer_stages(BalancerConfig(partitioner="vbs", memory_budget=budget), transport, rank, world_size,
-                                 capacity=6)
+        stages = balancer_stages(
+            BalancerConfig(partitioner="vbs", memory_budget=budget), transport, rank, world_size, capacity=6
+        )
         return build_loader(source, LoaderConfig(batch_size=6, prefetch_depth=1), rank, world_size, stages)
 
     # each rank its own limit (as auto gives): the step takes the least, the same on both
-    steps = [(sorted(item.batch.sample_ids.tolist()), int((item.batch.uih_lengths + item.batch.num_candidates).sum()))
-             for item in loader(["1.6x", "1.1x"][rank])]
+    steps = [
+        (sorted(item.batch.sample_ids.tolist()), int((item.batch.uih_lengths + item.batch.num_candidates).sum()))
+        for item in loader(["1.6x", "1.1x"][rank])
+    ]
     unbudgeted = [int((item.batch.uih_lengths + item.batch.num_candidates).sum()) for item in loader(None)]
     try:
         next(iter(loader(["1.1x", None][rank])))

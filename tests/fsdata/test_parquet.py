@@ -71,7 +71,9 @@ def test_global_index_spans_sorted_files_and_directories(tmp_path):
     # disjoint rank ranges cover the data exactly once, whatever the world size
     for world in (1, 3, 4):
         per = -(-200 // world)
-        got = torch.cat([ParquetSource(tmp_path).read(0, r * per, min(200, (r + 1) * per)).sample_ids for r in range(world)])
+        got = torch.cat(
+            [ParquetSource(tmp_path).read(0, r * per, min(200, (r + 1) * per)).sample_ids for r in range(world)]
+        )
         assert torch.equal(got, src.read(0, 0, 200).sample_ids)
 
 
@@ -168,7 +170,10 @@ def test_wrong_schema_names_file_and_column(tmp_path):
     with pytest.raises(ValueError, match=r"a.parquet: missing column 'candidate_labels'"):
         ParquetSource(tmp_path / "a.parquet")
     with pytest.raises(ValueError, match="x.parquet: column 'dense'"):
-        validate_schema(table.schema.set(table.schema.get_field_index("dense"), pa.field("dense", pa.list_(pa.float64()))), "x.parquet")
+        validate_schema(
+            table.schema.set(table.schema.get_field_index("dense"), pa.field("dense", pa.list_(pa.float64()))),
+            "x.parquet",
+        )
 
 
 def test_negative_ids_name_file_row_group_and_sample(tmp_path):
@@ -200,11 +205,16 @@ def test_empty_uih_names_file_row_group_and_sample(tmp_path):
 def test_inconsistent_lists_are_rejected(tmp_path):
     table = batch_to_table(Batch.from_samples([sample(0, [1, 2, 3]), sample(1, [4])]))
     short = pa.array([[0, 0, 0], []], type=pa.list_(pa.int64()))
-    pq.write_table(table.set_column(table.schema.get_field_index("uih_action_types"), "uih_action_types", short), tmp_path / "a.parquet")
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("uih_action_types"), "uih_action_types", short),
+        tmp_path / "a.parquet",
+    )
     with pytest.raises(ValueError, match="sample_id 1 .*uih_action_types has 0 values but the UIH has 1"):
         ParquetSource(tmp_path / "a.parquet").read(0, 0, 2)
     nulls = pa.array([[1, 2, 3], None], type=pa.list_(pa.int64()))
-    pq.write_table(table.set_column(table.schema.get_field_index("uih_item_ids"), "uih_item_ids", nulls), tmp_path / "a.parquet")
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("uih_item_ids"), "uih_item_ids", nulls), tmp_path / "a.parquet"
+    )
     with pytest.raises(ValueError, match="'uih_item_ids' holds nulls"):
         ParquetSource(tmp_path / "a.parquet").read(0, 0, 2)
 

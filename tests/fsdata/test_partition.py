@@ -226,7 +226,9 @@ def test_kk_is_at_least_as_balanced_as_fbs_on_heavy_tails():
         lengths = random_lengths(64, 128, seed=seed)
         costs = CostModel(alpha=2.0).sample_costs(lengths)
         imbalance = {
-            name: (lambda c: c.max() / c.mean())(per_rank_cost(get_partitioner(name, alpha=2.0)(lengths, RuntimeInfo()), costs))
+            name: (lambda c: c.max() / c.mean())(
+                per_rank_cost(get_partitioner(name, alpha=2.0)(lengths, RuntimeInfo()), costs)
+            )
             for name in ("fbs", "kk")
         }
         assert imbalance["kk"] <= imbalance["fbs"] + 1e-9
@@ -280,7 +282,9 @@ def test_gathered_lengths_reject_inconsistent_input_with_a_clear_message():
     with pytest.raises(ValueError, match=r"uih_lengths\[1\] = -4 is negative"):
         GatheredLengths([1, -4], [0, 0], [], [0, 1], [0, 1, 2], 2)
     with pytest.raises(ValueError, match="budget_shares has 3 entries"):
-        get_partitioner("vbs")(GatheredLengths([1, 2], [0, 0], [], [0, 1], [0, 1, 2], 2), RuntimeInfo(budget_shares=torch.ones(3)))
+        get_partitioner("vbs")(
+            GatheredLengths([1, 2], [0, 0], [], [0, 1], [0, 1, 2], 2), RuntimeInfo(budget_shares=torch.ones(3))
+        )
 
 
 def test_plan_validate_names_missing_and_repeated_samples():

@@ -33,12 +33,15 @@ def test_file_form_loads_a_path_once(tmp_path, monkeypatch):
     assert type(by_absolute(None)).__module__ in sys.modules
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("no_colon", "must be written"),
-    ("surely_not_a_module_xyz:f", "cannot import module"),
-    ("missing/file.py:f", "no file"),
-    ("fsdata.resolve:nothing_here", "has no attribute"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("no_colon", "must be written"),
+        ("surely_not_a_module_xyz:f", "cannot import module"),
+        ("missing/file.py:f", "no file"),
+        ("fsdata.resolve:nothing_here", "has no attribute"),
+    ],
+)
 def test_bad_specs_say_what_is_wrong(spec, match):
     with pytest.raises(ValueError, match=match):
         load_callable(spec, "model factory")
@@ -56,8 +59,9 @@ def test_a_shadowed_top_level_name_is_said_in_one_line_naming_the_other_distribu
 
     def import_fsdata(pythonpath):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
-        return subprocess.run([sys.executable, "-c", "import fsdata"], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-c", "import fsdata"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
 
     shadowed = import_fsdata([site, ROOT])
     lines = [line for line in shadowed.stderr.splitlines() if line.startswith("freescale:")]

@@ -72,7 +72,10 @@ def test_labels_carry_a_learnable_signal():
     items = b.content_ids[first]
     sample_of = torch.repeat_interleave(torch.arange(b.batch_size), b.num_candidates)
     in_uih = torch.tensor(
-        [bool((b.uih_item_ids[b.uih_offsets[s] : b.uih_offsets[s + 1]] == it).any()) for s, it in zip(sample_of.tolist(), items.tolist())]
+        [
+            bool((b.uih_item_ids[b.uih_offsets[s] : b.uih_offsets[s + 1]] == it).any())
+            for s, it in zip(sample_of.tolist(), items.tolist())
+        ]
     )
     y = b.candidate_labels[:, 0]
     assert float(y[in_uih].mean()) - float(y[~in_uih].mean()) > 0.3
@@ -114,7 +117,9 @@ def test_collision_knob_tracks_unique_row_overlap(p):
 def test_collision_rate_does_not_depend_on_duplicates():
     rates, dup = [], []
     for zipf, unique in ((0.6, 0.8), (1.4, 0.2)):
-        src = tiny(num_samples=256, collision_rate=0.2, collision_block_size=128, zipf_exponent=zipf, unique_fraction=unique)
+        src = tiny(
+            num_samples=256, collision_rate=0.2, collision_block_size=128, zipf_exponent=zipf, unique_fraction=unique
+        )
         a, b = src.read(0, 0, 128), src.read(0, 128, 256)
         rates.append(collision_rate(row_ids(a), row_ids(b)))
         dup.append(row_ids(b).numel() / (b.uih_item_ids.numel() + b.content_ids.numel()))
@@ -162,11 +167,32 @@ def test_cli_synth_then_stats(tmp_path, capsys):
     from pipelines.cli import data_stats, data_synth
 
     out = tmp_path / "s.parquet"
-    argv = ["--num-samples", "640", "--out", str(out), "--row-group-size", "100", "--collision-rate", "0.3", "--batch-size", "64"]
+    argv = [
+        "--num-samples",
+        "640",
+        "--out",
+        str(out),
+        "--row-group-size",
+        "100",
+        "--collision-rate",
+        "0.3",
+        "--batch-size",
+        "64",
+    ]
     assert _run(data_synth, argv + ["--set", "vocab_size=1000000"]) == 0
-    expect = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=640, collision_rate=0.3, collision_block_size=64, vocab_size=10**6))
+    expect = SyntheticSource(
+        SyntheticConfig.from_preset(
+            "tiny", num_samples=640, collision_rate=0.3, collision_block_size=64, vocab_size=10**6
+        )
+    )
     assert ParquetSource(out).read(0, 0, 640).equals(expect.read(0, 0, 640))
-    assert _run(data_stats, [str(out), "--batch-size", "32", "--global-batch-size", "64", "--json", str(tmp_path / "s.json")]) == 0
+    assert (
+        _run(
+            data_stats,
+            [str(out), "--batch-size", "32", "--global-batch-size", "64", "--json", str(tmp_path / "s.json")],
+        )
+        == 0
+    )
     stats = json.loads((tmp_path / "s.json").read_text())
     assert abs(stats["collision_rate"]["mean"] - 0.3) < 0.01 and stats["collision_rate"]["pairs"] == 9
     assert stats["uih_lengths"]["max"] <= 64 and 0 < stats["sparsity_eq1_mean"] < 1

@@ -17,8 +17,7 @@ def test_deinterleave_inverts_interleave(splits):
     b = -1 - torch.arange(sum(b_splits))
     wire = _interleave(a, a_splits, b, b_splits)
     assert wire.tolist() == [  # per rank r: a's segment r, then b's
-        x for r in range(len(splits))
-        for x in a.split(a_splits)[r].tolist() + b.split(b_splits)[r].tolist()
+        x for r in range(len(splits)) for x in a.split(a_splits)[r].tolist() + b.split(b_splits)[r].tolist()
     ]
     assert list(map(sum, zip(*[iter(_paired(a_splits, b_splits))] * 2))) == [x + y for x, y in splits]
     back_a, back_b = _deinterleave(wire, a_splits, b_splits)

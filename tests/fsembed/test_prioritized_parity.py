@@ -64,8 +64,22 @@ def _misorder(prio) -> None:
     prio._apply_rows = apply_after_the_lookup
 
 
-def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch=True, item_dtype=None, stale=False,
-          chain=True, early_start="forward", hook=False, schedules=None, exclusive_start="backward"):
+def _pair(
+    rank,
+    world_size,
+    opt,
+    collision,
+    empty_rank,
+    misorder=False,
+    prefetch=True,
+    item_dtype=None,
+    stale=False,
+    chain=True,
+    early_start="forward",
+    hook=False,
+    schedules=None,
+    exclusive_start="backward",
+):
     """``chain=False``: one transport for everything, so no collision group: the next forward runs the chain.
     ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward.
     ``exclusive_start="forward"``: the deferred exclusive gradients held until the next forward sends them."""
@@ -78,20 +92,31 @@ def _pair(rank, world_size, opt, collision, empty_rank, misorder=False, prefetch
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
     transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
-    prio = PrioritizedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1, stale=stale,
-                                          early_start=early_start, exclusive_start=exclusive_start, **transport)
+    prio = PrioritizedEmbeddingCollection(
+        plan,
+        rank,
+        optimizer=_optimizer(opt),
+        seed=1,
+        stale=stale,
+        early_start=early_start,
+        exclusive_start=exclusive_start,
+        **transport,
+    )
     if misorder:
         _misorder(prio)
     ls = train(sync, feats, prefetch)
-    lp = train(prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None,
-               schedules=schedules)
+    lp = train(
+        prio, feats, prefetch, after_forward=(lambda c: c.start_early_rows()) if hook else None, schedules=schedules
+    )
     ts, tp = sync.full_tables(), prio.full_tables()
     return {
         "losses_equal": all(torch.equal(a, b) for a, b in zip(ls, lp)),
         "tables_equal": all(torch.equal(ts[k], tp[k]) for k in ts),
         "collision_rates": prio.collision_rates,
         "row_counts": dict(prio.row_counts),
-        "changed": any(not torch.equal(ts[k], PrioritizedEmbeddingCollection(plan, rank, seed=1).full_tables()[k]) for k in ts),
+        "changed": any(
+            not torch.equal(ts[k], PrioritizedEmbeddingCollection(plan, rank, seed=1).full_tables()[k]) for k in ts
+        ),
     }
 
 
@@ -141,10 +166,14 @@ def test_parity_when_the_schedule_switches_between_steps():
     chains, prefetched ids or not, held early rows, an empty batch)."""
     p, d = "prioritized", "sdd"
     pattern = [p, p, d, d, p, d, p]
-    cases = [(opt, "zipf", empty, False, prefetch, None, False, chain, early, early == "backward", pattern)
-             for opt, empty, prefetch, chain, early in (("sgd", -1, True, True, "forward"),
-                                                        ("rowwise_adagrad", 1, True, True, "backward"),
-                                                        ("adam", -1, False, False, "forward"))]
+    cases = [
+        (opt, "zipf", empty, False, prefetch, None, False, chain, early, early == "backward", pattern)
+        for opt, empty, prefetch, chain, early in (
+            ("sgd", -1, True, True, "forward"),
+            ("rowwise_adagrad", 1, True, True, "backward"),
+            ("adam", -1, False, False, "forward"),
+        )
+    ]
     for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
         for case, r in zip(cases, rank_res):
             assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case[:5]}: {r}"
@@ -161,9 +190,14 @@ def test_parity_when_the_next_forward_runs_the_collision_chain():
 def test_parity_when_early_rows_start_at_the_backward():
     """early_start="backward": the bulk chain's lines 6-7 and 12 wait for start_early_rows() after the forward,
     or for the backward: same numbers, also with an empty batch and without chains."""
-    cases = [(opt, "zipf", empty, False, True, None, False, chain, "backward", hook)
-             for opt, empty, chain, hook in (("sgd", -1, True, True), ("rowwise_adagrad", 1, True, False),
-                                             ("sgd", -1, False, True))]
+    cases = [
+        (opt, "zipf", empty, False, True, None, False, chain, "backward", hook)
+        for opt, empty, chain, hook in (
+            ("sgd", -1, True, True),
+            ("rowwise_adagrad", 1, True, False),
+            ("sgd", -1, False, True),
+        )
+    ]
     for rank_res in run_ranks(_cases, 2, args=(cases,), timeout=90):
         for case, r in zip(cases, rank_res):
             assert r["changed"] and r["losses_equal"] and r["tables_equal"], f"{case}: {r}"
@@ -174,13 +208,16 @@ def test_parity_when_exclusive_gradients_leave_with_the_next_forward():
     for its collision rows: same numbers, with early rows started at once, by the forward's hook or by the
     backward, with an empty batch, through schedule switches, and without chains (where they leave at once)."""
     p, d = "prioritized", "sdd"
-    cases = [(opt, "zipf", empty, False, True, None, False, chain, early, hook, pattern, "forward")
-             for opt, empty, chain, early, hook, pattern in (
-                 ("sgd", -1, True, "forward", False, None),
-                 ("rowwise_adagrad", 1, True, "backward", True, None),
-                 ("adam", -1, True, "backward", False, None),
-                 ("sgd", -1, True, "backward", True, [p, p, d, p, p, d, p]),
-                 ("sgd", -1, False, "forward", False, None))]
+    cases = [
+        (opt, "zipf", empty, False, True, None, False, chain, early, hook, pattern, "forward")
+        for opt, empty, chain, early, hook, pattern in (
+            ("sgd", -1, True, "forward", False, None),
+            ("rowwise_adagrad", 1, True, "backward", True, None),
+            ("adam", -1, True, "backward", False, None),
+            ("sgd", -1, True, "backward", True, [p, p, d, p, p, d, p]),
+            ("sgd", -1, False, "forward", False, None),
+        )
+    ]
     results = run_ranks(_cases, 2, args=(cases,), timeout=120)
     for rank_res in results:
         for case, r in zip(cases, rank_res):
@@ -257,7 +294,9 @@ def _chain_without_model_thread(rank, world_size):
     ran = []  # (what, the thread that ran it), observed as the work runs
     for shard in prio.shards.values():
         lookup = shard.lookup
-        shard.lookup = lambda rows, lookup=lookup: ran.append(("lookup", threading.current_thread().name)) or lookup(rows)
+        shard.lookup = lambda rows, lookup=lookup: (
+            ran.append(("lookup", threading.current_thread().name)) or lookup(rows)
+        )
     apply = prio.optimizer.apply
     prio.optimizer.apply = lambda *a: ran.append(("update", threading.current_thread().name)) or apply(*a)
     emb = prio(feats[0], prio.exchange_ids(feats[1]))
@@ -270,7 +309,7 @@ def _chain_without_model_thread(rank, world_size):
     for f in chains:
         f.result(timeout=30)
     updated = all(torch.equal(prio.shards[n].weight, sync.shards[n].weight) for n in prio.shards)
-    in_backward = ran[len(after_forward):]
+    in_backward = ran[len(after_forward) :]
     prio.flush()
     return early_sent, after_forward, in_backward, updated
 
@@ -290,8 +329,10 @@ def test_chains_run_off_the_model_thread():
 def test_misordered_exclusive_update_breaks_parity():
     """Applying step i-1's exclusive gradients after line 12's lookup reads stale rows: parity must fail.
     With "none" every row of step i-1 is exclusive and step i+1 reads it again."""
-    cases = [("sgd", "none", -1, True, True),  # exclusive gradients sent from the backward
-             ("sgd", "none", -1, True, True, None, False, True, "forward", False, None, "forward")]  # the default
+    cases = [
+        ("sgd", "none", -1, True, True),  # exclusive gradients sent from the backward
+        ("sgd", "none", -1, True, True, None, False, True, "forward", False, None, "forward"),
+    ]  # the default
     results = run_ranks(_cases, 2, args=(cases,), timeout=60)
     for i, case in enumerate(cases):
         assert not all(r[i]["tables_equal"] and r[i]["losses_equal"] for r in results), case

@@ -109,16 +109,23 @@ def _torchrec_body(rank, world_size):
     )
     original = copy.deepcopy(model.ec)
     g = torch.Generator().manual_seed(rank)
-    feats = {"uih": torch.randint(0, 30, (9,), generator=g), "cand": torch.randint(0, 30, (4,), generator=g), "user": torch.randint(0, 7, (2,), generator=g)}
+    feats = {
+        "uih": torch.randint(0, 30, (9,), generator=g),
+        "cand": torch.randint(0, 30, (4,), generator=g),
+        "user": torch.randint(0, 7, (2,), generator=g),
+    }
     kjt = KeyedJaggedTensor(
-        keys=["uih", "cand", "user"], values=torch.cat([feats[k] for k in ("uih", "cand", "user")]),
+        keys=["uih", "cand", "user"],
+        values=torch.cat([feats[k] for k in ("uih", "cand", "user")]),
         lengths=torch.tensor([5, 4, 1, 3, 1, 1], dtype=torch.int32),  # two samples per key
     )
     hub = swap_embeddings(model, ["ec"])
     hub.prepare(feats)
     got, want = model.ec(kjt), original(kjt)
     return isinstance(model.ec, ShardedCollectionView) and all(
-        torch.equal(got[k].values().detach(), want[k].values().detach()) and torch.equal(got[k].lengths(), want[k].lengths()) for k in want
+        torch.equal(got[k].values().detach(), want[k].values().detach())
+        and torch.equal(got[k].lengths(), want[k].lengths())
+        for k in want
     )
 
 
@@ -186,7 +193,13 @@ def test_hub_serves_a_module_called_several_times_per_step_in_call_order():
     hub.prepare({"items": [first, second]})
     assert hub.rows("items", first).flatten().tolist() == [3, 1, 4]
     assert hub.rows("items", second).flatten().tolist() == [1, 5]
-    assert hub.rows("items", torch.cat([first, second])).flatten().tolist() == [3, 1, 4, 1, 5]  # all again: the same rows
+    assert hub.rows("items", torch.cat([first, second])).flatten().tolist() == [
+        3,
+        1,
+        4,
+        1,
+        5,
+    ]  # all again: the same rows
     hub.verify()
     hub.prepare({"items": [first, second]})
     hub.rows("items", first)

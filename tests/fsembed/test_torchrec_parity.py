@@ -43,7 +43,10 @@ def _torchrec_model(plan, world_size, tables, opt_name):
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     ec = EmbeddingCollection(
-        tables=[EmbeddingConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=list(t.features)) for t in plan.tables],
+        tables=[
+            EmbeddingConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=list(t.features))
+            for t in plan.tables
+        ],
         device=torch.device("cpu"),
     )
     with torch.no_grad():
@@ -55,7 +58,11 @@ def _torchrec_model(plan, world_size, tables, opt_name):
         apply_optimizer_in_backward(RowWiseAdagrad, ec.parameters(), {"lr": LR, "eps": 1e-8})
     wrapper = _Wrapper(ec)
     module_plan = construct_module_sharding_plan(
-        ec, per_param_sharding={t.name: row_wise() for t in plan.tables}, local_size=world_size, world_size=world_size, device_type="cpu"
+        ec,
+        per_param_sharding={t.name: row_wise() for t in plan.tables},
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
     )
     return DistributedModelParallel(
         wrapper,
@@ -86,8 +93,11 @@ def _compare(rank, world_size, opt_name, divide):
     comm_ops.set_gradient_division(divide)
     plan = small_plan(world_size, user_dim=8)  # torchrec's EmbeddingCollection wants one dim for all tables
     ours = ShardedEmbeddingCollection(
-        plan, rank, optimizer=SGD(lr=LR) if opt_name == "sgd" else RowWiseAdagrad(lr=LR, eps=1e-8),
-        seed=5, grad_scale=1.0 / world_size if divide else 1.0,
+        plan,
+        rank,
+        optimizer=SGD(lr=LR) if opt_name == "sgd" else RowWiseAdagrad(lr=LR, eps=1e-8),
+        seed=5,
+        grad_scale=1.0 / world_size if divide else 1.0,
     )
     stage("build torchrec DMP")
     theirs = _torchrec_model(plan, world_size, ours.full_tables(), opt_name)
@@ -98,14 +108,19 @@ def _compare(rank, world_size, opt_name, divide):
         e_ours = ours(feats)
         e_theirs = {k: jt.values() for k, jt in theirs(_kjt(feats)).items()}
         for f in FEATURES:
-            worst_lookup = max(worst_lookup, float((e_ours[f] - e_theirs[f]).detach().abs().max()) if e_ours[f].numel() else 0.0)
+            worst_lookup = max(
+                worst_lookup, float((e_ours[f] - e_theirs[f]).detach().abs().max()) if e_ours[f].numel() else 0.0
+            )
         l_ours, l_theirs = loss_of(e_ours), loss_of(e_theirs)
         worst_loss = max(worst_loss, abs(float((l_ours - l_theirs).detach())))
         l_ours.backward()
         l_theirs.backward()
     stage("final rows")
     ours_tables = ours.full_tables()
-    all_rows = {f: torch.arange(plan.table_of(f).num_rows) if f in ("uih", "user") else torch.zeros(0, dtype=torch.int64) for f in FEATURES}
+    all_rows = {
+        f: torch.arange(plan.table_of(f).num_rows) if f in ("uih", "user") else torch.zeros(0, dtype=torch.int64)
+        for f in FEATURES
+    }
     with torch.no_grad():
         final = {k: jt.values() for k, jt in theirs(_kjt(all_rows)).items()}
     worst_rows = max(float((ours_tables[plan.table_of(f).name] - final[f]).abs().max()) for f in ("uih", "user"))

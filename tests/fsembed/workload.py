@@ -25,7 +25,9 @@ def small_plan(world_size: int, user_dim: int = 4, item_dtype: torch.dtype = tor
     )
 
 
-def step_features(plan: ShardingPlan, step: int, rank: int, collision: str, seed: int = 0, empty_rank: int = -1) -> dict[str, torch.Tensor]:
+def step_features(
+    plan: ShardingPlan, step: int, rank: int, collision: str, seed: int = 0, empty_rank: int = -1
+) -> dict[str, torch.Tensor]:
     """ids of one rank at one step. ``collision``: "none" (consecutive steps use disjoint rows: even steps the
     lower half of each table, odd steps the upper half, so step i+1 reuses rows of step i-1), "zipf" (typical:
     heavy-tailed ids over the whole table, duplicates within a batch), "all" (the same rows every step).

@@ -60,4 +60,6 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
     e = expected.contiguous().reshape(-1).view(torch.uint8)
     if not torch.equal(a, e):
         bad = torch.nonzero(a != e).flatten()[:5] // actual.element_size()
-        raise AssertionError(f"{what}: differs at flat elements {bad.tolist()}: {actual.reshape(-1)[bad]} vs {expected.reshape(-1)[bad]}")
+        raise AssertionError(
+            f"{what}: differs at flat elements {bad.tolist()}: {actual.reshape(-1)[bad]} vs {expected.reshape(-1)[bad]}"
+        )

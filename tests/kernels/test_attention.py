@@ -29,7 +29,9 @@ def _reference_mask(q_offsets, kv_offsets, causal, block):
         same = q_sample[q_idx] == kv_sample[kv_idx]
         return same & (q_idx >= kv_idx) if causal else same
 
-    return create_block_mask(mask_mod, None, None, int(q_offsets[-1]), int(kv_offsets[-1]), device="cpu", BLOCK_SIZE=block)
+    return create_block_mask(
+        mask_mod, None, None, int(q_offsets[-1]), int(kv_offsets[-1]), device="cpu", BLOCK_SIZE=block
+    )
 
 
 def _rows(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
@@ -48,8 +50,13 @@ def _union(mask, direction: str) -> list[list[int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(q_lengths=lengths_st, kv_lengths=lengths_st, causal=st.booleans(), block=st.sampled_from([1, 2, 4, 8, 16]),
-       separate=st.booleans())
+@given(
+    q_lengths=lengths_st,
+    kv_lengths=lengths_st,
+    causal=st.booleans(),
+    block=st.sampled_from([1, 2, 4, 8, 16]),
+    separate=st.booleans(),
+)
 def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths, causal, block, separate):
     if causal:
         kv_lengths = q_lengths
@@ -63,12 +70,15 @@ def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths,
     got = build_block_mask(qo, None if causal else ko, causal=causal, block_size=block, separate_full_blocks=separate)
     if separate:
         for name in ("kv", "full_kv", "q", "full_q"):
-            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == \
-                   _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")), name
+            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == _rows(
+                getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")
+            ), name
     else:
         assert got.full_kv_indices is None and got.full_q_indices is None
         for name in ("kv", "q"):
-            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == _union(expected, name), name
+            assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == _union(
+                expected, name
+            ), name
     assert got.block_mask().shape[-2:] == (int(qo[-1]), int(ko[-1]))
 
 
@@ -82,8 +92,9 @@ def test_cross_block_mask_with_empty_samples_lists_every_needed_block():
         have = _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices"))
         assert all(set(w) <= set(h) for w, h in zip(want, have)), name
     for name in ("full_kv", "full_q"):
-        assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == \
-               _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")), name
+        assert _rows(getattr(got, f"{name}_num_blocks"), getattr(got, f"{name}_indices")) == _rows(
+            getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices")
+        ), name
 
 
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 1], [37], [5, 64, 1, 0, 20], [64, 64], [0, 3, 0]], ids=str)
@@ -91,7 +102,9 @@ def test_causal_twin_equals_padded(lengths):
     _compare(lengths, None, True, "torch")
 
 
-@pytest.mark.parametrize("q_lengths,kv_lengths", [([1], [1]), ([2, 3, 1], [10, 1, 64]), ([4, 0, 2], [5, 6, 0])], ids=str)
+@pytest.mark.parametrize(
+    "q_lengths,kv_lengths", [([1], [1]), ([2, 3, 1], [10, 1, 64]), ([4, 0, 2], [5, 6, 0])], ids=str
+)
 def test_cross_twin_equals_padded(q_lengths, kv_lengths):
     _compare(q_lengths, kv_lengths, False, "torch")
 

@@ -40,7 +40,9 @@ def _compare(q_lengths, kv_lengths, causal, impl, reference="padded", device="cp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str)
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, dict(rtol=2e-3, atol=2e-3)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str
+)
 def test_flex_equals_the_twin_on_cuda(dtype, tol):
     for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
         _compare(lengths, None, True, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
@@ -49,7 +51,9 @@ def test_flex_equals_the_twin_on_cuda(dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, dict(rtol=3e-2, atol=3e-2)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str)
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, dict(rtol=3e-2, atol=3e-2)), (torch.bfloat16, dict(rtol=3e-2, atol=3e-2))], ids=str
+)
 def test_varlen_equals_the_twin_on_cuda(dtype, tol):
     """fp32 inputs run the kernel in bf16 (kernels.varlen): both precisions hold bf16's tolerance against the
     per-sample twin in the inputs' dtype."""

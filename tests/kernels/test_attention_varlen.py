@@ -22,17 +22,26 @@ def _fake_varlen(calls: list):
     dispatch's own zeroing is what the test sees."""
 
     def varlen_attn(*, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size):
-        calls.append(dict(dtypes=(query.dtype, key.dtype, value.dtype), cu=(cu_seq_q.dtype, cu_seq_k.dtype),
-                          max=(max_q, max_k), window=window_size))
+        calls.append(
+            dict(
+                dtypes=(query.dtype, key.dtype, value.dtype),
+                cu=(cu_seq_q.dtype, cu_seq_k.dtype),
+                max=(max_q, max_k),
+                window=window_size,
+            )
+        )
         assert cu_seq_q.dtype == torch.int32 and cu_seq_k.dtype == torch.int32
         out = torch.full_like(query, float("nan"))
         qo, ko = cu_seq_q.tolist(), cu_seq_k.tolist()
         for s in range(len(qo) - 1):
             if qo[s + 1] == qo[s] or ko[s + 1] == ko[s]:
                 continue
-            q, k, v = (t.float().transpose(0, 1) for t in (query[qo[s]:qo[s + 1]], key[ko[s]:ko[s + 1]], value[ko[s]:ko[s + 1]]))
+            q, k, v = (
+                t.float().transpose(0, 1)
+                for t in (query[qo[s] : qo[s + 1]], key[ko[s] : ko[s + 1]], value[ko[s] : ko[s + 1]])
+            )
             one = F.scaled_dot_product_attention(q, k, v, is_causal=window_size == (-1, 0))
-            out[qo[s]:qo[s + 1]] = one.transpose(0, 1).to(query.dtype)
+            out[qo[s] : qo[s + 1]] = one.transpose(0, 1).to(query.dtype)
         return out
 
     return varlen_attn
@@ -67,7 +76,9 @@ def test_cross_dispatch_zeroes_queries_without_keys_and_keeps_gradients_finite(f
     assert fake_varlen[0]["window"] == (-1, -1) and fake_varlen[0]["max"] == (3, 4)
     assert torch.equal(out[:2], torch.zeros_like(out[:2])) and torch.isfinite(out).all()
     out.sum().backward()
-    assert all(torch.isfinite(t.grad).all() for t in (q, k, v)) and torch.equal(q.grad[:2], torch.zeros_like(q.grad[:2]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v)) and torch.equal(
+        q.grad[:2], torch.zeros_like(q.grad[:2])
+    )
     torch.testing.assert_close(out, jagged_attention(q, k, v, qo, ko, causal=False, impl="torch"), rtol=2e-2, atol=2e-2)
 
 

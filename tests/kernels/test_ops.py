@@ -27,9 +27,18 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 @FAST
-@given(seeds, st.integers(0, 30), st.integers(0, 40), st.sampled_from(OFFSET_DTYPES), st.sampled_from(VALUE_DTYPES),
-       st.sampled_from(WIDTHS), st.booleans())
-def test_indexed_permute_twin_matches_eager(seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation):
+@given(
+    seeds,
+    st.integers(0, 30),
+    st.integers(0, 40),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from(VALUE_DTYPES),
+    st.sampled_from(WIDTHS),
+    st.booleans(),
+)
+def test_indexed_permute_twin_matches_eager(
+    seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation
+):
     values, offsets, order = permute_case(
         seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation, max_length=12
     )
@@ -55,14 +64,24 @@ def test_ranged_dispatch_twin_matches_eager_and_combine_inverts(seed, n, world_s
         eager = ops.ranged_dispatch(ids, boundaries, offsets=sample_offsets, impl="eager")
         for got, want, what in zip((send, splits, perm), eager, ("send", "splits", "perm")):
             assert_same_bits(got, want, f"{what} (eager offsets {sample_offsets})")
-        assert_same_bits(ops.ranged_combine(send, perm, splits=splits, offsets=sample_offsets, impl="eager"), ids,
-                         f"eager combine (offsets {sample_offsets})")
+        assert_same_bits(
+            ops.ranged_combine(send, perm, splits=splits, offsets=sample_offsets, impl="eager"),
+            ids,
+            f"eager combine (offsets {sample_offsets})",
+        )
     assert int(splits.sum()) == n
     assert_same_bits(ops.ranged_combine(send, perm), ids, "combine(dispatch(ids))")
 
 
 @FAST
-@given(seeds, st.integers(0, 5), st.integers(0, 8), st.sampled_from(OFFSET_DTYPES), st.sampled_from(VALUE_DTYPES), st.sampled_from(WIDTHS))
+@given(
+    seeds,
+    st.integers(0, 5),
+    st.integers(0, 8),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from(VALUE_DTYPES),
+    st.sampled_from(WIDTHS),
+)
 def test_keyed_transpose_twin_matches_eager(seed, num_keys, batch_size, length_dtype, value_dtype, width):
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, num_keys * batch_size, 6).view(num_keys, batch_size).to(length_dtype)
@@ -77,7 +96,13 @@ def test_keyed_transpose_twin_matches_eager(seed, num_keys, batch_size, length_d
 
 
 @FAST
-@given(seeds, st.integers(0, 20), st.sampled_from(OFFSET_DTYPES), st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bfloat16]), st.sampled_from(WIDTHS))
+@given(
+    seeds,
+    st.integers(0, 20),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bfloat16]),
+    st.sampled_from(WIDTHS),
+)
 def test_segment_sum_twin_matches_eager(seed, num_segments, offset_dtype, value_dtype, width):
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, num_segments, 30)
@@ -101,7 +126,9 @@ def test_collision_mask_twin_matches_eager(seed, n, m, dtype):
     other = torch.randint(0, 300, (m,), generator=gen).to(dtype)
     cuts = torch.sort(torch.randint(0, n + 1, (3,), generator=gen)).values
     offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])
-    assert_same_bits(ops.collision_mask(ids, other), ops.collision_mask(ids, other, offsets=offsets, impl="eager"), "mask")
+    assert_same_bits(
+        ops.collision_mask(ids, other), ops.collision_mask(ids, other, offsets=offsets, impl="eager"), "mask"
+    )
 
 
 def test_ranged_combine_twin_gradient():
@@ -118,7 +145,9 @@ def test_one_rank_and_empty_batches():
     assert send.tolist() == [3, 9, 0, 3] and splits.tolist() == [4] and perm.tolist() == [0, 1, 2, 3]
     send, splits, perm = ops.ranged_dispatch(torch.zeros(0, dtype=torch.int64), torch.tensor([0, 5, 5, 9]))
     assert send.numel() == 0 and splits.tolist() == [0, 0, 0] and perm.numel() == 0
-    out, out_offsets = ops.indexed_permute(torch.zeros(0, 4), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int64))
+    out, out_offsets = ops.indexed_permute(
+        torch.zeros(0, 4), torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    )
     assert out.shape == (0, 4) and out_offsets.tolist() == [0] and out_offsets.dtype == torch.int32
     assert ops.segment_sum(torch.zeros(0), torch.zeros(1, dtype=torch.int64)).shape == (0,)
 
@@ -142,11 +171,23 @@ def test_unknown_impl_raises():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 1, 4]), torch.tensor([0])), "non-decreasing; segment 1"),
-        (lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 5]), torch.tensor([0])), r"offsets\[-1\] = 5 exceeds"),
-        (lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 4]), torch.tensor([2])), "order holds segment 2"),
+        (
+            lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 1, 4]), torch.tensor([0])),
+            "non-decreasing; segment 1",
+        ),
+        (
+            lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 5]), torch.tensor([0])),
+            r"offsets\[-1\] = 5 exceeds",
+        ),
+        (
+            lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 2, 4]), torch.tensor([2])),
+            "order holds segment 2",
+        ),
         (lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 4.0]), torch.tensor([0])), "int32 or int64"),
-        (lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 4]), torch.tensor([0], dtype=torch.int32)), "order must be"),
+        (
+            lambda: ops.indexed_permute(torch.ones(4), torch.tensor([0, 4]), torch.tensor([0], dtype=torch.int32)),
+            "order must be",
+        ),
         (lambda: ops.ranged_dispatch(torch.tensor([5, 12]), torch.tensor([0, 10])), "id 12 is outside"),
         (lambda: ops.ranged_dispatch(torch.tensor([5]), torch.tensor([0, 7, 3, 10])), "must be sorted; shard 1"),
         (lambda: ops.ranged_dispatch(torch.tensor([5]), torch.tensor([0])), "world_size"),

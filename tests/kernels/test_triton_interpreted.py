@@ -37,7 +37,12 @@ from tests.kernels.cases import (  # noqa: E402
     seeds,
 )
 
-_TRITON_MODULES = ("kernels.triton.search", "kernels.triton.triton_jagged_gather", "kernels.triton.triton_ranged", "kernels.triton.triton_segment")
+_TRITON_MODULES = (
+    "kernels.triton.search",
+    "kernels.triton.triton_jagged_gather",
+    "kernels.triton.triton_ranged",
+    "kernels.triton.triton_segment",
+)
 for _name in _TRITON_MODULES:
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
@@ -63,8 +68,15 @@ def small_tiles(monkeypatch):
 
 
 @INTERPRETED
-@given(seeds, st.integers(0, 12), st.integers(0, 16), st.sampled_from(OFFSET_DTYPES), st.sampled_from(VALUE_DTYPES),
-       st.sampled_from(WIDTHS), st.booleans())
+@given(
+    seeds,
+    st.integers(0, 12),
+    st.integers(0, 16),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from(VALUE_DTYPES),
+    st.sampled_from(WIDTHS),
+    st.booleans(),
+)
 def test_indexed_permute(seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation):
     values, offsets, order = permute_case(
         seed, num_segments, num_picked, offset_dtype, value_dtype, width, permutation, max_length=20
@@ -76,7 +88,14 @@ def test_indexed_permute(seed, num_segments, num_picked, offset_dtype, value_dty
 
 
 @INTERPRETED
-@given(seeds, st.integers(0, 4), st.integers(0, 6), st.sampled_from(OFFSET_DTYPES), st.sampled_from(VALUE_DTYPES), st.sampled_from(WIDTHS))
+@given(
+    seeds,
+    st.integers(0, 4),
+    st.integers(0, 6),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from(VALUE_DTYPES),
+    st.sampled_from(WIDTHS),
+)
 def test_keyed_transpose(seed, num_keys, batch_size, length_dtype, value_dtype, width):
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, num_keys * batch_size, 8).view(num_keys, batch_size).to(length_dtype)
@@ -88,7 +107,13 @@ def test_keyed_transpose(seed, num_keys, batch_size, length_dtype, value_dtype, 
 
 
 @INTERPRETED
-@given(seeds, st.integers(0, 80), st.sampled_from([1, 2, 5, 33]), st.sampled_from([None, 1, 4]), st.sampled_from([torch.float32, torch.bfloat16]))
+@given(
+    seeds,
+    st.integers(0, 80),
+    st.sampled_from([1, 2, 5, 33]),
+    st.sampled_from([None, 1, 4]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
 def test_ranged_dispatch_and_combine(seed, n, world_size, width, value_dtype):
     gen = torch.Generator().manual_seed(seed)
     boundaries = random_boundaries(gen, world_size, 500)
@@ -116,7 +141,13 @@ def test_ranged_combine_gradcheck():
 
 
 @INTERPRETED
-@given(seeds, st.integers(0, 8), st.sampled_from(OFFSET_DTYPES), st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bfloat16]), st.sampled_from(WIDTHS))
+@given(
+    seeds,
+    st.integers(0, 8),
+    st.sampled_from(OFFSET_DTYPES),
+    st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bfloat16]),
+    st.sampled_from(WIDTHS),
+)
 def test_segment_sum(seed, num_segments, offset_dtype, value_dtype, width):
     gen = torch.Generator().manual_seed(seed)
     lengths = random_lengths(gen, num_segments, 150)
@@ -139,7 +170,9 @@ def test_collision_mask(seed, n, m, dtype):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(-50, 150, (n,), generator=gen).to(dtype)
     other = torch.randint(-50, 150, (m,), generator=gen).to(dtype)
-    assert_same_bits(ops.collision_mask(ids, other, impl=Impl.TRITON), ops.collision_mask(ids, other, impl=Impl.TORCH), "mask")
+    assert_same_bits(
+        ops.collision_mask(ids, other, impl=Impl.TRITON), ops.collision_mask(ids, other, impl=Impl.TORCH), "mask"
+    )
 
 
 def test_large_heavy_tailed_segments(monkeypatch):

@@ -64,7 +64,9 @@ def test_crafted_metadata_is_refused_and_nothing_runs(tmp_path, capsys):
     directory = _save_one(tmp_path)
     marker = tmp_path / "ran"
     (directory / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    with pytest.raises(ValueError, match=r"\.metadata: refused: it names posix\.system, which loading would run as code"):
+    with pytest.raises(
+        ValueError, match=r"\.metadata: refused: it names posix\.system, which loading would run as code"
+    ):
         checkpoint.check_complete(directory)  # the launcher's check, before any rank starts
     with pytest.raises(ValueError, match="refused"):
         checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
@@ -84,8 +86,11 @@ def test_a_crafted_state_item_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "ran"
     with warnings.catch_warnings():  # DCP warns that it assumes a single process: it is one
         warnings.simplefilter("ignore")
-        stock.save({"model.0.weight": _RunsCode(marker)}, storage_writer=stock.FileSystemWriter(str(tmp_path / "crafted")),
-                   no_dist=True)
+        stock.save(
+            {"model.0.weight": _RunsCode(marker)},
+            storage_writer=stock.FileSystemWriter(str(tmp_path / "crafted")),
+            no_dist=True,
+        )
     for name in (".metadata", "__0_0.distcp"):  # the crafted item in place of the checkpoint's index and data
         (directory / name).write_bytes((tmp_path / "crafted" / name).read_bytes())
     with pytest.raises(ValueError, match="refused: item 'model.0.weight' is a pickled object"):
@@ -112,7 +117,10 @@ def test_a_full_disk_is_one_line_with_path_payload_and_free_bytes_and_nothing_ha
             _no_space_left()
         return create_stream(self, path, mode)
 
-    for where, patch in (("rank file", (os, "write", _no_space_left)), ("DCP data", (FileSystem, "create_stream", full_for_data))):
+    for where, patch in (
+        ("rank file", (os, "write", _no_space_left)),
+        ("DCP data", (FileSystem, "create_stream", full_for_data)),
+    ):
         with monkeypatch.context() as m:
             m.setattr(*patch)
             with pytest.raises(checkpoint.CheckpointError) as failed:
@@ -131,7 +139,9 @@ def test_a_truncated_file_is_named_in_a_whole_sentence(tmp_path):
     (directory / "rank0.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError) as failed:
         checkpoint.read_file(directory / "rank0.pt")
-    assert str(failed.value).endswith(f"failed reading zip archive: failed finding central directory ({len(data) // 2} bytes)")
+    assert str(failed.value).endswith(
+        f"failed reading zip archive: failed finding central directory ({len(data) // 2} bytes)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- multi-process
@@ -202,15 +212,23 @@ def _load_uneven(rank, world_size, root):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     restored = checkpoint.Checkpointer(root, rank, world_size).restore("latest", model, optimizer)
     torch.manual_seed(0)
-    return _check(model), torch.equal(model.dense.weight, nn.Linear(2, 2).weight), restored.loader_state, restored.cursor
+    return (
+        _check(model),
+        torch.equal(model.dense.weight, nn.Linear(2, 2).weight),
+        restored.loader_state,
+        restored.cursor,
+    )
 
 
 @pytest.mark.multiprocess
 def test_uneven_row_shards_saved_async_at_2_ranks_load_at_3_with_other_boundaries(tmp_path):
     run_ranks(_save_uneven, 2, args=(tmp_path / "ck",), timeout=60)
     md = dcp.read_metadata(tmp_path / "ck" / "step_000003")
-    chunks = {k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks] for k, v in md.state_dict_metadata.items()
-              if k.startswith("tables.")}
+    chunks = {
+        k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith("tables.")
+    }
     assert chunks["tables.tables.a.weight"] == [((0, 0), (9, 4)), ((9, 0), (2, 4))]
     assert chunks["tables.tables.c.sum"] == [((0,), (5,))]  # a rank without rows writes no chunk
     for wrong, dense_equal, loader_state, cursor in run_ranks(_load_uneven, 3, args=(tmp_path / "ck",), timeout=60):
@@ -250,7 +268,9 @@ def test_resume_latest_takes_the_newest_step_every_rank_can_load_and_says_what_i
     results = run_ranks(_resume_latest, 2, args=(tmp_path / "ck",), timeout=60)
     for rank, (name, loader_state, skipped, after_all_loaded) in enumerate(results):
         assert name == "step_000002" and loader_state == {"step": 2}
-        assert skipped[0].startswith("step_000006 (rank 1: ") and "rank1.pt: not a readable checkpoint file" in skipped[0]
+        assert (
+            skipped[0].startswith("step_000006 (rank 1: ") and "rank1.pt: not a readable checkpoint file" in skipped[0]
+        )
         assert "rank 0:" not in skipped[0], skipped[0]
         assert skipped[1].startswith("step_000004 (rank 0: ") and "__0_0.distcp: cut short" in skipped[1]
         assert after_all_loaded, f"rank {rank} returned before rank 1 had loaded"

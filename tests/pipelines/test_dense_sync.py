@@ -34,7 +34,9 @@ def _step(rank, world_size, bucket_bytes, skip_last_layers):
         if step == 0:  # every global field from the host
             book = sync.all_reduce((1.0, float(rank), 2.0), (float(rank), 1.0, 2.0, 3.0, 4.0))
         else:  # the last two from a tensor (on the device in training: the loss, never read before)
-            book = sync.all_reduce((1.0,), (float(rank), 1.0, 2.0, 3.0, 4.0), device_scalars=torch.tensor([float(rank), 2.0]))
+            book = sync.all_reduce(
+                (1.0,), (float(rank), 1.0, 2.0, 3.0, 4.0), device_scalars=torch.tensor([float(rank), 2.0])
+            )
         out.append(([p.grad.clone() for p in model.parameters()], book))
     return sync.num_buckets, out
 

@@ -11,17 +11,42 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
-JOB = ["--device", "cuda", "--nproc", "2", "--steps", "8", "--model", "small", "--uih-cap", "1024", "--max-uih", "1024",
-       "--batch-size", "8", "--num-samples", "2000", "--no-progress", "--deterministic"]
+JOB = [
+    "--device",
+    "cuda",
+    "--nproc",
+    "2",
+    "--steps",
+    "8",
+    "--model",
+    "small",
+    "--uih-cap",
+    "1024",
+    "--max-uih",
+    "1024",
+    "--batch-size",
+    "8",
+    "--num-samples",
+    "2000",
+    "--no-progress",
+    "--deterministic",
+]
 
 
 def _losses(tmp_path, name: str, *flags: str) -> list[float]:
     summary = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "train", *JOB, *flags, "--summary-json", str(summary)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "train", *JOB, *flags, "--summary-json", str(summary)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(summary.read_text())["loss_curve"]
 

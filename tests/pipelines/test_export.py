@@ -24,11 +24,13 @@ class TableModel(nn.Module):
         self.head = nn.Linear(2 * DIM + 4, 1)
 
     def forward(self, batch) -> torch.Tensor:
-        history = torch.segment_reduce(self.item_emb(batch.uih_item_ids % NUM_ITEMS), "sum", lengths=batch.uih_lengths,
-                                       unsafe=True)
+        history = torch.segment_reduce(
+            self.item_emb(batch.uih_item_ids % NUM_ITEMS), "sum", lengths=batch.uih_lengths, unsafe=True
+        )
         candidates = self.item_emb(_first_content(batch))
-        user = torch.cat([history, batch.dense], 1).repeat_interleave(batch.num_candidates, 0,
-                                                                      output_size=candidates.shape[0])
+        user = torch.cat([history, batch.dense], 1).repeat_interleave(
+            batch.num_candidates, 0, output_size=candidates.shape[0]
+        )
         return self.head(torch.cat([candidates, user], 1))
 
 
@@ -77,12 +79,19 @@ def _body(rank, world_size, kind, mode, path, dst):
     if kind == "torchrec":
         from examples.bring_your_own_model import inputs, loss
 
-        stage_ = wrap_model(model, types=["EmbeddingCollection"], mode=mode, inputs=inputs,
-                            optimizer=RowWiseAdagrad(lr=0.05))
+        stage_ = wrap_model(
+            model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05)
+        )
     else:  # uneven row-wise split: rank 0 holds 30 rows, rank 1 the other 10
         loss = None
-        stage_ = wrap_model(model, embeddings=["item_emb"], mode=mode, features=_table_features,
-                            optimizer=RowWiseAdagrad(lr=0.05), row_boundaries={"item_emb": torch.tensor([0, 30, 40])})
+        stage_ = wrap_model(
+            model,
+            embeddings=["item_emb"],
+            mode=mode,
+            features=_table_features,
+            optimizer=RowWiseAdagrad(lr=0.05),
+            row_boundaries={"item_emb": torch.tensor([0, 30, 40])},
+        )
     loader = build_loader(source, LoaderConfig(batch_size=8), rank, world_size, stage_.loader_stages(rank))
     step = TrainStep(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage_)
     items = iter(loader)
@@ -108,7 +117,13 @@ def _body(rank, world_size, kind, mode, path, dst):
         again = None
     except ValueError as e:
         again = str(e)
-    return {"trained": trained, "unwrapped": unwrapped, "holds": holds, "again": again, "types": sorted({type(m).__name__ for m in model.modules()})}
+    return {
+        "trained": trained,
+        "unwrapped": unwrapped,
+        "holds": holds,
+        "again": again,
+        "types": sorted({type(m).__name__ for m in model.modules()}),
+    }
 
 
 def _check_export(kind, mode, tmp_path, dst=0):
@@ -143,4 +158,3 @@ def test_export_of_nn_embedding_tables_with_uneven_shards(tmp_path):
     results = _check_export("tables", "sync", tmp_path, dst=None)
     assert all(all(r["holds"].values()) for r in results)  # dst=None: every rank holds the tables
     assert torch.equal(results[1]["unwrapped"], results[0]["unwrapped"])
-

@@ -13,16 +13,22 @@ from pipelines.models.reference import ModelConfig, SequenceModel, bce_sum
 
 def _sample(i: int, length: int, rng) -> Sample:
     return Sample(
-        sample_id=i, user_id=i, uih_item_ids=rng.integers(0, 500, length),
+        sample_id=i,
+        user_id=i,
+        uih_item_ids=rng.integers(0, 500, length),
         candidate_labels=rng.integers(0, 2, (2, 1)).astype(np.float32),
-        content_ids=[rng.integers(0, 500, 2), rng.integers(0, 500, 1)], dense=rng.random(4, dtype=np.float32),
-        uih_action_types=rng.integers(0, 4, length), uih_timestamps=np.arange(length),
+        content_ids=[rng.integers(0, 500, 2), rng.integers(0, 500, 1)],
+        dense=rng.random(4, dtype=np.float32),
+        uih_action_types=rng.integers(0, 4, length),
+        uih_timestamps=np.arange(length),
     )
 
 
 def _model(max_uih=64) -> SequenceModel:
     torch.manual_seed(0)
-    return SequenceModel(ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)).eval()  # head dim 16: FlexAttention's least
+    return SequenceModel(
+        ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)
+    ).eval()  # head dim 16: FlexAttention's least
 
 
 def test_a_sample_scores_the_same_whatever_it_is_batched_with():
@@ -38,8 +44,14 @@ def test_a_sample_scores_the_same_whatever_it_is_batched_with():
 def test_long_histories_keep_their_most_recent_events():
     rng = np.random.default_rng(1)
     s = _sample(3, 30, rng)
-    recent = Sample(**{**s.__dict__, "uih_item_ids": s.uih_item_ids[-8:], "uih_action_types": s.uih_action_types[-8:],
-                       "uih_timestamps": s.uih_timestamps[-8:]})
+    recent = Sample(
+        **{
+            **s.__dict__,
+            "uih_item_ids": s.uih_item_ids[-8:],
+            "uih_action_types": s.uih_action_types[-8:],
+            "uih_timestamps": s.uih_timestamps[-8:],
+        }
+    )
     model = _model(max_uih=8)
     with torch.no_grad():
         torch.testing.assert_close(model(Batch.from_samples([s])), model(Batch.from_samples([recent])))
@@ -184,16 +196,21 @@ def test_the_plan_function_is_pure_and_picklable():
     plan = fn(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
     kept = torch.tensor([0, 3, 67, 68])  # 90 events truncated to the model's 64
     expected = build_block_mask(kept, causal=True)
-    assert plan.uih.num_q == 68 and all(torch.equal(a, b) for a, b in zip(plan.uih.tensors().values(), expected.tensors().values()))
+    assert plan.uih.num_q == 68 and all(
+        torch.equal(a, b) for a, b in zip(plan.uih.tensors().values(), expected.tensors().values())
+    )
     assert plan.target.num_q == batch.candidate_labels.shape[0] and plan.target.num_kv == 68
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("impl,tol", [
-    ("flex", dict(rtol=2e-3, atol=2e-4)),  # TF32-free fp32, but FlexAttention's kernels sum in their own order
-    ("varlen", dict(rtol=5e-2, atol=5e-3)),  # the fp32 model's attention runs in bf16 (kernels.varlen)
-])
+@pytest.mark.parametrize(
+    "impl,tol",
+    [
+        ("flex", dict(rtol=2e-3, atol=2e-4)),  # TF32-free fp32, but FlexAttention's kernels sum in their own order
+        ("varlen", dict(rtol=5e-2, atol=5e-3)),  # the fp32 model's attention runs in bf16 (kernels.varlen)
+    ],
+)
 def test_the_jagged_model_on_cuda_has_the_padded_models_numbers(impl, tol):
     """FlexAttention with the loader's plan, varlen with none (it needs none)."""
     rng = np.random.default_rng(7)

@@ -18,8 +18,9 @@ def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
     bar.close()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert [line.split(":")[1].split(",")[0].strip() for line in lines if "step " in line and "held-out" not in line] == \
-        ["step 5/10", "step 8/10", "step 9/10"]
+    assert [
+        line.split(":")[1].split(",")[0].strip() for line in lines if "step " in line and "held-out" not in line
+    ] == ["step 5/10", "step 8/10", "step 9/10"]
     assert all(line.startswith("train freescale (2 ranks): step") for line in lines if "held-out" not in line)
     assert "loss 0.6931" in lines[0] and lines[2] == "step 9: held-out NE 0.9"
 

@@ -82,8 +82,12 @@ def test_bad_settings_are_refused(kwargs):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(0.01, 1.0), min_size=40, max_size=40), st.integers(0, 4), st.integers(1, 5),
-       st.sampled_from([0.0, 0.05, 0.2]))
+@given(
+    st.lists(st.floats(0.01, 1.0), min_size=40, max_size=40),
+    st.integers(0, 4),
+    st.integers(1, 5),
+    st.sampled_from([0.0, 0.05, 0.2]),
+)
 def test_the_choice_is_the_rule_on_the_measured_steps(times, start, k, margin):
     """Whatever the times: the choice is prioritized exactly when the median of the prioritized steps it measured
     is at least ``margin`` below that of the sdd ones, and every measured step ran the schedule it is filed under."""
@@ -133,9 +137,13 @@ def _train(rank, world_size, name):
         probe.observe = lambda step, s: observe(step, 1.0 if probe._ran.get(step) == faster else 2.0)
     trainer.train()
     probe = trainer.schedule
-    return {"losses": [r["loss"] for r in trainer.history], "ran": [r.get("schedule") for r in trainer.history],
-            "choice": None if probe is None else probe.choice, "decided_at": None if probe is None else probe.decided_at,
-            "allocations": [r["staging_allocations"] for r in trainer.history]}
+    return {
+        "losses": [r["loss"] for r in trainer.history],
+        "ran": [r.get("schedule") for r in trainer.history],
+        "choice": None if probe is None else probe.choice,
+        "decided_at": None if probe is None else probe.decided_at,
+        "allocations": [r["staging_allocations"] for r in trainer.history],
+    }
 
 
 @pytest.mark.multiprocess

@@ -51,9 +51,17 @@ def _batch(step: int, rank: int):
 
     history, lengths, candidates, users, labels = _step_data(step, rank)
     ones = torch.ones(B, dtype=torch.int64)
-    return Batch(sample_ids=torch.arange(B) + 100 * step + 10 * rank, user_ids=users, uih_offsets=lengths_to_offsets(lengths),
-                 uih_item_ids=history, candidate_offsets=lengths_to_offsets(ones), candidate_labels=labels,
-                 content_offsets=lengths_to_offsets(ones), content_ids=candidates, dense=torch.zeros(B, 1))
+    return Batch(
+        sample_ids=torch.arange(B) + 100 * step + 10 * rank,
+        user_ids=users,
+        uih_offsets=lengths_to_offsets(lengths),
+        uih_item_ids=history,
+        candidate_offsets=lengths_to_offsets(ones),
+        candidate_labels=labels,
+        content_offsets=lengths_to_offsets(ones),
+        content_ids=candidates,
+        dense=torch.zeros(B, 1),
+    )
 
 
 def _inputs(batch):
@@ -78,14 +86,24 @@ def _train_body(rank, world_size, optimizer):
     for mode in ("sync", "freescale"):
         stage(mode)
         model = UserModel()
-        emb = wrap_model(model, embeddings=["items", "users"], mode=mode, features=_features, inputs=_inputs,
-                         optimizer=_optimizer(optimizer))
+        emb = wrap_model(
+            model,
+            embeddings=["items", "users"],
+            mode=mode,
+            features=_features,
+            inputs=_inputs,
+            optimizer=_optimizer(optimizer),
+        )
         step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
         items = iter([LoaderItem(_batch(s, rank)) for s in range(STEPS)])
         losses = []
         while step.has_next(items):
             losses.append(step.progress(items).loss)
-        out[mode] = (losses, emb.collection.full_tables(), {k: v.detach().clone() for k, v in model.head.state_dict().items()})
+        out[mode] = (
+            losses,
+            emb.collection.full_tables(),
+            {k: v.detach().clone() for k, v in model.head.state_dict().items()},
+        )
     return out
 
 
@@ -95,8 +113,15 @@ def _oracle(optimizer: str, world_size: int):
     model = UserModel()
     tables = {"items": model.items.weight, "users": model.users.weight}
     dense = torch.optim.SGD(model.head.parameters(), lr=DENSE_LR)
-    state = {k: {"sum": torch.zeros(w.shape[0]), "m": torch.zeros_like(w), "v": torch.zeros_like(w), "step": torch.zeros(w.shape[0])}
-             for k, w in tables.items()}
+    state = {
+        k: {
+            "sum": torch.zeros(w.shape[0]),
+            "m": torch.zeros_like(w),
+            "v": torch.zeros_like(w),
+            "step": torch.zeros(w.shape[0]),
+        }
+        for k, w in tables.items()
+    }
     losses = []
     for s in range(STEPS):
         parts = [_step_data(s, r) for r in range(world_size)]
@@ -136,9 +161,13 @@ def test_train_step_follows_the_unsharded_oracle(optimizer):
     for rank, result in enumerate(results):
         sync_losses = result["sync"][0]
         for mode, (losses, tables, head) in result.items():
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"{mode} losses")
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=f"{mode} losses"
+            )
             for name in ref_tables:
-                torch.testing.assert_close(tables[name], ref_tables[name], rtol=1e-5, atol=1e-6, msg=f"{mode} table {name}")
+                torch.testing.assert_close(
+                    tables[name], ref_tables[name], rtol=1e-5, atol=1e-6, msg=f"{mode} table {name}"
+                )
             for name in ref_head:
                 torch.testing.assert_close(head[name], ref_head[name], rtol=1e-5, atol=1e-6, msg=f"{mode} head {name}")
         assert result["freescale"][0] == sync_losses  # prioritized updates: the same losses bit for bit
@@ -150,8 +179,13 @@ def _called_more_than_prepared_body(rank, world_size):
 
     model = UserModel()
     # the candidates' ids are missing: the second call of `items` asks for ids that were never prepared
-    emb = wrap_model(model, embeddings=["items", "users"], mode="sync",
-                     features=lambda b: {"items": b.uih_item_ids, "users": b.user_ids}, inputs=_inputs)
+    emb = wrap_model(
+        model,
+        embeddings=["items", "users"],
+        mode="sync",
+        features=lambda b: {"items": b.uih_item_ids, "users": b.user_ids},
+        inputs=_inputs,
+    )
     step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
     try:
         step.progress(iter([LoaderItem(_batch(0, rank))]))
@@ -184,7 +218,8 @@ def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
     model = nn.Module()
     model.ebc = torchrec.EmbeddingBagCollection(
         tables=[torchrec.EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])],
-        device=torch.device("cpu"))
+        device=torch.device("cpu"),
+    )
     with pytest.raises(ValueError, match="EmbeddingBagCollection.*pooled.*unpooled"):
         swap_embeddings(model, ["ebc"], world_size=1, rank=0)
 
@@ -224,8 +259,10 @@ def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path)
     )
     root = Path(__file__).resolve().parents[2]
     toml = tmp_path / "job.toml"
-    toml.write_text(f'[model]\nmodel = "{tmp_path}/my_model.py:build"\n'
-                    f'[balancer]\npartitioner = "{root}/examples/custom_partitioner.py:round_robin_longest"\n')
+    toml.write_text(
+        f'[model]\nmodel = "{tmp_path}/my_model.py:build"\n'
+        f'[balancer]\npartitioner = "{root}/examples/custom_partitioner.py:round_robin_longest"\n'
+    )
     config = config_from_args(build_parser().parse_args(["train", "--config", str(toml)])).validate()
     spec = build_model_spec(config, build_source(config.data, 2))
     assert isinstance(spec.model, nn.Embedding) and spec.embeddings == ["items"]
@@ -247,7 +284,9 @@ def _both_paths_body(rank, world_size, mutate):
 
     if mutate:
         original = step_module.TrainStep.forward_backward
-        step_module.TrainStep.forward_backward = lambda self, item, upcoming, total: original(self, item, upcoming, 2 * total)
+        step_module.TrainStep.forward_backward = lambda self, item, upcoming, total: original(
+            self, item, upcoming, 2 * total
+        )
     stage("api")
     model = UserModel()
     emb = wrap_model(model, embeddings=["items", "users"], mode="freescale", features=_features, inputs=_inputs)

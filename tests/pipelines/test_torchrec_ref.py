@@ -56,7 +56,10 @@ def test_torchrec_mode_trains_like_sync():
         assert [r["step"] for r in ref] == list(range(STEPS))
         assert [r["samples_per_rank"] for r in ref] == [r["samples_per_rank"] for r in sync]
         for a, b in zip(sync, ref):
-            assert math.isfinite(b["loss"]) and abs(a["loss"] - b["loss"]) <= TOLERANCE * abs(a["loss"]), (a["loss"], b["loss"])
+            assert math.isfinite(b["loss"]) and abs(a["loss"] - b["loss"]) <= TOLERANCE * abs(a["loss"]), (
+                a["loss"],
+                b["loss"],
+            )
         # Row-wise: each rank holds its half of the item table.
         assert rank_out["local_rows"] == rank_out["num_items"] // 2
         # Measured parts are numbers; the ones progress() hides are None, never 0.

@@ -24,8 +24,10 @@ def _parse(*argv):
 
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text('[data]\nbatch_size = 7\nprefetch_depth = 3\n[run]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n'
-                    '[tuning]\ngil_switch_ms = 2.5\nstage_lookahead = false\n')
+    toml.write_text(
+        '[data]\nbatch_size = 7\nprefetch_depth = 3\n[run]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n'
+        "[tuning]\ngil_switch_ms = 2.5\nstage_lookahead = false\n"
+    )
     cfg = _parse("--config", str(toml), "--batch-size", "9")
     assert cfg.loader.batch_size == 9 and cfg.loader.prefetch_depth == 3 and cfg.train.steps == 5
     assert cfg.balancer.partitioner == "fbs" and cfg.train.lr == 1e-3
@@ -85,8 +87,19 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
     assert len(text.splitlines()) <= 70, text
     assert "--tuning." in text and "docs/tuning.md" in text
     knobs = [name for name, (_, table, _) in _fields().items() if table == TUNING]
-    assert {"gil_switch_ms", "allreduce_start", "bucket_mb", "early_start", "exclusive_start", "worker_start",
-            "stage_lookahead", "background_stages", "threads", "pin_memory", "numa_binding"} <= set(knobs)
+    assert {
+        "gil_switch_ms",
+        "allreduce_start",
+        "bucket_mb",
+        "early_start",
+        "exclusive_start",
+        "worker_start",
+        "stage_lookahead",
+        "background_stages",
+        "threads",
+        "pin_memory",
+        "numa_binding",
+    } <= set(knobs)
     assert not any(flag(name) in text for name in knobs)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help-tuning"])
@@ -131,12 +144,34 @@ def _run(cmd, tmp_path):
 def test_freescale_train_two_ranks_with_balancing(tmp_path):
     summary = tmp_path / "s.json"
     metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--steps", "6", "--partitioner", "fbs",
-           "--summary-json", str(summary), "--metrics-jsonl", str(metrics), "--no-progress",
-           "--mode", "replicated", "--trace", str(tmp_path / "trace"), "--warmup-steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--steps",
+        "6",
+        "--partitioner",
+        "fbs",
+        "--summary-json",
+        str(summary),
+        "--metrics-jsonl",
+        str(metrics),
+        "--no-progress",
+        "--mode",
+        "replicated",
+        "--trace",
+        str(tmp_path / "trace"),
+        "--warmup-steps",
+        "2",
+    ]
     proc = _run(cmd, tmp_path)
     trace = json.loads((tmp_path / "trace.rank1.json").read_text())
-    assert {"freescale/data", "freescale/forward", "freescale/backward"} <= {e.get("name") for e in trace["traceEvents"]}
+    assert {"freescale/data", "freescale/forward", "freescale/backward"} <= {
+        e.get("name") for e in trace["traceEvents"]
+    }
     from pipelines.cli.trace_report import report
 
     r = report(tmp_path / "trace.rank1.json")  # `freescale trace`: the step split by phase and thread
@@ -153,7 +188,10 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))
     assert s["drain_steps"] == 1 and s["drain_s"] == pytest.approx(times[5])
     assert s["step_time_s"] == pytest.approx(sum(times[2:5]) / 3)
-    parts, waits = s["exposed_per_step_s"], s["straggler_per_step_s"]  # every step: a stalled one says what it waited for
+    parts, waits = (
+        s["exposed_per_step_s"],
+        s["straggler_per_step_s"],
+    )  # every step: a stalled one says what it waited for
     assert len(waits) == 6 and all(len(v) == 6 for v in parts.values()) and "dense_allreduce" in parts
     assert s["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
     clues = s["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no staging pool, no pinned memory
@@ -186,16 +224,39 @@ def test_garbage_collection_pauses_are_timed():
 @pytest.mark.multiprocess
 def test_torchrun_entry(tmp_path):
     summary = tmp_path / "s.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pipelines.job.train", "--steps", "3", "--summary-json", str(summary), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "pipelines.job.train",
+        "--steps",
+        "3",
+        "--summary-json",
+        str(summary),
+        "--no-progress",
+    ]
     _run(cmd, tmp_path)
     s = json.loads(summary.read_text())
     assert s["steps"] == 3 and s["world_size"] == 2
 
 
 def _train_cmd(tmp_path, *extra):
-    return [sys.executable, "-m", "pipelines.cli", "train", "--no-progress", "--batch-size", "8",
-            "--checkpoint-dir", str(tmp_path / "ck"), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train",
+        "--no-progress",
+        "--batch-size",
+        "8",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        *extra,
+    ]
 
 
 def _losses(metrics_jsonl):
@@ -210,13 +271,32 @@ def test_checkpoint_resume_is_exact(tmp_path):
     the backward) and finishes each exchange at once (no stage lookahead), the bulk chain starts with the forward,
     and the deferred exclusive gradients leave at the backward (not with the next forward). When they run must not
     change a number."""
-    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
+    _run(
+        _train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--metrics-jsonl", str(tmp_path / "a.jsonl")),
+        tmp_path,
+    )
     full = _losses(tmp_path / "a.jsonl")
     step3 = tmp_path / "ck" / "step_000003"
     assert (step3 / "COMPLETE").exists() and (step3 / "rank1.pt").exists()
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(step3), "--tuning.worker-start", "take", "--tuning.no-stage-lookahead",
-                    "--tuning.early-start", "forward", "--tuning.exclusive-start", "backward", "--metrics-jsonl", str(tmp_path / "b.jsonl")),
-         tmp_path)
+    _run(
+        _train_cmd(
+            tmp_path,
+            "--steps",
+            "6",
+            "--resume",
+            str(step3),
+            "--tuning.worker-start",
+            "take",
+            "--tuning.no-stage-lookahead",
+            "--tuning.early-start",
+            "forward",
+            "--tuning.exclusive-start",
+            "backward",
+            "--metrics-jsonl",
+            str(tmp_path / "b.jsonl"),
+        ),
+        tmp_path,
+    )
     resumed = _losses(tmp_path / "b.jsonl")
     assert resumed == full[3:]
 
@@ -226,11 +306,37 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
     """A checkpoint written under sdd's schedule (nothing in flight) resumed under prioritized updates (which start
     with a synchronous first step), with the last bucket launched after the host saw the backward end (the first
     run: as soon as it was queued, the default): the same losses as straight."""
-    _run(_train_cmd(tmp_path, "--steps", "6", "--checkpoint-every", "3", "--tuning.embedding-schedule", "sdd",
-                    "--metrics-jsonl", str(tmp_path / "a.jsonl")), tmp_path)
+    _run(
+        _train_cmd(
+            tmp_path,
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "3",
+            "--tuning.embedding-schedule",
+            "sdd",
+            "--metrics-jsonl",
+            str(tmp_path / "a.jsonl"),
+        ),
+        tmp_path,
+    )
     full = _losses(tmp_path / "a.jsonl")
-    _run(_train_cmd(tmp_path, "--steps", "6", "--resume", str(tmp_path / "ck" / "step_000003"), "--tuning.embedding-schedule",
-                    "prioritized", "--tuning.allreduce-start", "compute", "--metrics-jsonl", str(tmp_path / "b.jsonl")), tmp_path)
+    _run(
+        _train_cmd(
+            tmp_path,
+            "--steps",
+            "6",
+            "--resume",
+            str(tmp_path / "ck" / "step_000003"),
+            "--tuning.embedding-schedule",
+            "prioritized",
+            "--tuning.allreduce-start",
+            "compute",
+            "--metrics-jsonl",
+            str(tmp_path / "b.jsonl"),
+        ),
+        tmp_path,
+    )
     resumed = _losses(tmp_path / "b.jsonl")
     assert len(full) == 6 and resumed == full[3:]
 
@@ -240,8 +346,12 @@ def test_resume_onto_another_world_size(tmp_path):
     """A freescale checkpoint of 2 ranks resumes on 3 at the same global sample, its sharded tables resharded."""
     _run(_train_cmd(tmp_path, "--steps", "3", "--checkpoint-every", "3"), tmp_path)
     step3 = str(tmp_path / "ck" / "step_000003")
-    proc = _run(_train_cmd(tmp_path, "--nproc", "3", "--resume", step3, "--steps", "5",
-                           "--summary-json", str(tmp_path / "s.json")), tmp_path)
+    proc = _run(
+        _train_cmd(
+            tmp_path, "--nproc", "3", "--resume", step3, "--steps", "5", "--summary-json", str(tmp_path / "s.json")
+        ),
+        tmp_path,
+    )
     assert "resumed from" in proc.stdout and "sample 48" in proc.stdout and "world size 3" in proc.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["steps"] == 2 and summary["world_size"] == 3 and math.isfinite(summary["loss"])
@@ -257,10 +367,34 @@ def test_cli_reports_bad_input_without_traceback(capsys):
 
 def _torchrun(tmp_path, restarts, *flags):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "-m", "tests.pipelines.faulty_train", "--fault-rank", "1",
-           "--fault-step", "5", "--steps", "8", "--no-progress", "--batch-size", "8",
-           "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", "--resume", "latest", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "-m",
+        "tests.pipelines.faulty_train",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        "5",
+        "--steps",
+        "8",
+        "--no-progress",
+        "--batch-size",
+        "8",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "2",
+        "--resume",
+        "latest",
+        *flags,
+    ]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -329,8 +463,18 @@ def test_the_last_steps_batch_is_let_go_within_the_step():
 def _losses_and_accounting(rank, world_size, allreduce_start):
     trainer = _tiny_trainer(rank, world_size, "sync", 5, allreduce_start=allreduce_start)
     trainer.train()
-    return [(r["step"], r["loss"], r["compute_s"], r["compute_local_s"], r["straggler_wait_s"], r["bubble_s"],
-             r["exposed_s"]["dense_allreduce"]) for r in trainer.history]
+    return [
+        (
+            r["step"],
+            r["loss"],
+            r["compute_s"],
+            r["compute_local_s"],
+            r["straggler_wait_s"],
+            r["bubble_s"],
+            r["exposed_s"]["dense_allreduce"],
+        )
+        for r in trainer.history
+    ]
 
 
 @pytest.mark.multiprocess
@@ -342,7 +486,11 @@ def test_every_step_is_settled_with_every_ranks_compute_time(allreduce_start):
     from tests.harness import run_ranks
 
     results = run_ranks(_losses_and_accounting, 2, args=(allreduce_start,), timeout=120)
-    baseline = run_ranks(_losses_and_accounting, 2, args=("compute",), timeout=120) if allreduce_start != "compute" else results
+    baseline = (
+        run_ranks(_losses_and_accounting, 2, args=("compute",), timeout=120)
+        if allreduce_start != "compute"
+        else results
+    )
     for rank, rows in enumerate(results):
         assert [r[0] for r in rows] == list(range(5))
         assert [r[1] for r in rows] == [r[1] for r in baseline[rank]]  # the same losses

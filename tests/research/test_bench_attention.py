@@ -17,18 +17,64 @@ def test_bench_runs_on_cpu_and_writes_json(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     path = tmp_path / "attention.json"
-    args = parser.parse_args(["--device", "cpu", "--cases", "3:40", "--equal", "2:16", "--plan-case", "4:64",
-                              "--target-case", "3:40:2", "--kernels", "padded,torch,torch-det", "--heads", "2",
-                              "--head-dim", "16", "--uih-median", "10", "--uih-mean", "14", "--reps", "1", "--warmup", "0",
-                              "--plan-reps", "1", "--json", str(path)])
+    args = parser.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--cases",
+            "3:40",
+            "--equal",
+            "2:16",
+            "--plan-case",
+            "4:64",
+            "--target-case",
+            "3:40:2",
+            "--kernels",
+            "padded,torch,torch-det",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--uih-median",
+            "10",
+            "--uih-mean",
+            "14",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--plan-reps",
+            "1",
+            "--json",
+            str(path),
+        ]
+    )
     assert bench.main(args) == 0
     records = json.loads(path.read_text())["records"]
     assert [(r["case"], r["backend"]) for r in records] == [
-        ("lognormal", "padded"), ("lognormal", "torch"), ("lognormal", "torch-det"),
-        ("target", "padded"), ("target", "torch"), ("target", "torch-det"),
-        ("equal", "sdpa"), ("equal", "torch"), ("equal", "torch-det"), ("plan", "plan")]
-    fields = {"backend", "batch_size", "cap", "tokens", "fwd_bwd_ms", "speedup_vs_padded", "tflops", "max_rel_err",
-              "needs_plan", "repro"}
+        ("lognormal", "padded"),
+        ("lognormal", "torch"),
+        ("lognormal", "torch-det"),
+        ("target", "padded"),
+        ("target", "torch"),
+        ("target", "torch-det"),
+        ("equal", "sdpa"),
+        ("equal", "torch"),
+        ("equal", "torch-det"),
+        ("plan", "plan"),
+    ]
+    fields = {
+        "backend",
+        "batch_size",
+        "cap",
+        "tokens",
+        "fwd_bwd_ms",
+        "speedup_vs_padded",
+        "tflops",
+        "max_rel_err",
+        "needs_plan",
+        "repro",
+    }
     assert all(fields <= set(r) for r in records)
     kernels = [r for r in records if r["backend"].startswith("torch")]
     assert all(r["max_rel_err"] < 1e-5 and r["repro"] and r["needs_plan"] is False for r in kernels)

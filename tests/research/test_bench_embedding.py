@@ -18,8 +18,26 @@ def test_bench_embedding_smoke(tmp_path):
     embedding.add_arguments(parser)
     out = tmp_path / "emb.json"
     args = parser.parse_args(
-        ["--nproc", "2", "--max-uih", "16", "--batch-size", "4", "--dim", "8", "--steps", "2", "--warmup", "2",
-         "--collisions", "0,0.5", "--device", "cpu", "--json", str(out)]
+        [
+            "--nproc",
+            "2",
+            "--max-uih",
+            "16",
+            "--batch-size",
+            "4",
+            "--dim",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--collisions",
+            "0,0.5",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
     )
     assert embedding.main(args) == 0
     result = json.loads(out.read_text())

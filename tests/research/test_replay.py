@@ -14,8 +14,20 @@ from fsdata.partition import GatheredLengths, Plan
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from pipelines.research import replay, simulate
 
-TINY = ("--preset", "tiny", "--max-uih", "64", "--replay-model-preset", "tiny", "--replay-dim", "8",
-        "--replay-heads", "2", "--replay-layers", "1")
+TINY = (
+    "--preset",
+    "tiny",
+    "--max-uih",
+    "64",
+    "--replay-model-preset",
+    "tiny",
+    "--replay-dim",
+    "8",
+    "--replay-heads",
+    "2",
+    "--replay-layers",
+    "1",
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -28,8 +40,9 @@ def fit_run(tmp_path, *argv: str, steps: str = "2", exit_code: int = 0) -> list[
     """The fit mode on 4 ranks of 8-sample batches (1 warm-up step) with ``argv``: main's exit code is checked,
     the records written to tmp_path/replay.json are returned."""
     out = tmp_path / "replay.json"
-    args = parse(*TINY, "--ranks", "4", "--batch-size", "8", "--steps", steps, "--warmup", "1", *argv,
-                 "--json", str(out))
+    args = parse(
+        *TINY, "--ranks", "4", "--batch-size", "8", "--steps", steps, "--warmup", "1", *argv, "--json", str(out)
+    )
     assert replay.main(args) == exit_code
     return json.loads(out.read_text())
 
@@ -146,10 +159,18 @@ def test_timing_batches_are_whole_local_batches_of_the_partitioners_plans():
     seen = [next(jobs) for _ in range(2 * 3 * 4)]  # two timing steps of 3 ranks x 4 partitioners
     for step in (0, 1):
         sizes = source.lengths(0, step * 12, (step + 1) * 12)
-        lengths = GatheredLengths(sizes["uih_lengths"], sizes["num_candidates"], sizes["candidate_lengths"],
-                                  np.arange(12), np.arange(4) * 4, 3)
+        lengths = GatheredLengths(
+            sizes["uih_lengths"],
+            sizes["num_candidates"],
+            sizes["candidate_lengths"],
+            np.arange(12),
+            np.arange(4) * 4,
+            3,
+        )
         mine = [(n, r, b) for n, s, r, b in seen if s == step]
-        assert sorted((n, r) for n, r, _ in mine) == sorted((n, r) for n in replay.TIMING_PARTITIONERS for r in range(3))
+        assert sorted((n, r) for n, r, _ in mine) == sorted(
+            (n, r) for n in replay.TIMING_PARTITIONERS for r in range(3)
+        )
         for name, rank, batch in mine:
             idx = get_partitioner(name)(lengths, RuntimeInfo(step=step)).rank_samples(rank).numpy()
             assert batch.batch_size == idx.size  # the whole local batch, never a subset
@@ -162,10 +183,23 @@ def test_timing_batches_are_whole_local_batches_of_the_partitioners_plans():
 
 @pytest.mark.parametrize("kernel", ["padded", "jagged"])
 def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, kernel):
-    records = fit_run(tmp_path, "--replay-timings", "16", "--replay-timing-ranks", "2", "--replay-kernel", kernel,
-                      "--seed", "5", "--replay-jitter", "residual,repeat", steps="3")
-    assert [(r["jitter"], r["partitioner"]) for r in records] == [(j, p) for j in ("residual", "repeat")
-                                                                  for p in ("none", "fbs", "vbs", "kk")]
+    records = fit_run(
+        tmp_path,
+        "--replay-timings",
+        "16",
+        "--replay-timing-ranks",
+        "2",
+        "--replay-kernel",
+        kernel,
+        "--seed",
+        "5",
+        "--replay-jitter",
+        "residual,repeat",
+        steps="3",
+    )
+    assert [(r["jitter"], r["partitioner"]) for r in records] == [
+        (j, p) for j in ("residual", "repeat") for p in ("none", "fbs", "vbs", "kk")
+    ]
     for r in records:
         assert r["model"] == "replay" and r["replay_mode"] == "fit" and r["replay_kernel"] == kernel
         assert r["replay_repeats"] == 3 and r["n_batches_timed"] == 16 and r["n_timings_repeat"] == 16
@@ -190,13 +224,28 @@ def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, ker
     for row in rows:
         assert len(row["times_s"]) == 3 and row["median_s"] == float(np.median(row["times_s"]))
         # The local batch as it is, for both kernels (the jagged one is the model's own jagged attention).
-        assert (row["max_L"], row["sum_L"], row["sum_L2"]) == (row["local_max_L"], row["local_sum_L"], row["local_sum_L2"])
+        assert (row["max_L"], row["sum_L"], row["sum_L2"]) == (
+            row["local_max_L"],
+            row["local_sum_L"],
+            row["local_sum_L2"],
+        )
     assert all(r["model_config"]["attention"] == kernel for r in records)
 
 
 def test_batches_over_the_guard_are_skipped_and_recorded_never_cut(tmp_path):
-    record = fit_run(tmp_path, "--replay-timings", "12", "--replay-timing-ranks", "2", "--replay-max-pairs", "8000",
-                     "--replay-kernel", "padded", "--partitioner", "none")[0]
+    record = fit_run(
+        tmp_path,
+        "--replay-timings",
+        "12",
+        "--replay-timing-ranks",
+        "2",
+        "--replay-max-pairs",
+        "8000",
+        "--replay-kernel",
+        "padded",
+        "--partitioner",
+        "none",
+    )[0]
     rows = json.loads((tmp_path / "replay_timings_padded.json").read_text())["timings"]
     assert record["n_skipped_too_large"] >= 1 and record["n_subset_batches"] == 0
     assert all("replay-max-pairs" in s["reason"] for s in record["skipped_examples"])
@@ -228,8 +277,19 @@ class SyntheticTimer(replay.Timer):
 
 def test_the_fit_recovers_a_known_cost_and_records_out_of_memory_batches(tmp_path, monkeypatch):
     monkeypatch.setattr(replay, "Timer", SyntheticTimer)
-    r = fit_run(tmp_path, "--replay-timings", "40", "--replay-timing-ranks", "4", "--partitioner", "none",
-                "--replay-repeats", "5", "--replay-kernel", "padded")[0]  # the synthetic truth is a padded cost
+    r = fit_run(
+        tmp_path,
+        "--replay-timings",
+        "40",
+        "--replay-timing-ranks",
+        "4",
+        "--partitioner",
+        "none",
+        "--replay-repeats",
+        "5",
+        "--replay-kernel",
+        "padded",
+    )[0]  # the synthetic truth is a padded cost
     assert r["n_oom"] >= 1 and r["n_batches_timed"] == 40 and r["timed_tokens_range"][1] <= 300
     assert r["r2_heldout"] > 0.95 and r["median_rel_err_heldout"] < 0.02
     assert 0.005 < r["repeat_rel_std"] < 0.02  # the 1% noise of one call, measured from the repeats
@@ -237,8 +297,18 @@ def test_the_fit_recovers_a_known_cost_and_records_out_of_memory_batches(tmp_pat
 
 
 def test_a_kernel_whose_fit_fails_is_recorded_and_the_next_one_still_runs(tmp_path):
-    records = fit_run(tmp_path, "--replay-timings", "3", "--replay-timing-ranks", "2", "--replay-kernel",
-                      "padded,jagged", "--partitioner", "none", exit_code=1)
+    records = fit_run(
+        tmp_path,
+        "--replay-timings",
+        "3",
+        "--replay-timing-ranks",
+        "2",
+        "--replay-kernel",
+        "padded,jagged",
+        "--partitioner",
+        "none",
+        exit_code=1,
+    )
     assert [r["replay_kernel"] for r in records] == ["padded", "jagged"]
     assert all("only 3 whole local batches" in r["error"] for r in records)
     assert len(json.loads((tmp_path / "replay_timings_jagged.json").read_text())["timings"]) == 3  # kept anyway
@@ -266,7 +336,9 @@ def test_replay_step_time_from_a_fit_predicts_per_rank_and_jitters():
     lengths = GatheredLengths.from_rank_lengths([np.array([100, 200]), np.array([1000])])
     plan = Plan.from_destinations(np.array([0, 0, 1]), 2)
     np.testing.assert_allclose(step_time(lengths, plan), [1e-3 + 300e-6, 1e-3 + 1000e-6])
-    noisy = replay.ReplayStepTime(replay.Fit(coef, np.array([0.0]), repeats=np.array([0.5, 0.5])), seed=0, jitter="repeat")
+    noisy = replay.ReplayStepTime(
+        replay.Fit(coef, np.array([0.0]), repeats=np.array([0.5, 0.5])), seed=0, jitter="repeat"
+    )
     np.testing.assert_allclose(noisy(lengths, plan), 1.5 * np.array([1e-3 + 300e-6, 1e-3 + 1000e-6]))
     np.testing.assert_allclose(step_time.sample_costs(lengths), [100e-6, 200e-6, 1000e-6])
     assert step_time.params.d == 1e-3  # simulate's lower bound adds the fixed cost to every rank
@@ -274,8 +346,23 @@ def test_replay_step_time_from_a_fit_predicts_per_rank_and_jitters():
 
 @pytest.mark.parametrize("kernel", ["padded", "jagged"])
 def test_direct_mode_times_every_rank_through_simulate(tmp_path, kernel):
-    args = parse(*TINY, "--ranks", "3", "--batch-size", "4", "--steps", "2", "--warmup", "1", "--partitioner",
-                 "none,fbs", "--replay-mode", "direct", "--replay-kernel", kernel)
+    args = parse(
+        *TINY,
+        "--ranks",
+        "3",
+        "--batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--partitioner",
+        "none,fbs",
+        "--replay-mode",
+        "direct",
+        "--replay-kernel",
+        kernel,
+    )
     records = simulate.run_grid(args, 3, 4, 64)  # the hook in simulate.STEP_TIME_MODELS
     assert [r["partitioner"] for r in records] == ["none", "fbs"] and all(r["model"] == "replay" for r in records)
     step_time = replay.build_step_time(args)

@@ -24,8 +24,17 @@ def test_records_have_the_agreed_fields_and_balancing_cuts_stragglers(tmp_path):
     records = json.loads(out.read_text())
     assert [r["partitioner"] for r in records] == ["none", "fbs", "vbs", "kk"]
     for r in records:
-        for key in ("ranks", "batch_size", "max_uih", "partitioner", "straggler_pct", "imbalance_max_over_mean",
-                    "lower_bound", "samples_per_s", "sparsity"):
+        for key in (
+            "ranks",
+            "batch_size",
+            "max_uih",
+            "partitioner",
+            "straggler_pct",
+            "imbalance_max_over_mean",
+            "lower_bound",
+            "samples_per_s",
+            "sparsity",
+        ):
             assert key in r
         assert r["ranks"] == 8 and r["batch_size"] == 32 and r["max_uih"] == 21000
         assert r["imbalance_max_over_mean"] >= 1.0 and r["lower_bound"] >= 1.0
@@ -52,7 +61,9 @@ def test_a_pluggable_step_time_model_is_used_and_unknown_models_fail(monkeypatch
         return step_time
 
     monkeypatch.setitem(simulate.STEP_TIME_MODELS, "flat", build)
-    records = simulate.run_grid(parse("--model", "flat", "--partitioner", "none", "--steps", "3", "--warmup", "0"), 4, 8, 100)
+    records = simulate.run_grid(
+        parse("--model", "flat", "--partitioner", "none", "--steps", "3", "--warmup", "0"), 4, 8, 100
+    )
     assert calls == [4, 4, 4] and records[0]["straggler_pct"] == 0.0
     with pytest.raises(ValueError, match="unknown --model"):
         simulate.build_step_time(parse("--model", "nope"))
@@ -66,9 +77,21 @@ def test_padded_kernel_makes_vbs_the_fastest():
 
 def test_sweep_plots_are_written(tmp_path):
     records = [
-        {"partitioner": p, "sparsity": 0.5, "straggler_pct": 10.0 + v % 3, "model": "cost", "steps": 1, "ranks": 64,
-         "batch_size": 128, "max_uih": 21000, "sweep": axis, axis: v}
-        for axis in simulate.SWEEPS for v in simulate.SWEEPS[axis][:3] for p in ("none", "fbs")
+        {
+            "partitioner": p,
+            "sparsity": 0.5,
+            "straggler_pct": 10.0 + v % 3,
+            "model": "cost",
+            "steps": 1,
+            "ranks": 64,
+            "batch_size": 128,
+            "max_uih": 21000,
+            "sweep": axis,
+            axis: v,
+        }
+        for axis in simulate.SWEEPS
+        for v in simulate.SWEEPS[axis][:3]
+        for p in ("none", "fbs")
     ]
     paths = simulate.plot_sweeps(records, str(tmp_path))
     assert len(paths) == 3 and all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
@@ -90,7 +113,8 @@ def test_parquet_lengths_are_read_capped_and_wrapped(tmp_path):
 
 def test_the_replay_kernel_is_the_models_default_attention_and_kuairand_27k_simulates():
     assert parse().replay_kernel == "jagged"
-    records = simulate.run_grid(parse("--preset", "kuairand-27k", "--partitioner", "none,fbs", "--steps", "4",
-                                      "--warmup", "1"), 8, 16, 21000)
+    records = simulate.run_grid(
+        parse("--preset", "kuairand-27k", "--partitioner", "none,fbs", "--steps", "4", "--warmup", "1"), 8, 16, 21000
+    )
     by = {r["partitioner"]: r for r in records}
     assert by["fbs"]["straggler_pct"] < by["none"]["straggler_pct"]

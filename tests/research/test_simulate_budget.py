@@ -21,7 +21,8 @@ def test_every_partitioner_runs_without_and_with_the_budget_and_the_balancing_on
     args = parse("--memory-budget", "1.2x", "--steps", "4", "--warmup", "1")
     records = simulate.run_grid(args, 16, 32, 21000)
     assert [(r["partitioner"], r["memory_budget"]) for r in records] == [
-        (p, b) for p in ("none", "fbs", "vbs", "kk") for b in (None, "1.2x")]
+        (p, b) for p in ("none", "fbs", "vbs", "kk") for b in (None, "1.2x")
+    ]
     by = {(r["partitioner"], r["memory_budget"]): r for r in records}
     assert by["vbs", None]["tokens_max_over_mean"] > 1.5  # what the budget is for
     for name in ("fbs", "vbs", "kk"):

@@ -34,10 +34,14 @@ def _step(o):
 
 
 def _trace(tmp_path, compress=False):
-    events = _step(0) + _step(2000) + [
-        _x("cudaMalloc", "cuda_runtime", 3, 5000, 900),  # outside every profiled step: not per step
-        {"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "python"}},
-    ]
+    events = (
+        _step(0)
+        + _step(2000)
+        + [
+            _x("cudaMalloc", "cuda_runtime", 3, 5000, 900),  # outside every profiled step: not per step
+            {"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "python"}},
+        ]
+    )
     path = tmp_path / ("t.json.gz" if compress else "t.json")
     text = json.dumps({"traceEvents": events})
     if compress:

@@ -68,7 +68,9 @@ class Record:
     cap: int
     tokens: int
     fwd_bwd_ms: float
-    speedup_vs_padded: Optional[float]  # over this case's baseline: padded (lognormal, target), sdpa (equal), flex (model)
+    speedup_vs_padded: Optional[
+        float
+    ]  # over this case's baseline: padded (lognormal, target), sdpa (equal), flex (model)
     tflops: Optional[float]
     max_rel_err: Optional[float]
     needs_plan: Optional[bool]
@@ -78,14 +80,30 @@ class Record:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    parser.add_argument("--cases", default=None, help=f"comma-separated B:cap (default {GPU_CASES} on CUDA, {CPU_CASES} on CPU; 'none' skips them)")
-    parser.add_argument("--kernels", default=None, help=f"comma-separated (default {','.join(GPU_KERNELS)} on CUDA, "
-                                                         f"{','.join(CPU_KERNELS)} on CPU)")
-    parser.add_argument("--target-case", default=None, help="B:cap:C of the target attention case (default 128:21000:8 on "
-                                                            "CUDA, 4:64:3 on CPU; 'none' skips it)")
-    parser.add_argument("--equal", default=None, help="B:L of the equal-lengths case against SDPA (default 16:4096 on CUDA, 4:256 on CPU; 'none' skips it)")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help=f"comma-separated B:cap (default {GPU_CASES} on CUDA, {CPU_CASES} on CPU; 'none' skips them)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default=None,
+        help=f"comma-separated (default {','.join(GPU_KERNELS)} on CUDA, {','.join(CPU_KERNELS)} on CPU)",
+    )
+    parser.add_argument(
+        "--target-case",
+        default=None,
+        help="B:cap:C of the target attention case (default 128:21000:8 on CUDA, 4:64:3 on CPU; 'none' skips it)",
+    )
+    parser.add_argument(
+        "--equal",
+        default=None,
+        help="B:L of the equal-lengths case against SDPA (default 16:4096 on CUDA, 4:256 on CPU; 'none' skips it)",
+    )
     parser.add_argument("--model-case", default="128:21000", help="B:cap of the model step row (CUDA; 'none' skips it)")
-    parser.add_argument("--plan-case", default="128:21000", help="B:cap of the attention plan's host cost ('none' skips it)")
+    parser.add_argument(
+        "--plan-case", default="128:21000", help="B:cap of the attention plan's host cost ('none' skips it)"
+    )
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--uih-median", type=float, default=3400.0)
@@ -122,8 +140,10 @@ def _kernel(name: str) -> tuple[Impl, bool]:
     try:
         return Impl(base), det
     except ValueError:
-        raise ValueError(f"bench attention: unknown kernel {name!r} in --kernels; expected one of "
-                         f"{[i.value for i in Impl]}, each optionally with -det") from None
+        raise ValueError(
+            f"bench attention: unknown kernel {name!r} in --kernels; expected one of "
+            f"{[i.value for i in Impl]}, each optionally with -det"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -167,6 +187,7 @@ def _fwd_bwd(call: Callable[[], torch.Tensor], grad: torch.Tensor, tensors) -> C
         out = call()
         out.backward(grad)
         return out
+
     return run
 
 
@@ -182,8 +203,20 @@ def _max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _kernel_rows(args, case: str, lengths: np.ndarray, kernels: list[str], call_for, reference: Callable[[], torch.Tensor],
-                 grad, tensors, b: int, cap: int, tokens: int, device: torch.device) -> list[Record]:
+def _kernel_rows(
+    args,
+    case: str,
+    lengths: np.ndarray,
+    kernels: list[str],
+    call_for,
+    reference: Callable[[], torch.Tensor],
+    grad,
+    tensors,
+    b: int,
+    cap: int,
+    tokens: int,
+    device: torch.device,
+) -> list[Record]:
     """Times every kernel of ``kernels`` on one case; ``call_for(impl)`` gives that kernel's forward. The first
     kernel is the baseline of the speedups."""
     with torch.no_grad():
@@ -207,8 +240,22 @@ def _kernel_rows(args, case: str, lengths: np.ndarray, kernels: list[str], call_
             print(f"{case} {name} B={b} cap {cap}: failed: {str(exc).splitlines()[0][:160]}", flush=True)
             continue
         base = records[0].fwd_bwd_ms if records else ms
-        records.append(Record(name, case, b, cap, tokens, ms, base / ms, _tflops(lengths, args.heads, args.head_dim, ms)
-                              if case != "target" else None, err, impl in NEEDS_BLOCK_MASK, repro, str(device)))
+        records.append(
+            Record(
+                name,
+                case,
+                b,
+                cap,
+                tokens,
+                ms,
+                base / ms,
+                _tflops(lengths, args.heads, args.head_dim, ms) if case != "target" else None,
+                err,
+                impl in NEEDS_BLOCK_MASK,
+                repro,
+                str(device),
+            )
+        )
     return records
 
 
@@ -222,7 +269,9 @@ def bench_case(args, b: int, cap: int, device: torch.device, dtype, kernels: lis
     mask = build_block_mask(offsets, causal=True).to(device) if device.type == "cuda" else None
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
+        return lambda: jagged_attention(
+            q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None
+        )
 
     padded = call_for(Impl.PADDED)
     return _kernel_rows(args, "lognormal", lengths, kernels, call_for, padded, grad, (q, k, v), b, cap, n, device)
@@ -241,10 +290,13 @@ def bench_target(args, b: int, cap: int, c: int, device: torch.device, dtype, ke
     mask = build_block_mask(q_offsets, kv_offsets, causal=False).to(device) if device.type == "cuda" else None
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, qp, kp, causal=False, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
+        return lambda: jagged_attention(
+            q, k, v, qp, kp, causal=False, impl=impl, block_mask=mask if impl is Impl.FLEX else None
+        )
 
-    records = _kernel_rows(args, "target", lengths, kernels, call_for, call_for(Impl.PADDED), grad, (q, k, v),
-                           b, cap, n, device)
+    records = _kernel_rows(
+        args, "target", lengths, kernels, call_for, call_for(Impl.PADDED), grad, (q, k, v), b, cap, n, device
+    )
     return records
 
 
@@ -256,17 +308,48 @@ def bench_equal(args, b: int, length: int, device: torch.device, dtype, kernels:
     packed = PackedOffsets.from_host(offsets, device if device.type == "cuda" else None)
     mask = build_block_mask(offsets, causal=True).to(device) if device.type == "cuda" else None
     as_batch = lambda t: t.view(b, length, args.heads, args.head_dim).transpose(1, 2)  # noqa: E731
-    sdpa = lambda: (F.scaled_dot_product_attention(as_batch(q), as_batch(k), as_batch(v), is_causal=True)  # noqa: E731
-                    .transpose(1, 2).reshape(n, args.heads, args.head_dim))
+    sdpa = lambda: (
+        F.scaled_dot_product_attention(as_batch(q), as_batch(k), as_batch(v), is_causal=True)  # noqa: E731
+        .transpose(1, 2)
+        .reshape(n, args.heads, args.head_dim)
+    )
     sdpa_ms = _time_ms(device, _fwd_bwd(sdpa, grad, (q, k, v)), args.reps, args.warmup)
-    records = [Record("sdpa", "equal", b, length, n, sdpa_ms, 1.0, _tflops(lengths, args.heads, args.head_dim, sdpa_ms),
-                      0.0, False, None, str(device))]
+    records = [
+        Record(
+            "sdpa",
+            "equal",
+            b,
+            length,
+            n,
+            sdpa_ms,
+            1.0,
+            _tflops(lengths, args.heads, args.head_dim, sdpa_ms),
+            0.0,
+            False,
+            None,
+            str(device),
+        )
+    ]
 
     def call_for(impl):
-        return lambda: jagged_attention(q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None)
+        return lambda: jagged_attention(
+            q, k, v, packed, causal=True, impl=impl, block_mask=mask if impl is Impl.FLEX else None
+        )
 
-    for r in _kernel_rows(args, "equal", lengths, [x for x in kernels if x != "padded"], call_for, sdpa, grad,
-                          (q, k, v), b, length, n, device):
+    for r in _kernel_rows(
+        args,
+        "equal",
+        lengths,
+        [x for x in kernels if x != "padded"],
+        call_for,
+        sdpa,
+        grad,
+        (q, k, v),
+        b,
+        length,
+        n,
+        device,
+    ):
         r.speedup_vs_padded = sdpa_ms / r.fwd_bwd_ms
         records.append(r)
     return records
@@ -287,10 +370,14 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
     for impl in ("flex", "varlen"):
         torch.manual_seed(args.seed)
         sizes = {**REPLAY_MODEL_PRESETS["replay"], "max_uih": cap}
-        model = SequenceModel(ModelConfig(num_labels=batch.num_labels, dense_dim=batch.dense.shape[1],
-                                          attention_impl=impl, **sizes)).to(device)
-        plan = model.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets")).to(device) \
-            if model.needs_plan(device) else None
+        model = SequenceModel(
+            ModelConfig(num_labels=batch.num_labels, dense_dim=batch.dense.shape[1], attention_impl=impl, **sizes)
+        ).to(device)
+        plan = (
+            model.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets")).to(device)
+            if model.needs_plan(device)
+            else None
+        )
 
         def run(model=model, plan=plan):
             model.zero_grad(set_to_none=True)
@@ -300,8 +387,22 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
 
         ms = _time_ms(device, run, args.reps, args.warmup)
         base = records[0].fwd_bwd_ms if records else ms
-        records.append(Record(impl, "model", b, cap, int(batch.uih_offsets[-1]), ms, base / ms, None, None,
-                              model.needs_plan(device), None, str(device)))
+        records.append(
+            Record(
+                impl,
+                "model",
+                b,
+                cap,
+                int(batch.uih_offsets[-1]),
+                ms,
+                base / ms,
+                None,
+                None,
+                model.needs_plan(device),
+                None,
+                str(device),
+            )
+        )
         del model
         torch.cuda.empty_cache()
     return records
@@ -319,41 +420,62 @@ def bench_plan(args, b: int, cap: int) -> Record:
         start = time.perf_counter()
         attention_plan(uih_offsets, candidate_offsets, max_uih=cap)
         times.append((time.perf_counter() - start) * 1e3)
-    return Record("plan", "plan", b, cap, int(uih_offsets[-1]), statistics.median(times[1:]), None, None, None, None,
-                  None, "host")
+    return Record(
+        "plan", "plan", b, cap, int(uih_offsets[-1]), statistics.median(times[1:]), None, None, None, None, None, "host"
+    )
 
 
-HEADER = (f"{'case':>9} {'kernel':>10} {'B':>4} {'cap':>6} {'tokens':>8} {'fwd+bwd ms':>11} {'speedup':>8} "
-          f"{'TFLOP/s':>8} {'max rel err':>11} {'plan':>5} {'repro':>5}")
+HEADER = (
+    f"{'case':>9} {'kernel':>10} {'B':>4} {'cap':>6} {'tokens':>8} {'fwd+bwd ms':>11} {'speedup':>8} "
+    f"{'TFLOP/s':>8} {'max rel err':>11} {'plan':>5} {'repro':>5}"
+)
 
 
 def _row(r: Record) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     yes = lambda x: "-" if x is None else ("yes" if x else "no")  # noqa: E731
-    return (f"{r.case:>9} {r.backend:>10} {r.batch_size:>4} {r.cap:>6} {r.tokens:>8} {r.fwd_bwd_ms:>11.2f} "
-            f"{f(r.speedup_vs_padded, '>8.2f')} {f(r.tflops, '>8.1f')} {f(r.max_rel_err, '>11.2e')} "
-            f"{yes(r.needs_plan):>5} {yes(r.repro):>5}")
+    return (
+        f"{r.case:>9} {r.backend:>10} {r.batch_size:>4} {r.cap:>6} {r.tokens:>8} {r.fwd_bwd_ms:>11.2f} "
+        f"{f(r.speedup_vs_padded, '>8.2f')} {f(r.tflops, '>8.1f')} {f(r.max_rel_err, '>11.2e')} "
+        f"{yes(r.needs_plan):>5} {yes(r.repro):>5}"
+    )
 
 
 def _gates(records: list[Record]) -> list[str]:
     """The targets, each from this run's records where both sides ran."""
-    find = lambda case, backend, cap=None: next((r for r in records if r.case == case and r.backend == backend  # noqa: E731
-                                                 and (cap is None or r.cap == cap)), None)
+    find = lambda case, backend, cap=None: next(
+        (
+            r
+            for r in records
+            if r.case == case
+            and r.backend == backend  # noqa: E731
+            and (cap is None or r.cap == cap)
+        ),
+        None,
+    )
     lines = []
     largest = max((r.cap for r in records if r.case == "lognormal"), default=None)
     pad, var = find("lognormal", "padded", largest), find("lognormal", "varlen", largest)
     if pad and var:
         ratio = pad.fwd_bwd_ms / var.fwd_bwd_ms
-        lines.append(f"causal B={var.batch_size} cap {var.cap}: varlen {ratio:.1f}x faster than padded (gate >= {CAUSAL_GATE:.0f}x)")
+        lines.append(
+            f"causal B={var.batch_size} cap {var.cap}: varlen {ratio:.1f}x faster than padded (gate >= {CAUSAL_GATE:.0f}x)"
+        )
     sdpa, var = find("equal", "sdpa"), find("equal", "varlen")
     if sdpa and var:
-        lines.append(f"equal lengths: varlen reaches {var.tflops / sdpa.tflops:.0%} of SDPA's TFLOP/s (gate >= {EQUAL_GATE:.0%})")
+        lines.append(
+            f"equal lengths: varlen reaches {var.tflops / sdpa.tflops:.0%} of SDPA's TFLOP/s (gate >= {EQUAL_GATE:.0%})"
+        )
     flex, var = find("target", "flex"), find("target", "varlen")
     if flex and var:
-        lines.append(f"target attention: varlen {flex.fwd_bwd_ms / var.fwd_bwd_ms:.1f}x faster than flex (gate >= {TARGET_GATE:.0f}x)")
+        lines.append(
+            f"target attention: varlen {flex.fwd_bwd_ms / var.fwd_bwd_ms:.1f}x faster than flex (gate >= {TARGET_GATE:.0f}x)"
+        )
     flex, var = find("model", "flex"), find("model", "varlen")
     if flex and var:
-        lines.append(f"model step: varlen takes {var.fwd_bwd_ms / flex.fwd_bwd_ms:.2f}x of flex's (gate <= {MODEL_GATE:.2f}x)")
+        lines.append(
+            f"model step: varlen takes {var.fwd_bwd_ms / flex.fwd_bwd_ms:.2f}x of flex's (gate <= {MODEL_GATE:.2f}x)"
+        )
     return lines
 
 
@@ -365,7 +487,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("bench attention: --reps and --plan-reps must be >= 1, --warmup >= 0")
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    kernels = (args.kernels.split(",") if args.kernels else list(GPU_KERNELS if cuda else CPU_KERNELS))
+    kernels = args.kernels.split(",") if args.kernels else list(GPU_KERNELS if cuda else CPU_KERNELS)
     for name in kernels:
         _kernel(name)
     cases_spec = args.cases or (GPU_CASES if cuda else CPU_CASES)
@@ -385,26 +507,32 @@ def main(args: argparse.Namespace) -> int:
     for b, cap in cases:
         emit(bench_case(args, b, cap, device, dtype, kernels))
     if target_spec != "none":
-        (b, cap, c), = _parse(target_spec, "--target-case", arity=3)
+        ((b, cap, c),) = _parse(target_spec, "--target-case", arity=3)
         emit(bench_target(args, b, cap, c, device, dtype, kernels))
     if equal_spec != "none":
-        (b, length), = _parse(equal_spec, "--equal")
+        ((b, length),) = _parse(equal_spec, "--equal")
         emit(bench_equal(args, b, length, device, dtype, kernels))
     if cuda and args.model_case != "none":
-        (b, cap), = _parse(args.model_case, "--model-case")
+        ((b, cap),) = _parse(args.model_case, "--model-case")
         emit(bench_model(args, b, cap, device))
     if args.plan_case != "none":
-        (b, cap), = _parse(args.plan_case, "--plan-case")
+        ((b, cap),) = _parse(args.plan_case, "--plan-case")
         r = bench_plan(args, b, cap)
         records.append(r)
-        print(f"attention plan (UIH causal + target block masks; flex only) at B={b}, cap {cap} ({r.tokens} tokens): "
-              f"{r.fwd_bwd_ms:.1f} ms per batch on the host ({torch.get_num_threads()} torch threads)")
+        print(
+            f"attention plan (UIH causal + target block masks; flex only) at B={b}, cap {cap} ({r.tokens} tokens): "
+            f"{r.fwd_bwd_ms:.1f} ms per batch on the host ({torch.get_num_threads()} torch threads)"
+        )
     for line in _gates(records):
         print(line)
     if args.json:
-        env = {"torch": torch.__version__, "python": platform.python_version(),
-               "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
-               "dtype": str(dtype).replace("torch.", ""), "torch_threads": torch.get_num_threads()}
+        env = {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor(),
+            "dtype": str(dtype).replace("torch.", ""),
+            "torch_threads": torch.get_num_threads(),
+        }
         setup = {k: v for k, v in vars(args).items() if not k.startswith("_")}
         with open(args.json, "w") as fh:
             json.dump({"setup": setup, "env": env, "records": [asdict(r) for r in records]}, fh, indent=1)

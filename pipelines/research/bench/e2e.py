@@ -62,32 +62,59 @@ CASES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="local ranks per run")
     parser.add_argument("--steps", type=int, default=45, help="steps per run (warm-up included)")
-    parser.add_argument("--warmup-steps", type=int, default=None,
-                        help="first steps of every run left out of the timings, in every mode alike (compilation, first "
-                             "pinned allocations, and freescale's embedding-schedule probe); their wall time is shown "
-                             "apart (warm ms) and every step's time stays in the JSON (default: 3, or 3 plus the probe's "
-                             f"{ScheduleProbe.length()} steps when a freescale run probes)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="first steps of every run left out of the timings, in every mode alike (compilation, first "
+        "pinned allocations, and freescale's embedding-schedule probe); their wall time is shown "
+        "apart (warm ms) and every step's time stays in the JSON (default: 3, or 3 plus the probe's "
+        f"{ScheduleProbe.length()} steps when a freescale run probes)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)",
+    )
     parser.add_argument("--cases", default="heavy,light", help=f"comma-separated cases of {sorted(CASES)}")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
     parser.add_argument("--model", default=None, help="override every case's model preset")
-    parser.add_argument("--attention", choices=("jagged", "padded"), default="jagged",
-                        help="the reference model's attention in every run (see --attention of train)")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="the model's compute in every run (see --precision of train)")
-    parser.add_argument("--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)")
-    parser.add_argument("--min-gain", type=float, default=None,
-                        help="override the balance gate's threshold (0: the balancer moves samples every step)")
+    parser.add_argument(
+        "--attention",
+        choices=("jagged", "padded"),
+        default="jagged",
+        help="the reference model's attention in every run (see --attention of train)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="the model's compute in every run (see --precision of train)",
+    )
+    parser.add_argument(
+        "--partitioner", default="fbs", help="the balancer's partitioner in mode freescale (fbs, vbs, kk)"
+    )
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=None,
+        help="override the balance gate's threshold (0: the balancer moves samples every step)",
+    )
     # every scheduling knob of `freescale train` (--tuning.NAME; default: the train default)
     add_tuning_arguments(parser, show=True)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
-                             "the spread of freescale's paired ratios to sync (for noisy machines)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every case's modes this many times, interleaved (sync, freescale, sync, ...), and print "
+        "the spread of freescale's paired ratios to sync (for noisy machines)",
+    )
     parser.add_argument("--json", help="write the records here")
-    parser.add_argument("--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)")
+    parser.add_argument(
+        "--trace", help="write a torch.profiler trace of every run: DIR/CASE_MODE.rankR.json (Perfetto)"
+    )
     parser.add_argument("--plot", help="write the NE-parity plot (cumulative NE per step, every mode) here (PNG)")
 
 
@@ -189,8 +216,11 @@ def main(args: argparse.Namespace) -> int:
     for case in cases:
         for repeat in range(args.repeats):
             for mode in modes:
-                print(f"[bench e2e] case {case}, mode {mode}, run {repeat + 1}/{args.repeats}: {args.nproc} ranks x "
-                      f"{args.steps} steps on {args.device}", flush=True)
+                print(
+                    f"[bench e2e] case {case}, mode {mode}, run {repeat + 1}/{args.repeats}: {args.nproc} ranks x "
+                    f"{args.steps} steps on {args.device}",
+                    flush=True,
+                )
                 row = _row(case, launch(case_config(case, mode, args)))
                 row["repeat"] = repeat
                 rows.append(row)
@@ -240,9 +270,11 @@ def straggler_shares(rows: list[dict]) -> list[str]:
         sync, ours = by_mode.get("sync"), by_mode.get("freescale")
         if sync is None or ours is None or sync["straggler_pct"] is None or ours["straggler_pct"] is None:
             continue
-        lines.append(f"straggler share, {case} (run {repeat + 1}, {ours.get('attention') or 'jagged'} attention): "
-                     f"sync {sync['straggler_pct']:.1f}%, freescale {ours['straggler_pct']:.1f}% "
-                     f"({ours['partitioner']}, moved {ours['balanced_steps']} steps)")
+        lines.append(
+            f"straggler share, {case} (run {repeat + 1}, {ours.get('attention') or 'jagged'} attention): "
+            f"sync {sync['straggler_pct']:.1f}%, freescale {ours['straggler_pct']:.1f}% "
+            f"({ours['partitioner']}, moved {ours['balanced_steps']} steps)"
+        )
     return lines
 
 
@@ -266,8 +298,11 @@ def spread(rows: list[dict]) -> list[str]:
             f"{case}: over {len(pairs)} runs, bubble_reduction median {100 * statistics.median(reductions):.1f}% "
             f"(min {100 * min(reductions):.1f}%, max {100 * max(reductions):.1f}%); freescale/sync samples/s "
             f"median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
-            + (f"; embedding schedule kept: {', '.join(f'{k} {v}x' for k, v in sorted(Counter(kept[case]).items()))}"
-               if kept.get(case) else "")
+            + (
+                f"; embedding schedule kept: {', '.join(f'{k} {v}x' for k, v in sorted(Counter(kept[case]).items()))}"
+                if kept.get(case)
+                else ""
+            )
         )
     return lines
 
@@ -287,11 +322,16 @@ def stalled_steps(rows: list[dict], factor: float = 5.0, floor_ms: float = 5.0) 
             parts = {k: v[i] for k, v in r["exposed_per_step_ms"].items() if v[i]}
             worst = max(parts, key=parts.get) if parts else "straggler"
             found = [f"gc {1e3 * clues['gc_s'][i]:.1f} ms"] if clues.get("gc_s") else []
-            found += [f"{k.replace('_', ' ')} {clues[k][i]}" for k in ("new_staging_blocks", "new_pinned_blocks")
-                      if clues.get(k) is not None]
-            lines.append(f"stalled step: {r['case']} {r['mode']} run {r.get('repeat', 0) + 1} step {i}: bubbles "
-                         f"{steps[i]:.1f} ms (run median {median:.2f}), most in {worst}"
-                         + (f"; rank 0: {', '.join(found)}" if found else ""))
+            found += [
+                f"{k.replace('_', ' ')} {clues[k][i]}"
+                for k in ("new_staging_blocks", "new_pinned_blocks")
+                if clues.get(k) is not None
+            ]
+            lines.append(
+                f"stalled step: {r['case']} {r['mode']} run {r.get('repeat', 0) + 1} step {i}: bubbles "
+                f"{steps[i]:.1f} ms (run median {median:.2f}), most in {worst}"
+                + (f"; rank 0: {', '.join(found)}" if found else "")
+            )
     return lines
 
 
@@ -310,7 +350,9 @@ def _schedule_cell(row: dict) -> str:
 
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
-    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(f"{p[:9]:>9}" for p in parts)
+    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(
+        f"{p[:9]:>9}" for p in parts
+    )
     head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>8} {'peak MiB':>8} {'moved':>5} {'emb':>4} {'bubble red.':>11}"
     print(head)
     for r in rows:
@@ -337,7 +379,12 @@ def _plot_ne(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 3.5), squeeze=False)
     for ax, case in zip(axes[0], cases):
         for r in (r for r in rows if r["case"] == case):
-            ax.plot(range(1, len(r["ne_curve"]) + 1), r["ne_curve"], label=r["mode"], linestyle="--" if r["mode"] == "freescale" else "-")
+            ax.plot(
+                range(1, len(r["ne_curve"]) + 1),
+                r["ne_curve"],
+                label=r["mode"],
+                linestyle="--" if r["mode"] == "freescale" else "-",
+            )
         ax.set_title(f"cumulative NE, case {case}")
         ax.set_xlabel("step")
         ax.set_ylabel("NE")

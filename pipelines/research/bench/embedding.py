@@ -72,24 +72,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per configuration (after warm-up)")
     parser.add_argument("--warmup", type=int, default=d.warmup)
     parser.add_argument("--dense-layers", type=int, default=d.dense_layers, help="tanh layers of the toy dense model")
-    parser.add_argument("--compute-ms", type=float, default=d.compute_ms,
-                        help="emulated dense compute per step (1/3 forward, 2/3 backward) for the exchanges to overlap")
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=d.compute_ms,
+        help="emulated dense compute per step (1/3 forward, 2/3 backward) for the exchanges to overlap",
+    )
     parser.add_argument("--collisions", type=str, default=",".join(map(str, d.collisions)), help="collision knob sweep")
     parser.add_argument("--fit-collision", type=float, default=d.fit_collision, help="collision knob of the UIH sweep")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cuda: every rank on GPU 0")
-    parser.add_argument("--trace", type=str, default=None, help="directory: a torch.profiler trace (Perfetto / "
-                        "chrome://tracing) of the first point's steps, warm-up included, per rank and mode (that "
-                        "point's figures are then measured under the profiler)")
+    parser.add_argument(
+        "--trace",
+        type=str,
+        default=None,
+        help="directory: a torch.profiler trace (Perfetto / "
+        "chrome://tracing) of the first point's steps, warm-up included, per rank and mode (that "
+        "point's figures are then measured under the profiler)",
+    )
     parser.add_argument("--json", type=str, default=None, help="write the records here")
-    parser.add_argument("--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)")
+    parser.add_argument(
+        "--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)"
+    )
 
 
 def _config_from_args(args) -> BenchConfig:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = BenchConfig(
-        nproc=args.nproc, zipf=args.zipf, max_uih=args.max_uih, batch_size=args.batch_size, dim=args.dim,
-        steps=args.steps, warmup=args.warmup, dense_layers=args.dense_layers, compute_ms=args.compute_ms,
-        collisions=[float(x) for x in args.collisions.split(",") if x.strip()], fit_collision=args.fit_collision, device=device,
+        nproc=args.nproc,
+        zipf=args.zipf,
+        max_uih=args.max_uih,
+        batch_size=args.batch_size,
+        dim=args.dim,
+        steps=args.steps,
+        warmup=args.warmup,
+        dense_layers=args.dense_layers,
+        compute_ms=args.compute_ms,
+        collisions=[float(x) for x in args.collisions.split(",") if x.strip()],
+        fit_collision=args.fit_collision,
+        device=device,
         trace=getattr(args, "trace", None),
     )
     if cfg.nproc < 2:
@@ -106,7 +126,8 @@ def _plan(cfg: BenchConfig, world_size: int):
     from fsembed.plan import ShardingPlan, TableConfig
 
     return ShardingPlan(
-        [TableConfig("items", cfg.vocab, cfg.dim, ("uih", "cand")), TableConfig("users", 1000, cfg.dim, ("user",))], world_size
+        [TableConfig("items", cfg.vocab, cfg.dim, ("uih", "cand")), TableConfig("users", 1000, cfg.dim, ("user",))],
+        world_size,
     )
 
 
@@ -118,8 +139,15 @@ def _batches(cfg: BenchConfig, rank: int, world_size: int, collision: float, max
     gb = cfg.batch_size * world_size
     source = SyntheticSource(
         SyntheticConfig(
-            num_samples=gb * n_steps, seed=cfg.seed, uih_median=max(2.0, max_uih / 4), uih_max=max_uih, vocab_size=cfg.vocab,
-            zipf_exponent=cfg.zipf, collision_rate=collision, collision_block_size=gb, side_features=False,
+            num_samples=gb * n_steps,
+            seed=cfg.seed,
+            uih_median=max(2.0, max_uih / 4),
+            uih_max=max_uih,
+            vocab_size=cfg.vocab,
+            zipf_exponent=cfg.zipf,
+            collision_rate=collision,
+            collision_block_size=gb,
+            side_features=False,
         )
     )
     out = []
@@ -276,33 +304,59 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
         batches = _batches(cfg, rank, world_size, collision, max_uih)
         runs = {}
         for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
-            coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+            coll = cls(
+                plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device
+            )
             dist.barrier()
             prefetcher = (
-                (lambda f: pool.submit(start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank))
+                (
+                    lambda f: pool.submit(
+                        start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank
+                    )
+                )
                 if mode == "prioritized"
                 else None
             )
             with _traced(cfg.trace if point == 0 else None, f"embedding_{mode}_rank{rank}.json", device):
-                losses, step_s, per_step = _train(coll, batches, dense, prefetcher, warmup=cfg.warmup, device=device,
-                                                  compute_ms=cfg.compute_ms, meet=lambda: dist.barrier(group=dense_group))
+                losses, step_s, per_step = _train(
+                    coll,
+                    batches,
+                    dense,
+                    prefetcher,
+                    warmup=cfg.warmup,
+                    device=device,
+                    compute_ms=cfg.compute_ms,
+                    meet=lambda: dist.barrier(group=dense_group),
+                )
             # Median over steps: the CPU machines are shared, and one step that lost its core to another
             # process would otherwise dominate a mean of a dozen steps.
             exposed = {p: float(np.median([e[p] for e in per_step])) for p in (*PARTS, "dense")}
             exposed["total"] = float(np.median([sum(e[p] for p in PARTS) for e in per_step]))
             runs[mode] = dict(
-                losses=torch.stack(losses).cpu(), tables=coll.full_tables(), exposed=exposed, step_s=float(np.median(step_s)),
-                collision=float(np.mean(coll.collision_rates[cfg.warmup:-1])) if mode == "prioritized" else None,
+                losses=torch.stack(losses).cpu(),
+                tables=coll.full_tables(),
+                exposed=exposed,
+                step_s=float(np.median(step_s)),
+                collision=float(np.mean(coll.collision_rates[cfg.warmup : -1])) if mode == "prioritized" else None,
                 ids=int(sum(v.numel() for b in batches for v in b.values())),
-
             )
         s, p = runs["sync"], runs["prioritized"]
-        parity = torch.equal(s["losses"], p["losses"]) and all(torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"])
-        records.append(dict(
-            collision_knob=collision, max_uih=max_uih, parity=parity, collision_measured=p["collision"],
-            ids_per_step=s["ids"] / len(batches),
-            sync_exposed=s["exposed"], prioritized_exposed=p["exposed"], sync_step_s=s["step_s"], prioritized_step_s=p["step_s"],
-        ))
+        parity = torch.equal(s["losses"], p["losses"]) and all(
+            torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"]
+        )
+        records.append(
+            dict(
+                collision_knob=collision,
+                max_uih=max_uih,
+                parity=parity,
+                collision_measured=p["collision"],
+                ids_per_step=s["ids"] / len(batches),
+                sync_exposed=s["exposed"],
+                prioritized_exposed=p["exposed"],
+                sync_step_s=s["step_s"],
+                prioritized_step_s=p["step_s"],
+            )
+        )
     pool.shutdown()
     return records
 
@@ -315,7 +369,9 @@ def _worker(rank, world_size, cfg, points, store_dir, queue):
     sys.setswitchinterval(1e-3)  # as the trainer's ranks (pipelines/job/train.py): several Python threads per rank
     try:
         store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+        )
         out = _rank_run(rank, world_size, cfg, points)
         queue.put((rank, "ok", out))
     except BaseException:
@@ -359,7 +415,9 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
         rec["collision_measured"] = float(np.mean([r["collision_measured"] for r in recs]))
         rec["ids_per_rank_step"] = float(np.mean([r["ids_per_step"] for r in recs]))
         for mode in ("sync", "prioritized"):
-            parts = {p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total", "dense")}
+            parts = {
+                p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total", "dense")
+            }
             rec[f"{mode}_exposed_ms"] = parts
             rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
         p_total = rec["prioritized_exposed_ms"]["total"]
@@ -382,21 +440,32 @@ def _fit(records: list[dict], key: str) -> Optional[dict]:
 
 def run(cfg: BenchConfig) -> dict:
     uih_sweep = sorted({max(4, cfg.max_uih // 4), max(4, cfg.max_uih // 2), cfg.max_uih})
-    points = [(c, cfg.max_uih) for c in cfg.collisions] + [(cfg.fit_collision, L) for L in uih_sweep if L != cfg.max_uih]
+    points = [(c, cfg.max_uih) for c in cfg.collisions] + [
+        (cfg.fit_collision, L) for L in uih_sweep if L != cfg.max_uih
+    ]
     records = _merge(_launch(cfg, points))
     by_collision = [r for r in records if r["max_uih"] == cfg.max_uih]
     return {
         "config": asdict(cfg),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                    "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if cfg.device == "cuda" else None,
+        },
         "records": records,
-        "fit_vs_collision": {"prioritized": _fit(by_collision, "prioritized_exposed_ms"), "sync": _fit(by_collision, "sync_exposed_ms")},
+        "fit_vs_collision": {
+            "prioritized": _fit(by_collision, "prioritized_exposed_ms"),
+            "sync": _fit(by_collision, "sync_exposed_ms"),
+        },
     }
 
 
 def _table(result: dict) -> str:
-    head = (f"{'coll.knob':>9} {'measured':>8} {'max_uih':>7} {'ids/rk':>7} | {'sync ids/emb/grad = total ms':>30} | "
-            f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13} | {'dense ms s/p':>12}")
+    head = (
+        f"{'coll.knob':>9} {'measured':>8} {'max_uih':>7} {'ids/rk':>7} | {'sync ids/emb/grad = total ms':>30} | "
+        f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13} | {'dense ms s/p':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in result["records"]:
         s, p = r["sync_exposed_ms"], r["prioritized_exposed_ms"]
@@ -409,7 +478,9 @@ def _table(result: dict) -> str:
         )
     for mode, fit in result["fit_vs_collision"].items():
         if fit:
-            lines.append(f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 {fit['r2']:.3f})")
+            lines.append(
+                f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 {fit['r2']:.3f})"
+            )
     return "\n".join(lines)
 
 
@@ -423,7 +494,10 @@ def plot(results: list[tuple[str, dict]], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, result in results:
-        recs = sorted((r for r in result["records"] if r["max_uih"] == result["config"]["max_uih"]), key=lambda r: r["collision_measured"])
+        recs = sorted(
+            (r for r in result["records"] if r["max_uih"] == result["config"]["max_uih"]),
+            key=lambda r: r["collision_measured"],
+        )
         xs = [100 * r["collision_measured"] for r in recs]
         for mode, style in (("sync", "o--"), ("prioritized", "s-")):
             ax.plot(xs, [r[f"{mode}_exposed_ms"]["total"] for r in recs], style, label=f"{label}: {mode}")

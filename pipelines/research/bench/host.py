@@ -69,7 +69,9 @@ def _paths(world: int, args: argparse.Namespace) -> dict[str, Callable[[], objec
     out = torch.empty(int(rows.sum()), dtype=torch.int64)
 
     splits = [args.ids_per_rank] * world
-    flags = _interleave(torch.zeros(sum(splits), dtype=torch.bool), splits, torch.ones(sum(splits), dtype=torch.bool), splits)
+    flags = _interleave(
+        torch.zeros(sum(splits), dtype=torch.bool), splits, torch.ones(sum(splits), dtype=torch.bool), splits
+    )
     return {
         "balance metrics": lambda: (_per_rank_stats(uih, offsets), _per_rank_stats(uih[order], dest)),
         "stage II unpad": lambda: unpad_blocks(recv, rows.tolist(), 8, out),

@@ -122,8 +122,12 @@ class Workload:
         self.candidate_lengths = torch.from_numpy(rng.integers(1, 9, int(num_candidates.sum()))).to(dev)
         # Stage III: the local batch's per-event features, reordered by destination.
         self.local_features = torch.stack(
-            [self.local_ids, torch.from_numpy(rng.integers(0, 8, n_local)).to(dev),
-             torch.from_numpy(rng.integers(1_600_000_000, 1_700_000_000, n_local)).to(dev)], dim=1
+            [
+                self.local_ids,
+                torch.from_numpy(rng.integers(0, 8, n_local)).to(dev),
+                torch.from_numpy(rng.integers(1_600_000_000, 1_700_000_000, n_local)).to(dev),
+            ],
+            dim=1,
         )
         self.local_order = torch.from_numpy(rng.permutation(b)).to(dev)
         self.boundaries = torch.div(
@@ -156,28 +160,44 @@ class Workload:
         return {
             "indexed_permute/plan": (
                 lambda impl, sized=False: ops.indexed_permute(
-                    self.candidate_lengths, self.candidate_offsets, self.order,
-                    output_size=plan_values if sized else None, impl=impl),
+                    self.candidate_lengths,
+                    self.candidate_offsets,
+                    self.order,
+                    output_size=plan_values if sized else None,
+                    impl=impl,
+                ),
                 2 * plan_values * i8 + k_plan * 3 * i8,
             ),
             "indexed_permute/stage3": (
                 lambda impl, sized=False: ops.indexed_permute(
-                    self.local_features, self.local_uih_offsets, self.local_order,
-                    output_size=n_local if sized else None, impl=impl),
+                    self.local_features,
+                    self.local_uih_offsets,
+                    self.local_order,
+                    output_size=n_local if sized else None,
+                    impl=impl,
+                ),
                 2 * self.local_features.numel() * i8,
             ),
             "indexed_permute/global": (
                 lambda impl, sized=False: ops.indexed_permute(
-                    self.global_ids, self.global_uih_offsets, self.order,
-                    output_size=self.global_ids.numel() if sized else None, impl=impl),
+                    self.global_ids,
+                    self.global_uih_offsets,
+                    self.order,
+                    output_size=self.global_ids.numel() if sized else None,
+                    impl=impl,
+                ),
                 2 * self.global_ids.numel() * i8 + k_plan * 3 * i8,
             ),
             "ranged_dispatch": (
-                lambda impl, sized=False: ops.ranged_dispatch(self.local_ids, self.boundaries, offsets=self.local_uih_offsets, impl=impl),
+                lambda impl, sized=False: ops.ranged_dispatch(
+                    self.local_ids, self.boundaries, offsets=self.local_uih_offsets, impl=impl
+                ),
                 3 * n_local * i8 + w * i8,
             ),
             "ranged_combine": (
-                lambda impl, sized=False: ops.ranged_combine(self.embeddings, self.perm, splits=self.splits, offsets=self.local_uih_offsets, impl=impl),
+                lambda impl, sized=False: ops.ranged_combine(
+                    self.embeddings, self.perm, splits=self.splits, offsets=self.local_uih_offsets, impl=impl
+                ),
                 2 * n_local * emb_row + n_local * i8,
             ),
             "keyed_transpose": (
@@ -189,7 +209,9 @@ class Workload:
                 k_plan * i8 + 2 * (w + 1) * i8,
             ),
             "collision_mask": (
-                lambda impl, sized=False: ops.collision_mask(self.local_ids, self.next_ids, offsets=self.recv_offsets, impl=impl),
+                lambda impl, sized=False: ops.collision_mask(
+                    self.local_ids, self.next_ids, offsets=self.recv_offsets, impl=impl
+                ),
                 2 * n_local * i8 + n_local,
             ),
         }
@@ -285,13 +307,19 @@ def bench_world_size(args: argparse.Namespace, world_size: int, device: torch.de
         gbps = bytes_moved / (gpu_us * 1e-6) / 1e9 if gpu_us else None
         rows.append(
             Row(
-                op=name, world_size=world_size, triton_us=triton_us, triton_gpu_us=gpu_us, twin_us=twin_us,
+                op=name,
+                world_size=world_size,
+                triton_us=triton_us,
+                triton_gpu_us=gpu_us,
+                twin_us=twin_us,
                 eager_us=eager_us,
                 speedup_vs_eager=eager_us / triton_us if triton_us else None,
                 speedup_vs_twin=twin_us / triton_us if triton_us else None,
-                bytes_moved=bytes_moved, achieved_gbps=gbps,
+                bytes_moved=bytes_moved,
+                achieved_gbps=gbps,
                 bandwidth_fraction=gbps * 1e9 / H200_COPY_BANDWIDTH if gbps else None,
-                eager_reps=eager_reps, agree=agree,
+                eager_reps=eager_reps,
+                agree=agree,
             )
         )
         print(_format_row(rows[-1]), flush=True)
@@ -327,7 +355,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         world_sizes = [int(w) for w in args.world_sizes.split(",") if w.strip()]
     except ValueError:
-        raise ValueError(f"bench kernels: --world-sizes must be comma-separated integers, got {args.world_sizes!r}") from None
+        raise ValueError(
+            f"bench kernels: --world-sizes must be comma-separated integers, got {args.world_sizes!r}"
+        ) from None
     if not world_sizes or min(world_sizes) < 1:
         raise ValueError(f"bench kernels: world sizes must be >= 1, got {args.world_sizes!r}")
     selected = set() if args.ops == "all" else {o.strip() for o in args.ops.split(",")}
@@ -337,8 +367,10 @@ def main(args: argparse.Namespace) -> int:
         dst = torch.empty_like(src)
         copy_us = Timer(device).gpu_us(lambda: dst.copy_(src), 10)
         copy_gbps = 2 * src.numel() / copy_us / 1e3
-        print(f"device-to-device copy of 1 GiB: {copy_us:.0f} us = {copy_gbps:.0f} GB/s read + write "
-              f"(reference for the bandwidth column: {H200_COPY_BANDWIDTH / 1e9:.0f} GB/s)")
+        print(
+            f"device-to-device copy of 1 GiB: {copy_us:.0f} us = {copy_gbps:.0f} GB/s read + write "
+            f"(reference for the bandwidth column: {H200_COPY_BANDWIDTH / 1e9:.0f} GB/s)"
+        )
         del src, dst
     print(HEADER, flush=True)
     rows: list[Row] = []

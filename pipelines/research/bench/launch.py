@@ -39,8 +39,9 @@ def under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, str]] = None,
-           every_rank: bool = False) -> Any:
+def launch(
+    rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, str]] = None, every_rank: bool = False
+) -> Any:
     """Runs ``rank_main`` on every rank; returns rank 0's result (None on torchrun's other ranks), or with
     ``every_rank`` (local ranks only) every rank's result in rank order (any picklable value). ``args`` needs
     ``timeout`` (seconds of the gloo group) and ``nproc`` (local ranks when not under torchrun); ``env``: variables
@@ -67,10 +68,25 @@ def launch(rank_main: RankMain, args: Any, name: str, env: Optional[dict[str, st
     log_dir = Path(os.environ.get(LOG_DIR_ENV) or os.path.join(tmp, "logs"))
     log_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_spawned, name=f"bench-{name}-rank{r}",
-                         args=(r, args.nproc, rank_main, args, os.path.join(tmp, "store"), out_path, env or {},
-                               str(log_dir), name, every_rank))
-             for r in range(args.nproc)]
+    procs = [
+        ctx.Process(
+            target=_spawned,
+            name=f"bench-{name}-rank{r}",
+            args=(
+                r,
+                args.nproc,
+                rank_main,
+                args,
+                os.path.join(tmp, "store"),
+                out_path,
+                env or {},
+                str(log_dir),
+                name,
+                every_rank,
+            ),
+        )
+        for r in range(args.nproc)
+    ]
     try:
         for p in procs:
             p.start()
@@ -133,8 +149,18 @@ def _fail(exc: BaseException, rank: int, name: str, log_dir: Optional[str], prin
     os._exit(1)
 
 
-def _spawned(rank: int, world: int, rank_main: RankMain, args: Any, store_path: str, out_path: str,
-             env: dict[str, str], log_dir: str, name: str, every_rank: bool = False) -> None:
+def _spawned(
+    rank: int,
+    world: int,
+    rank_main: RankMain,
+    args: Any,
+    store_path: str,
+    out_path: str,
+    env: dict[str, str],
+    log_dir: str,
+    name: str,
+    every_rank: bool = False,
+) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
     use_thread_locks_for_progress_bars()
@@ -142,8 +168,13 @@ def _spawned(rank: int, world: int, rank_main: RankMain, args: Any, store_path: 
     (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     try:
         groups.set_comm_timeout(args.timeout)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_path, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+        )
         result = rank_main(args, rank, world)
         if every_rank:
             with open(f"{out_path}.rank{rank}.pkl", "wb") as f:

@@ -118,13 +118,18 @@ def bench_bandwidth(r: Rank, sizes: list[int], reps: int) -> list[dict]:
         copy_s = plain_copy_seconds(r, size, reps) if r.rank == 0 else None
         if r.rank == 0:
             off_rank = (r.world - 1) * size
-            rows.append({
-                "block_bytes": size, "latency_median_us": 1e6 * statistics.median(latencies),
-                "a2a_s": slowest, "a2a_gb_per_s": off_rank / slowest / 1e9,
-                "copy_gb_per_s": size / copy_s / 1e9, "vs_copy": (off_rank / slowest) / (size / copy_s),
-                # within one GPU: every byte any rank pushes, keeps and copies out goes through that GPU's memory
-                "all_copies_gb_per_s": r.world * (2 * r.world - 1) * size / slowest / 1e9 if r.shared else None,
-            })
+            rows.append(
+                {
+                    "block_bytes": size,
+                    "latency_median_us": 1e6 * statistics.median(latencies),
+                    "a2a_s": slowest,
+                    "a2a_gb_per_s": off_rank / slowest / 1e9,
+                    "copy_gb_per_s": size / copy_s / 1e9,
+                    "vs_copy": (off_rank / slowest) / (size / copy_s),
+                    # within one GPU: every byte any rank pushes, keeps and copies out goes through that GPU's memory
+                    "all_copies_gb_per_s": r.world * (2 * r.world - 1) * size / slowest / 1e9 if r.shared else None,
+                }
+            )
         r.barrier()
     return rows
 
@@ -236,7 +241,10 @@ def _trial(r: Rank, kernel, traffic, n: int) -> tuple[Optional[float], bool]:
 
 
 def traffic_kinds(r: Rank) -> list[tuple[str, object]]:
-    kinds = [("peer", ExchangeTraffic(r.traffic, r.world, r.device, "bench-peer-traffic")), ("copies", CopyTraffic(r, 0))]
+    kinds = [
+        ("peer", ExchangeTraffic(r.traffic, r.world, r.device, "bench-peer-traffic")),
+        ("copies", CopyTraffic(r, 0)),
+    ]
     if r.shared:
         kinds.append(("copies-other-process", CopyTraffic(r, 1)))
     return kinds
@@ -258,7 +266,7 @@ def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
             ratios, dropped = [], 0
             for p in range(pairs):
                 got = {}
-                for overlapped in ((False, True) if p % 2 == 0 else (True, False)):
+                for overlapped in (False, True) if p % 2 == 0 else (True, False):
                     r.barrier()
                     got[overlapped] = _trial(r, kernel, traffic if overlapped else None, n)
                 if not all(_gather(got[True][1])):
@@ -267,11 +275,20 @@ def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
                 elif r.rank == 0:
                     ratios.append(got[True][0] / got[False][0])
             if r.rank == 0:
-                rows.append({"kernel": kname, "traffic": kind, "kernel_alone_ms": 1e3 * t_alone,
-                             "median_ratio": statistics.median(ratios) if ratios else None,
-                             "min_ratio": min(ratios) if ratios else None, "max_ratio": max(ratios) if ratios else None,
-                             "pairs": len(ratios), "pairs_dropped_traffic_too_short": dropped,
-                             "traffic_units": n, "unit_ms": 1e3 * unit})
+                rows.append(
+                    {
+                        "kernel": kname,
+                        "traffic": kind,
+                        "kernel_alone_ms": 1e3 * t_alone,
+                        "median_ratio": statistics.median(ratios) if ratios else None,
+                        "min_ratio": min(ratios) if ratios else None,
+                        "max_ratio": max(ratios) if ratios else None,
+                        "pairs": len(ratios),
+                        "pairs_dropped_traffic_too_short": dropped,
+                        "traffic_units": n,
+                        "unit_ms": 1e3 * unit,
+                    }
+                )
     return rows
 
 
@@ -287,43 +304,65 @@ def _gather(obj) -> list:
 def rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict]:
     r = Rank(rank, world)
     result = {
-        "world_size": world, "shared_gpu": r.shared, "gpu": torch.cuda.get_device_name(r.device),
-        "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+        "world_size": world,
+        "shared_gpu": r.shared,
+        "gpu": torch.cuda.get_device_name(r.device),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
         "bandwidth": bench_bandwidth(r, parse_sizes(args.sizes), args.reps),
         "trace": trace_exchanges(r),
     }
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     result["contention"] = bench_contention(r, kernels, args.pairs) if args.pairs else []
     result["buffers"] = _gather(r.main.buffer_stats())
-    result["phase_ms_per_exchange"] = _gather({k: 1e3 * v / max(r.main.exchanges, 1) for k, v in r.main.phase_seconds().items()})
+    result["phase_ms_per_exchange"] = _gather(
+        {k: 1e3 * v / max(r.main.exchanges, 1) for k, v in r.main.phase_seconds().items()}
+    )
     r.main.close()
     r.traffic.close()
     return result if rank == 0 else None
 
 
 def print_result(result: dict) -> None:
-    where = ("ranks SHARE GPU 0: copies within one GPU's memory, not NVLink" if result["shared_gpu"]
-             else "one GPU per rank: peer copies between GPUs")
-    print(f"peer transport, {result['world_size']} ranks, {result['gpus']} x {result['gpu']} ({where}), torch {result['torch']}")
+    where = (
+        "ranks SHARE GPU 0: copies within one GPU's memory, not NVLink"
+        if result["shared_gpu"]
+        else "one GPU per rank: peer copies between GPUs"
+    )
+    print(
+        f"peer transport, {result['world_size']} ranks, {result['gpus']} x {result['gpu']} ({where}), torch {result['torch']}"
+    )
     copy_label = "copy GPU0->GPU0" if result["shared_gpu"] else "copy GPU0->GPU1"
-    print(f"{'block MiB':>9} {'a2a lat us':>10} {'a2a GB/s':>9} {copy_label + ' GB/s':>20} {'vs copy':>8} {'all copies GB/s':>16}")
+    print(
+        f"{'block MiB':>9} {'a2a lat us':>10} {'a2a GB/s':>9} {copy_label + ' GB/s':>20} {'vs copy':>8} {'all copies GB/s':>16}"
+    )
     for b in result["bandwidth"]:
         allc = f"{b['all_copies_gb_per_s']:>16.1f}" if b["all_copies_gb_per_s"] is not None else f"{'-':>16}"
-        print(f"{b['block_bytes'] / 2**20:>9.0f} {b['latency_median_us']:>10.0f} {b['a2a_gb_per_s']:>9.1f} "
-              f"{b['copy_gb_per_s']:>20.1f} {b['vs_copy']:>8.2f} {allc}")
+        print(
+            f"{b['block_bytes'] / 2**20:>9.0f} {b['latency_median_us']:>10.0f} {b['a2a_gb_per_s']:>9.1f} "
+            f"{b['copy_gb_per_s']:>20.1f} {b['vs_copy']:>8.2f} {allc}"
+        )
     t = result["trace"]
-    print(f"profiler: kernels per rank {t['kernels_per_rank']}; rank 0 copies {t['rank0']['memcpys']} "
-          f"{t['rank0']['memcpy_kinds']} on streams {t['rank0']['memcpy_streams']}")
+    print(
+        f"profiler: kernels per rank {t['kernels_per_rank']}; rank 0 copies {t['rank0']['memcpys']} "
+        f"{t['rank0']['memcpy_kinds']} on streams {t['rank0']['memcpy_streams']}"
+    )
     if result["contention"]:
-        print(f"{'kernel':<6} {'traffic':<7} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8}")
+        print(
+            f"{'kernel':<6} {'traffic':<7} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8}"
+        )
         for c in result["contention"]:
             fmt = lambda v: f"{v:.3f}" if v is not None else "-"
-            print(f"{c['kernel']:<6} {c['traffic']:<7} {c['kernel_alone_ms']:>9.2f} {fmt(c['median_ratio']):>10} "
-                  f"{fmt(c['min_ratio']):>6} {fmt(c['max_ratio']):>6} {c['pairs']:>6} {c['pairs_dropped_traffic_too_short']:>8}")
+            print(
+                f"{c['kernel']:<6} {c['traffic']:<7} {c['kernel_alone_ms']:>9.2f} {fmt(c['median_ratio']):>10} "
+                f"{fmt(c['min_ratio']):>6} {fmt(c['max_ratio']):>6} {c['pairs']:>6} {c['pairs_dropped_traffic_too_short']:>8}"
+            )
     print(f"buffers per rank: {result['buffers']}")
     for rank, phases in enumerate(result.get("phase_ms_per_exchange", [])):
-        print(f"rank {rank}, worker ms per exchange (bandwidth and trace exchanges): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+        print(
+            f"rank {rank}, worker ms per exchange (bandwidth and trace exchanges): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -343,6 +382,8 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    _parser = argparse.ArgumentParser(prog="python -m pipelines.research.bench.peer", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(
+        prog="python -m pipelines.research.bench.peer", description=__doc__.split("\n")[0]
+    )
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

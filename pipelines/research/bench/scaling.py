@@ -36,7 +36,9 @@ def load_rows(paths: Iterable[str]) -> list[dict]:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"bench scaling: cannot read e2e records from {path}: {exc}") from exc
         if not isinstance(data, list) or any("world_size" not in r or "mode" not in r for r in data):
-            raise ValueError(f"bench scaling: {path} is not the JSON of `freescale bench e2e` (a list of records with world_size and mode)")
+            raise ValueError(
+                f"bench scaling: {path} is not the JSON of `freescale bench e2e` (a list of records with world_size and mode)"
+            )
         rows += data
     return rows
 
@@ -49,14 +51,19 @@ def scaling_rows(rows: list[dict]) -> list[dict]:
     out = []
     for (case, mode, world), runs in sorted(groups.items()):
         per_gpu = _median(r["samples_per_s"] / world for r in runs)
-        out.append({
-            "case": case, "mode": mode, "gpus": world, "runs": len(runs),
-            "samples_per_s_per_gpu": per_gpu,
-            "straggler_pct": _median(r.get("straggler_pct") for r in runs),
-            "bubble_ms": _median(r.get("bubble_ms") for r in runs),
-            "exposed_ms": {p: _median((r.get("exposed_ms") or {}).get(p) for r in runs) for p in PARTS},
-            "bubble_reduction": _median(r.get("bubble_reduction") for r in runs),
-        })
+        out.append(
+            {
+                "case": case,
+                "mode": mode,
+                "gpus": world,
+                "runs": len(runs),
+                "samples_per_s_per_gpu": per_gpu,
+                "straggler_pct": _median(r.get("straggler_pct") for r in runs),
+                "bubble_ms": _median(r.get("bubble_ms") for r in runs),
+                "exposed_ms": {p: _median((r.get("exposed_ms") or {}).get(p) for r in runs) for p in PARTS},
+                "bubble_reduction": _median(r.get("bubble_reduction") for r in runs),
+            }
+        )
     base = {(r["case"], r["mode"]): r["samples_per_s_per_gpu"] for r in out if r["gpus"] == 1}
     for r in out:
         one = base.get((r["case"], r["mode"]))
@@ -75,10 +82,18 @@ def crosscheck(replay: list[dict], rows: list[dict], partitioner: str = "fbs") -
         got = measured.get((mode, int(rec.get("ranks", -1))))
         if mode is None or got is None:
             continue
-        out.append({"gpus": int(rec["ranks"]), "partitioner": rec["partitioner"], "mode": mode,
-                    "replay_kernel": rec.get("replay_kernel"), "jitter": rec.get("jitter"),
-                    "predicted_pct": rec["straggler_pct"], "measured_pct": got,
-                    "apart_points": got - rec["straggler_pct"]})
+        out.append(
+            {
+                "gpus": int(rec["ranks"]),
+                "partitioner": rec["partitioner"],
+                "mode": mode,
+                "replay_kernel": rec.get("replay_kernel"),
+                "jitter": rec.get("jitter"),
+                "predicted_pct": rec["straggler_pct"],
+                "measured_pct": got,
+                "apart_points": got - rec["straggler_pct"],
+            }
+        )
     return out
 
 
@@ -87,24 +102,36 @@ def _cell(v: Optional[float], width: int, digits: int, scale: float = 1.0, suffi
 
 
 def print_tables(table: list[dict], checks: list[dict]) -> None:
-    head = f"{'case':<6} {'mode':<10} {'GPUs':>4} {'runs':>4} {'QPS/GPU':>9} {'eff.':>6} {'strag %':>7} {'bubble ms':>9} "
+    head = (
+        f"{'case':<6} {'mode':<10} {'GPUs':>4} {'runs':>4} {'QPS/GPU':>9} {'eff.':>6} {'strag %':>7} {'bubble ms':>9} "
+    )
     print(head + " ".join(f"{p[:9]:>9}" for p in PARTS) + f" {'bubble red.':>11}")
     for r in table:
-        print(f"{r['case']:<6} {r['mode']:<10} {r['gpus']:>4} {r['runs']:>4} {r['samples_per_s_per_gpu']:>9.1f} "
-              f"{_cell(r['scaling_efficiency'], 6, 1, 100, '%')} {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} "
-              + " ".join(_cell(r["exposed_ms"][p], 9, 2) for p in PARTS)
-              + f" {_cell(r['bubble_reduction'], 11, 1, 100, '%')}")
+        print(
+            f"{r['case']:<6} {r['mode']:<10} {r['gpus']:>4} {r['runs']:>4} {r['samples_per_s_per_gpu']:>9.1f} "
+            f"{_cell(r['scaling_efficiency'], 6, 1, 100, '%')} {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} "
+            + " ".join(_cell(r["exposed_ms"][p], 9, 2) for p in PARTS)
+            + f" {_cell(r['bubble_reduction'], 11, 1, 100, '%')}"
+        )
     if checks:
-        print(f"\nreplay cross-check (heavy case): {'GPUs':>4} {'partitioner':>11} {'mode':>9} {'kernel':>7} {'jitter':>8} "
-              f"{'replay %':>9} {'measured %':>10} {'apart (points)':>14}")
+        print(
+            f"\nreplay cross-check (heavy case): {'GPUs':>4} {'partitioner':>11} {'mode':>9} {'kernel':>7} {'jitter':>8} "
+            f"{'replay %':>9} {'measured %':>10} {'apart (points)':>14}"
+        )
         for c in checks:
-            print(f"{'':<33}{c['gpus']:>4} {c['partitioner']:>11} {c['mode']:>9} {str(c['replay_kernel']):>7} "
-                  f"{str(c['jitter']):>8} {c['predicted_pct']:>9.2f} {c['measured_pct']:>10.2f} {c['apart_points']:>14.2f}")
+            print(
+                f"{'':<33}{c['gpus']:>4} {c['partitioner']:>11} {c['mode']:>9} {str(c['replay_kernel']):>7} "
+                f"{str(c['jitter']):>8} {c['predicted_pct']:>9.2f} {c['measured_pct']:>10.2f} {c['apart_points']:>14.2f}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--e2e", nargs="+", required=True, metavar="JSON", help="JSON files of `freescale bench e2e` runs")
-    parser.add_argument("--replay", metavar="JSON", help="JSON of `python -m pipelines.research.replay` for the cross-check")
+    parser.add_argument(
+        "--e2e", nargs="+", required=True, metavar="JSON", help="JSON files of `freescale bench e2e` runs"
+    )
+    parser.add_argument(
+        "--replay", metavar="JSON", help="JSON of `python -m pipelines.research.replay` for the cross-check"
+    )
     parser.add_argument("--partitioner", default="fbs", help="freescale's partitioner in the e2e runs (default fbs)")
     parser.add_argument("--json", metavar="PATH", help="write the tables as JSON here")
 
@@ -129,6 +156,8 @@ def main(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     import sys
 
-    _parser = argparse.ArgumentParser(prog="python -m pipelines.research.bench.scaling", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(
+        prog="python -m pipelines.research.bench.scaling", description=__doc__.split("\n")[0]
+    )
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

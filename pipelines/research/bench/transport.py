@@ -51,14 +51,24 @@ LOCAL_KINDS = ("ce-copies", "nccl-proxy-sm16", "sm-copy-all")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write every figure as JSON here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    parser.add_argument("--backends", default="host-tcp,host-shm,nccl,rdma",
-                        help="comma-separated transports: host (the default path for these ranks), host-tcp, host-shm, "
-                             "nccl, rdma (rdma is untested on real NICs)")
-    parser.add_argument("--share-gpu", action="store_true",
-                        help="with fewer GPUs than ranks: every rank exchanges from GPU 0 (two GPU ranks on one GPU) "
-                             "instead of CPU peers; rank 0 alone runs the contention kernels")
-    parser.add_argument("--peer-threads", type=int, default=8,
-                        help="intra-op threads of a CPU peer of a GPU rank (its copies to and from shared memory)")
+    parser.add_argument(
+        "--backends",
+        default="host-tcp,host-shm,nccl,rdma",
+        help="comma-separated transports: host (the default path for these ranks), host-tcp, host-shm, "
+        "nccl, rdma (rdma is untested on real NICs)",
+    )
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="with fewer GPUs than ranks: every rank exchanges from GPU 0 (two GPU ranks on one GPU) "
+        "instead of CPU peers; rank 0 alone runs the contention kernels",
+    )
+    parser.add_argument(
+        "--peer-threads",
+        type=int,
+        default=8,
+        help="intra-op threads of a CPU peer of a GPU rank (its copies to and from shared memory)",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="block bytes per destination")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per latency point")
@@ -122,8 +132,10 @@ class Ctx:
             if name not in PEER_KINDS:
                 raise ValueError(f"bench transport: unknown backend {name!r}; choose from {PEER_KINDS}")
             if name.startswith("nccl") and not self.gpu_per_rank:
-                self.skipped[name] = (f"needs one GPU per rank ({torch.cuda.device_count()} GPU(s) for {self.world} "
-                                      "ranks); on one GPU see the nccl-proxy-sm16 contention row")
+                self.skipped[name] = (
+                    f"needs one GPU per rank ({torch.cuda.device_count()} GPU(s) for {self.world} "
+                    "ranks); on one GPU see the nccl-proxy-sm16 contention row"
+                )
                 continue
             reasons = self.gather(_reason(name))  # every rank must agree before a collective group is made
             reason = next((r for r in reasons if r), None)
@@ -167,8 +179,11 @@ def bench_latency(ctx: Ctx) -> list[dict]:
             splits = [size] * ctx.world
             cases: dict[tuple[str, str], Any] = {}
             for name, t in ctx.transports.items():
-                cases[(name, op)] = ((lambda t=t: t.all_to_all(x, splits, splits).wait()) if op == "all_to_all"
-                                     else (lambda t=t: t.all_gather(x).wait()))
+                cases[(name, op)] = (
+                    (lambda t=t: t.all_to_all(x, splits, splits).wait())
+                    if op == "all_to_all"
+                    else (lambda t=t: t.all_gather(x).wait())
+                )
             if op == "all_to_all" and ctx.any_cuda:
                 cases.update(_copy_floor(ctx, size))
             times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
@@ -184,8 +199,16 @@ def bench_latency(ctx: Ctx) -> list[dict]:
                 if name.startswith("copies") and not ctx.computes:
                     continue
                 med = statistics.median(ts)
-                rows.append({"backend": name, "op": label, "block_bytes": size, "median_us": med * 1e6,
-                             "min_us": min(ts) * 1e6, "gb_per_s": size * ctx.world / med / 1e9})
+                rows.append(
+                    {
+                        "backend": name,
+                        "op": label,
+                        "block_bytes": size,
+                        "median_us": med * 1e6,
+                        "min_us": min(ts) * 1e6,
+                        "gb_per_s": size * ctx.world / med / 1e9,
+                    }
+                )
     return rows
 
 
@@ -366,13 +389,21 @@ def bench_contention(ctx: Ctx) -> list[dict]:
                 elif ctx.computes:
                     ratios.append(got[True][0] / got[False][0])
             all_ratios = [r for rs in ctx.gather(ratios) for r in rs]
-            rows.append({
-                "kernel": kname, "traffic": kind, "kernel_alone_ms": t_alone * 1e3,
-                "median_ratio": statistics.median(all_ratios) if all_ratios else None,
-                "min_ratio": min(all_ratios) if all_ratios else None, "max_ratio": max(all_ratios) if all_ratios else None,
-                "pairs": len(all_ratios), "pairs_dropped_traffic_too_short": dropped, "traffic_units": n,
-                "unit_ms": unit * 1e3, "proxy": kind == "nccl-proxy-sm16",
-            })
+            rows.append(
+                {
+                    "kernel": kname,
+                    "traffic": kind,
+                    "kernel_alone_ms": t_alone * 1e3,
+                    "median_ratio": statistics.median(all_ratios) if all_ratios else None,
+                    "min_ratio": min(all_ratios) if all_ratios else None,
+                    "max_ratio": max(all_ratios) if all_ratios else None,
+                    "pairs": len(all_ratios),
+                    "pairs_dropped_traffic_too_short": dropped,
+                    "traffic_units": n,
+                    "unit_ms": unit * 1e3,
+                    "proxy": kind == "nccl-proxy-sm16",
+                }
+            )
             del traffic
     return rows
 
@@ -381,7 +412,11 @@ def bench_contention(ctx: Ctx) -> list[dict]:
 
 
 def trace_hosts(ctx: Ctx) -> dict:
-    return {name: trace_host(ctx, name) for name in ("host", "host-tcp", "host-shm") if name in ctx.transports and ctx.any_cuda}
+    return {
+        name: trace_host(ctx, name)
+        for name in ("host", "host-tcp", "host-shm")
+        if name in ctx.transports and ctx.any_cuda
+    }
 
 
 def trace_host(ctx: Ctx, name: str) -> dict:
@@ -412,10 +447,14 @@ def trace_host(ctx: Ctx, name: str) -> dict:
 def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict]:
     ctx = Ctx(args, rank, world)
     ctx.open_transports()
-    result: dict = {"world_size": world, "devices": ctx.gather(str(ctx.device)), "skipped": ctx.skipped,
-                    "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name(ctx.device) if ctx.computes else None,
-                    "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.computes else None}
+    result: dict = {
+        "world_size": world,
+        "devices": ctx.gather(str(ctx.device)),
+        "skipped": ctx.skipped,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(ctx.device) if ctx.computes else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if ctx.computes else None,
+    }
     result["load_average_before"] = os.getloadavg()
     result["latency"] = bench_latency(ctx)
     result["load_average_after"] = os.getloadavg()
@@ -428,24 +467,36 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
 
 
 def _print(result: dict) -> None:
-    print(f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}")
+    print(
+        f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}"
+    )
     if "load_average_before" in result:  # a loaded machine's figures are not its capacity
-        print(f"load average (1, 5, 15 min) before {result['load_average_before']}, after {result['load_average_after']}")
+        print(
+            f"load average (1, 5, 15 min) before {result['load_average_before']}, after {result['load_average_after']}"
+        )
     for name, why in result["skipped"].items():
         print(f"  skipped {name}: {why}")
     print(f"\n{'backend':<9} {'op':<11} {'block':>10} {'median us':>11} {'min us':>9} {'GB/s':>8}")
     for r in result["latency"]:
-        print(f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} {r['gb_per_s']:>8.2f}")
+        print(
+            f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} {r['gb_per_s']:>8.2f}"
+        )
     if result.get("summary"):
-        print(f"\n{'block':>10} {'tcp GB/s':>9} {'shm GB/s':>9} {'shm/tcp':>8} {'shm t / copies t':>17} {'shm t / peer copies t':>22}")
+        print(
+            f"\n{'block':>10} {'tcp GB/s':>9} {'shm GB/s':>9} {'shm/tcp':>8} {'shm t / copies t':>17} {'shm t / peer copies t':>22}"
+        )
         for r in result["summary"]:
             f = lambda k, w: f"{r[k]:>{w}.2f}" if k in r else f"{'-':>{w}}"
-            print(f"{r['block_bytes']:>10} {f('tcp_gb_per_s', 9)} {f('shm_gb_per_s', 9)} {f('shm_over_tcp', 8)} "
-                  f"{f('shm_time_over_copies', 17)} {f('shm_time_over_copies_peer', 22)}")
+            print(
+                f"{r['block_bytes']:>10} {f('tcp_gb_per_s', 9)} {f('shm_gb_per_s', 9)} {f('shm_over_tcp', 8)} "
+                f"{f('shm_time_over_copies', 17)} {f('shm_time_over_copies_peer', 22)}"
+            )
     for name, tr in (result.get("host_trace") or {}).items():
         print(f"\n{name} under the profiler:", json.dumps(tr))
     if result.get("contention"):
-        print(f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8} {'units':>6}")
+        print(
+            f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8} {'units':>6}"
+        )
         for r in result["contention"]:
             if "skipped" in r:
                 print(f"{r['kernel']:<6} {r['traffic']:<16} skipped: {r['skipped']}")
@@ -454,7 +505,9 @@ def _print(result: dict) -> None:
             lo = f"{r['min_ratio']:.3f}" if r["min_ratio"] else "-"
             hi = f"{r['max_ratio']:.3f}" if r["max_ratio"] else "-"
             label = r["traffic"] + (" (proxy)" if r["proxy"] else "")
-            print(f"{r['kernel']:<6} {label:<16} {r['kernel_alone_ms']:>9.2f} {med:>10} {lo:>6} {hi:>6} {r['pairs']:>6} {r['pairs_dropped_traffic_too_short']:>8} {r['traffic_units']:>6}")
+            print(
+                f"{r['kernel']:<6} {label:<16} {r['kernel_alone_ms']:>9.2f} {med:>10} {lo:>6} {hi:>6} {r['pairs']:>6} {r['pairs_dropped_traffic_too_short']:>8} {r['traffic_units']:>6}"
+            )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -468,7 +521,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m pipelines.research.bench.transport ...` where the `freescale` script is not installed
+if (
+    __name__ == "__main__"
+):  # `python -m pipelines.research.bench.transport ...` where the `freescale` script is not installed
     import sys
 
     _parser = argparse.ArgumentParser(prog="freescale bench transport", description=__doc__.split("\n")[0])
