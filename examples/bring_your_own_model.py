@@ -1,6 +1,7 @@
 """Bring your own model: a torchrec EmbeddingCollection model trained by FreeScale, its code unchanged.
 
-    torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py       # sync; freescale with and without balancer
+    # sync; freescale with and without balancer:
+    torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py
     torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py --partitioner none
     torchrun --standalone --nproc-per-node 2 examples/bring_your_own_model.py --export model.pt
     freescale train --nproc 2 --steps 5 --model examples/bring_your_own_model.py:build_model --export model.pt
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-from fsdata import Batch, Jagged, LoaderConfig, balancer_stages, BalancerConfig, build_loader, shutdown_loader
+from fsdata import BalancerConfig, Batch, Jagged, LoaderConfig, balancer_stages, build_loader, shutdown_loader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from fsembed import RowWiseAdagrad
 from pipelines import ModelSpec, TrainStep, data_dims, host_transport, unwrap_model, wrap_model

@@ -1,6 +1,7 @@
 """A partitioner of your own, named on the command line as module:function.
 
-    freescale train --nproc 2 --steps 10 --partitioner examples.custom_partitioner:round_robin_longest   # from the repository root
+    # from the repository root:
+    freescale train --nproc 2 --steps 10 --partitioner examples.custom_partitioner:round_robin_longest
     freescale train --nproc 2 --steps 10 --partitioner /path/to/examples/custom_partitioner.py:round_robin_longest
 
 ``module:function`` is found on sys.path with the current directory first (as ``python -m`` does);

@@ -156,7 +156,8 @@ def group_state(group: dist.ProcessGroup) -> GroupState:
 
 
 def default_group(backend: str = "gloo", kind: Optional[str] = None, pg_options=None) -> dist.ProcessGroup:
-    """fscomm's own group for ``backend`` (``kind`` names variants, e.g. NCCL with zero-CTA options; made on first use, collectively, so every rank must reach the
+    """fscomm's own group for ``backend`` (``kind`` names variants, e.g. NCCL with zero-CTA options; made on first
+    use, collectively, so every rank must reach the
     first ``get_transport`` of each backend in the same order). It is never the world group, so fscomm traffic
     does not queue behind the dense AllReduce."""
     kind = kind or backend

@@ -32,12 +32,12 @@ from fscomm.staging import PinnedPool
 from fscomm.transport import (
     Handle,
     Splits,
+    TransportBase,
     WorkHandle,
     as_bytes,
     check_all_gather,
     prepare_all_to_all,
     row_bytes,
-    TransportBase,
 )
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

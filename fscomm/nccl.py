@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.transport import (
-    TransportBase,
     Handle,
     Splits,
+    TransportBase,
     TransportUnavailableError,
     WorkHandle,
     check_all_gather,

@@ -33,12 +33,12 @@ from fscomm.nccl import nccl_unavailable_reason
 from fscomm.transport import (
     Handle,
     Splits,
+    TransportBase,
     TransportUnavailableError,
     WorkHandle,
     check_all_gather,
     check_all_to_all,
     row_bytes,
-    TransportBase,
 )
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -246,7 +246,8 @@ class NcclCeTransport(TransportBase):
         block_rows = send_l[0] if pad_to is None else int(pad_to)
         if block_rows < max(send_l + recv_l):
             raise ValueError(
-                f"fscomm nccl-ce all_to_all on rank {self.rank}: pad_to={pad_to} is smaller than a split ({max(send_l + recv_l)})"
+                f"fscomm nccl-ce all_to_all on rank {self.rank}: pad_to={pad_to} is smaller than a split "
+                f"({max(send_l + recv_l)})"
             )
         rb = row_bytes(x)
         block = block_rows * rb

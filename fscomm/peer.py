@@ -45,9 +45,9 @@ import torch.distributed as dist
 from fscomm import groups
 from fscomm.staged import StagedHandle
 from fscomm.transport import (
-    TransportBase,
     Handle,
     Splits,
+    TransportBase,
     TransportUnavailableError,
     as_bytes,
     check_all_gather,

@@ -38,12 +38,12 @@ from fscomm.staging import PinnedPool
 from fscomm.transport import (
     Handle,
     Splits,
+    TransportBase,
     TransportUnavailableError,
     as_bytes,
     check_all_gather,
     prepare_all_to_all,
     row_bytes,
-    TransportBase,
 )
 
 QUEUE_DEPTH = 64  # the smallest queues made; larger worlds get W-1

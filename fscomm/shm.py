@@ -478,7 +478,7 @@ class ShmExchange:
     def _run(
         self, op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back, host_future
     ) -> torch.Tensor:
-        me, W = self.rank, self.world_size
+        me = self.rank
         cuda = ready is not None
         what = f"{op} #{seq}"
         # 1. every peer has finished reading my previous exchange: my segment may be rewritten

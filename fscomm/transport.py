@@ -152,7 +152,8 @@ def as_splits(splits: Splits, what: str, op: str, world_size: int, rank: int) ->
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.dtype.is_floating_point or splits.dtype == torch.bool:
             raise ValueError(
-                f"fscomm {op} on rank {rank}: {what} must be a 1-D integer tensor, got {splits.dtype} {tuple(splits.shape)}"
+                f"fscomm {op} on rank {rank}: {what} must be a 1-D integer tensor, got {splits.dtype} "
+                f"{tuple(splits.shape)}"
             )
         values = [int(v) for v in splits.tolist()]
     else:
@@ -160,7 +161,8 @@ def as_splits(splits: Splits, what: str, op: str, world_size: int, rank: int) ->
             values = [int(v) for v in splits]
         except TypeError as exc:
             raise ValueError(
-                f"fscomm {op} on rank {rank}: {what} must be a list of ints or a 1-D tensor, got {type(splits).__name__}"
+                f"fscomm {op} on rank {rank}: {what} must be a list of ints or a 1-D tensor, got "
+                f"{type(splits).__name__}"
             ) from exc
     if len(values) != world_size:
         raise ValueError(f"fscomm {op} on rank {rank}: {what} has {len(values)} entries, world size is {world_size}")
@@ -174,13 +176,15 @@ def check_all_to_all(
 ) -> tuple[list[int], list[int]]:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         raise ValueError(
-            f"fscomm all_to_all on rank {rank}: need a tensor with at least one dimension, got {getattr(tensor, 'shape', type(tensor))}"
+            f"fscomm all_to_all on rank {rank}: need a tensor with at least one dimension, got "
+            f"{getattr(tensor, 'shape', type(tensor))}"
         )
     send = as_splits(send_splits, "send_splits", "all_to_all", world_size, rank)
     recv = as_splits(recv_splits, "recv_splits", "all_to_all", world_size, rank)
     if sum(send) != tensor.shape[0]:
         raise ValueError(
-            f"fscomm all_to_all on rank {rank}: send_splits sum to {sum(send)} but the tensor has {tensor.shape[0]} rows"
+            f"fscomm all_to_all on rank {rank}: send_splits sum to {sum(send)} but the tensor has {tensor.shape[0]} "
+            "rows"
         )
     return send, recv
 

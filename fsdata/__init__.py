@@ -12,9 +12,9 @@ from fsdata.install_names import check_shadowed_names
 
 check_shadowed_names()  # before anything imports `kernels`: a clash is named in one line, not an obscure failure
 
-from fsdata.batch import Batch, Jagged, Sample  # noqa: E402
-from fsdata.item import LoaderItem  # noqa: E402
-from fsdata.source import SampleSource  # noqa: E402
+from fsdata.batch import Batch, Jagged, Sample  # noqa: E402, F401  (re-exported: __all__)
+from fsdata.item import LoaderItem  # noqa: E402, F401
+from fsdata.source import SampleSource  # noqa: E402, F401
 
 _LAZY = {
     "LoaderConfig": "fsdata.loader",

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -124,18 +124,21 @@ def _check_extras(
             raise ValueError(f"Batch.extra_jagged[{name!r}] must be an fsdata.batch.Jagged, got {type(jt).__name__}")
         if jt.values.dtype not in EXTRA_DTYPES or jt.values.dim() != 1:
             raise ValueError(
-                f"Batch.extra_jagged[{name!r}]: values must be 1-D int64 or float32, got {jt.values.dtype} {tuple(jt.values.shape)}"
+                f"Batch.extra_jagged[{name!r}]: values must be 1-D int64 or float32, got {jt.values.dtype} "
+                f"{tuple(jt.values.shape)}"
             )
         if jt.offsets.dtype != torch.int64 or jt.offsets.shape != (batch_size + 1,):
             raise ValueError(
-                f"Batch.extra_jagged[{name!r}]: offsets must be int64 [{batch_size + 1}], got {jt.offsets.dtype} {tuple(jt.offsets.shape)}"
+                f"Batch.extra_jagged[{name!r}]: offsets must be int64 [{batch_size + 1}], got {jt.offsets.dtype} "
+                f"{tuple(jt.offsets.shape)}"
             )
         if name in BUILTIN_KJT_KEYS:
             raise ValueError(f"Batch.extra_jagged: {name!r} is a built-in key; name the field otherwise")
     for name, t in extra_dense.items():
         if t.dtype not in EXTRA_DTYPES or t.dim() < 1 or t.shape[0] != batch_size:
             raise ValueError(
-                f"Batch.extra_dense[{name!r}] must be int64 or float32 [{batch_size}, ...], got {t.dtype} {tuple(t.shape)}"
+                f"Batch.extra_dense[{name!r}] must be int64 or float32 [{batch_size}, ...], got {t.dtype} "
+                f"{tuple(t.shape)}"
             )
 
 

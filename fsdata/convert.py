@@ -38,7 +38,6 @@ import gzip
 import io
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -366,7 +365,8 @@ def read_kuairand(
         has_time = "time_ms" in header or {"date", "hourmin"} <= set(header)
         if missing or not has_time:
             raise ValueError(
-                f"{path}: KuaiRand log lacks columns {sorted(missing) + ([] if has_time else ['time_ms or date+hourmin'])}; "
+                f"{path}: KuaiRand log lacks columns "
+                f"{sorted(missing) + ([] if has_time else ['time_ms or date+hourmin'])}; "
                 f"header is {header}"
             )
         types = {"user_id": pa.int64(), "video_id": pa.int64()}
@@ -516,7 +516,8 @@ def events_to_parquet(
     held-out sample there."""
     if candidates < 1 or min_history < 1 or samples_per_user < 0 or (max_uih is not None and max_uih < 1):
         raise ValueError(
-            f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, {min_history}, {samples_per_user}, {max_uih})"
+            f"need candidates >= 1, min_history >= 1, samples_per_user >= 0, max_uih >= 1 (got {candidates}, "
+            f"{min_history}, {samples_per_user}, {max_uih})"
         )
     held = 0 if eval_out is None else (candidates if eval_candidates is None else eval_candidates)
     if eval_out is not None and held < 1:

@@ -108,7 +108,8 @@ def build_loader(
     start: Optional[dict] = None,
     device: Optional[torch.device] = None,
 ) -> Loader:
-    """A loader yielding ``LoaderItem``s. ``start``: the reader's ``{epoch, cursor}`` to begin from (see GlobalBatchReader). ``device``: where the
+    """A loader yielding ``LoaderItem``s. ``start``: the reader's ``{epoch, cursor}`` to begin from (see
+    GlobalBatchReader). ``device``: where the
     batches are trained; a CUDA device makes the stage worker copy them there, ordered before the work that the
     building thread's current stream queues after it takes an item (fsdata.nodes.device_copy)."""
     config.validate()

@@ -46,8 +46,8 @@ from fsdata.schema import (
     USER_ID,
     Columns,
     bad_values,
-    metadata_id_overflow,
     metadata_dims,
+    metadata_id_overflow,
     validate_columns,
     validate_schema,
 )

@@ -107,7 +107,8 @@ def metadata_id_overflow(schema: pa.Schema, path: str) -> Optional[str]:
     value = value.decode(errors="replace")
     if value not in ID_OVERFLOW_CHOICES:
         raise ValueError(
-            f"{path}: metadata {META_ID_OVERFLOW.decode()} is {value!r}; expected one of {', '.join(ID_OVERFLOW_CHOICES)}"
+            f"{path}: metadata {META_ID_OVERFLOW.decode()} is {value!r}; expected one of "
+            f"{', '.join(ID_OVERFLOW_CHOICES)}"
         )
     return value
 
@@ -219,7 +220,7 @@ def validate_columns(
     content_len = np.diff(cols.content_offsets)
     if len(content_len) and content_len.min() < 1:
         row = _sample_of(cols.candidate_offsets, first(content_len < 1))
-        fail(row, f"a candidate has no content ids (the first content id must be the candidate item)")
+        fail(row, "a candidate has no content ids (the first content id must be the candidate item)")
     dense_len = np.diff(cols.dense_offsets)
     if len(dense_len):
         expect = int(dense_len[0]) if dense_dim is None else dense_dim

@@ -5,7 +5,8 @@ fscomm lets one thread only issue collectives on a group (two threads interleavi
 deadlock). The forward group carries the ID exchanges (also those the collection starts for a next step), the
 flags (kept on the host too: the backward counts them there), the first step's lookup and, without a collision
 group, the collision rows' new values (which a prioritized forward then sends for its own step); the backward
-group carries every gradient exchange and the embeddings that a backward sends. On CPU both threads are the caller's, which is allowed. The loader's ID-prefetch
+group carries every gradient exchange and the embeddings that a backward sends. On CPU both threads are the caller's,
+which is allowed. The loader's ID-prefetch
 stage, when it runs in a loader thread, gets a group of its own from whoever builds it.
 
 Bulk is separate from backward because a group's exchanges run one after another (fscomm's serial worker per

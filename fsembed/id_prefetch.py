@@ -14,7 +14,8 @@ is given. The node is built with plain data from the sharding plan:
     transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
 and yields the loader item with ``prefetched`` set (``PrefetchedIds``, an attachment in the sense of
-fsdata.item: later loader stages complete, pin, move and compare it through its own methods). The node is an AsyncStage: the exchange in flight is not loader state
+fsdata.item: later loader stages complete, pin, move and compare it through its own methods). The node is an
+AsyncStage: the exchange in flight is not loader state
 (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its ids belong to
 the consumer.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar
 
 import torch
 
@@ -320,7 +321,8 @@ if BaseNode is not None:
     class IdPrefetch(AsyncStage):
         """Second half: posts each batch's id AllToAll (its sizes known) one ``next()`` before handing it out.
 
-        Yields the item with ``prefetched`` set (``PrefetchedIds``). Chained after :class:`IdSizeExchange` (``id_prefetch_stages``), batch
+        Yields the item with ``prefetched`` set (``PrefetchedIds``). Chained after :class:`IdSizeExchange`
+        (``id_prefetch_stages``), batch
         k's sizes leave two loader calls and its ids one call before batch k is handed out: with the trainer's
         one batch of lookahead, batch i+1's ids travel during step i-1 and are there for step i's forward.
         The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would order

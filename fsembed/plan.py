@@ -93,7 +93,8 @@ class ShardingPlan:
                 or bool((b[1:] < b[:-1]).any())
             ):
                 raise ValueError(
-                    f"ShardingPlan: table {t.name!r}: boundaries {b.tolist()} are not a sorted [W+1] split of {t.num_rows} rows"
+                    f"ShardingPlan: table {t.name!r}: boundaries {b.tolist()} are not a sorted [W+1] split of "
+                    f"{t.num_rows} rows"
                 )
         if not self.groups:
             self.groups = self._build_groups()
@@ -176,7 +177,8 @@ class ShardingPlan:
         return out
 
     def extractor(self, features_of: Callable[[object], Mapping[str, torch.Tensor]]) -> Callable[[object], dict]:
-        """Wraps a user's ``batch -> {feature: ids}`` into the ID-prefetch stage's ``batch -> {group: (ids, counts)}``."""
+        """Wraps a user's ``batch -> {feature: ids}`` into the ID-prefetch stage's ``batch -> {group: (ids,
+        counts)}``."""
 
         def extract(batch):
             return self.stack_ids(features_of(batch))

@@ -66,11 +66,11 @@ from typing import Callable, Optional
 import torch
 
 from fscomm.groups import comm_timeout_s
+from fscomm.registry import bound_thread, close_bound_threads
 from fscomm.worker import SerialWorker, helper_event
 from fsdata.batch import lengths_to_offsets
 from fsembed.id_prefetch import ShardedIds
 from fsembed.schedules import RUNTIME_SCHEDULES
-from fscomm.registry import bound_thread, close_bound_threads
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
 
@@ -361,12 +361,14 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         busy = [n for n, c in self.ctx.items() if c.awaiting_backward]
         if busy:
             raise ValueError(
-                f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one (groups {busy})"
+                f"rank {self.rank}: prioritized embeddings: forward of a new step before the backward of the last one "
+                f"(groups {busy})"
             )
         first = any(c.cur is None for c in self.ctx.values())
         if first and ids is None:
             raise ValueError(
-                f"rank {self.rank}: prioritized embeddings: the first step (and the step after a last one) needs its ids"
+                f"rank {self.rank}: prioritized embeddings: the first step (and the step after a last one) needs its "
+                "ids"
             )
         pre_now = self._as_prefetched(ids) if first else None
         pre_next = None if next_ids is None else self._as_prefetched(next_ids)

@@ -41,7 +41,8 @@ def split_rank_state(
             suffix = key[len(g.name) + 1 :]
             if state[key].shape[0] != g.local_rows(rank):
                 raise ValueError(
-                    f"reshard: rank {rank}'s {key} has {state[key].shape[0]} rows, the plan gives it {g.local_rows(rank)}"
+                    f"reshard: rank {rank}'s {key} has {state[key].shape[0]} rows, the plan gives it "
+                    f"{g.local_rows(rank)}"
                 )
             for name in g.tables:
                 rb = plan.row_boundaries[name]

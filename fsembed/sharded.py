@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fscomm.timing import Timer
-from fsembed.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
 from fsembed.comm import StageTransports, stage_transports
+from fsembed.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
 from kernels import ops
@@ -216,7 +216,8 @@ class ShardedEmbeddingCollection(nn.Module):
             w = state.get(f"{name}.weight")
             if w is None or w.shape != shard.weight.shape:
                 raise ValueError(
-                    f"rank {self.rank}: table state of group {name!r} missing or of the wrong shape (another world size?)"
+                    f"rank {self.rank}: table state of group {name!r} missing or of the wrong shape (another world "
+                    "size?)"
                 )
             shard.weight.copy_(w)
             for k, v in shard.state.items():
@@ -231,7 +232,8 @@ class ShardedEmbeddingCollection(nn.Module):
     def set_extra_state(self, state: dict) -> None:
         if state.get("world_size") != self.plan.world_size or state.get("rank") != self.rank:
             raise ValueError(
-                f"rank {self.rank}: embedding checkpoint was written by rank {state.get('rank')} of {state.get('world_size')}, "
+                f"rank {self.rank}: embedding checkpoint was written by rank {state.get('rank')} of "
+                f"{state.get('world_size')}, "
                 f"this job is rank {self.rank} of {self.plan.world_size} (resharding needs full tables: full_tables())"
             )
         self.load_tables_state(state["tables"])

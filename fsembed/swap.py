@@ -105,7 +105,8 @@ class EmbeddingHub:
         when the step has synchronised anyway: a mismatch still raises, one step later at most."""
         if feature not in self._out:
             raise ValueError(
-                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the model)"
+                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the "
+                "model)"
             )
         flat, every = ids.reshape(-1), self._ids[feature]
         if flat.dtype != every.dtype:  # a KJT may hold int32 ids
@@ -231,7 +232,8 @@ def _tables_of(name: str, module: nn.Module) -> list[tuple[TableConfig, torch.Te
             )
         return out
     raise ValueError(
-        f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec EmbeddingCollection"
+        f"fsembed swap: module {name!r} is a {type(module).__name__}, expected nn.Embedding or torchrec "
+        "EmbeddingCollection"
     )
 
 
@@ -333,7 +335,8 @@ def swap_embeddings(
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
         raise ValueError(
-            f"fsembed swap: no module named {missing} in {type(model).__name__} (named_modules() has {sorted(modules)[:20]}...)"
+            f"fsembed swap: no module named {missing} in {type(model).__name__} (named_modules() has "
+            f"{sorted(modules)[:20]}...)"
         )
     found = {n: _tables_of(n, modules[n]) for n in names}
     tables = [t for pairs in found.values() for t, _ in pairs]

@@ -35,7 +35,6 @@ from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
 from kernels.impl import Impl, resolve
 from kernels.pytorch import pt_jagged_attention
 
-
 #: The implementations of the jagged attention (kernels.impl names every kernel implementation).
 SUPPORTED = (Impl.VARLEN, Impl.FLEX, Impl.TORCH, Impl.PADDED)
 
@@ -82,7 +81,8 @@ class PackedOffsets:
         computed there) as int32, else a copy of ``host`` to ``device`` (none without a device)."""
         _require(
             host.device.type == "cpu" and host.dim() == 1 and host.numel() >= 1,
-            f"PackedOffsets.host must be a 1-D CPU tensor with at least one entry, got {tuple(host.shape)} on {host.device}",
+            f"PackedOffsets.host must be a 1-D CPU tensor with at least one entry, got {tuple(host.shape)} on "
+            f"{host.device}",
         )
         host = host.to(torch.int64)
         longest = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0

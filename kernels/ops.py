@@ -220,7 +220,8 @@ def ranged_dispatch(
     _require(
         boundaries.dim() == 1 and boundaries.numel() >= 2 and boundaries.dtype == torch.int64,
         op,
-        f"boundaries must be 1-D int64 with world_size + 1 >= 2 entries, got {boundaries.dtype} of shape {tuple(boundaries.shape)}",
+        f"boundaries must be 1-D int64 with world_size + 1 >= 2 entries, got {boundaries.dtype} of shape "
+        f"{tuple(boundaries.shape)}",
     )
     _check_same_device(op, ids=ids, boundaries=boundaries)
     if _check_values(boundaries, ids):

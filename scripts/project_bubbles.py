@@ -30,7 +30,8 @@ def main(replay_path: str, embedding_path: str, collision: float = 0.05, jitter:
         f"sync {e_sync:.2f} ms, prioritized {e_prio:.2f} ms"
     )
     print(
-        f"{'ranks':>5} {'wait none ms':>12} {'wait fbs ms':>11} {'bubbles sync':>12} {'bubbles freescale':>17} {'reduction':>9}"
+        f"{'ranks':>5} {'wait none ms':>12} {'wait fbs ms':>11} {'bubbles sync':>12} {'bubbles freescale':>17} "
+        f"{'reduction':>9}"
     )
     replay = [r for r in replay if "error" not in r and "ranks" in r]  # a failed fit leaves a record without figures
     ranks = sorted({r["ranks"] for r in replay if r.get("replay_kernel") == "jagged"})
@@ -45,7 +46,8 @@ def main(replay_path: str, embedding_path: str, collision: float = 0.05, jitter:
         wait = {p: rec[p]["straggler_pct"] / 100 * rec[p]["mean_step_s"] * 1e3 for p in ("none", "fbs")}
         sync, fs = wait["none"] + e_sync, wait["fbs"] + e_prio
         print(
-            f"{n:>5} {wait['none']:>12.1f} {wait['fbs']:>11.1f} {sync:>12.1f} {fs:>17.1f} {100 * (1 - fs / sync):>8.1f}%"
+            f"{n:>5} {wait['none']:>12.1f} {wait['fbs']:>11.1f} {sync:>12.1f} {fs:>17.1f} "
+            f"{100 * (1 - fs / sync):>8.1f}%"
         )
 
 

@@ -32,13 +32,16 @@ def main() -> None:
             triton_ranged.DISPATCH_BLOCK, triton_ranged.DISPATCH_WARPS = block, warps
             got = ops.ranged_dispatch(work.local_ids, work.boundaries)
             ok = all(torch.equal(a, b) for a, b in zip(got, want))
-            us = timer.gpu_us(lambda: ops.ranged_dispatch(work.local_ids, work.boundaries), 10)
+            us = timer.gpu_us(lambda work=work: ops.ranged_dispatch(work.local_ids, work.boundaries), 10)
             print(f"ranged_dispatch W={w} block={block} warps={warps}: {us:.1f} us ok={ok}", flush=True)
         n = work.global_ids.numel()
         for elements, warps in itertools.product((1024, 2048, 4096), (4, 8)):
             triton_jagged_gather.ELEMENTS_PER_PROGRAM, triton_jagged_gather.NUM_WARPS = elements, warps
             us = timer.gpu_us(
-                lambda: ops.indexed_permute(work.global_ids, work.global_uih_offsets, work.order, output_size=n), 10
+                lambda work=work: ops.indexed_permute(
+                    work.global_ids, work.global_uih_offsets, work.order, output_size=n
+                ),
+                10,
             )
             print(
                 f"indexed_permute/global W={w} elements={elements} warps={warps}: {us:.1f} us "

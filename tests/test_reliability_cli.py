@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -227,7 +226,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
             os.kill(pids[1], signal.SIGKILL)
             proc.communicate(timeout=60)
     assert proc.returncode == 1 and ended < waited + 5 + 8, (waited, ended)
-    line = [l for l in err.splitlines() if "error" in l]
+    line = [x for x in err.splitlines() if "error" in x]
     assert len(line) == 1, err[-3000:]
     assert "rank 0: CommTimeout: a collective in " in line[0] and "timed out after 3 s" in line[0], line[0]
     assert "did not arrive, stopped responding: rank 1 (silent for" in line[0], line[0]
@@ -246,7 +245,7 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     os.kill(pids[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    line = [l for l in err.splitlines() if "error" in l]
+    line = [x for x in err.splitlines() if "error" in x]
     assert len(line) == 1 and line[0].startswith("freescale train: error: rank 1 died"), err[-3000:]
     assert "without an error of its own" in line[0]  # with its signal, when the launcher saw it die first
     assert "no checkpoint in ck, starting at step 0" in out

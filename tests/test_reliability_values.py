@@ -1,8 +1,6 @@
 """Bad values reach the user as one error naming the sample and the column, or are dropped and counted; ids
 past the item table are an error unless the job or the dataset declares a fold (docs/reliability.md)."""
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch

@@ -186,7 +186,8 @@ class GatherLengths(AsyncStage[LoaderItem, _StageOne, _StageOneDone]):
         if mismatched:
             raise ValueError(
                 f"GatherLengths on rank {self.rank}: ranks {mismatched} send batches of another layout "
-                "(side features, dense width, label columns or extra features differ); every rank must read the same schema"
+                "(side features, dense width, label columns or extra features differ); every rank must read the same "
+                "schema"
             )
         kinds = world[:, 0, 5:7] != 0  # which kind of budget each rank has: the same on all, or the plan would differ
         mismatched = torch.nonzero((kinds != kinds[self.rank]).any(1)).flatten().tolist()

@@ -10,7 +10,8 @@ steps on every rank.
 Measured steps feed VBS autotune (:class:`AutoTune`) and the balance gate (fsdata.partition.gate), which may keep
 a step's identity plan. A memory budget (``budget``, fsdata.partition.budget) becomes the step's
 ``RuntimeInfo.memory_budget`` from the least the ranks sent in Stage I; a step no plan can fit fails here, before
-it trains, and so does a partitioner's plan that puts a rank over the budget. Their states and the partly measured steps are this node's state, so a resumed job plans
+it trains, and so does a partitioner's plan that puts a rank over the budget. Their states and the partly measured
+steps are this node's state, so a resumed job plans
 exactly as the stopped one would have.
 """
 

@@ -110,7 +110,8 @@ class MemoryModel:
     extra batch).
 
     The defaults are the replay's memory probe (pipelines/research/replay.py: peak allocated bytes of one and of
-    four copies of a 21,000-event sample, through the two points) on an H200, bf16, jagged attention (varlen), model preset
+    four copies of a 21,000-event sample, through the two points) on an H200, bf16, jagged attention (varlen), model
+    preset
     ``replay`` (d=256, 2 layers, 4 heads): 12.9 KiB per token and 0.83 GiB fixed (docs/bench/replay_h200_jagged.json).
     Another model needs its own figures: ``auto:bytes_per_token=...,fixed_bytes=...,headroom=...``.
     """

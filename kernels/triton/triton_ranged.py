@@ -5,7 +5,8 @@ Dispatch runs in two passes over the ids, each program owning one block of BLOCK
 1. count: each id's shard by binary search over the boundaries; the block's per-shard counts go to a
    shard-major table counts[shard, block].
 2. a prefix sum over that table (shard-major, so entry [s, b] minus block b's own count is where block b's
-   ids of shard s start in the send buffer), then scatter (which also writes the splits): each id goes to its block's base for its shard plus its rank
+   ids of shard s start in the send buffer), then scatter (which also writes the splits): each id goes to its block's
+   base for its shard plus its rank
    among the block's earlier ids of the same shard (a BLOCK x BLOCK comparison, which keeps the sort stable).
 The cost is independent of the world size apart from the log2(W) search and the W x blocks table, unlike the
 per-shard loop whose cost grows linearly with W.

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from fsdata.item import as_item
-from pipelines.models.reference import normalized_entropy
 from pipelines.api.numerics import autocast, autocast_dtype
+from pipelines.models.reference import normalized_entropy
 
 
 @dataclass

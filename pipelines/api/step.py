@@ -1,6 +1,7 @@
 """The public training API: wrap a user's model, then step it over the loader's items (docs/api.md).
 
-    stage = wrap_model(model, types=["EmbeddingCollection"], mode="freescale", inputs=inputs, optimizer=RowWiseAdagrad())
+    stage = wrap_model(model, types=["EmbeddingCollection"], mode="freescale", inputs=inputs,
+                       optimizer=RowWiseAdagrad())
     loader = build_loader(source, LoaderConfig(batch_size=B), rank, world_size,
                           stages=balancer_stages(...) + stage.loader_stages(rank))
     step = TrainStep(model, loss, torch.optim.Adam(model.parameters()), stage=stage)
@@ -37,14 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdata.batch import Batch
 from fscomm.registry import host_transport  # noqa: F401  (the public API's name for a loader stage's transport)
+from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
-from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
-from pipelines.models.reference import bce_sum
 from pipelines.api.modes import SHARDED, get_mode
+from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
+from pipelines.models.reference import bce_sum
 
 Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--samples-per-user",
         type=int,
         default=1,
-        help="windows per user, taken backwards from the latest events; 0 = all (output grows with history length squared)",
+        help="windows per user, taken backwards from the latest events; 0 = all (output grows with history length "
+        "squared)",
     )
     parser.add_argument("--min-history", type=int, default=1, help="shortest UIH of a sample (default 1)")
     parser.add_argument(

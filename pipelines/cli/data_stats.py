@@ -115,14 +115,16 @@ def print_stats(stats: dict) -> None:
     for key in ("uih_lengths", "num_candidates", "candidate_lengths"):
         p = stats[key]
         print(
-            f"  {key:18s} mean {p['mean']:9.1f}  p50 {p['p50']:8.0f}  p90 {p['p90']:8.0f}  p99 {p['p99']:8.0f}  min {p['min']}  max {p['max']}"
+            f"  {key:18s} mean {p['mean']:9.1f}  p50 {p['p50']:8.0f}  p90 {p['p90']:8.0f}  p99 {p['p99']:8.0f}  min "
+            f"{p['min']}  max {p['max']}"
         )
     if stats["sparsity_eq1_mean"] is not None:
         print(f"  sparsity (Eq. 1) at batch size {stats['batch_size']}: {stats['sparsity_eq1_mean']:.3f}")
     c = stats["collision_rate"]
     if c:
         print(
-            f"  collision rate between consecutive global batches of {stats['global_batch_size']}: mean {c['mean']:.4f} "
+            f"  collision rate between consecutive global batches of {stats['global_batch_size']}: mean "
+            f"{c['mean']:.4f} "
             f"(min {c['min']:.4f}, max {c['max']:.4f}, {c['pairs']} pairs)"
         )
     print(f"  unique rows / ids per global batch: {stats['unique_rows_per_id']:.3f}")

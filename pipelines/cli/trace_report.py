@@ -156,11 +156,13 @@ def _print(r: dict) -> None:
     steps = ", ".join(f"{s:.1f}" for s in r["step_ms"])
     print(f"{r['trace']}: {r['steps']} profiled steps ({steps} ms){gpu}; training thread {r['training_thread']}")
     print(
-        f"  {'phase':16s} {'wall ms':>8s} {'between ops':>11s}   per thread: ms in ops (top-level ops), ms in CUDA runtime"
+        f"  {'phase':16s} {'wall ms':>8s} {'between ops':>11s}   per thread: ms in ops (top-level ops), ms in CUDA "
+        "runtime"
     )
     for name, p in r["phases"].items():
         cells = [
-            f"{tid}{'*' if tid == r['training_thread'] else ''}: {t['ops_ms']:.2f} ({t['ops']:.0f}), {t['cuda_runtime_ms']:.2f}"
+            f"{tid}{'*' if tid == r['training_thread'] else ''}: {t['ops_ms']:.2f} ({t['ops']:.0f}), "
+            f"{t['cuda_runtime_ms']:.2f}"
             for tid, t in sorted(p["threads"].items(), key=lambda kv: -kv[1]["ops_ms"])
         ]
         print(f"  {name:16s} {p['wall_ms']:8.2f} {p['between_ops_ms']:11.2f}   " + "; ".join(cells))

@@ -8,10 +8,10 @@ import torch
 
 from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
-from pipelines.job.config import DataConfig, JobConfig, ModelSection, TrainConfig
-from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
 from pipelines.api.modes import MODES
 from pipelines.api.step import ModelSpec
+from pipelines.job.config import DataConfig, JobConfig, ModelSection, TrainConfig
+from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
 
 
 def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:

@@ -27,11 +27,11 @@ from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
-from pipelines.models.reference import ATTENTION_IMPLS
 from pipelines.api.modes import BALANCING, MODES, SHARDED
 from pipelines.api.numerics import PRECISIONS
-from pipelines.job.schedule import SCHEDULE_CHOICES
 from pipelines.api.staged import EARLY_START, EXCLUSIVE_START
+from pipelines.job.schedule import SCHEDULE_CHOICES
+from pipelines.models.reference import ATTENTION_IMPLS
 
 
 def _f(default: Any, help: str, **kw) -> Any:

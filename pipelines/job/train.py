@@ -167,7 +167,8 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
     if use_cuda and config.train.numa_binding is not None and hasattr(os, "sched_getaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         print(
-            f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), numa_binding={config.train.numa_binding}"
+            f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), "
+            f"numa_binding={config.train.numa_binding}"
         )
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
     # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
@@ -240,7 +241,8 @@ def _numa_options(config: JobConfig):
         return None
     if config.train.nproc > torch.cuda.device_count():
         print(
-            f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} GPU(s)"
+            f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} "
+            "GPU(s)"
         )
         return None
     from torch.numa.binding import AffinityMode, NumaOptions
@@ -411,8 +413,10 @@ def print_summary(summary: dict) -> None:
     steps = summary.get("steps") or 0
     # loss and ne come from the trainer's summary: label-weighted over the second half of the steps this process ran
     notes = {
-        "loss": f"mean BCE per label over the last {steps - steps // 2} of these {steps} steps (after a resume: of the resumed part)",
-        "ne": "normalized entropy over the same steps: that BCE / the entropy of the labels' positive rate (1 = predicting the rate; lower is better)",
+        "loss": f"mean BCE per label over the last {steps - steps // 2} of these {steps} steps (after a resume: of the "
+        "resumed part)",
+        "ne": "normalized entropy over the same steps: that BCE / the entropy of the labels' positive rate (1 = "
+        "predicting the rate; lower is better)",
     }
     for key in (
         "mode",
@@ -453,7 +457,8 @@ def print_summary(summary: dict) -> None:
         )
         print(f"  embedding        {chosen}" + (f" (probe medians: {probe})" if probe else ""))
     print(
-        f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left out"
+        f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left "
+        "out"
     )
     for e in summary.get("eval") or []:
         print(

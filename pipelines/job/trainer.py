@@ -54,10 +54,6 @@ import torch.distributed as dist
 
 from fscomm.registry import close_stage_transports, host_transport
 from fscomm.timing import Timer
-from pipelines.api.evaluate import evaluate
-from pipelines.api.modes import MODES
-from pipelines.job.progress import progress_bar
-from pipelines.api.numerics import check_determinism, enable_determinism
 from fsdata.balancer import balancer_stages
 from fsdata.id_overflow import IdRangeSource
 from fsdata.item import LoaderItem
@@ -65,14 +61,18 @@ from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_l
 from fsdata.metrics import sparsity
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.gather_lengths import StepFeedback
+from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
+from pipelines.api.evaluate import evaluate
+from pipelines.api.modes import MODES
+from pipelines.api.numerics import check_determinism, enable_determinism
+from pipelines.api.step import TrainStep, count_labels, unwrap_model
 from pipelines.job import checkpoint
 from pipelines.job.accounting import StepAccounting, stall_clues
 from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
 from pipelines.job.config import JobConfig
-from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
+from pipelines.job.progress import progress_bar
 from pipelines.job.schedule import ScheduleProbe
 from pipelines.models.reference import normalized_entropy
-from pipelines.api.step import TrainStep, count_labels, unwrap_model
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
 

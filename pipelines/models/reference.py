@@ -42,8 +42,8 @@ from torch import nn
 
 from fsdata.batch import Batch, offsets_to_lengths
 from kernels.attention import NEEDS_BLOCK_MASK, PackedOffsets, jagged_attention, resolve_impl
-from kernels.impl import Impl
 from kernels.flex.block_mask import JaggedBlockMask, build_block_mask
+from kernels.impl import Impl
 
 ATTENTIONS = ("jagged", "padded")
 #: The kernels of the jagged attention a model may name (kernels.impl.Impl); None: the device's default.
@@ -168,7 +168,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """``x``: [B, L, d] (padded) or [N, d] (packed); ``attend(q, k, v)`` takes and returns [..., heads, d / heads]."""
+        """``x``: [B, L, d] (padded) or [N, d] (packed); ``attend(q, k, v)`` takes and returns [..., heads, d /
+        heads]."""
         h, d = self.num_heads, x.shape[-1]
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, h, d // h)).unbind(-3)
         x = x + self.proj(attend(q, k, v).flatten(-2))

@@ -1,7 +1,9 @@
 """`freescale simulate --model replay`: step times from the real forward+backward of the reference model.
 
-The cost model of ``pipelines/research/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's busy
-time is the time of :class:`pipelines.models.reference.SequenceModel`'s forward, ``bce_sum`` loss and backward on that rank's
+The cost model of ``pipelines/research/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's
+busy
+time is the time of :class:`pipelines.models.reference.SequenceModel`'s forward, ``bce_sum`` loss and backward on
+that rank's
 local batch, timed on the actual device (``--device cpu|cuda``), one virtual rank after another, so the step
 time of N virtual ranks is the max of real measured times. That brings the model's real kernel behaviour into the
 figures, which the cost model only approximates. The kernel (``--replay-kernel``) is the model's attention:
@@ -22,7 +24,8 @@ Two modes (``--replay-mode``):
 
 * ``direct``: every rank of every simulated step is timed (``ranks x steps`` batches). For CPU checks and small
   settings.
-* ``fit`` (default): timing every rank of every step at 64 to 1,024 ranks would take hours, so replay times a few hundred
+* ``fit`` (default): timing every rank of every step at 64 to 1,024 ranks would take hours, so replay times a few
+hundred
   *whole local batches* exactly as the partitioners produce them: the ``none``, ``fbs``, ``vbs`` and ``kk`` plans
   of timing steps of ``--replay-timing-ranks`` ranks (fresh samples, not the simulated ones), their local batches
   in a random order with the partitioners interleaved, until ``--replay-timings`` batches or
@@ -49,7 +52,8 @@ Two modes (``--replay-mode``):
 Both kernels time each partitioner's whole local batch as it is. A variable-length kernel's time is a sum over
 samples, which is what the jagged regressors express.
 
-Jitter (``--replay-jitter``; ``python -m pipelines.research.replay`` takes both, ``residual,repeat``), one relative factor
+Jitter (``--replay-jitter``; ``python -m pipelines.research.replay`` takes both, ``residual,repeat``), one relative
+factor
 per rank and step, resampled from a pool:
 
 * ``repeat``: the measured run-to-run noise of one call, the deviations of every timed batch's repeats from their
@@ -530,7 +534,8 @@ def _dtype(args: argparse.Namespace) -> str:
 
 
 def _repeats(args: argparse.Namespace) -> int:
-    """``--replay-repeats`` (a flag of ``python -m pipelines.research.replay``; ``freescale simulate`` uses the default)."""
+    """``--replay-repeats`` (a flag of ``python -m pipelines.research.replay``; ``freescale simulate`` uses the
+    default)."""
     repeats = getattr(args, "replay_repeats", None)
     return DEFAULT_REPEATS if repeats is None else repeats
 
@@ -614,7 +619,8 @@ def _time_batches(
         f"replay timing ({kernel}): whole local batches of {args.replay_timing_ranks}-rank plans, 1 warm-up + "
         f"{repeats} timed calls each, up to {args.replay_timings} batches or {args.replay_time_budget:.0f} s"
         + (
-            f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + {guard.fixed_bytes / 2**30:.2f} "
+            f"; memory probe {guard.per_token_bytes / 1024:.1f} KiB per {kernel} token + "
+            f"{guard.fixed_bytes / 2**30:.2f} "
             f"GiB: at most {cap:.4g} tokens in {args.replay_mem_gib} GiB"
             if math.isfinite(cap)
             else ""
@@ -942,8 +948,10 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
                 f"timed calls, time = median ({f['n_calls_total']} calls, {f['timing_wall_s']:.0f} s); "
                 f"{f['n_skipped_too_large']} skipped as too large, {f['n_oom']} out of memory; fit on "
                 f"{f['n_timings_fit']} ({f['n_timings_fit_outliers_dropped']} outliers dropped), held-out "
-                f"{f['n_timings_heldout']}: R^2 {f['r2_heldout']:.4f} (their times' rel std {f['heldout_s_rel_std']:.4f}), median rel err {f['median_rel_err_heldout']:.4f}, "
-                f"p90 {f['p90_rel_err_heldout']:.4f}; run-to-run spread of one call {f['repeat_rel_std']:.4f} (per batch:"
+                f"{f['n_timings_heldout']}: R^2 {f['r2_heldout']:.4f} (their times' rel std "
+                f"{f['heldout_s_rel_std']:.4f}), median rel err {f['median_rel_err_heldout']:.4f}, "
+                f"p90 {f['p90_rel_err_heldout']:.4f}; run-to-run spread of one call {f['repeat_rel_std']:.4f} (per "
+                "batch:"
                 f" median {f['repeat_rel_spread_median']:.4f}, p90 {f['repeat_rel_spread_p90']:.4f}); timed count "
                 f"{f['timed_count_range']}, max L {f['timed_max_L_range']}, {f['timed_s_range'][0] * 1e3:.1f}-"
                 f"{f['timed_s_range'][1] * 1e3:.1f} ms; coefficients {f['coefficients']}"
@@ -1037,7 +1045,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    # Run as the imported module, not as __main__: simulate imports pipelines.research.replay for the step-time builder, and
+    # Run as the imported module, not as __main__: simulate imports pipelines.research.replay for the step-time builder,
+    # and
     # one module object means one fit cache and one ReplayFitError class.
     from pipelines.research import replay
 

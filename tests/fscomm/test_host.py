@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.distributed as dist
 
 from tests.harness import run_ranks, stage
 

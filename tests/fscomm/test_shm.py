@@ -65,8 +65,7 @@ def test_shared_memory_is_chosen_on_one_host_grows_and_leaves_no_segment():
 
 
 def _forced_paths(rank, world_size, fake_other_host):
-    from fscomm import TransportUnavailableError, get_transport, new_stage_group
-    from fscomm import shm
+    from fscomm import TransportUnavailableError, get_transport, new_stage_group, shm
 
     if fake_other_host == "host" and rank == 1:
         shm._host_identity = lambda: ("elsewhere", "another-boot")

@@ -116,7 +116,8 @@ def test_kuairand_csv(tmp_path, clock):
     for u, i, r, t in EVENTS:
         minutes = t  # one event per minute of a day
         lines.append(
-            f"{u},{i},20220408,{minutes // 60:02d}{minutes % 60:02d},{1649376000000 + minutes * 60_000},{int(r >= 4)},{int(r >= 5)},1,0"
+            f"{u},{i},20220408,{minutes // 60:02d}{minutes % 60:02d},{1649376000000 + minutes * 60_000},"
+            f"{int(r >= 4)},{int(r >= 5)},1,0"
         )
     if clock == "date+hourmin":
         header = header.replace(",time_ms", "")

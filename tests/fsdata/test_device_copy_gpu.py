@@ -86,8 +86,8 @@ class _Done:
 def test_prefetched_ids_arrive_on_the_device_with_the_batch():
     """The ID prefetch's exchange is completed in the node, and its send permutation and result are copied with
     the batch: the step's forward finds them on the device."""
-    from fsembed.id_prefetch import PrefetchedIds, ShardedIds
     from fsdata.item import LoaderItem
+    from fsembed.id_prefetch import PrefetchedIds, ShardedIds
 
     perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
     ids = PrefetchedIds({"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))})

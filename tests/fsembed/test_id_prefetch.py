@@ -27,9 +27,9 @@ def _features(batch):
 def _make_loader(rank, world_size, transport):
     from torchdata.nodes import Loader, Mapper
 
-    from fsembed.id_prefetch import id_prefetch_stages
     from fsdata.nodes.reader import GlobalBatchReader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
+    from fsembed.id_prefetch import id_prefetch_stages
 
     plan = _plan(world_size)
     source = SyntheticSource(SyntheticConfig(num_samples=37, seed=4, collision_block_size=8))

@@ -25,7 +25,7 @@ def _run(coll, feats, start, stop, losses):
 
 
 def _resume(rank, world_size, opt_name, cut):
-    from fsembed.optim import RowWiseAdagrad, SGD
+    from fsembed.optim import SGD, RowWiseAdagrad
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
 

@@ -71,7 +71,7 @@ def test_swap_matches_unsharded_model_and_prioritized_matches_sync():
         losses = [ref(*_data(s, r)) for r in range(2)]
         sum(losses).backward()
         opt.step()
-        ref_losses.append(torch.stack([l.detach() for l in losses]))
+        ref_losses.append(torch.stack([x.detach() for x in losses]))
     for rank, r in enumerate(results):
         losses, tables, keys = r["sync"]
         torch.testing.assert_close(losses, torch.stack(ref_losses)[:, rank], rtol=1e-5, atol=1e-6)

@@ -38,7 +38,8 @@ def _torchrec_model(plan, world_size, tables, opt_name):
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan as TRPlan
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.types import ShardingPlan as TRPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention import jagged_attention, resolve_impl
-from kernels.impl import Impl
 from kernels.flex.block_mask import build_block_mask
+from kernels.impl import Impl
 from tests.kernels.test_attention_gpu import _compare, _qkv
 
 

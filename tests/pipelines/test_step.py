@@ -247,8 +247,8 @@ def test_wrap_model_needs_features_or_a_kjt_input():
 def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path):
     """`[model] model` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
     config and its ModelSpec goes through the same wrap as the reference model."""
-    from pipelines.job.builders import build_model_spec, build_source
     from pipelines.cli import build_parser
+    from pipelines.job.builders import build_model_spec, build_source
     from pipelines.job.config import config_from_args
 
     (tmp_path / "my_model.py").write_text(

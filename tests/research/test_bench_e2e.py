@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.research.bench.e2e import pair_with_sync, spread, stalled_steps
 from pipelines.job.accounting import stall_clues as _stall_clues
+from pipelines.research.bench.e2e import pair_with_sync, spread, stalled_steps
 
 
 def _row(case, mode, repeat, bubble, median, qps):

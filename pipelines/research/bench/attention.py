@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import NEEDS_BLOCK_MASK, PackedOffsets, jagged_attention
-from kernels.impl import Impl
 from kernels.flex.block_mask import build_block_mask
+from kernels.impl import Impl
 from pipelines.research.bench.kernels import uih_lengths
 
 GPU_CASES = "64:4096,128:8000,128:21000"
@@ -459,7 +459,8 @@ def _gates(records: list[Record]) -> list[str]:
     if pad and var:
         ratio = pad.fwd_bwd_ms / var.fwd_bwd_ms
         lines.append(
-            f"causal B={var.batch_size} cap {var.cap}: varlen {ratio:.1f}x faster than padded (gate >= {CAUSAL_GATE:.0f}x)"
+            f"causal B={var.batch_size} cap {var.cap}: varlen {ratio:.1f}x faster than padded (gate >= "
+            f"{CAUSAL_GATE:.0f}x)"
         )
     sdpa, var = find("equal", "sdpa"), find("equal", "varlen")
     if sdpa and var:
@@ -469,7 +470,8 @@ def _gates(records: list[Record]) -> list[str]:
     flex, var = find("target", "flex"), find("target", "varlen")
     if flex and var:
         lines.append(
-            f"target attention: varlen {flex.fwd_bwd_ms / var.fwd_bwd_ms:.1f}x faster than flex (gate >= {TARGET_GATE:.0f}x)"
+            f"target attention: varlen {flex.fwd_bwd_ms / var.fwd_bwd_ms:.1f}x faster than flex (gate >= "
+            f"{TARGET_GATE:.0f}x)"
         )
     flex, var = find("model", "flex"), find("model", "varlen")
     if flex and var:

@@ -36,8 +36,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
-from pipelines.job.config import JobConfig, add_tuning_arguments, apply_tuning
 from pipelines.api.modes import MODES as ALL_MODES
+from pipelines.job.config import JobConfig, add_tuning_arguments, apply_tuning
 from pipelines.job.schedule import PROBE_START, ScheduleProbe
 
 # every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
@@ -353,7 +353,8 @@ def _print_table(rows: list[dict]) -> None:
     head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(
         f"{p[:9]:>9}" for p in parts
     )
-    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>8} {'peak MiB':>8} {'moved':>5} {'emb':>4} {'bubble red.':>11}"
+    head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>8} {'peak MiB':>8}"
+    head += f" {'moved':>5} {'emb':>4} {'bubble red.':>11}"
     print(head)
     for r in rows:
         red = r.get("bubble_reduction")
@@ -361,7 +362,8 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
-            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} {r['warmup_ms']:>7.0f} {r['ne']:>8.5f} {r['peak_memory_mib']:>8.0f}"
+            + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} "
+            f"{r['warmup_ms']:>7.0f} {r['ne']:>8.5f} {r['peak_memory_mib']:>8.0f}"
             + f" {'-' if r.get('balanced_steps') is None else r['balanced_steps']:>5} {_schedule_cell(r):>4}"
             + (f" {100 * red:>10.1f}%" if red is not None else f" {'':>11}")
         )

@@ -464,22 +464,26 @@ def run(cfg: BenchConfig) -> dict:
 def _table(result: dict) -> str:
     head = (
         f"{'coll.knob':>9} {'measured':>8} {'max_uih':>7} {'ids/rk':>7} | {'sync ids/emb/grad = total ms':>30} | "
-        f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13} | {'dense ms s/p':>12}"
+        f"{'prio ids/emb/grad = total ms':>30} | {'reduct.':>7} {'parity':>6} | {'step ms s/p':>13} | "
+        f"{'dense ms s/p':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in result["records"]:
         s, p = r["sync_exposed_ms"], r["prioritized_exposed_ms"]
         lines.append(
-            f"{r['collision_knob']:>9.3f} {r['collision_measured']:>8.3f} {r['max_uih']:>7d} {r['ids_per_rank_step']:>7.0f} | "
+            f"{r['collision_knob']:>9.3f} {r['collision_measured']:>8.3f} {r['max_uih']:>7d} "
+            f"{r['ids_per_rank_step']:>7.0f} | "
             f"{s['ids_a2a']:>6.2f}/{s['emb_a2a']:>6.2f}/{s['grad_a2a']:>6.2f} = {s['total']:>6.2f} | "
             f"{p['ids_a2a']:>6.2f}/{p['emb_a2a']:>6.2f}/{p['grad_a2a']:>6.2f} = {p['total']:>6.2f} | "
-            f"{r['exposed_reduction']:>6.1f}x {str(r['parity']):>6} | {r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f} | "
+            f"{r['exposed_reduction']:>6.1f}x {str(r['parity']):>6} | "
+            f"{r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f} | "
             f"{s['dense']:>5.2f}/{p['dense']:>5.2f}"
         )
     for mode, fit in result["fit_vs_collision"].items():
         if fit:
             lines.append(
-                f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 {fit['r2']:.3f})"
+                f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 "
+                f"{fit['r2']:.3f})"
             )
     return "\n".join(lines)
 

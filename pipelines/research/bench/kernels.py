@@ -343,7 +343,8 @@ def _format_row(r: Row) -> str:
     return (
         f"{r.op:<24}{r.world_size:>5}{_fmt(r.triton_us, '11.1f')}{r.twin_us:>11.1f}{r.eager_us:>13.1f}"
         f"{_fmt(r.speedup_vs_eager, '10.1f')}{_fmt(r.speedup_vs_twin, '9.2f')}{_fmt(r.triton_gpu_us, '9.1f')}"
-        f"{r.bytes_moved / 1e6:>9.2f}{_fmt(r.achieved_gbps, '8.0f')}{_fmt(None if r.bandwidth_fraction is None else 100 * r.bandwidth_fraction, '7.1f')}"
+        f"{r.bytes_moved / 1e6:>9.2f}{_fmt(r.achieved_gbps, '8.0f')}"
+        f"{_fmt(None if r.bandwidth_fraction is None else 100 * r.bandwidth_fraction, '7.1f')}"
         f"  {'yes' if r.agree else 'NO'}"
     )
 

@@ -1,4 +1,5 @@
-"""`python -m pipelines.research.bench.peer`: the copy-engine peer transport (fscomm.peer) measured against plain copies.
+"""`python -m pipelines.research.bench.peer`: the copy-engine peer transport (fscomm.peer) measured against plain
+copies.
 
 (a) bandwidth: all_to_all with a block of ``--sizes`` bytes to every rank: one exchange alone (median latency)
     and a stream of exchanges, two in flight (GB/s of what leaves each rank: (W - 1) x block per exchange),
@@ -330,11 +331,13 @@ def print_result(result: dict) -> None:
         else "one GPU per rank: peer copies between GPUs"
     )
     print(
-        f"peer transport, {result['world_size']} ranks, {result['gpus']} x {result['gpu']} ({where}), torch {result['torch']}"
+        f"peer transport, {result['world_size']} ranks, {result['gpus']} x {result['gpu']} ({where}), torch "
+        f"{result['torch']}"
     )
     copy_label = "copy GPU0->GPU0" if result["shared_gpu"] else "copy GPU0->GPU1"
     print(
-        f"{'block MiB':>9} {'a2a lat us':>10} {'a2a GB/s':>9} {copy_label + ' GB/s':>20} {'vs copy':>8} {'all copies GB/s':>16}"
+        f"{'block MiB':>9} {'a2a lat us':>10} {'a2a GB/s':>9} {copy_label + ' GB/s':>20} {'vs copy':>8} "
+        f"{'all copies GB/s':>16}"
     )
     for b in result["bandwidth"]:
         allc = f"{b['all_copies_gb_per_s']:>16.1f}" if b["all_copies_gb_per_s"] is not None else f"{'-':>16}"
@@ -349,13 +352,15 @@ def print_result(result: dict) -> None:
     )
     if result["contention"]:
         print(
-            f"{'kernel':<6} {'traffic':<7} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8}"
+            f"{'kernel':<6} {'traffic':<7} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} "
+            f"{'dropped':>8}"
         )
         for c in result["contention"]:
             fmt = lambda v: f"{v:.3f}" if v is not None else "-"
             print(
                 f"{c['kernel']:<6} {c['traffic']:<7} {c['kernel_alone_ms']:>9.2f} {fmt(c['median_ratio']):>10} "
-                f"{fmt(c['min_ratio']):>6} {fmt(c['max_ratio']):>6} {c['pairs']:>6} {c['pairs_dropped_traffic_too_short']:>8}"
+                f"{fmt(c['min_ratio']):>6} {fmt(c['max_ratio']):>6} {c['pairs']:>6} "
+                f"{c['pairs_dropped_traffic_too_short']:>8}"
             )
     print(f"buffers per rank: {result['buffers']}")
     for rank, phases in enumerate(result.get("phase_ms_per_exchange", [])):

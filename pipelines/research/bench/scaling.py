@@ -1,6 +1,7 @@
 """`python -m pipelines.research.bench.scaling`: the scaling table and the replay cross-check from runs made elsewhere.
 
-    python -m pipelines.research.bench.scaling --e2e out/e2e_heavy_1.json out/e2e_heavy_8.json ... [--replay out/replay.json]
+    python -m pipelines.research.bench.scaling --e2e out/e2e_heavy_1.json out/e2e_heavy_8.json ... \
+        [--replay out/replay.json]
 
 Reads the JSON of ``freescale bench e2e`` runs at several GPU counts (one rank per GPU, same case and local batch:
 weak scaling) and prints, per case, mode and GPU count: samples/s per GPU, scaling efficiency (samples/s per
@@ -37,7 +38,8 @@ def load_rows(paths: Iterable[str]) -> list[dict]:
             raise ValueError(f"bench scaling: cannot read e2e records from {path}: {exc}") from exc
         if not isinstance(data, list) or any("world_size" not in r or "mode" not in r for r in data):
             raise ValueError(
-                f"bench scaling: {path} is not the JSON of `freescale bench e2e` (a list of records with world_size and mode)"
+                f"bench scaling: {path} is not the JSON of `freescale bench e2e` (a list of records with world_size "
+                "and mode)"
             )
         rows += data
     return rows
@@ -109,19 +111,22 @@ def print_tables(table: list[dict], checks: list[dict]) -> None:
     for r in table:
         print(
             f"{r['case']:<6} {r['mode']:<10} {r['gpus']:>4} {r['runs']:>4} {r['samples_per_s_per_gpu']:>9.1f} "
-            f"{_cell(r['scaling_efficiency'], 6, 1, 100, '%')} {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} "
+            f"{_cell(r['scaling_efficiency'], 6, 1, 100, '%')} {_cell(r['straggler_pct'], 7, 1)} "
+            f"{_cell(r['bubble_ms'], 9, 2)} "
             + " ".join(_cell(r["exposed_ms"][p], 9, 2) for p in PARTS)
             + f" {_cell(r['bubble_reduction'], 11, 1, 100, '%')}"
         )
     if checks:
         print(
-            f"\nreplay cross-check (heavy case): {'GPUs':>4} {'partitioner':>11} {'mode':>9} {'kernel':>7} {'jitter':>8} "
+            f"\nreplay cross-check (heavy case): {'GPUs':>4} {'partitioner':>11} {'mode':>9} {'kernel':>7} "
+            f"{'jitter':>8} "
             f"{'replay %':>9} {'measured %':>10} {'apart (points)':>14}"
         )
         for c in checks:
             print(
                 f"{'':<33}{c['gpus']:>4} {c['partitioner']:>11} {c['mode']:>9} {str(c['replay_kernel']):>7} "
-                f"{str(c['jitter']):>8} {c['predicted_pct']:>9.2f} {c['measured_pct']:>10.2f} {c['apart_points']:>14.2f}"
+                f"{str(c['jitter']):>8} {c['predicted_pct']:>9.2f} {c['measured_pct']:>10.2f} "
+                f"{c['apart_points']:>14.2f}"
             )
 
 

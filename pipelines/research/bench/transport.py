@@ -155,8 +155,9 @@ class Ctx:
 
 
 def _reason(name: str) -> Optional[str]:
-    from fscomm.transport import BACKENDS
     import importlib
+
+    from fscomm.transport import BACKENDS
 
     module, cls = BACKENDS[name].split(":")
     try:
@@ -468,7 +469,8 @@ def _rank_main(args: argparse.Namespace, rank: int, world: int) -> Optional[dict
 
 def _print(result: dict) -> None:
     print(
-        f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  torch={result['torch']}"
+        f"ranks {result['world_size']} on {result['devices']}  gpu={result.get('gpu')}  nccl={result.get('nccl')}  "
+        f"torch={result['torch']}"
     )
     if "load_average_before" in result:  # a loaded machine's figures are not its capacity
         print(
@@ -479,11 +481,13 @@ def _print(result: dict) -> None:
     print(f"\n{'backend':<9} {'op':<11} {'block':>10} {'median us':>11} {'min us':>9} {'GB/s':>8}")
     for r in result["latency"]:
         print(
-            f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} {r['gb_per_s']:>8.2f}"
+            f"{r['backend']:<9} {r['op']:<11} {r['block_bytes']:>10} {r['median_us']:>11.1f} {r['min_us']:>9.1f} "
+            f"{r['gb_per_s']:>8.2f}"
         )
     if result.get("summary"):
         print(
-            f"\n{'block':>10} {'tcp GB/s':>9} {'shm GB/s':>9} {'shm/tcp':>8} {'shm t / copies t':>17} {'shm t / peer copies t':>22}"
+            f"\n{'block':>10} {'tcp GB/s':>9} {'shm GB/s':>9} {'shm/tcp':>8} {'shm t / copies t':>17} "
+            f"{'shm t / peer copies t':>22}"
         )
         for r in result["summary"]:
             f = lambda k, w: f"{r[k]:>{w}.2f}" if k in r else f"{'-':>{w}}"
@@ -495,7 +499,8 @@ def _print(result: dict) -> None:
         print(f"\n{name} under the profiler:", json.dumps(tr))
     if result.get("contention"):
         print(
-            f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} {'dropped':>8} {'units':>6}"
+            f"\n{'kernel':<6} {'traffic':<16} {'alone ms':>9} {'ratio med':>10} {'min':>6} {'max':>6} {'pairs':>6} "
+            f"{'dropped':>8} {'units':>6}"
         )
         for r in result["contention"]:
             if "skipped" in r:
@@ -506,7 +511,8 @@ def _print(result: dict) -> None:
             hi = f"{r['max_ratio']:.3f}" if r["max_ratio"] else "-"
             label = r["traffic"] + (" (proxy)" if r["proxy"] else "")
             print(
-                f"{r['kernel']:<6} {label:<16} {r['kernel_alone_ms']:>9.2f} {med:>10} {lo:>6} {hi:>6} {r['pairs']:>6} {r['pairs_dropped_traffic_too_short']:>8} {r['traffic_units']:>6}"
+                f"{r['kernel']:<6} {label:<16} {r['kernel_alone_ms']:>9.2f} {med:>10} {lo:>6} {hi:>6} {r['pairs']:>6} "
+                f"{r['pairs_dropped_traffic_too_short']:>8} {r['traffic_units']:>6}"
             )
 
 
