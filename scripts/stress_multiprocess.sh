@@ -43,10 +43,13 @@ for i in $(seq 1 "$N"); do
             done <<<"$found"
         fi
     fi
-    leftover=$(ls /dev/shm 2>/dev/null | grep -c '^fscomm-' || true)
-    if [ "$leftover" -ne 0 ]; then
-        echo "  run $i: $leftover fscomm-* segment(s) left in /dev/shm"
-    fi
+    # segments whose owner process has ended (a live owner may be another job's, running beside this one)
+    leftover=0
+    for seg in /dev/shm/fscomm-*; do
+        [ -e "$seg" ] || continue
+        pid=${seg#/dev/shm/fscomm-}; pid=${pid%%-*}
+        [ -d "/proc/$pid" ] || { leftover=$((leftover + 1)); echo "  run $i: left in /dev/shm: ${seg#/dev/shm/}"; }
+    done
 done
 echo "stress: $N run(s) in $(( $(date +%s) - start )) s, $failed_runs failed, $failures failure(s); logs in $LOG_DIR"
 [ "$failed_runs" -eq 0 ]
