@@ -21,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -252,8 +253,11 @@ def _numa_options(config: JobConfig):
 
 def launch(config: JobConfig) -> Optional[dict]:
     """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    log_dir = config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -265,10 +269,9 @@ def launch(config: JobConfig) -> Optional[dict]:
         monitor_interval=0.2,
         start_method="spawn",
         numa_options=_numa_options(config),
+        # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
+        logs_specs=DefaultLogsSpecs(log_dir=str(Path(log_dir) / "torchelastic")),
     )
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    log_dir = config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = log_dir, "1"  # inherited by the spawned ranks
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
     levels = [log.level for log in loggers]
@@ -283,8 +286,10 @@ def launch(config: JobConfig) -> Optional[dict]:
         daemon=True,
     )
     watch.start()
+    clean = False
     try:
         results = elastic_launch(launch_config, worker)(config)
+        clean = True
     except ChildFailedError as failure:
         raise RankFailed(_failure_line(failure, Path(log_dir))) from None
     finally:
@@ -294,7 +299,18 @@ def launch(config: JobConfig) -> Optional[dict]:
             log.setLevel(level)
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
         remove_rank_segments(Path(log_dir))
+        _tidy_log_dir(Path(log_dir), made_here=config.train.log_dir is None, clean=clean)
     return results.get(0)
+
+
+def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> None:
+    """The ranks' pid files are the launcher's to read while the job runs (segments, stopped ranks, the failure
+    line): they go once it has. A temporary directory made here goes after a clean run; after a failure it keeps
+    the ranks' logs that the error line names. A ``--log-dir`` of the user's keeps what the ranks wrote."""
+    for path in log_dir.glob("rank*.pid"):
+        path.unlink(missing_ok=True)
+    if made_here and clean:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 _STOPPED_GRACE_S = 5.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from pipelines.job.progress import PlainProgress, progress_bar
 
 
@@ -28,3 +30,22 @@ def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
 def test_a_stream_that_is_not_a_terminal_gets_plain_lines(monkeypatch, capsys):
     monkeypatch.setattr("sys.stderr", io.StringIO())
     assert isinstance(progress_bar(5), PlainProgress)
+
+
+@pytest.mark.multiprocess
+def test_a_run_into_a_file_reads_as_lines_and_leaves_no_temporary_folder(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stdout + proc.stderr and "train freescale (2 ranks): step 3/3" in proc.stderr
+    assert not list(tmp_path.glob("freescale-*")) and not list(tmp_path.glob("torchelastic_*"))
