@@ -341,6 +341,9 @@ class Trainer:
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
             self._data_counts = self._count_data_faults()
+            # every rank's peak memory (one tiny all-reduce): a plan may load one rank more than the others
+            peaks = gather_per_rank((float(self._peak_memory()),), self.rank, self.world_size, self.device)
+            self._peak_per_rank = [int(v) for v in peaks[:, 0]]
             if self.eval_source is not None:
                 self.evaluate(progress)
             if cfg.export and self.torchrec is None:  # the user's own modules back, with the trained tables
@@ -566,7 +569,7 @@ class Trainer:
         return out
 
     def _peak_memory(self) -> int:
-        """Rank 0's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
+        """This rank's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         import resource
@@ -710,7 +713,8 @@ class Trainer:
             # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
             "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
             "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
-            "peak_memory_bytes": self._peak_memory(),
+            "peak_memory_bytes": self._peak_memory(),  # rank 0's
+            "peak_memory_bytes_per_rank": getattr(self, "_peak_per_rank", None),
             "kernel_variants": self._kernel_variants(),
             "timing": self.timer.summary(),
             "loader_worker_timing": self.worker_timer.summary() if self.worker_timer is not self.timer else None,

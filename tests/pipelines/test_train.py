@@ -183,6 +183,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert "run summary" in proc.stdout
     s = json.loads(summary.read_text())
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
+    assert len(s["peak_memory_bytes_per_rank"]) == 2 and min(s["peak_memory_bytes_per_rank"]) > 0
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
     times = s["step_times_s"]  # every step; the first two (warm-up) and the last (drain) are left out of the timings
     assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))

@@ -195,7 +195,9 @@ def _row(case: str, s: dict) -> dict:
         "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],
-        "peak_memory_mib": (s["peak_memory_bytes"] or 0) / 2**20,
+        # the busiest rank's peak (the table), and every rank's (the JSON)
+        "peak_memory_mib": max(s.get("peak_memory_bytes_per_rank") or [s["peak_memory_bytes"] or 0]) / 2**20,
+        "peak_memory_mib_per_rank": [b / 2**20 for b in s.get("peak_memory_bytes_per_rank") or []],
         "steps": s["steps"],
         "ne_curve": s["ne_curve"],
         "world_size": s["world_size"],
