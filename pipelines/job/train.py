@@ -305,11 +305,14 @@ def launch(config: JobConfig) -> Optional[dict]:
 
 def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> None:
     """The ranks' pid files are the launcher's to read while the job runs (segments, stopped ranks, the failure
-    line): they go once it has. A temporary directory made here goes after a clean run; after a failure it keeps
-    the ranks' logs that the error line names. A ``--log-dir`` of the user's keeps what the ranks wrote."""
+    line): after a clean run they go, and a temporary directory made here goes with them. After a failure the
+    directory keeps the ranks' logs and pid files, which the error line's traceback log sits beside. A
+    ``--log-dir`` of the user's keeps the logs the ranks wrote."""
+    if not clean:
+        return
     for path in log_dir.glob("rank*.pid"):
         path.unlink(missing_ok=True)
-    if made_here and clean:
+    if made_here:
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
