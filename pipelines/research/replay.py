@@ -700,29 +700,28 @@ def _time_batches(
     return rows, skipped, ooms
 
 
-def _fit_info(
-    args,
-    kernel,
-    device,
-    dtype,
-    model,
-    timer,
-    guard,
-    rows,
-    skipped,
-    ooms,
-    wall,
-    x,
-    y,
-    coef,
-    keep,
-    fit_idx,
-    held,
-    residuals,
-    pool,
-    spreads,
-) -> dict:
+@dataclass
+class _Regression:
+    """A fit of the timed batches: features ``x`` and median times ``y`` of every batch, the coefficients, which
+    of the fit's batches were kept (``keep``, over ``fit_idx``), the held-out batches, the kept relative
+    residuals, the repeats' deviations from their medians (``pool``) and each batch's spread."""
+
+    x: np.ndarray
+    y: np.ndarray
+    coef: np.ndarray
+    keep: np.ndarray
+    fit_idx: np.ndarray
+    held: np.ndarray
+    residuals: np.ndarray
+    pool: np.ndarray
+    spreads: np.ndarray
+
+
+def _fit_info(args, model, timer, guard, rows, skipped, ooms, wall, fit: _Regression) -> dict:
     """What a fit rests on, for the records (see the module docstring)."""
+    kernel, device, dtype = args.replay_kernel, timer.device, timer.dtype
+    x, y, coef, keep, fit_idx, held = fit.x, fit.y, fit.coef, fit.keep, fit.fit_idx, fit.held
+    residuals, pool, spreads = fit.residuals, fit.pool, fit.spreads
     n, repeats, n_held = len(rows), _repeats(args), int(held.size)
     pred, truth = x[held] @ coef, y[held]
     rel_err = np.abs(pred - truth) / truth
@@ -832,28 +831,8 @@ def build_fit(args: argparse.Namespace) -> Fit:
         row["predicted_s"] = float(x[i] @ coef)
     for i, kept in zip(fit_idx, keep):
         rows[i]["outlier_dropped"] = not bool(kept)
-    info = _fit_info(
-        args,
-        kernel,
-        device,
-        dtype,
-        model,
-        timer,
-        guard,
-        rows,
-        skipped,
-        ooms,
-        wall,
-        x,
-        y,
-        coef,
-        keep,
-        fit_idx,
-        held,
-        residuals,
-        pool,
-        spreads,
-    )
+    fit = _Regression(x, y, coef, keep, fit_idx, held, residuals, pool, spreads)
+    info = _fit_info(args, model, timer, guard, rows, skipped, ooms, wall, fit)
     _write_timings(args, {**context, **{k: v for k, v in info.items() if k != "model_config"}}, rows)
     print(
         f"replay fit ({kernel} kernel): {n} whole local batches x {repeats} repeats in {wall:.0f} s, held-out R^2 "
