@@ -11,7 +11,7 @@ Gated (``gated=True``): the next item is not started when an item is handed out 
 ``release()`` (or, at the latest, its next ``next()``; both from the consumer's thread). The trainer releases it
 as its backward starts: on a host-bound model the forward is the training thread's busiest stretch of Python and
 kernel launches, and a worker running its stages beside it would take the GIL from it after every torch op
-(the A/B is in BENCHMARKS.md). The sequence of items, and of collectives, is the same either way; only when the
+(the A/B is in docs/bench-notes.md). The sequence of items, and of collectives, is the same either way; only when the
 worker runs changes.
 
 State: the source's state captured by the worker right after it produced the last item handed out, i.e. the
