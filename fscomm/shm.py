@@ -84,8 +84,16 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlinks this user's fscomm segments whose owner process is gone (what a crash left); returns their names."""
+def _owner(name: str) -> Optional[str]:
+    """The owner pid in a segment's name (``fscomm-<pid>-...``), None for another file."""
+    if not name.startswith(PREFIX):
+        return None
+    pid = name[len(PREFIX) :].split("-")[0]
+    return pid if pid.isdigit() else None
+
+
+def _unlink_segments(shm_dir: str, dead_owner: Callable[[str], bool]) -> list[str]:
+    """Unlinks this user's fscomm segments whose owner ``dead_owner(pid)`` says to remove; returns their names."""
     removed = []
     try:
         names = os.listdir(shm_dir)
@@ -93,10 +101,8 @@ def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
         return removed
     uid = os.getuid()
     for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        parts = name[len(PREFIX) :].split("-")
-        if not parts or not parts[0].isdigit() or _pid_alive(int(parts[0])):
+        owner = _owner(name)
+        if owner is None or not dead_owner(owner):
             continue
         path = os.path.join(shm_dir, name)
         try:
@@ -106,6 +112,11 @@ def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def clean_stale(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlinks this user's fscomm segments whose owner process is gone (what a crash left); returns their names."""
+    return _unlink_segments(shm_dir, lambda pid: not _pid_alive(int(pid)))
 
 
 def remove_segments_of(pids: Sequence[int], shm_dir: str = SHM_DIR) -> list[str]:
@@ -115,23 +126,7 @@ def remove_segments_of(pids: Sequence[int], shm_dir: str = SHM_DIR) -> list[str]
     failed) runs no clean-up, and its segments would stay until some later start's ``clean_stale``. A pid
     that is alive again (reused) is left alone."""
     wanted = {str(p) for p in pids if not _pid_alive(int(p))}
-    removed = []
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for name in names:
-        if not name.startswith(PREFIX) or name[len(PREFIX) :].split("-")[0] not in wanted:
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            if os.lstat(path).st_uid == uid:
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return _unlink_segments(shm_dir, lambda pid: pid in wanted)
 
 
 # Fault injection, for the tests of the launchers' clean-up: FSCOMM_SHM_FAULT=POINT:RANK kills rank RANK (of the
