@@ -11,13 +11,12 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
-def test_bench_embedding_smoke(tmp_path):
+def _toy_args(*extra: str) -> argparse.Namespace:
     from pipelines.research.bench import embedding
 
     parser = argparse.ArgumentParser()
     embedding.add_arguments(parser)
-    out = tmp_path / "emb.json"
-    args = parser.parse_args(
+    return parser.parse_args(
         [
             "--nproc",
             "2",
@@ -35,11 +34,16 @@ def test_bench_embedding_smoke(tmp_path):
             "0,0.5",
             "--device",
             "cpu",
-            "--json",
-            str(out),
+            *extra,
         ]
     )
-    assert embedding.main(args) == 0
+
+
+def test_bench_embedding_smoke(tmp_path):
+    from pipelines.research.bench import embedding
+
+    out = tmp_path / "emb.json"
+    assert embedding.main(_toy_args("--json", str(out))) == 0
     result = json.loads(out.read_text())
     assert len(result["records"]) == 4  # 2 collision rates + the UIH sweep's 2 shorter lengths
     for r in result["records"]:
@@ -58,3 +62,20 @@ def test_bench_embedding_rejects_bad_arguments():
         embedding.main(parser.parse_args(["--nproc", "1"]))
     with pytest.raises(ValueError, match="collision"):
         embedding.main(parser.parse_args(["--collisions", "0,1.5"]))
+
+
+def test_a_killed_bench_embedding_rank_is_one_line_and_leaves_no_segment(tmp_path, monkeypatch, capfd):
+    from fscomm.shm import FAULT_ENV
+    from pipelines.research.bench import embedding
+    from tests.test_reliability_launch import _pids, _segments_of, _terminal_lines
+
+    monkeypatch.setenv(FAULT_ENV, "exchange:1")
+    monkeypatch.setenv("FREESCALE_LOG_DIR", str(tmp_path / "logs"))
+    with pytest.raises(SystemExit) as ended:
+        embedding.main(_toy_args("--timeout", "60"))
+    assert ended.value.code == 1
+    err = _terminal_lines(capfd.readouterr().err)
+    assert len(err) <= 3 and "Traceback" not in "\n".join(err), err
+    assert err[-1].startswith("freescale bench embedding: error: rank 1 died (signal SIGKILL)"), err
+    pids = _pids(tmp_path / "logs")
+    assert len(pids) == 2 and _segments_of(pids) == []

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import platform
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -59,6 +56,7 @@ class BenchConfig:
     fit_collision: float = 0.05
     device: str = "cpu"
     seed: int = 0
+    timeout: float = 300.0  # seconds a collective may wait on a peer
     trace: Optional[str] = None  # directory: torch.profiler traces of the first point's steps, per rank and mode
 
 
@@ -89,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "chrome://tracing) of the first point's steps, warm-up included, per rank and mode (that "
         "point's figures are then measured under the profiler)",
     )
+    parser.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
     parser.add_argument("--json", type=str, default=None, help="write the records here")
     parser.add_argument(
         "--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)"
@@ -110,6 +109,7 @@ def _config_from_args(args) -> BenchConfig:
         collisions=[float(x) for x in args.collisions.split(",") if x.strip()],
         fit_collision=args.fit_collision,
         device=device,
+        timeout=getattr(args, "timeout", BenchConfig.timeout),
         trace=getattr(args, "trace", None),
     )
     if cfg.nproc < 2:
@@ -276,133 +276,118 @@ def _traced(directory: Optional[str], name: str, device: torch.device):
 
 
 def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[float, int]]) -> list[dict]:
-    import torch.distributed as dist
+    from concurrent.futures import ThreadPoolExecutor
 
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
     from fsembed.comm import stage_transports
-    from fsembed.optim import RowWiseAdagrad
-    from fsembed.prioritized import PrioritizedEmbeddingCollection
-    from fsembed.sharded import ShardedEmbeddingCollection
 
     # One GPU per rank where there are enough; otherwise the ranks share them (e.g. two ranks on one GPU).
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    transports = stage_transports()
-    from concurrent.futures import ThreadPoolExecutor
-
-    from fscomm import get_transport
-    from fscomm.groups import new_stage_group
-    from fsembed.id_prefetch import start_prefetch
-
-    prefetch_transport = get_transport("host", group=new_stage_group("bench-id-prefetch"))
-    dense_group = new_stage_group("bench-dense-allreduce")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="id-prefetch")
+    comm = dict(
+        transports=stage_transports(),
+        prefetch_transport=get_transport("host", group=new_stage_group("bench-id-prefetch")),
+        dense_group=new_stage_group("bench-dense-allreduce"),
+        pool=ThreadPoolExecutor(1, thread_name_prefix="id-prefetch"),
+    )
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
-    records = []
-    for point, (collision, max_uih) in enumerate(points):
-        batches = _batches(cfg, rank, world_size, collision, max_uih)
-        runs = {}
-        for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
-            coll = cls(
-                plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device
-            )
-            dist.barrier()
-            prefetcher = (
-                (
-                    lambda f: pool.submit(
-                        start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank
-                    )
-                )
-                if mode == "prioritized"
-                else None
-            )
-            with _traced(cfg.trace if point == 0 else None, f"embedding_{mode}_rank{rank}.json", device):
-                losses, step_s, per_step = _train(
-                    coll,
-                    batches,
-                    dense,
-                    prefetcher,
-                    warmup=cfg.warmup,
-                    device=device,
-                    compute_ms=cfg.compute_ms,
-                    meet=lambda: dist.barrier(group=dense_group),
-                )
-            # Median over steps: the CPU machines are shared, and one step that lost its core to another
-            # process would otherwise dominate a mean of a dozen steps.
-            exposed = {p: float(np.median([e[p] for e in per_step])) for p in (*PARTS, "dense")}
-            exposed["total"] = float(np.median([sum(e[p] for p in PARTS) for e in per_step]))
-            runs[mode] = dict(
-                losses=torch.stack(losses).cpu(),
-                tables=coll.full_tables(),
-                exposed=exposed,
-                step_s=float(np.median(step_s)),
-                collision=float(np.mean(coll.collision_rates[cfg.warmup : -1])) if mode == "prioritized" else None,
-                ids=int(sum(v.numel() for b in batches for v in b.values())),
-            )
-        s, p = runs["sync"], runs["prioritized"]
-        parity = torch.equal(s["losses"], p["losses"]) and all(
-            torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"]
-        )
-        records.append(
-            dict(
-                collision_knob=collision,
-                max_uih=max_uih,
-                parity=parity,
-                collision_measured=p["collision"],
-                ids_per_step=s["ids"] / len(batches),
-                sync_exposed=s["exposed"],
-                prioritized_exposed=p["exposed"],
-                sync_step_s=s["step_s"],
-                prioritized_step_s=p["step_s"],
-            )
-        )
-    pool.shutdown()
-    return records
+    try:
+        return [
+            _run_point(cfg, plan, dense, rank, world_size, device, point, c, L, **comm)
+            for point, (c, L) in enumerate(points)
+        ]
+    finally:
+        comm["pool"].shutdown()
 
 
-def _worker(rank, world_size, cfg, points, store_dir, queue):
+def _run_point(
+    cfg,
+    plan,
+    dense,
+    rank,
+    world_size,
+    device,
+    point,
+    collision,
+    max_uih,
+    transports,
+    prefetch_transport,
+    dense_group,
+    pool,
+) -> dict:
+    """One point of the sweep: the same batches under sync and prioritized updates, their exposed times and parity."""
     import torch.distributed as dist
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from fsembed.id_prefetch import start_prefetch
+    from fsembed.optim import RowWiseAdagrad
+    from fsembed.prioritized import PrioritizedEmbeddingCollection
+    from fsembed.sharded import ShardedEmbeddingCollection
+
+    batches = _batches(cfg, rank, world_size, collision, max_uih)
+    runs = {}
+    for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
+        coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+        dist.barrier()
+        prefetcher = (
+            (lambda f: pool.submit(start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank))
+            if mode == "prioritized"
+            else None
+        )
+        with _traced(cfg.trace if point == 0 else None, f"embedding_{mode}_rank{rank}.json", device):
+            losses, step_s, per_step = _train(
+                coll,
+                batches,
+                dense,
+                prefetcher,
+                warmup=cfg.warmup,
+                device=device,
+                compute_ms=cfg.compute_ms,
+                meet=lambda: dist.barrier(group=dense_group),
+            )
+        # Median over steps: the CPU machines are shared, and one step that lost its core to another
+        # process would otherwise dominate a mean of a dozen steps.
+        exposed = {p: float(np.median([e[p] for e in per_step])) for p in (*PARTS, "dense")}
+        exposed["total"] = float(np.median([sum(e[p] for p in PARTS) for e in per_step]))
+        runs[mode] = dict(
+            losses=torch.stack(losses).cpu(),
+            tables=coll.full_tables(),
+            exposed=exposed,
+            step_s=float(np.median(step_s)),
+            collision=float(np.mean(coll.collision_rates[cfg.warmup : -1])) if mode == "prioritized" else None,
+            ids=int(sum(v.numel() for b in batches for v in b.values())),
+        )
+    s, p = runs["sync"], runs["prioritized"]
+    parity = torch.equal(s["losses"], p["losses"]) and all(
+        torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"]
+    )
+    return dict(
+        collision_knob=collision,
+        max_uih=max_uih,
+        parity=parity,
+        collision_measured=p["collision"],
+        ids_per_step=s["ids"] / len(batches),
+        sync_exposed=s["exposed"],
+        prioritized_exposed=p["exposed"],
+        sync_step_s=s["step_s"],
+        prioritized_step_s=p["step_s"],
+    )
+
+
+def _rank_main(job: argparse.Namespace, rank: int, world_size: int) -> list[dict]:
     torch.set_num_threads(1)
     sys.setswitchinterval(1e-3)  # as the trainer's ranks (pipelines/job/train.py): several Python threads per rank
-    try:
-        store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-        )
-        out = _rank_run(rank, world_size, cfg, points)
-        queue.put((rank, "ok", out))
-    except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return _rank_run(rank, world_size, job.cfg, job.points)
 
 
 def _launch(cfg: BenchConfig, points) -> list[list[dict]]:
-    import multiprocessing as mp
+    """Every rank's records, in rank order; a failed rank ends the command with one line (bench/launch.py)."""
+    from pipelines.research.bench.launch import launch
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store_dir = tempfile.mkdtemp(prefix="fs-bench-emb-")
-    procs = [ctx.Process(target=_worker, args=(r, cfg.nproc, cfg, points, store_dir, queue)) for r in range(cfg.nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, list[dict]] = {}
-    try:
-        while len(results) < cfg.nproc:
-            rank, status, payload = queue.get(timeout=1800)
-            if status != "ok":
-                raise RuntimeError(f"bench embedding: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(cfg.nproc)]
+    job = argparse.Namespace(cfg=cfg, points=points, nproc=cfg.nproc, timeout=cfg.timeout)
+    return launch(_rank_main, job, "embedding", env={"OMP_NUM_THREADS": "1"}, every_rank=True)
 
 
 # ----------------------------------------------------------------------------------------------------- summary
