@@ -311,84 +311,26 @@ class ParquetSource:
         return rg
 
     def _decode(self, table: pa.Table, where: str) -> _RowGroup:
-        def array(name: str) -> pa.Array:
-            col = table.column(name)
-            arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-            if arr.null_count:
-                raise ValueError(
-                    f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed"
-                )
-            return arr
-
-        def leaf_np(name: str, leaf: pa.Array) -> np.ndarray:
-            if leaf.null_count:
-                raise ValueError(f"{where}: column '{name}' holds null values inside its lists")
-            return leaf.to_numpy(zero_copy_only=True)
-
-        def level1(name: str) -> tuple[np.ndarray, np.ndarray]:
-            arr = array(name)
-            off = arr.offsets.to_numpy().astype(np.int64)
-            leaf = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
-            return off - off[0], leaf_np(name, leaf)
-
-        def level2(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            arr = array(name)
-            off1 = arr.offsets.to_numpy().astype(np.int64)
-            inner = arr.values.slice(int(off1[0]), int(off1[-1] - off1[0]))
-            if inner.null_count:
-                raise ValueError(f"{where}: column '{name}' holds null inner lists")
-            off2 = inner.offsets.to_numpy().astype(np.int64)
-            leaf = inner.values.slice(int(off2[0]), int(off2[-1] - off2[0]))
-            return off1 - off1[0], off2 - off2[0], leaf_np(name, leaf)
-
-        uih_off, uih = level1(UIH_ITEM_IDS)
-        act_off, act = level1(UIH_ACTION_TYPES) if UIH_ACTION_TYPES in self._columns else (None, None)
-        ts_off, ts = level1(UIH_TIMESTAMPS) if UIH_TIMESTAMPS in self._columns else (None, None)
-        cand_off, label_off, labels = level2(CANDIDATE_LABELS)
-        ccand_off, content_off, content = level2(CANDIDATE_CONTENT_IDS)
-        dense_off, dense = level1(DENSE)
-        cols = Columns(
-            sample_ids=array(SAMPLE_ID).to_numpy(zero_copy_only=True),
-            user_ids=array(USER_ID).to_numpy(zero_copy_only=True),
-            uih_offsets=uih_off,
-            uih_item_ids=uih,
-            candidate_offsets=cand_off,
-            label_offsets=label_off,
-            labels=labels,
-            content_candidate_offsets=ccand_off,
-            content_offsets=content_off,
-            content_ids=content,
-            dense_offsets=dense_off,
-            dense=dense,
-            action_offsets=act_off,
-            uih_action_types=act,
-            timestamp_offsets=ts_off,
-            uih_timestamps=ts,
-        )
+        cols = _columns_of(table, where, self._columns)
         num_labels, dense_dim = validate_columns(
             cols, where, self.num_labels, self.dense_dim, check_values=not self.drop_bad_samples
         )
         bad = bad_values(cols)[0] if self.drop_bad_samples else None
-        if len(label_off) > 1:
+        if len(cols.label_offsets) > 1:
             self._agree(where, num_labels, None)
-        if len(dense_off) > 1:
+        if len(cols.dense_offsets) > 1:
             self._agree(where, None, dense_dim)
         n = len(cols.sample_ids)
-
-        uih_len = np.diff(uih_off)
+        uih_len = np.diff(cols.uih_offsets)
         truncated = uih_len > self.uih_cap
+        uih_off_t = torch.from_numpy(cols.uih_offsets)
         uih_t, act_t, ts_t = (
-            _tensor(uih),
-            (None if act is None else _tensor(act)),
-            (None if ts is None else _tensor(ts)),
+            None if a is None else _tensor(a) for a in (cols.uih_item_ids, cols.uih_action_types, cols.uih_timestamps)
         )
-        uih_off_t = torch.from_numpy(uih_off)
         if truncated.any():  # keep the most recent uih_cap events (the tail: histories are stored oldest first)
             kept = np.minimum(uih_len, self.uih_cap)
-            index = torch.from_numpy(segment_arange(uih_off[1:] - kept, kept))
-            uih_t = uih_t[index]
-            act_t = None if act_t is None else act_t[index]
-            ts_t = None if ts_t is None else ts_t[index]
+            index = torch.from_numpy(segment_arange(cols.uih_offsets[1:] - kept, kept))
+            uih_t, act_t, ts_t = (None if x is None else x[index] for x in (uih_t, act_t, ts_t))
             uih_off_t = torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]).astype(np.int64))
         t = self.num_labels or 1
         return _RowGroup(
@@ -398,14 +340,72 @@ class ParquetSource:
             uih_item_ids=uih_t,
             uih_action_types=act_t,
             uih_timestamps=ts_t,
-            candidate_offsets=torch.from_numpy(cand_off),
-            candidate_labels=_tensor(labels).reshape(-1, t),
-            content_offsets=torch.from_numpy(content_off),
-            content_ids=_tensor(content),
-            dense=_tensor(dense).reshape(n, self.dense_dim or 0),
+            candidate_offsets=torch.from_numpy(cols.candidate_offsets),
+            candidate_labels=_tensor(cols.labels).reshape(-1, t),
+            content_offsets=torch.from_numpy(cols.content_offsets),
+            content_ids=_tensor(cols.content_ids),
+            dense=_tensor(cols.dense).reshape(n, self.dense_dim or 0),
             truncated=torch.from_numpy(truncated),
             bad=bad if bad is not None and bad.any() else None,
         )
+
+
+def _columns_of(table: pa.Table, where: str, names: Sequence[str]) -> Columns:
+    """A row group's columns as numpy arrays without copies (offsets rebased to 0); nulls anywhere are an error
+    naming ``where`` and the column. The side features are read where ``names`` lists them."""
+
+    def array(name: str) -> pa.Array:
+        col = table.column(name)
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+        if arr.null_count:
+            raise ValueError(f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed")
+        return arr
+
+    def leaf_np(name: str, leaf: pa.Array) -> np.ndarray:
+        if leaf.null_count:
+            raise ValueError(f"{where}: column '{name}' holds null values inside its lists")
+        return leaf.to_numpy(zero_copy_only=True)
+
+    def level1(name: str) -> tuple[np.ndarray, np.ndarray]:
+        arr = array(name)
+        off = arr.offsets.to_numpy().astype(np.int64)
+        leaf = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
+        return off - off[0], leaf_np(name, leaf)
+
+    def level2(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        arr = array(name)
+        off1 = arr.offsets.to_numpy().astype(np.int64)
+        inner = arr.values.slice(int(off1[0]), int(off1[-1] - off1[0]))
+        if inner.null_count:
+            raise ValueError(f"{where}: column '{name}' holds null inner lists")
+        off2 = inner.offsets.to_numpy().astype(np.int64)
+        leaf = inner.values.slice(int(off2[0]), int(off2[-1] - off2[0]))
+        return off1 - off1[0], off2 - off2[0], leaf_np(name, leaf)
+
+    uih_off, uih = level1(UIH_ITEM_IDS)
+    act_off, act = level1(UIH_ACTION_TYPES) if UIH_ACTION_TYPES in names else (None, None)
+    ts_off, ts = level1(UIH_TIMESTAMPS) if UIH_TIMESTAMPS in names else (None, None)
+    cand_off, label_off, labels = level2(CANDIDATE_LABELS)
+    ccand_off, content_off, content = level2(CANDIDATE_CONTENT_IDS)
+    dense_off, dense = level1(DENSE)
+    return Columns(
+        sample_ids=array(SAMPLE_ID).to_numpy(zero_copy_only=True),
+        user_ids=array(USER_ID).to_numpy(zero_copy_only=True),
+        uih_offsets=uih_off,
+        uih_item_ids=uih,
+        candidate_offsets=cand_off,
+        label_offsets=label_off,
+        labels=labels,
+        content_candidate_offsets=ccand_off,
+        content_offsets=content_off,
+        content_ids=content,
+        dense_offsets=dense_off,
+        dense=dense,
+        action_offsets=act_off,
+        uih_action_types=act,
+        timestamp_offsets=ts_off,
+        uih_timestamps=ts,
+    )
 
 
 def keep_rows(batch: Batch, keep: np.ndarray) -> Batch:

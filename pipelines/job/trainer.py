@@ -141,29 +141,11 @@ class Trainer:
         # The loader's stages time their waits here when they run in the worker thread: off the critical path,
         # reported beside the exposed parts, never added to them (the training thread's wait is `data`).
         self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
-        self.source = build_source(config.data, config.loader.batch_size * world_size)
         self.feedback = StepFeedback()
-        self.spec = build_model_spec(config, self.source)  # the reference model, or a user's (--model factory)
-        if self.spec.source is not None:  # a user's model may read features of its own from the source
-            self.source = self.spec.source(self.source)
-        num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
-        if num_items is not None:
-            # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
-            # (fsdata.id_overflow).
-            self.source = IdRangeSource(self.source, num_items, config.data.id_overflow)
-        self.eval_source = self._eval_source(num_items)  # held-out data (--eval-data), read like the training data
-        self.evaluations: list[dict] = []
-        self.model = self.spec.model.to(device)
-        if config.train.deterministic:
-            check_determinism(self.model, device)
+        self._build_data_and_model()
         self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
         self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
-        if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
-            self.optimizer = self.torchrec.optimizer
-        else:
-            # Dense part only. On a GPU, fused: a few kernels per step instead of a foreach chain of ops, each of
-            # which would give the GIL away on the training thread (every mode alike, so the comparison is fair).
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.train.lr, fused=device.type == "cuda")
+        self.optimizer = self._build_optimizer()
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
         self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
         self.step = 0
@@ -187,50 +169,85 @@ class Trainer:
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
         self._phase = torch.profiler.record_function if config.train.trace else _unnamed
-        # The step itself is the public API's (pipelines.api.step.TrainStep): label count, loss, forward and backward,
-        # the dense all-reduce's buckets and the optimizer exist once; this class adds the job around it. A gated
-        # stage worker starts the batch after next as the backward starts (before_backward).
-        self.step_fn: Optional[TrainStep] = None
-        if self.torchrec is None:
-            self.step_fn = TrainStep(
-                self.model,
-                self.spec.loss,
-                self.optimizer,
-                stage=self.pipeline,
-                inputs=self.spec.inputs,
-                device=device,
-                rank=rank,
-                world_size=world_size,
-                bucket_mb=config.train.bucket_mb,
-                precision=config.train.precision,
-                timer=self.timer,
-                phase=self._phase,
-                before_backward=lambda: release_loader(self.loader),
-            )
+        self.step_fn = self._build_step()
+        if self.step_fn is not None:
             self.dense_sync = self.step_fn.dense_sync
-        # On a GPU the batches reach the training thread on the device already (copied by the stage worker while
-        # the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker
-        # starts the batch after next as the backward starts (TrainStep.forward_backward releases it), unless the config
-        # says otherwise.
-        loader_config = replace(
-            config.loader,
-            pin_memory=config.loader.pin_memory or device.type == "cuda",
-            worker_start=config.loader.worker_start or "backward",
-        )
-        self.loader = build_loader(
-            self.source,
-            loader_config,
-            rank,
-            world_size,
-            self._loader_stages(),
-            start={"epoch": self.epoch, "cursor": self.cursor},
-            device=device,
-        )
-        if resumed is not None:
-            self.loader.load_state_dict(resumed)
+        self.loader = self._build_loader(resumed)
         self.accounting = StepAccounting(self.timer, self.loader, self.pipeline, device)
         self.history: list[dict] = []
         self._metrics_file = None
+
+    def _build_data_and_model(self) -> None:
+        """The training source, the model spec (the reference model, or a user's --model factory), the held-out
+        source, and the model on its device."""
+        config = self.config
+        self.source = build_source(config.data, config.loader.batch_size * self.world_size)
+        self.spec = build_model_spec(config, self.source)
+        if self.spec.source is not None:  # a user's model may read features of its own from the source
+            self.source = self.spec.source(self.source)
+        num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
+        if num_items is not None:
+            # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
+            # (fsdata.id_overflow).
+            self.source = IdRangeSource(self.source, num_items, config.data.id_overflow)
+        self.eval_source = self._eval_source(num_items)  # held-out data (--eval-data), read like the training data
+        self.evaluations: list[dict] = []
+        self.model = self.spec.model.to(self.device)
+        if config.train.deterministic:
+            check_determinism(self.model, self.device)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
+            return self.torchrec.optimizer
+        # Dense part only. On a GPU, fused: a few kernels per step instead of a foreach chain of ops, each of which
+        # would give the GIL away on the training thread (every mode alike, so the comparison is fair).
+        return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr, fused=self.device.type == "cuda")
+
+    def _build_step(self) -> Optional[TrainStep]:
+        """The step itself is the public API's (pipelines.api.step.TrainStep): label count, loss, forward and
+        backward, the dense all-reduce's buckets and the optimizer exist once; this class adds the job around it.
+        A gated stage worker starts the batch after next as the backward starts (before_backward). None in mode
+        torchrec, whose reference pipeline runs its own step."""
+        if self.torchrec is not None:
+            return None
+        return TrainStep(
+            self.model,
+            self.spec.loss,
+            self.optimizer,
+            stage=self.pipeline,
+            inputs=self.spec.inputs,
+            device=self.device,
+            rank=self.rank,
+            world_size=self.world_size,
+            bucket_mb=self.config.train.bucket_mb,
+            precision=self.config.train.precision,
+            timer=self.timer,
+            phase=self._phase,
+            before_backward=lambda: release_loader(self.loader),
+        )
+
+    def _build_loader(self, resumed: Optional[dict]):
+        """On a GPU the batches reach the training thread on the device already (copied by the stage worker while
+        the previous step computes), or at least pinned, so _fetch only queues their copies. The stage worker starts
+        the batch after next as the backward starts (TrainStep.forward_backward releases it), unless the config says
+        otherwise."""
+        loader_config = replace(
+            self.config.loader,
+            pin_memory=self.config.loader.pin_memory or self.device.type == "cuda",
+            worker_start=self.config.loader.worker_start or "backward",
+        )
+        loader = build_loader(
+            self.source,
+            loader_config,
+            self.rank,
+            self.world_size,
+            self._loader_stages(),
+            start={"epoch": self.epoch, "cursor": self.cursor},
+            device=self.device,
+        )
+        if resumed is not None:
+            loader.load_state_dict(resumed)
+        return loader
 
     @property
     def balancing(self) -> bool:
