@@ -90,7 +90,12 @@ class Stager:
     ) -> Handle:
         """``copy_out(work)`` lists (x bytes, work bytes) copies, ``exchange(work)`` runs on the host in the
         worker thread, ``copy_back(work, result)`` lists (work bytes, result bytes) copies into ``out`` (or into
-        a host tensor shaped like it: ``keep_host`` keeps such a copy for ``handle.host()``)."""
+        a host tensor shaped like it: ``keep_host`` keeps such a copy for ``handle.host()``).
+
+        One function on purpose: the CPU and CUDA jobs share, as closures, the work buffer's lifetime (back to the
+        pool only once its copies have read it, never after a failed exchange), the host copy's future (failed too
+        when the job fails, so ``host()`` never waits forever) and the error diagnosis; apart, each piece would
+        take all of them as arguments and the ordering between them would no longer read in one place."""
         work_buf = self.pool.acquire(work_nbytes)
         work = work_buf.view
         # keep_host: a host copy of the result too (also on the CPU path, so CPU tests run its layout).

@@ -499,6 +499,31 @@ def _held_out_ranges(
     return users, start, end, uih, first[users]
 
 
+def _training_ranges(
+    train_counts: np.ndarray,
+    first: np.ndarray,
+    time: np.ndarray,
+    candidates: int,
+    samples_per_user: int,
+    min_history: int,
+    max_uih: Optional[int],
+) -> tuple[np.ndarray, ...]:
+    """Windows per user, then per training sample (in time order of its first candidate): user, candidate start
+    and end, UIH start (all within the user's events) and the user's first event. A user's windows of
+    ``candidates`` events are counted back from the end of its training events, each after ``min_history``."""
+    windows = np.where(train_counts > min_history, -(-(train_counts - min_history) // candidates), 0)
+    if samples_per_user:
+        windows = np.minimum(windows, samples_per_user)
+    s_user = np.repeat(np.arange(len(train_counts)), windows)
+    j = segment_arange(np.zeros(len(windows), dtype=np.int64), windows)  # window j counted back from the end
+    cand_end = train_counts[s_user] - j * candidates
+    cand_start = np.maximum(min_history, cand_end - candidates)
+    uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
+    base = first[s_user]
+    order = np.lexsort((cand_start, s_user, time[base + cand_start]))
+    return windows, *(a[order] for a in (s_user, cand_start, cand_end, uih_start, base))
+
+
 def events_to_parquet(
     events: Events,
     out: str,
@@ -540,24 +565,11 @@ def events_to_parquet(
     # A user's held-out events are its last `held`, if the events before them still make a training sample.
     in_eval = counts - held > min_history if held else np.zeros(len(counts), dtype=bool)
     train_counts = np.where(in_eval, counts - held, counts)
-    windows = np.where(train_counts > min_history, -(-(train_counts - min_history) // candidates), 0)
-    if samples_per_user:
-        windows = np.minimum(windows, samples_per_user)
-    s_user = np.repeat(np.arange(len(counts)), windows)
-    j = segment_arange(np.zeros(len(windows), dtype=np.int64), windows)  # window j counted back from the end
-    cand_end = train_counts[s_user] - j * candidates
-    cand_start = np.maximum(min_history, cand_end - candidates)
-    uih_start = np.zeros_like(cand_start) if max_uih is None else np.maximum(0, cand_start - max_uih)
-    base = first[s_user]
-    sample_order = np.lexsort((cand_start, s_user, time[base + cand_start]))
-    s_user, cand_start, cand_end, uih_start, base = (
-        a[sample_order] for a in (s_user, cand_start, cand_end, uih_start, base)
-    )
+    windows, *ranges = _training_ranges(train_counts, first, time, candidates, samples_per_user, min_history, max_uih)
+    s_user = ranges[0]
     if len(s_user) == 0:
         raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
-    written = _write_samples(
-        out, s_user, cand_start, cand_end, uih_start, base, item, labels, action, time, row_group_size, progress
-    )
+    written = _write_samples(out, *ranges, item, labels, action, time, row_group_size, progress)
     outputs = [str(out)]
     eval_written = 0
     if held:

@@ -51,3 +51,22 @@ def test_every_import_runs_down_the_layers():
                 if theirs is not None and theirs > mine and not target.startswith(module):
                     wrong.append(f"{module} imports {target}")
     assert not wrong, "imports that run up the layers:\n" + "\n".join(sorted(set(wrong)))
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_library_function_is_longer_than_a_screen_unless_its_docstring_says_why():
+    long = []
+    for top in ("kernels", "fscomm", "fsdata", "fsembed", "pipelines"):
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and "One function on purpose:" not in (ast.get_docstring(node) or ""):
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines: split them, or say why in the docstring "
+        "('One function on purpose: ...'):\n" + "\n".join(long)
+    )

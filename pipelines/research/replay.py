@@ -602,19 +602,8 @@ def _progress(kernel: str, rows: list[dict], skipped: list[dict], calls: int, el
     )
 
 
-def _time_batches(
-    args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard", jobs, started: float
-) -> tuple[list[dict], list[dict], list[dict]]:
-    """Times the whole local batches ``jobs`` yields, one warm-up and ``--replay-repeats`` calls each, until
-    ``--replay-timings`` of them or the time budget; batches the memory guard refuses, and those that run out of
-    memory, are recorded apart. Returns (timed rows, skipped, out of memory)."""
-    kernel, repeats = args.replay_kernel, _repeats(args)
-    rows: list[dict] = []
-    skipped: list[dict] = []
-    ooms: list[dict] = []
-    batch_walls: list[float] = []
-    printed = started
-    cap = guard.token_cap()
+def _announce(args: argparse.Namespace, guard: "MemoryGuard", repeats: int) -> None:
+    kernel, cap = args.replay_kernel, guard.token_cap()
     print(
         f"replay timing ({kernel}): whole local batches of {args.replay_timing_ranks}-rank plans, 1 warm-up + "
         f"{repeats} timed calls each, up to {args.replay_timings} batches or {args.replay_time_budget:.0f} s"
@@ -628,6 +617,34 @@ def _time_batches(
         file=sys.stderr,
         flush=True,
     )
+
+
+def _refuse_from_now_on(guard: "MemoryGuard", timer: "Timer", x: np.ndarray, shape: dict, kernel: str) -> None:
+    """After an out-of-memory error on batch features ``x``: the probe under-estimated this shape, so the guard
+    refuses this many tokens and more from now on; the failed call's memory is given back."""
+    guard.limit_bytes = min(guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * guard.work(x)[0])
+    timer.model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    print(
+        f"replay timing ({kernel}): out of memory on {shape}; the cap is now {guard.token_cap():.4g} tokens",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _time_batches(
+    args: argparse.Namespace, timer: "Timer", guard: "MemoryGuard", jobs, started: float
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Times the whole local batches ``jobs`` yields, one warm-up and ``--replay-repeats`` calls each, until
+    ``--replay-timings`` of them or the time budget; batches the memory guard refuses, and those that run out of
+    memory, are recorded apart. Returns (timed rows, skipped, out of memory)."""
+    kernel, repeats = args.replay_kernel, _repeats(args)
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    ooms: list[dict] = []
+    batch_walls: list[float] = []
+    printed = started
+    _announce(args, guard, repeats)
     while True:
         elapsed = time.perf_counter() - started
         next_end = elapsed + (np.mean(batch_walls) if batch_walls else 0.0)  # when the next batch would end
@@ -642,8 +659,7 @@ def _time_batches(
         if local.batch_size == 0:
             skipped.append({"partitioner": name, "step": step, "rank": rank, "count": 0, "reason": "empty"})
             continue
-        timed = local
-        x = features([timed.uih_lengths.numpy()])[0]
+        x = features([local.uih_lengths.numpy()])[0]
         shape = {
             "partitioner": name,
             "step": step,
@@ -664,33 +680,22 @@ def _time_batches(
             continue
         t0 = time.perf_counter()
         try:
-            times = timer.measure(timed, repeats)
+            times = timer.measure(local, repeats)
         except torch.cuda.OutOfMemoryError:
             times = None
         if times is None:  # outside the except block, so the failed call's tensors are freed first
-            # The probe under-estimated this shape: record it, and refuse this many tokens and more from now on.
             ooms.append(shape)
-            guard.limit_bytes = min(
-                guard.limit_bytes, guard.fixed_bytes + 0.95 * guard.per_token_bytes * guard.work(x)[0]
-            )
-            timer.model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-            print(
-                f"replay timing ({kernel}): out of memory on {shape}; the cap is now {guard.token_cap():.4g} tokens",
-                file=sys.stderr,
-                flush=True,
-            )
+            _refuse_from_now_on(guard, timer, x, shape, kernel)
             continue
         batch_walls.append(time.perf_counter() - t0)
-        local_x = features([local.uih_lengths.numpy()])[0]
         rows.append(
             {
                 **shape,
                 "sum_L": float(x[2]),
                 "sum_L2": float(x[3]),
-                "local_max_L": int(local_x[4]),
-                "local_sum_L": float(local_x[2]),
-                "local_sum_L2": float(local_x[3]),
+                "local_max_L": int(x[4]),  # the whole local batch is timed: its figures are the local ones
+                "local_sum_L": float(x[2]),
+                "local_sum_L2": float(x[3]),
                 "times_s": times.tolist(),
                 "median_s": float(np.median(times)),
                 "rel_spread": rel_spread(times),

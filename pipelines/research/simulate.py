@@ -263,8 +263,7 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
     cost_model = CostModel(alpha=s.alpha)
     pending: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # step -> busy [W], features [W, 4], weights [W]
     latest: Optional[tuple[int, np.ndarray]] = None
-    total_step = total_idle = samples = 0.0
-    imbalance, bounds, sparsity, plan_s, token_ratio, budget_ratio, budgets = [], [], [], [], [], [], []
+    rows: list[dict] = []  # one per measured step
     budget = s.memory_budget
     for step in range(s.steps + s.warmup):
         # Lookahead: the plan of `step` is made while step - lookahead + 1 runs: only older steps are measured.
@@ -297,43 +296,55 @@ def simulate(partitioner: str, source: LengthSource, step_time: StepTimeFn, s: S
         if step < s.warmup:
             continue
         longest = busy.max()
-        total_step += longest + s.sync_s
-        total_idle += (longest - busy).mean()
-        samples += lengths.num_samples
-        imbalance.append(longest / busy.mean())
         costs = (
             step_time.sample_costs(lengths) if hasattr(step_time, "sample_costs") else cost_model.sample_costs(lengths)
         )
         fixed = getattr(getattr(step_time, "params", None), "d", 0.0)
-        bounds.append(max(1.0, (fixed + costs.max()) / (fixed + costs.sum() / s.ranks)))
-        sparsity.append(float(per_rank_sparsity(plan, lengths.uih_lengths).mean()))
-        plan_s.append(elapsed)
         held = np.bincount(dest, weights=kept_tokens(lengths, s.max_uih), minlength=s.ranks)
-        token_ratio.append(held.max() / held.mean())
-        if runtime.memory_budget is not None:
-            budgets.append(runtime.memory_budget.tokens)
-            budget_ratio.append(held.max() / runtime.memory_budget.tokens)
+        limit = runtime.memory_budget
+        rows.append(
+            dict(
+                step_s=longest + s.sync_s,
+                idle_s=(longest - busy).mean(),
+                samples=lengths.num_samples,
+                imbalance=longest / busy.mean(),
+                bound=max(1.0, (fixed + costs.max()) / (fixed + costs.sum() / s.ranks)),
+                sparsity=float(per_rank_sparsity(plan, lengths.uih_lengths).mean()),
+                plan_s=elapsed,
+                token_ratio=held.max() / held.mean(),
+                budget=None if limit is None else limit.tokens,
+                budget_ratio=None if limit is None else held.max() / limit.tokens,
+            )
+        )
+    return _record(partitioner, s, rows, autotune is not None)
+
+
+def _record(partitioner: str, s: SimSettings, rows: list[dict], autotuned: bool) -> dict:
+    """The JSON record of one partitioner's measured steps."""
+    col = lambda key: [r[key] for r in rows if r[key] is not None]
+    total_step = float(sum(col("step_s")))
+    budgets, budget_ratio = col("budget"), col("budget_ratio")
     return {
         "ranks": s.ranks,
         "batch_size": s.batch_size,
         "max_uih": s.max_uih,
         "partitioner": partitioner,
-        "straggler_pct": 100.0 * total_idle / total_step,
-        "imbalance_max_over_mean": float(np.mean(imbalance)),
-        "lower_bound": float(np.mean(bounds)),
-        "samples_per_s": samples / total_step,
-        "sparsity": float(np.mean(sparsity)),
-        "tokens_max_over_mean": float(np.mean(token_ratio)),  # per-rank kept tokens, mean over steps
-        "tokens_max_over_mean_worst": float(np.max(token_ratio)),
-        "memory_budget": None if budget is None else str(budget),
+        "straggler_pct": 100.0 * float(sum(col("idle_s"))) / total_step,
+        "imbalance_max_over_mean": float(np.mean(col("imbalance"))),
+        "lower_bound": float(np.mean(col("bound"))),
+        "samples_per_s": float(sum(col("samples"))) / total_step,
+        "sparsity": float(np.mean(col("sparsity"))),
+        "tokens_max_over_mean": float(np.mean(col("token_ratio"))),  # per-rank kept tokens, mean over steps
+        "tokens_max_over_mean_worst": float(np.max(col("token_ratio"))),
+        "memory_budget": None if s.memory_budget is None else str(s.memory_budget),
         "budget_tokens_mean": float(np.mean(budgets)) if budgets else None,
         "tokens_max_over_budget_worst": float(np.max(budget_ratio)) if budget_ratio else None,
         "mean_step_s": total_step / s.steps,
-        "plan_ms": 1e3 * float(np.mean(plan_s)),
+        "plan_ms": 1e3 * float(np.mean(col("plan_s"))),
         "steps": s.steps,
         "warmup": s.warmup,
         "alpha": s.alpha,
-        "autotune": autotune is not None,
+        "autotune": autotuned,
         "fit_cost": s.fit_cost,
     }
 
@@ -497,6 +508,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--data", default=None, help="Parquet file, directory or glob: its UIH lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync-ms", type=float, default=0.0, help="gradient AllReduce time added to every step")
+    _add_cost_arguments(parser)
+    _add_replay_arguments(parser)
+    parser.add_argument("--json", default=None, help="write the records (a JSON list) here")
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="DIR",
+        help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
+        " --max-uih); PNG plots into DIR, records to --json (default DIR/balancer_sweep.json)",
+    )
+
+
+def _add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     cost = parser.add_argument_group("cost model (--model cost; assumed values, see CostParams)")
     defaults = CostParams()
     cost.add_argument("--kernel", choices=["jagged", "padded"], default=defaults.kernel)
@@ -506,6 +530,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cost.add_argument("--cost-c", type=float, default=defaults.c, help="seconds per sample")
     cost.add_argument("--cost-d", type=float, default=defaults.d, help="seconds per step")
     cost.add_argument("--cost-pad", type=float, default=defaults.pad, help="seconds per padded token")
+
+
+def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     replay = parser.add_argument_group("replay model (--model replay; see pipelines/research/replay.py)")
     replay.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model is timed")
     replay.add_argument(
@@ -556,14 +583,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="cap on count * max_L^2 (padded attention pairs) of one timed batch",
-    )
-    parser.add_argument("--json", default=None, help="write the records (a JSON list) here")
-    parser.add_argument(
-        "--sweep",
-        default=None,
-        metavar="DIR",
-        help="run the max-UIH, batch-size and rank sweeps (other sizes fixed at --ranks, --batch-size,"
-        " --max-uih); PNG plots into DIR, records to --json (default DIR/balancer_sweep.json)",
     )
 
 
