@@ -168,7 +168,18 @@ def loader_blocked_s(loader: Loader) -> float:
 
 
 def shutdown_loader(loader: Loader) -> None:
-    """Lets the loader's stage worker finish its item in flight (every rank alike) and stop: call it before
-    destroying the process groups."""
+    """Lets the loader's stage worker finish its item in flight (every rank alike) and stop, then ends the read-ahead
+    threads of torchdata's nodes (Prefetcher): call it once the loader is done, before destroying the process groups.
+
+    The read-ahead threads are daemon threads, often inside a torch op that has released the GIL: left running
+    at interpreter exit, such a thread is ended by the interpreter in the middle of C++ code, which can abort the
+    process ("terminate called without an active exception") after an otherwise clean run."""
     for worker in _workers(loader):
         worker.shutdown()
+    node = loader.root
+    while node is not None:
+        # torchdata has no public way to end a node's thread short of reset(), which starts a new one
+        inner = getattr(node, "_it", None)
+        if inner is not None and hasattr(inner, "_shutdown"):
+            inner._shutdown()
+        node = getattr(node, "source", None)

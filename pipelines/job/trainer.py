@@ -287,13 +287,7 @@ class Trainer:
             return
         self._closed = True
         self.accounting.close()
-        shutdown_loader(self.loader)
-        node = self.loader.root
-        while node is not None:  # torchdata's Prefetcher keeps a thread until its iterator is shut down
-            inner = getattr(node, "_it", None)
-            if inner is not None and hasattr(inner, "_shutdown"):
-                inner._shutdown()
-            node = getattr(node, "source", None)
+        shutdown_loader(self.loader)  # its stage worker and read-ahead threads
         close_stage_transports()  # the chains' threads, the stage transports and their groups (fscomm.registry)
 
     def __enter__(self) -> "Trainer":

@@ -114,3 +114,20 @@ def test_the_loader_yields_loader_items_whatever_is_composed():
     assert as_item(plain[0].batch).batch is plain[0].batch and as_item(plain[0]) is plain[0]
     with pytest.raises(ValueError, match="expected an fsdata LoaderItem or Batch"):
         as_item((plain[0].batch, {}))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_shutdown_ends_every_thread_the_loader_started(background):
+    """A read-ahead thread left running at exit can abort the process mid C++ op: none may outlive shutdown."""
+    import threading
+
+    from fsdata.loader import shutdown_loader
+
+    before = set(threading.enumerate())
+    config = LoaderConfig(batch_size=4, prefetch_depth=2, background_stages=background)
+    loader = build_loader(_source(200), config, 0, 1)
+    items = iter(loader)
+    next(items), next(items)
+    assert set(threading.enumerate()) - before, "the loader started no thread: nothing is tested"
+    shutdown_loader(loader)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []

@@ -132,7 +132,7 @@ def _oracle(optimizer: str, world_size: int):
         logits = model(history, lengths, candidates, users)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / labels.numel()
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         dense.step()
         touched = {"items": torch.unique(torch.cat([history, candidates])), "users": torch.unique(users)}
         with torch.no_grad():
