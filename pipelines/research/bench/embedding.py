@@ -294,13 +294,12 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     )
     plan = _plan(cfg, world_size)
     dense = _dense(cfg, device)
-    try:
-        return [
-            _run_point(cfg, plan, dense, rank, world_size, device, point, c, L, **comm)
-            for point, (c, L) in enumerate(points)
-        ]
-    finally:
-        comm["pool"].shutdown()
+    records = [
+        _run_point(cfg, plan, dense, rank, world_size, device, point, c, L, **comm)
+        for point, (c, L) in enumerate(points)
+    ]
+    comm["pool"].shutdown()  # on success only: after a failure a prefetch may wait on a peer that has gone
+    return records
 
 
 def _run_point(
