@@ -25,7 +25,6 @@ Under torchrun it runs as launched; otherwise it starts ``--nproc`` local ranks 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import threading
@@ -37,7 +36,14 @@ import torch
 import torch.distributed as dist
 
 from pipelines.research.bench.launch import launch, under_torchrun, write_json
-from pipelines.research.bench.traffic import KERNELS, TRAFFIC_BLOCK, ExchangeTraffic, contention_kernel
+from pipelines.research.bench.traffic import (
+    KERNELS,
+    TRAFFIC_BLOCK,
+    ExchangeTraffic,
+    contention_kernel,
+    contention_row,
+    traffic_units,
+)
 
 SIZES = [4 << 20, 32 << 20]
 
@@ -263,7 +269,7 @@ def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
             r.barrier()
             traffic.start(4).join(None)
             unit = max(_gather(traffic.seconds() / 4))
-            n = max(2, math.ceil(1.5 * t_alone / max(unit, 1e-6)) + 1)
+            n = traffic_units(t_alone, unit)
             ratios, dropped = [], 0
             for p in range(pairs):
                 got = {}
@@ -276,20 +282,7 @@ def bench_contention(r: Rank, kernels: list[str], pairs: int) -> list[dict]:
                 elif r.rank == 0:
                     ratios.append(got[True][0] / got[False][0])
             if r.rank == 0:
-                rows.append(
-                    {
-                        "kernel": kname,
-                        "traffic": kind,
-                        "kernel_alone_ms": 1e3 * t_alone,
-                        "median_ratio": statistics.median(ratios) if ratios else None,
-                        "min_ratio": min(ratios) if ratios else None,
-                        "max_ratio": max(ratios) if ratios else None,
-                        "pairs": len(ratios),
-                        "pairs_dropped_traffic_too_short": dropped,
-                        "traffic_units": n,
-                        "unit_ms": 1e3 * unit,
-                    }
-                )
+                rows.append(contention_row(kname, kind, t_alone, ratios, dropped, n, unit))
     return rows
 
 

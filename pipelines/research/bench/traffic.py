@@ -3,6 +3,8 @@ and the kernels whose slowdown they measure."""
 
 from __future__ import annotations
 
+import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -65,6 +67,30 @@ class ExchangeTraffic:
 
     def seconds(self) -> float:
         return self.times["end"] - self.times["start"]
+
+
+def traffic_units(kernel_s: float, unit_s: float) -> int:
+    """How many traffic exchanges (``unit_s`` each) outlast a kernel of ``kernel_s`` alone by half again; at least 2."""
+    return max(2, math.ceil(1.5 * kernel_s / max(unit_s, 1e-6)) + 1)
+
+
+def contention_row(
+    kernel: str, traffic: str, kernel_s: float, ratios: list[float], dropped: int, units: int, unit_s: float
+) -> dict:
+    """One record of a contention bench: the kernel's time alone, and its slowdown (overlapped / alone) over the
+    pairs kept, with the pairs dropped because the traffic ended before the kernel."""
+    return {
+        "kernel": kernel,
+        "traffic": traffic,
+        "kernel_alone_ms": 1e3 * kernel_s,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "min_ratio": min(ratios) if ratios else None,
+        "max_ratio": max(ratios) if ratios else None,
+        "pairs": len(ratios),
+        "pairs_dropped_traffic_too_short": dropped,
+        "traffic_units": units,
+        "unit_ms": 1e3 * unit_s,
+    }
 
 
 KERNELS = ("sdpa", "gemm")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import time
@@ -41,7 +40,7 @@ import torch.distributed as dist
 
 from fscomm import TransportUnavailableError, get_transport, new_stage_group
 from pipelines.research.bench.launch import launch, under_torchrun, write_json
-from pipelines.research.bench.traffic import ExchangeTraffic, contention_kernel
+from pipelines.research.bench.traffic import ExchangeTraffic, contention_kernel, contention_row, traffic_units
 
 SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
 PEER_KINDS = ("host", "host-tcp", "host-shm", "nccl", "rdma")
@@ -376,7 +375,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
                 traffic.start(2).join(None)
                 traffic.start(4).join(None)
             unit = max(ctx.gather(traffic.seconds() / 4 if traffic is not None else 0.0))
-            n = max(2, math.ceil(1.5 * t_alone / max(unit, 1e-6)) + 1)
+            n = traffic_units(t_alone, unit)
             ratios, dropped = [], 0
             for p in range(ctx.args.pairs):
                 order = (False, True) if p % 2 == 0 else (True, False)
@@ -392,16 +391,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
             all_ratios = [r for rs in ctx.gather(ratios) for r in rs]
             rows.append(
                 {
-                    "kernel": kname,
-                    "traffic": kind,
-                    "kernel_alone_ms": t_alone * 1e3,
-                    "median_ratio": statistics.median(all_ratios) if all_ratios else None,
-                    "min_ratio": min(all_ratios) if all_ratios else None,
-                    "max_ratio": max(all_ratios) if all_ratios else None,
-                    "pairs": len(all_ratios),
-                    "pairs_dropped_traffic_too_short": dropped,
-                    "traffic_units": n,
-                    "unit_ms": unit * 1e3,
+                    **contention_row(kname, kind, t_alone, all_ratios, dropped, n, unit),
                     "proxy": kind == "nccl-proxy-sm16",
                 }
             )
