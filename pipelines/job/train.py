@@ -401,7 +401,7 @@ def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
 def check_before_launch(config: JobConfig) -> None:
     """What can be checked before any rank starts, so that a bad path or file is one line, not N ranks' errors:
     the Parquet files' footers and schema, that they hold samples (and, with --drop-bad-samples, one that is kept),
-    an explicit checkpoint directory."""
+    the held-out data's widths and columns against the training data's, an explicit checkpoint directory."""
     if config.data.data != "synthetic":
         from fsdata.parquet import ParquetSource
 
@@ -415,10 +415,10 @@ def check_before_launch(config: JobConfig) -> None:
                 f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
                 "has bad values, and --drop-bad-samples leaves them out"
             )
-    if config.data.eval_data is not None:  # the held-out file's footers and schema, like the training data's
-        from fsdata.parquet import ParquetSource
+    if config.data.eval_data is not None:  # its footers and schema, and the widths and columns the model reads
+        from pipelines.job.data_check import check_eval_data
 
-        ParquetSource(config.data.eval_data, uih_cap=config.data.uih_cap)
+        check_eval_data(config.data, config.loader.batch_size * config.train.nproc)
     resume = config.train.resume
     if resume and resume != "latest":
         from pipelines.job import checkpoint
