@@ -351,3 +351,188 @@ def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports,
         (tmp_path / f"rank{rank}.pid").write_text("1\n")
     failure = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in failures.items()})
     assert _failure_line(failure, tmp_path).startswith(expect)
+
+
+def _launch_forbidden(monkeypatch) -> None:
+    """Makes a launch fail the test: these errors must come before any rank starts."""
+    from pipelines.job import train
+
+    monkeypatch.setattr(train, "launch", lambda config: pytest.fail("the ranks were started"))
+
+
+def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypatch):
+    _launch_forbidden(monkeypatch)
+    (tmp_path / "job.toml").write_text("[run]\nsteps = 4\n\nlr = fast\n")
+    proc = cli(tmp_path, capsys, "train", *FAST, "--config", "job.toml")
+    assert proc.returncode == 2
+    assert one_line_error(proc) == (
+        "freescale train: error: job.toml: not valid TOML: Invalid value (at line 4, column 6)"
+    )
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[run]\nsteps = "four"\n', 'job.toml: [run] steps: expected an integer, got "four" (str)'),
+        ("[run]\nnproc = [2]\n", "job.toml: [run] nproc: expected an integer, got [2] (list)"),
+        ("[run]\nsteps = 4.5\n", "job.toml: [run] steps: expected an integer, got 4.5 (float)"),
+        ("[run]\nsteps = true\n", "job.toml: [run] steps: expected an integer, got true (bool)"),
+        ("[run.steps]\nvalue = 4\n", "job.toml: [run] steps: expected an integer, got a table (dict)"),
+        ('[run]\nlr = "fast"\n', 'job.toml: [run] lr: expected a finite number, got "fast" (str)'),
+        ("[run]\nlr = true\n", "job.toml: [run] lr: expected a finite number, got true (bool)"),
+        ("[run]\nlr = nan\n", "job.toml: [run] lr: expected a finite number, got nan (float)"),
+        ("[tuning]\nstage_lookahead = 1\n", "job.toml: [tuning] stage_lookahead: expected true or false, got 1 (int)"),
+        ("[data]\ndata = 5\n", "job.toml: [data] data: expected a string, got 5 (int)"),
+        ("run = 5\n", "job.toml: run: expected a table ([run]), got 5 (int)"),
+        ("steps = 5\n", "job.toml: steps = 5 is outside any table; it belongs in [run]"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_table_key_and_type(
+    tmp_path, capsys, monkeypatch, text, message
+):
+    _launch_forbidden(monkeypatch)
+    (tmp_path / "job.toml").write_text(text)
+    proc = cli(tmp_path, capsys, "train", *FAST, "--config", "job.toml")
+    assert proc.returncode == 2
+    assert one_line_error(proc) == f"freescale train: error: {message}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "four"], 'argument --steps: expected an integer, got "four"'),
+        (["--steps", "4.5"], 'argument --steps: expected an integer, got "4.5"'),
+        (["--nproc", "true"], 'argument --nproc: expected an integer, got "true"'),
+        (["--lr", "fast"], 'argument --lr: expected a finite number, got "fast"'),
+        (["--lr", "inf"], 'argument --lr: expected a finite number, got "inf"'),
+        (["--tuning.bucket-mb", "nan"], 'argument --tuning.bucket-mb: expected a finite number, got "nan"'),
+    ],
+)
+def test_a_flag_of_the_wrong_type_is_refused_by_the_same_check(tmp_path, capsys, monkeypatch, argv, message):
+    _launch_forbidden(monkeypatch)
+    with pytest.raises(SystemExit) as exited:
+        cli(tmp_path, capsys, "train", *FAST, *argv)
+    assert exited.value.code == 2
+    assert error_lines(subprocess.CompletedProcess(argv, 2, "", capsys.readouterr().err)) == [
+        f"freescale train: error: {message}"
+    ]
+
+
+def test_numbers_take_their_fields_type_and_a_config_set_in_python_is_checked_too(tmp_path):
+    import numpy as np
+
+    from pipelines.cli import build_parser
+    from pipelines.job.config import EXPECTED, JobConfig, _fields, config_from_args, field_kind
+
+    assert all(field_kind(name) in EXPECTED for name in _fields())  # every field has a check
+    (tmp_path / "job.toml").write_text("[run]\nlr = 1\nsteps = 3\n[balancer]\nalpha = 2\n")
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(tmp_path / "job.toml")]))
+    assert config.train.lr == 1.0 and type(config.train.lr) is float and type(config.balancer.alpha) is float
+    assert config.train.steps == 3 and config.explicit == {"lr", "steps", "alpha"}
+    config = JobConfig()
+    config.train.steps, config.train.lr = np.int64(3), 1  # an integer of any kind; an int is a float
+    config.validate()
+    for name, value, message in (
+        ("steps", 4.5, "train.steps: expected an integer, got 4.5 (float) (--steps)"),
+        ("steps", True, "train.steps: expected an integer, got True (bool) (--steps)"),
+        ("lr", "fast", "train.lr: expected a finite number, got 'fast' (str) (--lr)"),
+        ("deterministic", 1, "train.deterministic: expected true or false, got 1 (int) (--deterministic)"),
+    ):
+        config = JobConfig()
+        setattr(config.train, name, value)
+        with pytest.raises(ValueError) as error:
+            config.validate()
+        assert str(error.value) == message
+
+
+def _write_data(path: Path, **synthetic) -> None:
+    batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=16, **synthetic)).read(0, 0, 16)
+    write_parquet(batch, str(path), row_group_size=8)
+
+
+_SHAPED = "the model is shaped by the training data"
+
+
+@pytest.mark.parametrize(
+    "train, held_out, message",
+    [
+        (
+            {},
+            {"dense_dim": 3},
+            f"has dense width 3 (column 'dense') but the training data (train.parquet) has 4: {_SHAPED}",
+        ),
+        (
+            {},
+            {"num_labels": 2},
+            f"has label count 2 (column 'candidate_labels') but the training data (train.parquet) has 1: {_SHAPED}",
+        ),
+        (
+            {},
+            {"side_features": False},
+            "lacks columns 'uih_action_types', 'uih_timestamps', which the training data (train.parquet) has and the "
+            "model reads",
+        ),
+        (
+            {"side_features": False},
+            {},
+            "has columns 'uih_action_types', 'uih_timestamps', which the training data (train.parquet) lacks: the "
+            "model would read them in evaluation only",
+        ),
+        (
+            None,
+            {"dense_dim": 3},
+            f"has dense width 3 (column 'dense') but the training data (synthetic preset 'tiny') has 4: {_SHAPED}",
+        ),
+        (
+            None,
+            {"side_features": False},
+            "lacks columns 'uih_action_types', 'uih_timestamps', which the training data (synthetic preset 'tiny') "
+            "has and the model reads",
+        ),
+    ],
+)
+def test_eval_data_that_differs_from_training_is_one_line_before_any_rank_starts(
+    tmp_path, capsys, monkeypatch, train, held_out, message
+):
+    _launch_forbidden(monkeypatch)
+    _write_data(tmp_path / "eval.parquet", **held_out)
+    argv = ["train", *FAST, "--eval-data", "eval.parquet"]
+    if train is not None:
+        _write_data(tmp_path / "train.parquet", **train)
+        argv += ["--data", "train.parquet"]
+    proc = cli(tmp_path, capsys, *argv)
+    assert proc.returncode == 2
+    assert one_line_error(proc) == f"freescale train: error: --eval-data eval.parquet {message}"
+
+
+def test_eval_data_that_matches_training_passes_also_without_freescales_metadata(tmp_path):
+    """A file written by another tool carries no ``freescale.dense_dim``: its widths come from its first sample."""
+    from fsdata.parquet import ParquetSource
+    from pipelines.cli import build_parser
+    from pipelines.job.config import config_from_args
+    from pipelines.job.data_check import DataColumns, source_columns
+    from pipelines.job.train import check_before_launch
+
+    _write_data(tmp_path / "train.parquet")
+    table = batch_to_table(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8)).read(0, 0, 8))
+    pq.write_table(table.replace_schema_metadata(None), tmp_path / "bare.parquet")
+    bare = ParquetSource(tmp_path / "bare.parquet")
+    assert bare.dense_dim is None and source_columns(bare) == DataColumns(4, 1, ("uih_action_types", "uih_timestamps"))
+    for data in ("synthetic", str(tmp_path / "train.parquet")):
+        args = ["train", "--data", data, "--eval-data", str(tmp_path / "bare.parquet")]
+        check_before_launch(config_from_args(build_parser().parse_args(args)))
+
+
+@pytest.mark.multiprocess
+def test_config_and_eval_data_errors_end_to_end(tmp_path):
+    """`freescale train` as a user runs it (the ranks would start if the checks let it through)."""
+    (tmp_path / "job.toml").write_text('[run]\nsteps = "four"\n')
+    proc = freescale(tmp_path, "train", *FAST, "--config", "job.toml", timeout=60)
+    assert proc.returncode == 2
+    assert (
+        one_line_error(proc) == 'freescale train: error: job.toml: [run] steps: expected an integer, got "four" (str)'
+    )
+    _write_data(tmp_path / "eval.parquet", num_labels=2)
+    proc = freescale(tmp_path, "train", *FAST, "--eval-data", "eval.parquet", timeout=60)
+    assert proc.returncode == 2
+    one_line_error(proc, "--eval-data eval.parquet has label count 2", "(synthetic preset 'tiny') has 1")

@@ -9,19 +9,28 @@ the TOML file group their fields by what a user sets instead (``TABLES``): each 
 (``--tuning.gil-switch-ms``, ``--tuning.stage-lookahead`` / ``--tuning.no-stage-lookahead``) in a ``[tuning]``
 table, left out of ``--help`` (``--help-tuning`` lists them; docs/tuning.md explains them).
 
-A field's allowed values are its metadata's ``choices`` (None is allowed where the default is None), checked
-for every class in one place (:func:`check_choices`). All validation happens in :meth:`JobConfig.validate`,
-once, with ValueErrors that name the field and its flag.
+A field's type is its annotation (``int``, ``float``, ``bool``, ``str``, each possibly ``Optional``), checked in
+one place (:func:`type_problem`) for a TOML value, a flag's text and a field set from Python: an integer field
+takes no float and no bool (TOML's ``4.5`` or ``true`` would otherwise run as 5 steps or 1), a float field no
+bool and nothing non-finite. A field's allowed values are its metadata's ``choices`` (None is allowed where the
+default is None), checked for every class in one place (:func:`check_choices`). All validation happens in
+:meth:`JobConfig.validate`, once, with ValueErrors that name the field and its flag; a TOML file's errors name
+the file, table and key.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
+import math
+import numbers
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fsdata.balancer import BalancerConfig
 from fsdata.loader import LoaderConfig
@@ -197,6 +206,84 @@ def flag(name: str) -> str:
     return f"--{TUNING + '.' if table == TUNING else ''}{name.replace('_', '-')}"
 
 
+EXPECTED = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+@functools.cache
+def _kinds(cls: type) -> dict[str, type]:
+    """field name -> the type its values must have, from the class's annotations (``Optional`` dropped: None only
+    ever comes from a default)."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        kind = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+        if kind not in EXPECTED:  # a new kind of field needs its own check here and its own flag parser in _add
+            raise TypeError(f"{cls.__name__}.{name}: config fields are int, float, bool or str, not {hint}")
+        kinds[name] = kind
+    return kinds
+
+
+def field_kind(name: str) -> type:
+    """The type of the config field ``name`` (any section): int, float, bool or str."""
+    return _kinds(SECTIONS[_fields()[name][0]])[name]
+
+
+def shown(value: Any) -> str:
+    """A value as a TOML file spells it (``"four"``, ``true``, ``[2]``): what the user wrote."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return f"[{', '.join(shown(v) for v in value)}]"
+    return str(value)
+
+
+def type_problem(kind: type, value: Any, spell: Callable[[Any], str] = shown) -> Optional[str]:
+    """None when ``value`` fits a field of type ``kind``, else what is wrong: ``expected an integer, got "four"
+    (str)``. bool is an int to Python but never an integer or a number here; an int is a fine float."""
+    if kind is bool:
+        fits = isinstance(value, bool)
+    elif kind is int:
+        fits = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif kind is float:
+        fits = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        fits = isinstance(value, kind)
+    return None if fits else f"expected {EXPECTED[kind]}, got {spell(value)} ({type(value).__name__})"
+
+
+def _parse_flag(kind: type) -> Callable[[str], Any]:
+    """argparse's ``type`` for a flag of a field of type ``kind``: the flag's text as that type, with the same
+    refusals as a TOML value (``--steps 4.5``, ``--lr nan``), reported as argparse reports a bad flag (exit 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = int(text) if kind is int else float(text) if kind is float else text
+        except ValueError:
+            value = None
+        if value is None or type_problem(kind, value) is not None:
+            raise argparse.ArgumentTypeError(f"expected {EXPECTED[kind]}, got {shown(text)}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_types(section: str, obj: Any) -> None:
+    """Every field of ``obj`` (the dataclass of config section ``section``) holds a value of its type, or None
+    where that is its default: for a config built or changed in Python (flags and TOML values are checked as
+    they are read)."""
+    for name, kind in _kinds(type(obj)).items():
+        value = getattr(obj, name)
+        default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
+        problem = None if value is None and default is None else type_problem(kind, value, spell=repr)
+        if problem:
+            raise ValueError(f"{section}.{name}: {problem} ({flag(name)})")
+
+
 def check_choices(obj: Any) -> None:
     """Every field of the dataclass ``obj`` whose metadata has ``choices`` holds one of them (or None, the
     default of an option left unset)."""
@@ -217,6 +304,7 @@ class JobConfig:
 
     def validate(self) -> "JobConfig":
         for section in SECTIONS:
+            check_types(section, getattr(self, section))
             check_choices(getattr(self, section))
         if self.train.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.train.nproc}")
@@ -307,27 +395,31 @@ def _help(f: dataclasses.Field) -> str:
 
 def _add(parser, f: dataclasses.Field, show: bool) -> None:
     """One field's flag(s); ``dest`` is the field's name, default None: an unset flag never overrides the TOML."""
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    kind = field_kind(f.name)
     name = flag(f.name)
-    if kind == "bool":  # --NAME / --no-NAME (--tuning.no-NAME); help shows the one that changes the default
+    if kind is bool:  # --NAME / --no-NAME (--tuning.no-NAME); help shows the one that changes the default
         negative = name.replace(".", ".no-", 1) if "." in name else name.replace("--", "--no-", 1)
         for option, value in ((name, True), (negative, False)):
-            shown = show and value != f.default
-            help_text = f"{'off: ' if not value else ''}{f.metadata['help']}" if shown else argparse.SUPPRESS
+            listed = show and value != f.default
+            help_text = f"{'off: ' if not value else ''}{f.metadata['help']}" if listed else argparse.SUPPRESS
             parser.add_argument(option, dest=f.name, action="store_const", const=value, help=help_text)
     else:
-        conv = int if "int" in kind else float if "float" in kind else str
         metavar = f.metadata.get("metavar") or (
             "NAME"
             if "choices" in f.metadata
             else "N"
-            if conv is int
+            if kind is int
             else "X"
-            if conv is float
+            if kind is float
             else f.name.split("_")[-1].upper()
         )
         parser.add_argument(
-            name, dest=f.name, default=None, type=conv, metavar=metavar, help=_help(f) if show else argparse.SUPPRESS
+            name,
+            dest=f.name,
+            default=None,
+            type=_parse_flag(kind),
+            metavar=metavar,
+            help=_help(f) if show else argparse.SUPPRESS,
         )
 
 
@@ -380,31 +472,52 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     add_tuning_arguments(parser, show=False)
 
 
-def config_from_args(args: argparse.Namespace) -> JobConfig:
+def _toml_values(path: Path) -> dict[str, Any]:
+    """field name -> value, from the TOML file ``path``: its tables are the help groups (``TABLES``), every key a
+    field of its table, every value of its field's type; each error names the file (and the line, the table, the
+    key)."""
     fields = _fields()
-    values: dict[str, dict] = {section: {} for section in SECTIONS}
-    explicit: set[str] = set()
-    if getattr(args, "config", None):
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
         with path.open("rb") as fh:
-            file_values = tomllib.load(fh)
-        unknown = set(file_values) - set(TABLES)
-        if unknown:
-            raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected {', '.join(TABLES)}")
-        for table, keys in file_values.items():
-            for key, value in keys.items():
-                if key not in fields or fields[key][1] != table:
-                    where = f" (it belongs in [{fields[key][1]}])" if key in fields else ""
-                    raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
-                values[fields[key][0]][key] = value
-                explicit.add(key)
-    for name, (section, _, _) in fields.items():
-        given = getattr(args, name, None)
-        if given is not None:
-            values[section][name] = given
-            explicit.add(name)
+            tables = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:  # its text gives the line and column
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
+    for name, value in tables.items():
+        if name in fields and name not in TABLES:
+            raise ValueError(f"{path}: {name} = {shown(value)} is outside any table; it belongs in [{fields[name][1]}]")
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected {', '.join(TABLES)}")
+    values = {}
+    for table, keys in tables.items():
+        if not isinstance(keys, dict):
+            raise ValueError(
+                f"{path}: {table}: expected a table ([{table}]), got {shown(keys)} ({type(keys).__name__})"
+            )
+        for key, value in keys.items():
+            if key not in fields or fields[key][1] != table:
+                where = f" (it belongs in [{fields[key][1]}])" if key in fields else ""
+                raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
+            problem = type_problem(field_kind(key), value)
+            if problem:
+                raise ValueError(f"{path}: [{table}] {key}: {problem}")
+            values[key] = float(value) if field_kind(key) is float else value
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    """The job's config: flags (already of their fields' types, parsed by ``_add``'s parsers) over the TOML file
+    of ``--config`` over the defaults, validated."""
+    fields = _fields()
+    file_values = _toml_values(Path(args.config)) if getattr(args, "config", None) else {}
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    values: dict[str, dict] = {section: {} for section in SECTIONS}
+    for name, value in {**file_values, **given}.items():
+        values[fields[name][0]][name] = value
     config = JobConfig(**{section: cls(**values[section]) for section, cls in SECTIONS.items()}).validate()
-    config.explicit = frozenset(explicit)  # what the user set (flags or TOML): for JobConfig.ignored_options
+    config.explicit = frozenset(file_values) | frozenset(given)  # what the user set: for JobConfig.ignored_options
     return config
