@@ -6,6 +6,8 @@
 stage starts its collective one ``next()`` before its result is needed (fsdata.nodes.async_stage), so while
 step i computes, Stage III of batch i+1, Stage II of batch i+2 and Stage I of batch i+3 are in flight; the model
 waits only on handles. The collectives go through ``transport`` on a process group of the balancer's own.
+Between P and III one small AllGather checks that every rank holds the same plan, and carries a partitioner's
+failure on one rank to the others (fsdata.partition.agreement).
 The balance gate (``min_gain``, fsdata.partition.gate) keeps a step's samples local, and skips Stage III's
 exchange, when its fitted step-time model predicts that moving them would not pay. A memory budget
 (``memory_budget``, fsdata.partition.budget) caps every rank's kept tokens; each rank sends its own limit in
@@ -86,6 +88,6 @@ def balancer_stages(
     return [
         lambda node: GatherLengths(node, transport, rank, world_size, capacity, feedback, timer, limit),
         lambda node: GatherCandidateLengths(node, transport, world_size, timer),
-        lambda node: PartitionStage(node, partitioner, autotune, gate, budget),
+        lambda node: PartitionStage(node, partitioner, autotune, gate, budget, transport, rank),
         lambda node: ShuffleSamples(node, transport, rank, world_size, timer),
     ]

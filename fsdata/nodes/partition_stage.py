@@ -1,7 +1,7 @@
 """The partition stage: turns one step's gathered lengths (and gathered runtime info R) into a plan.
 
-The plan is a pure function of what every rank gathered, so every rank computes the same plan with no extra
-communication. The measured step times ride along with the lengths (Stage I): each rank sends its newest
+The plan is a pure function of what every rank gathered, so every rank computes the same plan without
+exchanging it. The measured step times ride along with the lengths (Stage I): each rank sends its newest
 measurement, which may be of different steps on different ranks (each rank's loader reads its trainer's report
 at its own moment). :class:`_Measurements` joins them across the gathered items: a step is *measured* once every
 rank's time for it has arrived, in one item or over several. Its input is gathered, so it completes the same
@@ -13,6 +13,11 @@ a step's identity plan. A memory budget (``budget``, fsdata.partition.budget) be
 it trains, and so does a partitioner's plan that puts a rank over the budget. Their states and the partly measured
 steps are this node's state, so a resumed job plans
 exactly as the stopped one would have.
+
+Given the balancer's ``transport``, the stage checks that every rank holds the same plan before Stage III moves a
+sample (fsdata.partition.agreement: one small AllGather per step). An exception in a user's partitioner becomes a
+:class:`PartitionerError` naming the partitioner and the step; the other ranks learn of it in that same exchange
+and stop with it, so the launcher names the rank where it was raised.
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ from fsdata.batch import Batch
 from fsdata.item import LoaderItem
 from fsdata.nodes.gather_lengths import Gathered
 from fsdata.partition import (
+    BUILTIN,
     AutoTune,
     BalanceGate,
     BudgetSpec,
     GatheredLengths,
     MemoryBudget,
     Partitioner,
+    PartitionerError,
     Plan,
+    PlanAgreement,
     RuntimeInfo,
+    partitioner_name,
 )
 
 
@@ -109,10 +118,16 @@ class PartitionStage(BaseNode[Planned]):
         autotune: Optional[AutoTune] = None,
         gate: Optional[BalanceGate] = None,
         budget: Optional[BudgetSpec] = None,
+        transport: Any = None,
+        rank: int = 0,
     ) -> None:
         super().__init__()
         self.source, self.partitioner, self.autotune, self.gate = source, partitioner, autotune, gate
         self.budget = budget
+        self.name = partitioner_name(partitioner)
+        self._builtin = isinstance(partitioner, tuple(BUILTIN.values()))
+        # None: no cross-rank check (a stage driven on one rank, as in tests of the planning alone)
+        self.agreement = PlanAgreement(transport, rank, self.name) if transport is not None else None
         self._step = 0
         self._measured = _Measurements()
 
@@ -144,30 +159,16 @@ class PartitionStage(BaseNode[Planned]):
 
     def next(self) -> Planned:
         item = next(self.source)
-        for step, times in self._measured.add(item.measured_steps, item.step_times):
-            if self.autotune is not None:
-                self.autotune.observe(step, times)
-            if self.gate is not None:
-                self.gate.observe(step, times)
-        runtime = RuntimeInfo(
-            step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times
-        )
-        if self.autotune is not None:
-            runtime.budget_shares = self.autotune.shares_for_step(self._step)
-        who = f"partitioner {self.partitioner!r} at step {self._step}"
-        if self.budget is not None:
-            runtime.memory_budget = self.budget.for_step(item.lengths, item.budget_tokens, item.budget_factor)
-            runtime.memory_budget.check_fits(item.lengths, who)
-        plan = self.partitioner(item.lengths, runtime)
-        enforced = runtime.memory_budget if getattr(self.partitioner, "honours_budget", True) else None
-        plan.validate(item.lengths.num_samples, item.lengths.world_size, who=who, lengths=item.lengths, budget=enforced)
-        gain = None
-        if self.gate is not None:
-            plan, gain = self.gate.choose(self._step, item.lengths, plan, enforced)
-        if self.autotune is not None and hasattr(self.partitioner, "rank_weights"):
-            # Judge this step's later measurement against the weight each rank really got, not its planned
-            # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
-            self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
+        runtime = self._runtime(item)
+        plan, gain, failure = None, None, None
+        try:
+            plan, gain = self._plan(item, runtime)
+        except Exception as error:  # raised after the agreement has told the other ranks, so they stop with it
+            failure = error
+        if self.agreement is not None:
+            self.agreement.check(self._step, item.lengths, runtime, plan, failure)
+        elif failure is not None:
+            raise failure
         planned = Planned(
             item=item.item,
             lengths=item.lengths,
@@ -179,3 +180,45 @@ class PartitionStage(BaseNode[Planned]):
         )
         self._step += 1
         return planned
+
+    def _runtime(self, item: Gathered) -> RuntimeInfo:
+        """The step's runtime info R, from the measurements gathered so far (identical on every rank)."""
+        for step, times in self._measured.add(item.measured_steps, item.step_times):
+            if self.autotune is not None:
+                self.autotune.observe(step, times)
+            if self.gate is not None:
+                self.gate.observe(step, times)
+        runtime = RuntimeInfo(
+            step=self._step, measured_step=self._measured.newest, step_times=self._measured.newest_times
+        )
+        if self.autotune is not None:
+            runtime.budget_shares = self.autotune.shares_for_step(self._step)
+        return runtime
+
+    def _plan(self, item: Gathered, runtime: RuntimeInfo) -> tuple[Plan, Optional[float]]:
+        """The step's plan, checked (exactly once, the memory budget) and gated; the gate's predicted gain."""
+        who = f"partitioner {self.partitioner!r} at step {self._step}"
+        if self.budget is not None:
+            runtime.memory_budget = self.budget.for_step(item.lengths, item.budget_tokens, item.budget_factor)
+            runtime.memory_budget.check_fits(item.lengths, who)
+        plan = self._call_partitioner(item.lengths, runtime)
+        enforced = runtime.memory_budget if getattr(self.partitioner, "honours_budget", True) else None
+        plan.validate(item.lengths.num_samples, item.lengths.world_size, who=who, lengths=item.lengths, budget=enforced)
+        gain = None
+        if self.gate is not None:
+            plan, gain = self.gate.choose(self._step, item.lengths, plan, enforced)
+        if self.autotune is not None and hasattr(self.partitioner, "rank_weights"):
+            # Judge this step's later measurement against the weight each rank really got, not its planned
+            # share: the cut granularity (up to one sample per rank) then stays out of the estimate.
+            self.autotune.record_weights(self._step, self.partitioner.rank_weights(item.lengths, runtime, plan))
+        return plan, gain
+
+    def _call_partitioner(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        try:
+            return self.partitioner(lengths, runtime)
+        except Exception as error:
+            if isinstance(error, PartitionerError) or (self._builtin and isinstance(error, ValueError)):
+                raise  # its message names the partitioner already
+            raise PartitionerError(
+                f"partitioner {self.name} raised {type(error).__name__} at step {runtime.step}: {error}"
+            ) from error

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from fsdata.partition.base import GatheredLengths, Partitioner, Plan, RuntimeInfo
+from fsdata.partition.agreement import PlanAgreement, partitioner_name
+from fsdata.partition.base import (
+    GatheredLengths,
+    Partitioner,
+    PartitionerError,
+    PeerPartitionerError,
+    Plan,
+    RuntimeInfo,
+)
 from fsdata.partition.budget import BudgetSpec, MemoryBudget, MemoryModel, guaranteed_tokens, kept_tokens
 from fsdata.partition.cost import CostModel, OnlineCostFit, rank_features
 from fsdata.partition.custom import CustomPartitioner
@@ -71,11 +79,15 @@ __all__ = [
     "MemoryModel",
     "OnlineCostFit",
     "Partitioner",
+    "PartitionerError",
+    "PeerPartitionerError",
     "Plan",
+    "PlanAgreement",
     "RuntimeInfo",
     "VBSPartitioner",
     "get_partitioner",
     "guaranteed_tokens",
     "kept_tokens",
+    "partitioner_name",
     "rank_features",
 ]

@@ -20,6 +20,19 @@ import torch
 ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
+class PartitionerError(ValueError):
+    """A partitioner failed at a step, or the ranks' plans for a step differ; the message names the partitioner
+    (``module:function``, a class, or a built-in's name) and the step."""
+
+    root = True  # this rank is where the fault happened (the launcher names it: pipelines.job.train)
+
+
+class PeerPartitionerError(PartitionerError):
+    """The partitioner failed on another rank at this step: this rank stops with it, but is not its cause."""
+
+    root = False
+
+
 def as_numpy(values: ArrayLike, dtype, name: str) -> np.ndarray:
     """A 1-D numpy view (zero-copy for CPU tensors) of ``values``; ValueError naming ``name`` if not 1-D."""
     if isinstance(values, torch.Tensor):

@@ -11,7 +11,9 @@ returns one of
 Whatever it returns is checked on every call (exactly once, offsets consistent, ranks in range, and no rank over
 ``runtime.memory_budget`` when there is one), and a failure names the callable, because a wrong plan would
 otherwise surface much later as lost or duplicated samples, or as one rank out of memory.
-The callable must be deterministic: every rank calls it on the same inputs and must get the same plan.
+The callable must be deterministic: every rank calls it on the same inputs and must get the same plan (the
+partition stage compares the ranks' plans each step and names the partitioner when they differ, and names it
+with the step when it raises: fsdata.partition.agreement).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fsdata.partition.base import GatheredLengths, Plan, RuntimeInfo
+from fsdata.partition.base import GatheredLengths, PartitionerError, Plan, RuntimeInfo
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -42,18 +44,17 @@ class CustomPartitioner:
 
     def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
         result = self.fn(lengths, runtime, **self.kwargs)
-        plan = self._to_plan(result, lengths)
-        plan.validate(
-            lengths.num_samples,
-            lengths.world_size,
-            who=f"custom partitioner {self.spec!r}",
-            lengths=lengths,
-            budget=runtime.memory_budget,
-        )
+        who = f"custom partitioner {self.spec!r} at step {runtime.step}"
+        try:
+            plan = self._to_plan(result, lengths, who)
+            plan.validate(
+                lengths.num_samples, lengths.world_size, who=who, lengths=lengths, budget=runtime.memory_budget
+            )
+        except ValueError as error:  # every message names the callable already; the type says whose fault it is
+            raise error if isinstance(error, PartitionerError) else PartitionerError(str(error)) from error
         return plan
 
-    def _to_plan(self, result: Any, lengths: GatheredLengths) -> Plan:
-        who = f"custom partitioner {self.spec!r}"
+    def _to_plan(self, result: Any, lengths: GatheredLengths, who: str) -> Plan:
         if isinstance(result, Plan):
             return result
         if isinstance(result, tuple) and len(result) == 2:

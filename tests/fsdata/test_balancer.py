@@ -1,4 +1,5 @@
-"""The balancer stages on real gloo ranks: exactly once, same plan everywhere, three collectives per step, resume."""
+"""The balancer stages on real gloo ranks: exactly once, same plan everywhere (checked: one small AllGather per
+step), three exchanges per step, resume; a partitioner that raises or differs between ranks is named."""
 
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ def test_exactly_once_and_same_plan(partitioner, world_size, lookahead):
     num_steps = -(-NUM_SAMPLES // global_batch)
     for rank_steps, calls, n in results:
         assert n == num_steps
-        # Stage I + Stage II + Stage III: three collectives per step, no size exchange.
-        assert calls.count("all_gather") == 2 * num_steps and calls.count("all_to_all") == num_steps, calls
+        # Stage I + Stage II + the plan check + Stage III: no size exchange.
+        assert calls.count("all_gather") == 3 * num_steps and calls.count("all_to_all") == num_steps, calls
     for step in range(num_steps):
         expected = source.read(0, step * global_batch, min((step + 1) * global_batch, NUM_SAMPLES))
         got = [sid for rank_steps, _, _ in results for sid in rank_steps[step][0]]
@@ -255,8 +256,8 @@ def test_balance_gate_skips_the_sample_exchange_only_where_it_cannot_pay(lengths
     exchanged = [e for _, e, _ in steps0]
     assert exchanged == [e for _, e, _ in steps1]  # every rank made the same decision
     assert [g for _, _, g in steps0] == [g for _, _, g in steps1]
-    for calls in (calls0, calls1):  # Stages I and II every step; Stage III only where the samples move
-        assert calls.count("all_gather") == 2 * len(exchanged) and calls.count("all_to_all") == sum(exchanged)
+    for calls in (calls0, calls1):  # Stages I, II and the plan check every step; Stage III only where samples move
+        assert calls.count("all_gather") == 3 * len(exchanged) and calls.count("all_to_all") == sum(exchanged)
     gains = [g for _, _, g in steps0]
     # Moved exactly where there is no prediction yet, or one of at least min_gain.
     assert exchanged == [g is None or g >= 0.05 for g in gains], list(zip(exchanged, gains))
@@ -457,3 +458,63 @@ def _extras_resume_body(rank, world_size):
 @pytest.mark.multiprocess
 def test_resume_with_extra_features_is_exact():
     assert run_ranks(_extras_resume_body, 2, timeout=120) == [True, True]
+
+
+def raises_on_rank_1_at_step_1(lengths, runtime):
+    import torch.distributed as dist
+
+    if runtime.step == 1 and dist.get_rank() == 1:
+        raise RuntimeError("no plan for this step")
+    return np.arange(lengths.num_samples) % lengths.world_size
+
+
+def differs_on_rank_1_at_step_1(lengths, runtime):
+    import torch.distributed as dist
+
+    dest = np.arange(lengths.num_samples) % lengths.world_size
+    return (dest + 1) % lengths.world_size if runtime.step == 1 and dist.get_rank() == 1 else dest
+
+
+def local_on_rank_0_at_step_1(lengths, runtime):
+    """Rank 0 keeps every sample where it is, so it would skip the Stage III exchange that rank 1 waits in."""
+    import torch.distributed as dist
+
+    if runtime.step == 1 and dist.get_rank() == 0:
+        return np.repeat(np.arange(lengths.world_size), lengths.source_counts().numpy())
+    return np.arange(lengths.num_samples) % lengths.world_size
+
+
+def _partitioner_fault_body(rank, world_size, partitioner):
+    from fscomm import get_transport
+    from fscomm.groups import new_stage_group
+    from fsdata.loader import shutdown_loader
+
+    loader, _ = _loader(rank, world_size, partitioner, get_transport("host", group=new_stage_group("balancer")))
+    try:
+        for _ in loader:
+            pass
+    except ValueError as error:
+        return str(error), error.root
+    finally:
+        shutdown_loader(loader)
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "name", ["raises_on_rank_1_at_step_1", "differs_on_rank_1_at_step_1", "local_on_rank_0_at_step_1"]
+)
+def test_a_partitioner_that_raises_or_differs_between_ranks_is_named_on_every_rank(name):
+    """Every rank stops at the step with a line naming the partitioner: the rank where it raised as the cause, the
+    others as following it; plans that differ (one of them an identity plan that would skip Stage III) alike."""
+    spec = f"{__name__}:{name}"
+    (line0, root0), (line1, root1) = run_ranks(_partitioner_fault_body, 2, args=(spec,), timeout=90)
+    if name.startswith("raises"):
+        assert (line1, root1) == (f"partitioner {spec} raised RuntimeError at step 1: no plan for this step", True)
+        assert (line0, root0) == (f"partitioner {spec} failed on rank(s) [1] at step 1; rank 0 stops with it", False)
+        return
+    expected = (
+        f"partitioner {spec} returned different plans on ranks 0 and 1 at step 1 (a plan must be a pure function of"
+        " the gathered lengths)"
+    )
+    assert (line0, root0) == (line1, root1) == (expected, True)

@@ -274,6 +274,117 @@ def test_custom_partitioner_is_loaded_by_module_and_function_and_validated():
         get_partitioner("zigzag")
 
 
+def raises_at_step_1(lengths: GatheredLengths, runtime: RuntimeInfo) -> np.ndarray:
+    if runtime.step == 1:
+        raise KeyError("no plan for this step")
+    return np.arange(lengths.num_samples) % lengths.world_size
+
+
+class SendsAllToRankZero:
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        return Plan.from_destinations(np.zeros(lengths.num_samples, dtype=np.int64), lengths.world_size)
+
+
+class DividesByZero:
+    def __call__(self, lengths: GatheredLengths, runtime: RuntimeInfo) -> Plan:
+        return 1 // 0
+
+
+class _PeerTransport:
+    """A world of two where rank 1's four words are this rank's, with ``change(row)`` applied; keeps what it sent."""
+
+    def __init__(self, change=lambda row: row):
+        self.change, self.sent = change, []
+
+    def all_gather(self, row):
+        self.sent.append(row.clone())
+        rows = torch.stack([row, self.change(row.clone())])
+        return type("Done", (), {"wait": lambda _: rows})()
+
+
+def _planned_steps(partitioner, transport, steps=3):
+    """Drives a PartitionStage (rank 0 of 2) over ``steps`` items; returns its plans' destinations."""
+    from fsdata.nodes.gather_lengths import Gathered
+    from fsdata.nodes.partition_stage import PartitionStage
+
+    lengths = GatheredLengths.from_rank_lengths([[5, 1, 3], [2, 8, 4]])
+    items = [Gathered(None, lengths, torch.full((2,), -1), torch.zeros(2, dtype=torch.float64))] * steps
+
+    class _Source:
+        def reset(self, state):
+            self.items = iter(items)
+
+        def __next__(self):
+            return next(self.items)
+
+    stage = PartitionStage(_Source(), partitioner, transport=transport, rank=0)
+    stage.reset(None)
+    return [stage.next().plan.destinations().tolist() for _ in range(steps)]
+
+
+def test_partitioner_names_say_whose_code_it_is():
+    from fsdata.partition import partitioner_name
+
+    assert partitioner_name(get_partitioner("fbs")) == "fbs"
+    assert partitioner_name(get_partitioner(f"{__name__}:raises_at_step_1")) == f"{__name__}:raises_at_step_1"
+    assert partitioner_name(raises_at_step_1) == f"{__name__}:raises_at_step_1"
+    assert partitioner_name(SendsAllToRankZero()) == f"{__name__}:SendsAllToRankZero"
+
+
+def test_a_partitioner_that_raises_is_named_with_the_step_and_the_other_ranks_are_told_first():
+    from fsdata.partition import PartitionerError
+
+    transport = _PeerTransport()
+    with pytest.raises(PartitionerError) as error:
+        _planned_steps(get_partitioner(f"{__name__}:raises_at_step_1"), transport)
+    assert str(error.value) == (
+        f"partitioner {__name__}:raises_at_step_1 raised KeyError at step 1: 'no plan for this step'"
+    )
+    assert error.value.root and isinstance(error.value.__cause__, KeyError)
+    assert [int(row[1]) for row in transport.sent] == [0, 1]  # step 1's words said "failed" before it was raised
+    with pytest.raises(
+        PartitionerError, match=rf"^partitioner {__name__}:DividesByZero raised ZeroDivisionError at step 0"
+    ):
+        _planned_steps(DividesByZero(), None)  # a class, driven without the check: still named
+
+
+def test_a_partitioner_that_failed_on_another_rank_stops_this_one_as_following_it():
+    from fsdata.partition import PeerPartitionerError
+
+    def peer_fails_at_step_2(row):
+        row[1] = int(row[0]) == 2
+        return row
+
+    with pytest.raises(PeerPartitionerError) as error:
+        _planned_steps(get_partitioner("fbs"), _PeerTransport(peer_fails_at_step_2))
+    assert str(error.value) == "partitioner fbs failed on rank(s) [1] at step 2; rank 0 stops with it"
+    assert error.value.root is False
+
+
+@pytest.mark.parametrize(
+    "column, message",
+    [
+        (
+            2,
+            f"partitioner {__name__}:SendsAllToRankZero returned different plans on ranks 0 and 1 at step 1 (a plan"
+            " must be a pure function of the gathered lengths)",
+        ),
+        (3, f"partitioner {__name__}:SendsAllToRankZero was given different inputs on ranks 0 and 1 at step 1"),
+        (0, "the partition stage is at step 1 on rank 0 but at step 2 on rank 1 (the ranks' loaders were restored"),
+    ],
+)
+def test_ranks_that_disagree_on_a_step_are_named_with_what_differs(column, message):
+    from fsdata.partition import PartitionerError
+
+    def differs_from_step_1(row):
+        row[column] += int(row[0]) >= 1
+        return row
+
+    with pytest.raises(PartitionerError) as error:
+        _planned_steps(SendsAllToRankZero(), _PeerTransport(differs_from_step_1))
+    assert str(error.value).startswith(message) and error.value.root
+
+
 # ---------------------------------------------------------------------------------------------- inputs
 def test_gathered_lengths_reject_inconsistent_input_with_a_clear_message():
     with pytest.raises(ValueError, match="rank_offsets has 2 entries"):
