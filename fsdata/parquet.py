@@ -11,10 +11,14 @@ the value buffers are shared with arrow (zero-copy) unless a UIH had to be cut.
 Bad input (see docs/schema.md):
 * missing path, unreadable/corrupt/truncated file, wrong schema: ValueError / FileNotFoundError naming the
   file (and the column); files of the schema that hold no row at all: ValueError naming the path, "no samples";
-* negative ids, empty UIH, inconsistent list lengths, nulls: ValueError naming file, row group and sample id;
+* negative ids, empty UIH, inconsistent list lengths, nulls (a null cell, or a null inside a list): ValueError
+  naming file, row group and sample id (a null ``sample_id`` itself: the row);
 * non-finite ``dense`` values or labels, labels outside [0, 1]: ValueError naming file, row group, sample id
   and column; with ``drop_bad_samples=True`` such samples are left out of the batches instead (a local batch
   gets shorter, as at an epoch's end) and counted in ``stats()['dropped_bad_samples']``;
+* UIH timestamps that go backwards inside a sample: counted in ``stats()['unordered_timestamps']`` (samples
+  served); with ``require_ordered_timestamps=True`` (for a model that reads time gaps) a ValueError naming file,
+  row group and sample id, or, with ``drop_bad_samples`` too, left out and counted as the bad values are;
 * UIH longer than ``uih_cap``: not an error. The most recent ``uih_cap`` events are kept (the history is
   stored oldest first, so the tail) and the sample is counted in ``stats()['truncated_uih']``.
 """
@@ -48,6 +52,8 @@ from fsdata.schema import (
     bad_values,
     metadata_dims,
     metadata_id_overflow,
+    segment_of,
+    unordered_timestamps,
     validate_columns,
     validate_schema,
 )
@@ -94,6 +100,7 @@ class _RowGroup:
     dense: torch.Tensor
     truncated: torch.Tensor  # bool [n]: UIH was cut to the cap
     bad: Optional[np.ndarray] = None  # bool [n], drop_bad_samples only: samples with unsound values
+    unordered: Optional[np.ndarray] = None  # bool [n]: UIH timestamps go backwards (None: none do)
 
     def slice(self, a: int, b: int) -> Batch:
         uo = self.uih_offsets[a : b + 1]
@@ -139,6 +146,7 @@ class ParquetSource:
         uih_cap: int = 21_000,
         cache_row_groups: int = 2,
         drop_bad_samples: bool = False,
+        require_ordered_timestamps: bool = False,
     ):
         if uih_cap < 1:
             raise ValueError(f"uih_cap must be >= 1, got {uih_cap}")
@@ -147,6 +155,7 @@ class ParquetSource:
         self.paths = expand_paths(paths)
         self.uih_cap = uih_cap
         self.drop_bad_samples = drop_bad_samples
+        self.require_ordered_timestamps = require_ordered_timestamps
         # How ids beyond the model's item table map to rows, when the dataset declares it (fsdata.id_overflow).
         self.id_overflow: Optional[str] = None
         self._cache_size = cache_row_groups
@@ -191,6 +200,7 @@ class ParquetSource:
             "row_groups_decoded": 0,
             "cache_hits": 0,
             "dropped_bad_samples": 0,
+            "unordered_timestamps": 0,
         }
 
     # ------------------------------------------------------------------ protocol
@@ -204,7 +214,8 @@ class ParquetSource:
         )
 
     def stats(self) -> dict[str, int]:
-        """Counters since construction; ``truncated_uih`` counts served samples whose UIH was cut to the cap."""
+        """Counters since construction; ``truncated_uih`` counts served samples whose UIH was cut to the cap,
+        ``unordered_timestamps`` served samples whose UIH timestamps go backwards (dropped ones included)."""
         return dict(self._stats)
 
     def read(self, epoch: int, start: int, stop: int) -> Batch:
@@ -224,6 +235,8 @@ class ParquetSource:
             )
             part = rg.slice(int(lo), int(hi))
             self._stats["truncated_uih"] += int(rg.truncated[lo:hi].sum())
+            if rg.unordered is not None:
+                self._stats["unordered_timestamps"] += int(rg.unordered[lo:hi].sum())
             if rg.bad is not None and rg.bad[lo:hi].any():
                 keep = ~rg.bad[lo:hi]
                 self._stats["dropped_bad_samples"] += int((~keep).sum())
@@ -332,6 +345,9 @@ class ParquetSource:
             index = torch.from_numpy(segment_arange(cols.uih_offsets[1:] - kept, kept))
             uih_t, act_t, ts_t = (None if x is None else x[index] for x in (uih_t, act_t, ts_t))
             uih_off_t = torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]).astype(np.int64))
+        unordered = self._timestamp_order(cols, uih_off_t, ts_t, where)
+        if unordered is not None and self.require_ordered_timestamps:  # drop_bad_samples: the read leaves them out
+            bad = unordered if bad is None else bad | unordered
         t = self.num_labels or 1
         return _RowGroup(
             sample_ids=_tensor(cols.sample_ids),
@@ -347,40 +363,78 @@ class ParquetSource:
             dense=_tensor(cols.dense).reshape(n, self.dense_dim or 0),
             truncated=torch.from_numpy(truncated),
             bad=bad if bad is not None and bad.any() else None,
+            unordered=unordered,
         )
+
+    def _timestamp_order(
+        self, cols: Columns, uih_offsets: torch.Tensor, timestamps: Optional[torch.Tensor], where: str
+    ) -> Optional[np.ndarray]:
+        """Which samples' served timestamps (after the cut to the cap) go backwards, None when none do; an error
+        naming the first under ``require_ordered_timestamps`` unless such samples are to be dropped."""
+        if timestamps is None:
+            return None
+        mask, fault = unordered_timestamps(uih_offsets.numpy(), timestamps.numpy())
+        if fault is None:
+            return None
+        if self.require_ordered_timestamps and not self.drop_bad_samples:
+            row, what = fault
+            raise ValueError(f"{where}: sample_id {int(cols.sample_ids[row])} (row {row}): {what}")
+        return mask
 
 
 def _columns_of(table: pa.Table, where: str, names: Sequence[str]) -> Columns:
-    """A row group's columns as numpy arrays without copies (offsets rebased to 0); nulls anywhere are an error
-    naming ``where`` and the column. The side features are read where ``names`` lists them."""
+    """A row group's columns as numpy arrays without copies (offsets rebased to 0); a null anywhere is an error
+    naming ``where``, the sample id and the column. The side features are read where ``names`` lists them."""
+    ids = _column(table, SAMPLE_ID)
+    if ids.null_count:
+        raise ValueError(f"{where}: row {_first_null(ids)}: column '{SAMPLE_ID}' is null (every sample needs its id)")
+    sample_ids = ids.to_numpy(zero_copy_only=True)
+
+    def null(row: int, what: str) -> ValueError:
+        return ValueError(f"{where}: sample_id {int(sample_ids[row])} (row {row}): {what}; nulls are not allowed")
 
     def array(name: str) -> pa.Array:
-        col = table.column(name)
-        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+        arr = _column(table, name)
         if arr.null_count:
-            raise ValueError(f"{where}: column '{name}' holds nulls (row {_first_null(arr)}); nulls are not allowed")
+            raise null(_first_null(arr), f"column '{name}' is null")
         return arr
 
-    def leaf_np(name: str, leaf: pa.Array) -> np.ndarray:
+    def leaf_np(name: str, leaf: pa.Array, describe) -> np.ndarray:
         if leaf.null_count:
-            raise ValueError(f"{where}: column '{name}' holds null values inside its lists")
+            row, what = describe(_first_null(leaf))
+            raise null(row, f"column '{name}' holds a null {what}")
         return leaf.to_numpy(zero_copy_only=True)
 
     def level1(name: str) -> tuple[np.ndarray, np.ndarray]:
         arr = array(name)
         off = arr.offsets.to_numpy().astype(np.int64)
         leaf = arr.values.slice(int(off[0]), int(off[-1] - off[0]))
-        return off - off[0], leaf_np(name, leaf)
+        off -= off[0]
+
+        def describe(v: int) -> tuple[int, str]:
+            row, position = _locate(off, v)
+            return row, f"at position {position} of its list"
+
+        return off, leaf_np(name, leaf, describe)
 
     def level2(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         arr = array(name)
         off1 = arr.offsets.to_numpy().astype(np.int64)
         inner = arr.values.slice(int(off1[0]), int(off1[-1] - off1[0]))
+        off1 -= off1[0]
         if inner.null_count:
-            raise ValueError(f"{where}: column '{name}' holds null inner lists")
+            row, candidate = _locate(off1, _first_null(inner))
+            raise null(row, f"column '{name}' holds a null list for candidate {candidate}")
         off2 = inner.offsets.to_numpy().astype(np.int64)
         leaf = inner.values.slice(int(off2[0]), int(off2[-1] - off2[0]))
-        return off1 - off1[0], off2 - off2[0], leaf_np(name, leaf)
+        off2 -= off2[0]
+
+        def describe(v: int) -> tuple[int, str]:
+            flat_candidate, position = _locate(off2, v)
+            row, candidate = _locate(off1, flat_candidate)
+            return row, f"at position {position} of candidate {candidate}'s list"
+
+        return off1, off2, leaf_np(name, leaf, describe)
 
     uih_off, uih = level1(UIH_ITEM_IDS)
     act_off, act = level1(UIH_ACTION_TYPES) if UIH_ACTION_TYPES in names else (None, None)
@@ -389,7 +443,7 @@ def _columns_of(table: pa.Table, where: str, names: Sequence[str]) -> Columns:
     ccand_off, content_off, content = level2(CANDIDATE_CONTENT_IDS)
     dense_off, dense = level1(DENSE)
     return Columns(
-        sample_ids=array(SAMPLE_ID).to_numpy(zero_copy_only=True),
+        sample_ids=sample_ids,
         user_ids=array(USER_ID).to_numpy(zero_copy_only=True),
         uih_offsets=uih_off,
         uih_item_ids=uih,
@@ -438,6 +492,17 @@ def keep_rows(batch: Batch, keep: np.ndarray) -> Batch:
         uih_action_types=side(batch.uih_action_types),
         uih_timestamps=side(batch.uih_timestamps),
     )
+
+
+def _locate(offsets: np.ndarray, value_index: int) -> tuple[int, int]:
+    """(segment, position inside it) of value ``value_index`` under zero-based ``offsets``."""
+    segment = segment_of(offsets, value_index)
+    return segment, value_index - int(offsets[segment])
+
+
+def _column(table: pa.Table, name: str) -> pa.Array:
+    col = table.column(name)
+    return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
 
 
 def _first_null(arr: pa.Array) -> int:

@@ -156,8 +156,8 @@ class Columns:
     uih_timestamps: Optional[np.ndarray] = None
 
 
-def _sample_of(offsets: np.ndarray, value_index: int) -> int:
-    """Row whose segment holds value ``value_index``."""
+def segment_of(offsets: np.ndarray, value_index: int) -> int:
+    """Row whose segment holds value ``value_index`` (``offsets`` zero-based)."""
     return int(np.searchsorted(offsets, value_index, side="right") - 1)
 
 
@@ -197,9 +197,9 @@ def validate_columns(
             continue
         bad = first(vals < 0)
         if offs is None:  # content ids: value -> candidate -> sample
-            row = _sample_of(cols.content_candidate_offsets, _sample_of(cols.content_offsets, bad))
+            row = segment_of(cols.content_candidate_offsets, segment_of(cols.content_offsets, bad))
         else:
-            row = _sample_of(offs, bad)
+            row = segment_of(offs, bad)
         fail(row, f"negative id {int(vals[bad])} in {name}")
     for name, offs in ((UIH_ACTION_TYPES, cols.action_offsets), (UIH_TIMESTAMPS, cols.timestamp_offsets)):
         if offs is not None and not np.array_equal(offs, cols.uih_offsets):
@@ -214,12 +214,12 @@ def validate_columns(
         expect = int(label_len[0]) if num_labels is None else num_labels
         if expect < 1 or (label_len != expect).any():
             bad = first(label_len != expect) if expect >= 1 else 0
-            row = _sample_of(cols.candidate_offsets, bad)
+            row = segment_of(cols.candidate_offsets, bad)
             fail(row, f"a candidate has {int(label_len[bad])} labels, expected {expect} (T is fixed per dataset, >= 1)")
         num_labels = expect
     content_len = np.diff(cols.content_offsets)
     if len(content_len) and content_len.min() < 1:
-        row = _sample_of(cols.candidate_offsets, first(content_len < 1))
+        row = segment_of(cols.candidate_offsets, first(content_len < 1))
         fail(row, "a candidate has no content ids (the first content id must be the candidate item)")
     dense_len = np.diff(cols.dense_offsets)
     if len(dense_len):
@@ -265,6 +265,33 @@ def bad_values(cols: Columns) -> tuple[np.ndarray, Optional[tuple[int, str]]]:
             what = "non-finite label" if not np.isfinite(v) else "label outside [0, 1] (a binary cross-entropy target)"
             faults.append((int(rows[0]), f"{what} {v} in column '{CANDIDATE_LABELS}'"))
     return mask, (min(faults) if faults else None)
+
+
+def unordered_timestamps(
+    offsets: np.ndarray, timestamps: Optional[np.ndarray]
+) -> tuple[np.ndarray, Optional[tuple[int, str]]]:
+    """Samples whose ``uih_timestamps`` go backwards (an event older than the one before it; equal times are in
+    order): the schema stores histories oldest first, and a model that reads time gaps needs them so.
+
+    ``offsets`` [n+1] zero-based into ``timestamps``. Returns a bool mask over the rows and (row, description) of
+    the first such sample, or None when every history is in order (or there are no timestamps)."""
+    mask = np.zeros(len(offsets) - 1, dtype=bool)
+    if timestamps is None or len(timestamps) < 2:
+        return mask, None
+    backwards = timestamps[1:] < timestamps[:-1]  # [j]: event j+1 is older than event j
+    starts = offsets[1:-1]
+    backwards[starts[(starts > 0) & (starts < len(timestamps))] - 1] = False  # pairs across two samples
+    if not backwards.any():
+        return mask, None
+    later = np.flatnonzero(backwards) + 1
+    rows = np.searchsorted(offsets, later, side="right") - 1
+    mask[rows] = True
+    v, row = int(later[0]), int(rows[0])
+    what = (
+        f"{UIH_TIMESTAMPS} go backwards at event {v - int(offsets[row])} ({int(timestamps[v])} after"
+        f" {int(timestamps[v - 1])}); with require_ordered_timestamps every history must be oldest first"
+    )
+    return mask, (row, what)
 
 
 def batch_columns(batch: Batch) -> Columns:

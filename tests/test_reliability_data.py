@@ -230,3 +230,130 @@ def test_a_filter_that_leaves_no_sample_is_one_line_before_any_rank_starts(tmp_p
     batch.dense[5] = 0.0  # one sound sample, in the second row group: found, and the job may start
     pq.write_table(batch_to_table(batch), tmp_path / "one.parquet", row_group_size=4)
     assert ParquetSource(tmp_path / "one.parquet", drop_bad_samples=True).first_kept_sample() == 5
+
+
+def _with_column(table, name, change):
+    """``table`` with column ``name`` rebuilt from its Python values after ``change(values)`` edited them."""
+    import pyarrow as pa
+
+    values = table.column(name).to_pylist()
+    change(values)
+    return table.set_column(
+        table.schema.get_field_index(name), name, pa.array(values, type=table.schema.field(name).type)
+    )
+
+
+def _set(path, value):
+    def change(values):
+        target = values
+        for i in path[:-1]:
+            target = target[i]
+        target[path[-1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "column, path, what",
+    [
+        ("user_id", (5,), "column 'user_id' is null"),
+        ("uih_item_ids", (5,), "column 'uih_item_ids' is null"),
+        ("uih_item_ids", (5, 2), "column 'uih_item_ids' holds a null at position 2 of its list"),
+        ("uih_timestamps", (5, 1), "column 'uih_timestamps' holds a null at position 1 of its list"),
+        ("uih_action_types", (5, 0), "column 'uih_action_types' holds a null at position 0 of its list"),
+        ("dense", (5, 3), "column 'dense' holds a null at position 3 of its list"),
+        ("candidate_labels", (5, 0), "column 'candidate_labels' holds a null list for candidate 0"),
+        ("candidate_labels", (5, 0, 0), "column 'candidate_labels' holds a null at position 0 of candidate 0's list"),
+        ("candidate_content_ids", (5, 0, 0), "column 'candidate_content_ids' holds a null at position 0 of candidate"),
+    ],
+)
+def test_a_null_anywhere_names_file_row_group_and_sample_id(tmp_path, column, path, what):
+    from fsdata.schema import batch_to_table
+
+    batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8, uih_min=3)).read(0, 0, 8)
+    table = _with_column(batch_to_table(batch), column, _set(path, None))
+    pq.write_table(table, tmp_path / "nulls.parquet", row_group_size=4)
+    source = ParquetSource(tmp_path / "nulls.parquet")
+    source.read(0, 0, 4)  # row group 0 is sound
+    with pytest.raises(ValueError) as error:
+        source.read(0, 4, 8)
+    assert str(error.value).startswith(f"{tmp_path / 'nulls.parquet'} row group 1: sample_id 5 (row 1): {what}")
+    assert str(error.value).endswith("; nulls are not allowed")
+
+
+def test_a_null_sample_id_names_its_row(tmp_path):
+    from fsdata.schema import batch_to_table
+
+    batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8)).read(0, 0, 8)
+    pq.write_table(_with_column(batch_to_table(batch), "sample_id", _set((6,), None)), tmp_path / "n.parquet")
+    with pytest.raises(ValueError, match=r"n.parquet row group 0: row 6: column 'sample_id' is null \(every sample"):
+        ParquetSource(tmp_path / "n.parquet").read(0, 0, 8)
+
+
+def backwards_file(path, num_samples=64, samples=(1, 6), at_start=()):
+    """The tiny preset with two events swapped in ``samples`` (the last two; the first two for ``at_start``)."""
+    from fsdata.schema import batch_to_table
+
+    batch = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=num_samples, uih_min=4)).read(
+        0, 0, num_samples
+    )
+
+    def swap(values):
+        for s in (*samples, *at_start):
+            i = 0 if s in at_start else len(values[s]) - 2
+            values[s][i], values[s][i + 1] = values[s][i + 1], values[s][i]
+
+    pq.write_table(_with_column(batch_to_table(batch), "uih_timestamps", swap), path, row_group_size=16)
+    return batch
+
+
+def test_timestamps_going_backwards_are_counted_and_refused_on_request(tmp_path):
+    path = tmp_path / "ts.parquet"
+    batch = backwards_file(path, samples=(1, 6), at_start=(9,))
+    source = ParquetSource(path)
+    source.read(0, 0, 64)
+    assert source.stats()["unordered_timestamps"] == 3
+    # Cut to the 2 newest events, sample 9's swap (its 2 oldest) is gone: what is counted is what is served.
+    capped = ParquetSource(path, uih_cap=2)
+    capped.read(0, 0, 64)
+    assert capped.stats()["unordered_timestamps"] == 2
+    ts = batch.uih_timestamps[batch.uih_offsets[1] : batch.uih_offsets[2]].tolist()
+    with pytest.raises(ValueError) as error:
+        ParquetSource(path, require_ordered_timestamps=True).read(0, 0, 8)
+    assert str(error.value) == (
+        f"{path} row group 0: sample_id 1 (row 1): uih_timestamps go backwards at event {len(ts) - 1} ({ts[-2]} after"
+        f" {ts[-1]}); with require_ordered_timestamps every history must be oldest first"
+    )
+    dropping = ParquetSource(path, require_ordered_timestamps=True, drop_bad_samples=True)
+    kept = dropping.read(0, 0, 16)
+    assert kept.sample_ids.tolist() == [i for i in range(16) if i not in (1, 6, 9)]
+    assert dropping.stats()["dropped_bad_samples"] == 3 and dropping.stats()["unordered_timestamps"] == 3
+
+
+def test_data_stats_counts_timestamps_going_backwards_in_a_line_and_its_json(tmp_path, capsys):
+    import json
+
+    from pipelines.cli import main
+
+    backwards_file(tmp_path / "ts.parquet", samples=(1, 6, 40))
+    assert main(["data", "stats", str(tmp_path / "ts.parquet"), "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "  UIH timestamps going backwards: 3 samples (the first: sample_id 1)" in out, out
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["unordered_timestamps"] == {"samples": 3, "first_sample_id": 1}
+    backwards_file(tmp_path / "ok.parquet", samples=())
+    main(["data", "stats", str(tmp_path / "ok.parquet")])
+    assert "  UIH timestamps going backwards: 0 samples" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_timestamps_going_backwards_reach_the_run_summary(tmp_path):
+    import json
+
+    from tests.test_reliability_cli import FAST, freescale
+
+    backwards_file(tmp_path / "ts.parquet", num_samples=256, samples=(1, 6))  # both in step 0, read once
+    proc = freescale(tmp_path, "train", *FAST, "--steps", "4", "--data", "ts.parquet", "--summary-json", "s.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "s.json").read_text())["data_counts"]["unordered_timestamps"] == 2
+    assert "unordered timestamps 2" in proc.stdout

@@ -3,7 +3,8 @@ of a Parquet dataset or of a synthetic preset.
 
 Sparsity is measured on consecutive local batches of ``--batch-size`` samples; the collision rate on
 consecutive global batches of ``--global-batch-size`` samples: the share of a batch's unique embedding rows
-(UIH items and candidate content ids) that the batch before it also used."""
+(UIH items and candidate content ids) that the batch before it also used. Samples whose UIH timestamps go
+backwards are counted (the loader counts them too, and ``require_ordered_timestamps`` refuses them)."""
 
 from __future__ import annotations
 
@@ -56,13 +57,35 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
     }
 
 
+class _TimestampOrder:
+    """Counts the samples whose UIH timestamps go backwards, and the first of them (None: no timestamps read)."""
+
+    def __init__(self) -> None:
+        self.samples, self.first_sample_id, self.seen = 0, None, False
+
+    def add(self, batch) -> None:
+        from fsdata.schema import unordered_timestamps
+
+        if batch.uih_timestamps is None:
+            return
+        self.seen = True
+        offsets = batch.uih_offsets.numpy()
+        mask, _ = unordered_timestamps(offsets - offsets[0], batch.uih_timestamps.numpy())
+        self.samples += int(mask.sum())
+        if self.first_sample_id is None and mask.any():
+            self.first_sample_id = int(batch.sample_ids[torch.from_numpy(mask)][0])
+
+    def summary(self):
+        return {"samples": self.samples, "first_sample_id": self.first_sample_id} if self.seen else None
+
+
 def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -> dict:
     """Reads ``num_samples`` samples of epoch 0 global batch by global batch and measures them."""
     from fsdata.metrics import sparsity
     from fsdata.synthetic import collision_rate, row_ids
 
     uih, ncand, clen, sparsities, rates, dup = [], [], [], [], [], []
-    previous = None
+    previous, order = None, _TimestampOrder()
     with tqdm(total=num_samples, unit="sample", desc="stats") as bar:
         for lo in range(0, num_samples, global_batch_size):
             batch = source.read(0, lo, min(num_samples, lo + global_batch_size))
@@ -75,6 +98,7 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
             for s in range(0, batch.batch_size, batch_size):
                 if s + batch_size <= batch.batch_size:  # whole local batches only: a short tail would bias Eq. 1
                     sparsities.append(sparsity(lengths[s : s + batch_size]))
+            order.add(batch)
             rows = row_ids(batch)
             ids = batch.uih_item_ids.numel() + batch.content_ids.numel()
             dup.append(rows.numel() / max(ids, 1))
@@ -103,6 +127,7 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
             else None
         ),
         "unique_rows_per_id": float(np.mean(dup)),
+        "unordered_timestamps": order.summary(),
     }
     if hasattr(source, "stats"):
         out["truncated_uih"] = source.stats()["truncated_uih"]
@@ -130,6 +155,10 @@ def print_stats(stats: dict) -> None:
     print(f"  unique rows / ids per global batch: {stats['unique_rows_per_id']:.3f}")
     if "truncated_uih" in stats:
         print(f"  UIH truncated to the cap: {stats['truncated_uih']} samples")
+    order = stats["unordered_timestamps"]
+    if order is not None:
+        first = "" if order["first_sample_id"] is None else f" (the first: sample_id {order['first_sample_id']})"
+        print(f"  UIH timestamps going backwards: {order['samples']} samples{first}")
 
 
 def main(args: argparse.Namespace) -> int:
