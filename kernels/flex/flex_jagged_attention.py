@@ -19,7 +19,12 @@ def _compiled():
     from torch.nn.attention.flex_attention import flex_attention
 
     # Shapes change with every batch: compile for dynamic sizes at once rather than recompile per batch.
-    return torch.compile(flex_attention, dynamic=True)
+    # Inductor's deterministic mode: the kernels it generates around the attention (the backward's row sums of
+    # out * grad among them) take one configuration chosen by rule instead of the fastest of several timed at their
+    # first launch. Timed choices differ from process to process with the machine's load, and the compile cache
+    # keeps the first process's choice for every later one, so a reduction's order (and the gradients' last bits)
+    # depended on which run had filled the cache; by rule, every process, cold or warm, runs the same kernels.
+    return torch.compile(flex_attention, dynamic=True, options={"deterministic": True})
 
 
 def jagged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: JaggedBlockMask) -> torch.Tensor:

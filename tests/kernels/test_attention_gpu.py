@@ -98,3 +98,33 @@ def test_deterministic_mode_gives_the_same_gradients_bit_for_bit(impl):
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_gives_the_same_bits_from_a_cold_and_from_a_warm_compile_cache(tmp_path):
+    """FlexAttention is the deterministic mode's kernel: its numbers may not depend on what the compile caches hold.
+    Three processes: a cold cache; another cold cache that first compiles what the benches and the deterministic
+    runs compile (whole and ragged blocks, both dtypes, deterministic algorithms on and off); that warm cache again."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.kernels.flex_cache_probe import CHECK_CASES
+
+    root = Path(__file__).resolve().parents[2]
+
+    def probe(cache: str, *args: str) -> None:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache), "PYTHONPATH": str(root)}
+        subprocess.run([sys.executable, "-m", "tests.kernels.flex_cache_probe", *args], env=env, check=True, cwd=root)
+
+    probe("cold", "check", str(tmp_path / "cold.pt"))
+    probe("warm", "warm")
+    probe("warm", "check", str(tmp_path / "warmed.pt"))
+    probe("warm", "check", str(tmp_path / "warm.pt"))
+    cold = torch.load(tmp_path / "cold.pt")
+    for name in ("warmed", "warm"):
+        for case, want, got in zip(CHECK_CASES, cold, torch.load(tmp_path / f"{name}.pt")):
+            for part, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+                assert torch.equal(a, b), f"{name} cache, case {case[:2]} {case[2]} {case[3]}: {part} differs"
