@@ -1,35 +1,38 @@
-"""ID prefetch: the loader stage that starts a batch's ID AllToAll (batch-major -> shard-major) ahead of its step.
+"""ID prefetch: the loader stage that computes a batch's ids and starts their ID AllToAll (batch-major ->
+shard-major) ahead of its step.
 
 The embedding stage of step i needs the shard-major ids of batch i+1 (Algorithm 2 computes the collisions
 between i and i+1 on the shards). This node sends them while batch i+1 waits in the loader, so the step finds
 them there, with nothing to wait for but the handle.
 
 It belongs to fsembed (the ids' exchange is the embedding's protocol); the loader runs it as one of the stages it
-is given. The node is built with plain data from the sharding plan:
+is given. The node is built with
 
-    boundaries         {key: Tensor[W+1] int64}, sorted: rank r owns ids [b[r], b[r+1]) of that key
-                       (a key is an embedding group of tables that travel together)
-    feature_extractor  batch -> {key: (ids Tensor[N] int64 batch-major, segments list[int])}; ``segments``
-                       is carried along opaquely (fsembed puts the per-feature id counts there)
-    transport          anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
+    plan       the sharding plan (fsembed.plan.ShardingPlan, plain data): it stacks a batch's ids per group of
+               tables and says which rank owns which stacked id
+    features   batch -> {feature: ids, or the ids of each call of the feature's module, in call order}: the one
+               place a batch's ids are computed (the model's, or the KeyedJaggedTensor among its inputs)
+    transport  anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
-and yields the loader item with ``prefetched`` set (``PrefetchedIds``, an attachment in the sense of
-fsdata.item: later loader stages complete, pin, move and compare it through its own methods). The node is an
-AsyncStage: the exchange in flight is not loader state
-(a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its ids belong to
-the consumer.
+and yields the loader item with ``prefetched`` set (``PrefetchedIds``: the batch's ids per feature, and per group
+their exchange in flight; an attachment in the sense of fsdata.item: later loader stages complete, pin, move and
+compare it through its own methods). The step hands both to the embedding stage in its per-step context
+(fsembed.context), so nothing computes the ids again. The node is an AsyncStage: the exchange in flight is not
+loader state (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its
+ids belong to the consumer.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 
-from fsdata.batch import lengths_to_offsets
+from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.item import LoaderItem, as_item
+from fsembed.plan import Features, ShardingPlan, flat_features
 
 try:  # the node needs torchdata; the exchange helpers below do not (they run where torchdata is absent)
     from torchdata.nodes import BaseNode
@@ -152,9 +155,12 @@ class _OnDevice:
 
 @dataclass
 class PrefetchedIds:
-    """Every key's exchange for one batch."""
+    """One batch's ids: per feature, the ids its lookups take (``features``: flat, batch-major, every call of a
+    module in call order; what the swapped modules are called with), and per key (group of tables) their
+    exchange in flight (``keys``)."""
 
     keys: dict[str, ShardedIds]
+    features: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> ShardedIds:
         if key not in self.keys:
@@ -162,19 +168,24 @@ class PrefetchedIds:
         return self.keys[key]
 
     def to(self, device: torch.device, non_blocking: bool = True) -> "PrefetchedIds":
-        """Every key's exchange delivered on ``device`` (always asynchronously from pinned memory)."""
-        return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
+        """Every key's exchange and the ids delivered on ``device`` (always asynchronously from pinned memory)."""
+        return PrefetchedIds(
+            {k: v.to(device) for k, v in self.keys.items()},
+            {f: ids.to(device, non_blocking=True) for f, ids in self.features.items()},
+        )
 
     def record_stream(self, stream) -> None:
         for t in self.tensors():
             t.record_stream(stream)
 
     def equals(self, other: Any) -> bool:
-        """The same exchanges' layout (keys, splits, permutations; not the ids still in flight): what a resumed
-        loader must reproduce."""
+        """The same ids and exchanges' layout (keys, splits, permutations; not the ids still in flight): what a
+        resumed loader must reproduce."""
         return (
             isinstance(other, PrefetchedIds)
             and self.keys.keys() == other.keys.keys()
+            and self.features.keys() == other.features.keys()
+            and all(torch.equal(self.features[f].cpu(), other.features[f].cpu()) for f in self.features)
             and all(
                 a.send_splits == b.send_splits
                 and a.recv_splits == b.recv_splits
@@ -191,10 +202,13 @@ class PrefetchedIds:
         return self
 
     def pin_memory(self) -> "PrefetchedIds":
-        return PrefetchedIds({k: v.pin_memory() for k, v in self.keys.items()})
+        return PrefetchedIds(
+            {k: v.pin_memory() for k, v in self.keys.items()},
+            {f: ids if ids.is_cuda else ids.pin_memory() for f, ids in self.features.items()},
+        )
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for v in self.keys.values() for t in v.tensors()]
+        return [t for v in self.keys.values() for t in v.tensors()] + list(self.features.values())
 
 
 def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
@@ -296,24 +310,40 @@ if BaseNode is not None:
 
     SIZES_KEY = "id_prefetch_sizes"  # LoaderItem.extras: the size exchange between the two stages
 
-    class IdSizeExchange(AsyncStage):
-        """First half of the ID prefetch: groups each batch's ids by shard and starts the size exchange.
+    @dataclass
+    class _SizedBatch:
+        """What the first stage hands the second: the batch's ids, and per key its size exchange in flight."""
 
-        Yields the item with ``extras[SIZES_KEY] = {key: SizedIds}``; the size exchange was started one
-        ``next()`` earlier.
+        features: dict[str, torch.Tensor]
+        sized: dict[str, SizedIds]
+
+    class IdSizeExchange(AsyncStage):
+        """First half of the ID prefetch: computes each batch's ids (``features``, once: they travel on with the
+        item), groups them by shard and starts the size exchange.
+
+        Yields the item with ``extras[SIZES_KEY]`` set; the size exchange was started one ``next()`` earlier.
         """
 
         span_name = "id_sizes_wait"
 
-        def __init__(self, source, boundaries, transport, feature_extractor, rank: int = 0, timer=None):
+        def __init__(
+            self,
+            source,
+            plan: ShardingPlan,
+            transport,
+            features: Callable[[Batch], Features],
+            rank: int = 0,
+            timer=None,
+        ):
             super().__init__(source, timer)
-            self.boundaries = _check_boundaries(boundaries)
-            self.transport, self.feature_extractor, self.rank = transport, feature_extractor, rank
+            self.boundaries = _check_boundaries(plan.group_boundaries)
+            self.plan, self.transport, self.features, self.rank = plan, transport, features, rank
 
         def start(self, item) -> LoaderItem:
             item = as_item(item)
-            sized = start_sizes(self.feature_extractor(item.batch), self.boundaries, self.transport, self.rank)
-            return replace(item, extras={**item.extras, SIZES_KEY: sized})
+            ids = flat_features(self.features(item.batch))
+            sized = start_sizes(self.plan.stack_ids(ids), self.boundaries, self.transport, self.rank)
+            return replace(item, extras={**item.extras, SIZES_KEY: _SizedBatch(ids, sized)})
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started
@@ -321,10 +351,10 @@ if BaseNode is not None:
     class IdPrefetch(AsyncStage):
         """Second half: posts each batch's id AllToAll (its sizes known) one ``next()`` before handing it out.
 
-        Yields the item with ``prefetched`` set (``PrefetchedIds``). Chained after :class:`IdSizeExchange`
-        (``id_prefetch_stages``), batch
-        k's sizes leave two loader calls and its ids one call before batch k is handed out: with the trainer's
-        one batch of lookahead, batch i+1's ids travel during step i-1 and are there for step i's forward.
+        Yields the item with ``prefetched`` set (``PrefetchedIds``: the ids and their exchanges). Chained after
+        :class:`IdSizeExchange` (``id_prefetch_stages``), batch k's sizes leave two loader calls and its ids one
+        call before batch k is handed out: with the trainer's one batch of lookahead, batch i+1's ids travel
+        during step i-1 and are there for step i's forward.
         The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would order
         its copies behind the compute queued on the GPU and stall the loader; the consumer moves the results to
         the tables' device (``PrefetchedIds.to``).
@@ -337,15 +367,18 @@ if BaseNode is not None:
                 raise ValueError("IdPrefetch: compose it right after IdSizeExchange (use id_prefetch_stages)")
             extras = dict(item.extras)
             sized = extras.pop(SIZES_KEY)
-            return replace(item, prefetched=PrefetchedIds({k: s.post() for k, s in sized.items()}), extras=extras)
+            exchanges = {k: s.post() for k, s in sized.sized.items()}
+            return replace(item, prefetched=PrefetchedIds(exchanges, sized.features), extras=extras)
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started  # the ids are waited for by the embedding stage, where they are needed
 
-    def id_prefetch_stages(boundaries, transport, feature_extractor, rank: int = 0, timer=None) -> list:
+    def id_prefetch_stages(
+        plan: ShardingPlan, transport, features: Callable[[Batch], Features], rank: int = 0, timer=None
+    ) -> list:
         """The two loader stages of the ID prefetch, for ``fsdata.loader.build_loader(stages=...)``."""
         return [
-            lambda node: IdSizeExchange(node, boundaries, transport, feature_extractor, rank, timer),
+            lambda node: IdSizeExchange(node, plan, transport, features, rank, timer),
             lambda node: IdPrefetch(node, timer),
         ]
 

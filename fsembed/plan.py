@@ -8,17 +8,33 @@ Tables of the same dtype and dim form one *group*: a group is exchanged with one
 AllToAll and one gradient AllToAll, whatever the number of its tables and features. Inside a group every row
 gets a *stacked id*: rank r's rows of all the group's tables are laid end to end, ranks one after another, so
 one sorted ``boundaries`` array [W+1] per group says which rank owns a stacked id and the owner finds the
-row in its local weight at ``stacked_id - boundaries[r]``. That is the only thing the loader's ID-prefetch
-stage needs to know (``group_boundaries``, ``extractor``): fsdata never sees tables.
+row in its local weight at ``stacked_id - boundaries[r]``. The loader's ID-prefetch stage (fsembed.id_prefetch)
+is built with the plan and stacks each batch's ids itself (``stack_ids``): fsdata never sees tables.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Mapping, Sequence, Union
 
 import torch
+
+#: feature -> its ids, or the ids of each call of its module in one step, in call order
+Features = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]
+
+
+def flat_features(features: Features) -> dict[str, torch.Tensor]:
+    """``{feature: ids}`` with each feature's ids of every call concatenated (call order), flattened: the one form
+    the ids take from where they are computed to the swapped modules that are called with them."""
+    out = {}
+    for k, v in features.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.reshape(-1)
+        else:
+            parts = [t.reshape(-1) for t in v]
+            out[k] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return out
 
 
 @dataclass(frozen=True)
@@ -175,15 +191,6 @@ class ShardingPlan:
             dev = next(iter(features.values())).device if features else torch.device("cpu")
             out[g.name] = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=dev), counts)
         return out
-
-    def extractor(self, features_of: Callable[[object], Mapping[str, torch.Tensor]]) -> Callable[[object], dict]:
-        """Wraps a user's ``batch -> {feature: ids}`` into the ID-prefetch stage's ``batch -> {group: (ids,
-        counts)}``."""
-
-        def extract(batch):
-            return self.stack_ids(features_of(batch))
-
-        return extract
 
     def unstack(
         self, group: str, stacked_local: torch.Tensor, rank: int

@@ -1,6 +1,5 @@
 """The embedding schedules: how one training step's embedding exchanges run, each one class behind one call,
-``prepare(hub, features, current_ids, upcoming_ids)``, which the embedding stage (pipelines.api.staged) makes before
-the model's forward:
+``prepare(hub, context)``, which the embedding stage (pipelines.api.staged) makes before the model's forward:
 
     sync         ID AllToAll, lookup and embedding AllToAll, all blocking, inside the step (vanilla TorchRec)
     sdd          the step's ID AllToAll was started during the previous step by the loader's ID-prefetch stage
@@ -11,15 +10,15 @@ the model's forward:
     prioritized  Algorithm 2: this step's rows were prefetched during the previous step; only the rows both batches
                  share (collisions) wait; the stage hands the collection the next batch's ids to prefetch again
 
-``current_ids`` / ``upcoming_ids`` are the loader's ID exchanges (``PrefetchedIds``) of this batch and the next
-one, None where the loader started none. ``sync``, ``sdd`` and ``prioritized`` give the same numbers bit for bit;
-a PrioritizedEmbeddingCollection switches between :data:`RUNTIME_SCHEDULES` at any step boundary
-(``set_schedule``). This module is the one list of the schedules' names.
+``context`` is the step's (fsembed.context.EmbeddingContext): this batch's ids, their exchange started by the loader
+(None where none was) and the next batch's ids; each schedule hands the collection the parts it uses. ``sync``,
+``sdd`` and ``prioritized`` give the same numbers bit for bit; a PrioritizedEmbeddingCollection switches between
+:data:`RUNTIME_SCHEDULES` at any step boundary (``set_schedule``). This module is the one list of the schedules' names.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar
 
 
 class EmbeddingSchedule:
@@ -33,7 +32,7 @@ class EmbeddingSchedule:
     #: its rows of the next batch are looked up before this step's update (semisync)
     stale: ClassVar[bool] = False
 
-    def prepare(self, hub: Any, features: Mapping, current_ids: Optional[Any], upcoming_ids: Optional[Any]) -> None:
+    def prepare(self, hub: Any, context: Any) -> None:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -44,25 +43,25 @@ class Sync(EmbeddingSchedule):
     name = "sync"
     prefetches_ids = False
 
-    def prepare(self, hub, features, current_ids, upcoming_ids) -> None:
-        hub.prepare(features)
+    def prepare(self, hub, context) -> None:
+        hub.prepare(context, context.ids)
 
 
 class Sdd(EmbeddingSchedule):
     name = "sdd"
 
-    def prepare(self, hub, features, current_ids, upcoming_ids) -> None:
-        hub.prepare(features, prefetched=current_ids)
+    def prepare(self, hub, context) -> None:
+        hub.prepare(context, context.lookup_ids)
 
 
 class Prioritized(EmbeddingSchedule):
     name = "prioritized"
     prioritized_collection = True
 
-    def prepare(self, hub, features, current_ids, upcoming_ids) -> None:
+    def prepare(self, hub, context) -> None:
         # the next batch's ids, already sent by the ID-prefetch stage (this batch's: used only by a first step,
         # whose rows nothing prefetched)
-        hub.prepare(features, upcoming_ids, prefetched=current_ids)
+        hub.prepare(context, context.lookup_ids, context.upcoming)
 
 
 class SemiSync(Prioritized):

@@ -3,8 +3,10 @@
     hub = swap_embeddings(model, ["item_emb", "user_emb"], schedule="prioritized")    # by name (paths in the model)
     hub = swap_embeddings(model, types=["EmbeddingCollection"], schedule="prioritized")  # or every module of a type
     for batch, next_batch in ...:
-        hub.prepare(features_of(batch), features_of(next_batch))   # the exchanges of every table, once
-        loss = model(batch)                                        # model code unchanged: item_emb(ids) works
+        context = EmbeddingContext.of(features_of(batch), upcoming=features_of(next_batch))
+        hub.prepare(context, context.ids, context.upcoming)  # the exchanges of every table, once
+        loss = model(batch)                                  # model code unchanged: item_emb(ids) works
+        hub.release()                                        # the forward is done with the context
         loss.backward()
 
 (pipelines.api.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
@@ -17,8 +19,9 @@ many the model has. Pooled modules (``nn.EmbeddingBag``, torchrec's ``EmbeddingB
 prioritized updates split each looked-up row's gradient by whether the next batch uses the row again, which needs
 the gradient of every row of every id, not of a pooled sum.
 
-The replaced module's ``forward`` returns the rows prepared for its ids (checked equal to what it is called
-with, so a mismatch between the features function and the model fails loudly). A module called more than once
+The replaced module's ``forward`` returns the rows prepared for its ids, read from the step's context
+(fsembed.context: the ids and rows of this step, nowhere else) and checked equal to what it is called with, so a
+mismatch between the features function and the model fails loudly. A module called more than once
 per step is prepared with the ids of every call, in call order (a list per feature, or one concatenated
 tensor): each call takes the next ids' rows; a module called again with all of its ids gets the same rows again.
 The collection is registered in the model as ``fsembed_collection``: its tables, optimizer state and, for
@@ -38,31 +41,19 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from fsembed.context import EmbeddingContext
 from fsembed.plan import ShardingPlan, TableConfig
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.schedules import get_schedule
-from fsembed.sharded import ShardedEmbeddingCollection
+from fsembed.sharded import Ids, ShardedEmbeddingCollection
 
 COLLECTION_NAME = "fsembed_collection"
-Features = Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]  # feature -> ids, or the ids of each call
 SWAPPABLE_TYPES = ("Embedding", "EmbeddingCollection")
 POOLED_TYPES = ("EmbeddingBag", "EmbeddingBagCollection")
 CALLS_HINT = (
     "A module called more than once per step must be prepared with the ids of every call: return them from "
     "features(batch) as a list in call order, {feature: [ids_of_call_1, ids_of_call_2]}, or concatenated"
 )
-
-
-def flat_features(features: Features) -> dict[str, torch.Tensor]:
-    """``{feature: ids}`` with each feature's ids of every call concatenated (call order), flattened."""
-    out = {}
-    for k, v in features.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = v.reshape(-1)
-        else:
-            parts = [t.reshape(-1) for t in v]
-            out[k] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return out
 
 
 @dataclass
@@ -75,50 +66,48 @@ class SwappedModule:
 
 
 class EmbeddingHub:
-    """Runs the collection once per step and hands each swapped module its rows."""
+    """Runs the collection once per step and hands each swapped module its rows from the step's context."""
 
     def __init__(self, collection: ShardedEmbeddingCollection):
         self.collection = collection
         self.swapped: dict[str, SwappedModule] = {}  # path in the model -> the user's module it replaced
-        self._ids: dict[str, torch.Tensor] = {}
-        self._out: dict[str, torch.Tensor] = {}
-        self._cursor: dict[str, int] = {}  # per feature: ids taken by the calls so far this step
+        self._context: Optional[EmbeddingContext] = None  # this step's, from prepare() until release()
         self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed), see rows()
 
-    def prepare(self, features: Features, next_features: Optional[Features] = None, *, prefetched=None) -> None:
-        """Looks up every feature of this step (``next_features``: the next step's, for prioritized updates;
-        ``prefetched``: this step's ID exchange started earlier by ``collection.exchange_ids(features)``).
-        A feature's value is its ids, or a list of the ids of each call of its module this step, in call order."""
+    def prepare(self, context: EmbeddingContext, ids: Ids, next_ids: Optional[Ids] = None) -> None:
+        """Looks up every feature of this step: ``ids`` as the collection takes them (the context's ids, or their
+        exchange started earlier; the schedule picks, fsembed.schedules), ``next_ids`` the next step's for
+        prioritized updates. The swapped modules then read their rows from ``context`` until :meth:`release`."""
         self.verify()
-        self._ids = flat_features(features)
-        self._cursor = {k: 0 for k in self._ids}
-        nxt = flat_features(next_features) if isinstance(next_features, Mapping) else next_features
-        self._out = self.collection(prefetched if prefetched is not None else self._ids, nxt)
+        context.taken = {k: 0 for k in context.ids}
+        context.rows = self.collection(ids, next_ids)
+        self._context = context
 
     def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
-        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids ``prepare`` received for
-        it (a module called again with all of its prepared ids gets the same rows again).
+        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids of the context's for it (a
+        module called again with all of its prepared ids gets the same rows again).
 
         Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
         would synchronise the device in the middle of the forward (the GPU drains, then idles while the host
         queues the rest), so the comparison is queued and read back at the next ``prepare`` (or ``verify()``),
         when the step has synchronised anyway: a mismatch still raises, one step later at most."""
-        if feature not in self._out:
+        context = self._context
+        if context is None or feature not in context.rows:
             raise ValueError(
-                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(features) before the "
-                "model)"
+                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(context, ids) before "
+                "the model)"
             )
-        flat, every = ids.reshape(-1), self._ids[feature]
+        flat, every = ids.reshape(-1), context.ids[feature]
         if flat.dtype != every.dtype:  # a KJT may hold int32 ids
             flat = flat.to(every.dtype)
-        start = self._cursor[feature] % max(every.numel(), 1)
+        start = context.taken[feature] % max(every.numel(), 1)
         if start + flat.numel() > every.numel():
             raise ValueError(
                 f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
                 f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
                 f"prepared. {CALLS_HINT}"
             )
-        self._cursor[feature] = start + flat.numel()
+        context.taken[feature] = start + flat.numel()
         prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
             raise self._mismatch([feature])
@@ -128,23 +117,33 @@ class EmbeddingHub:
                     raise self._mismatch([feature])
             else:
                 self._unchecked.append((feature, (flat.to(prepared.device, non_blocking=True) != prepared).any()))
-        out = self._out[feature]
+        out = context.rows[feature]
         return out if flat.numel() == every.numel() else out[start : start + flat.numel()]
 
-    def verify(self) -> None:
-        """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
-        queued on the device), or took only part of them."""
-        unchecked, self._unchecked = self._unchecked, []
-        bad = [feature for feature, differs in unchecked if bool(differs)]
-        if bad:
-            raise self._mismatch(bad)
-        partial = {k: (c, self._ids[k].numel()) for k, c in self._cursor.items() if c % max(self._ids[k].numel(), 1)}
-        self._cursor = {k: 0 for k in self._cursor}
+    def release(self) -> None:
+        """Lets go of the step's context (its ids and rows) once the forward has returned; raises if a swapped
+        module took only part of the ids prepared for it."""
+        context, self._context = self._context, None
+        if context is None:
+            return
+        partial = {
+            k: (c, context.ids[k].numel()) for k, c in context.taken.items() if c % max(context.ids[k].numel(), 1)
+        }
         if partial:
             raise ValueError(
                 f"fsembed swap: the model looked up only part of the ids prepared for {partial} (taken, "
                 "prepared): features(batch) must give exactly the ids of every call of the module, in call order"
             )
+
+    def verify(self) -> None:
+        """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
+        queued on the device), or took only part of them; lets go of the step's context."""
+        unchecked, self._unchecked = self._unchecked, []
+        bad = [feature for feature, differs in unchecked if bool(differs)]
+        if bad:
+            self._context = None
+            raise self._mismatch(bad)
+        self.release()
 
     @staticmethod
     def _mismatch(features: list[str]) -> ValueError:

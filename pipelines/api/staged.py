@@ -4,14 +4,16 @@ The model takes a batch and returns logits; it looks its item ids up in ``item_e
 modules are named). FreeScale installs itself around it:
 
 * module swap (fsembed.swap): the named embedding modules become views of one row-wise sharded collection;
-* a forward pre-hook on the model drives the embedding stage, before the model's first layer runs: it hands the
-  step's features and the loader's ID exchanges of this batch and the next to the mode's embedding schedule
-  (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.api.modes names which mode runs which). Where the
+* a forward pre-hook on the model drives the embedding stage, before the model's first layer runs: it takes the
+  step's context (fsembed.context.EmbeddingContext: this batch's ids, their exchange and the next batch's ids) and
+  hands it to the mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized;
+  pipelines.api.modes names which mode runs which). Where the
   step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
   chosen from measured step times by pipelines.job.schedule; exact either way);
-* a forward hook on the model starts, as its forward returns, the embedding stage's side work of the next batch
-  that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then run in the
-  collection's bulk chain beside the backward, where the training thread waits without the GIL);
+* a forward hook on the model lets go of the step's context as its forward returns, and starts the embedding
+  stage's side work of the next batch that the forward issued (``early_start="backward"``, the default:
+  freescale's lines 6-7 and 12 then run in the collection's bulk chain beside the backward, where the training
+  thread waits without the GIL);
 * the loader's balancer stages (fsdata.balancer) already gave this rank a balanced batch; their exchanges are
   started in the loader's ``next()`` between steps and finish one step later (the paper hooks them at the
   optimizer step, forward and backward; here they ride the data-loading stage, with the same overlap);
@@ -21,23 +23,26 @@ modules are named). FreeScale installs itself around it:
   the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
   for only in the next iteration's forward).
 
-The loader's ID-prefetch stage (fsembed.id_prefetch) starts every batch's ID AllToAll one loader call early, and
-the trainer keeps one batch of lookahead: before step i's forward it hands this pipeline the exchanges of batch
-i (``current_ids``, for sdd) and batch i+1 (``upcoming_ids``, for freescale): section 6.1's one extra batch.
-``begin_step(batch, current_ids, upcoming_ids)`` does so in one call, and names the batch whose features the
-pre-hook looks up, so the model may take other inputs than the batch (pipelines.api.step: ``inputs``).
+The loader's ID-prefetch stage (fsembed.id_prefetch) computes every batch's ids, once, and starts their ID
+AllToAll one loader call early; the step (pipelines.api.step.TrainStep) keeps one batch of lookahead and, before
+step i's forward, hands this pipeline one context with batch i's ids and exchange (for sdd) and batch i+1's (for
+freescale): section 6.1's one extra batch. ``begin_step(context)`` does so; without a loader stage the step
+computes the ids itself (``feature_ids``: the features function, or the KeyedJaggedTensor among the model's
+arguments, so the user's ``inputs`` runs once per step).
 
 Built through the public ``pipelines.api.step.wrap_model`` (the reference model too).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from fsdata.batch import Batch
+from fsembed.context import EmbeddingContext
+from fsembed.plan import Features, flat_features
 from fsembed.schedules import get_schedule
 from pipelines.api.modes import SHARDED, get_mode
 
@@ -45,20 +50,43 @@ from pipelines.api.modes import SHARDED, get_mode
 # "backward" needs (see PrioritizedEmbeddingCollection for why the collection alone defaults to "forward").
 EARLY_START, EXCLUSIVE_START = "backward", "forward"
 # batch -> {feature: ids, or the ids of each call of the feature's module this step, in call order}
-FeatureFn = Callable[[Batch], Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]]
+FeatureFn = Callable[[Batch], Features]
+Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
+
+
+def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
+    """The model's positional arguments for ``batch``: ``(batch,)`` without an ``inputs`` function."""
+    if inputs is None:
+        return (batch,)
+    args = inputs(batch)
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def kjt_in(args: tuple, where: str):
+    """The KeyedJaggedTensor among the model's arguments."""
+    found = [a for a in args if type(a).__name__ == "KeyedJaggedTensor"]
+    if not found:
+        raise ValueError(
+            f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
+            "give features=batch -> {feature: ids}"
+        )
+    return found[0]
 
 
 class StagedPipeline:
-    """The embedding stage of a model whose tables were swapped, driven by a forward pre-hook (the trainer sets
-    the prefetched ids of the current and the next batch before each forward)."""
+    """The embedding stage of a model whose tables were swapped, driven by a forward pre-hook that takes the step's
+    context (``begin_step``) before each forward.
+
+    ``features``: ``batch -> {feature: ids}``; None: the ids of the KeyedJaggedTensor among ``inputs(batch)``."""
 
     def __init__(
         self,
         model: nn.Module,
         mode: str,
-        features: FeatureFn,
+        features: Optional[FeatureFn],
         table_names: Optional[list[str]] = None,
         *,
+        inputs: Optional[Inputs] = None,
         types: Optional[Sequence] = None,
         row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
         optimizer,
@@ -70,7 +98,7 @@ class StagedPipeline:
     ) -> None:
         from fsembed.swap import swap_embeddings
 
-        self.mode, self.features = get_mode(mode, SHARDED, "StagedPipeline mode"), features
+        self.mode, self.features, self.inputs = get_mode(mode, SHARDED, "StagedPipeline mode"), features, inputs
         self.schedule = get_schedule(self.mode.schedule)  # this step's; freescale's may change (set_schedule)
         prioritized = self.schedule.prioritized_collection
         self.hub = swap_embeddings(
@@ -90,13 +118,8 @@ class StagedPipeline:
             **self._transports(transport_name),
         )
         self.collection = self.hub.collection
-        # Set by the trainer before step i's forward: the ID exchanges (PrefetchedIds) that the loader's
-        # ID-prefetch stage started for batch i and batch i+1.
-        self.current_ids = None
-        self.upcoming_ids = None
-        self._batch: Optional[Batch] = (
-            None  # the batch of the next forward (begin_step); else the forward's first argument
-        )
+        # The next forward's context (begin_step), taken by the pre-hook; a batch instead: its ids are computed there.
+        self._context: Optional[Union[EmbeddingContext, Batch]] = None
         self._hook = model.register_forward_pre_hook(self._before_forward)
         self._after_hook = model.register_forward_hook(self._after_forward)
 
@@ -108,28 +131,39 @@ class StagedPipeline:
 
         return {"transport": stage_transports(name)}
 
-    def begin_step(self, batch: Batch, current_ids=None, upcoming_ids=None) -> None:
-        """Names the step's batch and the ID exchanges the loader started for it and for the next batch
-        (``LoaderItem.prefetched`` of both; None where absent): the model's next forward looks its features up."""
-        self._batch, self.current_ids, self.upcoming_ids = batch, current_ids, upcoming_ids
+    def feature_ids(self, batch: Optional[Batch], args: Optional[tuple] = None) -> dict[str, torch.Tensor]:
+        """``batch``'s ids per feature, flat: from ``features(batch)``, else from the KeyedJaggedTensor among the
+        model's arguments (``args``, or ``inputs(batch)`` where the caller has none)."""
+        if self.features is not None:
+            return flat_features(self.features(batch))
+        from fsembed.swap import kjt_ids
+
+        return kjt_ids(kjt_in(args if args is not None else as_args(self.inputs, batch), "wrap_model"))
+
+    def begin_step(self, context: Union[EmbeddingContext, Batch]) -> None:
+        """The next forward's embedding context (the step builds it from the loader's item: TrainStep does), or a
+        batch whose ids the pre-hook computes (an evaluation, a probe)."""
+        self._context = context
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        batch, self._batch = self._batch, None
-        if batch is None:
-            if not args or not isinstance(args[0], Batch):
+        context, self._context = self._context, None
+        if not isinstance(context, EmbeddingContext):
+            batch = context if context is not None else (args[0] if args and isinstance(args[0], Batch) else None)
+            if batch is None and self.features is not None:
                 raise ValueError(
                     "FreeScale embedding stage: the model's forward does not take the batch; call "
-                    "stage.begin_step(batch, current_ids, upcoming_ids) before it (TrainStep does)"
+                    "stage.begin_step(context or batch) before it (TrainStep does)"
                 )
-            batch = args[0]
+            context = EmbeddingContext(self.feature_ids(batch, args))
         if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
-            self.hub.prepare(self.features(batch))
+            self.hub.prepare(context, context.ids)
             return
-        self.schedule.prepare(self.hub, self.features(batch), self.current_ids, self.upcoming_ids)
+        self.schedule.prepare(self.hub, context)
 
     def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
-        """Starts the next batch's early rows held by the forward (``early_start="backward"``): the collection's
-        bulk chain then runs beside the backward."""
+        """Lets go of the step's context, and starts the next batch's early rows held by the forward
+        (``early_start="backward"``): the collection's bulk chain then runs beside the backward."""
+        self.hub.release()
         if module.training and torch.is_grad_enabled() and self.prioritized:
             self.collection.start_early_rows()
 
@@ -151,7 +185,8 @@ class StagedPipeline:
         self.schedule = get_schedule(schedule)
 
     def id_prefetch_stages(self, rank: int, timer=None) -> list:
-        """The loader stages that start each batch's ID AllToAll ahead of its step (sdd and freescale)."""
+        """The loader stages that compute each batch's ids and start their ID AllToAll ahead of its step (sdd,
+        semisync and freescale)."""
         if not self.schedule.prefetches_ids:
             return []
         from fscomm.registry import host_transport
@@ -160,11 +195,8 @@ class StagedPipeline:
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
         # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
         transport = host_transport("id-prefetch")
-        plan = self.collection.plan
-        from fsembed.swap import flat_features
-
-        extract = plan.extractor(lambda batch: flat_features(self.features(batch)))
-        return id_prefetch_stages(plan.group_boundaries, transport, extract, rank, timer)
+        features = self.features if self.features is not None else self.feature_ids
+        return id_prefetch_stages(self.collection.plan, transport, features, rank, timer)
 
     def loader_stages(self, rank: int, timer=None) -> list:
         """The loader stages this embedding stage wants (the ID prefetch in sdd / semisync / freescale; none in

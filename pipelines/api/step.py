@@ -23,8 +23,9 @@ the global mean's however the balancer spread the samples, and sums the gradient
 count comes with the balancer's report, else from one small all-reduce.
 
 A loop of one's own instead of ``progress`` does per step (see ``TrainStep.train_on``):
-``stage.begin_step(batch, item.prefetched, next_item.prefetched)`` before the forward, backward of the scaled loss
-sum, the dense all-reduce, the optimizer step, and ``stage.flush()`` before reading tables or checkpointing.
+``stage.begin_step(context)`` before the forward (``context``: fsembed.context.EmbeddingContext, the batch's ids
+and exchange from ``item.prefetched`` and the next batch's ids), backward of the scaled loss sum, the dense
+all-reduce, the optimizer step, and ``stage.flush()`` before reading tables or checkpointing.
 torchrec is imported only where the model uses its types.
 """
 
@@ -41,13 +42,13 @@ from torch import nn
 from fscomm.registry import host_transport  # noqa: F401  (the public API's name for a loader stage's transport)
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
+from fsembed.context import EmbeddingContext
 from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, StagedPipeline
+from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, Inputs, StagedPipeline, as_args
 from pipelines.models.reference import bce_sum
 
-Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
 
 
@@ -57,42 +58,11 @@ def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     return bce_sum(outputs, batch.candidate_labels)
 
 
-def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem) -> Any:
-    """The model's forward on the item's batch, with the loader's attention plan as keyword ``attention_plan``
-    when the item carries one."""
+def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem, args: Optional[tuple] = None) -> Any:
+    """The model's forward on the item's batch (``args``: its arguments, where the caller built them already), with
+    the loader's attention plan as keyword ``attention_plan`` when the item carries one."""
     kwargs = {} if item.attention_plan is None else {"attention_plan": item.attention_plan}
-    return model(*as_args(inputs, item.batch), **kwargs)
-
-
-def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
-    """The model's positional arguments for ``batch``: ``(batch,)`` without an ``inputs`` function."""
-    if inputs is None:
-        return (batch,)
-    args = inputs(batch)
-    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
-
-
-def _kjt_in(args: tuple, where: str):
-    found = [a for a in args if type(a).__name__ == "KeyedJaggedTensor"]
-    if not found:
-        raise ValueError(
-            f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
-            "give features=batch -> {feature: ids}"
-        )
-    return found[0]
-
-
-def kjt_features(inputs: Inputs) -> FeatureFn:
-    """``batch -> {feature: ids}`` from the KeyedJaggedTensor among the model's inputs: what an
-    EmbeddingCollection called once with it looks up."""
-    from fsembed.swap import kjt_ids, quiet_torchrec_notes
-
-    quiet_torchrec_notes()
-
-    def features(batch: Batch) -> dict[str, torch.Tensor]:
-        return kjt_ids(_kjt_in(as_args(inputs, batch), "wrap_model"))
-
-    return features
+    return model(*(args if args is not None else as_args(inputs, item.batch)), **kwargs)
 
 
 def wrap_model(
@@ -132,7 +102,9 @@ def wrap_model(
                 "wrap_model: give features=batch -> {feature: ids} (nn.Embedding tables), or "
                 "inputs=batch -> model arguments holding a KeyedJaggedTensor (EmbeddingCollection)"
             )
-        features = kjt_features(inputs)
+        from fsembed.swap import quiet_torchrec_notes
+
+        quiet_torchrec_notes()
     if optimizer is None:
         from fsembed.optim import SGD
 
@@ -142,6 +114,7 @@ def wrap_model(
         mode,
         features,
         list(embeddings) if embeddings is not None else None,
+        inputs=inputs,
         types=types,
         row_boundaries=row_boundaries,
         optimizer=optimizer,
@@ -151,7 +124,6 @@ def wrap_model(
         timer=timer,
         device=torch.device(device),
     )
-    stage.inputs = inputs
     return stage
 
 
@@ -268,6 +240,8 @@ class TrainStep:
         self._phase = phase if phase is not None else (lambda name: contextlib.nullcontext())
         self._before_backward = before_backward
         self._current: Optional[LoaderItem] = None
+        # the next batch's (batch, model arguments, ids), where this step computed its ids for prioritized updates
+        self._derived: Optional[tuple] = None
         self._started = False
         self.step = 0
 
@@ -320,29 +294,53 @@ class TrainStep:
     def forward_backward(
         self, item: LoaderItem, upcoming: Optional[LoaderItem], global_labels: float
     ) -> tuple[float, torch.Tensor]:
-        """The forward (the embedding stage told this batch's and the next one's ids first) and the backward of
-        the local loss sum over ``global_labels``. Returns this rank's label count and, on the device (not read
-        here: no device sync), its loss sum and positives: the dense all-reduce's payload.
+        """The forward (the embedding stage handed this step's context first) and the backward of the local loss
+        sum over ``global_labels``. Returns this rank's label count and, on the device (not read here: no device
+        sync), its loss sum and positives: the dense all-reduce's payload.
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         batch, labels = item.batch, item.batch.candidate_labels
         with self._phase("freescale/forward"):
+            derived, self._derived = self._derived, None
+            derived = derived if derived is not None and derived[0] is batch else (batch, None, None)
+            # the user's inputs(), once per step (or kept from the last step, which derived this batch's ids)
+            args = derived[1] if derived[1] is not None else as_args(self.inputs, batch)
             if self.stage is not None:
-                self.stage.begin_step(batch, item.prefetched, self._upcoming_ids(upcoming))
+                self.stage.begin_step(self.context(item, upcoming, args, derived[2]))
             with autocast(self.autocast_dtype, self.device):
-                loss_sum = self.loss(call_model(self.model, self.inputs, item), batch)
+                loss_sum = self.loss(call_model(self.model, self.inputs, item, args), batch)
         if self._before_backward is not None:
             self._before_backward()
         with self._phase("freescale/backward"):
             (loss_sum / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
 
-    def _upcoming_ids(self, upcoming: Optional[LoaderItem]):
-        """The next batch's ids for prioritized updates: the loader's exchange, else its features (exchanged in
-        the step); None at the end, and for schedules that do not prefetch rows."""
-        if upcoming is None or self.stage is None or not self.stage.prioritized:
-            return None
-        return upcoming.prefetched if upcoming.prefetched is not None else self.stage.features(upcoming.batch)
+    def context(
+        self,
+        item: LoaderItem,
+        upcoming: Optional[LoaderItem],
+        args: Optional[tuple] = None,
+        ids: Optional[dict[str, torch.Tensor]] = None,
+    ) -> EmbeddingContext:
+        """The step's embedding context: the ids and exchange the loader's ID prefetch attached to ``item``, else
+        ``ids``, else the ids computed here (from ``args``, the model's arguments, where the features come from
+        its KeyedJaggedTensor); and for prioritized updates the next batch's ids (None at the end)."""
+        if item.prefetched is not None:
+            ids = item.prefetched.features
+        elif ids is None:
+            ids = self.stage.feature_ids(item.batch, args)
+        upcoming_ids = None
+        if upcoming is not None and self.stage.prioritized:
+            upcoming_ids = upcoming.prefetched if upcoming.prefetched is not None else self._derive(upcoming.batch)
+        return EmbeddingContext(ids, item.prefetched, upcoming_ids)
+
+    def _derive(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The ids of the next batch, which no loader stage computed, with the model's arguments they came from (a
+        KeyedJaggedTensor model's): kept for the batch's own step, so that neither is computed twice."""
+        args = as_args(self.inputs, batch) if self.stage.features is None else None
+        ids = self.stage.feature_ids(batch, args)
+        self._derived = (batch, args, ids)
+        return ids
 
     def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
         """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the

@@ -70,7 +70,7 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
     return ModelSpec(
         model,
         embeddings=["item_embedding"],
-        features=lambda batch: {"item_embedding": model.item_ids(batch)},
+        features=model.embedding_ids,
         plan=plan,
     )
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -201,30 +199,11 @@ class SequenceModel(nn.Module):
         self.head = nn.Sequential(nn.Linear(3 * d, d), nn.GELU(), nn.Linear(d, config.num_labels))
         for emb in (self.item_embedding, self.action_embedding, self.position):
             nn.init.normal_(emb.weight, std=0.02)
-        # Per thread, the last batch's truncation: a step asks for it three times (the embedding stage's
-        # features, then item_ids and encode_uih in the forward), and each is a dozen small ops on a host that,
-        # for a small model, is the bottleneck. Keyed by the batch's identity (batches are never changed in
-        # place); per thread because the loader's ID-prefetch stage calls item_ids on the next batch meanwhile.
-        self._truncated: dict[int, tuple] = {}
-
-    def __getstate__(self) -> dict:
-        return {
-            **super().__getstate__(),
-            "_truncated": {},
-        }  # weak references do not pickle, and the cache is only a cache
 
     def _truncate(self, batch: Batch) -> Kept:
         """Keeps each sample's most recent ``max_uih`` events (:class:`Kept`). The sizes come from the batch's host
-        offsets: no device sync."""
-        thread = threading.get_ident()
-        last = self._truncated.get(thread)
-        if last is not None and last[0]() is batch:
-            return last[1]
-        result = self._truncate_now(batch)
-        self._truncated[thread] = (weakref.ref(batch), result)
-        return result
-
-    def _truncate_now(self, batch: Batch) -> Kept:
+        offsets: no device sync. A dozen small ops on a host that, for a small model, is the bottleneck: the
+        forward computes it once and hands it to its parts."""
         host_offsets = kept_offsets(batch.host_offsets("uih_offsets"), self.config.max_uih)
         total = int(host_offsets[-1])
         lengths = batch.uih_lengths
@@ -241,14 +220,20 @@ class SequenceModel(nn.Module):
         )
         return Kept(offsets, flat, pos, uih, candidates)
 
-    def item_ids(self, batch: Batch) -> torch.Tensor:
-        """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids.
+    def item_ids(self, batch: Batch, kept: Optional[Kept] = None) -> torch.Tensor:
+        """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids
+        (``kept``: the batch's truncation, where the caller has it).
 
         One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
-        of the whole step at once (pipelines use this same function to prefetch the next batch's ids).
+        of the whole step at once (:meth:`embedding_ids` gives the loader's ID prefetch this same function).
         """
-        flat = self._truncate(batch).flat
+        flat = (kept if kept is not None else self._truncate(batch)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
+
+    def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's embedding
+        stage (computed once per batch, by the loader's ID prefetch or by the step)."""
+        return {"item_embedding": self.item_ids(batch)}
 
     def plan_function(self) -> Callable[[torch.Tensor, torch.Tensor], AttentionPlan]:
         """The pure function from a batch's host ``uih_offsets`` and ``candidate_offsets`` to its
@@ -275,18 +260,24 @@ class SequenceModel(nn.Module):
         """Whether this model's attention on ``device`` takes a host-built plan (block masks) from the loader."""
         return self.attention_impl(device) in NEEDS_BLOCK_MASK
 
-    def _tokens(self, batch: Batch, uih_rows: torch.Tensor) -> torch.Tensor:
-        kept = self._truncate(batch)
+    def _tokens(self, batch: Batch, uih_rows: torch.Tensor, kept: Kept) -> torch.Tensor:
         flat, pos = kept.flat, kept.pos
         tokens = uih_rows + self.position(pos)
         if batch.uih_action_types is not None:
             tokens = tokens + self.action_embedding(batch.uih_action_types[flat] % self.config.num_actions)
         return tokens
 
-    def encode_uih(self, batch: Batch, uih_rows: torch.Tensor, plan: Optional[AttentionPlan] = None) -> torch.Tensor:
-        """Encoded UIH from the kept UIH items' embedding rows: packed [N, d] (jagged) or padded [B, L, d]."""
-        kept = self._truncate(batch)
-        tokens = self._tokens(batch, uih_rows)
+    def encode_uih(
+        self,
+        batch: Batch,
+        uih_rows: torch.Tensor,
+        plan: Optional[AttentionPlan] = None,
+        kept: Optional[Kept] = None,
+    ) -> torch.Tensor:
+        """Encoded UIH from the kept UIH items' embedding rows: packed [N, d] (jagged) or padded [B, L, d]
+        (``kept``: the batch's truncation, where the caller has it)."""
+        kept = kept if kept is not None else self._truncate(batch)
+        tokens = self._tokens(batch, uih_rows, kept)
         if self.config.attention == "padded":
             x, _, _ = _pad(tokens, kept.offsets, max(kept.uih.max_len, 1))
             attend = _padded_causal
@@ -301,7 +292,8 @@ class SequenceModel(nn.Module):
     def forward(self, batch: Batch, attention_plan: Optional[AttentionPlan] = None) -> torch.Tensor:
         """``attention_plan``: the batch's block masks from the loader, read where the kernel takes them
         (:meth:`needs_plan`) and built here when absent; ignored by the other kernels."""
-        rows = self.item_embedding(self.item_ids(batch))
+        kept = self._truncate(batch)
+        rows = self.item_embedding(self.item_ids(batch, kept))
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0
@@ -317,12 +309,11 @@ class SequenceModel(nn.Module):
                 plan = self.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets"))
             if plan.device != rows.device:
                 plan = plan.to(rows.device, non_blocking=True)
-        uih = self.encode_uih(batch, uih_rows, plan)
+        uih = self.encode_uih(batch, uih_rows, plan, kept)
         # Candidate vectors: sum of their content-id rows (a candidate without content gets a zero vector).
         cand = torch.segment_reduce(content_rows, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         # Target attention: each candidate queries its own sample's encoded UIH.
         if self.config.attention == "padded":
-            kept = self._truncate(batch)
             uih_mask = torch.arange(max(kept.uih.max_len, 1), device=uih.device).unsqueeze(0) < offsets_to_lengths(
                 kept.offsets
             ).unsqueeze(1)
@@ -335,7 +326,6 @@ class SequenceModel(nn.Module):
             attended = attended.transpose(1, 2).reshape(-1, d).index_select(0, cand_slot)  # back to jagged [C_total, d]
         else:
             heads = lambda t: t.view(t.shape[0], h, d // h)  # noqa: E731
-            kept = self._truncate(batch)
             attended = jagged_attention(
                 heads(self.target_q(cand)),
                 heads(uih),

@@ -1,5 +1,6 @@
-"""The loader's ID-prefetch stage (fsembed/id_prefetch.py) built from fsembed's sharding plan: shard-major ids
-arrive on their owners, exactly once, and the stage resumes exactly (the shared save/load check)."""
+"""The loader's ID-prefetch stage (fsembed/id_prefetch.py) built from fsembed's sharding plan: it computes each
+batch's ids once and they travel on the item, shard-major ids arrive on their owners, exactly once, and the stage
+resumes exactly (the shared save/load check)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,16 @@ def _plan(world_size):
     )
 
 
-def _features(batch):
+def _ids(batch):
     return {"uih": batch.uih_item_ids % 500, "cand": batch.content_ids % 500, "user": batch.user_ids % 50}
+
+
+def _features(batch):  # the stage's: counted
+    _features.calls += 1
+    return _ids(batch)
+
+
+_features.calls = 0
 
 
 def _make_loader(rank, world_size, transport):
@@ -34,12 +43,13 @@ def _make_loader(rank, world_size, transport):
     plan = _plan(world_size)
     source = SyntheticSource(SyntheticConfig(num_samples=37, seed=4, collision_block_size=8))
     node = GlobalBatchReader(source, 4, rank, world_size)
-    for wrap in id_prefetch_stages(plan.group_boundaries, transport, plan.extractor(_features), rank):
+    for wrap in id_prefetch_stages(plan, transport, _features, rank):
         node = wrap(node)
 
-    def settle(item):  # comparable items: the batch and every key's shard-major ids and splits
+    def settle(item):  # comparable items: the batch, its ids, and every key's shard-major ids and splits
         batch, pre = item.batch, item.prefetched
-        return batch, {k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets) for k, s in pre.keys.items()}
+        keyed = {k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets) for k, s in pre.keys.items()}
+        return batch, pre.features, keyed
 
     return Loader(Mapper(node, settle))
 
@@ -51,10 +61,12 @@ def _body(rank, world_size):
     transport = stage_transports().forward
     plan = _plan(world_size)
     stage("one epoch")
-    sent = received = 0
+    sent = received = batches = 0
     owned = True
-    for batch, keyed in _make_loader(rank, world_size, transport):
-        stacked = plan.stack_ids(_features(batch))
+    for batch, features, keyed in _make_loader(rank, world_size, transport):
+        batches += 1
+        owned &= all(torch.equal(features[k], v) for k, v in _ids(batch).items())  # what the step hands on
+        stacked = plan.stack_ids(features)
         for g in plan.groups:
             ids, send, recv, perm, recv_offsets = keyed[g.name]
             # the stage brings the receive offsets along, so the embedding stage need not build them per step
@@ -66,6 +78,7 @@ def _body(rank, world_size):
             # batch-major side: perm groups the ids by owning shard, send_splits counts them
             dest = torch.bucketize(stacked[g.name][0][perm], g.boundaries[1:], right=True)
             owned &= torch.equal(dest, torch.repeat_interleave(torch.arange(world_size), torch.tensor(send)))
+    owned &= _features.calls == batches  # each batch's ids computed once, in the stage
     stage("save/load")
     run_test_save_load_state(lambda: _make_loader(rank, world_size, transport), midpoint=2)
     return sent, received, owned

@@ -31,6 +31,16 @@ class UserModel(nn.Module):
         return torch.tanh(self.head(h)).square().sum()
 
 
+def _prepare(hub, features, upcoming=None, exchange=None):
+    """A step's context handed to the hub as the prioritized schedule does (the synchronous collection ignores the
+    next batch's ids); returns it."""
+    from fsembed.context import EmbeddingContext
+
+    context = EmbeddingContext.of(features, exchange, upcoming)
+    hub.prepare(context, context.lookup_ids, context.upcoming)
+    return context
+
+
 def _data(step, rank):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randint(0, 40, (3, 5), generator=g), torch.randint(0, 9, (3,), generator=g)
@@ -52,8 +62,9 @@ def _body(rank, world_size):
             if s + 1 < STEPS:
                 ni, nu = _data(s + 1, rank)
                 nxt = {"towers.item_emb": ni.reshape(-1), "user_emb": nu}
-            hub.prepare({"towers.item_emb": items.reshape(-1), "user_emb": users}, nxt)
+            _prepare(hub, {"towers.item_emb": items.reshape(-1), "user_emb": users}, nxt)
             loss = model(items, users)
+            hub.release()
             loss.backward()
             losses.append(loss.detach())
         out[mode] = (torch.stack(losses), hub.collection.full_tables(), sorted(model.state_dict()))
@@ -120,7 +131,7 @@ def _torchrec_body(rank, world_size):
         lengths=torch.tensor([5, 4, 1, 3, 1, 1], dtype=torch.int32),  # two samples per key
     )
     hub = swap_embeddings(model, ["ec"])
-    hub.prepare(feats)
+    _prepare(hub, feats)
     got, want = model.ec(kjt), original(kjt)
     return isinstance(model.ec, ShardedCollectionView) and all(
         torch.equal(got[k].values().detach(), want[k].values().detach())
@@ -143,11 +154,11 @@ def _prefetched_body(rank, world_size):
     items, users = _data(0, rank)
     feats = {"towers.item_emb": items.reshape(-1), "user_emb": users}
     early = hub.collection.exchange_ids(feats)  # started before the step, as TorchRec's SparseDist pipeline does
-    hub.prepare(feats, prefetched=early)
+    _prepare(hub, feats, exchange=early)
     with_prefetch = model(items, users).detach()
     model.eval()
     with torch.no_grad():
-        hub.prepare(feats)
+        _prepare(hub, feats)
         plain = model(items, users)
     return with_prefetch, plain
 
@@ -169,10 +180,10 @@ def _hub_check(device):
 
     hub = EmbeddingHub(_FakeCollection())
     ids = torch.arange(6, device=device)
-    hub.prepare({"items": ids})
+    _prepare(hub, {"items": ids})
     assert hub.rows("items", ids.clone()).shape == (6, 4)  # equal values, another tensor: fine
     hub.verify()
-    hub.prepare({"items": ids})
+    _prepare(hub, {"items": ids})
     with pytest.raises(ValueError, match="other ids"):
         hub.rows("items", torch.arange(7, device=device))  # more ids than prepared: at once, on any device
     return hub, ids
@@ -190,7 +201,7 @@ def test_hub_serves_a_module_called_several_times_per_step_in_call_order():
 
     hub = EmbeddingHub(_NumberedCollection())
     first, second = torch.tensor([3, 1, 4]), torch.tensor([1, 5])
-    hub.prepare({"items": [first, second]})
+    _prepare(hub, {"items": [first, second]})
     assert hub.rows("items", first).flatten().tolist() == [3, 1, 4]
     assert hub.rows("items", second).flatten().tolist() == [1, 5]
     assert hub.rows("items", torch.cat([first, second])).flatten().tolist() == [
@@ -200,12 +211,14 @@ def test_hub_serves_a_module_called_several_times_per_step_in_call_order():
         1,
         5,
     ]  # all again: the same rows
-    hub.verify()
-    hub.prepare({"items": [first, second]})
+    hub.release()
+    _prepare(hub, {"items": [first, second]})
     hub.rows("items", first)
     with pytest.raises(ValueError, match="only part of the ids"):
-        hub.verify()  # the second call never came
-    hub.prepare({"items": [first, second]})
+        hub.release()  # the forward returned, the second call never came
+    with pytest.raises(ValueError, match="'items' was not prepared this step"):
+        hub.rows("items", second)  # the context is let go of: no call reads a step's rows after it
+    _prepare(hub, {"items": [first, second]})
     with pytest.raises(ValueError, match="list in call order"):
         hub.rows("items", second)  # the calls came in another order than features() listed them
 
@@ -227,4 +240,4 @@ def test_hub_checks_gpu_ids_without_a_sync_and_raises_at_the_next_prepare():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(ValueError, match="other ids"):
-        hub.prepare({"items": ids})
+        _prepare(hub, {"items": ids})

@@ -108,41 +108,30 @@ def test_the_forward_makes_no_device_sync_for_a_batch_from_the_host():
     torch.testing.assert_close(logits, expected)
 
 
-def test_a_step_truncates_its_batch_once_per_thread(monkeypatch):
-    """The embedding stage's features, item_ids and encode_uih all need the batch's truncation: computed once per
-    batch and thread, the same tensors every time, and a new batch (or another thread) computes its own."""
-    import threading
-
-    rng = np.random.default_rng(3)
-    model = _model(max_uih=8)
-    calls = []
-    real = model._truncate_now
-    monkeypatch.setattr(model, "_truncate_now", lambda b: calls.append(b) or real(b))
-    first, second = (Batch.from_samples([_sample(i, n, rng) for i, n in enumerate(ns)]) for ns in ((30, 4), (2, 12)))
-    ids = model.item_ids(first)
-    with torch.no_grad():
-        model(first)
-    assert len(calls) == 1 and model.item_ids(first).equal(ids)
-    expected = real(second)
-    assert all(a.equal(b) for a, b in zip(model._truncate(second)[:3], expected[:3])) and len(calls) == 2
-    other = threading.Thread(target=model.item_ids, args=(second,))
-    other.start(), other.join()
-    assert len(calls) == 3  # the other thread's own entry: the loader's worker never evicts the training thread's
-    model._truncate(second)
-    assert len(calls) == 3
-
-
-def test_a_model_with_cached_truncations_still_pickles():
+@pytest.mark.parametrize("attention", ["jagged", "padded"])
+def test_a_forward_truncates_its_batch_once_and_keeps_nothing_of_it(monkeypatch, attention):
+    """The lookup's ids, the tokens and both attentions need the batch's truncation: the forward computes it once
+    and hands it to its parts, and keeps nothing between calls (the step's ids come with its context, not from a
+    cache in the model). ``embedding_ids`` is the embedding stage's features: the ids the forward looks up."""
     import io
 
-    rng = np.random.default_rng(4)
-    model = _model()
+    rng = np.random.default_rng(3)
+    torch.manual_seed(0)
+    model = SequenceModel(ModelConfig(num_items=500, dim=32, num_heads=2, max_uih=8, attention=attention)).eval()
+    calls = []
+    real = model._truncate
+    monkeypatch.setattr(model, "_truncate", lambda b: calls.append(b) or real(b))
+    looked_up = []
+    hook = model.item_embedding.register_forward_hook(lambda module, args, out: looked_up.append(args[0]))
+    batch = Batch.from_samples([_sample(i, n, rng) for i, n in enumerate((30, 4))])
     with torch.no_grad():
-        model(Batch.from_samples([_sample(0, 5, rng)]))
-    buffer = io.BytesIO()
-    torch.save(model, buffer)  # the cache's weak references are left out
-    buffer.seek(0)
-    assert torch.load(buffer, weights_only=False)._truncated == {}
+        model(batch)
+        model(batch)
+    assert len(calls) == 2  # once per forward, again for the same batch: nothing kept
+    assert torch.equal(model.embedding_ids(batch)["item_embedding"], looked_up[0])
+    monkeypatch.undo()
+    hook.remove()
+    torch.save(model, io.BytesIO())  # nothing unpicklable left on the model
 
 
 def _pair(max_uih=64, **kw) -> tuple[SequenceModel, SequenceModel]:

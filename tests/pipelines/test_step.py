@@ -200,6 +200,87 @@ def test_a_module_called_more_often_than_prepared_says_how_to_write_it():
         assert message is not None and "more than once per step" in message and "list in call order" in message
 
 
+class KjtModel(nn.Module):
+    """A user's model of a torchrec EmbeddingCollection fed a KeyedJaggedTensor that its ``inputs`` builds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec import EmbeddingCollection, EmbeddingConfig
+
+        torch.manual_seed(0)
+        self.ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=NUM_ITEMS, feature_names=["hist"])],
+            device=torch.device("cpu"),
+        )
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, kjt, num_candidates):
+        jt = self.ec(kjt)["hist"]
+        pooled = torch.segment_reduce(jt.values(), "sum", lengths=jt.lengths(), unsafe=True)
+        return self.head(pooled).repeat_interleave(num_candidates, 0, output_size=int(num_candidates.sum()))
+
+
+def _inputs_calls_body(rank, world_size):
+    """How often the user's inputs() runs, per thread, in a step's three ways of getting its ids: the loader's ID
+    prefetch (freescale), none (sync), and hand-made items without a loader (freescale: the step derives the next
+    batch's ids itself)."""
+    import threading
+
+    from torchrec import KeyedJaggedTensor
+
+    from fsdata import LoaderConfig, build_loader, shutdown_loader
+    from fsdata.item import LoaderItem
+    from fsdata.synthetic import SyntheticConfig, SyntheticSource
+    from pipelines.api.step import TrainStep, wrap_model
+
+    training = threading.get_ident()
+    out = {}
+    for mode, loader in (("sync", True), ("freescale", True), ("freescale", False)):
+        stage(f"{mode}, loader {loader}")
+        calls = {"training": 0, "loader": 0}
+
+        def inputs(batch):
+            calls["training" if threading.get_ident() == training else "loader"] += 1
+            kjt = KeyedJaggedTensor(keys=["hist"], values=batch.uih_item_ids % NUM_ITEMS, lengths=batch.uih_lengths)
+            return kjt, batch.num_candidates
+
+        model = KjtModel()
+        wrapped = wrap_model(model, types=["EmbeddingCollection"], mode=mode, inputs=inputs)
+        source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=48, seed=1, uih_max=16))
+        if loader:
+            items = build_loader(source, LoaderConfig(batch_size=4), rank, world_size, wrapped.loader_stages(rank))
+        else:
+            items = [LoaderItem(source.read(0, 8 * s + 4 * rank, 8 * s + 4 * rank + 4)) for s in range(6)]
+        loss = (
+            lambda out, batch: nn.functional.binary_cross_entropy_with_logits(  # noqa: E731
+                out, batch.candidate_labels[:, :1], reduction="sum"
+            )
+        )
+        step = TrainStep(model, loss, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=wrapped)
+        it, losses = iter(items), []
+        while step.has_next(it):
+            losses.append(step.progress(it).loss)
+        if loader:
+            shutdown_loader(items)
+        out[(mode, loader)] = (len(losses), dict(calls), losses)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_users_inputs_run_once_per_step_in_the_training_thread():
+    """The batch's ids are computed once: by the loader's ID prefetch (from inputs(), in its worker: once per
+    batch) or by the step from the model's arguments; the pre-hook and the swapped modules read them from the step's
+    context. So the user's inputs() runs once per step in the training thread, whatever the mode."""
+    pytest.importorskip("torchrec")
+    for out in run_ranks(_inputs_calls_body, 2, timeout=240):
+        for (mode, loader), (steps, calls, losses) in out.items():
+            assert steps == 6, (mode, loader)
+            assert calls["training"] == steps, (mode, loader, calls)
+            assert calls["loader"] == (steps if mode == "freescale" and loader else 0), (mode, loader, calls)
+        # the same batches, the same losses: freescale's ids from the loader or from the step, sync's from the step
+        assert out[("freescale", True)][2] == out[("sync", True)][2] == out[("freescale", False)][2]
+
+
 def test_pooled_modules_are_refused_with_the_reason():
     from fsembed.swap import swap_embeddings
 
