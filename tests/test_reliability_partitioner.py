@@ -3,6 +3,7 @@ one line naming the partitioner and the step, from the rank where the fault happ
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -30,28 +31,25 @@ PARTITIONERS = textwrap.dedent(
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "name, fragments",
+    "name, expected",
     [
         (
             "raises_on_rank_1",
-            [
-                "freescale train: error: rank 1: partitioner part.py:raises_on_rank_1 raised RuntimeError at step 2: "
-                "no plan for this step (traceback: ",
-                "; rank(s) [0] failed after it",
-            ],
+            r"freescale train: error: rank 1: partitioner part.py:raises_on_rank_1 raised RuntimeError at step 2: no "
+            r"plan for this step \(traceback: ",
         ),
+        # Every rank finds the plans differ and says so alike: the launcher prints the first report it has (the
+        # other rank may be stopped by it before writing its own).
         (
             "differs",
-            [
-                "freescale train: error: rank 0: partitioner part.py:differs returned different plans on ranks 0 and 1 "
-                "at step 2 (a plan must be a pure function of the gathered lengths) (traceback: ",
-                "; rank(s) [1] failed after it",
-            ],
+            r"freescale train: error: rank [01]: partitioner part.py:differs returned different plans on ranks 0 and 1 "
+            r"at step 2 \(a plan must be a pure function of the gathered lengths\) \(traceback: ",
         ),
     ],
 )
-def test_a_partitioner_fault_is_the_launchers_one_line_naming_partitioner_and_step(tmp_path, name, fragments):
+def test_a_partitioner_fault_is_the_launchers_one_line_naming_partitioner_and_step(tmp_path, name, expected):
     (tmp_path / "part.py").write_text(PARTITIONERS)
     proc = freescale(tmp_path, "train", *FAST, "--steps", "4", "--partitioner", f"part.py:{name}", timeout=180)
-    line = one_line_error(proc, *fragments)
+    line = one_line_error(proc)
+    assert re.match(expected, line), line
     assert "CollectiveError" not in line and "PeerLostError" not in line

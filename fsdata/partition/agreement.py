@@ -14,6 +14,7 @@ Cost: a crc32 of the plan and one of its inputs (both 0.4 ms at 32,768 samples o
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any, Optional
 
@@ -59,6 +60,11 @@ def inputs_digest(lengths: GatheredLengths, runtime: RuntimeInfo) -> int:
 class PlanAgreement:
     """Compares each step's plan across the ranks of ``transport``'s group (see the module docstring)."""
 
+    # A rank told that the partitioner failed elsewhere waits this long before it raises: the failing rank learnt
+    # it at the same moment and reports it on its way out, and a launcher stops the other ranks as soon as one has
+    # ended (torch's agent looks every 0.2 s), so a follower ending first could have the cause stopped unreported.
+    FOLLOWER_DELAY_S = 2.0
+
     def __init__(self, transport: Any, rank: int, name: str) -> None:
         self.transport, self.rank, self.name = transport, rank, name
 
@@ -85,6 +91,7 @@ class PlanAgreement:
         rows = self.transport.all_gather(row).wait()
         failed = torch.nonzero(rows[:, _FAILED]).flatten().tolist()
         if failed:
+            time.sleep(self.FOLLOWER_DELAY_S)
             raise PeerPartitionerError(
                 f"partitioner {self.name} failed on rank(s) {failed} at step {step}; rank {self.rank} stops with it"
             )

@@ -348,8 +348,10 @@ def test_a_partitioner_that_raises_is_named_with_the_step_and_the_other_ranks_ar
         _planned_steps(DividesByZero(), None)  # a class, driven without the check: still named
 
 
-def test_a_partitioner_that_failed_on_another_rank_stops_this_one_as_following_it():
-    from fsdata.partition import PeerPartitionerError
+def test_a_partitioner_that_failed_on_another_rank_stops_this_one_as_following_it(monkeypatch):
+    from fsdata.partition import PeerPartitionerError, PlanAgreement
+
+    monkeypatch.setattr(PlanAgreement, "FOLLOWER_DELAY_S", 0.0)  # the wait for the failing rank's report
 
     def peer_fails_at_step_2(row):
         row[1] = int(row[0]) == 2
