@@ -1,7 +1,8 @@
 """pipelines, in the parts a reader finds by name:
 
-    api/       the training API a user's script calls: wrap_model, TrainStep, ModelSpec, unwrap_model, evaluate
-    job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints
+    api/       the training API a user's script calls: wrap_model, TrainStep, ModelSpec, unwrap_model, predict,
+               evaluate
+    job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
     models/    the reference model, and torchrec's pipeline around it as the outside reference
     cli/       the `freescale` command and its data commands
     research/  the measuring tools: benchmarks, the simulator, the replay
@@ -21,6 +22,9 @@ _EXPORTS = {
     "bce_loss": "pipelines.api.step",
     "evaluate": "pipelines.api.evaluate",
     "EvalResult": "pipelines.api.evaluate",
+    "predict": "pipelines.api.evaluate",
+    "Predictions": "pipelines.api.evaluate",
+    "load_export": "pipelines.job.export",
     "data_dims": "pipelines.job.dims",
     "DataDims": "pipelines.job.dims",
     "host_transport": "fscomm.registry",

@@ -1,45 +1,69 @@
-"""Held-out evaluation: NE and AUC of a model on samples it did not train on, every rank's samples counted once.
+"""Predictions and held-out evaluation: the model's per-candidate logits, and NE and AUC over every rank's samples.
 
-An evaluation pass runs the model over a loader of held-out data (``fsdata.build_loader`` over, say, the
-converters' ``--eval-out`` split, with no balancer stages: the plan does not matter when nothing is updated),
-under ``torch.no_grad()`` and in eval mode. Swapped embedding tables are read after ``stage.flush()``, so
-deferred updates have landed; in eval mode their lookup is a plain synchronous exchange, one per batch on every
-rank: the loader gives every rank the same number of batches (the last ones short or empty), so the exchanges
-pair up.
+``predict`` runs the model over a loader of any data (``fsdata.build_loader`` with no stages: an evaluation
+needs no balancer and no ID prefetch, the plan does not matter when nothing is updated), or over one batch,
+under ``torch.no_grad()`` and in eval mode, and returns this rank's per-candidate logits (or probabilities) with
+each candidate's sample id and labels. ``evaluate`` is ``predict`` over every rank's held-out data, gathered,
+then two figures. Swapped embedding tables are read after ``stage.flush()``, so deferred updates have landed; in
+eval mode their lookup is a plain synchronous exchange, one per batch on every rank: the loader gives every rank
+the same number of batches (the last ones short or empty), so the exchanges pair up.
 
 Metrics, over the whole held-out set (all ranks, each sample once):
 
-- **NE**: the summed BCE over the label count, divided by the entropy of the labels' positive rate (as the
-  training NE, pipelines.models.reference.normalized_entropy).
-- **AUC**: the area under the ROC curve per label column (torchmetrics' binary AUROC over every rank's
-  predictions, gathered), and their mean over the columns that have both classes (a column without positives or
-  without negatives has no AUC: NaN).
+- **NE**: the summed BCE of the logits (in float64) over the label count, divided by the entropy of the labels'
+  positive rate (as the training NE, pipelines.models.reference.normalized_entropy).
+- **AUC**: the area under the ROC curve per label column: torchmetrics' binary AUROC of the float32 sigmoid of
+  the logits against every candidate's label (every rank's, gathered); tied scores count half, as the
+  trapezoid rule gives. ``auc`` is the mean over the columns that have both classes (a column without positives
+  or without negatives has no AUC: NaN).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from fsdata.item import as_item
+from fsdata.batch import Batch
+from fsdata.item import LoaderItem, as_item
 from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.models.reference import normalized_entropy
 
 
 @dataclass
+class Predictions:
+    """One rank's outputs of a ``predict`` pass, a row per candidate in the order of its batches' candidates (a
+    batch's ``candidate_offsets`` give each sample's rows)."""
+
+    scores: torch.Tensor
+    """float32 [candidates, labels]: the model's logits, or their sigmoid with ``probabilities=True``."""
+    sample_ids: torch.Tensor
+    """int64 [candidates]: the sample each row's candidate belongs to."""
+    labels: torch.Tensor
+    """float32 [candidates, labels]: the candidates' labels as the data holds them."""
+    samples: int
+    """Samples this rank ran."""
+
+
+@dataclass
 class EvalResult:
-    """One evaluation pass, as every rank sees it."""
+    """One evaluation pass, the same on every rank."""
 
     ne: float
-    auc: float  # mean over the label columns that have an AUC
+    """Normalized entropy: the mean BCE of the logits over the entropy of the labels' positive rate."""
+    auc: float
+    """The mean of ``auc_per_label`` over the label columns that have an AUC (NaN if none has)."""
     auc_per_label: list[float]
-    loss: float  # mean BCE per label
+    """ROC AUC per label column; NaN for a column without positives or without negatives."""
+    loss: float
+    """Mean BCE per label."""
     samples: int
+    """Samples evaluated, every rank's, each once."""
     labels: int
+    """Labels evaluated (candidates x label columns), every rank's."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,51 +87,93 @@ def _gathered(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _on_device(item: LoaderItem, device: torch.device) -> LoaderItem:
+    if item.batch.device == device:
+        return item
+    return LoaderItem(item.batch.to(device, non_blocking=True), item.report, None, item.attention_plan, item.extras)
+
+
+def _per_candidate(output: Any, batch: Batch) -> torch.Tensor:
+    """The model's output for ``batch``, checked to be a row per candidate."""
+    candidates = int(batch.candidate_offsets[-1])
+    if not isinstance(output, torch.Tensor) or output.dim() != 2 or output.shape[0] != candidates:
+        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        first = f" (its first sample_id {int(batch.sample_ids[0])})" if batch.batch_size else ""
+        raise ValueError(
+            f"predict: the model returned {got} for a batch of {candidates} candidates{first}; predict and "
+            "evaluate take a model whose forward returns per-candidate logits [candidates, labels]"
+        )
+    return output
+
+
 @torch.no_grad()
-def evaluate(
+def predict(
     model: torch.nn.Module,
-    items: Iterable,
+    items: Union[Iterable, Batch, LoaderItem],
     *,
     stage=None,
     inputs=None,
-    device: torch.device = torch.device("cpu"),
+    device: Union[str, torch.device] = "cpu",
     precision: str = "auto",
-    world_size: Optional[int] = None,
-) -> EvalResult:
-    """NE and AUC of ``model`` over ``items`` (LoaderItems or Batches of held-out data; every rank passes its own
-    loader's). ``stage``: the embedding stage of ``wrap_model`` (flushed first); ``inputs``: ``batch -> model
-    arguments`` (default: the stage's, else the batch). The model's outputs must be per-candidate logits
-    [candidates, labels] (the reference model's). The model is left in the mode it was in."""
+    probabilities: bool = False,
+) -> Predictions:
+    """The model's per-candidate logits (``probabilities=True``: their float32 sigmoid) over ``items``: a loader,
+    any iterable of LoaderItems or Batches, or one Batch or LoaderItem. Runs under ``torch.no_grad()`` in eval
+    mode and leaves the model in the mode it was in. ``stage``: the embedding stage of ``wrap_model`` (flushed
+    first; its lookups are collective, so every rank calls ``predict`` over as many batches); ``inputs``: ``batch
+    -> model arguments`` (default: the stage's, else the batch); ``precision``: as ``--precision`` (``auto`` is
+    fp32 on CPU, bf16 autocast on CUDA). Returns this rank's rows only (``evaluate`` gathers every rank's)."""
     from pipelines.api.step import call_model
 
     device = torch.device(device)
-    world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size
     if stage is not None:
         stage.flush()
         inputs = inputs if inputs is not None else getattr(stage, "inputs", None)
     dtype = autocast_dtype(precision, device)
     was_training = model.training
     model.eval()
-    scores, targets, samples = [], [], 0
+    scores, labels, sample_ids, samples = [], [], [], 0
     try:
-        for raw in items:
-            item = as_item(raw)
-            batch = item.batch if item.batch.device == device else item.batch.to(device, non_blocking=True)
-            item = (
-                item if batch is item.batch else type(item)(batch, item.report, None, item.attention_plan, item.extras)
-            )
+        for raw in [items] if isinstance(items, (Batch, LoaderItem)) else items:
+            item = _on_device(as_item(raw), device)
+            batch = item.batch
             if stage is not None:  # names the batch whose features the lookup takes (the model may take other inputs)
                 stage.begin_step(batch)
             with autocast(dtype, device):
-                logits = call_model(model, inputs, item)
+                logits = _per_candidate(call_model(model, inputs, item), batch)
             scores.append(logits.float().cpu())
-            targets.append(batch.candidate_labels.float().cpu())
+            labels.append(batch.candidate_labels.float().cpu())
+            sample_ids.append(batch.sample_ids.cpu().repeat_interleave(batch.num_candidates.cpu()))
             samples += batch.batch_size
     finally:
         model.train(was_training)
-    width = targets[0].shape[1] if targets else 1
-    logits = _gathered(torch.cat(scores) if scores else torch.zeros(0, width), world_size)
-    labels = _gathered(torch.cat(targets) if targets else torch.zeros(0, width), world_size)
+    width = labels[0].shape[1] if labels else 1
+    logits = torch.cat(scores) if scores else torch.zeros(0, width)
+    return Predictions(
+        scores=torch.sigmoid(logits) if probabilities else logits,
+        sample_ids=torch.cat(sample_ids) if sample_ids else torch.zeros(0, dtype=torch.int64),
+        labels=torch.cat(labels) if labels else torch.zeros(0, width),
+        samples=samples,
+    )
+
+
+def evaluate(
+    model: torch.nn.Module,
+    items: Iterable,
+    *,
+    stage=None,
+    inputs=None,
+    device: Union[str, torch.device] = "cpu",
+    precision: str = "auto",
+    world_size: Optional[int] = None,
+) -> EvalResult:
+    """NE and AUC of ``model`` over ``items`` (every rank passes its own loader's held-out items): ``predict``'s
+    logits and labels gathered from every rank, then the module docstring's metrics. The arguments are
+    ``predict``'s; ``world_size``: the ranks to gather from (default: the process group's, 1 without one)."""
+    world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size
+    rows = predict(model, items, stage=stage, inputs=inputs, device=device, precision=precision)
+    logits, labels = _gathered(rows.scores, world_size), _gathered(rows.labels, world_size)
+    samples = rows.samples
     if world_size > 1:
         counted = torch.tensor([samples], dtype=torch.int64)
         dist.all_reduce(counted)

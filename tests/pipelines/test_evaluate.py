@@ -1,6 +1,8 @@
-"""Held-out evaluation (pipelines.api.evaluate): NE and AUC against an independent computation (a plain sort-based
-AUC, the NE formula over the model's own logits), and `freescale train --eval-data` on a converted file with
-the held-out split: every held-out sample counted once over the ranks, the figures in the summary and output."""
+"""Predictions and held-out evaluation (pipelines.api.evaluate): predict's rows are the logits a forward hook sees
+(one process, and two gloo ranks through a wrapped model's sharded table); NE and AUC against an independent
+computation (a plain sort-based AUC, the NE formula over the model's own logits), and `freescale train
+--eval-data` on a converted file with the held-out split: every held-out sample counted once over the ranks, the
+figures in the summary and output."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
+from pipelines import predict
 from pipelines.api.evaluate import evaluate
 from pipelines.models.reference import ModelConfig, SequenceModel
 
@@ -68,6 +71,137 @@ def test_ne_and_auc_equal_an_independent_computation():
     p, bce = labels.mean(), np.mean(np.logaddexp(0, logits) - labels * logits)
     assert result.ne == pytest.approx(bce / -(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-6)
     assert (result.samples, result.labels) == (20, 120)
+
+
+def _batches(count: int = 4) -> list[Batch]:
+    rng = np.random.default_rng(0)
+    return [
+        Batch.from_samples([_sample(10 * b + i, int(n), rng) for i, n in enumerate(rng.integers(1, 40, 5))])
+        for b in range(count)
+    ]
+
+
+def test_predict_gives_the_logits_a_forward_hook_sees():
+    batches = _batches()
+    torch.manual_seed(0)
+    model = SequenceModel(ModelConfig(num_items=500, dim=16, num_heads=2, num_labels=2, max_uih=32)).train()
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    rows = predict(model, batches)
+    assert model.training and len(seen) == len(batches)  # the model left in the mode it was in
+    assert torch.equal(rows.scores, torch.cat(seen)) and rows.scores.shape == (60, 2)
+    assert torch.equal(rows.labels, torch.cat([b.candidate_labels for b in batches]))
+    assert torch.equal(rows.sample_ids, torch.cat([b.sample_ids.repeat_interleave(b.num_candidates) for b in batches]))
+    assert rows.samples == 20
+    assert torch.equal(predict(model, batches, probabilities=True).scores, torch.sigmoid(rows.scores))
+    one = predict(model, batches[2])  # one batch, not a loader
+    assert torch.equal(one.scores, seen[2]) and torch.equal(one.scores, seen[-1])
+
+
+def test_predict_refuses_outputs_that_are_not_a_row_per_candidate():
+    class Pooled(torch.nn.Module):  # one score per sample, not per candidate
+        def forward(self, batch):
+            return batch.dense.sum(1)
+
+    with pytest.raises(ValueError) as e:
+        predict(Pooled(), _batches(1))
+    assert str(e.value) == (
+        "predict: the model returned (5,) for a batch of 15 candidates (its first sample_id 0); predict and evaluate "
+        "take a model whose forward returns per-candidate logits [candidates, labels]"
+    )
+
+
+NUM_ITEMS, DIM = 40, 6
+
+
+class _Tower(torch.nn.Module):
+    """A user's model: one nn.Embedding table, looked up for the history and for the candidates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = torch.nn.Embedding(NUM_ITEMS, DIM)
+        self.head = torch.nn.Linear(2 * DIM + 4, 1)
+
+    def forward(self, batch) -> torch.Tensor:
+        history = torch.segment_reduce(self.items(batch.uih_item_ids % NUM_ITEMS), "sum", lengths=batch.uih_lengths)
+        candidates = self.items(_candidates(batch))
+        user = torch.cat([history, batch.dense], 1).repeat_interleave(batch.num_candidates, 0)
+        return self.head(torch.cat([candidates, user], 1))
+
+
+def _candidates(batch) -> torch.Tensor:
+    return batch.content_ids[batch.content_offsets[:-1]] % NUM_ITEMS
+
+
+def _held_out():
+    from fsdata.synthetic import SyntheticConfig, SyntheticSource
+
+    return SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=48, seed=5, uih_max=32))
+
+
+def _predict_on_ranks(rank, world_size):
+    from fsdata import LoaderConfig, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
+    from pipelines import TrainStep, wrap_model
+    from tests.harness import stage
+
+    torch.manual_seed(0)
+    model = _Tower()
+    features = lambda batch: {"items": [batch.uih_item_ids % NUM_ITEMS, _candidates(batch)]}  # noqa: E731
+    table = wrap_model(model, embeddings=["items"], mode="freescale", features=features)
+    source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=160, seed=1, uih_max=32))
+    loader = build_loader(source, LoaderConfig(batch_size=8), rank, world_size, table.loader_stages(rank))
+    step = TrainStep(model, None, torch.optim.Adam(model.parameters(), lr=1e-2), stage=table)
+    items = iter(loader)
+    stage("train")
+    while step.has_next(items) and step.step < 4:
+        step.progress(items)
+    shutdown_loader(loader)
+    seen = []
+    model.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    passes = []
+
+    def held_out():  # a loader per pass: a synthetic source's next epoch holds other samples
+        passes.append(build_loader(_held_out(), LoaderConfig(batch_size=8), rank, world_size))  # no stages needed
+        return passes[-1]
+
+    stage("predict")
+    rows = predict(model, held_out(), stage=table)
+    probabilities = predict(model, held_out(), stage=table, probabilities=True).scores
+    one = predict(model, _held_out().read(0, 0, 6), stage=table).scores  # every rank: its lookup is collective
+    stage("evaluate")
+    result = evaluate(model, held_out(), stage=table)
+    for loader in passes:
+        shutdown_loader(loader)
+    return {"rows": rows, "probabilities": probabilities, "one": one, "seen": seen, "result": result}
+
+
+@pytest.mark.multiprocess
+def test_predict_on_ranks_gives_the_hooks_logits_and_evaluate_gathers_them():
+    from tests.harness import run_ranks
+
+    results = run_ranks(_predict_on_ranks, 2, timeout=180)
+    batches_per_rank = 3  # 48 held-out samples in global batches of 2 x 8
+    gathered = []
+    for rank, res in enumerate(results):
+        rows, seen = res["rows"], res["seen"]
+        assert len(seen) == 2 * batches_per_rank + 1 + batches_per_rank  # predict twice, one batch, evaluate
+        assert torch.equal(rows.scores, torch.cat(seen[:batches_per_rank]))
+        assert torch.equal(res["probabilities"], torch.sigmoid(rows.scores))
+        assert torch.equal(res["one"], seen[2 * batches_per_rank])
+        reads = [_held_out().read(0, 16 * g + 8 * rank, 16 * g + 8 * rank + 8) for g in range(batches_per_rank)]
+        assert torch.equal(
+            rows.sample_ids, torch.cat([b.sample_ids.repeat_interleave(b.num_candidates) for b in reads])
+        )
+        assert rows.samples == 24
+        gathered.append(rows)
+    logits = torch.cat([r.scores for r in gathered]).double()
+    labels = torch.cat([r.labels for r in gathered]).double()
+    p = float(labels.mean())
+    bce = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    result = results[0]["result"]
+    assert result.as_dict() == results[1]["result"].as_dict() and result.samples == 48
+    assert result.ne == pytest.approx(bce / -(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-12)
+    assert result.auc == pytest.approx(sort_auc(logits[:, 0].float().numpy(), labels[:, 0].numpy()), abs=1e-6)
 
 
 def _ratings(path, users=40, events=24, seed=0):
