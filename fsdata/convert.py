@@ -4,11 +4,14 @@ Supported raw formats:
 
 * ``movielens``: ``ratings.dat`` (``UserID::MovieID::Rating::Timestamp``, ML-1M/10M) or ``ratings.csv``
   (``userId,movieId,rating,timestamp`` with a header, ML-20M/25M/32M). Label: rating >= 4.
-* ``amazon``: reviews as JSON lines (optionally .gz), either the 2014/2018 form
+* ``amazon``: reviews as JSON lines, either the 2014/2018 form
   (``reviewerID, asin, overall, unixReviewTime``) or the 2023 form (``user_id, parent_asin, rating,
   timestamp`` in ms). Label: rating >= 4.
 * ``kuairand``: KuaiRand log CSVs (``user_id, video_id, time_ms`` or ``date`` + ``hourmin``, ``is_click``,
   ...). Labels: the columns named by ``label_columns`` (default ``is_click``).
+
+Every format reads gzip-compressed files too, by their ``.gz`` suffix (``ratings.dat.gz``, ``ratings.csv.gz``,
+``reviews.json.gz``, ``log.csv.gz``).
 
 Known CSV headers are matched whatever their case (``UserID,MovieID,Rating,Timestamp`` is MovieLens's). A
 malformed row (wrong number of fields, a field that does not parse as its column's type, an empty field, or a
@@ -262,7 +265,7 @@ def read_movielens(
     types = {"user": pa.int64(), "item": pa.int64(), "rating": pa.float64(), "timestamp": pa.int64()}
     for path in paths:
         rows = _Rows(path, bad_rows)
-        if path.endswith(".csv"):
+        if path.removesuffix(".gz").endswith(".csv"):
             header = _header(path)
             if header[:4] != ["userid", "movieid", "rating", "timestamp"]:
                 raise ValueError(
@@ -434,11 +437,22 @@ class ConvertReport:
     skipped_users: int
     """Users with at most ``min_history`` events (no sample)."""
     positive_rate: list[float]
+    """Per label column, the mean label of the training samples' candidates (what a model trains on; events that
+    are only in a UIH, or in no sample, do not count)."""
     outputs: list[str]
     skipped_rows: int = 0
     """Malformed input rows left out (``bad_rows="skip"``)."""
     eval_samples: int = 0
     """Held-out samples written (``eval_out``), one per eligible user."""
+    eval_positive_rate: Optional[list[float]] = None
+    """``positive_rate`` of the held-out samples' candidates (None without ``eval_out``)."""
+
+
+def _positive_rate(labels: np.ndarray, cand_start, cand_end, base) -> list[float]:
+    """Per label column, the mean label over the candidates of the samples given as :func:`_write_samples` takes
+    them."""
+    rows = labels[segment_arange(base + cand_start, cand_end - cand_start)]
+    return [float(x) for x in rows.mean(axis=0, dtype=np.float64)]
 
 
 def _write_samples(
@@ -570,8 +584,9 @@ def events_to_parquet(
     if len(s_user) == 0:
         raise ValueError(f"no user has more than min_history={min_history} events: nothing to write")
     written = _write_samples(out, *ranges, item, labels, action, time, row_group_size, progress)
+    positive_rate = _positive_rate(labels, ranges[1], ranges[2], ranges[4])
     outputs = [str(out)]
-    eval_written = 0
+    eval_written, eval_positive_rate = 0, None
     if held:
         if not in_eval.any():
             raise ValueError(
@@ -580,6 +595,7 @@ def events_to_parquet(
             )
         ranges = _held_out_ranges(np.flatnonzero(in_eval), counts, first, time, held, max_uih)
         eval_written = _write_samples(eval_out, *ranges, item, labels, action, time, row_group_size, progress)
+        eval_positive_rate = _positive_rate(labels, ranges[1], ranges[2], ranges[4])
         outputs.append(str(eval_out))
     stem = str(out)[: -len(".parquet")] if str(out).endswith(".parquet") else str(out)
     user_map, item_map = Path(stem + ".user_ids.csv"), Path(stem + ".item_ids.csv")
@@ -591,9 +607,10 @@ def events_to_parquet(
         items=len(item_keys),
         samples=written,
         skipped_users=int((windows == 0).sum()),
-        positive_rate=[float(x) for x in labels.mean(axis=0)],
+        positive_rate=positive_rate,
         outputs=[*outputs, str(user_map), str(item_map)],
         eval_samples=eval_written,
+        eval_positive_rate=eval_positive_rate,
     )
 
 

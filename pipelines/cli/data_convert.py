@@ -11,7 +11,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="raw file(s): ratings.dat|csv, reviews .jsonl[.gz], KuaiRand log CSVs",
+        help="raw file(s): ratings.dat|csv, reviews .jsonl, KuaiRand log CSVs; any of them gzipped (.gz)",
     )
     parser.add_argument("--out", required=True, help="output Parquet file (id mappings are written beside it)")
     parser.add_argument(
@@ -76,10 +76,15 @@ def main(args: argparse.Namespace) -> int:
     rate = ", ".join(f"{r:.4f}" for r in report.positive_rate)
     print(
         f"{report.events} events of {report.users} users and {report.items} items -> {report.samples} training "
-        f"samples ({report.skipped_users} users with too short a history skipped); positive rate {rate}"
+        f"samples ({report.skipped_users} users with too short a history skipped); positive rate {rate} (of "
+        "their candidates' labels)"
     )
     if args.eval_out:
-        print(f"  {report.eval_samples} held-out samples (each user's last events, never trained on)")
+        held = ", ".join(f"{r:.4f}" for r in report.eval_positive_rate)
+        print(
+            f"  {report.eval_samples} held-out samples (each user's last events, never trained on); positive "
+            f"rate {held}"
+        )
     if report.skipped_rows:
         print(f"  {report.skipped_rows} malformed row(s) skipped (--bad-rows skip)")
     for path in report.outputs:

@@ -230,3 +230,60 @@ def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path,
     trained = {(int(s.user_id), raw[int(c[0])]) for s in train.to_samples() for c in s.content_ids}
     trained |= {(int(s.user_id), raw[i]) for s in train.to_samples() for i in s.uih_item_ids.tolist()}
     assert not any((int(s.user_id), raw[int(c[0])]) in trained for s in samples for c in s.content_ids)
+
+
+@pytest.mark.parametrize("name", ["ratings.dat.gz", "ratings.csv.gz"])
+def test_movielens_reads_gzip_files_as_the_plain_ones(tmp_path, name):
+    dat = "".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS)
+    csv = "userId,movieId,rating,timestamp\n" + "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in EVENTS)
+    (tmp_path / name).write_bytes(gzip.compress((dat if ".dat" in name else csv).encode()))
+    convert("movielens", [tmp_path / name], tmp_path / "ml.parquet", progress=False, candidates=2, samples_per_user=0)
+    check(tmp_path / "ml.parquet", EVENTS, 2, 0)
+
+
+def test_kuairand_reads_a_gzip_file(tmp_path):
+    lines = [f"{u},{i},{1649376000000 + t * 60_000},{int(r >= 4)}" for u, i, r, t in EVENTS]
+    text = "user_id,video_id,time_ms,is_click\n" + "\n".join(lines) + "\n"
+    (tmp_path / "log.csv.gz").write_bytes(gzip.compress(text.encode()))
+    convert(
+        "kuairand", [tmp_path / "log.csv.gz"], tmp_path / "kr.parquet", progress=False, candidates=2, samples_per_user=0
+    )
+    check(tmp_path / "kr.parquet", EVENTS, 2, 0)
+
+
+@pytest.mark.parametrize("k,samples_per_user", [(1, 1), (2, 0), (3, 1)])
+def test_positive_rate_is_over_the_training_candidates_labels(tmp_path, k, samples_per_user, capsys):
+    """Not over every raw event (half of EVENTS are positive): over the labels of the candidates written, those a
+    model trains on; the held-out split's rate over its own candidates."""
+    src = tmp_path / "ratings.dat"
+    src.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
+    report = convert(
+        "movielens", [src], tmp_path / "ml.parquet", progress=False, candidates=k, samples_per_user=samples_per_user
+    )
+    labels = [label for sample in reference(EVENTS, k, samples_per_user) for label in sample[-1]]
+    assert report.positive_rate == [pytest.approx(sum(labels) / len(labels), abs=1e-12)]
+    assert report.eval_positive_rate is None
+    if (k, samples_per_user) == (1, 1):
+        assert report.positive_rate == [0.0]  # users' last events are negatives; the raw events' rate is 0.5
+
+
+def test_cli_names_the_positive_rate_of_training_and_held_out_labels(tmp_path, capsys):
+    import argparse
+
+    from pipelines.cli import data_convert
+
+    src = tmp_path / "ratings.dat"
+    src.write_text("".join(f"{u}::{i}::{r}::{t}\n" for u, i, r, t in EVENTS))
+    parser = argparse.ArgumentParser()
+    data_convert.add_arguments(parser)
+    argv = ["--format", "movielens", str(src), "--out", str(tmp_path / "o.parquet"), "--candidates", "1"]
+    args = parser.parse_args([*argv, "--eval-out", str(tmp_path / "e.parquet"), "--no-progress"])
+    assert data_convert.main(args) == 0
+    out = capsys.readouterr().out
+    rates = []
+    for name in ("o", "e"):
+        source = ParquetSource(tmp_path / f"{name}.parquet")
+        rates.append(float(source.read(0, 0, source.num_samples(0)).candidate_labels.mean()))
+    assert rates[0] != 0.5  # the raw events' rate
+    assert f"positive rate {rates[0]:.4f} (of their candidates' labels)" in out
+    assert f"  2 held-out samples (each user's last events, never trained on); positive rate {rates[1]:.4f}" in out
