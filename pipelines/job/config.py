@@ -133,7 +133,7 @@ class TrainConfig:
     resume: Optional[str] = _f(None, "'latest' or a step directory", group="checkpoint", metavar="STEP")
     async_checkpoint: bool = _f(False, "save checkpoints in the background", group="checkpoint")
     export: Optional[str] = _f(
-        None, "at the end, torch.save your model's state_dict", group="checkpoint", metavar="PATH"
+        None, "save your model's state_dict at the end (and PATH.json)", group="checkpoint", metavar="PATH"
     )
     trace: Optional[str] = _f(None, "profile a few steps to PATH.rank{r}.json", metavar="PATH")
     gil_switch_ms: float = _f(1.0, "Python's thread switch interval per rank (ms)", group="tuning")

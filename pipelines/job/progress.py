@@ -3,13 +3,17 @@
 A bar redraws itself with carriage returns, which a log file keeps as one ever longer line (tens of KB for a few
 hundred steps). When the stream is not a terminal, :class:`PlainProgress` prints one line every ``every`` steps
 or ``seconds`` seconds, whichever comes first, and at the end, with the same figures the bar shows.
+
+The rate is training steps per second of training: time spent inside :func:`paused` (the held-out evaluation)
+is left out of it, and a plain line says how much of its elapsed time that was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Iterator, Optional, TextIO
 
 
 class PlainProgress:
@@ -31,6 +35,11 @@ class PlainProgress:
         self._start = self._last = time.monotonic()
         self._postfix = ""
         self._printed = self._initial = initial
+        self.paused_s = 0.0  # time spent in paused(): not training, so not in the rate
+
+    def exclude(self, seconds: float) -> None:
+        """Leaves ``seconds`` of the elapsed time out of the rate."""
+        self.paused_s += seconds
 
     def set_postfix(self, **values) -> None:
         self._postfix = ", ".join(f"{k} {v}" for k, v in values.items())
@@ -43,10 +52,15 @@ class PlainProgress:
 
     def _line(self, now: float) -> None:
         elapsed = now - self._start
-        done = self.n - self._initial
-        rate = f", {done / elapsed:.2f} steps/s" if elapsed > 0 and done > 0 else ""
+        training, done = elapsed - self.paused_s, self.n - self._initial
+        rate = f", {done / training:.2f} steps/s" if training > 0 and done > 0 else ""
+        paused = f", {self.paused_s:.0f} s of it held-out evaluation" if self.paused_s >= 0.5 else ""
         postfix = f", {self._postfix}" if self._postfix else ""
-        print(f"{self.desc}: step {self.n}/{self.total}{postfix} ({elapsed:.0f} s{rate})", file=self.stream, flush=True)
+        print(
+            f"{self.desc}: step {self.n}/{self.total}{postfix} ({elapsed:.0f} s{paused}{rate})",
+            file=self.stream,
+            flush=True,
+        )
         self._printed, self._last = self.n, now
 
     def write(self, line: str) -> None:
@@ -55,6 +69,22 @@ class PlainProgress:
     def close(self) -> None:
         if self.n != self._printed:
             self._line(time.monotonic())
+
+
+@contextlib.contextmanager
+def paused(bar) -> Iterator[None]:
+    """Leaves the time inside the block out of ``bar``'s rate (None: no bar). tqdm's bar is moved on by it, as its
+    own ``unpause`` does for the time since its last print, so its rate and its smoothed rate skip the block."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds = time.monotonic() - started
+        if isinstance(bar, PlainProgress):
+            bar.exclude(seconds)
+        elif bar is not None:
+            bar.start_t += seconds
+            bar.last_print_t += seconds
 
 
 def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step"):

@@ -118,3 +118,25 @@ class ScheduleProbe:
             "probe_median_s": {k: self.median(k) for k in self.times},
             "margin": self.margin,
         }
+
+
+def describe_choice(summary: dict) -> str:
+    """The run summary's line for an auto probe (``ScheduleProbe.summary()``): the choice, the probes' median step
+    times and the margin that decided between them."""
+    medians = {k: v for k, v in summary["probe_median_s"].items() if v is not None}
+    chosen = (
+        f"{summary['choice']} from step {summary['decided_at']}"
+        if summary["choice"]
+        else "not chosen: the run ended inside the schedule probe"
+    )
+    if not medians:
+        return chosen
+    probe = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in medians.items())
+    if len(medians) < 2 or not medians["sdd"]:
+        return f"{chosen} (probe medians: {probe})"
+    gain = 1.0 - medians["prioritized"] / medians["sdd"]
+    faster = f"{100 * abs(gain):.1f}% {'faster' if gain >= 0 else 'slower'}"
+    return (
+        f"{chosen} (probe medians: {probe}; prioritized {faster}, kept only when at least "
+        f"{100 * summary['margin']:.0f}% faster)"
+    )

@@ -462,19 +462,22 @@ def print_summary(summary: dict) -> None:
     counts = summary.get("data_counts")
     if counts:
         print("  data, all ranks  " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items())))
+        ahead = counts.get("samples_read", 0) - (summary.get("samples") or 0)
+        if ahead > 0:
+            print(
+                f"  read ahead       {ahead} of the {counts['samples_read']} samples read were not trained on: the "
+                "loader reads batches ahead of the step (--prefetch-depth, lookahead), and the reference model reads "
+                "one sample per rank for its widths"
+            )
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
         print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
-        probe = ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in schedule["probe_median_s"].items() if v is not None)
-        chosen = (
-            f"{schedule['choice']} from step {schedule['decided_at']}"
-            if schedule["choice"]
-            else "not chosen: the run ended inside the schedule probe"
-        )
-        print(f"  embedding        {chosen}" + (f" (probe medians: {probe})" if probe else ""))
+        from pipelines.job.schedule import describe_choice
+
+        print(f"  embedding        {describe_choice(schedule)}")  # with the margin that decided
     print(
         f"  timed steps      {summary['warmup_steps']} warm-up and {summary.get('drain_steps', 0)} drain step(s) left "
         "out"

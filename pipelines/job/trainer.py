@@ -70,7 +70,8 @@ from pipelines.job import checkpoint
 from pipelines.job.accounting import StepAccounting, stall_clues
 from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
 from pipelines.job.config import JobConfig
-from pipelines.job.progress import progress_bar
+from pipelines.job.export import save_export
+from pipelines.job.progress import paused, progress_bar
 from pipelines.job.schedule import ScheduleProbe
 from pipelines.models.reference import normalized_entropy
 
@@ -340,7 +341,8 @@ class Trainer:
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                    self.evaluate(progress)
+                    with paused(progress):  # the progress rate is training's: evaluation time is left out
+                        self.evaluate(progress)
                 if profiler is not None:
                     profiler.step()
             if self._checkpointer is not None:  # an async save still in flight completes (and is checked) first
@@ -356,13 +358,13 @@ class Trainer:
             peaks = gather_per_rank((float(self._peak_memory()),), self.rank, self.world_size, self.device)
             self._peak_per_rank = [int(v) for v in peaks[:, 0]]
             if self.eval_source is not None:
-                self.evaluate(progress)
+                with paused(progress):
+                    self.evaluate(progress)
             if cfg.export and self.torchrec is None:  # the user's own modules back, with the trained tables
                 if self.pipeline is not None:
                     unwrap_model(self.model, self.pipeline, dst=0)
-                if self.rank == 0:
-                    Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
-                    torch.save(self.model.state_dict(), cfg.export)
+                if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
+                    save_export(self.model, cfg.export, self.config.model.model)
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             self.accounting.close()

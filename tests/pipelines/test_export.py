@@ -1,6 +1,8 @@
 """Export: after training, unwrap_model puts the user's own modules back with the trained tables, gathered to one
 rank, and a fresh instance of the user's class loads the saved state_dict and gives the trained model's logits
-bit for bit (CPU): a torchrec EmbeddingCollection model (the BYO example's) and a model of nn.Embedding tables."""
+bit for bit (CPU): a torchrec EmbeddingCollection model (the BYO example's) and a model of nn.Embedding tables.
+`freescale train --export` of the reference model comes back through `pipelines.load_export` alone, giving the
+job's own held-out NE and AUC bit for bit."""
 
 from __future__ import annotations
 
@@ -158,3 +160,55 @@ def test_export_of_nn_embedding_tables_with_uneven_shards(tmp_path):
     results = _check_export("tables", "sync", tmp_path, dst=None)
     assert all(all(r["holds"].values()) for r in results)  # dst=None: every rank holds the tables
     assert torch.equal(results[1]["unwrapped"], results[0]["unwrapped"])
+
+
+def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_bit(tmp_path):
+    """The job evaluates its trained, sharded model on the held-out file at the end, then exports it. The model
+    load_export rebuilds, run over the same batches in the order the job gathered them (rank 0's, then rank 1's),
+    must give the same logits: the same NE and AUC to the last bit."""
+    import itertools
+    import json
+    import subprocess
+    import sys
+
+    from fsdata import LoaderConfig, ParquetSource, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
+    from fsdata.schema import write_parquet
+    from pipelines import evaluate, load_export
+    from pipelines.job.export import REFERENCE
+    from pipelines.models.reference import ModelConfig, SequenceModel
+
+    write_parquet(
+        SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=7)).read(0, 0, 40),
+        str(tmp_path / "held.parquet"),
+        row_group_size=16,
+    )
+    argv = ["--nproc", "2", "--steps", "4", "--batch-size", "8", "--num-samples", "256", "--device", "cpu"]
+    argv += ["--tuning.threads", "1"]  # the same intra-op threads as the comparison below, whatever the cores
+    files = ["--eval-data", "held.parquet", "--export", "out/model.pt", "--summary-json", "s.json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "train", *argv, *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "samples read were not trained on: the loader reads batches ahead of the step" in proc.stdout
+    described = json.loads((tmp_path / "out/model.pt.json").read_text())
+    assert described["model"] == REFERENCE and described["config"]["num_items"] == 20_000
+    model = load_export(tmp_path / "out/model.pt")
+    assert isinstance(model, SequenceModel) and not model.training
+    torch.manual_seed(0)  # the job's seed: the initial weights, which training changed
+    assert not torch.equal(SequenceModel(ModelConfig(**described["config"])).head[0].weight, model.head[0].weight)
+    held = ParquetSource(tmp_path / "held.parquet")
+    loaders = [build_loader(held, LoaderConfig(batch_size=8), rank, 2) for rank in (0, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = evaluate(model, itertools.chain(*loaders), world_size=1)
+    finally:
+        torch.set_num_threads(threads)
+        for loader in loaders:
+            shutdown_loader(loader)
+    job = json.loads((tmp_path / "s.json").read_text())["eval"][-1]
+    assert (result.ne, result.auc, result.samples) == (job["ne"], job["auc"], 40)

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from pipelines.job.progress import PlainProgress, progress_bar
+from pipelines.job.progress import PlainProgress, paused, progress_bar
 
 
 def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
@@ -25,6 +25,36 @@ def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
     ] == ["step 5/10", "step 8/10", "step 9/10"]
     assert all(line.startswith("train freescale (2 ranks): step") for line in lines if "held-out" not in line)
     assert "loss 0.6931" in lines[0] and lines[2] == "step 9: held-out NE 0.9"
+
+
+def test_the_rate_leaves_out_the_time_spent_evaluating(monkeypatch):
+    """4 steps in 2 s of training and 6 s of held-out evaluation: 2 steps/s, not 0.5, and the line says so."""
+    clock = [100.0]
+    monkeypatch.setattr("pipelines.job.progress.time.monotonic", lambda: clock[0])
+    out = io.StringIO()
+    bar = PlainProgress(total=4, desc="train freescale (2 ranks)", stream=out, every=4, seconds=1e9)
+    for step in range(4):
+        clock[0] += 0.5
+        if step == 1:
+            with paused(bar):
+                clock[0] += 6.0
+        bar.update(1)
+    assert out.getvalue() == "train freescale (2 ranks): step 4/4 (8 s, 6 s of it held-out evaluation, 2.00 steps/s)\n"
+
+
+def test_paused_moves_tqdms_clocks_past_the_block(monkeypatch):
+    from tqdm import tqdm
+
+    bar = tqdm(total=4, file=io.StringIO())
+    start, last = bar.start_t, bar.last_print_t
+    clock = [0.0]
+    monkeypatch.setattr("pipelines.job.progress.time.monotonic", lambda: clock[0])
+    with paused(bar):
+        clock[0] += 6.0
+    assert (bar.start_t, bar.last_print_t) == (start + 6.0, last + 6.0)
+    bar.close()
+    with paused(None):  # no bar (a rank other than 0): nothing to move
+        pass
 
 
 def test_a_stream_that_is_not_a_terminal_gets_plain_lines(monkeypatch, capsys):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.job.schedule import ScheduleProbe
+from pipelines.job.schedule import ScheduleProbe, describe_choice
 
 
 def run(probe: ScheduleProbe, seconds, steps: int, first: int = 0) -> list[str]:
@@ -100,6 +100,30 @@ def test_the_choice_is_the_rule_on_the_measured_steps(times, start, k, margin):
         assert all(any(times[s] == v and ran[s] == sched for s in range(40)) for v in values)
     pays = statistics.median(measured["prioritized"]) < (1 - margin) * statistics.median(measured["sdd"])
     assert probe.choice == ("prioritized" if pays else "sdd")
+
+
+@pytest.mark.parametrize(
+    "prioritized_s,line",
+    [
+        (0.0903, "prioritized 90.3 ms, sdd 94.4 ms; prioritized 4.3% faster, kept only when at least 5% faster)"),
+        (0.0600, "prioritized 60.0 ms, sdd 94.4 ms; prioritized 36.4% faster, kept only when at least 5% faster)"),
+        (0.1000, "prioritized 100.0 ms, sdd 94.4 ms; prioritized 5.9% slower, kept only when at least 5% faster)"),
+    ],
+)
+def test_the_summary_line_names_the_margin_that_decided(prioritized_s, line):
+    """The run summary's line: which schedule, from which step, both medians and the margin between them."""
+    probe = ScheduleProbe("auto", start=0, steps=2)
+    run(probe, lambda s, sched: prioritized_s if sched == "prioritized" else 0.0944, 12)
+    choice = "prioritized" if prioritized_s < 0.95 * 0.0944 else "sdd"
+    assert describe_choice(probe.summary()) == f"{choice} from step {probe.decided_at} (probe medians: {line}"
+
+
+def test_the_summary_line_of_a_run_that_ended_inside_the_probe():
+    probe = ScheduleProbe("auto", start=0, steps=4)
+    run(probe, lambda s, sched: 0.05, 3)
+    assert describe_choice(probe.summary()) == (
+        "not chosen: the run ended inside the schedule probe (probe medians: prioritized 50.0 ms)"
+    )
 
 
 # ---------------------------------------------------------------- in the trainer, on gloo ranks
