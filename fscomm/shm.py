@@ -129,6 +129,13 @@ def remove_segments_of(pids: Sequence[int], shm_dir: str = SHM_DIR) -> list[str]
     return _unlink_segments(shm_dir, lambda pid: pid in wanted)
 
 
+def remove_own_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlinks this process's own segments; returns their names. For a rank that ends at once on a signal
+    (``os._exit``, no transport closed): its peers are ending too, and mapped pages stay valid once unlinked."""
+    me = str(os.getpid())
+    return _unlink_segments(shm_dir, lambda pid: pid == me)
+
+
 # Fault injection, for the tests of the launchers' clean-up: FSCOMM_SHM_FAULT=POINT:RANK kills rank RANK (of the
 # world) with SIGKILL at POINT of the segments' life cycle, where a crash would leave them linked: "created" (its
 # control segment made, no peer attached yet), "mapped" (the peers' segments attached, its own not yet unlinked),

@@ -17,6 +17,8 @@ peer is still making (a ``new_group`` that the peer is still joining fails with 
 The communication timeout of the world group and of every fscomm group is the harness's ``timeout``, so a wait
 that cannot finish fails within the test's time, never after torch's 30 minutes.
 
+The ranks' folder (``fs-ranks-*``: the store, the stage files) goes when the call returns or raises.
+
 Tests that call it carry the ``multiprocess`` marker (tests/conftest.py fails one that does not).
 """
 
@@ -27,6 +29,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -192,6 +195,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(stage_dir, ignore_errors=True)  # the store and the stage files: read above, if at all
     errors = [(r, tb) for r, (s, tb) in sorted(outcome.items()) if s == "error"]
     if errors:
         r, tb = errors[0]

@@ -5,9 +5,13 @@ warning (docs/reliability.md lists every case and its test)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -224,3 +228,174 @@ def test_the_bench_launcher_brings_every_ranks_result_back_when_asked():
         (0, 2),
         (1, 2),
     ]
+
+
+# --- signals: one line, 128 + the signal, nothing left behind -------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """The launcher's child processes (its ranks, multiprocessing's resource tracker), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, lines: int) -> None:
+    """Until ``path`` holds ``lines`` lines: the job has made progress. Bounded, and never a fixed sleep."""
+    deadline = time.monotonic() + 180
+    while not (path.exists() and len(path.read_text().splitlines()) >= lines):
+        assert proc.poll() is None, f"the job ended before {path.name}: {proc.returncode}"
+        assert time.monotonic() < deadline, f"no {path.name} within 180 s"
+        time.sleep(0.2)
+
+
+def _train(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        *(sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--device", "cpu", "--no-progress"),
+        *("--batch-size", "4", "--num-samples", "100000", *extra),
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "sig, to, checkpoints",
+    [
+        (signal.SIGTERM, "launcher", True),  # a scheduler's stop
+        (signal.SIGINT, "group", True),  # Ctrl-C: every process of the group gets it at once
+        (signal.SIGINT, "launcher", False),
+        (signal.SIGTERM, "group", False),
+    ],
+)
+def test_a_signal_ends_the_job_in_one_line_with_its_step_and_checkpoint_leaving_nothing_behind(
+    tmp_path, sig, to, checkpoints
+):
+    tmp = tmp_path / "tmp"  # the job's TMPDIR: its temporary log folder must not stay
+    tmp.mkdir()
+    progress = ("--checkpoint-dir", "ck", "--checkpoint-every", "2") if checkpoints else ("--metrics-jsonl", "m.jsonl")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(
+            _train(tmp_path, "--steps", "100000", *progress),
+            cwd=tmp_path,
+            env={**ENV, "TMPDIR": str(tmp)},
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # its own process group, as a shell gives a job
+        )
+        try:
+            # progress: a complete checkpoint of step 4 (its marker is one line), or the metrics of 3 steps
+            if checkpoints:
+                _wait_for(tmp_path / "ck" / "step_000004" / "COMPLETE", proc, 1)
+            else:
+                _wait_for(tmp_path / "m.jsonl", proc, 3)
+            pids = _children(proc.pid)
+            (os.killpg if to == "group" else os.kill)(proc.pid, sig)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stderr = (tmp_path / "err").read_text()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    lines = _terminal_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    clause = r"last complete checkpoint step (\d+)" if checkpoints else "no checkpoint"
+    match = re.fullmatch(rf"freescale train: interrupted \({sig.name}\) at step (\d+); {clause}", lines[0])
+    assert match, lines[0]
+    print(lines[0])  # shown with -s: the line a user sees
+    assert len(pids) >= 2 and _segments_of(pids) == []
+    assert [n for n in os.listdir(tmp) if not n.startswith("torchinductor_")] == []  # torch's own cache may stay
+    if not checkpoints:
+        return
+    step, saved = int(match.group(1)), int(match.group(2))
+    assert step >= saved >= 4
+    resumed = subprocess.run(
+        _train(tmp_path, "--steps", str(saved + 2), "--checkpoint-dir", "ck", "--resume", "latest"),
+        cwd=tmp_path,
+        env={**ENV, "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from ck/step_{saved:06d} at step {saved}" in resumed.stdout, resumed.stdout[-3000:]
+
+
+def _report(log_dir: Path, rank: int, sig: str, step) -> None:
+    (log_dir / f"rank{rank}.interrupted").write_text(json.dumps({"rank": rank, "signal": sig, "step": step}))
+
+
+def test_an_interruption_names_the_signal_the_step_every_rank_completed_and_the_newest_complete_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from pipelines.job.train import _interruption
+
+    (tmp_path / "ck" / "step_000006").mkdir(parents=True)
+    (tmp_path / "ck" / "step_000006" / "COMPLETE").write_text("2 dcp\n")
+    (tmp_path / "ck" / "step_000008").mkdir()  # a save the signal cut short: no marker, not resumed
+    config = SimpleNamespace(train=SimpleNamespace(nproc=2, checkpoint_dir=str(tmp_path / "ck")))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    _report(logs, 0, "SIGTERM", 8)
+    _report(logs, 1, "SIGTERM", 7)  # a step behind: step 8 is not complete on every rank
+    through_launcher = _interruption(logs, config, signum=signal.SIGTERM)
+    assert str(through_launcher) == "interrupted (SIGTERM) at step 7; last complete checkpoint step 6"
+    assert through_launcher.signum == signal.SIGTERM and list(logs.iterdir()) == []  # the reports are read once
+    # sent to rank 1 alone: the launcher saw it end first (128 + SIGTERM), then stopped rank 0 with its SIGTERM
+    _report(logs, 1, "SIGTERM", 7)
+    _report(logs, 0, "SIGTERM", 8)
+    alone = _interruption(logs, config, exitcodes={1: 128 + signal.SIGTERM})
+    assert str(alone) == "interrupted (SIGTERM to rank(s) [1]) at step 7; last complete checkpoint step 6"
+    # rank 1 failed (exit 1); rank 0 reports only the SIGTERM that stopped it after: a failure, not an interruption
+    _report(logs, 0, "SIGTERM", 8)
+    assert _interruption(logs, config, exitcodes={1: 1}) is None
+    _report(logs, 0, "SIGINT", None)  # before its trainer was built (set-up, a restore)
+    _report(logs, 1, "SIGINT", None)
+    none = SimpleNamespace(train=SimpleNamespace(nproc=2, checkpoint_dir=None))
+    both = {0: 128 + signal.SIGINT, 1: 128 + signal.SIGINT}
+    assert str(_interruption(logs, none, exitcodes=both)) == "interrupted (SIGINT) during set-up; no checkpoint"
+
+
+def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
+    from pipelines.job.train import _tidy_log_dir
+
+    def folder(name, *files):
+        (tmp_path / name / "torchelastic" / "run" / "attempt_0").mkdir(parents=True)
+        for f in files:
+            (tmp_path / name / f).write_text("x")
+        return tmp_path / name
+
+    # made here: a clean run, or a failure or signal that left only pid files, leaves nothing
+    assert not _tidy_log_dir(folder("clean", "rank0.pid", "rank0.log"), made_here=True, clean=True)
+    assert not _tidy_log_dir(folder("pids", "rank0.pid", "rank1.pid"), made_here=True, clean=False)
+    assert not (tmp_path / "clean").exists() and not (tmp_path / "pids").exists()
+    # made here, a rank's log: it stays, pid files beside it (the line names the folder)
+    assert _tidy_log_dir(folder("logs", "rank0.pid", "rank1.pid", "rank0.log"), made_here=True, clean=False)
+    assert {p.name for p in (tmp_path / "logs").glob("rank*")} == {"rank0.pid", "rank1.pid", "rank0.log"}
+    # the user's --log-dir: never removed, its pid files go after a clean run only
+    assert not _tidy_log_dir(folder("mine", "rank0.pid", "rank0.log"), made_here=False, clean=False)
+    assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.pid", "rank0.log"}
+    assert not _tidy_log_dir(tmp_path / "mine", made_here=False, clean=True)
+    assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.log"}
+
+
+@pytest.mark.multiprocess
+def test_the_bench_launchers_folder_goes_unless_it_holds_a_failed_ranks_log(tmp_path, monkeypatch, capfd):
+    import tempfile
+
+    from pipelines.research.bench.launch import launch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("FREESCALE_LOG_DIR", raising=False)
+    assert launch(_rank_and_world, argparse.Namespace(timeout=120, nproc=2), "demo") == [0, 2]
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(SystemExit):
+        launch(_rank_1_raises, argparse.Namespace(timeout=120, nproc=2), "demo")
+    [kept] = tmp_path.iterdir()
+    assert [p.name for p in kept.iterdir()] == ["logs"]  # its store and results gone, the ranks' logs kept
+    err = _terminal_lines(capfd.readouterr().err)
+    assert len(err) == 1 and f"(traceback: {kept / 'logs' / 'rank1.log'})" in err[0], err

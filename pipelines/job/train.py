@@ -12,11 +12,16 @@ explicit checkpoint directory). An error raised on a rank reaches the user as on
 and the rank's full traceback goes to a log file that the line names (``--log-dir``; printed too under
 ``--verbose``); the command exits non-zero. A rank that dies without an error (killed, out of memory) is
 named with its exit code or signal. See docs/reliability.md.
+
+Signals. SIGTERM, SIGINT (Ctrl-C, which reaches every process of the group) and SIGHUP end the job in one line naming
+the step the ranks had reached and the newest complete checkpoint, exit status 128 + the signal: each rank reports
+its step and ends at once (``_StopOnSignal``), and the launcher prints the line (under torchrun, each rank its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -52,6 +57,82 @@ _LAUNCHED_ENV = "FREESCALE_LAUNCHED"  # the ranks of `freescale train` (not torc
 
 class RankFailed(RuntimeError):
     """A rank of `freescale train` failed; the message is the one line the user sees."""
+
+
+# What ends a job from outside: a scheduler's SIGTERM, Ctrl-C's SIGINT, a closed terminal's SIGHUP. The launcher
+# (torch's elastic agent) forwards the signal it gets to the ranks.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_INTERRUPTED = "interrupted"  # a rank's report of the signal that ended it: rank<r>.interrupted in the log directory
+
+
+class Interrupted(RuntimeError):
+    """The job ended on a signal: the message is the one line the user sees; exit status 128 + ``signum``, as a
+    shell reports a process that a signal ended."""
+
+    def __init__(self, line: str, signum: int) -> None:
+        super().__init__(line)
+        self.signum = signum
+
+
+def last_checkpoint(checkpoint_dir: Optional[str]) -> str:
+    """Where a resume of an interrupted job starts, as its line says it."""
+    from pipelines.job import checkpoint
+
+    newest = checkpoint.latest(checkpoint_dir) if checkpoint_dir else None
+    return f"last complete checkpoint step {int(newest.name.removeprefix('step_'))}" if newest else "no checkpoint"
+
+
+def interrupted_line(what: str, step: Optional[int], checkpoint_dir: Optional[str]) -> str:
+    """``what``: the signal's name (and the ranks it reached, when not every one); ``step``: the steps complete on
+    every rank, None before the first (set-up, a checkpoint's restore)."""
+    at = "during set-up" if step is None else f"at step {step}"
+    return f"interrupted ({what}) {at}; {last_checkpoint(checkpoint_dir)}"
+
+
+class _StopOnSignal:
+    """A rank's end on a stop signal: it reports the step it had reached (for the launcher's line; under torchrun it
+    prints its own), unlinks its shared-memory segments and exits at once with 128 + the signal. At once, not by
+    unwinding: the unwinding's waits (the loader's item in flight, a collective) would wait on peers that are ending
+    too, and a rank's error report would follow. Python runs the handler in the main thread between two bytecodes,
+    so a collective in C++ code first completes, or fails on a peer that has gone."""
+
+    def __init__(self, rank: int, config: JobConfig) -> None:
+        self.rank, self.config = rank, config
+        self.trainer = None  # once built: its step counter is the step the report names
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __call__(self, signum: int, frame) -> None:
+        for sig in STOP_SIGNALS:  # the launcher forwards the signal it got too: this rank is ending already
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            self._report(signal.Signals(signum).name, getattr(self.trainer, "step", None))
+        finally:
+            os._exit(128 + signum)
+
+    def _report(self, name: str, step: Optional[int]) -> None:
+        if os.environ.get(_LAUNCHED_ENV) == "1":  # the launcher reads it, prints the line and removes it
+            report = json.dumps({"rank": self.rank, "signal": name, "step": step})
+            (Path(os.environ[LOG_DIR_ENV]) / f"rank{self.rank}.{_INTERRUPTED}").write_text(report)
+        else:
+            line = interrupted_line(name, step, self.config.train.checkpoint_dir)
+            # os.write, not print: the interrupted main thread may hold sys.stderr's lock
+            os.write(2, f"freescale train: rank {self.rank}: {line}\n".encode())
+        from fscomm.shm import remove_own_segments
+
+        remove_own_segments()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, RuntimeError, ValueError):  # held by the interrupted thread, or closed
+                pass
 
 
 def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
@@ -138,8 +219,10 @@ def worker(config: JobConfig) -> Optional[dict]:
     if log_dir:  # which process is which rank: to inspect a stuck one (py-spy dump --pid), or to stop it
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+    stop = _StopOnSignal(rank, config)
+    stop.install()
     try:
-        return _rank_job(config)
+        summary = _rank_job(config, stop)
     except Exception as exc:
         line = report_failure(exc, rank, config.train.verbose, config.train.log_dir)
         if os.environ.get(_LAUNCHED_ENV) != "1":
@@ -147,9 +230,11 @@ def worker(config: JobConfig) -> Optional[dict]:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # no second traceback from the process wrapper, no hang in a peer's collective at exit
+    stop.uninstall()
+    return summary
 
 
-def _rank_job(config: JobConfig) -> Optional[dict]:
+def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     from fscomm import groups
     from fscomm.heartbeat import Heartbeat
     from pipelines.job.trainer import Trainer
@@ -189,7 +274,7 @@ def _rank_job(config: JobConfig) -> Optional[dict]:
     with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 10)) as heartbeat:
         trainer = None
         try:
-            trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
+            trainer = stop.trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
             heartbeat.set_status(lambda: f"step {trainer.step}")
             summary = trainer.train()
         except Exception as exc:
@@ -251,14 +336,11 @@ def _numa_options(config: JobConfig):
     return NumaOptions(affinity_mode=AffinityMode(mode))
 
 
-def launch(config: JobConfig) -> Optional[dict]:
-    """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary."""
+def _launch_config(config: JobConfig, log_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    log_dir = config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")
-    launch_config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=config.train.nproc,
@@ -270,50 +352,135 @@ def launch(config: JobConfig) -> Optional[dict]:
         start_method="spawn",
         numa_options=_numa_options(config),
         # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
-        logs_specs=DefaultLogsSpecs(log_dir=str(Path(log_dir) / "torchelastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
     )
-    os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = log_dir, "1"  # inherited by the spawned ranks
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+
+
+@contextlib.contextmanager
+def _quiet_torch_launcher(verbose: bool):
+    """Silences torch's launcher: its failure report is a page long, and a signal adds a line per rank it stops;
+    the one line of ours says what happened. Each of its loggers is set, not their parent: torch sets every one's
+    own level when it makes it ($LOGLEVEL, else WARNING), which a parent's level does not override."""
+    if verbose:
+        yield
+        return
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
     levels = [log.level for log in loggers]
-    if not config.train.verbose:  # their failure report is a page long; the line below says what failed
-        for log in loggers:
-            log.setLevel(logging.CRITICAL)
-    done = threading.Event()
-    watch = threading.Thread(
-        target=_kill_stopped_ranks_after_a_failure,
-        args=(Path(log_dir), done),
-        name="freescale-stopped-ranks",
-        daemon=True,
-    )
-    watch.start()
-    clean = False
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(launch_config, worker)(config)
-        clean = True
-    except ChildFailedError as failure:
-        raise RankFailed(_failure_line(failure, Path(log_dir))) from None
+        yield
     finally:
-        done.set()
-        watch.join()
         for log, level in zip(loggers, levels):
             log.setLevel(level)
+
+
+def _raise_signal(signum: int, frame) -> None:
+    """What torch's agent does with a stop signal once its ranks have started (the launcher catches it)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+
+def launch(config: JobConfig) -> Optional[dict]:
+    """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary.
+    Raises RankFailed (a rank failed) or Interrupted (a signal ended the job), each with its one line, which names
+    the log directory when a temporary one stays (it holds the ranks' logs)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    log_dir = Path(config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
+    os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
+    # torch's agent turns a stop signal into SignalException once its ranks have started: from now on, here
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main_thread else {}
+    for sig in handlers:
+        signal.signal(sig, _raise_signal)
+    done = threading.Event()
+    watch = threading.Thread(
+        target=_kill_stopped_ranks_after_a_failure, args=(log_dir, done), name="freescale-stopped-ranks", daemon=True
+    )
+    watch.start()
+    ended: Optional[RuntimeError] = None
+    clean = False
+    try:
+        with _quiet_torch_launcher(config.train.verbose):
+            results = elastic_launch(_launch_config(config, log_dir), worker)(config)
+        clean = True
+    except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
+        exitcodes = {rank: f.exitcode for rank, f in failure.failures.items()}
+        ended = _interruption(log_dir, config, exitcodes=exitcodes) or RankFailed(_failure_line(failure, log_dir))
+    except SignalException as received:  # torch's agent has stopped the ranks, forwarding the signal
+        ended = _interruption(log_dir, config, signum=received.sigval)
+    finally:
+        for sig in handlers:  # the tidying below runs to its end
+            signal.signal(sig, signal.SIG_IGN)
+        done.set()
+        watch.join()
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
-        remove_rank_segments(Path(log_dir))
-        _tidy_log_dir(Path(log_dir), made_here=config.train.log_dir is None, clean=clean)
+        remove_rank_segments(log_dir)
+        kept = _tidy_log_dir(log_dir, made_here=config.train.log_dir is None, clean=clean)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if ended is not None:
+        line = str(ended) + (f"; logs in {log_dir}" if kept and str(log_dir) not in str(ended) else "")
+        raise Interrupted(line, ended.signum) if isinstance(ended, Interrupted) else RankFailed(line)
     return results.get(0)
 
 
-def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> None:
-    """The ranks' pid files are the launcher's to read while the job runs (segments, stopped ranks, the failure
-    line): after a clean run they go, and a temporary directory made here goes with them. After a failure the
-    directory keeps the ranks' logs and pid files, which the error line's traceback log sits beside. A
-    ``--log-dir`` of the user's keeps the logs the ranks wrote."""
-    if not clean:
-        return
-    for path in log_dir.glob("rank*.pid"):
+def _reports(log_dir: Path, kind: str) -> list[dict]:
+    """The ranks' reports of one kind (``rank<r>.error``, ``rank<r>.interrupted``) in ``log_dir``."""
+    reports = []
+    for path in sorted(log_dir.glob(f"rank*.{kind}")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return reports
+
+
+def _interruption(
+    log_dir: Path, config: JobConfig, signum: Optional[int] = None, exitcodes: Optional[dict[int, int]] = None
+) -> Optional[Interrupted]:
+    """The job's end on a signal, from the ranks' reports of the step each had reached. ``signum``: the signal the
+    launcher got (torch's agent forwarded it to every rank). Else ``exitcodes``: the ranks the launcher saw fail
+    first; those that ended on a signal (sent to them alone) ended the job. The ranks that the agent stopped after
+    a failure report its SIGTERM too, but ended nothing: with no rank of the first that ended on a signal, it was
+    a failure (None). The reports are read once: they go."""
+    reports = _reports(log_dir, _INTERRUPTED)
+    for path in log_dir.glob(f"rank*.{_INTERRUPTED}"):
         path.unlink(missing_ok=True)
-    if made_here:
+    steps = [r["step"] for r in reports if r["step"] is not None]
+    if signum is not None:
+        what = signal.Signals(signum).name
+    else:
+        first = [r for r in reports if (exitcodes or {}).get(r["rank"]) == 128 + signal.Signals[r["signal"]]]
+        if not first:
+            return None
+        names = sorted({r["signal"] for r in first})
+        ranks = sorted(r["rank"] for r in first)
+        signum = signal.Signals[names[0]]
+        every = len(names) == 1 and len(ranks) == config.train.nproc
+        what = names[0] if every else f"{', '.join(names)} to rank(s) {ranks}"
+    return Interrupted(interrupted_line(what, min(steps) if steps else None, config.train.checkpoint_dir), signum)
+
+
+def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> bool:
+    """The ranks' pid files are the launcher's to read while the job runs (segments, stopped ranks, the failure
+    line): after a clean run they go, and a temporary directory made here goes with them. After a failure or a
+    signal a temporary directory stays only if it holds a rank's log (then the line names it: returns True), with
+    the pid files beside it; a ``--log-dir`` of the user's keeps the logs and pid files the ranks wrote."""
+    if clean:
+        for path in log_dir.glob("rank*.pid"):
+            path.unlink(missing_ok=True)
+    if not made_here:
+        return False
+    if clean or next(log_dir.glob("rank*.log"), None) is None:
         shutil.rmtree(log_dir, ignore_errors=True)
+        return False
+    return True
 
 
 _STOPPED_GRACE_S = 5.0
@@ -369,12 +536,7 @@ def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
     """The one line naming the rank where the job failed and why, from the ranks' reports in ``log_dir`` and the
     exit codes of the ranks the launcher saw fail (negative: the signal): a rank's own report of the fault, else a
     rank that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
-    reports = []
-    for path in sorted(log_dir.glob("rank*.error")):
-        try:
-            reports.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
+    reports = _reports(log_dir, "error")
     reported = {r["rank"] for r in reports}
     roots = [r for r in reports if r["root"]]
     if roots:
@@ -423,7 +585,7 @@ def check_before_launch(config: JobConfig) -> None:
     if resume and resume != "latest":
         from pipelines.job import checkpoint
 
-        for r in range(checkpoint.check_complete(resume)):  # weights-only reads (mapped): refuses unsafe files
+        for r in range(checkpoint.check_complete(resume)):  # weights-only reads of checked bytes: refuses unsafe files
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
 
 
@@ -502,6 +664,9 @@ def main(args: argparse.Namespace) -> int:
         except RankFailed as failure:
             print(f"freescale train: error: {failure}", file=sys.stderr)
             return 1
+        except Interrupted as stop:
+            print(f"freescale train: {stop}", file=sys.stderr)
+            return 128 + stop.signum
     if summary is None:
         return 0
     print_summary(summary)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import stat
 import time
 
@@ -173,6 +174,8 @@ def _run_rank0_only(fn, world_size: int, timeout: float):
             p.join(5)
             if p.is_alive():
                 p.kill()
+                p.join()
+        shutil.rmtree(stage_dir, ignore_errors=True)
 
 
 def test_peer_that_dies_mid_exchange_ends_the_wait_with_a_named_error_and_its_segment_is_cleaned():

@@ -5,9 +5,10 @@ Failures end as `freescale train`'s do (docs/reliability.md): a rank that raises
 ``<log dir>/rank<r>.log`` and its one-line error beside it, then exits; the launcher stops the other ranks, removes
 the shared-memory segments its ranks leave (killed ranks run no clean-up), and prints one line naming the rank
 where the fault happened and the cause (``freescale bench NAME: error: rank 1: ...``), exit status 1. The log
-directory is ``$FREESCALE_LOG_DIR`` when set, else a new temporary one. Under torchrun each failing rank prints
-its line itself and exits with status 1; the next start's ``fscomm.shm.clean_stale`` removes what a killed rank
-left.
+directory is ``$FREESCALE_LOG_DIR`` when set, else one inside the launcher's temporary folder (``fs-bench-NAME-*``),
+which goes when the ranks have ended unless it holds a rank's log (the line names it then). Under torchrun each
+failing rank prints its line itself and exits with status 1; the next start's ``fscomm.shm.clean_stale`` removes
+what a killed rank left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import datetime
 import json
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -63,9 +65,9 @@ def launch(
         return result
     import multiprocessing as mp
 
-    tmp = tempfile.mkdtemp(prefix=f"fs-bench-{name}-")
+    tmp = os.path.realpath(tempfile.mkdtemp(prefix=f"fs-bench-{name}-"))
     out_path = os.path.join(tmp, "result.json")
-    log_dir = Path(os.environ.get(LOG_DIR_ENV) or os.path.join(tmp, "logs"))
+    log_dir = Path(os.environ.get(LOG_DIR_ENV) or os.path.join(tmp, "logs")).resolve()  # as the lines name it
     log_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     procs = [
@@ -87,24 +89,51 @@ def launch(
         )
         for r in range(args.nproc)
     ]
+    exitcodes = None
     try:
         for p in procs:
             p.start()
         exitcodes = _wait(procs)
+        if not exitcodes:
+            return _results(out_path, args.nproc, every_rank)
+        line = failure_line(exitcodes, log_dir)
     finally:
         _stop(procs)
         remove_segments_of([p.pid for p in procs if p.pid is not None])
-    if exitcodes:
-        print(f"freescale bench {name}: error: {failure_line(exitcodes, log_dir)}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+        kept = _tidy(Path(tmp), log_dir, clean=exitcodes == {})
+    if kept and str(log_dir) not in line:
+        line += f"; logs in {log_dir}"
+    print(f"freescale bench {name}: error: {line}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _results(out_path: str, nproc: int, every_rank: bool) -> Any:
     if every_rank:
         results = []
-        for r in range(args.nproc):
+        for r in range(nproc):
             with open(f"{out_path}.rank{r}.pkl", "rb") as f:
                 results.append(pickle.load(f))
         return results
     with open(out_path) as f:
         return json.load(f)
+
+
+def _tidy(tmp: Path, log_dir: Path, clean: bool) -> bool:
+    """The launcher's temporary folder (the ranks' store, their results) goes once the ranks have ended; the log
+    directory inside it stays only if it holds a rank's log, which the failure line names (returns True). The
+    ranks' pid files, read for the failure line and the segments' removal, go after a clean run; after a failure
+    they stay beside the logs (a ``$FREESCALE_LOG_DIR`` of the user's keeps them too)."""
+    if clean:
+        for path in log_dir.glob("rank*.pid"):
+            path.unlink(missing_ok=True)
+    keep = log_dir.parent == tmp and next(log_dir.glob("rank*.log"), None) is not None
+    if not keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    for path in tmp.iterdir():
+        if path != log_dir:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return True
 
 
 def _wait(procs) -> dict[int, int]:
