@@ -5,8 +5,11 @@
                                                     row_boundaries; the replicated dense state once)
     <dir>/step_000040/rank0.pt ... rank{W-1}.pt     each rank's own file: loader and balancer state, data cursor,
                                                     step, the non-tensor rest of model and optimizer state
-    <dir>/step_000040/COMPLETE                      "W dcp", written last, by rank 0, once DCP's coordinator has
-                                                    written .metadata (after every rank's data) and every rank its file
+    <dir>/step_000040/COMPLETE                      every file's size and sha256, each DCP item's crc32
+                                                    (pipelines.job.checkpoint_manifest); written last, by rank 0, once
+                                                    DCP's coordinator has written .metadata (after every rank's data)
+                                                    and every rank its file
+    <dir>/.freescale-*.lock                         one job per folder (pipelines.job.checkpoint_lock)
 
 Every file is written under a temporary name and renamed (DCP's .metadata too), so a crash or a full disk never
 leaves a step that looks whole: without its COMPLETE marker a step is never resumed. Rewriting a step (a job rerun
@@ -23,15 +26,19 @@ flight are per rank by nature. The same world size restores every rank's loader 
 restores what is world-size independent (model, optimizer, tables resharded, the global data cursor: no sample
 lost or repeated) and starts the loader's balancer state afresh.
 
-Resume. ``--resume latest`` takes the newest step that every rank can load: each rank checks every complete step
-(marker, DCP metadata and data file sizes, the rank file it would read), the ranks gather their answers, and all
-take the newest step no rank found a fault in; the steps skipped and why are returned for the job to print. Loading
-ends in an agreement too: no rank reports a resume before every rank has loaded.
+Resume. ``--resume latest`` takes the newest step that every rank can load: newest first, each rank checks a step
+(the marker, every file's size, the DCP metadata, the rank file it would read, and its share of the step's bytes
+against COMPLETE's sums), the ranks gather their answers, and all take the first step no rank found a fault in; the
+steps skipped and why (the file, and in a DCP data file the item) are returned for the job to print. Loading ends
+in an agreement too: no rank reports a resume before every rank has loaded. Every file is opened only once
+pipelines.job.checkpoint_io has checked it (a regular file inside the step folder), and a read that does not return
+within half the communication timeout ends the rank in one line.
 
 Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
 containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
 tensor is refused (pipelines.job.dcp): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
-holding everything, marker "W") still loads, resharded by fsembed.reshard on another world size.
+holding everything, marker "W") still loads, resharded by fsembed.reshard on another world size; so does a DCP
+step whose marker predates the sums ("W dcp"), unverified, which ``Restored.unverified`` says.
 """
 
 from __future__ import annotations
@@ -49,8 +56,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 
-from pipelines.job import dcp, dcp_state
+from pipelines.job import checkpoint_io, checkpoint_lock, checkpoint_manifest, dcp, dcp_state
+from pipelines.job.checkpoint_io import FileSum
+from pipelines.job.checkpoint_manifest import METADATA, Manifest
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -61,7 +71,7 @@ CURSOR_KEY = "cursor"  # {epoch, cursor} of the global reader: the world-size in
 FORMAT_KEY = "format"
 STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.job.dcp_state.snapshot)
 DCP_FORMAT = "dcp"
-COMPLETE_MARKER = "COMPLETE"
+COMPLETE_MARKER = checkpoint_manifest.MARKER
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -96,46 +106,62 @@ def latest(root: str | Path) -> Optional[Path]:
     return steps[0] if steps else None
 
 
-def _marker(directory: Path) -> list[str]:
-    marker = directory / COMPLETE_MARKER
-    if not marker.exists():
-        raise ValueError(
-            f"{directory} is not a complete checkpoint (no {COMPLETE_MARKER} marker: the save was "
-            "interrupted, or this is not a step directory)"
-        )
-    return marker.read_text().split()
-
-
 def saved_world_size(directory: str | Path) -> int:
-    try:
-        return int(_marker(Path(directory))[0])
-    except (ValueError, IndexError) as e:
-        if COMPLETE_MARKER in str(e):
-            raise
-        raise ValueError(f"{Path(directory) / COMPLETE_MARKER}: unreadable marker (expected the world size)") from None
+    return checkpoint_manifest.read(directory).world_size
 
 
 def saved_format(directory: str | Path) -> str:
     """``"dcp"``, or ``"files"`` for the earlier format (one torch.save per rank)."""
-    words = _marker(Path(directory))
-    return words[1] if len(words) > 1 else "files"
+    return checkpoint_manifest.read(directory).format
 
 
-def check_complete(directory: str | Path) -> int:
-    """The world size of the checkpoint in ``directory``; ValueError (one line) if it is missing, incomplete or
-    (DCP) its metadata is unsafe or names data files that are missing or cut short."""
+def _size(directory: Path, name: str) -> Optional[int]:
+    """The size of file ``name`` of ``directory`` (None: missing), once checkpoint_io accepts its path."""
+    try:
+        return checkpoint_io.inside(directory, name).stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def checked(directory: str | Path) -> tuple[Manifest, Optional[Metadata]]:
+    """The step's marker and (DCP) its checked metadata; ValueError (one line) if the step is missing or incomplete,
+    a file differs in size from what COMPLETE records, or the metadata is unsafe or names files that are missing,
+    cut short or not listed in COMPLETE. Reads only the marker and the metadata (their bytes verified)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ValueError(f"checkpoint {directory} does not exist (give a step directory, or --resume latest)")
-    world = saved_world_size(directory)
-    missing = [f"rank{r}.pt" for r in range(world) if not (directory / f"rank{r}.pt").is_file()]
+    manifest = checkpoint_manifest.read(directory)
+    world = manifest.world_size
+    missing = [f"rank{r}.pt" for r in range(world) if _size(directory, f"rank{r}.pt") is None]
     if missing:
         raise ValueError(
             f"checkpoint {directory} is incomplete: it lacks {', '.join(missing)} (written by {world} ranks)"
         )
-    if saved_format(directory) == DCP_FORMAT:
-        dcp.check_metadata(directory)
-    return world
+    for name, expect in sorted((manifest.files or {}).items()):
+        size = _size(directory, name)
+        if size is None:
+            raise ValueError(f"checkpoint {directory} is incomplete: it lacks {name} (COMPLETE lists it)")
+        if size != expect.size:
+            raise ValueError(
+                f"{directory / name}: {size} bytes, COMPLETE records {expect.size} (cut short, or written over?)"
+            )
+    if manifest.format != DCP_FORMAT:
+        return manifest, None
+    if not manifest.verified:
+        return manifest, dcp.check_metadata(directory)
+    metadata = dcp.check_metadata(directory, manifest.files[METADATA])
+    unlisted = sorted(set(dcp.data_files(metadata)) - set(manifest.files))
+    if unlisted:
+        raise ValueError(
+            f"{directory / METADATA}: names {', '.join(unlisted)}, which COMPLETE does not list (a file of another "
+            "save?)"
+        )
+    return manifest, metadata
+
+
+def check_complete(directory: str | Path) -> int:
+    """The world size of the checkpoint in ``directory``; ValueError (one line) as :func:`checked` says."""
+    return checked(directory)[0].world_size
 
 
 def _first_sentence(text: str) -> str:
@@ -143,11 +169,21 @@ def _first_sentence(text: str) -> str:
     return text.split(". ")[0].rstrip(".")
 
 
-def read_file(path: str | Path) -> dict[str, Any]:
-    """One rank's file, loaded with ``weights_only=True``; anything but weights and plain data is refused."""
+def read_file(path: str | Path, manifest: Optional[Manifest] = None) -> dict[str, Any]:
+    """One rank's file, its bytes checked against the step's COMPLETE (read when ``manifest`` is not given), loaded
+    with ``weights_only=True``: anything but weights and plain data is refused."""
     path = Path(path)
+    manifest = manifest if manifest is not None else checkpoint_manifest.read(path.parent)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        data = checkpoint_io.read_checked(path.parent, path.name)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing") from None
+    if manifest.verified:
+        if path.name not in manifest.files:
+            raise ValueError(f"{path}: not listed in {path.parent / COMPLETE_MARKER}")
+        checkpoint_io.check_bytes(path, data, manifest.files[path.name])
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise ValueError(
@@ -155,9 +191,9 @@ def read_file(path: str | Path) -> dict[str, Any]:
             f"run as code ({first or 'not a weights-only file'})"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
-        size = path.stat().st_size if path.is_file() else 0
         raise ValueError(
-            f"{path}: not a readable checkpoint file (truncated or corrupt?): {_first_sentence(str(e))} ({size} bytes)"
+            f"{path}: not a readable checkpoint file (truncated or corrupt?): {_first_sentence(str(e))} "
+            f"({len(data)} bytes)"
         ) from None
     if not isinstance(payload, dict) or WORLD_SIZE_KEY not in payload:
         raise ValueError(f"{path}: not a FreeScale checkpoint (no {WORLD_SIZE_KEY!r} entry)")
@@ -166,41 +202,68 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 def load_all(directory: str | Path) -> list[dict[str, Any]]:
     """Every old rank's file, in rank order (the earlier format's resharding needs all their shards)."""
-    return [read_file(Path(directory) / f"rank{r}.pt") for r in range(check_complete(directory))]
+    manifest, _ = checked(directory)
+    return [read_file(Path(directory) / f"rank{r}.pt", manifest) for r in range(manifest.world_size)]
 
 
 def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, Any], bool]:
     """The file this rank reads and whether the checkpoint was written by the same world size. On another world
     size rank ``r`` reads old rank ``r % old_world_size``'s (only its world-size independent parts are used)."""
     directory = Path(directory)
-    saved_world = check_complete(directory)
+    manifest, _ = checked(directory)
+    saved_world = manifest.world_size
     path = directory / f"rank{rank % saved_world}.pt"
-    payload = read_file(path)
+    payload = read_file(path, manifest)
     if int(payload[WORLD_SIZE_KEY]) != saved_world:
         raise ValueError(f"{path}: written by world size {payload[WORLD_SIZE_KEY]}, marker says {saved_world}")
+    if manifest.format == DCP_FORMAT and (payload.get(FORMAT_KEY) != DCP_FORMAT or STATE_KEY not in payload):
+        raise ValueError(f"{path}: not a rank file of a DCP checkpoint")
+    if manifest.format != DCP_FORMAT and payload.get(FORMAT_KEY) == DCP_FORMAT:
+        raise ValueError(
+            f"{directory / COMPLETE_MARKER}: says one file per rank (the earliest format), but {path.name} is a DCP "
+            "checkpoint's rank file: the marker is damaged (cut short?)"
+        )
+    if manifest.format != DCP_FORMAT and MODEL_KEY not in payload:
+        raise ValueError(f"{path}: not a checkpoint of one file per rank (no {MODEL_KEY!r} entry)")
     return payload, saved_world == world_size
 
 
+def verify_share(directory: Path, manifest: Manifest, rank: int, world_size: int) -> None:
+    """Reads this rank's share of the step's files (every ``world_size``-th, so that the ranks together read each
+    file once) and compares them with COMPLETE; ValueError (one line) naming the file and, in a DCP data file, the
+    item whose bytes differ. The marker and the metadata are verified wherever they are read."""
+    names = sorted(set(manifest.files or ()) - {METADATA})
+    for name in names[rank::world_size]:
+        checkpoint_io.verify_file(directory, name, manifest.files[name])
+
+
 def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
-    """What keeps this rank from loading ``directory`` (one line), or None: every file it would read is whole."""
+    """What keeps this rank from loading ``directory`` (one line), or None: every file it would read is whole and
+    its share of the step's files matches COMPLETE (:func:`verify_share`)."""
     directory = Path(directory)
     try:
-        old = check_complete(directory)
+        manifest, metadata = checked(directory)
         payload, same = load(directory, rank, world_size)
-        if saved_format(directory) == DCP_FORMAT:
-            if payload.get(FORMAT_KEY) != DCP_FORMAT or STATE_KEY not in payload:
-                raise ValueError(f"{directory}/rank{rank % old}.pt: not a rank file of a DCP checkpoint")
+        if manifest.format == DCP_FORMAT:
             state = payload[STATE_KEY]
             dcp_state.empty_targets(
-                dcp_state.refs(state["model"]) + dcp_state.refs(state["optimizer"]),
-                dcp.check_metadata(directory),
-                directory,
+                dcp_state.refs(state["model"]) + dcp_state.refs(state["optimizer"]), metadata, directory
             )
         elif not same:  # the earlier format reshards from every old rank's file
             load_all(directory)
-    except ValueError as e:
-        return str(e)
+        if manifest.verified:
+            verify_share(directory, manifest, rank, world_size)
+    except (ValueError, OSError) as e:
+        return _fault(directory, e)
     return None
+
+
+def _fault(directory: Path, exc: Exception) -> str:
+    """A reading fault's line: the checkers' own, or an OS error (a permission, an I/O error) with the step."""
+    if isinstance(exc, ValueError):
+        return str(exc)
+    where = getattr(exc, "filename", None) or directory
+    return f"{where}: cannot be read: {type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -282,12 +345,14 @@ class Restored:
     saved_world: int
     loader_state: Optional[dict]
     skipped: list[str] = field(default_factory=list)  # newer steps --resume latest left, each with why
+    unverified: Optional[str] = None  # a step whose marker predates checksums: what was not checked, for the job
 
 
 class Checkpointer:
     """Saves and restores a job's checkpoints under ``root`` (every rank makes one, collectively, at set-up).
 
     ``save`` and ``restore`` are collective over a process group of their own; ``wait`` completes an async save.
+    Rank 0 holds ``root``'s lock (pipelines.job.checkpoint_lock) from here until its process ends.
     """
 
     def __init__(self, root: Optional[str | Path], rank: int, world_size: int, async_save: bool = False) -> None:
@@ -303,6 +368,13 @@ class Checkpointer:
             self.group = new_stage_group("checkpoint")
         self._pending: Optional[tuple[Future, Path, int]] = None
         self._marker_error: Optional[BaseException] = None
+        error = None
+        if self.root is not None and rank == 0:
+            try:
+                checkpoint_lock.hold(self.root, "rank 0")
+            except ValueError as e:
+                error = str(e)
+        self._agree(error, f"--checkpoint-dir {self.root}")
 
     # ------------------------------------------------------------------ collectives
     def _gather(self, value: Any) -> list[Any]:
@@ -312,16 +384,18 @@ class Checkpointer:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
-    def _agree(self, error: Optional[str], what: str) -> None:
+    def _agree(self, error: Optional[str], what: str, value: Any = None) -> list[Any]:
         """Every rank raises if any rank failed: its own line where the fault is its own, the first failed rank's
-        elsewhere, so no rank goes on into a collective the failed one never reaches."""
-        errors = self._gather(error)
+        elsewhere, so no rank goes on into a collective the failed one never reaches. Returns every rank's
+        ``value`` otherwise."""
+        answers = self._gather((error, value))
         if error is not None:
             raise CheckpointError(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        failed = [(r, e) for r, (e, _) in enumerate(answers) if e is not None]
         if failed:
             r, line = failed[0]
             raise CheckpointError(f"{what}: rank {r} failed ({line})", root=False)
+        return [v for _, v in answers]
 
     def _raise_dcp(self, exc: BaseException, directory: Path, payload: Optional[int]) -> None:
         """DCP's CheckpointException (every rank gets every failed rank's exception) as one line per rank."""
@@ -372,38 +446,41 @@ class Checkpointer:
         except OSError as e:
             error = write_fault(directory, e, payload)
         self._agree(error, f"checkpoint {directory}")
+        name, data = f"rank{self.rank}.pt", buffer.getvalue()
         try:
-            _write_atomic(directory / f"rank{self.rank}.pt", buffer.getvalue())
+            _write_atomic(directory / name, data)
         except OSError as e:
-            error = write_fault(directory / f"rank{self.rank}.pt", e, payload)
-        self._agree(error, f"checkpoint {directory}")
+            error = write_fault(directory / name, e, payload)
+        # the rank files' sums, from the bytes written, for rank 0's marker; DCP's writer adds its files' sums
+        sums = dict(self._agree(error, f"checkpoint {directory}", (name, checkpoint_io.sum_bytes(data))))
         try:
-            future = dcp.save(directory, tensors, shards, self.group, async_save=self.async_save)
+            future = dcp.save(directory, tensors, shards, self.group, async_save=self.async_save, sums=sums)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
             self._raise_dcp(e, directory, payload)
         if future is None:
-            self._mark(directory)
+            self._mark(directory, sums)
         else:
             self._pending = (future, directory, payload)
             if self.rank == 0:  # the marker as soon as DCP's write completes, even if no later wait comes
-                future.add_done_callback(lambda f: self._mark_when_done(f, directory))
+                future.add_done_callback(lambda f: self._mark_when_done(f, directory, sums))
         return directory
 
-    def _mark(self, directory: Path) -> None:
+    def _mark(self, directory: Path, sums: dict[str, FileSum]) -> None:
         if self.rank != 0:
             return
+        marker = checkpoint_manifest.encode(self.world_size, DCP_FORMAT, sums)
         try:
-            _write_atomic(directory / COMPLETE_MARKER, f"{self.world_size} {DCP_FORMAT}\n".encode())
+            _write_atomic(directory / COMPLETE_MARKER, marker)
         except OSError as e:
-            raise CheckpointError(write_fault(directory / COMPLETE_MARKER, e, 16)) from None
+            raise CheckpointError(write_fault(directory / COMPLETE_MARKER, e, len(marker))) from None
 
-    def _mark_when_done(self, future: Future, directory: Path) -> None:
+    def _mark_when_done(self, future: Future, directory: Path, sums: dict[str, FileSum]) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         try:
-            self._mark(directory)
+            self._mark(directory, sums)
         except CheckpointError as e:
             self._marker_error = e
 
@@ -425,54 +502,60 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def _choose(self, resume: str) -> tuple[Optional[Path], list[str]]:
-        """The step directory every rank can load, and the newer ones skipped (``resume == "latest"``)."""
+        """The step directory every rank can load, and the newer ones skipped (``resume == "latest"``): the steps
+        are tried newest first, each checked by every rank (its share of the bytes too), until one passes."""
         if resume != "latest":
             directory = Path(resume)
             self._agree(problem(directory, self.rank, self.world_size), f"checkpoint {directory}")
             return directory, []
-        mine = {p.name: problem(p, self.rank, self.world_size) for p in complete_steps(self.root)}
-        everyone = self._gather(mine)
-        names = sorted({n for m in everyone for n in m}, reverse=True)
-        skipped = []
-        for name in names:
-            faults = [
-                f"rank {r}: {m[name]}" if name in m else f"rank {r}: not there"
-                for r, m in enumerate(everyone)
-                if name not in m or m[name] is not None
-            ]
+        seen = self._gather([p.name for p in complete_steps(self.root)])
+        skipped, mine_failed = [], False
+        for name in sorted({n for names in seen for n in names}, reverse=True):
+            directory = self.root / name
+            mine = problem(directory, self.rank, self.world_size) if name in seen[self.rank] else "not there"
+            mine_failed |= mine is not None
+            faults = [f"rank {r}: {m}" for r, m in enumerate(self._gather(mine)) if m is not None]
             if not faults:
-                return self.root / name, skipped
+                return directory, skipped
             skipped.append(f"{name} ({'; '.join(faults)})")
         if skipped:
             raise CheckpointError(
                 f"--resume latest: no step under {self.root} that every rank can load: " + "; ".join(skipped),
-                root=any(v is not None for v in mine.values()),
+                root=mine_failed,
             )
         return None, []
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
         """Loads ``resume`` (a step directory, or "latest": the newest step every rank can load) into model and
-        optimizer; None when "latest" finds no checkpoint. Collective: returns on every rank once all have loaded."""
-        directory, skipped = self._choose(resume)
-        if directory is None:
-            return None
-        old_world = saved_world_size(directory)
-        same = old_world == self.world_size
+        optimizer; None when "latest" finds no checkpoint. Collective: returns on every rank once all have loaded.
+        Every read is bounded by half the communication timeout (pipelines.job.checkpoint_io.watching)."""
+        from fscomm.groups import comm_timeout_s
+
+        with checkpoint_io.watching(comm_timeout_s(), self.rank):
+            directory, skipped = self._choose(resume)
+            if directory is None:
+                return None
+            restored = self._load(directory, model, optimizer)
+        restored.skipped = skipped
+        return restored
+
+    def _load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
         payload: dict = {}
-        targets, error = None, None
-        dcp_format = saved_format(directory) == DCP_FORMAT
+        manifest, targets, error = None, None, None
         try:
-            payload, _ = load(directory, self.rank, self.world_size)
-            if dcp_format:
-                targets = dcp_state.targets(directory, payload[STATE_KEY], model)
+            manifest, metadata = checked(directory)
+            payload, same = load(directory, self.rank, self.world_size)
+            if manifest.format == DCP_FORMAT:
+                targets = dcp_state.targets(directory, payload[STATE_KEY], model, metadata)
             else:
                 _restore_files(directory, payload, model, optimizer, same)
-        except ValueError as e:
-            error = str(e)
+        except (ValueError, OSError) as e:
+            error = _fault(directory, e)
         self._agree(error, f"checkpoint {directory}")
-        if dcp_format:
+        same = manifest.world_size == self.world_size
+        if targets is not None:
             try:
-                dcp.load(directory, targets.state, targets.shards, self.group)
+                dcp.load(directory, targets.state, targets.shards, self.group, targets.metadata)
             except BaseException as e:
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -488,10 +571,16 @@ class Checkpointer:
             int(payload[STEP_KEY]),
             int(position["epoch"]),
             int(position["cursor"]),
-            old_world,
+            manifest.world_size,
             payload[LOADER_KEY] if same else None,
-            skipped,
+            unverified=None if manifest.verified else _UNVERIFIED.format(directory=directory),
         )
+
+
+_UNVERIFIED = (
+    "{directory}: its COMPLETE marker predates checksums (an older FreeScale's): its files' sizes and metadata were "
+    "checked, their bytes were not"
+)
 
 
 def _restore_files(

@@ -16,6 +16,15 @@ name before anything is constructed. The stock load planner would ``torch.load(w
 item; FreeScale writes none (pipelines.job.dcp_state keeps them in each rank's own file), so :func:`check_metadata`
 refuses a checkpoint that declares one, and the planner refuses one again should it be asked to read it. Tensor
 data is read by DCP with ``weights_only=True``.
+
+Opening is safe. The metadata names the data files: only plain names are accepted (a ``str`` without separators;
+a ``pathlib`` object, which the metadata may otherwise carry, is refused whatever its text says), and every file is
+opened through pipelines.job.checkpoint_io, which resolves it and accepts only a regular file inside the step folder,
+before opening it, and times every read (a rank stuck on a hung mount ends in one line).
+
+Sums. The writer reads back each data file right after writing it, for its size and sha256 and each item's crc32,
+and the coordinator adds the ``.metadata`` it wrote: ``save(..., sums=)`` gets them for the step's COMPLETE marker
+(pipelines.job.checkpoint_manifest).
 """
 
 from __future__ import annotations
@@ -23,17 +32,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import pickle
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -44,6 +55,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+
+from pipelines.job import checkpoint_io
+from pipelines.job.checkpoint_io import FileSum, ItemSum
 
 METADATA_FILE = ".metadata"
 
@@ -85,75 +100,179 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
-def read_metadata(path: str | Path) -> Metadata:
-    """``<dir>/.metadata`` (or the file itself), unpickled with DCP's metadata classes only; ValueError (one line)
-    for a file that names anything else or is not DCP metadata."""
+def read_metadata(path: str | Path, expect: Optional[FileSum] = None) -> Metadata:
+    """``<dir>/.metadata`` (or the file itself), unpickled with DCP's metadata classes only, once its bytes match
+    ``expect`` (the sums COMPLETE records, when given); ValueError (one line) for a file that names anything else,
+    is not DCP metadata or is not a regular file inside its folder."""
     path = Path(path)
     if path.is_dir():
         path = path / METADATA_FILE
     try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+        data = checkpoint_io.read_checked(path.parent, path.name)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (a DCP checkpoint's index, written last by DCP's coordinator)") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read: {e.strerror}") from None
+    if expect is not None:
+        checkpoint_io.check_bytes(path, data, expect)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
         raise ValueError(
             f"{path}: refused: {e}, which loading would run as code (DCP metadata holds only "
             "torch.distributed.checkpoint.metadata classes)"
         ) from None
-    except FileNotFoundError:
-        raise ValueError(f"{path}: missing (a DCP checkpoint's index, written last by DCP's coordinator)") from None
     except (EOFError, OSError, AttributeError, TypeError, ValueError, IndexError) as e:
         raise ValueError(
             f"{path}: not readable DCP metadata (truncated or corrupt?): {type(e).__name__}: {' '.join(str(e).split())}"
         ) from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{path}: not DCP metadata (it holds a {type(metadata).__name__})")
+    check_storage(path, metadata)
     return metadata
 
 
-def check_metadata(directory: str | Path) -> Metadata:
+def check_storage(path: Path, metadata: Metadata) -> None:
+    """Every storage entry of ``metadata`` (read from ``path``) as DCP writes it: a plain file name, a byte range,
+    no stream transforms. ValueError (one line) otherwise."""
+    for index, info in (metadata.storage_data or {}).items():
+        item = getattr(index, "fqn", index)
+        if type(info) is not _StorageInfo:
+            raise ValueError(
+                f"{path}: refused: item {item!r} has storage {type(info).__name__}, not DCP's _StorageInfo"
+            )
+        checkpoint_io.plain_name(info.relative_path, f"{path}: item {item!r}")
+        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
+            raise ValueError(f"{path}: refused: item {item!r} has byte range {info.offset!r}+{info.length!r}")
+        if info.transform_descriptors:  # FreeScale writes none; a transform would run code of DCP's extensions
+            raise ValueError(f"{path}: refused: item {item!r} asks for stream transforms {info.transform_descriptors}")
+
+
+def check_metadata(directory: str | Path, expect: Optional[FileSum] = None) -> Metadata:
     """The metadata of a FreeScale DCP checkpoint, checked before anything is read: every item a tensor, every data
-    file a plain name inside ``directory`` and at least as long as the items it holds. ValueError (one line)."""
+    file a plain name of a regular file inside ``directory`` and at least as long as the items it holds.
+    ``expect``: the sums COMPLETE records for ``.metadata``. ValueError (one line)."""
     directory = Path(directory)
-    metadata = read_metadata(directory)
+    metadata = read_metadata(directory, expect)
     for key, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             raise ValueError(
                 f"{directory / METADATA_FILE}: refused: item {key!r} is a pickled object, not a tensor "
                 "(FreeScale keeps non-tensor state out of DCP; loading it would run it as code)"
             )
-    ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = str(info.relative_path)
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"{directory / METADATA_FILE}: refused: data file {name!r} lies outside the checkpoint")
-        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
-    for name, end in sorted(ends.items()):
-        path = directory / name
-        size = path.stat().st_size if path.is_file() else None
-        if size is None:
-            raise ValueError(f"checkpoint {directory} is incomplete: it lacks {name} (a DCP data file)")
+    for name, end in sorted(data_files(metadata).items()):
+        try:
+            size = checkpoint_io.inside(directory, name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"checkpoint {directory} is incomplete: it lacks {name} (a DCP data file)") from None
         if size < end:
-            raise ValueError(f"{path}: cut short: {size} bytes, its items end at byte {end} (truncated)")
+            raise ValueError(f"{directory / name}: cut short: {size} bytes, its items end at byte {end} (truncated)")
     return metadata
 
 
+def data_files(metadata: Metadata) -> dict[str, int]:
+    """``{data file: the byte where its last item ends}`` of metadata that :func:`check_storage` accepted."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+class _CheckedFiles(FileSystem):
+    """DCP's file system for reading, where a stream is a file of the step folder opened by
+    pipelines.job.checkpoint_io (checked first, every read timed) and nothing else."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        path = Path(path)
+        if mode != "rb" or path.parent != self.folder:
+            raise ValueError(f"{self.folder}: refused: DCP asked to open {path} ({mode!r}) outside the checkpoint")
+        with checkpoint_io.open_checked(self.folder, path.name) as stream:
+            yield stream
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader with :func:`read_metadata` in place of ``pickle.load``."""
+    """DCP's file reader with :func:`read_metadata` in place of ``pickle.load``, and files opened only once checked.
+    ``metadata``: what :func:`check_metadata` returned, used as is (the bytes it verified), instead of a new read."""
+
+    def __init__(self, path: str | Path, metadata: Optional[Metadata] = None) -> None:
+        super().__init__(path)
+        self.fs = _CheckedFiles(Path(path))
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path))
+        metadata = self._metadata if self._metadata is not None else read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        check_storage(Path(self.path) / METADATA_FILE, metadata)  # what every rank reads, after the broadcast too
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Summed:
+    """A write result's storage info with its item's crc32 and its file's sums, read back right after the write;
+    the coordinator's ``finish`` gets every rank's and hands DCP the plain storage info."""
+
+    info: _StorageInfo
+    crc32: int
+    file_size: int
+    file_sha256: str
+
 
 class _Writer(FileSystemWriter):
     """The state handed to it is already this rank's own CPU copy (see ``snapshot``): staging it again for an async
-    save would only copy it a second time."""
+    save would only copy it a second time. ``sums``: filled on the coordinator with every file's sums."""
+
+    def __init__(self, path: str, sums: Optional[dict[str, FileSum]], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.sums = sums
 
     def stage(self, state_dict):
         return state_dict
+
+    def write_data(self, plan, planner) -> torch.futures.Future:
+        results = super().write_data(plan, planner).wait()  # the file writer is done when it returns
+        by_file: dict[str, list[WriteResult]] = {}
+        for r in results:
+            by_file.setdefault(r.storage_data.relative_path, []).append(r)
+        out = []
+        for name, written in by_file.items():  # read back right after the write: the bytes are in the page cache
+            items = [(*_key(r), r.storage_data.offset, r.storage_data.length) for r in written]
+            summed = checkpoint_io.sum_file(Path(self.path) / name, items)
+            out += [
+                dataclasses.replace(r, storage_data=_Summed(r.storage_data, item.crc32, summed.size, summed.sha256))
+                for r, item in zip(written, summed.items)
+            ]
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(out)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plain = [[dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank] for rank in results]
+        super().finish(metadata, plain)
+        if self.sums is None:
+            return
+        items: dict[str, list[ItemSum]] = {}
+        for r in (r for rank in results for r in rank):
+            s = r.storage_data
+            items.setdefault(s.info.relative_path, []).append(ItemSum(*_key(r), s.info.offset, s.info.length, s.crc32))
+            self.sums[s.info.relative_path] = FileSum(s.file_size, s.file_sha256)
+        for name, listed in items.items():
+            self.sums[name] = dataclasses.replace(self.sums[name], items=tuple(sorted(listed, key=lambda i: i.start)))
+        self.sums[METADATA_FILE] = checkpoint_io.sum_file(Path(self.path) / METADATA_FILE)
+
+
+def _key(result: WriteResult) -> tuple[str, Optional[tuple[int, ...]]]:
+    offset = result.index.offset
+    return result.index.fqn, None if offset is None else tuple(int(o) for o in offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,11 +386,13 @@ def save(
     shards: Mapping[str, RowShard],
     group=None,
     async_save: bool = False,
+    sums: Optional[dict[str, FileSum]] = None,
 ) -> Optional[Future]:
     """Writes ``state`` (this rank's tensors; ``shards``: the keys that are row shards) into ``directory``;
     collective over ``group``. ``async_save``: returns the future of DCP's async_save (the state must be this
-    rank's own copy: it is written while training goes on)."""
-    writer = _Writer(str(directory), sync_files=True)
+    rank's own copy: it is written while training goes on). ``sums``: on the coordinator, filled with each data
+    file's and ``.metadata``'s sums once the write completes."""
+    writer = _Writer(str(directory), sums, sync_files=True)
     kwargs = dict(storage_writer=writer, planner=_SavePlanner(shards), **_dist_kwargs(group))
     with _quiet_single_process():
         if not async_save:
@@ -281,7 +402,15 @@ def save(
     return getattr(result, "upload_completion", result)  # newer torch may answer an AsyncSaveResponse
 
 
-def load(directory: str | Path, state: dict[str, torch.Tensor], shards: Mapping[str, RowShard], group=None) -> None:
-    """Fills ``state``'s tensors in place from ``directory`` (row shards: their rows only); collective."""
+def load(
+    directory: str | Path,
+    state: dict[str, torch.Tensor],
+    shards: Mapping[str, RowShard],
+    group=None,
+    metadata: Optional[Metadata] = None,
+) -> None:
+    """Fills ``state``'s tensors in place from ``directory`` (row shards: their rows only); collective.
+    ``metadata``: the checked metadata (:func:`check_metadata`), read anew when not given."""
+    reader = SafeReader(directory, metadata)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=SafeReader(str(directory)), planner=_LoadPlanner(shards), **_dist_kwargs(group))
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(shards), **_dist_kwargs(group))

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipelines.job.dcp import RowShard, check_metadata
+from pipelines.job.dcp import RowShard
 
 REF = "__dcp__"  # a skeleton's tensor leaf: {REF: its DCP key}
 
@@ -154,14 +154,16 @@ class Targets:
     state: dict[str, torch.Tensor]
     shards: dict[str, RowShard]
     local: dict[str, dict[str, dict[str, torch.Tensor]]]
+    metadata: Metadata  # the checked metadata the load reads by (pipelines.job.dcp.load)
 
 
-def targets(directory: str | Path, skeleton: dict, model: torch.nn.Module) -> Targets:
-    """Empty tensors for every tensor of ``skeleton`` (shapes from the checkpoint's metadata) and for this rank's
-    rows of each sharded table under the model's plan (which may be another world size's, with other boundaries)."""
+def targets(directory: str | Path, skeleton: dict, model: torch.nn.Module, metadata: Metadata) -> Targets:
+    """Empty tensors for every tensor of ``skeleton`` (shapes from the checkpoint's checked ``metadata``) and for
+    this rank's rows of each sharded table under the model's plan (which may be another world size's, with other
+    boundaries)."""
     directory = Path(directory)
-    metadata = check_metadata(directory)
-    out = Targets(empty_targets(refs(skeleton["model"]) + refs(skeleton["optimizer"]), metadata, directory), {}, {})
+    keys = refs(skeleton["model"]) + refs(skeleton["optimizer"])
+    out = Targets(empty_targets(keys, metadata, directory), {}, {}, metadata)
     for key, collection in _collections(model).items():
         plan, rank = collection.plan, collection.rank
         for layout in plan.groups:

@@ -587,6 +587,10 @@ def check_before_launch(config: JobConfig) -> None:
 
         for r in range(checkpoint.check_complete(resume)):  # weights-only reads of checked bytes: refuses unsafe files
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
+    if config.train.checkpoint_dir:  # one job per folder: a second job is refused here, before its ranks start
+        from pipelines.job import checkpoint_lock
+
+        checkpoint_lock.hold(config.train.checkpoint_dir, "launcher")
 
 
 def print_summary(summary: dict) -> None:

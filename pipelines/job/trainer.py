@@ -556,6 +556,8 @@ class Trainer:
         if self.rank == 0:
             for skipped in restored.skipped if restored is not None else []:
                 print(f"[freescale] skipped {skipped}")
+            if restored is not None and restored.unverified:
+                print(f"[freescale] {restored.unverified}")
         if restored is None:  # nothing saved yet (first launch of a job that resumes on restart)
             if self.rank == 0:
                 print(f"[freescale] no checkpoint in {cfg.checkpoint_dir}, starting at step 0")

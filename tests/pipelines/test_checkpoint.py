@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines.job import checkpoint, dcp, dcp_state
+from pipelines.job import checkpoint, checkpoint_io, checkpoint_manifest, dcp, dcp_state
 from tests.harness import run_ranks, stage
 
 
@@ -44,10 +44,24 @@ def _save_one(tmp_path: Path, step: int = 2) -> Path:
     return saver.save(step, model, optimizer, {"position": step}, {"epoch": 0, "cursor": 8 * step})
 
 
+def _reseal(directory: Path, world_size: int = 1) -> None:
+    """COMPLETE rewritten for the files as they are now, as anyone who can write the folder can: the sums find damage
+    and mixed saves, they are no signature (what loads safely is the readers' work)."""
+    files = {p.name: checkpoint_io.sum_file(p) for p in directory.iterdir() if p.name != "COMPLETE"}
+    (directory / "COMPLETE").write_bytes(checkpoint_manifest.encode(world_size, "dcp", files))
+
+
 def test_a_checkpoint_restores_model_optimizer_and_position_exactly(tmp_path):
     directory = _save_one(tmp_path)
-    assert (directory / ".metadata").is_file() and (directory / "COMPLETE").read_text() == "1 dcp\n"
-    assert not list(directory.glob("*.tmp"))
+    assert (directory / ".metadata").is_file() and not list(directory.glob("*.tmp"))
+    manifest = checkpoint_manifest.read(directory)
+    assert sorted(manifest.files) == [".metadata", "__0_0.distcp", "rank0.pt"] and manifest.world_size == 1
+    for name, recorded in manifest.files.items():  # every file's size and sha256, each DCP item's bytes and crc32
+        assert checkpoint_io.sum_file(directory / name).sha256 == recorded.sha256
+        assert recorded.size == (directory / name).stat().st_size
+    items = manifest.files["__0_0.distcp"].items
+    assert [i.fqn for i in items][:2] == ["model.0.weight", "model.0.bias"]
+    assert sum(i.length for i in items) == manifest.files["__0_0.distcp"].size  # DCP's items tile the data file
     saved_model, saved_optimizer = _dense()
     model, optimizer = _dense(seed=1)
     restored = checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore("latest", model, optimizer)
@@ -64,6 +78,9 @@ def test_crafted_metadata_is_refused_and_nothing_runs(tmp_path, capsys):
     directory = _save_one(tmp_path)
     marker = tmp_path / "ran"
     (directory / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(ValueError, match=r"\.metadata: .* bytes, COMPLETE records"):  # not even unpickled
+        checkpoint.check_complete(directory)
+    _reseal(directory)  # COMPLETE made to match: the unpickler still refuses it
     with pytest.raises(
         ValueError, match=r"\.metadata: refused: it names posix\.system, which loading would run as code"
     ):
@@ -93,6 +110,7 @@ def test_a_crafted_state_item_is_refused_and_nothing_runs(tmp_path):
         )
     for name in (".metadata", "__0_0.distcp"):  # the crafted item in place of the checkpoint's index and data
         (directory / name).write_bytes((tmp_path / "crafted" / name).read_bytes())
+    _reseal(directory)
     with pytest.raises(ValueError, match="refused: item 'model.0.weight' is a pickled object"):
         checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
     with pytest.raises(BaseException, match="refused: checkpoint item 'model.0.weight' is a pickled object"):
@@ -137,10 +155,150 @@ def test_a_truncated_file_is_named_in_a_whole_sentence(tmp_path):
     directory = _save_one(tmp_path)
     data = (directory / "rank0.pt").read_bytes()
     (directory / "rank0.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"rank0\.pt: {len(data) // 2} bytes, COMPLETE records {len(data)} \(cut"):
+        checkpoint.read_file(directory / "rank0.pt")
+    _reseal(directory)  # torch's own reading of it, named whole
     with pytest.raises(ValueError) as failed:
         checkpoint.read_file(directory / "rank0.pt")
     assert str(failed.value).endswith(
         f"failed reading zip archive: failed finding central directory ({len(data) // 2} bytes)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- paths, sums, marker
+class _PathTo:
+    """Pickles as a ``pathlib.PosixPath`` whose text is ``__0_0.distcp`` and whose parts lead to ``target``: what a
+    crafted .metadata may hold (its classes include PosixPath, for DCP's own checkpoint_id)."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        import copyreg
+        import pathlib
+
+        state = {"_drv": "", "_root": "/", "_parts": ["/", *self.target.parts[1:]], "_str": "__0_0.distcp"}
+        return (copyreg._reconstructor, (pathlib.PosixPath, object, None), (None, state))
+
+
+def _fifo_guard(fifo: Path, after_s: float = 20):
+    """Opens the FIFO's writing end after ``after_s``, so that a reader that wrongly opened it fails, not hangs."""
+    import threading
+
+    def rescue():
+        if not done.wait(after_s):
+            with open(fifo, "wb") as f:
+                f.write(b"not a checkpoint")
+
+    done = threading.Event()
+    threading.Thread(target=rescue, daemon=True).start()
+    return done
+
+
+def _point_data_at(directory: Path, how: str, outside: Path, world_size: int = 1) -> None:
+    if how == "fifo-inside":
+        (directory / "__0_0.distcp").unlink()
+        os.mkfifo(directory / "__0_0.distcp")
+    elif how == "link-out":
+        (directory / "__0_0.distcp").unlink()
+        (directory / "__0_0.distcp").symlink_to(outside)
+    else:  # a path object in the metadata's storage entries, and COMPLETE made to match
+        md = dcp.read_metadata(directory)
+        for info in md.storage_data.values():
+            info.relative_path = _PathTo(outside)
+        (directory / ".metadata").write_bytes(pickle.dumps(md))
+        _reseal(directory, world_size)
+
+
+@pytest.mark.parametrize(
+    "how, target, match",
+    [
+        ("path-object", "fifo", r"refused: file name '__0_0.distcp' is a pathlib.PosixPath, not a str"),
+        ("path-object", "missing", r"refused: file name '__0_0.distcp' is a pathlib.PosixPath, not a str"),
+        ("link-out", "fifo", r"__0_0\.distcp: refused: it leads to .*/outside, outside the checkpoint"),
+        ("fifo-inside", "fifo", r"__0_0\.distcp: refused: a FIFO, not a regular file \(reading it could block\)"),
+    ],
+)
+def test_a_data_file_outside_the_step_or_not_a_regular_file_is_refused_before_it_is_opened(
+    tmp_path, how, target, match
+):
+    """The metadata's storage path a PosixPath that reads ``__0_0.distcp`` but leads to a FIFO (or a missing file)
+    outside the step; a link out of the step; a FIFO in the step. Each is one line at once (a reader that opened
+    the FIFO would wait for a writer: the guard ends that wait after 20 s, and the test fails on the time)."""
+    directory = _save_one(tmp_path)
+    outside = tmp_path / "outside"
+    if target == "fifo":
+        os.mkfifo(outside)
+    _point_data_at(directory, how, outside)
+    done = _fifo_guard(directory / "__0_0.distcp" if how == "fifo-inside" else outside) if target == "fifo" else None
+    started = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=match):
+            checkpoint.check_complete(directory)  # the launcher's check
+        with pytest.raises(checkpoint.CheckpointError, match=match) as failed:
+            checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
+        with pytest.raises(BaseException, match="refused"):  # DCP's reading, asked directly, opens nothing either
+            dcp.load(directory, {"model.0.weight": torch.empty(3, 4)}, {})
+    finally:
+        if done is not None:
+            done.set()
+    assert time.monotonic() - started < 10 and "\n" not in str(failed.value)
+    assert str(tmp_path / "outside") not in str(failed.value) or how == "link-out"  # never a path it did not check
+
+
+def _flip(path: Path, at: int, data: bytes = b"\xff") -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def test_damaged_bytes_of_the_same_size_are_named_by_file_and_item(tmp_path):
+    directory = _save_one(tmp_path)
+    items = {i.fqn: i for i in checkpoint_manifest.read(directory).files["__0_0.distcp"].items}
+    weight = items["model.2.weight"]
+    _flip(directory / "__0_0.distcp", weight.start + weight.length // 2)  # a tampered item
+    line = checkpoint.problem(directory, 0, 1)
+    assert line == (
+        f"{directory}/__0_0.distcp: item 'model.2.weight', bytes {weight.start}..{weight.start + weight.length} "
+        "differs from its checksum in COMPLETE: its bytes changed after the save (damaged, or written over by another "
+        "job)"
+    )
+    with pytest.raises(checkpoint.CheckpointError) as failed:  # an explicit --resume of it: that one line
+        checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
+    assert str(failed.value) == line
+
+    directory = _save_one(tmp_path, step=4)  # the tail zero-filled, the size kept
+    size = (directory / "__0_0.distcp").stat().st_size
+    _flip(directory / "__0_0.distcp", size - 600, bytes(600))
+    items = checkpoint_manifest.read(directory).files["__0_0.distcp"].items
+    first = next(i for i in items if i.start + i.length > size - 600)
+    assert f"__0_0.distcp: item {first.fqn!r}" in checkpoint.problem(directory, 0, 1)
+    _flip(directory / "rank0.pt", 100)  # a rank file's byte: the rank file is read (and checked) first
+    assert "rank0.pt: sha256 differs from the one COMPLETE records" in checkpoint.problem(directory, 0, 1)
+
+
+def test_a_complete_marker_cut_in_half_is_a_step_that_does_not_verify(tmp_path):
+    directory = _save_one(tmp_path)
+    text = (directory / "COMPLETE").read_text()
+    (directory / "COMPLETE").write_text(text[: len(text) // 2])
+    line = checkpoint.problem(directory, 0, 1)
+    assert line.startswith(f"{directory}/COMPLETE: unreadable marker (cut short or damaged?): ") and "\n" not in line
+    with pytest.raises(checkpoint.CheckpointError, match="unreadable marker"):
+        checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
+    (directory / "COMPLETE").write_text("1 ")  # a marker of the earlier kind ("1 dcp") cut short
+    with pytest.raises(checkpoint.CheckpointError, match=r"COMPLETE: says one file per rank .* damaged \(cut short"):
+        checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
+
+
+def test_a_step_whose_marker_predates_checksums_loads_and_says_it_was_not_verified(tmp_path):
+    directory = _save_one(tmp_path)
+    (directory / "COMPLETE").write_text("1 dcp\n")
+    model, optimizer = _dense(seed=1)
+    restored = checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore("latest", model, optimizer)
+    assert restored.step == 2 and torch.equal(model[0].weight, _dense()[0][0].weight)
+    assert restored.unverified == (
+        f"{directory}: its COMPLETE marker predates checksums (an older FreeScale's): its files' sizes and metadata "
+        "were checked, their bytes were not"
     )
 
 
@@ -235,17 +393,26 @@ def test_uneven_row_shards_saved_async_at_2_ranks_load_at_3_with_other_boundarie
         assert wrong == [] and dense_equal and loader_state is None and cursor == 24
 
 
+def _damage_steps(root: Path) -> None:
+    """Step 10: rank 1's file cut in half. 8: a byte of rank 1's file changed (its size kept). 6: a DCP item's
+    bytes changed. 4: COMPLETE cut in half. 2: whole."""
+    data = (root / "step_000010" / "rank1.pt").read_bytes()
+    (root / "step_000010" / "rank1.pt").write_bytes(data[: len(data) // 2])
+    _flip(root / "step_000008" / "rank1.pt", 200)
+    item = checkpoint_manifest.read(root / "step_000006").files["__0_0.distcp"].items[0]
+    _flip(root / "step_000006" / "__0_0.distcp", item.start + item.length // 2)
+    text = (root / "step_000004" / "COMPLETE").read_text()
+    (root / "step_000004" / "COMPLETE").write_text(text[: len(text) // 2])
+
+
 def _resume_latest(rank, world_size, root):
     model, optimizer = _dense()
     saver = checkpoint.Checkpointer(root, rank, world_size)
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8, 10):
         saver.save(step, model, optimizer, {"step": step}, {"epoch": 0, "cursor": step})
     torch.distributed.barrier()
-    if rank == 1:  # the newest step: rank 1's own file cut in half; the one before: a DCP data file cut short
-        data = (root / "step_000006" / "rank1.pt").read_bytes()
-        (root / "step_000006" / "rank1.pt").write_bytes(data[: len(data) // 2])
-        data = (root / "step_000004" / "__0_0.distcp").read_bytes()
-        (root / "step_000004" / "__0_0.distcp").write_bytes(data[:100])
+    if rank == 1:
+        _damage_steps(root)
     torch.distributed.barrier()
     apply = dcp_state.apply
 
@@ -265,14 +432,20 @@ def _resume_latest(rank, world_size, root):
 
 @pytest.mark.multiprocess
 def test_resume_latest_takes_the_newest_step_every_rank_can_load_and_says_what_it_skipped(tmp_path):
-    results = run_ranks(_resume_latest, 2, args=(tmp_path / "ck",), timeout=60)
+    """Also: each step that does not verify is skipped naming the file (and the item), by the rank that read it."""
+    results = run_ranks(_resume_latest, 2, args=(tmp_path / "ck",), timeout=90)
     for rank, (name, loader_state, skipped, after_all_loaded) in enumerate(results):
         assert name == "step_000002" and loader_state == {"step": 2}
-        assert (
-            skipped[0].startswith("step_000006 (rank 1: ") and "rank1.pt: not a readable checkpoint file" in skipped[0]
+        cut, changed, item, marker = skipped
+        assert cut.startswith("step_000010 (rank 0: ") and "rank1.pt: " in cut and "COMPLETE records" in cut, cut
+        assert changed.startswith("step_000008 (rank 1: ") and "rank 0:" not in changed, changed
+        assert "rank1.pt: sha256 differs from the one COMPLETE records" in changed
+        assert item.count("rank ") == 1 and "__0_0.distcp: item 'model.0.weight', bytes 0.." in item, item
+        assert item.endswith(
+            "differs from its checksum in COMPLETE: its bytes changed after the save (damaged, or "
+            "written over by another job))"
         )
-        assert "rank 0:" not in skipped[0], skipped[0]
-        assert skipped[1].startswith("step_000004 (rank 0: ") and "__0_0.distcp: cut short" in skipped[1]
+        assert marker.startswith("step_000004 (rank 0: ") and "COMPLETE: unreadable marker (cut short" in marker
         assert after_all_loaded, f"rank {rank} returned before rank 1 had loaded"
 
 
@@ -324,3 +497,80 @@ def test_async_checkpoints_resume_exactly(tmp_path):
     straight, resumed = run_ranks(_async_straight_and_resumed, 2, args=(tmp_path / "ck",), timeout=120)[0]
     assert (tmp_path / "ck" / "step_000004" / "COMPLETE").exists()  # the last save was waited for at the end
     assert len(straight) == 4 and resumed == straight[2:]
+
+
+# ---------------------------------------------------------------------------------------------- freescale train
+_ROOT = Path(__file__).resolve().parents[2]
+_FAST = ["--nproc", "2", "--device", "cpu", "--no-progress", "--batch-size", "4", "--num-samples", "64"]
+
+
+def _train(cwd: Path, *argv: str, env: dict | None = None):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_ROOT), **(env or {})}
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", *_FAST, *argv]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def _one_error_line(proc) -> str:
+    lines = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.multiprocess
+def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_read_is_one_line(tmp_path, capsys):
+    """`freescale train`, 2 ranks: step 8's metadata leads to a FIFO outside the step (COMPLETE made to match), step
+    6's data file has a zero-filled tail, step 4's COMPLETE is cut in half. --resume latest skips the three with
+    their reasons and resumes from step 2, well within --comm-timeout-s; an explicit --resume of each is one line;
+    a rank whose read stalls (as on a hung mount) ends the job in one line naming the file and the bound."""
+    assert _train(tmp_path, "--steps", "8", "--checkpoint-every", "2", "--checkpoint-dir", "ck").returncode == 0
+    ck = tmp_path / "ck"
+    os.mkfifo(tmp_path / "outside")
+    _point_data_at(ck / "step_000008", "path-object", tmp_path / "outside", world_size=2)
+    size = (ck / "step_000006" / "__0_0.distcp").stat().st_size
+    _flip(ck / "step_000006" / "__0_0.distcp", size - 64, bytes(64))
+    text = (ck / "step_000004" / "COMPLETE").read_text()
+    (ck / "step_000004" / "COMPLETE").write_text(text[: len(text) // 2])
+
+    done, started = _fifo_guard(tmp_path / "outside", after_s=60), time.monotonic()
+    resumed = _train(
+        tmp_path, "--steps", "10", "--checkpoint-dir", "ck", "--resume", "latest", "--comm-timeout-s", "20"
+    )
+    done.set()
+    assert resumed.returncode == 0 and time.monotonic() - started < 60, resumed.stderr[-3000:]
+    skipped = [line for line in resumed.stdout.splitlines() if line.startswith("[freescale] skipped")]
+    assert [line.split()[2] for line in skipped] == ["step_000008", "step_000006", "step_000004"], skipped
+    assert "refused: file name '__0_0.distcp' is a pathlib.PosixPath, not a str" in skipped[0]
+    assert "__0_0.distcp: item '" in skipped[1] and "differs from its checksum in COMPLETE" in skipped[1]
+    assert "COMPLETE: unreadable marker (cut short or damaged?)" in skipped[2]
+    assert "[freescale] resumed from ck/step_000002 at step 2" in resumed.stdout
+
+    from pipelines.cli import main
+
+    for step, fragment in (("8", "is a pathlib.PosixPath, not a str"), ("4", "unreadable marker")):
+        assert main(["train", *_FAST, "--resume", str(ck / f"step_00000{step}")]) == 2  # before any rank starts
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err
+    line = _one_error_line(_train(tmp_path, "--steps", "8", "--resume", "ck/step_000006"))
+    assert "__0_0.distcp: item '" in line and "differs from its checksum in COMPLETE" in line, line
+
+    started = time.monotonic()
+    stalled = _train(
+        tmp_path,
+        "--steps",
+        "4",
+        "--resume",
+        "ck/step_000002",
+        "--comm-timeout-s",
+        "6",
+        env={checkpoint_io.FAULT_ENV: "stall:1"},
+    )
+    line = _one_error_line(stalled)
+    assert stalled.returncode == 1 and time.monotonic() - started < 6 + 40, line
+    assert line.startswith(
+        "freescale train: error: rank 1: CheckpointStalled: ck/step_000002/COMPLETE: a read has "
+        "not returned after 3 s (the bound: half of --comm-timeout-s 6)"
+    ), line
+    print(skipped, line, sep="\n")  # shown with -s: the lines a user sees
