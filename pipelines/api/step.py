@@ -32,8 +32,9 @@ torchrec is imported only where the model uses its types.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,12 @@ from fscomm.registry import host_transport  # noqa: F401  (the public API's name
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from fsembed.context import EmbeddingContext
-from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync
+from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, per_rank_of
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, Inputs, StagedPipeline, as_args
 from pipelines.models.reference import bce_sum
+from pipelines.models.step_result import StepResult
 
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
 
@@ -181,19 +183,32 @@ def count_labels(batch: Batch, device: torch.device, timer=None) -> float:
     return float(count)
 
 
-@dataclass
-class StepResult:
-    """One step, as every rank sees it: the global mean loss and the global label count."""
+def _unnamed(name: str) -> contextlib.nullcontext:
+    return contextlib.nullcontext()
 
-    loss: float
-    labels: float
-    positives: float
+
+@dataclass
+class StepHooks:
+    """What a job adds around the one step (pipelines.job.trainer's: its phases in a trace, the early all-reduce,
+    per-rank slots, the batch it lets go of); the defaults add nothing."""
+
+    #: a context named around the step's parts ("freescale/forward", ...), e.g. torch.profiler.record_function
+    phase: Callable[[str], ContextManager] = _unnamed
+    #: called between the forward and the backward (the trainer lets its loader's worker start the batch after next)
+    before_backward: Optional[Callable[[], None]] = None
+    #: called once the backward is queued, before the compute time is read (the trainer lets the last batch go and,
+    #: on a GPU, waits for the compute stream, so that the time is the device's)
+    after_backward: Optional[Callable[[], None]] = None
+    #: this rank's slot of the dense all-reduce's block for an item, PER_RANK_FIELDS in order (default: zeros)
+    per_rank: Optional[Callable[[LoaderItem], tuple[float, ...]]] = None
+    #: the block's bucket launched as soon as the backward is queued, within the compute time (else after it)
+    early_allreduce: bool = False
 
 
 class TrainStep:
     """Trains ``model`` one step per ``progress(items)`` call over the loader's items (LoaderItems): the one
     implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.job.trainer adds only
-    what a job needs around it: timings, checkpoints, logs).
+    what a job needs around it, through ``hooks``: timings, per-rank slots; and checkpoints, logs).
 
     ``stage``: the embedding stage of ``wrap_model`` (None for a model without sharded tables). ``inputs``:
     ``batch -> model arguments`` (default: the stage's, else the batch). ``loss``: ``(outputs, batch) ->`` the
@@ -201,9 +216,12 @@ class TrainStep:
     ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
     ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
     ``fp32`` (pipelines.api.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
-    all-reduce as ``label_count``; ``phase(name)`` is a context named around the forward and the backward (e.g.
-    ``torch.profiler.record_function``); ``before_backward()`` is called between them.
+    all-reduce as ``label_count``, the forward and backward as ``forward_backward`` and the wait for the dense
+    all-reduce as ``dense_allreduce``; ``hooks`` (:class:`StepHooks`) are what a job adds around the step.
     """
+
+    #: items it takes beyond the current one (batch i+1's ids go to step i's forward): the trainer's lookahead
+    lookahead = 1
 
     def __init__(
         self,
@@ -219,8 +237,7 @@ class TrainStep:
         bucket_mb: float = 25.0,
         precision: str = "auto",
         timer=None,
-        phase: Optional[Callable[[str], Any]] = None,
-        before_backward: Optional[Callable[[], None]] = None,
+        hooks: Optional[StepHooks] = None,
     ) -> None:
         self.model, self.optimizer, self.stage = model, optimizer, stage
         self.loss = loss if loss is not None else bce_loss
@@ -237,8 +254,7 @@ class TrainStep:
             bucket_bytes=int(bucket_mb * 2**20),
         )
         self.timer = timer
-        self._phase = phase if phase is not None else (lambda name: contextlib.nullcontext())
-        self._before_backward = before_backward
+        self.hooks = hooks if hooks is not None else StepHooks()
         self._current: Optional[LoaderItem] = None
         # the next batch's (batch, model arguments, ids), where this step computed its ids for prioritized updates
         self._derived: Optional[tuple] = None
@@ -300,7 +316,7 @@ class TrainStep:
 
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         batch, labels = item.batch, item.batch.candidate_labels
-        with self._phase("freescale/forward"):
+        with self.hooks.phase("freescale/forward"):
             derived, self._derived = self._derived, None
             derived = derived if derived is not None and derived[0] is batch else (batch, None, None)
             # the user's inputs(), once per step (or kept from the last step, which derived this batch's ids)
@@ -309,9 +325,9 @@ class TrainStep:
                 self.stage.begin_step(self.context(item, upcoming, args, derived[2]))
             with autocast(self.autocast_dtype, self.device):
                 loss_sum = self.loss(call_model(self.model, self.inputs, item, args), batch)
-        if self._before_backward is not None:
-            self._before_backward()
-        with self._phase("freescale/backward"):
+        if self.hooks.before_backward is not None:
+            self.hooks.before_backward()
+        with self.hooks.phase("freescale/backward"):
             (loss_sum / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
 
@@ -345,12 +361,41 @@ class TrainStep:
     def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
         """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the
         end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
-        optimizer step. A loop of one's own calls these in this order."""
+        optimizer step. A loop of one's own calls these in this order. The only step there is: the trainer's goes
+        through here too, its additions coming in through ``hooks``."""
+        hooks = self.hooks
         self.zero_grad()
         total = self.global_labels(item)
-        labels, device_scalars = self.forward_backward(item, upcoming, total)
-        book = self.dense_sync.all_reduce((labels,), (0.0,) * len(PER_RANK_FIELDS), device_scalars)
+        t0 = time.perf_counter()
+        with hooks.phase("freescale/forward_backward"):
+            labels, device_scalars = self.forward_backward(item, upcoming, total)
+            mine = hooks.per_rank(item) if hooks.per_rank is not None else (0.0,) * len(PER_RANK_FIELDS)
+            if hooks.early_allreduce:  # queued behind the backward on the device: runs as soon as it is done
+                with hooks.phase("freescale/dense_allreduce"):
+                    self.dense_sync.start((labels,), mine, device_scalars)
+            if hooks.after_backward is not None:
+                hooks.after_backward()
+        compute = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        with hooks.phase("freescale/dense_allreduce"):
+            if not hooks.early_allreduce:
+                self.dense_sync.start((labels,), mine, device_scalars)
+            book = self.dense_sync.finish()
+        allreduce = time.perf_counter() - t1
+        if self.timer is not None:
+            self.timer.add("forward_backward", compute)
+            self.timer.add("dense_allreduce", allreduce)
         self.optimizer.step()
         self.step += 1
-        count, loss_total, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
-        return StepResult(loss_total / count if count > 0 else float("nan"), count, positives)
+        # numpy on the host block (no torch op: see pipelines.api.dense_sync)
+        count, loss_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
+        return StepResult(
+            loss_sum / count if count > 0 else float("nan"),
+            count,
+            positives,
+            loss_sum=loss_sum,
+            local_loss_sum=device_scalars[0],
+            compute_s=compute,
+            allreduce_s=allreduce,
+            per_rank=per_rank_of(book, self.world_size),
+        )

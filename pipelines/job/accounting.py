@@ -120,17 +120,17 @@ class StepAccounting:
         self._data_wait = time.perf_counter() - start
         self._blocked = loader_blocked_s(self.loader) - self._blocked
 
-    def finish(self, record: dict) -> None:
-        """Adds the step's accounting to its record (after the step's work)."""
-        record["data_wait_s"] = self._data_wait
-        record["data_blocked_s"] = self._blocked  # the part of data_wait that waited for the stage worker
-        record["exposed_s"] = self.exposed_delta(self._before, record)
-        record["step_time_s"] = time.perf_counter() - self._t0
-        record["gc_s"] = self.gc.take()
+    def finish(self, record: Any) -> None:
+        """Adds the step's accounting to its record (pipelines.job.record.StepRecord; after the step's work)."""
+        record.data_wait_s = self._data_wait
+        record.data_blocked_s = self._blocked  # the part of data_wait that waited for the stage worker
+        record.exposed_s = self.exposed_delta(self._before, record)
+        record.step_time_s = time.perf_counter() - self._t0
+        record.gc_s = self.gc.take()
         if self.pipeline is not None:  # cumulative: a step where it grows paid a pinned allocation
-            record["staging_allocations"] = self.pipeline.collection.transports.staging_allocations()
+            record.staging_allocations = self.pipeline.collection.transports.staging_allocations()
         if self.device.type == "cuda":  # torch's pinned blocks (the stage worker pins every batch)
-            record["pinned_allocations"] = pinned_allocations()
+            record.pinned_allocations = pinned_allocations()
         self.timer.add("data_wait", self._data_wait)
 
     def exposed_totals(self) -> dict[str, float]:
@@ -140,14 +140,14 @@ class StepAccounting:
             for part, spans in EXPOSED_SPANS.items()
         }
 
-    def exposed_delta(self, before: dict[str, float], record: dict) -> dict[str, float]:
+    def exposed_delta(self, before: dict[str, float], record: Any) -> dict[str, float]:
         after = self.exposed_totals()
         out = {part: after[part] - before[part] for part in EXPOSED_SPANS}
         out["dense_allreduce"] = None  # filled in by _settle once every rank's compute time is known (torchrec: never)
         # The loader's own work on the critical path (the balancer's and ID prefetch's CPU work happens in the
         # loader's next(); their collective waits are the parts above, counted once).
-        out["data"] = max(record["data_wait_s"] - out["balancer"], 0.0)
-        for part in record.get("unmeasured", ()):  # hidden inside torchrec's progress(): unknown, not zero
+        out["data"] = max(record.data_wait_s - out["balancer"], 0.0)
+        for part in record.unmeasured:  # hidden inside torchrec's progress(): unknown, not zero
             out[part] = None
         return out
 

@@ -9,7 +9,7 @@ import torch
 from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
 from pipelines.api.modes import MODES
-from pipelines.api.step import ModelSpec
+from pipelines.api.step import ModelSpec, StepHooks, TrainStep
 from pipelines.job.config import DataConfig, JobConfig, ModelSection, TrainConfig
 from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
 
@@ -131,13 +131,48 @@ def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.de
     )
 
 
-def build_torchrec_reference(model: SequenceModel, config: TrainConfig, device: torch.device):
-    """torchrec's own DistributedModelParallel + TrainPipelineSparseDist around ``model`` (mode ``torchrec``,
-    the outside reference; None in the other modes)."""
-    if config.mode != "torchrec":
-        return None
-    from pipelines.models.torchrec_ref import TorchrecReference
+def build_step(
+    spec: ModelSpec,
+    pipeline,
+    config: TrainConfig,
+    hooks: StepHooks,
+    timer,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+):
+    """The job's step, chosen once here: the public API's TrainStep around ``spec.model`` (its embedding stage
+    ``pipeline``, dense Adam at ``lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
+    TrainPipelineSparseDist (the outside reference), which implements the same interface (``lookahead``,
+    ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``). ``hooks``: what the job adds around the step."""
+    if config.mode == "torchrec":
+        from pipelines.api.step import count_labels
+        from pipelines.models.torchrec_ref import TorchrecReference
 
-    return TorchrecReference(
-        model, optimizer_name=config.embedding_optimizer, embedding_lr=config.embedding_lr, lr=config.lr, device=device
+        return TorchrecReference(
+            spec.model,
+            optimizer_name=config.embedding_optimizer,
+            embedding_lr=config.embedding_lr,
+            lr=config.lr,
+            device=device,
+            global_labels=lambda batch: count_labels(batch, device, timer),
+            phase=hooks.phase,
+        )
+    # Dense part only (the swapped tables are no parameters). On a GPU, fused: a few kernels per step instead of a
+    # foreach chain of ops, each of which would give the GIL away on the training thread (every mode alike, so the
+    # comparison is fair).
+    optimizer = torch.optim.Adam(spec.model.parameters(), lr=config.lr, fused=device.type == "cuda")
+    return TrainStep(
+        spec.model,
+        spec.loss,
+        optimizer,
+        stage=pipeline,
+        inputs=spec.inputs,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        bucket_mb=config.bucket_mb,
+        precision=config.precision,
+        timer=timer,
+        hooks=hooks,
     )

@@ -1,11 +1,17 @@
 """The Trainer: reads top-down like a plain training loop.
 
-    train():       fetch batch i+1 (one batch of lookahead; i+2 in mode torchrec) -> train_step(batch i) -> log
-                   -> checkpoint
-    train_step():  forward_backward (timed: compute; the stage worker starts the batch after next as the backward
-                   starts; the dense buckets' all-reduces start as the backward fills them) -> sync (the last
-                   bucket with the bookkeeping block, then every bucket waited for, timed) -> optimizer step;
-                   the record it returns is settled one step later (_settle: straggler wait, bubbles)
+    train():       fetch batch i+1 (the step's lookahead: one batch; two for the torchrec reference) ->
+                   train_step(batch i) -> log -> checkpoint
+    train_step():  the step's one call, ``train_on`` (pipelines.api.step.TrainStep: forward_backward, timed as
+                   compute; the stage worker starts the batch after next as the backward starts; the dense
+                   buckets' all-reduces start as the backward fills them; then the last bucket with the
+                   bookkeeping block, every bucket waited for, timed; the optimizer step), with what the job adds
+                   coming in through the step's hooks (StepHooks: phases, the early all-reduce, this rank's slot);
+                   its typed record (pipelines.job.record.StepRecord) is settled one step later (straggler wait,
+                   bubbles)
+
+The step is chosen once, by the builder (pipelines.job.builders.build_step): the API's TrainStep, or in mode
+torchrec the torchrec reference, which implements the same interface; the loop has no mode of its own.
 
 Modes (``--mode``), one harness:
     replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
@@ -46,7 +52,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -61,17 +67,18 @@ from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_l
 from fsdata.metrics import sparsity
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.gather_lengths import StepFeedback
-from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, gather_per_rank, per_rank_of
+from pipelines.api.dense_sync import PER_RANK_FIELDS, DenseSync, gather_per_rank
 from pipelines.api.evaluate import evaluate
 from pipelines.api.modes import MODES
 from pipelines.api.numerics import check_determinism, enable_determinism
-from pipelines.api.step import TrainStep, count_labels, unwrap_model
+from pipelines.api.step import StepHooks, StepResult, unwrap_model
 from pipelines.job import checkpoint
 from pipelines.job.accounting import StepAccounting, stall_clues
-from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_torchrec_reference
+from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_step
 from pipelines.job.config import JobConfig
 from pipelines.job.export import save_export
 from pipelines.job.progress import paused, progress_bar
+from pipelines.job.record import StepRecord, total
 from pipelines.job.schedule import ScheduleProbe
 from pipelines.models.reference import normalized_entropy
 
@@ -105,14 +112,9 @@ def _median(values: list[Optional[float]]) -> Optional[float]:
     return float(torch.tensor(values, dtype=torch.float64).median()) if values else float("nan")
 
 
-def _total(values: list[Optional[float]]) -> Optional[float]:
-    """Sum, or None when a part was not measured: a missing part is unknown, not zero."""
-    return None if any(v is None for v in values) else sum(values)
-
-
 def _mean(values: list[Optional[float]]) -> Optional[float]:
-    total = _total(values)
-    return None if total is None else total / max(len(values), 1)
+    summed = total(values)
+    return None if summed is None else summed / max(len(values), 1)
 
 
 def _compute(record: dict, rank: int) -> Optional[float]:
@@ -127,7 +129,7 @@ class Trainer:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    dense_sync: DenseSync  # the step's all-reduce (not in mode torchrec, where DDP does it)
+    dense_sync: Optional[DenseSync]  # the step's all-reduce (None in mode torchrec, where DDP does it)
     step: int
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
@@ -145,10 +147,24 @@ class Trainer:
         self.feedback = StepFeedback()
         self._build_data_and_model()
         self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
-        self.torchrec = build_torchrec_reference(self.model, config.train, device)  # mode torchrec only
-        self.optimizer = self._build_optimizer()
+        # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
+        # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
+        self._phase = torch.profiler.record_function if config.train.trace else _unnamed
+        # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
+        # that step's record waits there (``_unsettled``) for the other ranks' compute times (StepRecord.settle).
+        self._last_step_s = self._last_compute_s = 0.0
+        self._unsettled: Optional[StepRecord] = None
+        # The last step's batch, let go once this step's backward and last bucket are queued, while the host waits for
+        # the device: freeing its tensors (on a GPU, an event per stream that used each, under the GIL) then sits
+        # neither between two steps nor beside the backward's embedding hooks.
+        self._retired: Optional[_Fetched] = None
+        self.step_fn = build_step(
+            self.spec, self.pipeline, config.train, self._hooks(), self.timer, device, rank, world_size
+        )
+        self.optimizer = self.step_fn.optimizer
+        self.dense_sync = self.step_fn.dense_sync
         # Batches fetched ahead of the current one: 1 (batch i+1's exchanges start during step i), 2 for torchrec.
-        self.lookahead = self.torchrec.lookahead if self.torchrec is not None else 1
+        self.lookahead = self.step_fn.lookahead
         self.step = 0
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
@@ -159,20 +175,6 @@ class Trainer:
             if MODES[config.train.mode].switches
             else None
         )
-        # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
-        # that step's record waits there (``_unsettled``) for the other ranks' compute times (see _settle).
-        self._last_step_s = self._last_compute_s = 0.0
-        self._unsettled: Optional[dict] = None
-        # The last step's batch, let go once this step's backward and last bucket are queued, while the host waits for
-        # the device: freeing its tensors (on a GPU, an event per stream that used each, under the GIL) then sits
-        # neither between two steps nor beside the backward's embedding hooks.
-        self._retired: Optional[_Fetched] = None
-        # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
-        # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
-        self._phase = torch.profiler.record_function if config.train.trace else _unnamed
-        self.step_fn = self._build_step()
-        if self.step_fn is not None:
-            self.dense_sync = self.step_fn.dense_sync
         self.loader = self._build_loader(resumed)
         self.accounting = StepAccounting(self.timer, self.loader, self.pipeline, device)
         self.history: list[dict] = []
@@ -197,35 +199,37 @@ class Trainer:
         if config.train.deterministic:
             check_determinism(self.model, self.device)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        if self.torchrec is not None:  # torchrec's own optimizers: fused for the table, Adam for the dense part
-            return self.torchrec.optimizer
-        # Dense part only. On a GPU, fused: a few kernels per step instead of a foreach chain of ops, each of which
-        # would give the GIL away on the training thread (every mode alike, so the comparison is fair).
-        return torch.optim.Adam(self.model.parameters(), lr=self.config.train.lr, fused=self.device.type == "cuda")
-
-    def _build_step(self) -> Optional[TrainStep]:
-        """The step itself is the public API's (pipelines.api.step.TrainStep): label count, loss, forward and
-        backward, the dense all-reduce's buckets and the optimizer exist once; this class adds the job around it.
-        A gated stage worker starts the batch after next as the backward starts (before_backward). None in mode
-        torchrec, whose reference pipeline runs its own step."""
-        if self.torchrec is not None:
-            return None
-        return TrainStep(
-            self.model,
-            self.spec.loss,
-            self.optimizer,
-            stage=self.pipeline,
-            inputs=self.spec.inputs,
-            device=self.device,
-            rank=self.rank,
-            world_size=self.world_size,
-            bucket_mb=self.config.train.bucket_mb,
-            precision=self.config.train.precision,
-            timer=self.timer,
+    def _hooks(self) -> StepHooks:
+        """What the job adds around the one step: its phases in a --trace, the loader's worker started as the
+        backward starts, the last batch let go of (and on a GPU the compute stream waited for, so that the compute
+        time is the device's) once the backward is queued, this rank's slot of the dense all-reduce's block, and
+        the block's bucket launched as soon as the backward is queued unless --tuning.allreduce-start compute."""
+        return StepHooks(
             phase=self._phase,
             before_backward=lambda: release_loader(self.loader),
+            after_backward=self._after_backward,
+            per_rank=self._per_rank_slot,
+            early_allreduce=self.config.train.allreduce_start == "backward",
         )
+
+    def _after_backward(self) -> None:
+        self._retired = None  # see __init__
+        if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _per_rank_slot(self, item: LoaderItem) -> tuple[float, ...]:
+        """This rank's slot of the step's bookkeeping block, in PER_RANK_FIELDS order: its batch's tokens,
+        samples and sparsity, and the previous step's compute and wall times."""
+        batch = item.batch
+        lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
+        slot = {
+            "last_compute_s": self._last_compute_s,
+            "tokens": float(lengths.sum()),
+            "samples": float(batch.batch_size),
+            "sparsity": sparsity(lengths),
+            "last_step_s": self._last_step_s,
+        }
+        return tuple(slot[name] for name in PER_RANK_FIELDS)
 
     def _build_loader(self, resumed: Optional[dict]):
         """On a GPU the batches reach the training thread on the device already (copied by the stage worker while
@@ -320,23 +324,16 @@ class Trainer:
                 upcoming = ahead[0] if ahead else None
                 if self.schedule is not None:
                     self.pipeline.set_schedule(self.schedule.schedule_for(self.step))
-                if self.torchrec is not None:  # its progress() trains batch i and takes in what it lacks ahead
-                    batches = [f.item.batch for f in (current, *ahead)]
-                    record = self.torchrec.train_step(
-                        self.step, batches, lambda batch: count_labels(batch, self.device, self.timer)
-                    )
-                else:
-                    record = self.train_step(current, upcoming)
+                record = self.train_step(current, list(ahead))
                 self.accounting.finish(record)
-                self._last_step_s = record["step_time_s"]
+                self._last_step_s = record.step_time_s
                 if self.schedule is not None:
-                    record["schedule"] = self.pipeline.collection.schedule
-                if current.item.report is not None:
-                    record["balance"] = current.item.report
+                    record.schedule = self.pipeline.collection.schedule
+                record.balance = current.item.report
                 self.step += 1
                 if current.new_epoch:
                     self.epoch, self.cursor = self.epoch + 1, 0
-                self.cursor += sum(record["samples_per_rank"])  # a global step consumes exactly its samples
+                self.cursor += sum(record.samples_per_rank)  # a global step consumes exactly its samples
                 self._log_settled(record, progress)
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint(upcoming)
@@ -349,7 +346,7 @@ class Trainer:
                 self._checkpointer.wait()
             if self._unsettled is not None:  # the last step: no later block carries its compute times
                 last = gather_per_rank((self._last_compute_s,), self.rank, self.world_size, self.device)[:, 0]
-                self._log(self._settle(self._unsettled, last), progress)
+                self._log(self._unsettled.settle(last, self.rank), progress)
                 self._unsettled = None
             if self.pipeline is not None:
                 self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
@@ -360,7 +357,7 @@ class Trainer:
             if self.eval_source is not None:
                 with paused(progress):
                     self.evaluate(progress)
-            if cfg.export and self.torchrec is None:  # the user's own modules back, with the trained tables
+            if cfg.export:  # the user's own modules back, with the trained tables (not in mode torchrec: config.py)
                 if self.pipeline is not None:
                     unwrap_model(self.model, self.pipeline, dst=0)
                 if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
@@ -376,15 +373,15 @@ class Trainer:
                 self._metrics_file.close()
         return self._summary(time.perf_counter() - start) if self.rank == 0 else None
 
-    def _log_settled(self, record: dict, progress) -> None:
-        """Logs the step whose record is complete: this one in mode torchrec; else the previous one, which this
-        step's dense block completed with every rank's compute time (this one waits for the next block)."""
-        if self.torchrec is not None:
-            self._log(self._settle(record, None), progress)
+    def _log_settled(self, record: StepRecord, progress) -> None:
+        """Logs the step whose record is complete: this one where the step's block carries no compute times (the
+        torchrec reference's: nothing to wait for); else the previous one, which this step's block completed with
+        every rank's compute time (this one waits for the next block)."""
+        if record.last_compute_all_s is None:
+            self._log(record.settle(None, self.rank), progress)
             return
         if self._unsettled is not None:
-            self._log(self._settle(self._unsettled, record["last_compute_all_s"]), progress)
-        del record["last_compute_all_s"]
+            self._log(self._unsettled.settle(record.last_compute_all_s, self.rank), progress)
         self._unsettled = record
 
     def _source_stats(self) -> dict:
@@ -413,93 +410,37 @@ class Trainer:
             item = next(items)
         except StopIteration:  # end of an epoch: every rank reaches it at the same step
             item, new_epoch = next(iter(self.loader)), True
-        item = self.step_fn.to_device(item) if self.step_fn is not None else item
+        item = self.step_fn.to_device(item)
         return _Fetched(item, new_epoch, loader_state)
 
-    def train_step(self, fetched: _Fetched, upcoming: Optional[_Fetched]) -> dict:
-        """Forward, backward, the dense all-reduce and the optimizer step. The record it returns lacks what needs
-        the other ranks' compute times of this step (straggler wait, the all-reduce's exposed part): they come in
-        the next step's block and ``_settle`` fills them in; ``last_compute_all_s`` is the previous step's."""
-        batch, step = fetched.item.batch, self.step_fn
-        step.zero_grad()
-        global_labels = step.global_labels(fetched.item)
-        early = self.config.train.allreduce_start == "backward"
-        t0 = time.perf_counter()
-        with self._phase("freescale/forward_backward"):
-            labels, sums = step.forward_backward(
-                fetched.item, upcoming.item if upcoming is not None else None, global_labels
-            )
-            lengths = np.diff(batch.host_offsets("uih_offsets").numpy())  # numpy: no torch op (see dense_sync)
-            slot = {
-                "last_compute_s": self._last_compute_s,
-                "tokens": float(lengths.sum()),
-                "samples": float(batch.batch_size),
-                "sparsity": sparsity(lengths),
-                "last_step_s": self._last_step_s,
-            }
-            mine = tuple(slot[name] for name in PER_RANK_FIELDS)  # this rank's slot, in the block's order
-            if early:  # queued behind the backward on the device: it runs as soon as the backward is done
-                with self._phase("freescale/dense_allreduce"):
-                    self.dense_sync.start((labels,), mine, device_scalars=sums)
-            self._retired = None  # see __init__
-            if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
-                torch.cuda.current_stream(self.device).synchronize()
-        compute = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        with self._phase("freescale/dense_allreduce"):
-            if not early:
-                self.dense_sync.start((labels,), mine, device_scalars=sums)
-            book = self.dense_sync.finish()
-        sync_time = time.perf_counter() - t1
-        self.feedback.report(self.step, compute)  # read by the balancer's Stage I (autotune, cost fit)
-        self.timer.add("forward_backward", compute)
-        self.timer.add("dense_allreduce", sync_time)
-        step.optimizer.step()
-        self._last_compute_s = compute
-        # numpy on the host block (no torch op: see pipelines.api.dense_sync)
-        per_rank = per_rank_of(book, self.world_size)
+    def train_step(self, fetched: _Fetched, ahead: Sequence[_Fetched]) -> StepRecord:
+        """The step's one call on ``fetched`` (``ahead``: the fetched batches after it, the step's lookahead), and
+        its record. The record lacks what needs the other ranks' compute times of this step (straggler wait, the
+        all-reduce's exposed part): they come in the next step's block (StepRecord.settle); its
+        ``last_compute_all_s`` is the previous step's."""
+        result = self.step_fn.train_on(fetched.item, *(f.item for f in ahead))
+        if result.compute_s is not None:
+            self.feedback.report(self.step, result.compute_s)  # read by the balancer's Stage I (autotune, cost fit)
+            self._last_compute_s = result.compute_s
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
-            self.schedule.observe(self.step - 1, float(per_rank["last_step_s"].max()))
-        labels_all, bce_sum, positives = (float(x) for x in book[: len(GLOBAL_FIELDS)])
-        if not np.isfinite(bce_sum):  # every rank sees the same global sum: all stop at this step
-            local = float(sums[0])
-            where = (
-                f"on rank {self.rank} (its loss sum is {local})"
-                if not np.isfinite(local)
-                else f"on another rank (rank {self.rank}'s loss sum is finite)"
-            )
-            raise NonFiniteLoss(
-                f"non-finite loss at step {self.step} {where}: the run stops here", root=not np.isfinite(local)
-            )
-        return {
-            "step": self.step,
-            "loss": bce_sum / labels_all if labels_all > 0 else float("nan"),
-            "labels": labels_all,
-            "bce_sum": bce_sum,
-            "positives": positives,
-            "compute_local_s": compute,
-            "last_compute_all_s": per_rank["last_compute_s"],
-            "tokens_per_rank": per_rank["tokens"].astype(np.int64).tolist(),
-            "samples_per_rank": per_rank["samples"].astype(np.int64).tolist(),
-            "sparsity_per_rank": per_rank["sparsity"].tolist(),
-            "imbalance_max_over_mean": float(per_rank["tokens"].max() / max(per_rank["tokens"].mean(), 1.0)),
-            "allreduce_s": sync_time,
-        }
+            self.schedule.observe(self.step - 1, float(result.per_rank["last_step_s"].max()))
+        self._check_finite(result)
+        return StepRecord.of(self.step, result)
 
-    def _settle(self, record: dict, compute_all: Optional[np.ndarray]) -> dict:
-        """Completes a step's record with every rank's compute time of that step (None in mode torchrec, whose
-        record has its own): straggler wait (the paper's: wait_r = max_q compute_q - compute_r), the all-reduce's
-        exposed part net of this rank's straggler wait, and the bubbles."""
-        if compute_all is not None:
-            wait = compute_all.max() - compute_all
-            step_time = record["compute_local_s"] + record["allreduce_s"]  # = slowest rank's compute + the exchange
-            record["compute_s"] = compute_all.tolist()
-            record["allreduce_exposed_s"] = max(record["allreduce_s"] - float(wait[self.rank]), 0.0)
-            record["straggler_wait_s"] = float(wait.mean())
-            record["straggler_pct"] = 100.0 * float(wait.mean()) / max(step_time, 1e-9)
-            record["exposed_s"]["dense_allreduce"] = record["allreduce_exposed_s"]
-        record["bubble_s"] = _total([*record["exposed_s"].values(), record["straggler_wait_s"]])
-        return record
+    def _check_finite(self, result: StepResult) -> None:
+        """Stops the run at a non-finite global loss, on every rank alike (every rank sees the same global sum),
+        naming the rank whose own loss was non-finite."""
+        if np.isfinite(result.loss_sum):
+            return
+        local = float(result.local_loss_sum)
+        where = (
+            f"on rank {self.rank} (its loss sum is {local})"
+            if not np.isfinite(local)
+            else f"on another rank (rank {self.rank}'s loss sum is finite)"
+        )
+        raise NonFiniteLoss(
+            f"non-finite loss at step {self.step} {where}: the run stops here", root=not np.isfinite(local)
+        )
 
     def _profiler(self):
         """--trace: a torch.profiler window of a few steps after warm-up, one Chrome trace per rank (Perfetto)."""
@@ -656,15 +597,16 @@ class Trainer:
             self.config.train.steps, self.step, f"train {self.config.train.mode} ({self.world_size} ranks)"
         )
 
-    def _log(self, record: dict, progress) -> None:
-        self.history.append(record)
+    def _log(self, record: StepRecord, progress) -> None:
+        line = record.as_dict()
+        self.history.append(line)
         if self._metrics_file is not None:
-            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.write(json.dumps(line) + "\n")
             self._metrics_file.flush()
         if progress is not None:
-            straggler = record["straggler_pct"]
+            straggler = record.straggler_pct
             progress.set_postfix(
-                loss=f"{record['loss']:.4f}", straggler="n/m" if straggler is None else f"{straggler:.1f}%"
+                loss=f"{record.loss:.4f}", straggler="n/m" if straggler is None else f"{straggler:.1f}%"
             )
             progress.update(1)
 

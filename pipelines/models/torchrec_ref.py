@@ -11,6 +11,9 @@ be checked against the real thing:
     the step        -> TrainPipelineSparseDist.progress(): batch i+1's input dist (the ID AllToAll) overlaps batch
                        i's forward, batch i+2 is taken from the loader; so the trainer keeps 2 batches of lookahead
 
+It implements the API's step interface (``lookahead``, ``to_device``, ``train_on`` returning a StepResult), so
+`freescale train`'s builder picks it instead of pipelines.api.step.TrainStep and the trainer drives it alike.
+
 The model's code does not change: its ``item_embedding`` becomes a module that returns the rows the collection
 looked up for this batch (the same module swap as fsembed.swap, with torchrec's collection behind it).
 
@@ -40,19 +43,22 @@ time), which the other modes fold into their dense all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdata.batch import CONTENT_KEY, UIH_ITEM_KEY, Batch, offsets_to_lengths
+from fsdata.item import LoaderItem
 from fsdata.metrics import sparsity
 from pipelines.models.reference import SequenceModel, bce_sum
+from pipelines.models.step_result import StepResult
 
 TORCHREC_PACKAGES = ("torchrec", "fbgemm_gpu")
 TABLE_NAME = "item_embedding"  # the swapped module's name, as fsembed.swap names its table
@@ -170,28 +176,63 @@ class _TorchrecSequenceModel(nn.Module):
         return self.dense(inputs, self.item_collection(inputs.item_ids))
 
 
+def _item_collection(weight: torch.Tensor, optimizer_name: str, embedding_lr: float, device: torch.device):
+    """torchrec's EmbeddingCollection holding the model's item table (a copy of its seeded weight), its optimizer
+    fused into the backward."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    collection = EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(
+                name=TABLE_NAME,
+                embedding_dim=weight.shape[1],
+                num_embeddings=weight.shape[0],
+                feature_names=[UIH_ITEM_KEY, CONTENT_KEY],
+            )
+        ],
+        device=device,
+    )
+    with torch.no_grad():
+        collection.embeddings[TABLE_NAME].weight.copy_(weight)
+    if optimizer_name == "sgd":
+        apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": embedding_lr})
+    else:
+        apply_optimizer_in_backward(RowWiseAdagrad, collection.parameters(), {"lr": embedding_lr, "eps": 1e-8})
+    return collection
+
+
 class TorchrecReference:
-    """Trains ``model`` (whose ``item_embedding`` it swaps) through torchrec: DMP + TrainPipelineSparseDist."""
+    """Trains ``model`` (whose ``item_embedding`` it swaps) through torchrec: DMP + TrainPipelineSparseDist, one
+    ``train_on`` per step. ``global_labels(batch)``: the global batch's label count (the trainer's timed
+    all-reduce); ``phase(name)``: a context named around progress() (the trainer's, in a trace)."""
 
     lookahead = 2  # batches the pipeline holds beyond the current one: i+1 in input dist, i+2 loaded
+    dense_sync = None  # DDP all-reduces the dense gradients inside progress()
 
     def __init__(
-        self, model: SequenceModel, *, optimizer_name: str, embedding_lr: float, lr: float, device: torch.device
+        self,
+        model: SequenceModel,
+        *,
+        optimizer_name: str,
+        embedding_lr: float,
+        lr: float,
+        device: torch.device,
+        global_labels: Callable[[Batch], float],
+        phase: Optional[Callable[[str], ContextManager]] = None,
     ) -> None:
         require_torchrec()
         from fsembed.swap import quiet_torchrec_notes
 
         quiet_torchrec_notes()
-        from torchrec import EmbeddingCollection, EmbeddingConfig
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
-        from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
         from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
         from torchrec.optim.optimizers import in_backward_optimizer_filter
-        from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
         from torchrec.streamable import Pipelineable
 
         if device.type != "cpu":
@@ -205,23 +246,7 @@ class TorchrecReference:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model = model
         weight = model.item_embedding.weight.detach()
-        collection = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=TABLE_NAME,
-                    embedding_dim=weight.shape[1],
-                    num_embeddings=weight.shape[0],
-                    feature_names=[UIH_ITEM_KEY, CONTENT_KEY],
-                )
-            ],
-            device=device,
-        )
-        with torch.no_grad():
-            collection.embeddings[TABLE_NAME].weight.copy_(weight)
-        if optimizer_name == "sgd":
-            apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": embedding_lr})
-        else:
-            apply_optimizer_in_backward(RowWiseAdagrad, collection.parameters(), {"lr": embedding_lr, "eps": 1e-8})
+        collection = _item_collection(weight, optimizer_name, embedding_lr, device)
         model.item_embedding = _LookedUpRows(weight.shape[1])
         plan = construct_module_sharding_plan(
             collection,
@@ -242,9 +267,12 @@ class TorchrecReference:
         )
         self.optimizer = CombinedOptimizer([self.dmp.fused_optimizer, dense])
         self.pipeline = TrainPipelineSparseDist(self.dmp, self.optimizer, device)
+        self.global_labels = global_labels
+        self._phase: Callable[[str], Any] = phase if phase is not None else (lambda name: contextlib.nullcontext())
         self._feed: deque[TorchrecInput] = deque()  # batches handed over, not yet taken by the pipeline
         self._in_flight: deque[Batch] = deque()  # batches taken, in step order: what each progress() trains on
         self._fed_steps = 0  # steps whose batch was handed over
+        self.step = 0
 
     def _next_input(self):
         """The pipeline's data iterator: only batches the trainer fetched (it never reads the loader itself).
@@ -253,23 +281,30 @@ class TorchrecReference:
         while self._feed:
             yield self._feed.popleft()
 
-    def train_step(self, step: int, batches: Sequence[Batch], global_labels: Callable[[Batch], float]) -> dict:
-        """One ``progress()``: trains on ``batches[0]`` (step ``step``); ``batches[1:]`` are the lookahead.
+    def to_device(self, item: LoaderItem) -> LoaderItem:
+        """The item as it is: a CPU reference, its batches are where the model is."""
+        return item
 
-        Batches not handed over yet get their global label count now (``global_labels``: the trainer's timed
-        all-reduce), before the pipeline takes them."""
+    def _feed_new(self, batches: list[Batch]) -> None:
+        """Hands the pipeline the batches it has not had yet, each with its global label count (counted now,
+        before the pipeline takes it)."""
         for offset, batch in enumerate(batches):
-            if step + offset >= self._fed_steps:
+            if self.step + offset >= self._fed_steps:
                 if batch.batch_size == 0:
                     raise ValueError(
-                        f"mode torchrec: rank {self.rank} got an empty local batch at step {step + offset}; "
+                        f"mode torchrec: rank {self.rank} got an empty local batch at step {self.step + offset}; "
                         "the model's empty-batch path skips dense parameters that DDP's static graph expects"
                     )
-                self._feed.append(TorchrecInput(item_ids_kjt(self.model, batch), batch, global_labels(batch)))
+                self._feed.append(TorchrecInput(item_ids_kjt(self.model, batch), batch, self.global_labels(batch)))
                 self._in_flight.append(batch)
                 self._fed_steps += 1
+
+    def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
+        """One ``progress()``: trains on ``item``; ``upcoming`` are the ``lookahead`` items after it (fewer at the
+        end), handed to the pipeline as it needs them."""
+        self._feed_new([item.batch, *(u.batch for u in upcoming)])
         t0 = time.perf_counter()
-        with torch.profiler.record_function("freescale/torchrec_progress"):
+        with self._phase("freescale/torchrec_progress"):
             stats = self.pipeline.progress(self._next_input())
         progress_s = time.perf_counter() - t0
         if not self.dmp.module.item_collection.is_pipelined:  # torchrec would only log it and run unpipelined
@@ -278,27 +313,18 @@ class TorchrecReference:
         t1 = time.perf_counter()
         book = self._bookkeeping(stats, progress_s, batch)
         bookkeeping_s = time.perf_counter() - t1
+        self.step += 1
         per_rank = book[len(_GLOBAL_FIELDS) :].view(self.world_size, len(_PER_RANK_FIELDS))
-        tokens = per_rank[:, 1]
-        return {
-            "step": step,
-            "loss": float(book[1] / book[0]) if book[0] > 0 else float("nan"),
-            "labels": float(book[0]),
-            "bce_sum": float(book[1]),
-            "positives": float(book[2]),
-            "compute_s": None,  # not separable from the exchanges progress() interleaves with it
-            "progress_s": per_rank[:, 0].tolist(),
-            "tokens_per_rank": tokens.long().tolist(),
-            "samples_per_rank": per_rank[:, 2].long().tolist(),
-            "sparsity_per_rank": per_rank[:, 3].tolist(),
-            "imbalance_max_over_mean": float(tokens.max() / tokens.mean().clamp(min=1)),
-            "allreduce_s": None,
-            "allreduce_exposed_s": None,
-            "straggler_wait_s": None,
-            "straggler_pct": None,
-            "bookkeeping_s": bookkeeping_s,
-            "unmeasured": list(UNMEASURED_PARTS),
-        }
+        return StepResult(
+            float(book[1] / book[0]) if book[0] > 0 else float("nan"),
+            float(book[0]),
+            float(book[2]),
+            loss_sum=float(book[1]),
+            local_loss_sum=stats[1],
+            per_rank={name: per_rank[:, i].numpy() for i, name in enumerate(_PER_RANK_FIELDS)},
+            unmeasured=UNMEASURED_PARTS,  # compute and the all-reduce: not separable from what progress() interleaves
+            extras={"progress_s": per_rank[:, 0].tolist(), "bookkeeping_s": bookkeeping_s},
+        )
 
     def _bookkeeping(self, stats: torch.Tensor, progress_s: float, batch: Batch) -> torch.Tensor:
         """One SUM all-reduce of [labels, BCE sum, positives | per-rank slots] (float64: exact counts)."""

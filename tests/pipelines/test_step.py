@@ -200,6 +200,64 @@ def test_a_module_called_more_often_than_prepared_says_how_to_write_it():
         assert message is not None and "more than once per step" in message and "list in call order" in message
 
 
+def _hooks_body(rank, world_size):
+    """One TrainStep.train_on with every hook, the all-reduce's bucket launched early and late: the calls in order,
+    and what the result carries."""
+    import contextlib
+
+    from fsdata.item import LoaderItem
+    from pipelines.api.dense_sync import PER_RANK_FIELDS
+    from pipelines.api.step import StepHooks, TrainStep, wrap_model
+
+    out = {}
+    for early in (True, False):
+        stage(f"early {early}")
+        calls = []
+
+        @contextlib.contextmanager
+        def phase(name):
+            calls.append(f"> {name.removeprefix('freescale/')}")
+            yield
+            calls.append(f"< {name.removeprefix('freescale/')}")
+
+        def per_rank(item):
+            calls.append("per_rank")
+            return tuple(float(10 * rank + i) for i in range(len(PER_RANK_FIELDS)))
+
+        hooks = StepHooks(
+            phase=phase,
+            before_backward=lambda: calls.append("before_backward"),
+            after_backward=lambda: calls.append("after_backward"),
+            per_rank=per_rank,
+            early_allreduce=early,
+        )
+        model = UserModel()
+        emb = wrap_model(model, embeddings=["items", "users"], mode="sync", features=_features, inputs=_inputs)
+        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb, hooks=hooks)
+        result = step.train_on(LoaderItem(_batch(0, rank)))
+        out[early] = (calls, {k: v.tolist() for k, v in result.per_rank.items()}, result)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_steps_hooks_run_in_order_and_its_result_carries_every_ranks_slot():
+    """What a job adds (the trainer's phases, the early all-reduce, per-rank slots, the batch it lets go of) comes in
+    through the one step's hooks, in this order; the result carries what the trainer's record is built from."""
+    from pipelines.api.dense_sync import PER_RANK_FIELDS
+
+    compute = ["> forward_backward", "> forward", "< forward", "before_backward", "> backward", "< backward"]
+    early = [*compute, "per_rank", "> dense_allreduce", "< dense_allreduce", "after_backward", "< forward_backward"]
+    late = [*compute, "per_rank", "after_backward", "< forward_backward", "> dense_allreduce", "< dense_allreduce"]
+    for out in run_ranks(_hooks_body, 2, timeout=120):
+        assert out[True][0] == [*early, "> dense_allreduce", "< dense_allreduce"]
+        assert out[False][0] == late
+        for calls, per_rank, result in out.values():
+            assert per_rank == {name: [float(i), float(10 + i)] for i, name in enumerate(PER_RANK_FIELDS)}
+            assert result.compute_s > 0 and result.allreduce_s >= 0 and result.labels == 2 * B
+            assert result.loss == result.loss_sum / result.labels and float(result.local_loss_sum) > 0
+        assert out[True][2].loss == out[False][2].loss  # where the bucket starts changes no number
+
+
 class KjtModel(nn.Module):
     """A user's model of a torchrec EmbeddingCollection fed a KeyedJaggedTensor that its ``inputs`` builds."""
 

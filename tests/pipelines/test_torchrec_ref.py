@@ -42,7 +42,7 @@ def _train_both(rank, world_size):
         trainer.train()
         out[mode] = trainer.history
         if mode == "torchrec":
-            weight = trainer.torchrec.dmp.state_dict()["item_collection.embeddings.item_embedding.weight"]
+            weight = trainer.step_fn.dmp.state_dict()["item_collection.embeddings.item_embedding.weight"]
             out["local_rows"] = sum(s.tensor.shape[0] for s in weight.local_shards())
             out["num_items"] = trainer.model.config.num_items
     return out
@@ -68,6 +68,30 @@ def test_torchrec_mode_trains_like_sync():
         assert mid["step_time_s"] > 0 and mid["exposed_s"]["label_count"] > 0 and mid["data_wait_s"] >= 0
         assert all(mid["exposed_s"][p] is None for p in ("ids_a2a", "emb_a2a", "grad_a2a", "dense_allreduce"))
         assert mid["compute_s"] is None and mid["straggler_pct"] is None and mid["bubble_s"] is None
+
+
+def _nan_on_rank_1_at_step_2(rank, world_size):
+    from pipelines.job.trainer import NonFiniteLoss, Trainer
+
+    with Trainer(_config("torchrec"), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
+        poison = lambda module, args, out: out * float("nan") if rank == 1 and trainer.step == 2 else out  # noqa: E731
+        trainer.model.register_forward_hook(poison)
+        try:
+            trainer.train()
+        except NonFiniteLoss as e:
+            return str(e), e.root, len(trainer.history)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_non_finite_loss_stops_mode_torchrec_at_that_step_too():
+    """The check is the trainer's, on what any step returns: the torchrec reference's steps are checked as the
+    API's are (the same line, the same step, the rank named)."""
+    pytest.importorskip("torchrec")
+    (msg0, root0, logged0), (msg1, root1, logged1) = run_ranks(_nan_on_rank_1_at_step_2, 2, timeout=120)
+    assert msg1 == "non-finite loss at step 2 on rank 1 (its loss sum is nan): the run stops here" and root1
+    assert msg0.startswith("non-finite loss at step 2 on another rank") and not root0
+    assert logged0 == logged1 == 2  # steps 0 and 1, settled at once (torchrec's records wait for no block)
 
 
 def _parse(*argv):

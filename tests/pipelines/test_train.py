@@ -202,6 +202,40 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
 
 
+def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_later():
+    """The trainer's typed record: from a StepResult alone (either kind of step), completed by settle() with every
+    rank's compute time, written as one line; what a step has not (a torchrec step's compute, its block's compute
+    times) is None or left out, never 0."""
+    import numpy as np
+
+    from pipelines.job.record import StepRecord
+    from pipelines.models.step_result import StepResult
+
+    slots = {"tokens": np.array([10.0, 30.0]), "samples": np.array([2.0, 4.0]), "sparsity": np.array([0.5, 0.25])}
+    last = np.array([0.1, 0.3])
+    result = StepResult(
+        0.5, 6.0, 2.0, loss_sum=3.0, compute_s=0.2, allreduce_s=0.1, per_rank={**slots, "last_compute_s": last}
+    )
+    record = StepRecord.of(7, result)
+    assert record.last_compute_all_s is last and record.imbalance_max_over_mean == 1.5
+    record.exposed_s = {"ids_a2a": 0.01, "dense_allreduce": None}  # as the accounting leaves it
+    line = record.settle(np.array([0.2, 0.5]), rank=0).as_dict()
+    assert line["compute_s"] == [0.2, 0.5] and line["straggler_wait_s"] == pytest.approx(0.15)
+    assert line["allreduce_exposed_s"] == 0.0 and line["straggler_pct"] == pytest.approx(50.0)  # waited 0.3 of 0.1
+    assert line["bubble_s"] == pytest.approx(0.01 + 0.15) and line["exposed_s"]["dense_allreduce"] == 0.0
+    assert line["tokens_per_rank"] == [10, 30] and line["samples_per_rank"] == [2, 4] and line["bce_sum"] == 3.0
+    assert not {"last_compute_all_s", "extras", "balance", "schedule", "unmeasured"} & set(line)
+
+    torchrec = StepResult(
+        0.5, 6.0, 2.0, loss_sum=3.0, per_rank=slots, unmeasured=("ids_a2a",), extras={"progress_s": [1, 2]}
+    )
+    record = StepRecord.of(0, torchrec)
+    record.exposed_s = {"ids_a2a": None, "dense_allreduce": None}
+    line = record.settle(record.last_compute_all_s, rank=1).as_dict()
+    assert line["compute_s"] is None and line["straggler_pct"] is None and line["bubble_s"] is None
+    assert line["unmeasured"] == ["ids_a2a"] and line["progress_s"] == [1, 2] and "compute_local_s" not in line
+
+
 def test_garbage_collection_pauses_are_timed():
     import gc
 
