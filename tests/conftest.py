@@ -5,8 +5,17 @@ that defines a kernel is imported (the jit decorator reads it at definition time
 """
 
 import os
+import shutil
+import tempfile
 
 import torch
+
+# Every temporary folder of the run (the tests' own, pytest's tmp_path, the ranks' and launchers' folders, the
+# logs a failed job keeps on purpose) lives in one folder of the session's, removed at its end, so the suite leaves
+# nothing in /tmp. What the tests left in it is named in the summary (scripts/leftovers.py finds the test).
+_SESSION_TMP = tempfile.mkdtemp(prefix="freescale-tests-")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = None
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -68,3 +77,16 @@ def pytest_runtest_call(item):
             pytrace=False,
         )
     return result
+
+
+_OURS = ("fs-", "freescale-")
+
+
+def pytest_terminal_summary(terminalreporter):
+    left = sorted(n for n in os.listdir(_SESSION_TMP) if n.startswith(_OURS))
+    if left:
+        terminalreporter.write_line(f"temporary folders the tests left (removed now): {', '.join(left)}")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)

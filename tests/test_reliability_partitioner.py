@@ -49,7 +49,9 @@ PARTITIONERS = textwrap.dedent(
 )
 def test_a_partitioner_fault_is_the_launchers_one_line_naming_partitioner_and_step(tmp_path, name, expected):
     (tmp_path / "part.py").write_text(PARTITIONERS)
-    proc = freescale(tmp_path, "train", *FAST, "--steps", "4", "--partitioner", f"part.py:{name}", timeout=180)
+    proc = freescale(
+        tmp_path, "train", *FAST, "--steps", "4", "--partitioner", f"part.py:{name}", "--log-dir", "logs", timeout=180
+    )
     line = one_line_error(proc)
     assert re.match(expected, line), line
     assert "CollectiveError" not in line and "PeerLostError" not in line

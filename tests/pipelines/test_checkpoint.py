@@ -565,6 +565,8 @@ def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_rea
         "ck/step_000002",
         "--comm-timeout-s",
         "6",
+        "--log-dir",
+        "logs",
         env={checkpoint_io.FAULT_ENV: "stall:1"},
     )
     line = _one_error_line(stalled)
