@@ -45,7 +45,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 def unpad_blocks(recv: torch.Tensor, sizes: Sequence[int], row_bytes: int, out: torch.Tensor) -> torch.Tensor:
     """``out`` filled with the first ``sizes[r]`` rows (``row_bytes`` each) of each of the W equal blocks of the
-    byte buffer ``recv``, back to back: one row gather, not a copy per rank (CPU tensors; ``freescale bench host``)."""
+    byte buffer ``recv``, back to back: one row gather, not a copy per rank (CPU tensors;
+    ``python -m benchmarks host``)."""
     counts = np.asarray(sizes, dtype=np.int64)
     total = int(counts.sum())
     if total == 0:

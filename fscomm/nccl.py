@@ -1,7 +1,7 @@
 """The NCCL transport: torch.distributed's NCCL collectives, the baseline the host backend is measured against.
 
 NCCL runs each collective as CUDA blocks on the SMs (one per channel), so the compute it overlaps loses those
-SMs; that contention is what paper section 6.3 measured (about 10%) and what ``freescale bench transport``
+SMs; that contention is what paper section 6.3 measured (about 10%) and what ``python -m benchmarks transport``
 reproduces. Variable all_gather pads to the largest rank and drops the padding after (an SM copy, counted as
 part of this baseline's cost).
 """

@@ -241,7 +241,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # KuaiRand-27K as published: median 8,591, mean 11,796, max 228,000 events per user; the same lognormal fit
     # (sigma = sqrt(2 ln(11796/8591)), about 0.80), the tail clipped at the published max. Served at the default
     # uih_cap of 21,000, the production model's max_uih (the length the paper's production setting trains on and
-    # the longest case of `freescale bench attention`): the lognormal puts about 13% of users above it, whose
+    # the longest case of `python -m benchmarks attention`): the lognormal puts about 13% of users above it, whose
     # most recent 21,000 events are kept; uncapped, one 228,000-event history would cost as much attention as
     # about 120 median ones, more than any one rank's step can hold at B=128.
     "kuairand-27k": dict(

@@ -66,7 +66,7 @@ def stage_transports(backend: str = "host") -> StageTransports:
         )
     options = None
     if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
-        from fscomm.nccl_ce import NcclCeTransport, ce_group_options
+        from fscomm.experimental.nccl_ce import NcclCeTransport, ce_group_options
 
         reason = NcclCeTransport.unavailable_reason()
         if reason is not None:

@@ -5,7 +5,7 @@
     job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
     models/    the reference model, and torchrec's pipeline around it as the outside reference
     cli/       the `freescale` command and its data commands
-    research/  the measuring tools: benchmarks, the simulator, the replay
+    plan/      the planner: `freescale simulate`, the straggler effect of N ranks without N devices
 
 The public names are re-exported here (``from pipelines import TrainStep, wrap_model, ...``; docs/api.md)."""
 

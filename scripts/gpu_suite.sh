@@ -34,7 +34,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 heavy_ab() {
   for rep in $(seq "$3"); do
     for value in $2; do
-      timeout 120 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
+      timeout 120 python3 -m benchmarks e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
         --cases heavy --modes sync,freescale "--tuning.$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
         | grep -E "^heavy|^stalled" | sed "s/^/$value /"
     done
@@ -49,26 +49,26 @@ case "$PART" in
     echo "== no device sync in the model's forward nor in the embedding hub's id check; the dense block through pinned memory"
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/pipelines/test_model.py tests/fsembed/test_swap.py tests/pipelines/test_dense_sync.py 2>&1 | tail -3
     echo "== bench kernels"
-    timeout 330 python3 -m pipelines.research.bench.kernels --device cuda --world-sizes 8,32,128,512 --json "$OUT/kernels.json" 2>&1 | tail -36
+    timeout 330 python3 -m benchmarks kernels --device cuda --world-sizes 8,32,128,512 --json "$OUT/kernels.json" 2>&1 | tail -36
     ;;
   e2e)
     echo "== bench embedding: exposed embedding communication, sync vs prioritized"
-    timeout 150 python3 -m pipelines.cli bench embedding --nproc 2 --device cuda --max-uih 2048 --batch-size 64 --dim 128 \
+    timeout 150 python3 -m benchmarks embedding --nproc 2 --device cuda --max-uih 2048 --batch-size 64 --dim 128 \
       --compute-ms 30 --steps 5 --warmup 3 --collisions 0,0.05,0.2 --json "$OUT/embedding_gpu.json" 2>&1 | tail -9
     echo "== bench e2e: every mode, 2 ranks sharing the GPU over the host transport"
-    timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
+    timeout 400 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,sdd,semisync,freescale,replicated --json "$OUT/e2e_gpu.json" 2>&1 | grep -v "^\[bench" | tail -14
     ;;
   replay)
     echo "== replay simulation: whole local batches of the partitioners' plans, timed on this GPU"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m pipelines.research.replay --device cuda \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 370 python3 -m benchmarks replay --device cuda \
       --replay-kernel jagged --replay-jitter repeat --replay-ranks 64,256 --batch-size 128 --max-uih 21000 \
       --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
       --replay-repeats 3 --replay-time-budget 120 --replay-mem-gib 110 --json "$OUT/replay.json" 2>&1 | grep -v "^replay timing" | tail -50
     ;;
   trace)
     echo "== traces: 24 steps per run (15 of warm-up and schedule probe), 5 profiled, then each rank's step split by phase and thread"
-    timeout 300 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 24 --model small --uih-cap 4096 \
+    timeout 300 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 24 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,freescale --trace "$OUT/traces" --json "$OUT/traces_e2e.json" 2>&1 | grep -v "^\[bench" | tail -6
     python3 -m pipelines.cli trace "$OUT"/traces/*.rank*.json --json "$OUT/traces.json"
     echo "== the profiled steps (15-19), each with its bubbles and exposed parts, to find a congested one in the traces"
@@ -83,7 +83,7 @@ PY
     ;;
   pairs)
     echo "== bench e2e: sync and freescale, 4 interleaved paired runs per case (45 steps: 15 of warm-up and schedule probe, the last left out)"
-    timeout 540 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
+    timeout 540 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 45 --model small --uih-cap 4096 \
       --batch-size 16 --modes sync,freescale --repeats 4 --json "$OUT/e2e_pairs.json" 2>&1 | grep -v "^\[bench" | tail -40
     ;;
   allreduce)
@@ -117,7 +117,7 @@ PY
     echo "== GPU tests: varlen and FlexAttention against the per-sample twin, empty keys, reproducible backward; the model"
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/pipelines/test_model.py 2>&1 | tail -15
     echo "== bench attention: varlen, FlexAttention (and both in the deterministic mode) against padded SDPA, fwd+bwd, bf16"
-    timeout 300 python3 -W ignore -m pipelines.research.bench.attention --device cuda --json "$OUT/attention.json" 2>&1 \
+    timeout 300 python3 -W ignore -m benchmarks attention --device cuda --json "$OUT/attention.json" 2>&1 \
       | tee "$OUT/attention.log" | grep -v "^ \|^Traceback" | tail -40
     ;;
   deterministic)
@@ -126,14 +126,14 @@ PY
     ;;
   long)
     echo "== bench e2e, long histories (cap 16,384, small model): sync and freescale, 2 interleaved paired runs"
-    timeout 400 python3 -m pipelines.cli bench e2e --device cuda --nproc 2 --steps 30 --cases long --modes sync,freescale \
+    timeout 400 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 30 --cases long --modes sync,freescale \
       --repeats 2 --json "$OUT/e2e_long.json" 2>&1 | grep -v "^\[bench" | tail -20
     ;;
   transport)
     echo "== GPU tests: the host paths (shared memory, TCP) with a GPU rank; the device copy of loader items"
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/fscomm/test_shm_gpu.py tests/fscomm/test_host_gpu.py tests/fsdata/test_device_copy_gpu.py 2>&1 | tail -5
     echo "== bench transport: a GPU rank and a CPU peer, host-tcp against host-shm, beside the copy floor (D2H + H2D)"
-    timeout 150 python3 -m pipelines.research.bench.transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
+    timeout 150 python3 -m benchmarks transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
       --reps 10 --pairs 7 --timeout 60 --json "$OUT/transport_gpu.json" 2>&1 | grep -v "^\[bench" | tail -30
     echo "== the reference model (jagged attention, plans from the loader) trains on the GPU: 2 ranks sharing it"
     timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model small --uih-cap 4096 --batch-size 16 \

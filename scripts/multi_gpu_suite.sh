@@ -73,7 +73,8 @@ setup() {
     nvidia-smi topo -m 2>/dev/null | head -n $((NGPUS + 1))
     "$PY" -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   fi
-  # what the merged code offers: peer in the transport registry, in bench transport, --transport in bench e2e
+  # what the merged code offers: peer among the offered backends (fscomm.transport.BACKENDS; while it is
+  # experimental, only EXPERIMENTAL_BACKENDS names it), in bench transport, --transport in bench e2e
   # (SUITE_OFFERS="1 1 1" or "0 0 0" stands in for the look, e.g. in a dry run)
   if [ -n "${SUITE_OFFERS:-}" ]; then
     read -r PEER_REGISTERED PEER_IN_BENCH E2E_TAKES_TRANSPORT <<< "$SUITE_OFFERS"
@@ -81,7 +82,7 @@ setup() {
     read -r PEER_REGISTERED PEER_IN_BENCH E2E_TAKES_TRANSPORT < <("$PY" - <<'PY' 2>/dev/null || echo "0 0 0"
 import argparse
 from fscomm.transport import BACKENDS
-from pipelines.research.bench import e2e, transport
+from benchmarks import e2e, transport
 p = argparse.ArgumentParser()
 e2e.add_arguments(p)
 takes = any("--transport" in a.option_strings for a in p._actions)
@@ -118,19 +119,19 @@ case "$PART" in
     [ $# -eq 1 ] || fail "check takes no arguments"
     setup
     echo "== GPU tests of the peer transport (2 ranks share GPU 0: CUDA IPC within one GPU)"
-    run timeout 100 "$PY" -m pytest -q -p no:cacheprovider -s tests/fscomm/test_peer_gpu.py
+    run timeout 100 "$PY" -m pytest -q -p no:cacheprovider -s tests/fscomm/experimental/test_peer_gpu.py
     echo "== bench peer, 2 ranks ($([ "$NGPUS" -ge 2 ] && echo 'GPU 0 and GPU 1' || echo 'sharing GPU 0: not NVLink'))"
-    run timeout 120 "$PY" -m pipelines.research.bench.peer --nproc 2 --sizes 4194304,33554432 --json "$OUT/peer_2.json"
+    run timeout 120 "$PY" -m benchmarks peer --nproc 2 --sizes 4194304,33554432 --json "$OUT/peer_2.json"
     ;;
   transport)
     [ $# -eq 2 ] || fail "transport takes one argument, NPROC"
     need_nproc "${2:-}" 2
     setup
     echo "== bench transport on $2 GPUs: $(backends), latency/bandwidth per block, compute slowdown (SDPA, GEMM)"
-    run timeout 330 "$PY" -m pipelines.research.bench.transport --device cuda --nproc "$2" --backends "$(backends)" \
+    run timeout 330 "$PY" -m benchmarks transport --device cuda --nproc "$2" --backends "$(backends)" \
       --sizes 4096,262144,4194304,33554432 --pairs 7 --json "$OUT/transport_$2.json"
     echo "== bench peer on $2 GPUs: all_to_all against a plain peer copy, kernels, compute slowdown"
-    run timeout 200 "$PY" -m pipelines.research.bench.peer --nproc "$2" --sizes 4194304,33554432 --pairs 7 --json "$OUT/peer_$2.json"
+    run timeout 200 "$PY" -m benchmarks peer --nproc "$2" --sizes 4194304,33554432 --pairs 7 --json "$OUT/peer_$2.json"
     ;;
   scaling)
     [ $# -eq 3 ] || fail "scaling takes two arguments, NPROC and CASE (heavy or light)"
@@ -140,7 +141,7 @@ case "$PART" in
     flag=$(e2e_transport_flag)
     echo "== bench e2e, $3 case on $2 GPU(s), one rank each: sync, sdd, freescale (embedding transport: ${flag:-the default, host})"
     # shellcheck disable=SC2086  # E2E_FLAGS and the transport flag are lists of words
-    run timeout 570 "$PY" -m pipelines.cli bench e2e --device cuda --nproc "$2" --cases "$3" --modes sync,sdd,freescale \
+    run timeout 570 "$PY" -m benchmarks e2e --device cuda --nproc "$2" --cases "$3" --modes sync,sdd,freescale \
       --steps "$E2E_STEPS" --repeats "$REPEATS" $E2E_FLAGS $flag --json "$OUT/e2e_$3_$2.json"
     ;;
   replay)
@@ -148,7 +149,7 @@ case "$PART" in
     setup
     ranks=8; [ "$NGPUS" -ne 8 ] && [ "$NGPUS" -ge 2 ] && ranks="8,$NGPUS"
     echo "== replay simulation at $ranks ranks on the heavy case's workload (kuairand-1k, UIH 4096, local batch 16, model small)"
-    run env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 "$PY" -m pipelines.research.replay --device cuda \
+    run env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 560 "$PY" -m benchmarks replay --device cuda \
       --replay-ranks "$ranks" --preset kuairand-1k --batch-size 16 --max-uih 4096 --replay-model-preset small \
       --partitioner none,fbs --replay-kernel padded --replay-jitter repeat --steps 40 --warmup 10 \
       --replay-timing-ranks 8 --replay-timings 300 --replay-time-budget 300 --replay-mem-gib 110 --json "$OUT/replay.json"
@@ -161,7 +162,7 @@ case "$PART" in
     replay=""; { [ -f "$OUT/replay.json" ] || [ "$DRY" = 1 ]; } && replay="--replay $OUT/replay.json"
     export PYTHONPATH=${PYTHONPATH:-$PWD}
     # shellcheck disable=SC2086
-    run "$PY" -m pipelines.research.bench.scaling --e2e $files $replay --json "$OUT/scaling.json"
+    run "$PY" -m benchmarks scaling --e2e $files $replay --json "$OUT/scaling.json"
     ;;
   *)
     echo "unknown part '$PART'" >&2; echo "$usage" >&2; exit 2

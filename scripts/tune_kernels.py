@@ -1,6 +1,8 @@
 """Device-time sweep of the Triton kernels' launch constants on the bench workload (GPU only).
 
-    python3 scripts/tune_kernels.py --world-sizes 32,512      # prints one line per setting, median of 10 calls
+    PYTHONPATH=. python3 scripts/tune_kernels.py --world-sizes 32,512   # one line per setting, median of 10 calls
+
+(PYTHONPATH=.: the workload is benchmarks/kernels.py's, which a source checkout holds and the wheel does not.)
 
 What it varies: ranged_dispatch's block and warps; the jagged gather's elements per program and warps
 (indexed_permute/global). The defaults in kernels/triton/ come from this sweep.
@@ -13,10 +15,10 @@ import itertools
 
 import torch
 
+from benchmarks import kernels as bench
 from kernels import ops
 from kernels.impl import Impl
 from kernels.triton import triton_jagged_gather, triton_ranged
-from pipelines.research.bench import kernels as bench
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Faults of the launchers' ranks (`freescale bench *`'s local ranks, `freescale train`): one line naming the rank
+"""Faults of the launchers' ranks (`python -m benchmarks *`'s local ranks, `freescale train`): one line naming the rank
 and the cause, exit status 1, no traceback on the terminal, no shared-memory segment left in /dev/shm, no stray
 warning (docs/reliability.md lists every case and its test)."""
 
@@ -39,7 +39,7 @@ def _terminal_lines(text: str) -> list[str]:
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:
-    from pipelines.research.bench import transport
+    from benchmarks import transport
 
     parser = argparse.ArgumentParser()
     transport.add_arguments(parser)
@@ -66,8 +66,8 @@ def _bench_args(*argv: str) -> argparse.Namespace:
 def test_a_bench_rank_killed_at_each_point_of_the_segments_life_leaves_one_line_and_no_segment(
     tmp_path, monkeypatch, capfd, point
 ):
+    from benchmarks import launch, transport
     from fscomm.shm import FAULT_ENV
-    from pipelines.research.bench import launch, transport
 
     removed = []
 
@@ -84,7 +84,7 @@ def test_a_bench_rank_killed_at_each_point_of_the_segments_life_leaves_one_line_
     assert ended.value.code == 1
     err = _terminal_lines(capfd.readouterr().err)
     assert len(err) <= 3 and "Traceback" not in "\n".join(err), err
-    assert err[-1].startswith("freescale bench transport: error: rank 1 died (signal SIGKILL) without an error"), err
+    assert err[-1].startswith("benchmarks transport: error: rank 1 died (signal SIGKILL) without an error"), err
     assert removed, "the kill left no segment: the fault point did not run where segments exist"
     pids = _pids(tmp_path / "logs")
     assert len(pids) == 2 and _segments_of(pids) == []
@@ -101,7 +101,7 @@ def _rank_1_raises(args, rank, world_size):
 
 @pytest.mark.multiprocess
 def test_a_bench_rank_that_raises_is_one_line_naming_it_with_the_traceback_in_its_log(tmp_path, monkeypatch, capfd):
-    from pipelines.research.bench.launch import launch
+    from benchmarks.launch import launch
 
     monkeypatch.setenv("FREESCALE_LOG_DIR", str(tmp_path / "logs"))
     with pytest.raises(SystemExit) as ended:
@@ -109,9 +109,7 @@ def test_a_bench_rank_that_raises_is_one_line_naming_it_with_the_traceback_in_it
     assert ended.value.code == 1
     err = _terminal_lines(capfd.readouterr().err)
     assert len(err) == 1, err
-    assert err[0].startswith("freescale bench demo: error: rank 1: the bench's input is bad on purpose (traceback: "), (
-        err
-    )
+    assert err[0].startswith("benchmarks demo: error: rank 1: the bench's input is bad on purpose (traceback: "), err
     assert "Traceback" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
@@ -222,7 +220,7 @@ def _rank_and_world(args, rank, world_size):
 
 @pytest.mark.multiprocess
 def test_the_bench_launcher_brings_every_ranks_result_back_when_asked():
-    from pipelines.research.bench.launch import launch
+    from benchmarks.launch import launch
 
     assert launch(_rank_and_world, argparse.Namespace(timeout=120, nproc=2), "demo", every_rank=True) == [
         (0, 2),
@@ -387,7 +385,7 @@ def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
 def test_the_bench_launchers_folder_goes_unless_it_holds_a_failed_ranks_log(tmp_path, monkeypatch, capfd):
     import tempfile
 
-    from pipelines.research.bench.launch import launch
+    from benchmarks.launch import launch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("FREESCALE_LOG_DIR", raising=False)

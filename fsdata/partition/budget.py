@@ -109,7 +109,7 @@ class MemoryModel:
     share of free memory left unused (``headroom``: fragmentation, the allocator's rounding, the lookahead's
     extra batch).
 
-    The defaults are the replay's memory probe (pipelines/research/replay.py: peak allocated bytes of one and of
+    The defaults are the replay's memory probe (benchmarks/replay.py: peak allocated bytes of one and of
     four copies of a 21,000-event sample, through the two points) on an H200, bf16, jagged attention (varlen), model
     preset
     ``replay`` (d=256, 2 layers, 4 heads): 12.9 KiB per token and 0.83 GiB fixed (docs/bench/replay_h200_jagged.json).

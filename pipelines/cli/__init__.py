@@ -19,30 +19,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("data", "synth"), "pipelines.cli.data_synth", "write synthetic heavy-tailed UIH data to Parquet"),
     (("data", "convert"), "pipelines.cli.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),
     (("data", "stats"), "pipelines.cli.data_stats", "length, sparsity and collision statistics of a dataset"),
-    (("bench", "kernels"), "pipelines.research.bench.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
-    (
-        ("bench", "transport"),
-        "pipelines.research.bench.transport",
-        "transport latency, bandwidth and compute contention",
-    ),
-    (
-        ("bench", "embedding"),
-        "pipelines.research.bench.embedding",
-        "exposed embedding communication: sync vs prioritized",
-    ),
-    (
-        ("bench", "attention"),
-        "pipelines.research.bench.attention",
-        "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd",
-    ),
-    (("bench", "e2e"), "pipelines.research.bench.e2e", "every train mode on the same data, bubbles side by side"),
-    (
-        ("bench", "host"),
-        "pipelines.research.bench.host",
-        "host work per step that grows with the world size, at 8-256 ranks",
-    ),
     (("trace",), "pipelines.cli.trace_report", "where a traced run's host time went, per phase of the step and thread"),
-    (("simulate",), "pipelines.research.simulate", "straggler simulation of N ranks (cost model or replay)"),
+    (("simulate",), "pipelines.plan.simulate", "straggler simulation of N ranks, with and without balancing"),
 ]
 
 

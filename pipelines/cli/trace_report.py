@@ -1,8 +1,8 @@
 """`freescale trace`: where a traced run's host time went, per phase of the step and per thread.
 
-Reads the Chrome traces that `--trace` writes (`freescale train --trace PATH`: PATH.rankR.json; `freescale bench
-e2e --trace DIR`: DIR/CASE_MODE.rankR.json; gzipped ones too) and prints, per trace, averaged over its profiled
-steps:
+Reads the Chrome traces that `--trace` writes (`freescale train --trace PATH`: PATH.rankR.json; in a source
+checkout, `python -m benchmarks e2e --trace DIR`: DIR/CASE_MODE.rankR.json; gzipped ones too) and prints, per
+trace, averaged over its profiled steps:
 
 - per phase of the training thread's step (the trainer's ``freescale/data``, ``freescale/forward``,
   ``freescale/backward`` and ``freescale/dense_allreduce`` spans, the rest as ``other``): its wall time, and for

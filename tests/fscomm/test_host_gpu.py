@@ -52,8 +52,8 @@ def test_staged_cuda_path_matches_cpu_truth(name):
 
 
 def _profiled(rank, world_size):
+    from benchmarks.gpu_trace import trace
     from fscomm import get_transport
-    from fscomm.gpu_trace import trace
 
     dev = _cuda_or_cpu(rank)
     t = get_transport("host-tcp")  # the staged path (its pool); the shared-memory path: test_shm_gpu.py

@@ -18,8 +18,8 @@ def _payload(src: int, dst: int, step: int, rows: int, dtype: torch.dtype) -> to
 
 
 def _exchanges(rank, world_size, devices):
+    from benchmarks.gpu_trace import trace
     from fscomm import get_transport
-    from fscomm.gpu_trace import trace
 
     dev = torch.device(devices[rank])
     t = get_transport("host")

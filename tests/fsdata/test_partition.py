@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.metrics import lower_bound, per_rank_cost, straggler_fraction
 from fsdata.metrics import sparsity
 from fsdata.partition import (
     AutoTune,
@@ -28,7 +29,7 @@ from fsdata.partition import (
     rank_features,
 )
 from fsdata.partition.fbs import zigzag_ranks
-from fsdata.partition.metrics import lower_bound, per_rank_cost, per_rank_sparsity, straggler_fraction
+from fsdata.partition.metrics import per_rank_sparsity
 from fsdata.partition.vbs import segment_cuts
 
 BUILTINS = ["none", "fbs", "vbs", "kk"]

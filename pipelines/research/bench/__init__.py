@@ -1,1 +1,0 @@
-"""Benchmarks: each prints one table and writes JSON (--json PATH)."""
