@@ -4,6 +4,7 @@ Without a GPU, Triton kernels can only run in Triton's interpreter; the variable
 that defines a kernel is imported (the jit decorator reads it at definition time), so it is set here, first.
 """
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -13,6 +14,8 @@ import torch
 # Every temporary folder of the run (the tests' own, pytest's tmp_path, the ranks' and launchers' folders, the
 # logs a failed job keeps on purpose) lives in one folder of the session's, removed at its end, so the suite leaves
 # nothing in /tmp. What the tests left in it is named in the summary (scripts/leftovers.py finds the test).
+# multiprocessing's own folder (pymp-*) stays where it was: its exit handler removes it after pytest has ended.
+multiprocessing.util.get_temp_dir()
 _SESSION_TMP = tempfile.mkdtemp(prefix="freescale-tests-")
 os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = None
