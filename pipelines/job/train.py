@@ -364,6 +364,7 @@ def _quiet_torch_launcher(verbose: bool):
     if verbose:
         yield
         return
+    sys.unraisablehook = _without_agent_thread_join(sys.unraisablehook)
     prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
     loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(prefixes)]
     levels = [log.level for log in loggers]
@@ -374,6 +375,24 @@ def _quiet_torch_launcher(verbose: bool):
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
+
+
+def _without_agent_thread_join(hook):
+    """sys.unraisablehook that drops one harmless report of torch's agent: a signal that stops the agent can leave
+    its rendezvous keep-alive thread to run, on itself, the finalizer that joins it, which then prints "Exception
+    ignored in: <finalize ...> RuntimeError: cannot join current thread" after the job has ended. Kept for the
+    process's life (the finalizer may run at exit); every other report goes to ``hook``."""
+    if getattr(hook, "drops_agent_thread_join", False):
+        return hook
+
+    def quiet(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and "cannot join current thread" in str(exc):
+            return
+        hook(unraisable)
+
+    quiet.drops_agent_thread_join = True
+    return quiet
 
 
 def _raise_signal(signum: int, frame) -> None:
