@@ -217,7 +217,7 @@ def _train(coll, batches, dense, prefetcher, warmup: int, device, compute_ms: fl
     ID-prefetch stage in a thread of its own, two batches ahead, exchanging the CPU ids as the trainer's loader
     does (fsembed.id_prefetch, off the GPU streams), the result delivered with ``.to(device)``; waiting for it is
     counted as ID exchange time. Without it (synchronous runs) the ids, already on the device like a batch the
-    pipeline copied there, are exchanged inside the step. ``meet()``: the step's end, where the dense all-reduce
+    loader copied there, are exchanged inside the step. ``meet()``: the step's end, where the dense all-reduce
     would make the ranks meet; its wait is returned per step apart from the embedding parts."""
     losses, step_s, exposed = [], [], []
     futures = {}
@@ -279,17 +279,17 @@ def _rank_run(rank: int, world_size: int, cfg: BenchConfig, points: list[tuple[f
     from concurrent.futures import ThreadPoolExecutor
 
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
-    from fsembed.comm import stage_transports
+    from fscomm.groups import new_thread_group
+    from fsembed.transports import embedding_transports
 
     # One GPU per rank where there are enough; otherwise the ranks share them (e.g. two ranks on one GPU).
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cfg.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     comm = dict(
-        transports=stage_transports(),
-        prefetch_transport=get_transport("host", group=new_stage_group("bench-id-prefetch")),
-        dense_group=new_stage_group("bench-dense-allreduce"),
+        transports=embedding_transports(),
+        prefetch_transport=get_transport("host", group=new_thread_group("bench-id-prefetch")),
+        dense_group=new_thread_group("bench-dense-allreduce"),
         pool=ThreadPoolExecutor(1, thread_name_prefix="id-prefetch"),
     )
     plan = _plan(cfg, world_size)

@@ -6,7 +6,7 @@ and holds the GIL beside the model's threads. Each row times one such path on th
 synthetic data for W ranks (no process group: the paths are pure functions of what the collectives delivered),
 and counts the top-level torch ops it dispatches:
 
-    balance metrics    Stage III's per-rank tokens and sparsity, before and after the plan (fsdata.nodes.shuffle)
+    balance measures   Stage III's per-rank tokens and sparsity, before and after the plan (fsdata.nodes.shuffle)
     stage II unpad     the all-gather of unequal sizes taking each rank's rows out of its padded block
                        (fscomm.host.unpad_blocks, the candidates' lengths)
     flags split        the prioritized backward taking step i's and step i+1's flags apart (Algorithm 2's lines
@@ -74,7 +74,7 @@ def _paths(world: int, args: argparse.Namespace) -> dict[str, Callable[[], objec
         torch.zeros(sum(splits), dtype=torch.bool), splits, torch.ones(sum(splits), dtype=torch.bool), splits
     )
     return {
-        "balance metrics": lambda: (_per_rank_stats(uih, offsets), _per_rank_stats(uih[order], dest)),
+        "balance measures": lambda: (_per_rank_stats(uih, offsets), _per_rank_stats(uih[order], dest)),
         "stage II unpad": lambda: unpad_blocks(recv, rows.tolist(), 8, out),
         "flags split": lambda: _deinterleave(flags, splits, splits),
         "fbs plan": lambda: fbs(lengths, RuntimeInfo()),

@@ -222,7 +222,7 @@ class Timer:
     """Two clocks, each a median over calls with the L2 flushed first.
 
     latency_us: host wall clock from an idle GPU to the op's result being ready, launches, host syncs and
-    Python included; what a stage waits for, and the fair comparison across the three implementations.
+    Python included; what a caller waits for, and the fair comparison across the three implementations.
     gpu_us: CUDA events around the op while the GPU is held busy by a spin, so the whole op is queued before
     its first kernel starts and only device execution (plus inter-kernel gaps) is counted; valid for ops
     without a host sync (the Triton path given its output size). The achieved bandwidth uses this.

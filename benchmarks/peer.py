@@ -79,7 +79,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 class Rank:
     def __init__(self, rank: int, world: int):
-        from fscomm import new_stage_group
+        from fscomm import new_thread_group
         from fscomm.experimental.peer import PeerTransport
 
         self.rank, self.world = rank, world
@@ -88,8 +88,8 @@ class Rank:
         self.device = torch.device("cuda", 0 if self.shared else local)
         torch.cuda.set_device(self.device)
         self.peer_device = torch.device("cuda", 0 if self.shared else 1)
-        self.main = PeerTransport(new_stage_group("bench-peer-main"))
-        self.traffic = PeerTransport(new_stage_group("bench-peer-traffic"))  # driven by a thread of its own
+        self.main = PeerTransport(new_thread_group("bench-peer-main"))
+        self.traffic = PeerTransport(new_thread_group("bench-peer-traffic"))  # driven by a thread of its own
 
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)

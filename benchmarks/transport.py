@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.launch import launch, under_torchrun, write_json
 from benchmarks.traffic import ExchangeTraffic, contention_kernel, contention_row, traffic_units
-from fscomm import TransportUnavailableError, get_transport, new_stage_group
+from fscomm import TransportUnavailableError, get_transport, new_thread_group
 
 SIZES = [4 << 10, 256 << 10, 4 << 20, 32 << 20]
 PEER_KINDS = ("host", "host-tcp", "host-shm", "nccl", "rdma")
@@ -152,7 +152,7 @@ class Ctx:
 
     def _group(self, name: str, role: str, timeout: datetime.timedelta):
         """One group per backend and issuing thread (fscomm refuses a second thread on a group)."""
-        return new_stage_group(f"bench-{name}-{role}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
+        return new_thread_group(f"bench-{name}-{role}", backend="nccl" if name == "nccl" else "gloo", timeout=timeout)
 
 
 def _reason(name: str) -> Optional[str]:
@@ -191,7 +191,7 @@ def bench_latency(ctx: Ctx) -> list[dict]:
             times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
             for i in range(ctx.args.reps + 2):
                 for key, run in cases.items():
-                    dist.barrier()  # every rank enters the exchange together: its latency, not the pipeline's
+                    dist.barrier()  # every rank enters the exchange together: its latency, not overlapped exchanges'
                     t0 = time.perf_counter()
                     run()
                     ctx.sync()

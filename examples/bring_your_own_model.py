@@ -129,22 +129,20 @@ def train(mode: str, partitioner: str, steps: int, rank: int, world: int, export
     source = WithCategories(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=2000, seed=1, uih_max=64)))
     torch.manual_seed(0)
     model = Recommender(dense_dim=4, num_labels=1)
-    stage = wrap_model(
-        model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05)
-    )
+    wrap = wrap_model(model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05))
     stages = []
     if mode == "freescale" and partitioner != "none":
         stages += balancer_stages(BalancerConfig(partitioner), host_transport("balancer"), rank, world, capacity=16)
-    stages += stage.loader_stages(rank)
+    stages += wrap.loader_stages(rank)
     loader = build_loader(source, LoaderConfig(batch_size=16), rank, world, stages)
-    step = TrainStep(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage)
+    step = TrainStep(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), wrap=wrap)
     items, losses = iter(loader), []
     while len(losses) < steps and step.has_next(items):
         losses.append(step.progress(items).loss)
-    stage.flush()
+    wrap.flush()
     shutdown_loader(loader)
     if export is not None:  # the user's own modules back, the trained tables gathered to rank 0
-        unwrap_model(model, stage, dst=0)
+        unwrap_model(model, wrap, dst=0)
         if rank == 0:
             torch.save(model.state_dict(), export)
     return losses

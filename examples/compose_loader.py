@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import get_transport
-from fscomm.groups import new_stage_group
+from fscomm.groups import new_thread_group
 from fsdata.balancer import BalancerConfig, balancer_stages
 from fsdata.loader import LoaderConfig, build_loader, shutdown_loader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
@@ -26,7 +26,7 @@ def main(steps: int = 5) -> None:
     batch_size = 16
     source = SyntheticSource(SyntheticConfig.from_preset("kuairand-1k", num_samples=10_000, uih_cap=4_096))
     # The balancer's exchanges go through the SM-free host transport, on a process group of their own.
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world, capacity=batch_size)
     loader = build_loader(source, LoaderConfig(batch_size=batch_size, prefetch_depth=2), rank, world, stages)
 

@@ -1,12 +1,13 @@
-"""Process groups of the pipeline's stages, and the one-issuing-thread-per-group guard.
+"""Thread groups: a process group per issuing thread, and the one-issuing-thread-per-group guard.
 
-Why a group per stage: a collective queues behind every earlier collective of its group, so the balancer's
+Why a group per thread: a collective queues behind every earlier collective of its group, so the balancer's
 exchanges must not share a group with the dense AllReduce (they would wait for it), and two threads must never
 issue collectives on one group: each rank would interleave them in its own thread order, rank 0 running op A
-while rank 1 runs op B, and both hang. Every stage therefore asks for its own group at set-up, and the first
-thread that issues a collective on a group owns it; another thread is refused with an error that says so.
+while rank 1 runs op B, and both hang. Every exchanging part (a loader stage, an embedding role, a checkpoint's
+writer) therefore asks for its own group at set-up, and the first thread that issues a collective on a group owns
+it; another thread is refused with an error that says so.
 
-Groups are made collectively: every rank calls ``new_stage_group`` with the same names in the same order.
+Groups are made collectively: every rank calls ``new_thread_group`` with the same names in the same order.
 
 Timeouts. Every group made here gets the job's communication timeout (``set_comm_timeout``, the trainer's
 ``--comm-timeout-s``), not torch's 30-minute default: a rank that stops without dying ends its peers' waits in
@@ -80,27 +81,27 @@ def _key(group: dist.ProcessGroup) -> str:
     return str(name) if name else f"group@{id(group):x}"
 
 
-def new_stage_group(
+def new_thread_group(
     name: str, *, backend: str = "gloo", timeout: Optional[datetime.timedelta] = None, pg_options=None
 ) -> dist.ProcessGroup:
-    """A new process group over all ranks, for one stage (one issuing thread).
+    """A new process group over all ranks, for one issuing thread.
 
     Collective: call it on every rank with the same names in the same order, at set-up. ``backend`` is
-    "gloo" for the host-staged and CPU paths, "nccl" for the NCCL backends. ``timeout`` bounds every collective
+    "gloo" for the host-relayed and CPU paths, "nccl" for the NCCL backends. ``timeout`` bounds every collective
     of the group: a peer that dies or never issues its part ends in an error after it, never in a hang.
     ``pg_options``: backend options (the copy-engine backend sets NCCL's zero-CTA policy through them).
     """
     if not isinstance(name, str) or not name:
-        raise ValueError(f"new_stage_group: name must be a non-empty string, got {name!r}")
+        raise ValueError(f"new_thread_group: name must be a non-empty string, got {name!r}")
     if not dist.is_initialized():
         raise RuntimeError(
-            f"new_stage_group({name!r}): torch.distributed is not initialised (init_process_group first)"
+            f"new_thread_group({name!r}): torch.distributed is not initialised (init_process_group first)"
         )
     with _lock:
         if name in _by_name:
             raise ValueError(
-                f"new_stage_group: a group named {name!r} exists already on rank {dist.get_rank()}; "
-                "each stage makes its group once, at set-up"
+                f"new_thread_group: a group named {name!r} exists already on rank {dist.get_rank()}; "
+                "each thread's group is made once, at set-up"
             )
     if timeout is None:
         timeout = datetime.timedelta(seconds=_default_timeout_s())
@@ -141,7 +142,7 @@ def _join_failure(name: str, rank: int, world: int, store, waited_s: float, time
         what = f"not every rank joined within {timeout_s:.1f} s (the group timeout, run out: waited {waited_s:.1f} s)"
     else:
         what = f"failed after {waited_s:.1f} s (group timeout {timeout_s:.1f} s)"
-    return f"new_stage_group({name!r}) on rank {rank} of {world}: {what}; {who} (backend said: {said[:400]})"
+    return f"new_thread_group({name!r}) on rank {rank} of {world}: {what}; {who} (backend said: {said[:400]})"
 
 
 def group_state(group: dist.ProcessGroup) -> GroupState:
@@ -166,7 +167,7 @@ def default_group(backend: str = "gloo", kind: Optional[str] = None, pg_options=
         state = _by_name.get(name)
     if state is not None:
         return state.group
-    return new_stage_group(name, backend=backend, pg_options=pg_options)
+    return new_thread_group(name, backend=backend, pg_options=pg_options)
 
 
 def claim(group: dist.ProcessGroup, op: str) -> GroupState:
@@ -183,7 +184,7 @@ def claim(group: dist.ProcessGroup, op: str) -> GroupState:
     raise RuntimeError(
         f"fscomm {op}: group {state.name!r} is used by thread {owner.name!r}; thread {me.name!r} may not issue "
         "collectives on it (two threads interleaving collectives on one group deadlock). Give this thread its "
-        f"own group: fscomm.groups.new_stage_group('<stage name>') at set-up, on every rank"
+        f"own group: fscomm.groups.new_thread_group('<group name>') at set-up, on every rank"
     )
 
 
@@ -207,7 +208,7 @@ def forget_all() -> None:
         close_worker(state)
 
 
-def close_stage_groups() -> None:
+def close_thread_groups() -> None:
     """Destroys every group made here (collective in torch's sense: every rank calls it, after the last
     exchange), ending their exchange threads, and forgets them."""
     with _lock:
@@ -224,3 +225,6 @@ def live_groups() -> list[str]:
     """Names of the groups fscomm holds records of (a test checks none is left after closing)."""
     with _lock:
         return sorted(s.name for s in _by_group.values())
+
+
+new_stage_group = new_thread_group  # the old name, while pipelines.job imports it from here

@@ -1,4 +1,4 @@
-"""The host-staged, SM-free transport (the default), with two paths: shared memory and gloo TCP.
+"""The host-relayed, SM-free transport (the default), with two paths: shared memory and gloo TCP.
 
 Between ranks of one host (every rank of the group on this host, checked once when the transport is made) the
 exchange goes through shared memory (fscomm/shm.py): no socket, and on a GPU rank no host copy either. Across
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
+from fscomm.host_relay import HostRelay
+from fscomm.pinned_pool import PinnedPool
 from fscomm.shm import ShmExchange
-from fscomm.staged import Stager
-from fscomm.staging import PinnedPool
 from fscomm.transport import (
     Handle,
     Splits,
@@ -67,8 +67,8 @@ class HostTransport(TransportBase):
     def unavailable_reason(cls) -> Optional[str]:
         return None if dist.is_gloo_available() else "this torch was built without gloo"
 
-    def __init__(self, group: dist.ProcessGroup, pool: Optional[PinnedPool] = None, stage_cpu: bool = False):
-        """stage_cpu: send CPU tensors through the staged gloo path (work buffer, worker thread) instead of
+    def __init__(self, group: dist.ProcessGroup, pool: Optional[PinnedPool] = None, relay_cpu: bool = False):
+        """relay_cpu: send CPU tensors through the host relay's gloo path (work buffer, worker thread) instead of
         plain async gloo: the CUDA path's buffer layouts then run in CPU tests (it implies the tcp path).
 
         Collective: every rank of ``group`` makes its transport at the same point (the locality check)."""
@@ -81,14 +81,14 @@ class HostTransport(TransportBase):
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.stager = Stager(pool)
-        self.stage_cpu = stage_cpu
+        self.relay = HostRelay(pool)
+        self.relay_cpu = relay_cpu
         self.shm: Optional[ShmExchange] = None
-        if self.path == "shm" and stage_cpu:
+        if self.path == "shm" and relay_cpu:
             raise ValueError(
-                "host transport: stage_cpu runs the staged gloo path; it cannot be combined with 'host-shm'"
+                "host transport: relay_cpu runs the host relay's gloo path; it cannot be combined with 'host-shm'"
             )
-        if self.path != "tcp" and not stage_cpu:
+        if self.path != "tcp" and not relay_cpu:
             self.shm = ShmExchange.connect(group, required=self.path == "shm")
         self.active_path = "shm" if self.shm is not None else "tcp"
 
@@ -101,7 +101,7 @@ class HostTransport(TransportBase):
         """The pinned staging pool's counters (``allocations`` stays flat after warm-up). On the shared-memory
         path, ``allocations`` counts this rank's data segments instead (each growth maps, and on a GPU rank
         pins, a new one: a stall like a pinned allocation's) and ``shm_bytes`` is the current one's size."""
-        stats = self.stager.pool.stats()
+        stats = self.relay.pool.stats()
         if self.shm is not None:
             stats["allocations"] += self.shm.allocations
             stats["shm_bytes"] = self.shm.capacity()
@@ -122,11 +122,11 @@ class HostTransport(TransportBase):
         def exchange(send_view: torch.Tensor, recv_view: torch.Tensor, async_op: bool):
             return dist.all_to_all_single(recv_view, send_view, recv_b, send_b, group=self.group, async_op=async_op)
 
-        if not x.is_cuda and not self.stage_cpu:
+        if not x.is_cuda and not self.relay_cpu:
             work = exchange(as_bytes(x), as_bytes(out), True)
             return WorkHandle(work, lambda: out, state, "all_to_all", seq, keep=(x,))
         n_in, n_out = sum(send_b), sum(recv_b)  # work buffer: [what leaves | what arrives]
-        return self.stager.run(
+        return self.relay.run(
             state,
             "all_to_all",
             seq,
@@ -166,7 +166,7 @@ class HostTransport(TransportBase):
         def exchange(send_view: torch.Tensor, recv_view: torch.Tensor, async_op: bool):
             return _all_gather_single(recv_view, send_view, group=self.group, async_op=async_op)
 
-        if not x.is_cuda and not self.stage_cpu:
+        if not x.is_cuda and not self.relay_cpu:
             if pieces is None:
                 work = exchange(as_bytes(x), as_bytes(out), True)
                 return WorkHandle(work, lambda: out, state, "all_gather", seq, keep=(x,))
@@ -183,7 +183,7 @@ class HostTransport(TransportBase):
             back = lambda w, res: [(w[block:], as_bytes(res))]
         else:
             back = lambda w, res: [(w[block:][src], as_bytes(res)[dst]) for src, dst in pieces if dst.stop > dst.start]
-        return self.stager.run(
+        return self.relay.run(
             state,
             "all_gather",
             seq,

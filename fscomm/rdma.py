@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
+from fscomm.host_relay import HostRelay
+from fscomm.pinned_pool import PinnedPool
 from fscomm.ring import (
     AllToAllPlan,
     RingError,
@@ -33,8 +35,6 @@ from fscomm.ring import (
     ring_all_gather,
     ring_all_to_all,
 )
-from fscomm.staged import Stager
-from fscomm.staging import PinnedPool
 from fscomm.transport import (
     Handle,
     Splits,
@@ -340,7 +340,7 @@ class RdmaTransport(TransportBase):
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group) if rank is None else rank
         self.world_size = dist.get_world_size(group) if world_size is None else world_size
-        self.stager = Stager(pool)
+        self.relay = HostRelay(pool)
         if link is None:
             reason = verbs_unavailable_reason()
             if reason is not None:
@@ -351,7 +351,7 @@ class RdmaTransport(TransportBase):
         self._register = getattr(link, "register", lambda block: None)
 
     def pool_stats(self) -> dict[str, int]:
-        return self.stager.pool.stats()
+        return self.relay.pool.stats()
 
     def all_gather(self, tensor: torch.Tensor, sizes: Optional[Sequence[int]] = None) -> Handle:
         state = groups.claim(self.group, "all_gather")
@@ -365,11 +365,11 @@ class RdmaTransport(TransportBase):
             out = torch.empty((sum(sizes_l), *x.shape[1:]), dtype=x.dtype, device=x.device)
             sizes_b = [s * row_bytes(x) for s in sizes_l]
         n_in, n_out = sizes_b[self.rank], sum(sizes_b)
-        pool, timeout = self.stager.pool, self.state.timeout_s
+        pool, timeout = self.relay.pool, self.state.timeout_s
         exchange = lambda w: ring_all_gather_bytes(
             self.link, pool, self._register, w[:n_in], w[n_in:], sizes_b, self.rank, W, timeout
         )
-        return self.stager.run(
+        return self.relay.run(
             state,
             "all_gather",
             state.take_seq(),
@@ -387,11 +387,11 @@ class RdmaTransport(TransportBase):
         state = groups.claim(self.group, "all_to_all")
         x, out, send_b, recv_b = prepare_all_to_all(tensor, send_splits, recv_splits, self.world_size, self.rank)
         n_in, n_out = sum(send_b), sum(recv_b)
-        pool, timeout = self.stager.pool, self.state.timeout_s
+        pool, timeout = self.relay.pool, self.state.timeout_s
         exchange = lambda w: ring_all_to_all_bytes(
             self.link, pool, self._register, w[:n_in], w[n_in:], send_b, recv_b, self.rank, self.world_size, timeout
         )
-        return self.stager.run(
+        return self.relay.run(
             state,
             "all_to_all",
             state.take_seq(),

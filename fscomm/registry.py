@@ -1,13 +1,14 @@
-"""Named stage transports and the threads bound to them, with one owner.
+"""Named transports and the threads bound to them, with one owner.
 
-Every exchanging stage (the balancer's, the ID prefetch's, the embedding stage's forward, backward, bulk and
-collision roles, a checkpoint's writer) exchanges on a process group of its own: two threads never interleave
-collectives on one group (that deadlocks). :func:`stage_transport` makes the group and its transport collectively
-on the first call with a name, every rank alike, and returns the same transport to later calls while its group
-lives; a closed group's transport is closed and made again. :func:`bound_thread` is the thread of one role
-bound to a transport (the collision chain: a thread of its own, which submits to the group's exchange worker and
-waits on it, so it cannot be that worker), made on first use and ended with :func:`close_bound_threads`.
-:func:`close_stage_transports` ends everything made here: the bound threads, the transports, the groups
+Every exchanging part (the balancer's loader stages, the ID prefetch's, the embedding exchanges' forward, backward,
+bulk and collision roles, a checkpoint's writer) exchanges on a thread group of its own (fscomm.groups): two
+threads never interleave collectives on one group (that deadlocks). :func:`named_transport` makes the group and
+its transport collectively on the first call with a name, every rank alike, and returns the same transport to
+later calls while its group lives; a closed group's transport is closed and made again. :func:`bound_thread` is
+the thread of one role bound to a transport (the collision chain: a thread of its own, which submits to the
+group's exchange worker and waits on it, so it cannot be that worker), made on first use and ended with
+:func:`close_bound_threads`.
+:func:`close_named_transports` ends everything made here: the bound threads, the transports, the groups
 (collective: every rank calls it, after the last exchange).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from fscomm.groups import close_stage_groups, group_state, live_groups, new_stage_group
+from fscomm.groups import close_thread_groups, group_state, live_groups, new_thread_group
 from fscomm.transport import Transport, get_transport
 from fscomm.worker import SerialWorker
 
@@ -25,28 +26,28 @@ _transports: dict[tuple[str, str], Transport] = {}
 _threads: dict[tuple[int, str], tuple[Transport, SerialWorker]] = {}
 
 
-def stage_transport(name: str, backend: str = "host", *, pg_options=None) -> Transport:
-    """The ``backend`` transport on the stage group ``name`` (made collectively on the first call with this name
+def named_transport(name: str, backend: str = "host", *, pg_options=None) -> Transport:
+    """The ``backend`` transport on the thread group ``name`` (made collectively on the first call with this name
     and backend; ``pg_options``: the group's backend options, e.g. NCCL's zero-CTA policy)."""
     key = (name, backend)
     with _lock:
         cached = _transports.get(key)
-    if cached is not None and name not in live_groups():  # its group was closed (close_stage_groups)
+    if cached is not None and name not in live_groups():  # its group was closed (close_thread_groups)
         cached.close()
         cached = None
     if cached is None:
         group_backend = "nccl" if backend.startswith("nccl") else "gloo"
-        cached = get_transport(backend, group=new_stage_group(name, backend=group_backend, pg_options=pg_options))
+        cached = get_transport(backend, group=new_thread_group(name, backend=group_backend, pg_options=pg_options))
         with _lock:
             _transports[key] = cached
     return cached
 
 
 def host_transport(name: str) -> Transport:
-    """The SM-free host transport on a stage group of its own named ``name``, for a loader stage's exchanges (each
-    exchanging stage gets its own name): :func:`stage_transport` with the host backend. A loader built after
+    """The SM-free host transport on a thread group of its own named ``name``, for a loader stage's exchanges (each
+    exchanging stage gets its own name): :func:`named_transport` with the host backend. A loader built after
     another one was shut down reuses its groups; two loaders alive at once need names of their own."""
-    return stage_transport(name, "host")
+    return named_transport(name, "host")
 
 
 def bound_thread(transport: Transport, role: str) -> SerialWorker:
@@ -76,12 +77,15 @@ def transport_timeout_s(transport: Transport) -> float:
     return group_state(transport.group).timeout_s
 
 
-def close_stage_transports() -> None:
-    """Ends the bound threads, closes the transports made here and destroys every stage group."""
+def close_named_transports() -> None:
+    """Ends the bound threads, closes the transports made here and destroys every thread group."""
     close_bound_threads(every=True)
     with _lock:
         made = list(_transports.values())
         _transports.clear()
     for transport in made:
         transport.close()
-    close_stage_groups()
+    close_thread_groups()
+
+
+close_stage_transports = close_named_transports  # the old name, while pipelines.job imports it from here

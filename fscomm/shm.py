@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
-from fscomm.staged import StagedHandle
+from fscomm.host_relay import RelayHandle
 from fscomm.transport import CollectiveError, Handle, TransportUnavailableError, as_bytes, diagnose
 from fscomm.worker import helper_event, worker_for
 
@@ -207,7 +207,7 @@ class Segment:
 
     def pin(self) -> None:
         """Registers the pages with CUDA (page-locked: copies to and from them run on the copy engines, async).
-        Where the driver refuses, the copies still work, staged by the driver and slower: warned once."""
+        Where the driver refuses, the copies still work, through the driver's own buffers and slower: warned once."""
         if not self.cuda_registered and not self.pin_refused:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 1)  # portable: any device
             if int(err) != 0:
@@ -469,7 +469,7 @@ class ShmExchange:
                     raise
                 raise err from exc
 
-        return StagedHandle(worker_for(self.state).submit(job), copied_back, x.device, host_future)
+        return RelayHandle(worker_for(self.state).submit(job), copied_back, x.device, host_future)
 
     def _copy_stream(self, device: torch.device) -> "torch.cuda.Stream":
         idx = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,4 +1,4 @@
-"""Named time spans, for the exposed time of every stage.
+"""Named time spans, for the exposed time of every exchange and wait.
 
     timer = Timer(device)
     with timer.span("ids_a2a_wait"):

@@ -1,4 +1,4 @@
-"""The one transport interface every stage sends through, and the choice of its backend.
+"""The one transport interface every exchange goes through, and the choice of its backend.
 
     t = get_transport("host")                       # SM-free host path (default): shared memory between ranks
                                                     # of one host, else TCP; "host-shm", "host-tcp", "nccl", "rdma"
@@ -59,7 +59,7 @@ class Handle:
 
     def host(self) -> torch.Tensor:
         """The result on the host, for sizes the caller must read. Here ``wait()`` copied to the CPU, which
-        synchronises a GPU stream; the host-staged handle returns the bytes it received instead, with no device
+        synchronises a GPU stream; the host relay's handle returns the bytes it received instead, with no device
         sync (the exchange passed through host memory anyway)."""
         return self.wait().cpu()
 

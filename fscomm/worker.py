@@ -1,6 +1,6 @@
 """One background thread per group that runs that group's host-side exchanges in issue order.
 
-Why a thread: the host-staged backends wait for the device-to-host copy, talk to the peers over the network
+Why a thread: the host-relayed backends wait for the device-to-host copy, talk to the peers over the network
 and queue the copy back; none of that may block the caller, which returns a handle at once. Why one per
 group, shared by every transport on that group: the exchanges of a group must run in the order they were
 issued, on every rank, or ranks would pair different operations.

@@ -1,4 +1,4 @@
-"""fsdata: the sample and batch types, sources (Parquet, synthetic), loader stages and data metrics.
+"""fsdata: the sample and batch types, sources (Parquet, synthetic), loader stages and balance measures.
 
 The loader and its stages need torchdata; they load on first use, so the types import where it is absent.
 """

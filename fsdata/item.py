@@ -1,7 +1,7 @@
 """The loader's one item type: what every stage yields, whatever stages are composed.
 
     LoaderItem(batch)                                   the reader's local batch
-      .report          the balancer's per-step report (Stage III): imbalance before/after, plan metrics
+      .report          the balancer's per-step report (Stage III): imbalance before/after, plan measures
       .prefetched      the ID-prefetch stage's exchange in flight (fsembed.id_prefetch.PrefetchedIds)
       .attention_plan  what the model's attention needs for this batch, built by the attention-plan stage
       .extras          anything a user's own stage attaches, by name

@@ -116,8 +116,8 @@ def build_loader(
     node: BaseNode = AsItems(GlobalBatchReader(source, config.batch_size, rank, world_size, start))
     if config.prefetch_depth > 0:
         node = Prefetcher(node, prefetch_factor=config.prefetch_depth)
-    for wrap in stages:
-        node = wrap(node)
+    for add_stage in stages:
+        node = add_stage(node)
     copied = False
     if stages and config.background_stages:
         if not config.stage_lookahead:

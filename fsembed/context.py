@@ -1,4 +1,4 @@
-"""One step's embedding context: what the training step hands the embedding stage, in the role of torchrec's
+"""One step's embedding context: what the training step hands the embedding wrap, in the role of torchrec's
 ``TrainPipelineContext``.
 
     EmbeddingContext(ids, exchange, upcoming)
@@ -9,9 +9,9 @@
       .rows      filled by the lookup: each feature's rows, which the swapped modules hand out
       .taken     per feature, the ids the swapped modules' calls took so far this step
 
-The step builds one per batch; the embedding stage's forward pre-hook takes it (and lets go of it), the schedule
-(fsembed.schedules) picks what of it the collection uses, and the swapped modules (fsembed.swap) read the ids
-and rows from it until the forward returns, when the hub lets go of it too. Nothing else keeps a batch's ids.
+The step builds one per batch; the wrap's forward pre-hook (pipelines.api.wrap) takes it (and lets go of it), the
+schedule (fsembed.schedules) picks what of it the collection uses, and the swapped modules (fsembed.swap) read the
+ids and rows from it until the forward returns, when the hub lets go of it too. Nothing else keeps a batch's ids.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ID prefetch: the loader stage that computes a batch's ids and starts their ID AllToAll (batch-major ->
 shard-major) ahead of its step.
 
-The embedding stage of step i needs the shard-major ids of batch i+1 (Algorithm 2 computes the collisions
+The embedding exchanges of step i need the shard-major ids of batch i+1 (Algorithm 2 computes the collisions
 between i and i+1 on the shards). This node sends them while batch i+1 waits in the loader, so the step finds
 them there, with nothing to wait for but the handle.
 
@@ -16,7 +16,7 @@ is given. The node is built with
 
 and yields the loader item with ``prefetched`` set (``PrefetchedIds``: the batch's ids per feature, and per group
 their exchange in flight; an attachment in the sense of fsdata.item: later loader stages complete, pin, move and
-compare it through its own methods). The step hands both to the embedding stage in its per-step context
+compare it through its own methods). The step hands both to the embedding wrap in its per-step context
 (fsembed.context), so nothing computes the ids again. The node is an AsyncStage: the exchange in flight is not
 loader state (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its
 ids belong to the consumer.
@@ -49,7 +49,7 @@ class ShardedIds:
     ``perm``/``send_splits`` describe the batch-major side (this rank's ids grouped by owning shard);
     ``recv_splits`` the shard-major side (how many ids every source rank sends here, in rank order), and
     ``recv_offsets`` their offsets ([W+1] int64), built by the loader's stage and moved with the rest, so the
-    embedding stage finds them on its device (``recv_offsets_on``).
+    embedding exchanges find them on their device (``recv_offsets_on``).
     """
 
     key: str
@@ -371,7 +371,7 @@ if BaseNode is not None:
             return replace(item, prefetched=PrefetchedIds(exchanges, sized.features), extras=extras)
 
         def finish(self, started: LoaderItem) -> LoaderItem:
-            return started  # the ids are waited for by the embedding stage, where they are needed
+            return started  # the ids are waited for by the embedding exchanges, where they are needed
 
     def id_prefetch_stages(
         plan: ShardingPlan, transport, features: Callable[[Batch], Features], rank: int = 0, timer=None

@@ -22,7 +22,7 @@ flags and the gradient exchanges. The bulk chain runs lines 6-7 and 12 and issue
 rows, exclusive gradients): it waits there for the flags and the deferred gradients, so line 12's rows travel
 during step i's compute. The collision chain runs lines 20-21: its two exchanges overlap the end of step i
 (dense all-reduce, optimizer), so step i+1's forward waits only for what is still in flight. Each chain is the
-only thread issuing on its group (fsembed/comm.py); with a single transport there are no chains and the model's
+only thread issuing on its group (fsembed/transports.py); with a single transport there are no chains and the model's
 threads run the same functions themselves (lines 6-7 and 12 in backward i, lines 20-21 in forward i+1). Rows
 touched concurrently are disjoint (line 7: of i-1 not of i; line 12: of i+1 not of i; lines 20-21: of i and
 i+1); every row still receives exactly the updates of the synchronous path, in the same order, with the same
@@ -261,10 +261,10 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
         ``early_start``: when the bulk chain starts lines 6-7 and 12 of step i+1 (the exchanges are the same
         either way): ``"forward"``, as forward i issues them; ``"backward"``, held until ``start_early_rows()``
-        (the staged pipeline calls it as the model's forward returns, so the chain's Python runs beside the
+        (the embedding wrap calls it as the model's forward returns, so the chain's Python runs beside the
         backward, not the forward: on a GPU the training thread waits there without the GIL) and at the latest
-        when the backward reaches the embeddings. The default here is ``"forward"`` (the staged pipeline's,
-        ``pipelines.api.staged.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
+        when the backward reaches the embeddings. The default here is ``"forward"`` (the embedding wrap's,
+        ``pipelines.api.wrap.EARLY_START``, is ``"backward"``): a collection used on its own has no caller of
         ``start_early_rows()``, so held rows would start only when the backward reaches the embeddings and
         overlap little of the step's compute.
 
@@ -296,8 +296,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         # Algorithm 2's C.stream: the side work of lines 6-7, 12 and 20-21 on GPU (None on CPU, where the
         # exchanges progress behind handles in the transport's threads).
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The chains' threads: with the stage's own groups, the bulk chain issues every bulk exchange (lines 12
-        # and 18's exclusive part) and the collision chain line 21 on a group of its own. Without them (a
+        # The chains' threads: with the embedding exchanges' own groups, the bulk chain issues every bulk exchange
+        # (lines 12 and 18's exclusive part) and the collision chain line 21 on a group of its own. Without them (a
         # single transport, or no collision group) the model's threads run that work where it was issued from.
         self.collision_transport = self.transports.collision
         chained = self.collision_transport is not None

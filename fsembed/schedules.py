@@ -1,5 +1,5 @@
 """The embedding schedules: how one training step's embedding exchanges run, each one class behind one call,
-``prepare(hub, context)``, which the embedding stage (pipelines.api.staged) makes before the model's forward:
+``prepare(hub, context)``, which the embedding wrap (pipelines.api.wrap) makes before the model's forward:
 
     sync         ID AllToAll, lookup and embedding AllToAll, all blocking, inside the step (vanilla TorchRec)
     sdd          the step's ID AllToAll was started during the previous step by the loader's ID-prefetch stage
@@ -8,7 +8,7 @@
     semisync     every embedding of the next batch prefetched during this step, the rows this step updates
                  included, so they arrive stale (TorchRec's TrainPipelineSemiSync): what staleness costs in NE
     prioritized  Algorithm 2: this step's rows were prefetched during the previous step; only the rows both batches
-                 share (collisions) wait; the stage hands the collection the next batch's ids to prefetch again
+                 share (collisions) wait; the wrap hands the collection the next batch's ids to prefetch again
 
 ``context`` is the step's (fsembed.context.EmbeddingContext): this batch's ids, their exchange started by the loader
 (None where none was) and the next batch's ids; each schedule hands the collection the parts it uses. ``sync``,

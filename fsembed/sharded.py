@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fscomm.timing import Timer
-from fsembed.comm import StageTransports, stage_transports
 from fsembed.id_prefetch import PrefetchedIds, ShardedIds, start_prefetch
 from fsembed.optim import SGD, RowWiseOptimizer
 from fsembed.plan import GroupLayout, ShardingPlan
+from fsembed.transports import EmbeddingTransports, embedding_transports
 from kernels import ops
 
 Ids = Union[PrefetchedIds, Mapping[str, torch.Tensor]]
@@ -97,9 +97,9 @@ class ShardedEmbeddingCollection(nn.Module):
     ``forward(ids, next_ids=None) -> {feature: Tensor[n_f, dim]}`` (rows in the order of the feature's ids).
     ``grad_scale`` multiplies every gradient row before the gradient AllToAll: torchrec uses 1/world_size
     (its embedding gradients are divided by the world size); 1.0 gives the plain gradient of the loss.
-    ``transport``: by default the stage's own transports (comm.StageTransports, three groups); a single
-    transport serves every exchange on CPU, but not on CUDA, where autograd's backward thread needs a group
-    of its own (``backward_transport``, which then also carries the bulk exchanges).
+    ``transport``: by default the embedding exchanges' own transports (transports.EmbeddingTransports, four
+    groups); a single transport serves every exchange on CPU, but not on CUDA, where autograd's backward thread
+    needs a group of its own (``backward_transport``, which then also carries the bulk exchanges).
     """
 
     def __init__(
@@ -129,10 +129,10 @@ class ShardedEmbeddingCollection(nn.Module):
         self.plan = plan
         self.device = torch.device(device)
         if transport is None:
-            transport = stage_transports()
-        elif not isinstance(transport, StageTransports):
+            transport = embedding_transports()
+        elif not isinstance(transport, EmbeddingTransports):
             back = backward_transport if backward_transport is not None else transport
-            transport = StageTransports(transport, back, back)
+            transport = EmbeddingTransports(transport, back, back)
         self.transports = transport
         self.transport = transport.forward  # exchanges issued by forwards
         self.backward_transport = transport.backward  # urgent exchanges issued by backwards

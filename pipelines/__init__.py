@@ -1,9 +1,9 @@
 """pipelines, in the parts a reader finds by name:
 
-    api/       the training API a user's script calls: wrap_model, TrainStep, ModelSpec, unwrap_model, predict,
-               evaluate
+    api/       the training API a user's script calls: wrap_model (and the EmbeddingWrap it returns), TrainStep,
+               ModelSpec, unwrap_model, predict, evaluate
     job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
-    models/    the reference model, and torchrec's pipeline around it as the outside reference
+    models/    the reference model, and torchrec's TrainPipelineSparseDist around it as the outside reference
     cli/       the `freescale` command and its data commands
     plan/      the planner: `freescale simulate`, the straggler effect of N ranks without N devices
 
@@ -12,6 +12,7 @@ The public names are re-exported here (``from pipelines import TrainStep, wrap_m
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 # Loaded on first use, so `freescale data ...` and other commands do not import the training stack.
@@ -30,13 +31,22 @@ _EXPORTS = {
     "host_transport": "fscomm.registry",
     "unwrap_model": "pipelines.api.step",
     "wrap_model": "pipelines.api.step",
-    "StagedPipeline": "pipelines.api.staged",
+    "EmbeddingWrap": "pipelines.api.wrap",
 }
+# Old names, answered for one release with a DeprecationWarning: old name -> new name.
+_RENAMED = {"StagedPipeline": "EmbeddingWrap"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"pipelines.{name} is deprecated and goes in the next release: use pipelines.{_RENAMED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = _RENAMED[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,8 +1,8 @@
 """Multi-process test harness: runs a function on N real gloo ranks on CPU, with a timeout that names the rank
-and the stage it was stuck in, so a hang fails fast instead of eating the CI budget.
+and what it was doing, so a hang fails fast instead of eating the CI budget.
 
     def body(rank, world_size, n):      # module-level, picklable
-        stage("all_gather")              # optional: what the rank is doing now, shown if it hangs
+        doing("all_gather")              # optional: what the rank is doing now, shown if it hangs
         ...
         return something_picklable
 
@@ -17,7 +17,7 @@ peer is still making (a ``new_group`` that the peer is still joining fails with 
 The communication timeout of the world group and of every fscomm group is the harness's ``timeout``, so a wait
 that cannot finish fails within the test's time, never after torch's 30 minutes.
 
-The ranks' folder (``fs-ranks-*``: the store, the stage files) goes when the call returns or raises.
+The ranks' folder (``fs-ranks-*``: the store, each rank's ``rankN.doing``) goes when the call returns or raises.
 
 Tests that call it carry the ``multiprocess`` marker (tests/conftest.py fails one that does not).
 """
@@ -35,7 +35,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
-_STAGE_DIR_ENV = "FREESCALE_TEST_STAGE_DIR"
+_RANKS_DIR_ENV = "FREESCALE_TEST_RANKS_DIR"
 _FINISHED_KEY, _RELEASED_KEY = "harness/finished", "harness/released"
 ranks_started = 0  # calls of run_ranks in this process (tests/conftest.py checks the marker against it)
 _ctx: Optional[mp.context.BaseContext] = None
@@ -49,21 +49,21 @@ def _context() -> mp.context.BaseContext:
     return _ctx
 
 
-def stage(name: str) -> None:
-    """Records the calling rank's current stage (read by the parent only when the rank hangs or dies)."""
-    d = os.environ.get(_STAGE_DIR_ENV)
+def doing(name: str) -> None:
+    """Records what the calling rank is doing now (read by the parent only when the rank hangs or dies)."""
+    d = os.environ.get(_RANKS_DIR_ENV)
     if d is None:
         return
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    with open(os.path.join(d, f"rank{rank}.stage"), "w") as f:
+    with open(os.path.join(d, f"rank{rank}.doing"), "w") as f:
         f.write(name)
 
 
-def _read_stage(stage_dir: str, rank: int) -> str:
+def _read_doing(ranks_dir: str, rank: int) -> str:
     try:
-        with open(os.path.join(stage_dir, f"rank{rank}.stage")) as f:
+        with open(os.path.join(ranks_dir, f"rank{rank}.doing")) as f:
             return f.read() or "start"
     except FileNotFoundError:
         return "start (before init_process_group)"
@@ -82,12 +82,12 @@ def _barrier_at_exit(store, world_size: int, deadline: float) -> None:
 
 
 def _rank_main(
-    fn, rank, world_size, args, stage_dir, store_path, timeout, backend, env, results, deadline: Optional[float] = None
+    fn, rank, world_size, args, ranks_dir, store_path, timeout, backend, env, results, deadline: Optional[float] = None
 ):
     """One rank. ``deadline`` (``time.time()``): where its exit barrier ends; None: no exit barrier (a caller whose
     ranks die on purpose)."""
     os.environ.update(env)
-    os.environ.update({_STAGE_DIR_ENV: stage_dir, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    os.environ.update({_RANKS_DIR_ENV: ranks_dir, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
     import torch
     import torch.distributed as dist
 
@@ -95,15 +95,15 @@ def _rank_main(
 
     torch.set_num_threads(1)
     try:
-        stage("init_process_group")
+        doing("init_process_group")
         store = dist.FileStore(store_path, world_size)
         groups.set_comm_timeout(timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
-        stage("running")
+        doing("running")
         out = fn(rank, world_size, *args)
-        stage("done")
+        doing("done")
         # Plain pickle (bytes), not the queue's ForkingPickler: that one shares tensors through file
         # descriptors that die with this process.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -135,13 +135,13 @@ def run_ranks(
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` processes; returns results in rank order.
 
     Raises RankFailure naming the rank (and its traceback) if any rank raised or died, and TimeoutError naming
-    every unfinished rank and its last stage if the ranks did not all finish within ``timeout`` seconds.
+    every unfinished rank and what it was doing if the ranks did not all finish within ``timeout`` seconds.
     """
     global ranks_started
     ranks_started += 1
     ctx = _context()
-    stage_dir = tempfile.mkdtemp(prefix="fs-ranks-")
-    store_path = os.path.join(stage_dir, "store")
+    ranks_dir = tempfile.mkdtemp(prefix="fs-ranks-")
+    store_path = os.path.join(ranks_dir, "store")
     results = ctx.Queue()
     base_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     wall_deadline = time.time() + timeout  # the ranks' exit barrier ends with the call's own deadline
@@ -153,7 +153,7 @@ def run_ranks(
                 r,
                 world_size,
                 tuple(args),
-                stage_dir,
+                ranks_dir,
                 store_path,
                 timeout,
                 backend,
@@ -173,9 +173,7 @@ def run_ranks(
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                stuck = [
-                    f"rank {r} in stage '{_read_stage(stage_dir, r)}'" for r in range(world_size) if r not in outcome
-                ]
+                stuck = [f"rank {r} doing '{_read_doing(ranks_dir, r)}'" for r in range(world_size) if r not in outcome]
                 raise TimeoutError(f"{fn.__name__}: ranks did not finish within {timeout:.0f} s: " + "; ".join(stuck))
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.5))
@@ -187,7 +185,7 @@ def run_ranks(
                     if r not in outcome and not p.is_alive() and p.exitcode not in (None, 0):
                         raise RankFailure(
                             f"{fn.__name__}: rank {r} died with exit code {p.exitcode} "
-                            f"in stage '{_read_stage(stage_dir, r)}'"
+                            f"while doing '{_read_doing(ranks_dir, r)}'"
                         )
     finally:
         for p in procs:
@@ -195,7 +193,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
-        shutil.rmtree(stage_dir, ignore_errors=True)  # the store and the stage files: read above, if at all
+        shutil.rmtree(ranks_dir, ignore_errors=True)  # the store and the rankN.doing files: read above, if at all
     errors = [(r, tb) for r, (s, tb) in sorted(outcome.items()) if s == "error"]
     if errors:
         r, tb = errors[0]

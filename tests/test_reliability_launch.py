@@ -200,13 +200,13 @@ class _Store:
         return int(keys[0].rsplit("/", 1)[1]) in self.joined
 
 
-def test_a_stage_group_whose_peer_closed_its_connection_says_so_and_the_time_that_passed():
+def test_a_thread_group_whose_peer_closed_its_connection_says_so_and_the_time_that_passed():
     from fscomm.groups import _join_failure
 
     closed = RuntimeError("Gloo connectFullMesh failed with [...] Connection closed by peer [127.0.0.1]:60571")
     msg = _join_failure("fscomm-default", 0, 2, _Store({0, 1}), 0.04, 1800.0, closed)
     assert msg.startswith(
-        "new_stage_group('fscomm-default') on rank 0 of 2: a peer closed its connection after 0.0 s"
+        "new_thread_group('fscomm-default') on rank 0 of 2: a peer closed its connection after 0.0 s"
     ), msg
     assert "every rank called it" in msg and "within 1800" not in msg and "\n" not in msg
     late = _join_failure("embedding", 0, 2, _Store({0}), 2.0, 2.0, RuntimeError("Timed out"))

@@ -1,4 +1,4 @@
-"""state_dict() is pure (no collective, no change): rank 0 alone may call it; ownership: a pipeline built and
+"""state_dict() is pure (no collective, no change): rank 0 alone may call it; ownership: a trainer built and
 closed twice in one process leaves no thread or group behind."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.fsembed.workload import loss_of, small_plan, step_features
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 
 def _state_dict_on_rank_0_alone(rank, world_size):
@@ -24,16 +24,16 @@ def _state_dict_on_rank_0_alone(rank, world_size):
         loss_of(prio(feats[s] if s == 0 else None, prio.exchange_ids(feats[s + 1]))).backward()
     refused = None
     if rank == 0:  # the other rank does not take part: a collective here would hang
-        stage("state_dict before flush, rank 0 alone")
+        doing("state_dict before flush, rank 0 alone")
         try:
             prio.state_dict()
         except ValueError as e:
             refused = str(e)
-    stage("flush on every rank")
+    doing("flush on every rank")
     prio.flush()
     keys = None
     if rank == 0:
-        stage("state_dict after flush, rank 0 alone")
+        doing("state_dict after flush, rank 0 alone")
         t0 = time.monotonic()
         state = prio.state_dict()
         extra = state["_extra_state"]
@@ -41,7 +41,7 @@ def _state_dict_on_rank_0_alone(rank, world_size):
         before = {k: v.clone() for k, v in extra["tables"].items()}
         again = prio.state_dict()["_extra_state"]["tables"]  # changes nothing: the same values twice
         keys += (all(torch.equal(before[k], again[k]) for k in before),)
-    stage("barrier")
+    doing("barrier")
     torch.distributed.barrier()
     return refused, keys
 
@@ -62,7 +62,7 @@ def _build_and_close_twice(rank, world_size):
     before = {t.name for t in threading.enumerate()}
     seen = []
     for attempt in range(2):
-        stage(f"attempt {attempt}")
+        doing(f"attempt {attempt}")
         cfg = tiny_config("freescale", 3)
         with Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
             trainer.train()
@@ -74,8 +74,8 @@ def _build_and_close_twice(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_a_pipeline_built_and_closed_twice_leaves_no_threads_or_groups():
+def test_a_trainer_built_and_closed_twice_leaves_no_threads_or_groups():
     for seen in run_ranks(_build_and_close_twice, 2, timeout=120):
         during, after, during_again, after_again = seen
-        assert during and during_again, "the pipeline ran no threads of its own?"
+        assert during and during_again, "the trainer ran no threads of its own?"
         assert after == ([], []) and after_again == ([], []), seen

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from fscomm import groups
-from fscomm.staged import StagedHandle
+from fscomm.host_relay import RelayHandle
 from fscomm.transport import (
     Handle,
     Splits,
@@ -159,7 +159,7 @@ class _PhaseClock:
         self.t = now
 
 
-class PeerHandle(StagedHandle):
+class PeerHandle(RelayHandle):
     """An exchange in the group's worker thread; ``wait()`` orders the caller's stream after the copy out (an
     event wait: the host blocks only until the worker has queued that copy). Complete once the copy out has run
     on the device too."""

@@ -33,9 +33,9 @@ import torch
 from torchdata.nodes import BaseNode
 
 from fscomm.timing import Timer
+from fsdata.balance_measures import imbalance
 from fsdata.batch import Batch, Jagged, lengths_to_offsets
 from fsdata.item import LoaderItem
-from fsdata.metrics import imbalance
 from fsdata.nodes.async_stage import AsyncStage
 from fsdata.nodes.gather_lengths import extra_layout
 from fsdata.nodes.partition_stage import Planned
@@ -72,7 +72,8 @@ def _rank_splits(offsets: torch.Tensor, per_rank: torch.Tensor, num_fields: int)
 
 
 def _per_rank_stats(values: np.ndarray, offsets: np.ndarray) -> tuple[list, list]:
-    """Per rank ``r`` (values[offsets[r]:offsets[r+1]]): token sum and Eq. 1 sparsity (as fsdata.metrics.sparsity).
+    """Per rank ``r`` (values[offsets[r]:offsets[r+1]]): token sum and Eq. 1 sparsity (as
+    fsdata.balance_measures.sparsity).
 
     Vectorized in numpy over the ranks: at 256 ranks of 128 samples, a Python loop over the lengths held the GIL
     for milliseconds per step in the stage worker.
@@ -160,7 +161,7 @@ class _InFlight:
 
 
 class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
-    """Yields the item with its balanced batch, and ``report``: the step and the balance metrics before and after."""
+    """Yields the item with its balanced batch, and ``report``: the step and the balance measures before and after."""
 
     span_name = "balancer_stage3_wait"
 
@@ -273,7 +274,7 @@ class ShuffleSamples(AsyncStage[Planned, Union[_Kept, _InFlight], LoaderItem]):
         return replace(f.planned.item, batch=balanced, report=self._info(f.planned, g_uih, moved=True))
 
     def _info(self, p: Planned, g_uih: torch.Tensor, moved: bool) -> dict:
-        """Balance metrics of this step, before (source ranks) and after (the plan), from the gathered lengths."""
+        """Balance measures of this step, before (source ranks) and after (the plan), from the gathered lengths."""
         uih = g_uih.numpy()
         tokens_before, sparsity_before = _per_rank_stats(uih, p.lengths.rank_offsets.numpy())
         tokens_after, sparsity_after = _per_rank_stats(uih[p.plan.order.numpy()], p.plan.dest_offsets.numpy())

@@ -4,7 +4,7 @@
 needs no balancer and no ID prefetch, the plan does not matter when nothing is updated), or over one batch,
 under ``torch.no_grad()`` and in eval mode, and returns this rank's per-candidate logits (or probabilities) with
 each candidate's sample id and labels. ``evaluate`` is ``predict`` over every rank's held-out data, gathered,
-then two figures. Swapped embedding tables are read after ``stage.flush()``, so deferred updates have landed; in
+then two figures. Swapped embedding tables are read after ``wrap.flush()``, so deferred updates have landed; in
 eval mode their lookup is a plain synchronous exchange, one per batch on every rank: the loader gives every rank
 the same number of batches (the last ones short or empty), so the exchanges pair up.
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.api.numerics import autocast, autocast_dtype
+from pipelines.api.wrap import wrap_argument
 from pipelines.models.reference import normalized_entropy
 
 
@@ -111,24 +112,28 @@ def predict(
     model: torch.nn.Module,
     items: Union[Iterable, Batch, LoaderItem],
     *,
-    stage=None,
+    wrap=None,
     inputs=None,
     device: Union[str, torch.device] = "cpu",
     precision: str = "auto",
     probabilities: bool = False,
+    stage=None,
 ) -> Predictions:
     """The model's per-candidate logits (``probabilities=True``: their float32 sigmoid) over ``items``: a loader,
     any iterable of LoaderItems or Batches, or one Batch or LoaderItem. Runs under ``torch.no_grad()`` in eval
-    mode and leaves the model in the mode it was in. ``stage``: the embedding stage of ``wrap_model`` (flushed
-    first; its lookups are collective, so every rank calls ``predict`` over as many batches); ``inputs``: ``batch
-    -> model arguments`` (default: the stage's, else the batch); ``precision``: as ``--precision`` (``auto`` is
-    fp32 on CPU, bf16 autocast on CUDA). Returns this rank's rows only (``evaluate`` gathers every rank's)."""
+    mode and leaves the model in the mode it was in. ``wrap``: what ``wrap_model`` returned (flushed first; its
+    lookups are collective, so every rank calls ``predict`` over as many batches; ``stage``: its old name,
+    deprecated); ``inputs``: ``batch -> model arguments`` (default: the wrap's, else the batch); ``precision``: as
+    ``--precision`` (``auto`` is fp32 on CPU, bf16 autocast on CUDA). Returns this rank's rows only (``evaluate``
+    gathers every rank's)."""
     from pipelines.api.step import call_model
 
+    # 3 frames up: torch.no_grad's wrapper stands between the caller and this function
+    wrap = wrap_argument("predict", wrap, stage, stacklevel=3)
     device = torch.device(device)
-    if stage is not None:
-        stage.flush()
-        inputs = inputs if inputs is not None else getattr(stage, "inputs", None)
+    if wrap is not None:
+        wrap.flush()
+        inputs = inputs if inputs is not None else getattr(wrap, "inputs", None)
     dtype = autocast_dtype(precision, device)
     was_training = model.training
     model.eval()
@@ -137,8 +142,8 @@ def predict(
         for raw in [items] if isinstance(items, (Batch, LoaderItem)) else items:
             item = _on_device(as_item(raw), device)
             batch = item.batch
-            if stage is not None:  # names the batch whose features the lookup takes (the model may take other inputs)
-                stage.begin_step(batch)
+            if wrap is not None:  # names the batch whose features the lookup takes (the model may take other inputs)
+                wrap.begin_step(batch)
             with autocast(dtype, device):
                 logits = _per_candidate(call_model(model, inputs, item), batch)
             scores.append(logits.float().cpu())
@@ -161,17 +166,19 @@ def evaluate(
     model: torch.nn.Module,
     items: Iterable,
     *,
-    stage=None,
+    wrap=None,
     inputs=None,
     device: Union[str, torch.device] = "cpu",
     precision: str = "auto",
     world_size: Optional[int] = None,
+    stage=None,
 ) -> EvalResult:
     """NE and AUC of ``model`` over ``items`` (every rank passes its own loader's held-out items): ``predict``'s
     logits and labels gathered from every rank, then the module docstring's metrics. The arguments are
     ``predict``'s; ``world_size``: the ranks to gather from (default: the process group's, 1 without one)."""
+    wrap = wrap_argument("evaluate", wrap, stage, stacklevel=2)
     world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size
-    rows = predict(model, items, stage=stage, inputs=inputs, device=device, precision=precision)
+    rows = predict(model, items, wrap=wrap, inputs=inputs, device=device, precision=precision)
     logits, labels = _gathered(rows.scores, world_size), _gathered(rows.labels, world_size)
     samples = rows.samples
     if world_size > 1:

@@ -1,16 +1,16 @@
 """The public training API: wrap a user's model, then step it over the loader's items (docs/api.md).
 
-    stage = wrap_model(model, types=["EmbeddingCollection"], mode="freescale", inputs=inputs,
-                       optimizer=RowWiseAdagrad())
+    wrap = wrap_model(model, types=["EmbeddingCollection"], mode="freescale", inputs=inputs,
+                      optimizer=RowWiseAdagrad())
     loader = build_loader(source, LoaderConfig(batch_size=B), rank, world_size,
-                          stages=balancer_stages(...) + stage.loader_stages(rank))
-    step = TrainStep(model, loss, torch.optim.Adam(model.parameters()), stage=stage)
+                          stages=balancer_stages(...) + wrap.loader_stages(rank))
+    step = TrainStep(model, loss, torch.optim.Adam(model.parameters()), wrap=wrap)
     items = iter(loader)
     while step.has_next(items):
         loss = step.progress(items)
 
 ``wrap_model`` swaps the model's embedding modules (by name or by type) for views of one row-wise sharded
-collection (fsembed.swap) and returns the embedding stage (pipelines.api.staged.StagedPipeline): its forward pre-hook
+collection (fsembed.swap) and returns the embedding wrap (pipelines.api.wrap.EmbeddingWrap): its forward pre-hook
 runs the embedding exchanges of the mode (sync, sdd, semisync, freescale) before the model's first layer, and its
 ``loader_stages`` start every batch's ID AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``,
 in the spirit of torchrec's ``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that
@@ -23,9 +23,9 @@ the global mean's however the balancer spread the samples, and sums the gradient
 count comes with the balancer's report, else from one small all-reduce.
 
 A loop of one's own instead of ``progress`` does per step (see ``TrainStep.train_on``):
-``stage.begin_step(context)`` before the forward (``context``: fsembed.context.EmbeddingContext, the batch's ids
+``wrap.begin_step(context)`` before the forward (``context``: fsembed.context.EmbeddingContext, the batch's ids
 and exchange from ``item.prefetched`` and the next batch's ids), backward of the scaled loss sum, the dense
-all-reduce, the optimizer step, and ``stage.flush()`` before reading tables or checkpointing.
+all-reduce, the optimizer step, and ``wrap.flush()`` before reading tables or checkpointing.
 torchrec is imported only where the model uses its types.
 """
 
@@ -47,7 +47,7 @@ from fsembed.context import EmbeddingContext
 from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, per_rank_of
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.api.staged import EARLY_START, EXCLUSIVE_START, FeatureFn, Inputs, StagedPipeline, as_args
+from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args, wrap_argument
 from pipelines.models.reference import bce_sum
 from pipelines.models.step_result import StepResult
 
@@ -82,8 +82,8 @@ def wrap_model(
     timer=None,
     early_start: str = EARLY_START,
     exclusive_start: str = EXCLUSIVE_START,
-) -> StagedPipeline:
-    """Swaps ``model``'s embedding modules in place and returns its embedding stage.
+) -> EmbeddingWrap:
+    """Swaps ``model``'s embedding modules in place and returns its embedding wrap (:class:`EmbeddingWrap`).
 
     ``embeddings``: module paths (as in ``named_modules()``), or ``types``: module types or type names
     (``"Embedding"``, ``"EmbeddingCollection"``); default: every module of those two types.
@@ -111,7 +111,7 @@ def wrap_model(
         from fsembed.optim import SGD
 
         optimizer = SGD()
-    stage = StagedPipeline(
+    return EmbeddingWrap(
         model,
         mode,
         features,
@@ -126,24 +126,33 @@ def wrap_model(
         timer=timer,
         device=torch.device(device),
     )
-    return stage
 
 
-def unwrap_model(model: nn.Module, stage: StagedPipeline, *, dst: Optional[int] = 0) -> nn.Module:
+def unwrap_model(
+    model: nn.Module,
+    wrap: Optional[EmbeddingWrap] = None,
+    *,
+    dst: Optional[int] = 0,
+    stage: Optional[EmbeddingWrap] = None,
+) -> nn.Module:
     """The inverse of :func:`wrap_model`, after training: puts your own embedding modules back in ``model`` in
     place, with the trained tables, and removes FreeScale's collection and hooks, so ``model.state_dict()`` is
     your class's (load it into a fresh instance to serve or evaluate). Returns ``model``.
 
-    Collective: every rank calls it, once, when the stage is done (``stage.flush()`` runs first). The tables
+    Collective: every rank calls it, once, when the wrap is done (``wrap.flush()`` runs first). The tables
     are gathered to rank ``dst`` only, one table at a time; on the other ranks the modules come back on the meta
     device (the same keys, shapes and dtypes, no values: load the saved file to use them). ``dst=None`` gives
-    every rank the tables (each holds every whole table then). The stage trains no more afterwards."""
+    every rank the tables (each holds every whole table then). The wrap trains no more afterwards. ``stage``: the
+    old name of ``wrap``, deprecated."""
     from fsembed.swap import unswap_embeddings
 
-    stage.flush()
-    unswap_embeddings(model, stage.hub, dst)
-    stage._hook.remove()  # the stage's forward hooks would look up tables that are gone
-    stage._after_hook.remove()
+    wrap = wrap_argument("unwrap_model", wrap, stage, stacklevel=2)
+    if wrap is None:
+        raise ValueError("unwrap_model: give the EmbeddingWrap that wrap_model returned for this model")
+    wrap.flush()
+    unswap_embeddings(model, wrap.hub, dst)
+    wrap._hook.remove()  # the wrap's forward hooks would look up tables that are gone
+    wrap._after_hook.remove()
     return model
 
 
@@ -210,10 +219,11 @@ class TrainStep:
     implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.job.trainer adds only
     what a job needs around it, through ``hooks``: timings, per-rank slots; and checkpoints, logs).
 
-    ``stage``: the embedding stage of ``wrap_model`` (None for a model without sharded tables). ``inputs``:
-    ``batch -> model arguments`` (default: the stage's, else the batch). ``loss``: ``(outputs, batch) ->`` the
-    sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on
-    ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the stage updates them).
+    ``wrap``: what ``wrap_model`` returned (None for a model without sharded tables; ``stage``: its old name,
+    deprecated). ``inputs``: ``batch -> model arguments`` (default: the wrap's, else the batch). ``loss``:
+    ``(outputs, batch) ->`` the sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the
+    dense part's, built on ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the
+    wrap updates them).
     ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
     ``fp32`` (pipelines.api.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
     all-reduce as ``label_count``, the forward and backward as ``forward_backward`` and the wait for the dense
@@ -229,7 +239,7 @@ class TrainStep:
         loss: Optional[Loss],
         optimizer: torch.optim.Optimizer,
         *,
-        stage: Optional[StagedPipeline] = None,
+        wrap: Optional[EmbeddingWrap] = None,
         inputs: Optional[Inputs] = None,
         device: Union[str, torch.device] = "cpu",
         rank: Optional[int] = None,
@@ -238,10 +248,12 @@ class TrainStep:
         precision: str = "auto",
         timer=None,
         hooks: Optional[StepHooks] = None,
+        stage: Optional[EmbeddingWrap] = None,
     ) -> None:
-        self.model, self.optimizer, self.stage = model, optimizer, stage
+        wrap = wrap_argument("TrainStep", wrap, stage, stacklevel=2)
+        self.model, self.optimizer, self.wrap = model, optimizer, wrap
         self.loss = loss if loss is not None else bce_loss
-        self.inputs = inputs if inputs is not None else getattr(stage, "inputs", None)
+        self.inputs = inputs if inputs is not None else getattr(wrap, "inputs", None)
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype(precision, self.device)
         self.rank = dist.get_rank() if rank is None else rank
@@ -289,8 +301,8 @@ class TrainStep:
         current, upcoming = self._current, self._take(items)
         self._current = upcoming
         result = self.train_on(current, upcoming)
-        if upcoming is None and self.stage is not None:
-            self.stage.flush()  # the last step: deferred updates land, the tables are final
+        if upcoming is None and self.wrap is not None:
+            self.wrap.flush()  # the last step: deferred updates land, the tables are final
         return result
 
     # ------------------------------------------------------------------ one step
@@ -310,7 +322,7 @@ class TrainStep:
     def forward_backward(
         self, item: LoaderItem, upcoming: Optional[LoaderItem], global_labels: float
     ) -> tuple[float, torch.Tensor]:
-        """The forward (the embedding stage handed this step's context first) and the backward of the local loss
+        """The forward (the embedding wrap handed this step's context first) and the backward of the local loss
         sum over ``global_labels``. Returns this rank's label count and, on the device (not read here: no device
         sync), its loss sum and positives: the dense all-reduce's payload.
 
@@ -321,8 +333,8 @@ class TrainStep:
             derived = derived if derived is not None and derived[0] is batch else (batch, None, None)
             # the user's inputs(), once per step (or kept from the last step, which derived this batch's ids)
             args = derived[1] if derived[1] is not None else as_args(self.inputs, batch)
-            if self.stage is not None:
-                self.stage.begin_step(self.context(item, upcoming, args, derived[2]))
+            if self.wrap is not None:
+                self.wrap.begin_step(self.context(item, upcoming, args, derived[2]))
             with autocast(self.autocast_dtype, self.device):
                 loss_sum = self.loss(call_model(self.model, self.inputs, item, args), batch)
         if self.hooks.before_backward is not None:
@@ -344,17 +356,17 @@ class TrainStep:
         if item.prefetched is not None:
             ids = item.prefetched.features
         elif ids is None:
-            ids = self.stage.feature_ids(item.batch, args)
+            ids = self.wrap.feature_ids(item.batch, args)
         upcoming_ids = None
-        if upcoming is not None and self.stage.prioritized:
+        if upcoming is not None and self.wrap.prioritized:
             upcoming_ids = upcoming.prefetched if upcoming.prefetched is not None else self._derive(upcoming.batch)
         return EmbeddingContext(ids, item.prefetched, upcoming_ids)
 
     def _derive(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the next batch, which no loader stage computed, with the model's arguments they came from (a
         KeyedJaggedTensor model's): kept for the batch's own step, so that neither is computed twice."""
-        args = as_args(self.inputs, batch) if self.stage.features is None else None
-        ids = self.stage.feature_ids(batch, args)
+        args = as_args(self.inputs, batch) if self.wrap.features is None else None
+        ids = self.wrap.feature_ids(batch, args)
         self._derived = (batch, args, ids)
         return ids
 

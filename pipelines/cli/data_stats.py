@@ -81,7 +81,7 @@ class _TimestampOrder:
 
 def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -> dict:
     """Reads ``num_samples`` samples of epoch 0 global batch by global batch and measures them."""
-    from fsdata.metrics import sparsity
+    from fsdata.balance_measures import sparsity
     from fsdata.synthetic import collision_rate, row_ids
 
     uih, ncand, clen, sparsities, rates, dup = [], [], [], [], [], []

@@ -1,2 +1,2 @@
 """The reference models: the jagged sequence model (reference.py), built through the public API like a user's,
-and torchrec's own pipeline around it as the outside reference (torchrec_ref.py)."""
+and torchrec's own TrainPipelineSparseDist around it as the outside reference (torchrec_ref.py)."""

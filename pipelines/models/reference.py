@@ -24,7 +24,7 @@ Attention (``ModelConfig.attention``):
 
 No fbgemm kernel is needed anywhere.
 Embedding tables are plain ``nn.Embedding`` modules named ``item_embedding`` and ``action_embedding``; the
-FreeScale pipeline finds and swaps them by name, so this model's code never changes.
+FreeScale wrap (``wrap_model``) finds and swaps them by name, so this model's code never changes.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class SequenceModel(nn.Module):
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids
         (``kept``: the batch's truncation, where the caller has it).
 
-        One lookup per step lets a sharded embedding stage swapped in for ``item_embedding`` exchange the ids
+        One lookup per step lets a sharded embedding module swapped in for ``item_embedding`` exchange the ids
         of the whole step at once (:meth:`embedding_ids` gives the loader's ID prefetch this same function).
         """
         flat = (kept if kept is not None else self._truncate(batch)).flat
@@ -232,7 +232,7 @@ class SequenceModel(nn.Module):
 
     def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's embedding
-        stage (computed once per batch, by the loader's ID prefetch or by the step)."""
+        wrap (computed once per batch, by the loader's ID prefetch or by the step)."""
         return {"item_embedding": self.item_ids(batch)}
 
     def plan_function(self) -> Callable[[torch.Tensor, torch.Tensor], AttentionPlan]:

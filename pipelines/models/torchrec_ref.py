@@ -19,8 +19,8 @@ looked up for this batch (the same module swap as fsembed.swap, with torchrec's 
 
 Matched with ``sync`` mode, so that losses and NE compare step by step:
 * same initial weights (the table is a copy of the seeded ``nn.Embedding``), data, and local batches;
-* loss semantics: each rank backpropagates bce_sum / global label count (counted before the batch enters the
-  pipeline), times the world size: DDP averages dense gradients over ranks and torchrec divides embedding
+* loss semantics: each rank backpropagates bce_sum / global label count (counted before the batch enters
+  TrainPipelineSparseDist), times the world size: DDP averages dense gradients over ranks and torchrec divides embedding
   gradients by the world size (comm_ops gradient division, on by default), so the factor gives back the summed
   gradient of the global mean loss that the other modes use (exact for a power-of-two world size);
 * optimizers: dense Adam(``lr``), as the trainer's; the table's fused optimizer is fbgemm's EXACT_SGD
@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdata.balance_measures import sparsity
 from fsdata.batch import CONTENT_KEY, UIH_ITEM_KEY, Batch, offsets_to_lengths
 from fsdata.item import LoaderItem
-from fsdata.metrics import sparsity
 from pipelines.models.reference import SequenceModel, bce_sum
 from pipelines.models.step_result import StepResult
 
@@ -109,7 +109,7 @@ def item_ids_kjt(model: SequenceModel, batch: Batch):
 
 @dataclass
 class TorchrecInput:
-    """One local batch as it enters torchrec's pipeline (a torchrec Pipelineable, registered at build time)."""
+    """One local batch as it enters TrainPipelineSparseDist (a torchrec Pipelineable, registered at build time)."""
 
     item_ids: object  # KeyedJaggedTensor: what the sharded collection's input dist sends
     batch: Batch  # the dense part's input
@@ -163,7 +163,7 @@ class _DenseStep(nn.Module):
 
 
 class _TorchrecSequenceModel(nn.Module):
-    """What DMP shards and the pipeline traces: the collection reads only a field of the input, so torchrec's
+    """What DMP shards and TrainPipelineSparseDist traces: the collection reads only a field of the input, so torchrec's
     tracer finds it at the top level and pipelines its input dist; ``dense`` holds no sharded module, so the
     tracer keeps it whole (a leaf)."""
 
@@ -208,7 +208,7 @@ class TorchrecReference:
     ``train_on`` per step. ``global_labels(batch)``: the global batch's label count (the trainer's timed
     all-reduce); ``phase(name)``: a context named around progress() (the trainer's, in a trace)."""
 
-    lookahead = 2  # batches the pipeline holds beyond the current one: i+1 in input dist, i+2 loaded
+    lookahead = 2  # batches TrainPipelineSparseDist holds beyond the current one: i+1 in input dist, i+2 loaded
     dense_sync = None  # DDP all-reduces the dense gradients inside progress()
 
     def __init__(
@@ -266,16 +266,16 @@ class TorchrecReference:
             dict(in_backward_optimizer_filter(self.dmp.named_parameters())), lambda ps: torch.optim.Adam(ps, lr=lr)
         )
         self.optimizer = CombinedOptimizer([self.dmp.fused_optimizer, dense])
-        self.pipeline = TrainPipelineSparseDist(self.dmp, self.optimizer, device)
+        self.sparse_dist = TrainPipelineSparseDist(self.dmp, self.optimizer, device)
         self.global_labels = global_labels
         self._phase: Callable[[str], Any] = phase if phase is not None else (lambda name: contextlib.nullcontext())
-        self._feed: deque[TorchrecInput] = deque()  # batches handed over, not yet taken by the pipeline
+        self._feed: deque[TorchrecInput] = deque()  # batches handed over, not yet taken by sparse_dist
         self._in_flight: deque[Batch] = deque()  # batches taken, in step order: what each progress() trains on
         self._fed_steps = 0  # steps whose batch was handed over
         self.step = 0
 
     def _next_input(self):
-        """The pipeline's data iterator: only batches the trainer fetched (it never reads the loader itself).
+        """TrainPipelineSparseDist's data iterator: only batches the trainer fetched (it never reads the loader itself).
 
         A fresh iterator for every progress(): torchrec never calls next() again on an iterator it saw exhausted."""
         while self._feed:
@@ -286,8 +286,8 @@ class TorchrecReference:
         return item
 
     def _feed_new(self, batches: list[Batch]) -> None:
-        """Hands the pipeline the batches it has not had yet, each with its global label count (counted now,
-        before the pipeline takes it)."""
+        """Hands TrainPipelineSparseDist the batches it has not had yet, each with its global label count
+        (counted now, before it takes them)."""
         for offset, batch in enumerate(batches):
             if self.step + offset >= self._fed_steps:
                 if batch.batch_size == 0:
@@ -301,11 +301,11 @@ class TorchrecReference:
 
     def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
         """One ``progress()``: trains on ``item``; ``upcoming`` are the ``lookahead`` items after it (fewer at the
-        end), handed to the pipeline as it needs them."""
+        end), handed to TrainPipelineSparseDist as it needs them."""
         self._feed_new([item.batch, *(u.batch for u in upcoming)])
         t0 = time.perf_counter()
         with self._phase("freescale/torchrec_progress"):
-            stats = self.pipeline.progress(self._next_input())
+            stats = self.sparse_dist.progress(self._next_input())
         progress_s = time.perf_counter() - t0
         if not self.dmp.module.item_collection.is_pipelined:  # torchrec would only log it and run unpipelined
             raise RuntimeError("mode torchrec: TrainPipelineSparseDist did not pipeline the item collection")

@@ -49,7 +49,7 @@ from fsdata.partition import (
     kept_tokens,
 )
 from fsdata.partition.cost import rank_features
-from fsdata.partition.metrics import per_rank_sparsity
+from fsdata.partition.plan_sparsity import per_rank_sparsity
 
 KUAIRAND_MEDIAN, KUAIRAND_MEAN = 3379.0, 5038.0  # KuaiRand-1K UIH lengths as published
 

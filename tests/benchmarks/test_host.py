@@ -19,6 +19,6 @@ def test_bench_host_ops_do_not_grow_with_the_world_size(tmp_path):
     for r in rows:
         assert r["ms"] > 0
         by_path.setdefault(r["path"], {})[r["world_size"]] = r["torch_ops"]
-    assert set(by_path) == {"balance metrics", "stage II unpad", "flags split", "fbs plan"}
+    assert set(by_path) == {"balance measures", "stage II unpad", "flags split", "fbs plan"}
     for path, ops in by_path.items():
         assert ops[2] == ops[16], f"{path}: {ops[2]} torch ops at 2 ranks, {ops[16]} at 16"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,13 +35,13 @@ def _splits(step: int, world_size: int) -> torch.Tensor:
     return s
 
 
-def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
+def _many_all_to_all(rank, world_size, n_ops, relay_cpu=False):
     from fscomm import get_transport
 
-    t = get_transport("host", stage_cpu=stage_cpu)
+    t = get_transport("host", relay_cpu=relay_cpu)
     cases = []
     handles = []
-    stage("issue")
+    doing("issue")
     for step in range(n_ops):  # everything in flight before the first wait
         dtype = DTYPES[step % len(DTYPES)]
         shape = [(), (3,), (2, 5)][step % 3]
@@ -50,17 +50,17 @@ def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
         send = s[rank] if step % 2 else s[rank].tolist()  # tensor and list splits
         handles.append(t.all_to_all(x, send, s[:, rank].tolist(), keep_host=step % 3 == 0))
         cases.append((step, s, shape, dtype))
-    stage("wait")
+    doing("wait")
     for h, (step, s, shape, dtype) in zip(handles, cases):
         got = h.wait()
         want = torch.cat([_payload(src, rank, step, int(s[src, rank]), shape, dtype) for src in range(world_size)])
         assert got.dtype == dtype and got.shape == want.shape, (step, got.shape, want.shape)
         assert torch.equal(got, want), step
-        if step % 3 == 0:  # keep_host: the same result read on the host (the staged path's own copy of the bytes)
+        if step % 3 == 0:  # keep_host: the same result read on the host (the host relay's own copy of the bytes)
             host = h.host()
             assert host.device.type == "cpu" and host.dtype == dtype and torch.equal(host, want), step
         assert h.is_completed() and h.wait_time_s >= 0
-    if stage_cpu:  # the same traffic twice more: the pool grows with the ops in flight, not with the ops done
+    if relay_cpu:  # the same traffic twice more: the pool grows with the ops in flight, not with the ops done
         for _ in range(2):
             again = []
             for step, s, shape, dtype in cases:
@@ -73,16 +73,16 @@ def _many_all_to_all(rank, world_size, n_ops, stage_cpu=False):
     return len(handles)
 
 
-@pytest.mark.parametrize("world_size,stage_cpu", [(2, False), (3, False), (3, True)])
-def test_all_to_all_uneven_zero_splits_many_outstanding(world_size, stage_cpu):
-    """stage_cpu runs the work-buffer layout of the CUDA path (copy out, exchange, copy back) on CPU."""
-    assert run_ranks(_many_all_to_all, world_size, args=(15, stage_cpu), timeout=60) == [15] * world_size
+@pytest.mark.parametrize("world_size,relay_cpu", [(2, False), (3, False), (3, True)])
+def test_all_to_all_uneven_zero_splits_many_outstanding(world_size, relay_cpu):
+    """relay_cpu runs the work-buffer layout of the CUDA path (copy out, exchange, copy back) on CPU."""
+    assert run_ranks(_many_all_to_all, world_size, args=(15, relay_cpu), timeout=60) == [15] * world_size
 
 
-def _all_gather_cases(rank, world_size, stage_cpu):
+def _all_gather_cases(rank, world_size, relay_cpu):
     from fscomm import get_transport
 
-    t = get_transport("host", stage_cpu=stage_cpu)
+    t = get_transport("host", relay_cpu=relay_cpu)
     sizes = [0 if r == 1 else 2 * r + 1 for r in range(world_size)]  # rank 1 contributes nothing
     hs = []
     for dtype in DTYPES:
@@ -103,9 +103,9 @@ def _all_gather_cases(rank, world_size, stage_cpu):
     return True
 
 
-@pytest.mark.parametrize("stage_cpu", [False, True])
-def test_all_gather_equal_and_variable_sizes(stage_cpu):
-    assert all(run_ranks(_all_gather_cases, 4, args=(stage_cpu,), timeout=60))
+@pytest.mark.parametrize("relay_cpu", [False, True])
+def test_all_gather_equal_and_variable_sizes(relay_cpu):
+    assert all(run_ranks(_all_gather_cases, 4, args=(relay_cpu,), timeout=60))
 
 
 def _large(rank, world_size):
@@ -168,11 +168,11 @@ def test_input_errors_are_clear_value_errors():
 
 
 def _thread_guard(rank, world_size):
-    from fscomm import get_transport, new_stage_group
+    from fscomm import get_transport, new_thread_group
 
     t = get_transport("host")
     t.all_gather(torch.ones(1)).wait()  # the main thread now owns fscomm's default group
-    loader_group = new_stage_group("loader")  # collective, made at set-up by the main thread
+    loader_group = new_thread_group("loader")  # collective, made at set-up by the main thread
     out = {}
 
     def loader():
@@ -201,14 +201,14 @@ def _thread_guard(rank, world_size):
 def test_one_thread_per_group():
     out = run_ranks(_thread_guard, 2, timeout=60)[0]
     assert "used by thread 'MainThread'" in out["same_group"] and "loader-thread" in out["same_group"]
-    assert "new_stage_group" in out["same_group"]
+    assert "new_thread_group" in out["same_group"]
     assert out["own_group"] == [0, 1] and out["takeover"] == [0, 1]
 
 
 def _never_joins(rank, world_size, timeout_s):
-    from fscomm import CollectiveError, get_transport, new_stage_group
+    from fscomm import CollectiveError, get_transport, new_thread_group
 
-    g = new_stage_group("balancer", timeout=datetime.timedelta(seconds=timeout_s))
+    g = new_thread_group("balancer", timeout=datetime.timedelta(seconds=timeout_s))
     t = get_transport("host", g)
     t.all_gather(torch.ones(2)).wait()
     if rank == world_size - 1:  # alive, but never issues the exchange
@@ -230,11 +230,11 @@ def test_peer_that_never_joins_times_out_naming_op_and_rank():
         assert took < 3 + 3, took
 
 
-def _dies(rank, world_size, stage_cpu):
-    from fscomm import CollectiveError, get_transport, groups, new_stage_group
+def _dies(rank, world_size, relay_cpu):
+    from fscomm import CollectiveError, get_transport, groups, new_thread_group
 
-    g = new_stage_group("ids", timeout=datetime.timedelta(seconds=5))
-    t = get_transport("host", g, stage_cpu=stage_cpu)
+    g = new_thread_group("ids", timeout=datetime.timedelta(seconds=5))
+    t = get_transport("host", g, relay_cpu=relay_cpu)
     t.all_gather(torch.ones(2)).wait()
     if rank == 1:  # its connections close as a crashed process's would; the process stays to report
         groups.forget_all()
@@ -260,31 +260,31 @@ def _dies(rank, world_size, stage_cpu):
     return msg, took, "no error"
 
 
-@pytest.mark.parametrize("stage_cpu", [False, True])
-def test_peer_that_dies_fails_fast_naming_op_and_rank(stage_cpu):
-    msg, took, host_msg = run_ranks(_dies, 2, args=(stage_cpu,), timeout=40)[0]
+@pytest.mark.parametrize("relay_cpu", [False, True])
+def test_peer_that_dies_fails_fast_naming_op_and_rank(relay_cpu):
+    msg, took, host_msg = run_ranks(_dies, 2, args=(relay_cpu,), timeout=40)[0]
     assert "all_gather #1" in msg and "rank(s) [1]" in msg, msg
     assert took < 5, took  # a closed connection is seen at once, well before the group timeout
     assert "all_to_all #2" in host_msg and "rank(s) [1]" in host_msg, host_msg
 
 
 def _skips_group(rank, world_size):
-    from fscomm import new_stage_group
+    from fscomm import new_thread_group
 
-    if rank == 1:  # never joins the stage group
+    if rank == 1:  # never joins the thread group
         time.sleep(4)
         return None
     t0 = time.monotonic()
     try:
-        new_stage_group("embedding", timeout=datetime.timedelta(seconds=2))
+        new_thread_group("embedding", timeout=datetime.timedelta(seconds=2))
     except RuntimeError as exc:
         return str(exc), time.monotonic() - t0
     return "no error", 0.0
 
 
-def test_peer_that_never_joins_a_stage_group_is_an_error():
+def test_peer_that_never_joins_a_thread_group_is_an_error():
     msg, took = run_ranks(_skips_group, 2, timeout=40)[0]
-    assert "new_stage_group('embedding') on rank 0 of 2: not every rank joined within 2.0 s" in msg, msg
+    assert "new_thread_group('embedding') on rank 0 of 2: not every rank joined within 2.0 s" in msg, msg
     assert "rank(s) [1] never called it" in msg, msg
     assert took < 4, took
 

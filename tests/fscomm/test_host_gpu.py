@@ -1,4 +1,4 @@
-"""The host backend on a GPU: the staged CUDA path is correct, launches no kernel, and its copies run on a
+"""The host backend on a GPU: the host relay's CUDA path is correct, launches no kernel, and its copies run on a
 stream of their own, overlapping compute. Rank 0 holds the GPU, rank 1 is a CPU peer (one GPU suffices)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _correct(rank, world_size, name):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["host-tcp", "host-shm"])
-def test_staged_cuda_path_matches_cpu_truth(name):
+def test_relay_cuda_path_matches_cpu_truth(name):
     results = run_ranks(_correct, 2, args=(name,), timeout=120)
     base = [torch.arange(24).reshape(8, 3) + 100 * r for r in range(2)]
     for i, dtype in enumerate((torch.bfloat16, torch.int64, torch.float32, torch.bool)):
@@ -56,7 +56,7 @@ def _profiled(rank, world_size):
     from fscomm import get_transport
 
     dev = _cuda_or_cpu(rank)
-    t = get_transport("host-tcp")  # the staged path (its pool); the shared-memory path: test_shm_gpu.py
+    t = get_transport("host-tcp")  # the host relay's path (its pool); the shared-memory path: test_shm_gpu.py
     x = torch.ones(8 << 20, dtype=torch.uint8, device=dev)  # 4 MiB to each rank
     splits = [4 << 20, 4 << 20]
 
@@ -67,7 +67,7 @@ def _profiled(rank, world_size):
 
     # Four exchanges in flight at most below, each with a work buffer of 16 MiB (what leaves | what arrives).
     # Issuing four is no warm-up: the first may finish before the fourth is issued, leaving three blocks.
-    t.stager.pool.reserve(16 << 20, 4)
+    t.relay.pool.reserve(16 << 20, 4)
     exchanges(4)
     warm = t.pool_stats()["allocations"]
     if dev.type != "cuda":

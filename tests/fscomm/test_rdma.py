@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fscomm.pinned_pool import PinnedPool
 from fscomm.rdma import RdmaTransport, queue_depth, wait_completions
-from fscomm.staging import PinnedPool
 from tests.fscomm.fake_qp import FakeRing
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fscomm.pinned_pool import PinnedPool
 from fscomm.rdma import ring_all_gather_bytes, ring_all_to_all_bytes, verbs_unavailable_reason
 from fscomm.ring import all_gather_steps, all_to_all_plan
-from fscomm.staging import PinnedPool
 from tests.fscomm.fake_qp import FakeRing
 
 

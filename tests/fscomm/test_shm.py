@@ -66,18 +66,18 @@ def test_shared_memory_is_chosen_on_one_host_grows_and_leaves_no_segment():
 
 
 def _forced_paths(rank, world_size, fake_other_host):
-    from fscomm import TransportUnavailableError, get_transport, new_stage_group, shm
+    from fscomm import TransportUnavailableError, get_transport, new_thread_group, shm
 
     if fake_other_host == "host" and rank == 1:
         shm._host_identity = lambda: ("elsewhere", "another-boot")
     if fake_other_host == "small-shm" and rank == 1:
         shm._free_bytes = lambda: 64 << 20
-    tcp = get_transport("host-tcp", new_stage_group("tcp"))
-    auto = get_transport("host", new_stage_group("auto"))
-    with pytest.raises(ValueError, match="stage_cpu"):
-        get_transport("host-shm", stage_cpu=True)
+    tcp = get_transport("host-tcp", new_thread_group("tcp"))
+    auto = get_transport("host", new_thread_group("auto"))
+    with pytest.raises(ValueError, match="relay_cpu"):
+        get_transport("host-shm", relay_cpu=True)
     try:
-        forced = get_transport("host-shm", new_stage_group("forced")).active_path
+        forced = get_transport("host-shm", new_thread_group("forced")).active_path
     except TransportUnavailableError as exc:
         forced = str(exc)
     x = torch.arange(4) + 10 * rank
@@ -101,10 +101,10 @@ def test_tcp_stays_selectable_and_ranks_on_other_hosts_use_it(fake_other_host):
 
 
 def _peer_dies(rank, world_size):
-    from fscomm import get_transport, new_stage_group
+    from fscomm import get_transport, new_thread_group
     from fscomm.shm import PeerLostError
 
-    t = get_transport("host", new_stage_group("ids", timeout=datetime.timedelta(seconds=30)))
+    t = get_transport("host", new_thread_group("ids", timeout=datetime.timedelta(seconds=30)))
     pids = t.all_gather(torch.tensor([float(os.getpid())])).wait().view(-1).long().tolist()
     if rank == 1:
         # grown just before dying: its new data segment is still linked (peers have not read it yet)

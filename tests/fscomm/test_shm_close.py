@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _closes_at_once(rank, world_size):
-    from fscomm import get_transport, new_stage_group
+    from fscomm import get_transport, new_thread_group
     from fscomm.shm import ShmExchange
 
     if rank == 0:  # slow to map its peer's first data segment: the peer is done and closing by then
@@ -26,7 +26,7 @@ def _closes_at_once(rank, world_size):
             return read(self, *args, **kwargs)
 
         ShmExchange._peer_block = late
-    t = get_transport("host", new_stage_group("ids", timeout=datetime.timedelta(seconds=20)))
+    t = get_transport("host", new_thread_group("ids", timeout=datetime.timedelta(seconds=20)))
     out = t.all_gather(torch.full((2,), float(rank))).wait().tolist()
     if rank == 1:
         t0 = time.monotonic()

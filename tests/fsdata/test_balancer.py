@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 NUM_SAMPLES = (
     45  # 45 = 3 full global steps of 2x6 + 9: the last global batch is uneven (and empty on some ranks at W=4)
@@ -45,14 +45,14 @@ def _loader(rank, world_size, partitioner, transport, prefetch=1, lookahead=True
 
 def _exactly_once_body(rank, world_size, partitioner, lookahead=True):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
 
-    transport = CountingTransport(get_transport("host", group=new_stage_group("balancer")))
+    transport = CountingTransport(get_transport("host", group=new_thread_group("balancer")))
     loader, source = _loader(rank, world_size, partitioner, transport, lookahead=lookahead)
     steps = []
     for item in loader:
         batch, info = item.batch, item.report
-        stage(f"step {len(steps)}")
+        doing(f"step {len(steps)}")
         steps.append((sorted(batch.sample_ids.tolist()), info, batch))
     return steps, transport.calls, len(steps)
 
@@ -78,7 +78,7 @@ def test_exactly_once_and_same_plan(partitioner, world_size, lookahead):
         expected = source.read(0, step * global_batch, min((step + 1) * global_batch, NUM_SAMPLES))
         got = [sid for rank_steps, _, _ in results for sid in rank_steps[step][0]]
         assert sorted(got) == sorted(expected.sample_ids.tolist()), f"step {step}: samples lost or repeated"
-        # Same plan everywhere: every rank reports identical balance metrics for the step.
+        # Same plan everywhere: every rank reports identical balance measures for the step.
         infos = [rank_steps[step][1] for rank_steps, _, _ in results]
         assert all(i == infos[0] for i in infos)
         # Whole samples moved intact: every balanced sample equals the source's sample with that id.
@@ -94,9 +94,9 @@ def test_exactly_once_and_same_plan(partitioner, world_size, lookahead):
 
 def _balance_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     loader, _ = _loader(rank, world_size, "fbs", transport)
     return [item.report for item in loader]
 
@@ -113,10 +113,10 @@ def test_fbs_does_not_worsen_imbalance():
 
 def _resume_body(rank, world_size, lookahead):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from tests.stateful import run_test_save_load_state
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     run_test_save_load_state(lambda: _loader(rank, world_size, "vbs", transport, lookahead=lookahead)[0], midpoint=2)
     return True
 
@@ -150,13 +150,13 @@ def reversed_fbs(lengths, runtime):
 
 def _custom_order_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     loader, _ = _loader(rank, world_size, "tests.fsdata.test_balancer:reversed_fbs", transport)
     batches = []
     for item in loader:
-        stage(f"step {len(batches)}")
+        doing(f"step {len(batches)}")
         batches.append(item.batch)
     return batches, list(_PLANNED_IDS)
 
@@ -193,7 +193,7 @@ def test_custom_order_within_rank(world_size):
 
 def _autotune_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
     from fsdata.nodes.gather_lengths import StepFeedback
@@ -201,7 +201,7 @@ def _autotune_body(rank, world_size):
 
     source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=400, seed=5, uih_max=200))
     feedback = StepFeedback()
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     stages = balancer_stages(BalancerConfig("vbs", autotune=True), transport, rank, world_size, BATCH, feedback)
     counts = []
     for step, item in enumerate(
@@ -223,7 +223,7 @@ def test_vbs_autotune_moves_work_off_a_slow_rank():
 
 def _gate_body(rank, world_size, lengths_matter):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
     from fsdata.nodes.gather_lengths import StepFeedback
@@ -231,7 +231,7 @@ def _gate_body(rank, world_size, lengths_matter):
 
     source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=240, seed=5, uih_max=200))
     feedback = StepFeedback()
-    transport = CountingTransport(get_transport("host", group=new_stage_group("balancer")))
+    transport = CountingTransport(get_transport("host", group=new_thread_group("balancer")))
     stages = balancer_stages(BalancerConfig("fbs", min_gain=0.05), transport, rank, world_size, BATCH, feedback)
     loader = build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)
     steps = []
@@ -297,8 +297,8 @@ def test_measurements_join_the_ranks_reports_across_items_and_resume():
 
 
 def _reference_stats(values, offsets):
-    """Per rank: token sum and Eq. 1 sparsity, one segment at a time (fsdata.metrics.sparsity)."""
-    from fsdata.metrics import sparsity
+    """Per rank: token sum and Eq. 1 sparsity, one segment at a time (fsdata.balance_measures.sparsity)."""
+    from fsdata.balance_measures import sparsity
 
     return (
         [int(sum(values[lo:hi])) for lo, hi in zip(offsets[:-1], offsets[1:])],
@@ -370,11 +370,11 @@ class ExtraFeatureSource:
 
 def _extras_body(rank, world_size, partitioner):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     stages = balancer_stages(BalancerConfig(partitioner=partitioner), transport, rank, world_size, capacity=BATCH)
     loader = build_loader(
         ExtraFeatureSource(NUM_SAMPLES), LoaderConfig(batch_size=BATCH, prefetch_depth=1), rank, world_size, stages
@@ -412,7 +412,7 @@ def test_shuffle_moves_the_users_extra_features(partitioner, world_size):
 
 def _mismatched_extras_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
 
@@ -420,7 +420,7 @@ def _mismatched_extras_body(rank, world_size):
     if rank == 1:  # one rank's reader lacks a field
         read = source.read
         source.read = lambda *a: (lambda b: (b.extra_dense.pop("age"), b)[1])(read(*a))
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
     stages = balancer_stages(BalancerConfig(partitioner="fbs"), transport, rank, world_size, capacity=BATCH)
     loader = build_loader(source, LoaderConfig(batch_size=BATCH, prefetch_depth=0), rank, world_size, stages)
     try:
@@ -438,12 +438,12 @@ def test_ranks_with_other_extra_features_are_refused():
 
 def _extras_resume_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
     from tests.stateful import run_test_save_load_state
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
 
     def make():
         stages = balancer_stages(BalancerConfig(partitioner="kk"), transport, rank, world_size, capacity=BATCH)
@@ -486,10 +486,10 @@ def local_on_rank_0_at_step_1(lengths, runtime):
 
 def _partitioner_fault_body(rank, world_size, partitioner):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.loader import shutdown_loader
 
-    loader, _ = _loader(rank, world_size, partitioner, get_transport("host", group=new_stage_group("balancer")))
+    loader, _ = _loader(rank, world_size, partitioner, get_transport("host", group=new_thread_group("balancer")))
     try:
         for _ in loader:
             pass

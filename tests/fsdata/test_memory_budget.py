@@ -248,12 +248,12 @@ def test_the_auto_model_and_its_device(monkeypatch):
 # ---------------------------------------------------------------------------------------------- on gloo ranks
 def _budget_body(rank, world_size):
     from fscomm import get_transport
-    from fscomm.groups import new_stage_group
+    from fscomm.groups import new_thread_group
     from fsdata.balancer import BalancerConfig, balancer_stages
     from fsdata.loader import LoaderConfig, build_loader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
-    transport = get_transport("host", group=new_stage_group("balancer"))
+    transport = get_transport("host", group=new_thread_group("balancer"))
 
     def loader(budget):
         source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=45, seed=3, uih_max=200))

@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.metrics import lower_bound, per_rank_cost, straggler_fraction
-from fsdata.metrics import sparsity
+from benchmarks.plan_measures import lower_bound, per_rank_cost, straggler_fraction
+from fsdata.balance_measures import sparsity
 from fsdata.partition import (
     AutoTune,
     BalanceGate,
@@ -29,7 +29,7 @@ from fsdata.partition import (
     rank_features,
 )
 from fsdata.partition.fbs import zigzag_ranks
-from fsdata.partition.metrics import per_rank_sparsity
+from fsdata.partition.plan_sparsity import per_rank_sparsity
 from fsdata.partition.vbs import segment_cuts
 
 BUILTINS = ["none", "fbs", "vbs", "kk"]
@@ -407,8 +407,8 @@ def test_plan_validate_names_missing_and_repeated_samples():
         Plan([0, 0, 1], [0, 1, 3]).validate(3)
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-def test_plan_metrics_agree_with_the_single_batch_definitions():
+# -------------------------------------------------------------------------------------- balance measures
+def test_plan_measures_agree_with_the_single_batch_definitions():
     lengths = random_lengths(8, 16, seed=11)
     plan = get_partitioner("fbs")(lengths, RuntimeInfo())
     got = per_rank_sparsity(plan, lengths.uih_lengths)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 pytest.importorskip("torchdata")
@@ -55,12 +55,12 @@ def _make_loader(rank, world_size, transport):
 
 
 def _body(rank, world_size):
-    from fsembed.comm import stage_transports
+    from fsembed.transports import embedding_transports
     from tests.stateful import run_test_save_load_state
 
-    transport = stage_transports().forward
+    transport = embedding_transports().forward
     plan = _plan(world_size)
-    stage("one epoch")
+    doing("one epoch")
     sent = received = batches = 0
     owned = True
     for batch, features, keyed in _make_loader(rank, world_size, transport):
@@ -69,7 +69,7 @@ def _body(rank, world_size):
         stacked = plan.stack_ids(features)
         for g in plan.groups:
             ids, send, recv, perm, recv_offsets = keyed[g.name]
-            # the stage brings the receive offsets along, so the embedding stage need not build them per step
+            # the stage brings the receive offsets along, so the embedding exchanges need not build them per step
             owned &= recv_offsets.tolist() == [0, *torch.tensor(recv).cumsum(0).tolist()]
             sent += stacked[g.name][0].numel()
             received += ids.numel()
@@ -79,7 +79,7 @@ def _body(rank, world_size):
             dest = torch.bucketize(stacked[g.name][0][perm], g.boundaries[1:], right=True)
             owned &= torch.equal(dest, torch.repeat_interleave(torch.arange(world_size), torch.tensor(send)))
     owned &= _features.calls == batches  # each batch's ids computed once, in the stage
-    stage("save/load")
+    doing("save/load")
     run_test_save_load_state(lambda: _make_loader(rank, world_size, transport), midpoint=2)
     return sent, received, owned
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.fsembed.workload import loss_of, small_plan, step_features
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ def _optimizer(name: str):
 
 def train(coll, feats, prefetch: bool, after_forward=None, schedules=None):
     """Trains over ``feats`` with a one-step lookahead; returns the losses. ``after_forward(coll)`` runs between
-    every forward and its backward (where the staged pipeline's forward hook runs); ``schedules``: the embedding
+    every forward and its backward (where the embedding wrap's forward hook runs); ``schedules``: the embedding
     schedule of every step (set before its forward, as the trainer does)."""
     ahead = (lambda f: coll.exchange_ids(f)) if prefetch else (lambda f: f)
     losses = []
@@ -84,14 +84,14 @@ def _pair(
     ``early_start="backward"``: lines 6-7 and 12 held, started after the forward (``hook``) or by the backward.
     ``exclusive_start="forward"``: the deferred exclusive gradients held until the next forward sends them."""
     from fscomm import get_transport
-    from fsembed.comm import StageTransports
     from fsembed.prioritized import PrioritizedEmbeddingCollection
     from fsembed.sharded import ShardedEmbeddingCollection
+    from fsembed.transports import EmbeddingTransports
 
     plan = small_plan(world_size, item_dtype=item_dtype or torch.float32)
     feats = [step_features(plan, s, rank, collision, empty_rank=empty_rank) for s in range(STEPS)]
     sync = ShardedEmbeddingCollection(plan, rank, optimizer=_optimizer(opt), seed=1)
-    transport = {} if chain else {"transport": StageTransports.single(get_transport("host"))}
+    transport = {} if chain else {"transport": EmbeddingTransports.single(get_transport("host"))}
     prio = PrioritizedEmbeddingCollection(
         plan,
         rank,
@@ -123,7 +123,7 @@ def _pair(
 def _cases(rank, world_size, cases):
     out = []
     for case in cases:
-        stage(f"case {case}")
+        doing(f"case {case}")
         out.append(_pair(rank, world_size, *case))
     return out
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.fsembed.workload import loss_of, small_plan, step_features
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,18 +33,18 @@ def _resume(rank, world_size, opt_name, cut):
     feats = [step_features(plan, s, rank, "zipf", seed=3) for s in range(STEPS)]
     make_opt = lambda: SGD(lr=0.1) if opt_name == "sgd" else RowWiseAdagrad(lr=0.1)
 
-    stage("uninterrupted")
+    doing("uninterrupted")
     ref, ref_losses = PrioritizedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=2), []
     _run(ref, feats, 0, STEPS, ref_losses)
 
-    stage("stop")
+    doing("stop")
     first, losses = PrioritizedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=2), []
     _run(first, feats, 0, cut, losses)
     first.flush()  # every rank: state_dict() itself issues no collective
     state = first.state_dict()
     in_flight = bool(state["_extra_state"]["in_flight"])
 
-    stage("resume")
+    doing("resume")
     resumed = PrioritizedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=7)  # other init: overwritten
     resumed.load_state_dict(state)
     for s in range(cut, STEPS):  # the context holds step `cut`: no ids needed for it
@@ -53,7 +53,7 @@ def _resume(rank, world_size, opt_name, cut):
         loss.backward()
         losses.append(loss.detach())
 
-    stage("eval in the middle")
+    doing("eval in the middle")
     sync, sync_losses = ShardedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=2), []
     _run(sync, feats, 0, STEPS, sync_losses)
     ev, ev_losses = PrioritizedEmbeddingCollection(plan, rank, optimizer=make_opt(), seed=2), []

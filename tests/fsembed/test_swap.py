@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -52,7 +52,7 @@ def _body(rank, world_size):
 
     out = {}
     for mode in ("sync", "prioritized"):
-        stage(mode)
+        doing(mode)
         model = UserModel()
         hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], schedule=mode, optimizer=SGD(lr=LR))
         losses = []
@@ -153,7 +153,7 @@ def _prefetched_body(rank, world_size):
     hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], optimizer=SGD(lr=LR))
     items, users = _data(0, rank)
     feats = {"towers.item_emb": items.reshape(-1), "user_emb": users}
-    early = hub.collection.exchange_ids(feats)  # started before the step, as TorchRec's SparseDist pipeline does
+    early = hub.collection.exchange_ids(feats)  # started before the step, as TorchRec's TrainPipelineSparseDist does
     _prepare(hub, feats, exchange=early)
     with_prefetch = model(items, users).detach()
     model.eval()

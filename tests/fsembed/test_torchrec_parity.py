@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fsembed.workload import FEATURES, loss_of, small_plan, step_features
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 torchrec = pytest.importorskip("torchrec")
@@ -100,11 +100,11 @@ def _compare(rank, world_size, opt_name, divide):
         seed=5,
         grad_scale=1.0 / world_size if divide else 1.0,
     )
-    stage("build torchrec DMP")
+    doing("build torchrec DMP")
     theirs = _torchrec_model(plan, world_size, ours.full_tables(), opt_name)
     worst_lookup, worst_loss = 0.0, 0.0
     for s in range(STEPS):
-        stage(f"step {s}")
+        doing(f"step {s}")
         feats = step_features(plan, s, rank, "zipf", seed=11)
         e_ours = ours(feats)
         e_theirs = {k: jt.values() for k, jt in theirs(_kjt(feats)).items()}
@@ -116,7 +116,7 @@ def _compare(rank, world_size, opt_name, divide):
         worst_loss = max(worst_loss, abs(float((l_ours - l_theirs).detach())))
         l_ours.backward()
         l_theirs.backward()
-    stage("final rows")
+    doing("final rows")
     ours_tables = ours.full_tables()
     all_rows = {
         f: torch.arange(plan.table_of(f).num_rows) if f in ("uih", "user") else torch.zeros(0, dtype=torch.int64)

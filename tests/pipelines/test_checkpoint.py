@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipelines.job import checkpoint, checkpoint_io, checkpoint_manifest, dcp, dcp_state
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 
 class _RunsCode:
@@ -315,7 +315,7 @@ def _tables(world_size: int, boundaries: dict) -> "nn.Module":
     rank = torch.distributed.get_rank()
     model = nn.Module()
     model.dense = nn.Linear(2, 2)
-    # no lookups here: a placeholder transport spares the stage's process groups
+    # no lookups here: a placeholder transport spares the embedding exchanges' process groups
     model.tables = ShardedEmbeddingCollection(plan, rank, transport=object(), optimizer=RowWiseAdagrad(lr=0.1))
     return model
 
@@ -354,7 +354,7 @@ def _save_uneven(rank, world_size, root):
     _fill(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     saver = checkpoint.Checkpointer(root, rank, world_size, async_save=True)
-    stage("async save")
+    doing("async save")
     saver.save(3, model, optimizer, {"rank": rank}, {"epoch": 1, "cursor": 24})
     with torch.no_grad():  # training goes on while the save writes: the checkpoint keeps the values of step 3
         model.dense.weight.add_(1.0)

@@ -142,7 +142,7 @@ def _held_out():
 def _predict_on_ranks(rank, world_size):
     from fsdata import LoaderConfig, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
     from pipelines import TrainStep, wrap_model
-    from tests.harness import stage
+    from tests.harness import doing
 
     torch.manual_seed(0)
     model = _Tower()
@@ -150,9 +150,9 @@ def _predict_on_ranks(rank, world_size):
     table = wrap_model(model, embeddings=["items"], mode="freescale", features=features)
     source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=160, seed=1, uih_max=32))
     loader = build_loader(source, LoaderConfig(batch_size=8), rank, world_size, table.loader_stages(rank))
-    step = TrainStep(model, None, torch.optim.Adam(model.parameters(), lr=1e-2), stage=table)
+    step = TrainStep(model, None, torch.optim.Adam(model.parameters(), lr=1e-2), wrap=table)
     items = iter(loader)
-    stage("train")
+    doing("train")
     while step.has_next(items) and step.step < 4:
         step.progress(items)
     shutdown_loader(loader)
@@ -164,12 +164,12 @@ def _predict_on_ranks(rank, world_size):
         passes.append(build_loader(_held_out(), LoaderConfig(batch_size=8), rank, world_size))  # no stages needed
         return passes[-1]
 
-    stage("predict")
-    rows = predict(model, held_out(), stage=table)
-    probabilities = predict(model, held_out(), stage=table, probabilities=True).scores
-    one = predict(model, _held_out().read(0, 0, 6), stage=table).scores  # every rank: its lookup is collective
-    stage("evaluate")
-    result = evaluate(model, held_out(), stage=table)
+    doing("predict")
+    rows = predict(model, held_out(), wrap=table)
+    probabilities = predict(model, held_out(), wrap=table, probabilities=True).scores
+    one = predict(model, _held_out().read(0, 0, 6), wrap=table).scores  # every rank: its lookup is collective
+    doing("evaluate")
+    result = evaluate(model, held_out(), wrap=table)
     for loader in passes:
         shutdown_loader(loader)
     return {"rows": rows, "probabilities": probabilities, "one": one, "seen": seen, "result": result}

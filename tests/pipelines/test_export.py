@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,12 +81,12 @@ def _body(rank, world_size, kind, mode, path, dst):
     if kind == "torchrec":
         from examples.bring_your_own_model import inputs, loss
 
-        stage_ = wrap_model(
+        wrap = wrap_model(
             model, types=["EmbeddingCollection"], mode=mode, inputs=inputs, optimizer=RowWiseAdagrad(lr=0.05)
         )
     else:  # uneven row-wise split: rank 0 holds 30 rows, rank 1 the other 10
         loss = None
-        stage_ = wrap_model(
+        wrap = wrap_model(
             model,
             embeddings=["item_emb"],
             mode=mode,
@@ -94,28 +94,28 @@ def _body(rank, world_size, kind, mode, path, dst):
             optimizer=RowWiseAdagrad(lr=0.05),
             row_boundaries={"item_emb": torch.tensor([0, 30, 40])},
         )
-    loader = build_loader(source, LoaderConfig(batch_size=8), rank, world_size, stage_.loader_stages(rank))
-    step = TrainStep(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), stage=stage_)
+    loader = build_loader(source, LoaderConfig(batch_size=8), rank, world_size, wrap.loader_stages(rank))
+    step = TrainStep(model, loss, torch.optim.Adam(model.parameters(), lr=1e-2), wrap=wrap)
     items = iter(loader)
-    stage("train")
+    doing("train")
     while step.has_next(items) and step.step < STEPS:
         step.progress(items)
-    stage_.flush()
+    wrap.flush()
     shutdown_loader(loader)
     probe = source.read(1, 0, 12)  # the same samples on every rank: its lookups are collective
     model.eval()
-    stage("wrapped logits")
-    stage_.begin_step(probe)
+    doing("wrapped logits")
+    wrap.begin_step(probe)
     trained = _logits(kind, model, probe)
-    stage("unwrap")
-    unwrap_model(model, stage_, dst=dst)
+    doing("unwrap")
+    unwrap_model(model, wrap, dst=dst)
     state = model.state_dict()
     holds = {k: v.device.type != "meta" for k, v in state.items()}
     if rank == (dst or 0):
         torch.save(state, path)
     unwrapped = _logits(kind, model, probe) if all(holds.values()) else None
     try:
-        unwrap_model(model, stage_, dst=dst)
+        unwrap_model(model, wrap, dst=dst)
         again = None
     except ValueError as e:
         again = str(e)

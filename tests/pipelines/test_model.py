@@ -112,7 +112,7 @@ def test_the_forward_makes_no_device_sync_for_a_batch_from_the_host():
 def test_a_forward_truncates_its_batch_once_and_keeps_nothing_of_it(monkeypatch, attention):
     """The lookup's ids, the tokens and both attentions need the batch's truncation: the forward computes it once
     and hands it to its parts, and keeps nothing between calls (the step's ids come with its context, not from a
-    cache in the model). ``embedding_ids`` is the embedding stage's features: the ids the forward looks up."""
+    cache in the model). ``embedding_ids`` is the embedding wrap's features: the ids the forward looks up."""
     import io
 
     rng = np.random.default_rng(3)

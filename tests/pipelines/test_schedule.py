@@ -149,7 +149,7 @@ RUNS = {  # name: (mode, schedule, the schedule whose probe times are made the f
 
 
 def _train(rank, world_size, name):
-    """One run per process group (a process makes its stage groups once)."""
+    """One run per process group (a process makes its thread groups once)."""
     import torch
 
     from pipelines.job.trainer import Trainer

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 STEPS, B, NUM_ITEMS, NUM_USERS, DIM, LR, DENSE_LR = 5, 3, 23, 5, 4, 0.05, 0.1
 
@@ -84,7 +84,7 @@ def _train_body(rank, world_size, optimizer):
 
     out = {}
     for mode in ("sync", "freescale"):
-        stage(mode)
+        doing(mode)
         model = UserModel()
         emb = wrap_model(
             model,
@@ -94,7 +94,7 @@ def _train_body(rank, world_size, optimizer):
             inputs=_inputs,
             optimizer=_optimizer(optimizer),
         )
-        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), wrap=emb)
         items = iter([LoaderItem(_batch(s, rank)) for s in range(STEPS)])
         losses = []
         while step.has_next(items):
@@ -186,7 +186,7 @@ def _called_more_than_prepared_body(rank, world_size):
         features=lambda b: {"items": b.uih_item_ids, "users": b.user_ids},
         inputs=_inputs,
     )
-    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), wrap=emb)
     try:
         step.progress(iter([LoaderItem(_batch(0, rank))]))
     except ValueError as error:
@@ -211,7 +211,7 @@ def _hooks_body(rank, world_size):
 
     out = {}
     for early in (True, False):
-        stage(f"early {early}")
+        doing(f"early {early}")
         calls = []
 
         @contextlib.contextmanager
@@ -233,7 +233,7 @@ def _hooks_body(rank, world_size):
         )
         model = UserModel()
         emb = wrap_model(model, embeddings=["items", "users"], mode="sync", features=_features, inputs=_inputs)
-        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb, hooks=hooks)
+        step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), wrap=emb, hooks=hooks)
         result = step.train_on(LoaderItem(_batch(0, rank)))
         out[early] = (calls, {k: v.tolist() for k, v in result.per_rank.items()}, result)
     return out
@@ -294,7 +294,7 @@ def _inputs_calls_body(rank, world_size):
     training = threading.get_ident()
     out = {}
     for mode, loader in (("sync", True), ("freescale", True), ("freescale", False)):
-        stage(f"{mode}, loader {loader}")
+        doing(f"{mode}, loader {loader}")
         calls = {"training": 0, "loader": 0}
 
         def inputs(batch):
@@ -314,7 +314,7 @@ def _inputs_calls_body(rank, world_size):
                 out, batch.candidate_labels[:, :1], reduction="sum"
             )
         )
-        step = TrainStep(model, loss, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=wrapped)
+        step = TrainStep(model, loss, torch.optim.SGD(model.parameters(), lr=DENSE_LR), wrap=wrapped)
         it, losses = iter(items), []
         while step.has_next(it):
             losses.append(step.progress(it).loss)
@@ -426,15 +426,15 @@ def _both_paths_body(rank, world_size, mutate):
         step_module.TrainStep.forward_backward = lambda self, item, upcoming, total: original(
             self, item, upcoming, 2 * total
         )
-    stage("api")
+    doing("api")
     model = UserModel()
     emb = wrap_model(model, embeddings=["items", "users"], mode="freescale", features=_features, inputs=_inputs)
-    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), stage=emb)
+    step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=DENSE_LR), wrap=emb)
     items = iter([LoaderItem(_batch(s, rank)) for s in range(STEPS)])
     api = []
     while step.has_next(items):
         api.append(step.progress(items).loss)
-    stage("trainer")
+    doing("trainer")
     trainer = _tiny_trainer(rank, world_size, "freescale", 4)
     with trainer:
         trainer.train()

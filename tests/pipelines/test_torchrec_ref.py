@@ -20,7 +20,7 @@ import torch
 
 from pipelines.cli import build_parser
 from pipelines.job.config import config_from_args
-from tests.harness import run_ranks, stage
+from tests.harness import doing, run_ranks
 
 STEPS = 4
 TOLERANCE = 1e-6
@@ -37,7 +37,7 @@ def _train_both(rank, world_size):
 
     out = {}
     for mode in ("sync", "torchrec"):
-        stage(f"train {mode}")
+        doing(f"train {mode}")
         trainer = Trainer(_config(mode), rank=rank, world_size=world_size, device=torch.device("cpu"))
         trainer.train()
         out[mode] = trainer.history
@@ -63,7 +63,8 @@ def test_torchrec_mode_trains_like_sync():
         # Row-wise: each rank holds its half of the item table.
         assert rank_out["local_rows"] == rank_out["num_items"] // 2
         # Measured parts are numbers; the ones progress() hides are None, never 0.
-        # (Step 1 hands the pipeline batch 3, whose label count is all-reduced then; the last steps feed none.)
+        # (Step 1 hands TrainPipelineSparseDist batch 3, whose label count is all-reduced then; the last steps feed
+        # none.)
         mid = ref[1]
         assert mid["step_time_s"] > 0 and mid["exposed_s"]["label_count"] > 0 and mid["data_wait_s"] >= 0
         assert all(mid["exposed_s"][p] is None for p in ("ids_a2a", "emb_a2a", "grad_a2a", "dense_allreduce"))

@@ -1,4 +1,4 @@
-"""The embedding stage's transports, one process group each: forward, backward (urgent), bulk and collision.
+"""The embedding exchanges' transports, one process group each: forward, backward (urgent), bulk and collision.
 
 Forward and backward are separate groups because on CUDA autograd runs a backward in its own device thread, and
 fscomm lets one thread only issue collectives on a group (two threads interleaving collectives on one group
@@ -6,8 +6,8 @@ deadlock). The forward group carries the ID exchanges (also those the collection
 flags (kept on the host too: the backward counts them there), the first step's lookup and, without a collision
 group, the collision rows' new values (which a prioritized forward then sends for its own step); the backward
 group carries every gradient exchange and the embeddings that a backward sends. On CPU both threads are the caller's,
-which is allowed. The loader's ID-prefetch
-stage, when it runs in a loader thread, gets a group of its own from whoever builds it.
+which is allowed. The loader's ID-prefetch stage, when it runs in a loader thread, gets a group of its own from
+whoever builds it.
 
 Bulk is separate from backward because a group's exchanges run one after another (fscomm's serial worker per
 group): prioritized updates send the large, overlapped exchanges (the next step's exclusive rows, the deferred
@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from fscomm import TransportUnavailableError
-from fscomm.registry import stage_transport
+from fscomm.registry import named_transport
 
 ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk", "fsembed-collision")
 
 
 @dataclass(frozen=True)
-class StageTransports:
+class EmbeddingTransports:
     forward: object  # exchanges issued by forwards (ids, flags, first step's rows, evaluation)
     backward: object  # urgent exchanges of backwards: gradients (sync), collision gradients and rows (prioritized)
     bulk: object  # overlapped exchanges of backwards: early exclusive rows, deferred exclusive gradients
@@ -45,21 +45,22 @@ class StageTransports:
     collision: object = None
 
     def staging_allocations(self) -> int:
-        """Pinned staging blocks ever allocated by these transports' pools (host-staged ones; 0 for the others).
+        """Pinned staging blocks ever allocated by these transports' pools (host-relayed ones; 0 for the others).
         Flat after warm-up, unless an exchange outgrows every block so far: then the allocation (cudaHostAlloc,
         which synchronises the device) stalls the step it falls in."""
         unique = {id(t): t for t in (self.forward, self.backward, self.bulk, self.collision) if t is not None}
         return sum(t.pool_stats()["allocations"] for t in unique.values())
 
     @classmethod
-    def single(cls, transport) -> "StageTransports":
+    def single(cls, transport) -> "EmbeddingTransports":
         """One transport for everything: fine on CPU tests; on CUDA the backward thread needs its own group."""
         return cls(transport, transport, transport)
 
 
-def stage_transports(backend: str = "host") -> StageTransports:
-    """The stage's transports of ``backend``, on groups of their own (made collectively on first use). "host"
-    takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force it."""
+def embedding_transports(backend: str = "host") -> EmbeddingTransports:
+    """The embedding exchanges' transports of ``backend``, on groups of their own (made collectively on first use).
+    "host" takes shared memory between ranks of one host and TCP otherwise, per group; "host-shm" / "host-tcp" force
+    it."""
     if not dist.is_initialized():
         raise RuntimeError(
             "fsembed: torch.distributed is not initialised (init_process_group before building a collection)"
@@ -72,4 +73,4 @@ def stage_transports(backend: str = "host") -> StageTransports:
         if reason is not None:
             raise TransportUnavailableError(f"transport 'nccl-ce' cannot run on this machine: {reason}")
         options = ce_group_options()
-    return StageTransports(*(stage_transport(f"{role}-{backend}", backend, pg_options=options) for role in ROLES))
+    return EmbeddingTransports(*(named_transport(f"{role}-{backend}", backend, pg_options=options) for role in ROLES))

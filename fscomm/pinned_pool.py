@@ -1,10 +1,10 @@
 """Pinned host staging buffers, reused across exchanges.
 
-Every host-staged exchange needs a host buffer for what leaves the GPU and one for what comes back. Pinned
-(page-locked) memory lets the copy engines move it asynchronously, but allocating it is slow (cudaHostAlloc
-takes milliseconds and synchronises the device), so buffers are kept in power-of-two size classes and reused:
-after warm-up the number of allocations stays flat (``stats()`` shows it). On a machine without CUDA the pool
-hands out ordinary memory, so the same code paths run in CPU tests.
+Every exchange through the host relay (fscomm.host_relay) needs a host buffer for what leaves the GPU and one
+for what comes back. Pinned (page-locked) memory lets the copy engines move it asynchronously, but allocating it
+is slow (cudaHostAlloc takes milliseconds and synchronises the device), so buffers are kept in power-of-two size
+classes and reused: after warm-up the number of allocations stays flat (``stats()`` shows it). On a machine
+without CUDA the pool hands out ordinary memory, so the same code paths run in CPU tests.
 """
 
 from __future__ import annotations

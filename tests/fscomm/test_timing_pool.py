@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fscomm.staging import PinnedPool
+from fscomm.pinned_pool import PinnedPool
 from fscomm.timing import Timer
 
 

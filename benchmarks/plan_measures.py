@@ -1,8 +1,9 @@
 """Balance measures of a plan that tests and benchmarks judge partitioners by: per-rank cost, the lower bound of
 max/mean any plan can reach, and the straggler fraction of a step's rank times.
 
-Vectorized over ranks. The single-batch definitions (Eq. 1 sparsity, max/mean imbalance) are fsdata.metrics'; the
-per-rank sparsity of a plan, which ``freescale simulate`` reports, is fsdata.partition.metrics'.
+Vectorized over ranks. The single-batch definitions (Eq. 1 sparsity, max/mean imbalance) are
+fsdata.balance_measures'; the per-rank sparsity of a plan, which ``freescale simulate`` reports, is
+fsdata.partition.plan_sparsity's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-rank sparsity of a plan: the paper's Eq. 1 of each rank's received batch, vectorized over ranks (the
 planner, ``freescale simulate``, evaluates plans of up to 1,024 ranks every step). The single-batch definition is
-fsdata.metrics.sparsity; the balance measures that only tests and benchmarks use (per-rank cost, the lower bound,
-the straggler fraction) are benchmarks/metrics.py's.
+fsdata.balance_measures.sparsity; the balance measures that only tests and benchmarks use (per-rank cost, the
+lower bound, the straggler fraction) are benchmarks/plan_measures.py's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One exchange through a host work buffer: copies out of the device, a host-side exchange, copies back.
+"""The host relay: one exchange through a host work buffer, that is copies out of the device, a host-side exchange,
+copies back.
 
 Shared by the host (gloo) and RDMA backends. On CUDA tensors the copies run on a dedicated copy stream, so the
 copy engines do them and no kernel is launched; the caller's stream is only made to wait on events. The host
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from fscomm import groups
-from fscomm.staging import PinnedPool
+from fscomm.pinned_pool import PinnedPool
 from fscomm.transport import Handle, diagnose
 from fscomm.worker import helper_event, worker_for
 
@@ -23,7 +24,7 @@ from fscomm.worker import helper_event, worker_for
 Pieces = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class StagedHandle(Handle):
+class RelayHandle(Handle):
     """An exchange in flight in the worker thread; on CUDA ``wait()`` orders the caller's stream after the copy
     back (an event wait: the host does not block on the GPU)."""
 
@@ -63,7 +64,9 @@ class StagedHandle(Handle):
         return self._future.done()
 
 
-class Stager:
+class HostRelay:
+    """Runs exchanges through work buffers of its pinned pool, with one copy stream per device."""
+
     def __init__(self, pool: Optional[PinnedPool] = None):
         self.pool = pool if pool is not None else PinnedPool()
         self._copy_streams: dict[int, "torch.cuda.Stream"] = {}
@@ -137,7 +140,7 @@ class Stager:
                 self.pool.release(work_buf)
                 return out
 
-            return StagedHandle(submit(cpu_job), None, x.device, host_future)
+            return RelayHandle(submit(cpu_job), None, x.device, host_future)
 
         device = x.device
         copy_stream = self.copy_stream(device)
@@ -147,8 +150,8 @@ class Stager:
         with torch.cuda.stream(copy_stream):
             for src, dst in copy_out(work):
                 dst.copy_(src, non_blocking=True)
-        staged_out = helper_event()
-        staged_out.record(copy_stream)
+        copied_out = helper_event()
+        copied_out.record(copy_stream)
         copied_back = helper_event()
         # The caller may drop x right after this call, and out with the handle, while the copy stream still
         # reads or writes them: the job holds both until the host has seen those copies finish, so the caching
@@ -157,7 +160,7 @@ class Stager:
         source = [x]
 
         def job() -> torch.Tensor:
-            staged_out.synchronize()
+            copied_out.synchronize()
             source.clear()
             exchange_or_fail()
             with torch.cuda.stream(copy_stream):
@@ -168,4 +171,4 @@ class Stager:
             self.pool.release(work_buf)
             return out
 
-        return StagedHandle(submit(job), copied_back, device, host_future)
+        return RelayHandle(submit(job), copied_back, device, host_future)

@@ -1,0 +1,228 @@
+"""The embedding wrap: how FreeScale wraps a user's model without touching its code.
+
+The model takes a batch and returns logits; it looks its item ids up in ``item_embedding`` (or whichever
+modules are named). FreeScale installs itself around it:
+
+* module swap (fsembed.swap): the named embedding modules become views of one row-wise sharded collection;
+* a forward pre-hook on the model drives the embedding exchanges, before the model's first layer runs: it takes the
+  step's context (fsembed.context.EmbeddingContext: this batch's ids, their exchange and the next batch's ids) and
+  hands it to the mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized;
+  pipelines.api.modes names which mode runs which). Where the
+  step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
+  chosen from measured step times by pipelines.job.schedule; exact either way);
+* a forward hook on the model lets go of the step's context as its forward returns, and starts the side work of
+  the next batch's embedding exchanges that the forward issued (``early_start="backward"``, the default:
+  freescale's lines 6-7 and 12 then run in the collection's bulk chain beside the backward, where the training
+  thread waits without the GIL);
+* the loader's balancer stages (fsdata.balancer) already gave this rank a balanced batch; their exchanges are
+  started in the loader's ``next()`` between steps and finish one step later (the paper hooks them at the
+  optimizer step, forward and backward; here they ride the loader, with the same overlap);
+* the backward of the swapped modules runs the gradient AllToAll and the row-wise update (fused optimizer); in
+  ``freescale`` it sends the collision rows' gradients first; the collection's collision chain updates those
+  rows as soon as they arrive and sends their new values during the dense all-reduce and the optimizer step, and
+  the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
+  for only in the next iteration's forward).
+
+The loader's ID-prefetch stage (fsembed.id_prefetch) computes every batch's ids, once, and starts their ID
+AllToAll one loader call early; the step (pipelines.api.step.TrainStep) keeps one batch of lookahead and, before
+step i's forward, hands this wrap one context with batch i's ids and exchange (for sdd) and batch i+1's (for
+freescale): section 6.1's one extra batch. ``begin_step(context)`` does so; without a loader stage the step
+computes the ids itself (``feature_ids``: the features function, or the KeyedJaggedTensor among the model's
+arguments, so the user's ``inputs`` runs once per step).
+
+Built through the public ``pipelines.api.step.wrap_model`` (the reference model too).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fsdata.batch import Batch
+from fsembed.context import EmbeddingContext
+from fsembed.plan import Features, flat_features
+from fsembed.schedules import get_schedule
+from pipelines.api.modes import SHARDED, get_mode
+
+# The wrap's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
+# "backward" needs (see PrioritizedEmbeddingCollection for why the collection alone defaults to "forward").
+EARLY_START, EXCLUSIVE_START = "backward", "forward"
+# batch -> {feature: ids, or the ids of each call of the feature's module this step, in call order}
+FeatureFn = Callable[[Batch], Features]
+Inputs = Callable[[Batch], Any]  # batch -> the model's positional arguments (a tuple), or its one argument
+
+
+def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
+    """The model's positional arguments for ``batch``: ``(batch,)`` without an ``inputs`` function."""
+    if inputs is None:
+        return (batch,)
+    args = inputs(batch)
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def wrap_argument(where: str, wrap: Optional["EmbeddingWrap"], stage: Optional["EmbeddingWrap"], stacklevel: int):
+    """The wrap passed as ``wrap=``, or as ``stage=``, its name until this release (then with a DeprecationWarning
+    at the caller's line, ``stacklevel`` frames up)."""
+    if stage is None:
+        return wrap
+    if wrap is not None:
+        raise ValueError(f"{where}: give wrap= alone; stage= is its old name")
+    warnings.warn(
+        f"{where}: stage= is deprecated and goes in the next release: pass wrap= (what wrap_model returns)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return stage
+
+
+def kjt_in(args: tuple, where: str):
+    """The KeyedJaggedTensor among the model's arguments."""
+    found = [a for a in args if type(a).__name__ == "KeyedJaggedTensor"]
+    if not found:
+        raise ValueError(
+            f"{where}: the model's inputs hold no KeyedJaggedTensor to take the embedding features from; "
+            "give features=batch -> {feature: ids}"
+        )
+    return found[0]
+
+
+class EmbeddingWrap:
+    """What :func:`pipelines.api.step.wrap_model` returns: the model's swapped embedding tables (``hub``,
+    ``collection``) and the embedding schedule that runs their exchanges each step, driven by a forward pre-hook
+    that takes the step's context (``begin_step``) before each forward.
+
+    ``features``: ``batch -> {feature: ids}``; None: the ids of the KeyedJaggedTensor among ``inputs(batch)``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str,
+        features: Optional[FeatureFn],
+        table_names: Optional[list[str]] = None,
+        *,
+        inputs: Optional[Inputs] = None,
+        types: Optional[Sequence] = None,
+        row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
+        optimizer,
+        transport_name: str = "host",
+        early_start: str = EARLY_START,
+        exclusive_start: str = EXCLUSIVE_START,
+        timer=None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        from fsembed.swap import swap_embeddings
+
+        self.mode, self.features, self.inputs = get_mode(mode, SHARDED, "EmbeddingWrap mode"), features, inputs
+        self.schedule = get_schedule(self.mode.schedule)  # this step's; freescale's may change (set_schedule)
+        prioritized = self.schedule.prioritized_collection
+        self.hub = swap_embeddings(
+            model,
+            table_names,
+            types=types,
+            row_boundaries=row_boundaries,
+            schedule=self.schedule.name,
+            optimizer=optimizer,
+            timer=timer,
+            device=device,
+            **(
+                {"stale": self.schedule.stale, "early_start": early_start, "exclusive_start": exclusive_start}
+                if prioritized
+                else {}
+            ),
+            **self._transports(transport_name),
+        )
+        self.collection = self.hub.collection
+        # The next forward's context (begin_step), taken by the pre-hook; a batch instead: its ids are computed there.
+        self._context: Optional[Union[EmbeddingContext, Batch]] = None
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._after_hook = model.register_forward_hook(self._after_forward)
+
+    @staticmethod
+    def _transports(name: str) -> dict:
+        if name == "host":
+            return {}  # the collection's own pair of host transports
+        from fsembed.transports import embedding_transports
+
+        return {"transport": embedding_transports(name)}
+
+    def feature_ids(self, batch: Optional[Batch], args: Optional[tuple] = None) -> dict[str, torch.Tensor]:
+        """``batch``'s ids per feature, flat: from ``features(batch)``, else from the KeyedJaggedTensor among the
+        model's arguments (``args``, or ``inputs(batch)`` where the caller has none)."""
+        if self.features is not None:
+            return flat_features(self.features(batch))
+        from fsembed.swap import kjt_ids
+
+        return kjt_ids(kjt_in(args if args is not None else as_args(self.inputs, batch), "wrap_model"))
+
+    def begin_step(self, context: Union[EmbeddingContext, Batch]) -> None:
+        """The next forward's embedding context (the step builds it from the loader's item: TrainStep does), or a
+        batch whose ids the pre-hook computes (an evaluation, a probe)."""
+        self._context = context
+
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        context, self._context = self._context, None
+        if not isinstance(context, EmbeddingContext):
+            batch = context if context is not None else (args[0] if args and isinstance(args[0], Batch) else None)
+            if batch is None and self.features is not None:
+                raise ValueError(
+                    "wrap_model: the model's forward does not take the batch; call "
+                    "wrap.begin_step(context or batch) before it (TrainStep does)"
+                )
+            context = EmbeddingContext(self.feature_ids(batch, args))
+        if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
+            self.hub.prepare(context, context.ids)
+            return
+        self.schedule.prepare(self.hub, context)
+
+    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
+        """Lets go of the step's context, and starts the next batch's early rows held by the forward
+        (``early_start="backward"``): the collection's bulk chain then runs beside the backward."""
+        self.hub.release()
+        if module.training and torch.is_grad_enabled() and self.prioritized:
+            self.collection.start_early_rows()
+
+    @property
+    def prioritized(self) -> bool:
+        """Whether this step runs prioritized updates (semisync; freescale unless its schedule is sdd)."""
+        return self.schedule.prioritized_collection
+
+    def set_schedule(self, schedule: str) -> None:
+        """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.api.modes):
+        ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
+        pipelines.job.schedule)."""
+        if schedule not in self.mode.switches:
+            raise ValueError(
+                f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "
+                f"between {list(self.mode.switches) or 'none'}, not to {schedule!r}"
+            )
+        self.collection.set_schedule(schedule)
+        self.schedule = get_schedule(schedule)
+
+    def id_prefetch_stages(self, rank: int, timer=None) -> list:
+        """The loader stages that compute each batch's ids and start their ID AllToAll ahead of its step (sdd,
+        semisync and freescale)."""
+        if not self.schedule.prefetches_ids:
+            return []
+        from fscomm.registry import host_transport
+        from fsembed.id_prefetch import id_prefetch_stages
+
+        # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
+        # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
+        transport = host_transport("id-prefetch")
+        features = self.features if self.features is not None else self.feature_ids
+        return id_prefetch_stages(self.collection.plan, transport, features, rank, timer)
+
+    def loader_stages(self, rank: int, timer=None) -> list:
+        """The loader stages this wrap wants (the ID prefetch in sdd / semisync / freescale; none in
+        sync), for ``fsdata.loader.build_loader(stages=...)`` after the balancer's: the public name of
+        ``id_prefetch_stages``."""
+        return self.id_prefetch_stages(rank, timer)
+
+    def flush(self) -> None:
+        """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end), and reads back
+        the last step's id checks (fsembed.swap.EmbeddingHub.rows)."""
+        self.collection.flush()
+        self.hub.verify()
