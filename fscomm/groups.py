@@ -225,6 +225,3 @@ def live_groups() -> list[str]:
     """Names of the groups fscomm holds records of (a test checks none is left after closing)."""
     with _lock:
         return sorted(s.name for s in _by_group.values())
-
-
-new_stage_group = new_thread_group  # the old name, while pipelines.job imports it from here

@@ -86,6 +86,3 @@ def close_named_transports() -> None:
     for transport in made:
         transport.close()
     close_thread_groups()
-
-
-close_stage_transports = close_named_transports  # the old name, while pipelines.job imports it from here

@@ -22,7 +22,7 @@ from fsdata.nodes.gather_lengths import GatherCandidateLengths, GatherLengths
 from fsdata.nodes.shuffle import ShuffleSamples
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A
 
-# Exposed-time spans (Timer names) per part: the embedding stage's three exchanges, the balancer stages' waits.
+# Exposed-time spans (Timer names) per part: the embedding wrap's three exchanges, the balancer stages' waits.
 EXPOSED_SPANS = {
     "ids_a2a": IDS_A2A,
     "emb_a2a": EMB_A2A,
@@ -78,7 +78,7 @@ def stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
     """Per step, on this rank, what can stall a step besides a late peer: its garbage-collection pauses and the
     pinned blocks newly allocated by the embedding exchanges' staging pool and by torch's host allocator
     (cudaHostAlloc takes milliseconds). Step 0's counts are those since set-up; None where not recorded (no
-    embedding stage, not on a GPU)."""
+    embedding wrap, not on a GPU)."""
 
     def grown(key: str) -> Optional[list[int]]:
         counts = [r.get(key) for r in history]
@@ -95,10 +95,10 @@ def stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
 
 class StepAccounting:
     """One per trainer. ``timer``: the trainer's (exposed spans); ``loader``: for the stage worker's lateness;
-    ``pipeline``: the embedding stage (its staging pool), or None; ``device``: pinned blocks are counted on CUDA."""
+    ``wrap``: the embedding wrap (its staging pool), or None; ``device``: pinned blocks are counted on CUDA."""
 
-    def __init__(self, timer: Any, loader: Any, pipeline: Any, device: torch.device) -> None:
-        self.timer, self.loader, self.pipeline, self.device = timer, loader, pipeline, device
+    def __init__(self, timer: Any, loader: Any, wrap: Any, device: torch.device) -> None:
+        self.timer, self.loader, self.wrap, self.device = timer, loader, wrap, device
         self.gc = GcPauses()
         self._t0 = 0.0
         self._before: dict[str, float] = {}
@@ -127,8 +127,8 @@ class StepAccounting:
         record.exposed_s = self.exposed_delta(self._before, record)
         record.step_time_s = time.perf_counter() - self._t0
         record.gc_s = self.gc.take()
-        if self.pipeline is not None:  # cumulative: a step where it grows paid a pinned allocation
-            record.staging_allocations = self.pipeline.collection.transports.staging_allocations()
+        if self.wrap is not None:  # cumulative: a step where it grows paid a pinned allocation
+            record.staging_allocations = self.wrap.collection.transports.staging_allocations()
         if self.device.type == "cuda":  # torch's pinned blocks (the stage worker pins every batch)
             record.pinned_allocations = pinned_allocations()
         self.timer.add("data_wait", self._data_wait)

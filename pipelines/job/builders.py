@@ -107,8 +107,8 @@ def build_model(config: ModelSection, source: SampleSource, seed: int, determini
     return SequenceModel(model_config)
 
 
-def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.device):
-    """The embedding stage around ``spec.model`` for the sharded-embedding modes, through the public
+def build_wrap(spec: ModelSpec, config: TrainConfig, timer, device: torch.device):
+    """The embedding wrap around ``spec.model`` for the sharded-embedding modes, through the public
     ``wrap_model`` (None for ``replicated``, ``torchrec``)."""
     if MODES[config.mode].schedule is None:
         return None
@@ -133,7 +133,7 @@ def build_pipeline(spec: ModelSpec, config: TrainConfig, timer, device: torch.de
 
 def build_step(
     spec: ModelSpec,
-    pipeline,
+    wrap,
     config: TrainConfig,
     hooks: StepHooks,
     timer,
@@ -141,8 +141,8 @@ def build_step(
     rank: int,
     world_size: int,
 ):
-    """The job's step, chosen once here: the public API's TrainStep around ``spec.model`` (its embedding stage
-    ``pipeline``, dense Adam at ``lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
+    """The job's step, chosen once here: the public API's TrainStep around ``spec.model`` (its embedding wrap
+    ``wrap``, dense Adam at ``lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
     TrainPipelineSparseDist (the outside reference), which implements the same interface (``lookahead``,
     ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``). ``hooks``: what the job adds around the step."""
     if config.mode == "torchrec":
@@ -166,7 +166,7 @@ def build_step(
         spec.model,
         spec.loss,
         optimizer,
-        stage=pipeline,
+        wrap=wrap,
         inputs=spec.inputs,
         device=device,
         rank=rank,

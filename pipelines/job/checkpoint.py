@@ -360,12 +360,12 @@ class Checkpointer:
         self.rank, self.world_size, self.async_save = rank, world_size, async_save
         self.group = None
         if dist.is_available() and dist.is_initialized():
-            from fscomm.groups import new_stage_group
+            from fscomm.groups import new_thread_group
 
             # Its collectives wait at most the job's communication timeout, like every other exchange: a save's
             # last collective waits for the slowest rank's write (a larger checkpoint needs a larger
             # --comm-timeout-s), and a rank that stopped mid-save ends the others' waits in an error.
-            self.group = new_stage_group("checkpoint")
+            self.group = new_thread_group("checkpoint")
         self._pending: Optional[tuple[Future, Path, int]] = None
         self._marker_error: Optional[BaseException] = None
         error = None
@@ -416,7 +416,7 @@ class Checkpointer:
     def save(
         self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader_state: dict, cursor: dict
     ) -> Path:
-        """Every rank calls this at the same step, after the pipeline's ``flush()``."""
+        """Every rank calls this at the same step, after the wrap's ``flush()``."""
         if self.root is None:
             raise ValueError("checkpoint: no checkpoint directory (--checkpoint-dir)")
         self.wait()

@@ -38,7 +38,7 @@ from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
 from pipelines.api.modes import BALANCING, MODES, SHARDED
 from pipelines.api.numerics import PRECISIONS
-from pipelines.api.staged import EARLY_START, EXCLUSIVE_START
+from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.schedule import SCHEDULE_CHOICES
 from pipelines.models.reference import ATTENTION_IMPLS
 

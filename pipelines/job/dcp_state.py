@@ -108,7 +108,7 @@ def _table_key(extra_key: str, table: str, suffix: str) -> str:
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, dict]:
     """This rank's part of a checkpoint: ``(tensors for DCP, their row shards, skeleton for the rank's file)``.
-    Every tensor is a CPU copy of its own. Call after the pipeline's ``flush()`` on every rank."""
+    Every tensor is a CPU copy of its own. Call after the wrap's ``flush()`` on every rank."""
     from fsembed.reshard import split_rank_state
 
     model_state = model.state_dict()

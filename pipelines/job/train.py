@@ -138,8 +138,8 @@ class _StopOnSignal:
 def _init_process_group(backend: str, rank: int, world_size: int, timeout_s: float) -> None:
     """init_process_group, with the store keys of a restarted attempt (torchrun --max-restarts) kept apart.
 
-    A restarted attempt talks to the launcher's same store. Without a prefix of its own, the stage groups made
-    at set-up (fscomm.groups.new_stage_group) would find the previous attempt's keys there and try to connect to
+    A restarted attempt talks to the launcher's same store. Without a prefix of its own, the thread groups made
+    at set-up (fscomm.groups.new_thread_group) would find the previous attempt's keys there and try to connect to
     its dead processes ("Connection refused"): every attempt's keys get the attempt number as prefix.
     """
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -58,13 +58,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fscomm.registry import close_stage_transports, host_transport
+from fscomm.registry import close_named_transports, host_transport
 from fscomm.timing import Timer
+from fsdata.balance_measures import sparsity
 from fsdata.balancer import balancer_stages
 from fsdata.id_overflow import IdRangeSource
 from fsdata.item import LoaderItem
 from fsdata.loader import LoaderConfig, build_loader, release_loader, shutdown_loader
-from fsdata.metrics import sparsity
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.gather_lengths import StepFeedback
 from pipelines.api.dense_sync import PER_RANK_FIELDS, DenseSync, gather_per_rank
@@ -74,7 +74,7 @@ from pipelines.api.numerics import check_determinism, enable_determinism
 from pipelines.api.step import StepHooks, StepResult, unwrap_model
 from pipelines.job import checkpoint
 from pipelines.job.accounting import StepAccounting, stall_clues
-from pipelines.job.builders import build_model_spec, build_pipeline, build_source, build_step
+from pipelines.job.builders import build_model_spec, build_source, build_step, build_wrap
 from pipelines.job.config import JobConfig
 from pipelines.job.export import save_export
 from pipelines.job.progress import paused, progress_bar
@@ -146,7 +146,7 @@ class Trainer:
         self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
         self.feedback = StepFeedback()
         self._build_data_and_model()
-        self.pipeline = build_pipeline(self.spec, config.train, self.timer, device)
+        self.wrap = build_wrap(self.spec, config.train, self.timer, device)
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
         self._phase = torch.profiler.record_function if config.train.trace else _unnamed
@@ -159,7 +159,7 @@ class Trainer:
         # neither between two steps nor beside the backward's embedding hooks.
         self._retired: Optional[_Fetched] = None
         self.step_fn = build_step(
-            self.spec, self.pipeline, config.train, self._hooks(), self.timer, device, rank, world_size
+            self.spec, self.wrap, config.train, self._hooks(), self.timer, device, rank, world_size
         )
         self.optimizer = self.step_fn.optimizer
         self.dense_sync = self.step_fn.dense_sync
@@ -176,7 +176,7 @@ class Trainer:
             else None
         )
         self.loader = self._build_loader(resumed)
-        self.accounting = StepAccounting(self.timer, self.loader, self.pipeline, device)
+        self.accounting = StepAccounting(self.timer, self.loader, self.wrap, device)
         self.history: list[dict] = []
         self._metrics_file = None
 
@@ -276,8 +276,8 @@ class Trainer:
                 device=self.device,
                 max_uih=max_uih,
             )
-        if self.pipeline is not None:
-            stages += self.pipeline.id_prefetch_stages(self.rank, self.worker_timer)
+        if self.wrap is not None:
+            stages += self.wrap.id_prefetch_stages(self.rank, self.worker_timer)
         if self.spec.plan is not None and self.device.type == "cuda":
             # The batch's attention plan (block masks) is built a batch ahead with the other stages' host work,
             # and travels to the device with it: the training thread never builds a mask.
@@ -293,7 +293,7 @@ class Trainer:
         self._closed = True
         self.accounting.close()
         shutdown_loader(self.loader)  # its stage worker and read-ahead threads
-        close_stage_transports()  # the chains' threads, the stage transports and their groups (fscomm.registry)
+        close_named_transports()  # the chains' threads, the named transports and their groups (fscomm.registry)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -323,12 +323,12 @@ class Trainer:
                         ahead.append(self._fetch(items))
                 upcoming = ahead[0] if ahead else None
                 if self.schedule is not None:
-                    self.pipeline.set_schedule(self.schedule.schedule_for(self.step))
+                    self.wrap.set_schedule(self.schedule.schedule_for(self.step))
                 record = self.train_step(current, list(ahead))
                 self.accounting.finish(record)
                 self._last_step_s = record.step_time_s
                 if self.schedule is not None:
-                    record.schedule = self.pipeline.collection.schedule
+                    record.schedule = self.wrap.collection.schedule
                 record.balance = current.item.report
                 self.step += 1
                 if current.new_epoch:
@@ -348,8 +348,8 @@ class Trainer:
                 last = gather_per_rank((self._last_compute_s,), self.rank, self.world_size, self.device)[:, 0]
                 self._log(self._unsettled.settle(last, self.rank), progress)
                 self._unsettled = None
-            if self.pipeline is not None:
-                self.pipeline.flush()  # deferred exclusive gradients land before the tables are read
+            if self.wrap is not None:
+                self.wrap.flush()  # deferred exclusive gradients land before the tables are read
             self._data_counts = self._count_data_faults()
             # every rank's peak memory (one tiny all-reduce): a plan may load one rank more than the others
             peaks = gather_per_rank((float(self._peak_memory()),), self.rank, self.world_size, self.device)
@@ -358,8 +358,8 @@ class Trainer:
                 with paused(progress):
                     self.evaluate(progress)
             if cfg.export:  # the user's own modules back, with the trained tables (not in mode torchrec: config.py)
-                if self.pipeline is not None:
-                    unwrap_model(self.model, self.pipeline, dst=0)
+                if self.wrap is not None:
+                    unwrap_model(self.model, self.wrap, dst=0)
                 if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
                     save_export(self.model, cfg.export, self.config.model.model)
         finally:
@@ -470,8 +470,8 @@ class Trainer:
     def save_checkpoint(self, upcoming: Optional[_Fetched]) -> None:
         """``upcoming``: the batch already fetched for the next step (the lookahead): the saved loader state is
         from before it, so the resumed run fetches it again."""
-        if self.pipeline is not None:
-            self.pipeline.flush()
+        if self.wrap is not None:
+            self.wrap.flush()
         if self._checkpointer is None:
             raise ValueError("save_checkpoint: the job has no --checkpoint-dir")
         self._checkpointer.save(
@@ -569,7 +569,7 @@ class Trainer:
             result = evaluate(
                 self.model,
                 loader,
-                stage=self.pipeline,
+                wrap=self.wrap,
                 inputs=self.spec.inputs,
                 device=self.device,
                 precision=self.config.train.precision,
@@ -618,7 +618,7 @@ class Trainer:
         tail = h[len(h) // 2 :] or h
         labels = sum(r["labels"] for r in tail)
         # The warm-up steps pay one-time costs (compilation, first pinned allocations); the last step drains the
-        # pipeline once per run (no next batch: freescale updates all its rows at once, the loader's stages stop).
+        # lookahead once per run (no next batch: freescale updates all its rows at once, the loader's stages stop).
         # Both are left out of the timings, in every mode alike, and reported apart; at least one step is timed.
         warm = min(self.config.train.warmup_steps, max(len(h) - 1, 0))
         drain = 1 if len(h) - warm >= 3 else 0
