@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.api.modes import MODES as ALL_MODES
-from pipelines.job.config import JobConfig, add_tuning_arguments, apply_tuning
+from pipelines.job.config import JobConfig
+from pipelines.job.flags import add_tuning_arguments, apply_tuning
 from pipelines.job.schedule import PROBE_START, ScheduleProbe
 
 # every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
@@ -124,20 +125,20 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         c["uih_cap"] = c["max_uih"] = args.uih_cap
     cfg = JobConfig()
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = c["preset"], c["uih_cap"], 1_000_000
-    cfg.loader.batch_size = args.batch_size or c["batch_size"]
-    cfg.model.model, cfg.model.max_uih = (args.model if case != "long" else None) or c["model"], c["max_uih"]
+    cfg.data.batch_size = args.batch_size or c["batch_size"]
+    cfg.model.name, cfg.model.max_uih = (args.model if case != "long" else None) or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
     cfg.model.attention = args.attention
-    cfg.train.mode, cfg.train.steps, cfg.train.nproc = mode, args.steps, args.nproc
-    cfg.train.warmup_steps = warmup_steps(args)
-    cfg.train.device, cfg.train.progress = args.device, False
-    cfg.train.precision = args.precision
+    cfg.run.mode, cfg.run.steps, cfg.run.nproc = mode, args.steps, args.nproc
+    cfg.run.warmup_steps = warmup_steps(args)
+    cfg.run.device, cfg.run.progress = args.device, False
+    cfg.run.precision = args.precision
     cfg.balancer.partitioner = args.partitioner
     if args.min_gain is not None:
         cfg.balancer.min_gain = args.min_gain
     apply_tuning(args, cfg)
     if args.trace:
-        cfg.train.trace = str(Path(args.trace) / f"{case}_{mode}")
+        cfg.run.trace = str(Path(args.trace) / f"{case}_{mode}")
     return copy.deepcopy(cfg.validate())
 
 
@@ -146,7 +147,7 @@ def warmup_steps(args: argparse.Namespace) -> int:
     probe when it runs (so that every mode is timed over the same steps, all of them past the probe)."""
     if args.warmup_steps is not None:
         return args.warmup_steps
-    probing = "freescale" in args.modes.split(",") and (args.embedding_schedule or "auto") == "auto"
+    probing = "freescale" in args.modes.split(",") and (getattr(args, "tuning.embedding_schedule") or "auto") == "auto"
     return PROBE_START + ScheduleProbe.length() if probing else 3
 
 

@@ -115,7 +115,7 @@ def build_model(config) -> ModelSpec:
     returns the model, how a batch becomes its inputs, its loss, which modules to swap, and (here) the source
     with the extra feature the model reads."""
     dims = data_dims(config)  # the job's data: its dense width and label count
-    torch.manual_seed(config.train.seed)
+    torch.manual_seed(config.run.seed)
     return ModelSpec(
         Recommender(dense_dim=dims.dense_dim, num_labels=dims.num_labels),
         inputs=inputs,

@@ -22,7 +22,7 @@ split (pipelines.job.trainer). Embedding gradients follow the same scaling since
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fscomm.timing import Timer
@@ -34,28 +34,36 @@ from fsdata.partition import AutoTune, BalanceGate, BudgetSpec, get_partitioner
 
 @dataclass
 class BalancerConfig:
-    """``partitioner``: a built-in (none, fbs, vbs, kk) or your own, ``module:function`` or
-    ``path/to/file.py:function``. ``balancer_stages`` balance whatever embedding mode the model is wrapped in
-    (the stages a loop composes are the ones that run, mode sync included); `freescale train` composes them in
-    modes replicated and freescale only, and its other modes ignore this section. ``min_gain`` is
-    the balance gate: a step's samples move only when the fitted step-time model predicts the slowest rank at
-    least this fraction faster for it (0: always move; off with ``autotune``). ``memory_budget`` caps the kept
-    tokens of every rank: a count, ``Nx`` (N times the step's mean per rank) or ``auto`` (from the device's free
-    memory; ``auto:bytes_per_token=B,fixed_bytes=F,headroom=H`` sets the memory model); none by default."""
+    """The balancer's config (``balancer_stages``), and the ``[balancer]`` table of `freescale train`'s config.
+    ``balancer_stages`` balance whatever embedding mode the model is wrapped in (the stages a loop composes are the
+    ones that run, mode sync included); `freescale train` composes them in modes replicated and freescale only, and
+    its other modes ignore this section."""
 
-    partitioner: str = field(default="fbs", metadata={"help": "none|fbs|vbs|kk|module:function", "metavar": "NAME"})
-    alpha: Optional[float] = field(default=None, metadata={"help": "cost exponent of L^alpha (fbs, vbs, kk)"})
-    autotune: bool = field(default=False, metadata={"help": "vbs: tune per-rank budgets from step times"})
-    min_gain: float = field(
-        default=0.0,
-        metadata={"help": "least predicted gain to rebalance"},
-    )
-    memory_budget: Optional[str] = field(
-        default=None, metadata={"help": "tokens per rank at most: N, Nx (x mean) or auto", "metavar": "SPEC"}
-    )
+    partitioner: str = "fbs"
+    """A built-in (none, fbs, vbs, kk) or your own, ``module:function`` or ``path/to/file.py:function``."""
+    alpha: Optional[float] = None
+    """The cost exponent of L^alpha (fbs, vbs, kk); unset: the partitioner's."""
+    autotune: bool = False
+    """vbs: tune the per-rank budgets from measured step times."""
+    min_gain: float = 0.0
+    """The balance gate, in [0, 1): a step's samples move only when the fitted step-time model predicts the slowest
+    rank at least this fraction faster for it (0: always move; off with ``autotune``)."""
+    memory_budget: Optional[str] = None
+    """Caps the kept tokens of every rank: a count, ``Nx`` (N times the step's mean per rank) or ``auto`` (from the
+    device's free memory; ``auto:bytes_per_token=B,fixed_bytes=F,headroom=H`` sets the memory model); none by
+    default."""
 
     def __post_init__(self) -> None:
         BudgetSpec.parse(self.memory_budget)  # a bad spelling fails where the config is made, naming the flag
+
+    def validate(self) -> None:
+        """What ``balancer_stages`` needs of the fields, each a one-line ValueError: ``memory_budget``'s spelling,
+        ``autotune`` with vbs alone, ``min_gain`` in [0, 1)."""
+        BudgetSpec.parse(self.memory_budget)
+        if self.autotune and self.partitioner != "vbs":
+            raise ValueError(f"--autotune applies to the vbs partitioner, not {self.partitioner!r}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
 
 
 def balancer_stages(
@@ -75,8 +83,7 @@ def balancer_stages(
     model is on the device and before the first step); ``max_uih``: the model's UIH cap, so the budget counts
     the tokens the model keeps (None: the gathered lengths, which the source has cut at its own cap).
     """
-    if config.autotune and config.partitioner != "vbs":
-        raise ValueError(f"--autotune applies to the vbs partitioner, not {config.partitioner!r}")
+    config.validate()
     if config.partitioner == "none":
         return []
     budget = BudgetSpec.parse(config.memory_budget, max_uih=max_uih)

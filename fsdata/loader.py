@@ -17,7 +17,7 @@ Given a CUDA ``device``, that worker also pins each batch and copies it to the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
@@ -51,52 +51,41 @@ class AsItems(BaseNode[LoaderItem]):
         return self.source.state_dict()
 
 
+# When the stage worker starts the batch after next ('take': as soon as the consumer takes a batch; 'backward': when
+# the consumer calls release_loader).
+WORKER_STARTS = ("take", "backward")
+
+
 @dataclass
 class LoaderConfig:
-    batch_size: int = field(default=16, metadata={"help": "local batch size per rank"})
-    prefetch_depth: int = field(default=2, metadata={"help": "batches read ahead of the model"})
-    # group "tuning": the scheduling knobs, the [tuning] table and --tuning.NAME flags of `freescale train`
-    # (pipelines.job.config; docs/tuning.md explains each).
-    pin_memory: bool = field(
-        default=False,
-        metadata={"help": "pin host memory of batches (forced on when the trainer trains on CUDA)", "group": "tuning"},
-    )
-    background_stages: bool = field(
-        default=True,
-        metadata={
-            "help": "run the balancer / ID-prefetch stages one batch ahead in a worker thread",
-            "group": "tuning",
-        },
-    )
-    # 'take': as soon as the consumer takes a batch; 'backward': when the consumer calls release_loader (the
-    # trainer does so as its backward starts, so the forward runs without the worker beside it; a consumer that
-    # never calls it gets each batch computed when it asks). None: 'backward' under the trainer, 'take' for a
-    # loader used on its own; with pin_memory on a CPU run always 'take'.
-    worker_start: Optional[str] = field(
-        default=None,
-        metadata={
-            "help": "when the stage worker starts the batch after next (default: backward under the trainer)",
-            "group": "tuning",
-            "choices": ("take", "backward"),
-        },
-    )
-    # Off: each stage finishes its exchange in the call that starts it (fewer batches in flight).
-    stage_lookahead: bool = field(
-        default=True,
-        metadata={
-            "help": "start each stage's exchange one batch early, even under the worker thread",
-            "group": "tuning",
-        },
-    )
+    """The loader's config (``build_loader``). `freescale train` builds it from its ``[data]`` table (batch_size,
+    prefetch_depth) and its ``[tuning]`` table (the rest: scheduling knobs, docs/tuning.md)."""
+
+    batch_size: int = 16
+    """Samples per rank per step: the local batch B."""
+    prefetch_depth: int = 2
+    """Local batches read ahead of the model, in a thread (file I/O, generation: no collectives)."""
+    pin_memory: bool = False
+    """Pin the host memory of batches (the trainer forces it on when it trains on CUDA)."""
+    background_stages: bool = True
+    """Run the stages (balancer, ID prefetch) one batch ahead in a worker thread."""
+    worker_start: Optional[str] = None
+    """When the stage worker starts the batch after next, one of ``WORKER_STARTS``: 'take' as soon as the consumer
+    takes a batch, 'backward' when the consumer calls release_loader (the trainer does so as its backward starts,
+    so the forward runs without the worker beside it; a consumer that never calls it gets each batch computed when
+    it asks). None: 'backward' under the trainer, 'take' for a loader used on its own; with pin_memory on a CPU run
+    always 'take'."""
+    stage_lookahead: bool = True
+    """Start each stage's exchange one batch early, even under the worker thread. Off: each stage finishes its
+    exchange in the call that starts it (fewer batches in flight)."""
 
     def validate(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
-        choices = next(f for f in fields(self) if f.name == "worker_start").metadata["choices"]
-        if self.worker_start not in (None, *choices):
-            raise ValueError(f"worker_start must be one of {', '.join(choices)}, got {self.worker_start!r}")
+        if self.worker_start not in (None, *WORKER_STARTS):
+            raise ValueError(f"worker_start must be one of {', '.join(WORKER_STARTS)}, got {self.worker_start!r}")
 
 
 def build_loader(

@@ -254,11 +254,11 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
 
 def test_options_the_mode_ignores_are_named_only_when_set():
     from pipelines.cli import build_parser
-    from pipelines.job.config import config_from_args
+    from pipelines.job.flags import config_from_args, ignored_option_lines
 
     def warnings(*argv):
         config = config_from_args(build_parser().parse_args(["train", *argv]))
-        return config.ignored_options(config.explicit)
+        return ignored_option_lines(config)
 
     assert warnings("--mode", "sync") == []  # defaults are never "set"
     assert warnings("--mode", "sync", "--partitioner", "kk", "--tuning.early-start", "backward") == [
@@ -280,7 +280,7 @@ def test_options_the_mode_ignores_are_named_only_when_set():
 )
 def test_new_flags_are_validated(argv, match):
     from pipelines.cli import build_parser
-    from pipelines.job.config import config_from_args
+    from pipelines.job.flags import config_from_args
 
     with pytest.raises(ValueError, match=match):
         config_from_args(build_parser().parse_args(["train", *argv]))
@@ -382,7 +382,7 @@ def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypat
         ("[run]\nlr = true\n", "job.toml: [run] lr: expected a finite number, got true (bool)"),
         ("[run]\nlr = nan\n", "job.toml: [run] lr: expected a finite number, got nan (float)"),
         ("[tuning]\nstage_lookahead = 1\n", "job.toml: [tuning] stage_lookahead: expected true or false, got 1 (int)"),
-        ("[data]\ndata = 5\n", "job.toml: [data] data: expected a string, got 5 (int)"),
+        ("[data]\npath = 5\n", "job.toml: [data] path: expected a string, got 5 (int)"),
         ("run = 5\n", "job.toml: run: expected a table ([run]), got 5 (int)"),
         ("steps = 5\n", "job.toml: steps = 5 is outside any table; it belongs in [run]"),
     ],
@@ -422,24 +422,25 @@ def test_numbers_take_their_fields_type_and_a_config_set_in_python_is_checked_to
     import numpy as np
 
     from pipelines.cli import build_parser
-    from pipelines.job.config import EXPECTED, JobConfig, _fields, config_from_args, field_kind
+    from pipelines.job.config import EXPECTED, JobConfig, config_fields, field_kind
+    from pipelines.job.flags import config_from_args
 
-    assert all(field_kind(name) in EXPECTED for name in _fields())  # every field has a check
+    assert all(field_kind(path) in EXPECTED for path in config_fields())  # every field has a check
     (tmp_path / "job.toml").write_text("[run]\nlr = 1\nsteps = 3\n[balancer]\nalpha = 2\n")
     config = config_from_args(build_parser().parse_args(["train", "--config", str(tmp_path / "job.toml")]))
-    assert config.train.lr == 1.0 and type(config.train.lr) is float and type(config.balancer.alpha) is float
-    assert config.train.steps == 3 and config.explicit == {"lr", "steps", "alpha"}
+    assert config.run.lr == 1.0 and type(config.run.lr) is float and type(config.balancer.alpha) is float
+    assert config.run.steps == 3 and config.explicit == {"run.lr", "run.steps", "balancer.alpha"}
     config = JobConfig()
-    config.train.steps, config.train.lr = np.int64(3), 1  # an integer of any kind; an int is a float
+    config.run.steps, config.run.lr = np.int64(3), 1  # an integer of any kind; an int is a float
     config.validate()
     for name, value, message in (
-        ("steps", 4.5, "train.steps: expected an integer, got 4.5 (float) (--steps)"),
-        ("steps", True, "train.steps: expected an integer, got True (bool) (--steps)"),
-        ("lr", "fast", "train.lr: expected a finite number, got 'fast' (str) (--lr)"),
-        ("deterministic", 1, "train.deterministic: expected true or false, got 1 (int) (--deterministic)"),
+        ("steps", 4.5, "run.steps: expected an integer, got 4.5 (float)"),
+        ("steps", True, "run.steps: expected an integer, got True (bool)"),
+        ("lr", "fast", "run.lr: expected a finite number, got 'fast' (str)"),
+        ("deterministic", 1, "run.deterministic: expected true or false, got 1 (int)"),
     ):
         config = JobConfig()
-        setattr(config.train, name, value)
+        setattr(config.run, name, value)
         with pytest.raises(ValueError) as error:
             config.validate()
         assert str(error.value) == message
@@ -509,8 +510,8 @@ def test_eval_data_that_matches_training_passes_also_without_freescales_metadata
     """A file written by another tool carries no ``freescale.dense_dim``: its widths come from its first sample."""
     from fsdata.parquet import ParquetSource
     from pipelines.cli import build_parser
-    from pipelines.job.config import config_from_args
     from pipelines.job.data_check import DataColumns, source_columns
+    from pipelines.job.flags import config_from_args
     from pipelines.job.train import check_before_launch
 
     _write_data(tmp_path / "train.parquet")

@@ -335,7 +335,7 @@ def test_an_interruption_names_the_signal_the_step_every_rank_completed_and_the_
     (tmp_path / "ck" / "step_000006").mkdir(parents=True)
     (tmp_path / "ck" / "step_000006" / "COMPLETE").write_text("2 dcp\n")
     (tmp_path / "ck" / "step_000008").mkdir()  # a save the signal cut short: no marker, not resumed
-    config = SimpleNamespace(train=SimpleNamespace(nproc=2, checkpoint_dir=str(tmp_path / "ck")))
+    config = SimpleNamespace(run=SimpleNamespace(nproc=2), checkpoint=SimpleNamespace(dir=str(tmp_path / "ck")))
     logs = tmp_path / "logs"
     logs.mkdir()
     _report(logs, 0, "SIGTERM", 8)
@@ -353,7 +353,7 @@ def test_an_interruption_names_the_signal_the_step_every_rank_completed_and_the_
     assert _interruption(logs, config, exitcodes={1: 1}) is None
     _report(logs, 0, "SIGINT", None)  # before its trainer was built (set-up, a restore)
     _report(logs, 1, "SIGINT", None)
-    none = SimpleNamespace(train=SimpleNamespace(nproc=2, checkpoint_dir=None))
+    none = SimpleNamespace(run=SimpleNamespace(nproc=2), checkpoint=SimpleNamespace(dir=None))
     both = {0: 128 + signal.SIGINT, 1: 128 + signal.SIGINT}
     assert str(_interruption(logs, none, exitcodes=both)) == "interrupted (SIGINT) during set-up; no checkpoint"
 

@@ -160,7 +160,7 @@ def unwrap_model(
 class ModelSpec:
     """What a model factory returns (``freescale train --model module:function`` or ``path/file.py:function``;
     the factory is called with the job's config, pipelines.job.config.JobConfig, on every rank, and must build the same
-    initial weights everywhere, e.g. after ``torch.manual_seed(config.train.seed)``).
+    initial weights everywhere, e.g. after ``torch.manual_seed(config.run.seed)``).
 
     Only ``model`` is required; the rest defaults to the reference model's conventions."""
 

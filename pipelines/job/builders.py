@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -10,14 +11,21 @@ from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
 from pipelines.api.modes import MODES
 from pipelines.api.step import ModelSpec, StepHooks, TrainStep
-from pipelines.job.config import DataConfig, JobConfig, ModelSection, TrainConfig
+from pipelines.job.config import (
+    JobConfig,
+    JobDataSection,
+    JobEmbeddingsSection,
+    JobModelSection,
+    JobRunSection,
+    JobTuningSection,
+)
 from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
 
 
-def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
+def build_source(config: JobDataSection, global_batch_size: int) -> SampleSource:
     """The data source. Synthetic data keys its collision knob to ``global_batch_size`` (B x world size), so
     the configured share of rows is shared between consecutive global batches."""
-    if config.data == "synthetic":
+    if config.path == "synthetic":
         from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
         overrides = {"collision_block_size": global_batch_size}
@@ -27,14 +35,14 @@ def build_source(config: DataConfig, global_batch_size: int) -> SampleSource:
             SyntheticConfig.from_preset(
                 config.preset,
                 num_samples=config.num_samples,
-                seed=config.data_seed,
+                seed=config.seed,
                 uih_cap=config.uih_cap,
                 **overrides,
             )
         )
     from fsdata.parquet import ParquetSource
 
-    path = Path(config.data)
+    path = Path(config.path)
     paths = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not paths:
         raise ValueError(f"{path}: directory holds no *.parquet files")
@@ -51,20 +59,26 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
     ``path/file.py:function``, called with the job's config; it returns a ModelSpec, or just the model), or the
     reference model of a preset, described the same way (its item table swapped by name, its features the ids of
     its one lookup)."""
-    if is_factory(config.model.model):
+    if is_factory(config.model.name):
         from fsdata.resolve import load_callable
 
-        factory = load_callable(config.model.model, "model factory")
+        factory = load_callable(config.model.name, "model factory")
         spec = factory(config)
         if isinstance(spec, torch.nn.Module):
             spec = ModelSpec(spec)
         if not isinstance(spec, ModelSpec):
             raise ValueError(
-                f"model factory {config.model.model!r} returned a {type(spec).__name__}; return a "
+                f"model factory {config.model.name!r} returned a {type(spec).__name__}; return a "
                 "pipelines.ModelSpec (or an nn.Module)"
             )
         return spec
-    model = build_model(config.model, source, seed=config.train.seed, deterministic=config.train.deterministic)
+    model = build_model(
+        config.model,
+        source,
+        seed=config.run.seed,
+        deterministic=config.run.deterministic,
+        attention_impl=config.tuning.attention_impl,
+    )
     # A plan only for a kernel that takes block masks (FlexAttention); the loader runs its stage on CUDA alone.
     plan = model.plan_function() if model.needs_plan(torch.device("cuda")) else None
     return ModelSpec(
@@ -75,17 +89,23 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
     )
 
 
-def build_model(config: ModelSection, source: SampleSource, seed: int, deterministic: bool = False) -> SequenceModel:
+def build_model(
+    config: JobModelSection,
+    source: SampleSource,
+    seed: int,
+    deterministic: bool = False,
+    attention_impl: Optional[str] = None,
+) -> SequenceModel:
     """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank.
     ``deterministic`` picks the attention kernel that is reproducible as it is (FlexAttention) where
-    ``attention_impl`` is unset."""
-    if config.model not in MODEL_PRESETS:
+    ``attention_impl`` (the job's ``tuning.attention_impl``) is unset."""
+    if config.name not in MODEL_PRESETS:
         raise ValueError(
-            f"unknown model preset {config.model!r}; choose from {sorted(MODEL_PRESETS)} or name a "
+            f"unknown model preset {config.name!r}; choose from {sorted(MODEL_PRESETS)} or name a "
             "factory: module:function or path/to/file.py:function"
         )
     probe = source.read(0, 0, min(1, source.num_samples(0)))
-    sizes = dict(MODEL_PRESETS[config.model])
+    sizes = dict(MODEL_PRESETS[config.name])
     overrides = (
         ("num_items", config.num_items),
         ("dim", config.dim),
@@ -93,7 +113,7 @@ def build_model(config: ModelSection, source: SampleSource, seed: int, determini
         ("max_uih", config.max_uih),
     )
     sizes.update({k: v for k, v in overrides if v is not None})
-    impl = config.attention_impl
+    impl = attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
     model_config = ModelConfig(
@@ -107,10 +127,17 @@ def build_model(config: ModelSection, source: SampleSource, seed: int, determini
     return SequenceModel(model_config)
 
 
-def build_wrap(spec: ModelSpec, config: TrainConfig, timer, device: torch.device):
+def build_wrap(
+    spec: ModelSpec,
+    mode: str,
+    embeddings: JobEmbeddingsSection,
+    tuning: JobTuningSection,
+    timer,
+    device: torch.device,
+):
     """The embedding wrap around ``spec.model`` for the sharded-embedding modes, through the public
     ``wrap_model`` (None for ``replicated``, ``torchrec``)."""
-    if MODES[config.mode].schedule is None:
+    if MODES[mode].schedule is None:
         return None
     from fsembed import get_optimizer
     from pipelines.api.step import wrap_model
@@ -119,13 +146,13 @@ def build_wrap(spec: ModelSpec, config: TrainConfig, timer, device: torch.device
         spec.model,
         embeddings=spec.embeddings,
         types=spec.types,
-        mode=config.mode,
+        mode=mode,
         features=spec.features,
         inputs=spec.inputs,
-        optimizer=get_optimizer(config.embedding_optimizer, lr=config.embedding_lr),
-        transport=config.transport,
-        early_start=config.early_start,
-        exclusive_start=config.exclusive_start,
+        optimizer=get_optimizer(embeddings.optimizer, lr=embeddings.lr),
+        transport=embeddings.transport,
+        early_start=tuning.early_start,
+        exclusive_start=tuning.exclusive_start,
         timer=timer,
         device=device,
     )
@@ -134,7 +161,9 @@ def build_wrap(spec: ModelSpec, config: TrainConfig, timer, device: torch.device
 def build_step(
     spec: ModelSpec,
     wrap,
-    config: TrainConfig,
+    run: JobRunSection,
+    embeddings: JobEmbeddingsSection,
+    tuning: JobTuningSection,
     hooks: StepHooks,
     timer,
     device: torch.device,
@@ -142,18 +171,18 @@ def build_step(
     world_size: int,
 ):
     """The job's step, chosen once here: the public API's TrainStep around ``spec.model`` (its embedding wrap
-    ``wrap``, dense Adam at ``lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
+    ``wrap``, dense Adam at ``run.lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
     TrainPipelineSparseDist (the outside reference), which implements the same interface (``lookahead``,
     ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``). ``hooks``: what the job adds around the step."""
-    if config.mode == "torchrec":
+    if run.mode == "torchrec":
         from pipelines.api.step import count_labels
         from pipelines.models.torchrec_ref import TorchrecReference
 
         return TorchrecReference(
             spec.model,
-            optimizer_name=config.embedding_optimizer,
-            embedding_lr=config.embedding_lr,
-            lr=config.lr,
+            optimizer_name=embeddings.optimizer,
+            embedding_lr=embeddings.lr,
+            lr=run.lr,
             device=device,
             global_labels=lambda batch: count_labels(batch, device, timer),
             phase=hooks.phase,
@@ -161,7 +190,7 @@ def build_step(
     # Dense part only (the swapped tables are no parameters). On a GPU, fused: a few kernels per step instead of a
     # foreach chain of ops, each of which would give the GIL away on the training thread (every mode alike, so the
     # comparison is fair).
-    optimizer = torch.optim.Adam(spec.model.parameters(), lr=config.lr, fused=device.type == "cuda")
+    optimizer = torch.optim.Adam(spec.model.parameters(), lr=run.lr, fused=device.type == "cuda")
     return TrainStep(
         spec.model,
         spec.loss,
@@ -171,8 +200,8 @@ def build_step(
         device=device,
         rank=rank,
         world_size=world_size,
-        bucket_mb=config.bucket_mb,
-        precision=config.precision,
+        bucket_mb=tuning.bucket_mb,
+        precision=run.precision,
         timer=timer,
         hooks=hooks,
     )

@@ -1,39 +1,42 @@
-"""Job configuration: small nested dataclasses, one per builder, with a one-line help string per field.
+"""The job's configuration: one small dataclass per TOML table, at the attribute path the table names.
 
-Precedence: command-line flags > TOML file (``--config job.toml``) > defaults. The classes are the Python API
-(``fsdata.build_loader`` takes a LoaderConfig, ``balancer_stages`` a BalancerConfig...); the command line and
-the TOML file group their fields by what a user sets instead (``TABLES``): each field's metadata names its
-``group`` (default: the one of its class, ``_CLASS_GROUP``), and that group is both the help section of
-``freescale train --help`` and the TOML table that holds the field. Flags are named after the field
-(``--batch-size``); the scheduling knobs of the ``tuning`` group are ``--tuning.NAME`` flags
-(``--tuning.gil-switch-ms``, ``--tuning.stage-lookahead`` / ``--tuning.no-stage-lookahead``) in a ``[tuning]``
-table, left out of ``--help`` (``--help-tuning`` lists them; docs/tuning.md explains them).
+    [data]        config.data        JobDataSection        what the job reads, and how much per step
+    [model]       config.model       JobModelSection       the reference preset or the user's factory
+    [balancer]    config.balancer    fsdata.BalancerConfig the sequence load balancer (the library's own)
+    [embeddings]  config.embeddings  JobEmbeddingsSection  the sharded tables' optimizer and transport
+    [run]         config.run         JobRunSection         mode, ranks, steps, devices, outputs
+    [checkpoint]  config.checkpoint  JobCheckpointSection  saving, resuming, exporting
+    [tuning]      config.tuning      JobTuningSection      scheduling knobs (docs/tuning.md)
+
+``[checkpoint] dir`` is ``config.checkpoint.dir``; every field is documented where it is declared. The library's
+own configs are built from these (:meth:`JobConfig.loader_config`; the balancer's section is its config), and each
+builder is given only the sections it reads. The command line (pipelines.job.flags) derives its flags from these
+fields; nothing here knows a flag.
 
 A field's type is its annotation (``int``, ``float``, ``bool``, ``str``, each possibly ``Optional``), checked in
 one place (:func:`type_problem`) for a TOML value, a flag's text and a field set from Python: an integer field
 takes no float and no bool (TOML's ``4.5`` or ``true`` would otherwise run as 5 steps or 1), a float field no
-bool and nothing non-finite. A field's allowed values are its metadata's ``choices`` (None is allowed where the
-default is None), checked for every class in one place (:func:`check_choices`). All validation happens in
-:meth:`JobConfig.validate`, once, with ValueErrors that name the field and its flag; a TOML file's errors name
-the file, table and key.
+bool and nothing non-finite. :meth:`JobConfig.validate` is the one validation: the types of every section, then
+each section's own ``validate()`` (its ranges and ``CHOICES``), then what spans sections. Its errors
+(:class:`ConfigError`) name each field by its path (``run.steps``); the command line names the flag instead. The
+TOML file is read in pipelines.job.config_file.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
 import numbers
-import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from fsdata.balancer import BalancerConfig
-from fsdata.loader import LoaderConfig
+from fsdata.loader import WORKER_STARTS, LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
 from pipelines.api.modes import BALANCING, MODES, SHARDED
@@ -42,168 +45,370 @@ from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.schedule import SCHEDULE_CHOICES
 from pipelines.models.reference import ATTENTION_IMPLS
 
-
-def _f(default: Any, help: str, **kw) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
-
-
 # nccl-ce (fscomm/nccl_ce.py) is not offered until it has run on two GPUs or more
 TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
-
-
 DEVICES = ("cpu", "cuda", "auto")
 OPTIMIZER_CHOICES = ("sgd", "rowwise_adagrad", "adam")
 ALLREDUCE_STARTS = ("backward", "compute")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+ATTENTIONS = ("jagged", "padded")
+
+
+class ConfigError(ValueError):
+    """A value the job cannot run with. The message's ``{}`` slots name ``fields`` (paths: ``run.steps``), in order:
+    here by their paths; the command line names their flags instead (:meth:`naming`)."""
+
+    def __init__(self, template: str, *fields: str) -> None:
+        self.template, self.fields = template, fields
+        super().__init__(self.naming(lambda path: path))
+
+    def __reduce__(self) -> tuple:  # pickled (to another process) with its fields, not as the message alone
+        return type(self), (self.template, *self.fields)
+
+    def naming(self, name: Callable[[str], str]) -> str:
+        """The message with each field named by ``name(path)``."""
+        return self.template.format(*(name(path) for path in self.fields))
+
+
+def _literal(text: str) -> str:
+    """``text`` as a part of a ConfigError template: its braces are not slots."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def refuse(path: str, problem: str) -> ConfigError:
+    """``steps must be >= 0, got -1 (run.steps)``: the key, what is wrong, and the field (its flag on the command
+    line)."""
+    return ConfigError(f"{path.split('.')[1]} {_literal(problem)} ({{}})", path)
+
+
+def check_choices(table: str, section: Any) -> None:
+    """Every field of ``section`` named in its ``CHOICES`` holds one of them, or None (an option left unset)."""
+    for key, choices in section.CHOICES.items():
+        value = getattr(section, key)
+        if value is not None and value not in choices:
+            raise refuse(f"{table}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+class _Renamed:
+    """A section's field under its name of the release before: read and set through to the new name, with a
+    DeprecationWarning naming both."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old, self.table = name, owner.TABLE
+
+    def _warn(self) -> None:
+        warnings.warn(
+            f"config.{self.table}.{self.old} is deprecated and goes in the next release: use "
+            f"config.{self.table}.{self.new}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        self._warn()
+        return getattr(obj, self.new)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self._warn()
+        setattr(obj, self.new, value)
 
 
 @dataclass
-class DataConfig:
-    """``id_overflow`` unset takes what the dataset declares (Parquet metadata ``freescale.id_overflow``, the
-    synthetic preset), else ``error``. ``drop_bad_samples`` leaves out samples with non-finite dense values or
-    labels, or labels outside [0, 1], and counts them in the summary's ``data_counts``; by default such a
-    sample is an error naming it."""
+class JobDataSection:
+    """The ``[data]`` table of the job config (``config.data``): the training and held-out data, and how much of
+    it each rank takes per step."""
 
-    data: str = _f("synthetic", "'synthetic' or Parquet path", metavar="PATH")
-    preset: str = _f("tiny", "synthetic preset (tiny, kuairand-1k, kuairand-27k, movielens-20m)")
-    num_samples: int = _f(100_000, "synthetic samples per epoch")
-    collision_rate: Optional[float] = _f(None, "synthetic: rows shared by consecutive batches")
-    uih_cap: int = _f(21_000, "longest UIH kept (most recent)")
-    data_seed: int = _f(0, "seed of the synthetic generator")
-    id_overflow: Optional[str] = _f(None, "ids beyond the item table", choices=ID_OVERFLOW_CHOICES)
-    drop_bad_samples: bool = _f(False, "Parquet: skip and count samples with bad values")
-    eval_data: Optional[str] = _f(None, "held-out Parquet: NE and AUC at the end", metavar="PATH")
+    TABLE: ClassVar[str] = "data"
+    CHOICES: ClassVar[dict] = {"id_overflow": ID_OVERFLOW_CHOICES}
+
+    path: str = "synthetic"
+    """``synthetic`` (the generator of ``preset``), a Parquet file, or a directory of ``*.parquet`` files."""
+    preset: str = "tiny"
+    """The synthetic generator's preset: tiny, kuairand-1k, kuairand-27k or movielens-20m (fsdata.synthetic)."""
+    num_samples: int = 100_000
+    """Synthetic samples per epoch."""
+    collision_rate: Optional[float] = None
+    """Synthetic: the share of rows consecutive global batches share, in [0, 1]; unset: the preset's."""
+    uih_cap: int = 21_000
+    """The longest UIH kept per sample: its most recent events."""
+    seed: int = 0
+    """The synthetic generator's seed."""
+    id_overflow: Optional[str] = None
+    """Ids beyond the item table: ``error``, ``modulo`` or ``hash`` (fsdata.id_overflow). Unset takes what the
+    dataset declares (Parquet metadata ``freescale.id_overflow``, the synthetic preset), else ``error``."""
+    drop_bad_samples: bool = False
+    """Parquet: leave out samples with non-finite dense values or labels, or labels outside [0, 1], counted in the
+    summary's ``data_counts``. Off, such a sample is an error naming it."""
+    eval_path: Optional[str] = None
+    """Held-out Parquet data: NE and AUC at the end, and every ``run.eval_every`` steps."""
+    batch_size: int = 16
+    """Samples per rank per step: the local batch B (the global batch is B x ranks)."""
+    prefetch_depth: int = 2
+    """Local batches read ahead of the model, in a thread."""
+
+    data = _Renamed("path")
+    data_seed = _Renamed("seed")
+    eval_data = _Renamed("eval_path")
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        if self.collision_rate is not None and not 0.0 <= self.collision_rate <= 1.0:
+            raise refuse("data.collision_rate", f"must lie in [0, 1], got {self.collision_rate}")
+        if self.uih_cap < 1:
+            raise refuse("data.uih_cap", f"must be >= 1, got {self.uih_cap}")
+        if self.path != "synthetic" and not Path(self.path).exists():
+            raise ConfigError(
+                f"{{}} {_literal(repr(self.path))} does not exist (use 'synthetic' or a Parquet path)", "data.path"
+            )
 
 
 @dataclass
-class ModelSection:
-    """``model``: a reference preset (tiny, small, production), or a factory of your own model:
-    ``module:function`` (on sys.path, the current directory first) or ``path/to/file.py:function``; it gets
-    this job's config and returns a ``pipelines.ModelSpec`` (docs/api.md)."""
+class JobModelSection:
+    """The ``[model]`` table of the job config (``config.model``): the model to train. The reference model's
+    attention kernel is a scheduling knob: ``tuning.attention_impl``."""
 
-    model: str = _f("tiny", "tiny, small, production, or module:function")
-    num_items: Optional[int] = _f(None, "override the preset's item table rows")
-    dim: Optional[int] = _f(None, "override the preset's width d")
-    num_layers: Optional[int] = _f(None, "override the preset's transformer blocks")
-    max_uih: Optional[int] = _f(None, "override the preset's longest UIH in the encoder")
-    attention: str = _f("jagged", "", choices=("jagged", "padded"))
-    attention_impl: Optional[str] = _f(
-        None,
-        "jagged attention kernel on CUDA (default varlen; flex with --deterministic)",
-        group="tuning",
-        choices=ATTENTION_IMPLS,
-    )
+    TABLE: ClassVar[str] = "model"
+    CHOICES: ClassVar[dict] = {"attention": ATTENTIONS}
+
+    name: str = "tiny"
+    """A reference preset (tiny, small, production), or a factory of your own model: ``module:function`` (on
+    sys.path, the current directory first) or ``path/to/file.py:function``; it gets this job's config and returns
+    a ``pipelines.ModelSpec`` (docs/api.md)."""
+    num_items: Optional[int] = None
+    """The preset's item table rows, overridden."""
+    dim: Optional[int] = None
+    """The preset's width d, overridden."""
+    num_layers: Optional[int] = None
+    """The preset's transformer blocks, overridden."""
+    max_uih: Optional[int] = None
+    """The preset's longest UIH in the encoder, overridden."""
+    attention: str = "jagged"
+    """``jagged`` (each sample's own length) or ``padded`` (every sample padded to the batch's longest)."""
+
+    model = _Renamed("name")
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        if self.num_items is not None and self.num_items < 1:
+            raise refuse("model.num_items", f"must be >= 1, got {self.num_items}")
 
 
 @dataclass
-class TrainConfig:
-    """``mode``: see pipelines.job.trainer (``torchrec`` runs the real torchrec, a CPU reference).
+class JobEmbeddingsSection:
+    """The ``[embeddings]`` table of the job config (``config.embeddings``): the row-wise sharded tables of the
+    sharded modes (sync, sdd, semisync, freescale; optimizer and lr also torchrec's)."""
 
-    ``warmup_steps``: the first steps are left out of the summary's timings (samples/s, step time, straggler,
-    bubbles): they pay one-time costs such as kernel compilation and the first pinned-memory allocations; their
-    wall time is reported apart (``warmup_s``). ``comm_timeout_s`` bounds every collective and hand-over between
-    ranks (and the stage worker's and embedding chains' waits); past it the job stops with an error naming it
-    and the rank(s) that did not arrive (torch's own default is 30 minutes). ``transport``: host is SM-free
-    (shared memory between ranks of one host, TCP across hosts), host-shm / host-tcp force one host path, rdma
-    is the paper's SM-free ring over verbs (untested on real NICs); the loader's CPU-side exchanges always use
-    host. ``log_dir``: where `freescale train` writes each failed rank's full traceback (default: a new
-    temporary directory, named in the error line). The scheduling knobs (group ``tuning``) are explained in
-    docs/tuning.md."""
+    TABLE: ClassVar[str] = "embeddings"
+    CHOICES: ClassVar[dict] = {"optimizer": OPTIMIZER_CHOICES, "transport": TRANSPORT_CHOICES}
 
-    mode: str = _f("freescale", "", choices=tuple(MODES))
-    embedding_optimizer: str = _f("sgd", "", group="embeddings", choices=OPTIMIZER_CHOICES)
-    embedding_lr: float = _f(0.05, "sharded tables' learning rate", group="embeddings")
-    nproc: int = _f(2, "local ranks, not under torchrun")
-    steps: int = _f(20, "training steps")
-    warmup_steps: int = _f(1, "steps left out of the timings")
-    lr: float = _f(1e-3, "dense parameters' Adam lr")
-    seed: int = _f(0, "model initialisation seed")
-    device: str = _f("auto", "", choices=DEVICES)
-    precision: str = _f("auto", "", choices=PRECISIONS)
-    deterministic: bool = _f(False, "bitwise reproducible steps (docs/tuning.md)")
-    eval_every: int = _f(0, "evaluate every N steps too")
-    summary_json: Optional[str] = _f(None, "write the run summary here", metavar="PATH")
-    metrics_jsonl: Optional[str] = _f(None, "write one JSON line of metrics per step", metavar="PATH")
-    threads: Optional[int] = _f(
-        None, "torch intra-op threads per rank (default: cores / local ranks on CPU, at most 2 on GPU)", group="tuning"
-    )
-    progress: bool = _f(True, "progress bar on rank 0")
-    checkpoint_dir: Optional[str] = _f(None, "checkpoint directory", metavar="DIR", group="checkpoint")
-    checkpoint_every: int = _f(0, "save every N steps, 0: never", group="checkpoint")
-    resume: Optional[str] = _f(None, "'latest' or a step directory", group="checkpoint", metavar="STEP")
-    async_checkpoint: bool = _f(False, "save checkpoints in the background", group="checkpoint")
-    export: Optional[str] = _f(
-        None, "save your model's state_dict at the end (and PATH.json)", group="checkpoint", metavar="PATH"
-    )
-    trace: Optional[str] = _f(None, "profile a few steps to PATH.rank{r}.json", metavar="PATH")
-    gil_switch_ms: float = _f(1.0, "Python's thread switch interval per rank (ms)", group="tuning")
-    allreduce_start: str = _f(
-        "backward", "when the dense all-reduce's last bucket is launched", group="tuning", choices=ALLREDUCE_STARTS
-    )
-    bucket_mb: float = _f(
-        1.0, "dense all-reduce bucket size in MiB (0: one all-reduce after the backward)", group="tuning"
-    )
-    early_start: str = _f(
-        EARLY_START, "freescale: when the next batch's fresh rows start", group="tuning", choices=EARLY_STARTS
-    )
-    exclusive_start: str = _f(
-        EXCLUSIVE_START, "freescale: when deferred exclusive gradients leave", group="tuning", choices=EXCLUSIVE_STARTS
-    )
-    numa_binding: Optional[str] = _f(
-        None, "GPU runs: bind each rank's threads near its GPU", group="tuning", choices=NUMA_BINDINGS
-    )
-    embedding_schedule: str = _f(
-        "auto", "freescale: auto probes both, keeps the faster", group="tuning", choices=SCHEDULE_CHOICES
-    )
-    comm_timeout_s: float = _f(300.0, "timeout of waits between ranks")
-    verbose: bool = _f(False, "print a failed rank's full traceback")
-    log_dir: Optional[str] = _f(None, "where failed ranks' tracebacks go", metavar="DIR")
-    transport: str = _f("host", "", group="embeddings", choices=TRANSPORT_CHOICES)
+    optimizer: str = "sgd"
+    """The tables' row-wise optimizer, fused into the backward: sgd, rowwise_adagrad or adam (fsembed)."""
+    lr: float = 0.05
+    """The tables' learning rate."""
+    transport: str = "host"
+    """What carries the embedding exchanges: ``host`` is SM-free (shared memory between ranks of one host, TCP
+    across hosts), ``host-shm`` / ``host-tcp`` force one host path, ``rdma`` is the paper's SM-free ring over verbs
+    (untested on real NICs), ``nccl`` NCCL's collectives. The loader's CPU-side exchanges always use host."""
 
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+
+
+@dataclass
+class JobRunSection:
+    """The ``[run]`` table of the job config (``config.run``): how the job runs and what it writes."""
+
+    TABLE: ClassVar[str] = "run"
+    CHOICES: ClassVar[dict] = {"mode": tuple(MODES), "device": DEVICES, "precision": PRECISIONS}
+
+    mode: str = "freescale"
+    """How the embeddings train (pipelines.job.trainer): replicated, sync, sdd, semisync, freescale, or torchrec
+    (the real torchrec on CPU: the outside reference)."""
+    nproc: int = 2
+    """Local ranks that `freescale train` launches (torchrun launches its own)."""
+    steps: int = 20
+    """The step the job trains to (after a resume too)."""
+    warmup_steps: int = 1
+    """The first steps, left out of the summary's timings (samples/s, step time, straggler, bubbles): they pay
+    one-time costs such as kernel compilation and the first pinned-memory allocations; their wall time is reported
+    apart (``warmup_s``)."""
+    lr: float = 1e-3
+    """The dense parameters' Adam learning rate."""
+    seed: int = 0
+    """The model's initialisation seed (the same initial weights on every rank)."""
+    device: str = "auto"
+    """cpu, cuda, or auto (cuda where available)."""
+    precision: str = "auto"
+    """bf16 (autocast), fp32, or auto: bf16 on CUDA, fp32 on CPU (docs/tuning.md)."""
+    deterministic: bool = False
+    """Bitwise reproducible steps (docs/tuning.md)."""
+    eval_every: int = 0
+    """Evaluate the held-out data (``data.eval_path``) every N steps too; 0: at the end only."""
+    summary_json: Optional[str] = None
+    """Where rank 0 writes the run summary (JSON)."""
+    metrics_jsonl: Optional[str] = None
+    """Where rank 0 writes one JSON line of metrics per step."""
+    progress: bool = True
+    """Rank 0's progress bar."""
+    trace: Optional[str] = None
+    """Profile a few steps past the warm-up; rank r writes ``PATH.rank{r}.json``."""
+    comm_timeout_s: float = 300.0
+    """Bounds every collective and hand-over between ranks (and the stage worker's and embedding chains' waits);
+    past it the job stops with an error naming it and the rank(s) that did not arrive (torch's own default is
+    30 minutes)."""
+    verbose: bool = False
+    """Print a failed rank's full traceback too."""
+    log_dir: Optional[str] = None
+    """Where `freescale train` writes each failed rank's full traceback; unset: a new temporary directory, named
+    in the error line."""
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        for key, low in (("nproc", 1), ("steps", 0), ("warmup_steps", 0), ("eval_every", 0)):
+            if getattr(self, key) < low:
+                raise refuse(f"run.{key}", f"must be >= {low}, got {getattr(self, key)}")
+        if not self.comm_timeout_s > 0:
+            raise refuse("run.comm_timeout_s", f"must be > 0, got {self.comm_timeout_s}")
+
+
+@dataclass
+class JobCheckpointSection:
+    """The ``[checkpoint]`` table of the job config (``config.checkpoint``): saving, resuming and exporting."""
+
+    TABLE: ClassVar[str] = "checkpoint"
+    CHOICES: ClassVar[dict] = {}
+
+    dir: Optional[str] = None
+    """The checkpoint directory (one job at a time holds it)."""
+    every: int = 0
+    """Save every N steps; 0: never."""
+    resume: Optional[str] = None
+    """``latest`` (the newest complete checkpoint in ``dir``) or a step directory."""
+    async_save: bool = False
+    """Save checkpoints in the background."""
+    export: Optional[str] = None
+    """Save the model's state_dict at the end (and ``PATH.json``, what built it); modes replicated and sharded."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise refuse("checkpoint.every", f"must be >= 0, got {self.every}")
+        if (self.every or self.resume == "latest") and not self.dir:
+            raise ConfigError("{} and {}=latest need {}", "checkpoint.every", "checkpoint.resume", "checkpoint.dir")
+
+
+@dataclass
+class JobTuningSection:
+    """The ``[tuning]`` table of the job config (``config.tuning``): when and where work runs, never what a step
+    computes. docs/tuning.md explains each knob and when to change it."""
+
+    TABLE: ClassVar[str] = "tuning"
+    CHOICES: ClassVar[dict] = {
+        "attention_impl": ATTENTION_IMPLS,
+        "worker_start": WORKER_STARTS,
+        "allreduce_start": ALLREDUCE_STARTS,
+        "early_start": EARLY_STARTS,
+        "exclusive_start": EXCLUSIVE_STARTS,
+        "numa_binding": NUMA_BINDINGS,
+        "embedding_schedule": SCHEDULE_CHOICES,
+    }
+
+    attention_impl: Optional[str] = None
+    """The reference model's jagged attention kernel on CUDA; unset: varlen (flex with ``run.deterministic``)."""
+    pin_memory: bool = False
+    """Pin the host memory of batches (forced on when the trainer trains on CUDA)."""
+    background_stages: bool = True
+    """Run the balancer and ID-prefetch stages one batch ahead in a worker thread."""
+    worker_start: Optional[str] = None
+    """When the stage worker starts the batch after next: ``take`` or ``backward``; unset: backward under the
+    trainer."""
+    stage_lookahead: bool = True
+    """Start each stage's exchange one batch early, even under the worker thread."""
+    threads: Optional[int] = None
+    """torch intra-op threads per rank; unset: cores / local ranks on CPU, at most 2 on GPU."""
+    gil_switch_ms: float = 1.0
+    """Python's thread switch interval per rank, in ms."""
+    allreduce_start: str = "backward"
+    """When the dense all-reduce's last bucket is launched: ``backward`` or ``compute``."""
+    bucket_mb: float = 1.0
+    """The dense all-reduce's bucket size in MiB; 0: one all-reduce after the backward."""
+    early_start: str = EARLY_START
+    """freescale: when the next batch's fresh rows start."""
+    exclusive_start: str = EXCLUSIVE_START
+    """freescale: when deferred exclusive gradients leave."""
+    numa_binding: Optional[str] = None
+    """GPU runs: bind each rank's threads near its GPU."""
+    embedding_schedule: str = "auto"
+    """freescale's embedding schedule: prioritized, sdd, or auto (probes both, keeps the faster)."""
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        if not self.gil_switch_ms > 0:
+            raise refuse("tuning.gil_switch_ms", f"must be > 0, got {self.gil_switch_ms}")
+        if not self.bucket_mb >= 0:
+            raise refuse("tuning.bucket_mb", f"must be >= 0, got {self.bucket_mb}")
+
+
+# The sections, in the order of the TOML tables (and of `freescale train --help`).
+SECTIONS = {
+    "data": JobDataSection,
+    "model": JobModelSection,
+    "balancer": BalancerConfig,
+    "embeddings": JobEmbeddingsSection,
+    "run": JobRunSection,
+    "checkpoint": JobCheckpointSection,
+    "tuning": JobTuningSection,
+}
+TABLES = tuple(SECTIONS)
+
+# config.train and config.loader of the release before: where their fields live now (JobConfig.train, .loader).
+_LOADER_KNOBS = ("pin_memory", "background_stages", "worker_start", "stage_lookahead")
+OLD_TRAIN_FIELDS = {
+    **{f.name: f"run.{f.name}" for f in dataclasses.fields(JobRunSection)},
+    **{
+        f.name: f"tuning.{f.name}"
+        for f in dataclasses.fields(JobTuningSection)
+        if f.name not in (*_LOADER_KNOBS, "attention_impl")  # the loader's and the model's then
+    },
+    "embedding_optimizer": "embeddings.optimizer",
+    "embedding_lr": "embeddings.lr",
+    "transport": "embeddings.transport",
+    "checkpoint_dir": "checkpoint.dir",
+    "checkpoint_every": "checkpoint.every",
+    "resume": "checkpoint.resume",
+    "async_checkpoint": "checkpoint.async_save",
+    "export": "checkpoint.export",
+}
+OLD_LOADER_FIELDS = {
+    "batch_size": "data.batch_size",
+    "prefetch_depth": "data.prefetch_depth",
+    **{key: f"tuning.{key}" for key in _LOADER_KNOBS},
+}
 
 # Options that only some modes read: the others ignore them (JobConfig.ignored_options warns).
 MODE_OPTIONS = {
-    "partitioner": BALANCING,
-    "alpha": BALANCING,
-    "autotune": BALANCING,
-    "min_gain": BALANCING,
-    "memory_budget": BALANCING,
-    "transport": SHARDED,
-    "embedding_lr": (*SHARDED, "torchrec"),
-    "embedding_optimizer": (*SHARDED, "torchrec"),
-    "early_start": ("freescale",),
-    "exclusive_start": ("freescale",),
-    "embedding_schedule": ("freescale",),
-    "export": ("replicated", *SHARDED),
+    "balancer.partitioner": BALANCING,
+    "balancer.alpha": BALANCING,
+    "balancer.autotune": BALANCING,
+    "balancer.min_gain": BALANCING,
+    "balancer.memory_budget": BALANCING,
+    "embeddings.transport": SHARDED,
+    "embeddings.lr": (*SHARDED, "torchrec"),
+    "embeddings.optimizer": (*SHARDED, "torchrec"),
+    "tuning.early_start": ("freescale",),
+    "tuning.exclusive_start": ("freescale",),
+    "tuning.embedding_schedule": ("freescale",),
+    "checkpoint.export": ("replicated", *SHARDED),
 }
 
-SECTIONS = {
-    "data": DataConfig,
-    "model": ModelSection,
-    "loader": LoaderConfig,
-    "balancer": BalancerConfig,
-    "train": TrainConfig,
-}
 
-# The help sections of `freescale train --help`, and the TOML tables: a field's metadata "group", else its class's.
-TABLES = ("data", "model", "balancer", "embeddings", "run", "checkpoint", "tuning")
-_CLASS_GROUP = {"data": "data", "model": "model", "loader": "data", "balancer": "balancer", "train": "run"}
-TUNING = "tuning"
-
-
-def _fields() -> dict[str, tuple[str, str, dataclasses.Field]]:
-    """field name -> (section, table, field), over every section (names are unique across sections)."""
-    return {
-        f.name: (section, f.metadata.get("group", _CLASS_GROUP[section]), f)
-        for section, cls in SECTIONS.items()
-        for f in dataclasses.fields(cls)
-    }
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of a field: ``--batch-size``, ``--tuning.gil-switch-ms``."""
-    table = _fields()[name][1]
-    return f"--{TUNING + '.' if table == TUNING else ''}{name.replace('_', '-')}"
+def config_fields() -> dict[str, dataclasses.Field]:
+    """Every field of every section, by its path (``run.steps``), in the order of the tables and their fields."""
+    return {f"{table}.{f.name}": f for table, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 EXPECTED = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
@@ -213,19 +418,22 @@ EXPECTED = {int: "an integer", float: "a finite number", bool: "true or false", 
 def _kinds(cls: type) -> dict[str, type]:
     """field name -> the type its values must have, from the class's annotations (``Optional`` dropped: None only
     ever comes from a default)."""
+    hints = typing.get_type_hints(cls)
     kinds = {}
-    for name, hint in typing.get_type_hints(cls).items():
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         kind = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
-        if kind not in EXPECTED:  # a new kind of field needs its own check here and its own flag parser in _add
-            raise TypeError(f"{cls.__name__}.{name}: config fields are int, float, bool or str, not {hint}")
-        kinds[name] = kind
+        if kind not in EXPECTED:  # a new kind of field needs its own check here and its own flag parser
+            raise TypeError(f"{cls.__name__}.{f.name}: config fields are int, float, bool or str, not {hint}")
+        kinds[f.name] = kind
     return kinds
 
 
-def field_kind(name: str) -> type:
-    """The type of the config field ``name`` (any section): int, float, bool or str."""
-    return _kinds(SECTIONS[_fields()[name][0]])[name]
+def field_kind(path: str) -> type:
+    """The type of the config field at ``path`` (``run.steps``): int, float, bool or str."""
+    table, key = path.split(".")
+    return _kinds(SECTIONS[table])[key]
 
 
 def shown(value: Any) -> str:
@@ -255,102 +463,84 @@ def type_problem(kind: type, value: Any, spell: Callable[[Any], str] = shown) ->
     return None if fits else f"expected {EXPECTED[kind]}, got {spell(value)} ({type(value).__name__})"
 
 
-def _parse_flag(kind: type) -> Callable[[str], Any]:
-    """argparse's ``type`` for a flag of a field of type ``kind``: the flag's text as that type, with the same
-    refusals as a TOML value (``--steps 4.5``, ``--lr nan``), reported as argparse reports a bad flag (exit 2)."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = int(text) if kind is int else float(text) if kind is float else text
-        except ValueError:
-            value = None
-        if value is None or type_problem(kind, value) is not None:
-            raise argparse.ArgumentTypeError(f"expected {EXPECTED[kind]}, got {shown(text)}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def check_types(section: str, obj: Any) -> None:
-    """Every field of ``obj`` (the dataclass of config section ``section``) holds a value of its type, or None
-    where that is its default: for a config built or changed in Python (flags and TOML values are checked as
-    they are read)."""
-    for name, kind in _kinds(type(obj)).items():
-        value = getattr(obj, name)
-        default = next(f.default for f in dataclasses.fields(obj) if f.name == name)
-        problem = None if value is None and default is None else type_problem(kind, value, spell=repr)
+def check_types(table: str, section: Any) -> None:
+    """Every field of ``section`` (the dataclass of ``table``) holds a value of its type, or None where that is its
+    default: for a config built or changed in Python (flags and TOML values are checked as they are read)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        kind = _kinds(type(section))[f.name]
+        problem = None if value is None and f.default is None else type_problem(kind, value, repr)
         if problem:
-            raise ValueError(f"{section}.{name}: {problem} ({flag(name)})")
+            raise ConfigError(f"{{}}: {_literal(problem)}", f"{table}.{f.name}")
 
 
-def check_choices(obj: Any) -> None:
-    """Every field of the dataclass ``obj`` whose metadata has ``choices`` holds one of them (or None, the
-    default of an option left unset)."""
-    for f in dataclasses.fields(obj):
-        choices, value = f.metadata.get("choices"), getattr(obj, f.name)
-        if choices is not None and value is not None and value not in choices:
-            where = f" ({flag(f.name)})" if f.name in _fields() else ""
-            raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {value!r}{where}")
+class _OldSection:
+    """``config.train`` or ``config.loader`` of the release before: their fields, read and set where they live now
+    (``fields``: old name -> path), each access with a DeprecationWarning naming the new path."""
+
+    def __init__(self, config: "JobConfig", name: str, fields: dict[str, str]) -> None:
+        object.__setattr__(self, "_where", (config, name, fields))
+
+    def _section(self, key: str) -> tuple[Any, str]:
+        config, name, fields = self._where
+        if key not in fields:
+            tables = ", ".join(sorted({path.split(".")[0] for path in fields.values()}))
+            raise AttributeError(f"config.{name} has no field {key!r} (it is deprecated; its fields are in {tables})")
+        path = fields[key]
+        warnings.warn(
+            f"config.{name}.{key} is deprecated and goes in the next release: use config.{path}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        table, new_key = path.split(".")
+        return getattr(config, table), new_key
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(*self._section(key))
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        setattr(*self._section(key), value)
 
 
 @dataclass
 class JobConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelSection = field(default_factory=ModelSection)
-    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    """The job's config: one section per TOML table (see the module's docstring). Validate it (``validate()``)
+    before use: building one checks nothing."""
+
+    data: JobDataSection = field(default_factory=JobDataSection)
+    model: JobModelSection = field(default_factory=JobModelSection)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    embeddings: JobEmbeddingsSection = field(default_factory=JobEmbeddingsSection)
+    run: JobRunSection = field(default_factory=JobRunSection)
+    checkpoint: JobCheckpointSection = field(default_factory=JobCheckpointSection)
+    tuning: JobTuningSection = field(default_factory=JobTuningSection)
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "JobConfig":
+        """A config of the defaults with ``values`` (path -> value, ``{"run.steps": 5}``) set; not validated."""
+        by_table: dict[str, dict[str, Any]] = {table: {} for table in SECTIONS}
+        for path, value in values.items():
+            table, key = path.split(".")
+            by_table[table][key] = value
+        return cls(**{table: SECTIONS[table](**by_table[table]) for table in SECTIONS})
 
     def validate(self) -> "JobConfig":
-        for section in SECTIONS:
-            check_types(section, getattr(self, section))
-            check_choices(getattr(self, section))
-        if self.train.nproc < 1:
-            raise ValueError(f"nproc must be >= 1, got {self.train.nproc}")
-        if self.model.num_items is not None and self.model.num_items < 1:
-            raise ValueError(f"num_items must be >= 1, got {self.model.num_items}")
-        if self.train.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.train.steps}")
-        if self.train.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.train.warmup_steps}")
-        if self.train.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0, got {self.train.eval_every} (--eval-every)")
-        if self.train.eval_every and self.data.eval_data is None:
-            raise ValueError("--eval-every needs --eval-data (the held-out Parquet file)")
-        if self.data.eval_data is not None and self.train.mode == "torchrec":
-            raise ValueError("--eval-data: mode torchrec (the outside reference) has no held-out evaluation")
-        if self.data.collision_rate is not None and not 0.0 <= self.data.collision_rate <= 1.0:
-            raise ValueError(f"collision_rate must lie in [0, 1], got {self.data.collision_rate}")
-        if self.data.uih_cap < 1:
-            raise ValueError(f"uih_cap must be >= 1, got {self.data.uih_cap}")
-        if self.data.data != "synthetic" and not Path(self.data.data).exists():
-            raise ValueError(f"data path {self.data.data!r} does not exist (use 'synthetic' or a Parquet path)")
-        if self.train.mode == "torchrec":
+        """The one validation: every section's types (:func:`type_problem`), each section's own ``validate()``,
+        then what spans sections. Raises a one-line ValueError (ConfigError where it names fields)."""
+        for table in SECTIONS:
+            check_types(table, getattr(self, table))
+            getattr(self, table).validate()
+        if self.run.eval_every and self.data.eval_path is None:
+            raise ConfigError("{} needs {} (the held-out Parquet file)", "run.eval_every", "data.eval_path")
+        if self.data.eval_path is not None and self.run.mode == "torchrec":
+            raise ConfigError("{}: mode torchrec (the outside reference) has no held-out evaluation", "data.eval_path")
+        if self.run.mode == "torchrec":
             self._validate_torchrec()
-            if ":" in self.model.model:
-                raise ValueError(f"mode torchrec runs the reference model only, not --model {self.model.model!r}")
-        if self.train.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.train.checkpoint_every}")
-        if (self.train.checkpoint_every or self.train.resume == "latest") and not self.train.checkpoint_dir:
-            raise ValueError("checkpoint_every and resume=latest need --checkpoint-dir")
-        if not self.train.gil_switch_ms > 0:
-            raise ValueError(f"gil_switch_ms must be > 0, got {self.train.gil_switch_ms}")
-        if not self.train.bucket_mb >= 0:
-            raise ValueError(f"bucket_mb must be >= 0, got {self.train.bucket_mb}")
-        if not self.train.comm_timeout_s > 0:
-            raise ValueError(f"comm_timeout_s must be > 0, got {self.train.comm_timeout_s}")
-        if (
-            self.balancer.partitioner != "none"
-        ):  # an unknown name or an unimportable module:function, before ranks start
+        if self.balancer.partitioner != "none":  # an unknown name or an unimportable module:function, before ranks
             from fsdata.partition import get_partitioner
 
             get_partitioner(self.balancer.partitioner, alpha=self.balancer.alpha)
-        if self.balancer.autotune and self.balancer.partitioner != "vbs":
-            raise ValueError(f"--autotune applies to the vbs partitioner, not {self.balancer.partitioner!r}")
-        if not 0.0 <= self.balancer.min_gain < 1.0:
-            raise ValueError(f"min_gain must be in [0, 1), got {self.balancer.min_gain}")
-        self.loader.validate()
+        self.loader_config().validate()
         return self
 
     def _validate_torchrec(self) -> None:
@@ -359,165 +549,74 @@ class JobConfig:
         missing = missing_packages()
         if missing:
             raise ValueError(unavailable_message(missing))
-        if self.train.device == "cuda":
-            raise ValueError("mode torchrec is a CPU reference only: use --device cpu")
-        if self.train.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
-            raise ValueError(
-                f"mode torchrec supports embedding_optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
-                f"{self.train.embedding_optimizer!r} (torchrec's fused Adam fails on CPU)"
+        if ":" in self.model.name:
+            raise ConfigError(
+                f"mode torchrec runs the reference model only, not {{}} {_literal(repr(self.model.name))}", "model.name"
             )
-        if self.train.checkpoint_every or self.train.resume:
+        if self.run.device == "cuda":
+            raise ConfigError("mode torchrec is a CPU reference only: use {} cpu", "run.device")
+        if self.embeddings.optimizer not in EMBEDDING_OPTIMIZERS:
+            raise ConfigError(
+                f"mode torchrec supports {{}} {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+                f"{self.embeddings.optimizer!r} (torchrec's fused Adam fails on CPU)",
+                "embeddings.optimizer",
+            )
+        if self.checkpoint.every or self.checkpoint.resume:
             raise ValueError("mode torchrec does not checkpoint or resume (it is a reference run, not a job)")
 
-    def ignored_options(self, explicit: set[str]) -> list[str]:
-        """One warning per option set explicitly (``explicit``: field names) that the chosen mode ignores."""
-        mode = self.train.mode
-        out = []
-        for name, modes in MODE_OPTIONS.items():
-            if name in explicit and mode not in modes:
-                out.append(f"{flag(name)} is ignored in mode {mode} (it applies to mode(s) {', '.join(modes)})")
-        return out
+    def loader_config(self) -> LoaderConfig:
+        """The loader's config (fsdata.build_loader): ``[data]`` batch_size and prefetch_depth, and the loader's
+        ``[tuning]`` knobs."""
+        t = self.tuning
+        return LoaderConfig(
+            batch_size=self.data.batch_size,
+            prefetch_depth=self.data.prefetch_depth,
+            pin_memory=t.pin_memory,
+            background_stages=t.background_stages,
+            worker_start=t.worker_start,
+            stage_lookahead=t.stage_lookahead,
+        )
+
+    def ignored_options(self, explicit: set[str], name: Callable[[str], str] = lambda path: path) -> list[str]:
+        """One warning per option set explicitly (``explicit``: paths) that the chosen mode ignores, naming the
+        option by ``name(path)`` (the command line: its flag)."""
+        return [
+            f"{name(path)} is ignored in mode {self.run.mode} (it applies to mode(s) {', '.join(modes)})"
+            for path, modes in MODE_OPTIONS.items()
+            if path in explicit and self.run.mode not in modes
+        ]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def train(self) -> _OldSection:
+        """The release before's ``config.train`` (33 fields, now in run, embeddings, checkpoint and tuning)."""
+        return _OldSection(self, "train", OLD_TRAIN_FIELDS)
 
-def _help(f: dataclasses.Field) -> str:
-    choices = f.metadata.get("choices")
-    parts = ["|".join(choices)] if choices else []
-    if f.default is not None and f.type not in (bool, "bool"):
-        parts.append(f"default: {f.default}")
-    text = f.metadata["help"]
-    if parts:
-        text = f"{text} ({'; '.join(parts)})" if text else "; ".join(parts)
-    return text.replace("%", "%%")
+    @property
+    def loader(self) -> _OldSection:
+        """The release before's ``config.loader`` (now in data and tuning; :meth:`loader_config` builds one)."""
+        return _OldSection(self, "loader", OLD_LOADER_FIELDS)
 
 
-def _add(parser, f: dataclasses.Field, show: bool) -> None:
-    """One field's flag(s); ``dest`` is the field's name, default None: an unset flag never overrides the TOML."""
-    kind = field_kind(f.name)
-    name = flag(f.name)
-    if kind is bool:  # --NAME / --no-NAME (--tuning.no-NAME); help shows the one that changes the default
-        negative = name.replace(".", ".no-", 1) if "." in name else name.replace("--", "--no-", 1)
-        for option, value in ((name, True), (negative, False)):
-            listed = show and value != f.default
-            help_text = f"{'off: ' if not value else ''}{f.metadata['help']}" if listed else argparse.SUPPRESS
-            parser.add_argument(option, dest=f.name, action="store_const", const=value, help=help_text)
+_OLD_NAMES = {"DataConfig": "JobDataSection", "ModelSection": "JobModelSection"}
+_MOVED_TO_FLAGS = ("config_from_args", "add_config_arguments", "add_tuning_arguments", "apply_tuning")
+
+
+def __getattr__(name: str) -> Any:
+    """The names of the release before, for one more release, with a DeprecationWarning."""
+    if name in _OLD_NAMES:
+        new, where = _OLD_NAMES[name], "pipelines.job.config"
+    elif name in _MOVED_TO_FLAGS:
+        new, where = name, "pipelines.job.flags"
     else:
-        metavar = f.metadata.get("metavar") or (
-            "NAME"
-            if "choices" in f.metadata
-            else "N"
-            if kind is int
-            else "X"
-            if kind is float
-            else f.name.split("_")[-1].upper()
-        )
-        parser.add_argument(
-            name,
-            dest=f.name,
-            default=None,
-            type=_parse_flag(kind),
-            metavar=metavar,
-            help=_help(f) if show else argparse.SUPPRESS,
-        )
+        raise AttributeError(f"module 'pipelines.job.config' has no attribute {name!r}")
+    warnings.warn(
+        f"pipelines.job.config.{name} is deprecated and goes in the next release: use {where}.{new}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    import importlib
 
-
-def add_tuning_arguments(parser: argparse.ArgumentParser, show: bool = True) -> None:
-    """The ``--tuning.NAME`` flags alone (also for the commands that run jobs: ``freescale bench e2e``)."""
-    for name, (_, table, f) in _fields().items():
-        if table == TUNING:
-            _add(parser, f, show)
-
-
-def apply_tuning(args: argparse.Namespace, config: "JobConfig") -> None:
-    """Sets on ``config`` the tuning knobs given as ``--tuning.NAME`` flags (those left unset keep its values)."""
-    for name, (section, table, _) in _fields().items():
-        if table == TUNING and getattr(args, name, None) is not None:
-            setattr(getattr(config, section), name, getattr(args, name))
-
-
-class _HelpTuning(argparse.Action):
-    def __init__(self, option_strings, dest, **kw):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        tuning = argparse.ArgumentParser(
-            prog=parser.prog,
-            usage="%(prog)s [--tuning.NAME VALUE ...]",
-            add_help=False,
-            formatter_class=parser.formatter_class,
-            description="Scheduling knobs ([tuning] table of --config); docs/tuning.md "
-            "explains each and when to change it.",
-        )
-        add_tuning_arguments(tuning.add_argument_group("tuning"))
-        tuning.print_help()
-        parser.exit()
-
-
-def _formatter(prog: str) -> argparse.HelpFormatter:
-    return argparse.HelpFormatter(prog, max_help_position=30)
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of every section, in help groups that are the TOML tables; tuning flags hidden."""
-    parser.usage = "%(prog)s [--config job.toml] [options]"
-    parser.formatter_class = _formatter
-    parser.add_argument("--config", metavar="TOML", help="TOML: a table per group below, and [tuning]")
-    parser.add_argument("--help-tuning", action=_HelpTuning, help="the --tuning.NAME knobs (docs/tuning.md)")
-    groups = {table: parser.add_argument_group(table) for table in TABLES if table != TUNING}
-    for name, (_, table, f) in _fields().items():
-        if table != TUNING:
-            _add(groups[table], f, show=True)
-    add_tuning_arguments(parser, show=False)
-
-
-def _toml_values(path: Path) -> dict[str, Any]:
-    """field name -> value, from the TOML file ``path``: its tables are the help groups (``TABLES``), every key a
-    field of its table, every value of its field's type; each error names the file (and the line, the table, the
-    key)."""
-    fields = _fields()
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        with path.open("rb") as fh:
-            tables = tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:  # its text gives the line and column
-        raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
-    for name, value in tables.items():
-        if name in fields and name not in TABLES:
-            raise ValueError(f"{path}: {name} = {shown(value)} is outside any table; it belongs in [{fields[name][1]}]")
-    unknown = set(tables) - set(TABLES)
-    if unknown:
-        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected {', '.join(TABLES)}")
-    values = {}
-    for table, keys in tables.items():
-        if not isinstance(keys, dict):
-            raise ValueError(
-                f"{path}: {table}: expected a table ([{table}]), got {shown(keys)} ({type(keys).__name__})"
-            )
-        for key, value in keys.items():
-            if key not in fields or fields[key][1] != table:
-                where = f" (it belongs in [{fields[key][1]}])" if key in fields else ""
-                raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
-            problem = type_problem(field_kind(key), value)
-            if problem:
-                raise ValueError(f"{path}: [{table}] {key}: {problem}")
-            values[key] = float(value) if field_kind(key) is float else value
-    return values
-
-
-def config_from_args(args: argparse.Namespace) -> JobConfig:
-    """The job's config: flags (already of their fields' types, parsed by ``_add``'s parsers) over the TOML file
-    of ``--config`` over the defaults, validated."""
-    fields = _fields()
-    file_values = _toml_values(Path(args.config)) if getattr(args, "config", None) else {}
-    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
-    values: dict[str, dict] = {section: {} for section in SECTIONS}
-    for name, value in {**file_values, **given}.items():
-        values[fields[name][0]][name] = value
-    config = JobConfig(**{section: cls(**values[section]) for section, cls in SECTIONS.items()}).validate()
-    config.explicit = frozenset(file_values) | frozenset(given)  # what the user set: for JobConfig.ignored_options
-    return config
+    return getattr(importlib.import_module(where), new)

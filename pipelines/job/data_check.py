@@ -16,7 +16,7 @@ from fsdata.schema import CANDIDATE_LABELS, DENSE, SIDE_FEATURES
 
 if TYPE_CHECKING:
     from fsdata.source import SampleSource
-    from pipelines.job.config import DataConfig
+    from pipelines.job.config import JobDataSection
 
 
 class DataColumns(NamedTuple):
@@ -40,23 +40,23 @@ def source_columns(source: "SampleSource") -> DataColumns:
     return DataColumns(int(probe.dense.shape[1]), probe.num_labels, present)
 
 
-def training_name(config: "DataConfig") -> str:
+def training_name(config: "JobDataSection") -> str:
     """How an error names the training data: its path, or the synthetic preset."""
-    return f"synthetic preset {config.preset!r}" if config.data == "synthetic" else config.data
+    return f"synthetic preset {config.preset!r}" if config.path == "synthetic" else config.path
 
 
-def check_eval_data(config: "DataConfig", global_batch_size: int) -> None:
-    """Opens ``config.eval_data`` (footers and schema) and refuses, in one ValueError naming both sources and the
+def check_eval_data(config: "JobDataSection", global_batch_size: int) -> None:
+    """Opens ``config.eval_path`` (footers and schema) and refuses, in one ValueError naming both sources and the
     column, held-out data whose dense width, label count or side-feature columns differ from the training data's
-    (``config.data``: Parquet, or the synthetic source the ranks would build with ``global_batch_size``)."""
+    (``config.path``: Parquet, or the synthetic source the ranks would build with ``global_batch_size``)."""
     from fsdata.parquet import ParquetSource
     from pipelines.job.builders import build_source
 
-    held_out = ParquetSource(config.eval_data, uih_cap=config.uih_cap, drop_bad_samples=config.drop_bad_samples)
+    held_out = ParquetSource(config.eval_path, uih_cap=config.uih_cap, drop_bad_samples=config.drop_bad_samples)
     train = source_columns(build_source(config, global_batch_size))
     mismatch = columns_mismatch(train, source_columns(held_out), training_name(config))
     if mismatch:
-        raise ValueError(f"--eval-data {config.eval_data} {mismatch}")
+        raise ValueError(f"--eval-data {config.eval_path} {mismatch}")
 
 
 def columns_mismatch(train: DataColumns, held_out: DataColumns, train_name: str) -> str:

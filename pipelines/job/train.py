@@ -40,8 +40,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pipelines.job.config import JobConfig, add_config_arguments, config_from_args
+from pipelines.job.config import JobConfig
 from pipelines.job.failure import LOG_DIR_ENV, report_failure
+from pipelines.job.flags import add_config_arguments, config_from_args, ignored_option_lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +123,7 @@ class _StopOnSignal:
             report = json.dumps({"rank": self.rank, "signal": name, "step": step})
             (Path(os.environ[LOG_DIR_ENV]) / f"rank{self.rank}.{_INTERRUPTED}").write_text(report)
         else:
-            line = interrupted_line(name, step, self.config.train.checkpoint_dir)
+            line = interrupted_line(name, step, self.config.checkpoint.dir)
             # os.write, not print: the interrupted main thread may hold sys.stderr's lock
             os.write(2, f"freescale train: rank {self.rank}: {line}\n".encode())
         from fscomm.shm import remove_own_segments
@@ -179,7 +180,7 @@ def worker(config: JobConfig) -> Optional[dict]:
     it; under torchrun the rank prints it itself and exits with status 1."""
     rank = int(os.environ["RANK"])
     use_thread_locks_for_progress_bars()
-    log_dir = config.train.log_dir or os.environ.get(LOG_DIR_ENV)
+    log_dir = config.run.log_dir or os.environ.get(LOG_DIR_ENV)
     if log_dir:  # which process is which rank: to inspect a stuck one (py-spy dump --pid), or to stop it
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
@@ -188,7 +189,7 @@ def worker(config: JobConfig) -> Optional[dict]:
     try:
         summary = _rank_job(config, stop)
     except Exception as exc:
-        line = report_failure(exc, rank, config.train.verbose, config.train.log_dir)
+        line = report_failure(exc, rank, config.run.verbose, config.run.log_dir)
         if os.environ.get(_LAUNCHED_ENV) != "1":
             print(f"freescale train: error: {line}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -205,8 +206,8 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    use_cuda = config.train.device == "cuda" or (config.train.device == "auto" and torch.cuda.is_available())
-    if config.train.device == "cuda" and not torch.cuda.is_available():
+    use_cuda = config.run.device == "cuda" or (config.run.device == "auto" and torch.cuda.is_available())
+    if config.run.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
@@ -214,22 +215,22 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
-    if use_cuda and config.train.numa_binding is not None and hasattr(os, "sched_getaffinity"):
+    if use_cuda and config.tuning.numa_binding is not None and hasattr(os, "sched_getaffinity"):
         cpus = sorted(os.sched_getaffinity(0))
         print(
             f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), "
-            f"numa_binding={config.train.numa_binding}"
+            f"numa_binding={config.tuning.numa_binding}"
         )
     # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
     # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
     # single ops by milliseconds.
     share = max(1, (os.cpu_count() or 1) // local_world)
-    torch.set_num_threads(config.train.threads or (min(2, share) if use_cuda else share))
+    torch.set_num_threads(config.tuning.threads or (min(2, share) if use_cuda else share))
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
     # thread. --tuning.gil-switch-ms bounds that wait.
-    sys.setswitchinterval(config.train.gil_switch_ms / 1e3)
-    timeout_s = config.train.comm_timeout_s
+    sys.setswitchinterval(config.tuning.gil_switch_ms / 1e3)
+    timeout_s = config.run.comm_timeout_s
     groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size, timeout_s)
@@ -283,15 +284,15 @@ def _where(exc: BaseException) -> str:
 
 def _numa_options(config: JobConfig):
     """torch's NUMA binding for a GPU run (local rank r bound near GPU r), or None (CPU runs, or not asked for)."""
-    mode = config.train.numa_binding
+    mode = config.tuning.numa_binding
     if mode is None:
         return None
-    if not torch.cuda.is_available() or config.train.device == "cpu":
+    if not torch.cuda.is_available() or config.run.device == "cpu":
         print(f"[freescale] numa_binding={mode} ignored: it binds ranks near their GPUs, and this run has none")
         return None
-    if config.train.nproc > torch.cuda.device_count():
+    if config.run.nproc > torch.cuda.device_count():
         print(
-            f"[freescale] numa_binding={mode} ignored: {config.train.nproc} ranks share {torch.cuda.device_count()} "
+            f"[freescale] numa_binding={mode} ignored: {config.run.nproc} ranks share {torch.cuda.device_count()} "
             "GPU(s)"
         )
         return None
@@ -307,7 +308,7 @@ def _launch_config(config: JobConfig, log_dir: Path):
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=config.train.nproc,
+        nproc_per_node=config.run.nproc,
         run_id=f"freescale-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
@@ -367,14 +368,14 @@ def _raise_signal(signum: int, frame) -> None:
 
 
 def launch(config: JobConfig) -> Optional[dict]:
-    """Runs ``worker`` on ``config.train.nproc`` local ranks with torch's elastic launcher; rank 0's summary.
+    """Runs ``worker`` on ``config.run.nproc`` local ranks with torch's elastic launcher; rank 0's summary.
     Raises RankFailed (a rank failed) or Interrupted (a signal ended the job), each with its one line, which names
     the log directory when a temporary one stays (it holds the ranks' logs)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    log_dir = Path(config.train.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
+    log_dir = Path(config.run.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
     # torch's agent turns a stop signal into SignalException once its ranks have started: from now on, here
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
@@ -389,7 +390,7 @@ def launch(config: JobConfig) -> Optional[dict]:
     ended: Optional[RuntimeError] = None
     clean = False
     try:
-        with _quiet_torch_launcher(config.train.verbose):
+        with _quiet_torch_launcher(config.run.verbose):
             results = elastic_launch(_launch_config(config, log_dir), worker)(config)
         clean = True
     except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
@@ -404,7 +405,7 @@ def launch(config: JobConfig) -> Optional[dict]:
         watch.join()
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
         remove_rank_segments(log_dir)
-        kept = _tidy_log_dir(log_dir, made_here=config.train.log_dir is None, clean=clean)
+        kept = _tidy_log_dir(log_dir, made_here=config.run.log_dir is None, clean=clean)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     if ended is not None:
@@ -445,9 +446,9 @@ def _interruption(
         names = sorted({r["signal"] for r in first})
         ranks = sorted(r["rank"] for r in first)
         signum = signal.Signals[names[0]]
-        every = len(names) == 1 and len(ranks) == config.train.nproc
+        every = len(names) == 1 and len(ranks) == config.run.nproc
         what = names[0] if every else f"{', '.join(names)} to rank(s) {ranks}"
-    return Interrupted(interrupted_line(what, min(steps) if steps else None, config.train.checkpoint_dir), signum)
+    return Interrupted(interrupted_line(what, min(steps) if steps else None, config.checkpoint.dir), signum)
 
 
 def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> bool:
@@ -547,33 +548,33 @@ def check_before_launch(config: JobConfig) -> None:
     """What can be checked before any rank starts, so that a bad path or file is one line, not N ranks' errors:
     the Parquet files' footers and schema, that they hold samples (and, with --drop-bad-samples, one that is kept),
     the held-out data's widths and columns against the training data's, an explicit checkpoint directory."""
-    if config.data.data != "synthetic":
+    if config.data.path != "synthetic":
         from fsdata.parquet import ParquetSource
 
         source = ParquetSource(
-            config.data.data,
+            config.data.path,
             uih_cap=config.data.uih_cap,  # footers only: no data is read
             drop_bad_samples=config.data.drop_bad_samples,
         )
         if config.data.drop_bad_samples and source.first_kept_sample() is None:  # reads until a sound sample
             raise ValueError(
-                f"{config.data.data}: no samples left: every one of its {source.num_samples(0)} samples "
+                f"{config.data.path}: no samples left: every one of its {source.num_samples(0)} samples "
                 "has bad values, and --drop-bad-samples leaves them out"
             )
-    if config.data.eval_data is not None:  # its footers and schema, and the widths and columns the model reads
+    if config.data.eval_path is not None:  # its footers and schema, and the widths and columns the model reads
         from pipelines.job.data_check import check_eval_data
 
-        check_eval_data(config.data, config.loader.batch_size * config.train.nproc)
-    resume = config.train.resume
+        check_eval_data(config.data, config.data.batch_size * config.run.nproc)
+    resume = config.checkpoint.resume
     if resume and resume != "latest":
         from pipelines.job import checkpoint
 
         for r in range(checkpoint.check_complete(resume)):  # weights-only reads of checked bytes: refuses unsafe files
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
-    if config.train.checkpoint_dir:  # one job per folder: a second job is refused here, before its ranks start
+    if config.checkpoint.dir:  # one job per folder: a second job is refused here, before its ranks start
         from pipelines.job import checkpoint_lock
 
-        checkpoint_lock.hold(config.train.checkpoint_dir, "launcher")
+        checkpoint_lock.hold(config.checkpoint.dir, "launcher")
 
 
 def print_summary(summary: dict) -> None:
@@ -640,7 +641,7 @@ def print_summary(summary: dict) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    for warning in config.ignored_options(getattr(config, "explicit", frozenset())):
+    for warning in ignored_option_lines(config):
         print(f"[freescale] warning: {warning}", file=sys.stderr)
     if _under_launcher():
         summary = worker(config)
@@ -657,8 +658,8 @@ def main(args: argparse.Namespace) -> int:
     if summary is None:
         return 0
     print_summary(summary)
-    if config.train.summary_json:
-        path = Path(config.train.summary_json)
+    if config.run.summary_json:
+        path = Path(config.run.summary_json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2))
         print(f"  summary written to {path}")

@@ -134,7 +134,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        if config.train.deterministic:  # before the first cuBLAS call of this process (pipelines.api.numerics)
+        if config.run.deterministic:  # before the first cuBLAS call of this process (pipelines.api.numerics)
             enable_determinism()
         # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
         # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
@@ -143,13 +143,13 @@ class Trainer:
         self.timer = Timer(device)
         # The loader's stages time their waits here when they run in the worker thread: off the critical path,
         # reported beside the exposed parts, never added to them (the training thread's wait is `data`).
-        self.worker_timer = Timer("cpu") if config.loader.background_stages else self.timer
+        self.worker_timer = Timer("cpu") if config.tuning.background_stages else self.timer
         self.feedback = StepFeedback()
         self._build_data_and_model()
-        self.wrap = build_wrap(self.spec, config.train, self.timer, device)
+        self.wrap = build_wrap(self.spec, config.run.mode, config.embeddings, config.tuning, self.timer, device)
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
-        self._phase = torch.profiler.record_function if config.train.trace else _unnamed
+        self._phase = torch.profiler.record_function if config.run.trace else _unnamed
         # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (StepRecord.settle).
         self._last_step_s = self._last_compute_s = 0.0
@@ -159,7 +159,16 @@ class Trainer:
         # neither between two steps nor beside the backward's embedding hooks.
         self._retired: Optional[_Fetched] = None
         self.step_fn = build_step(
-            self.spec, self.wrap, config.train, self._hooks(), self.timer, device, rank, world_size
+            self.spec,
+            self.wrap,
+            config.run,
+            config.embeddings,
+            config.tuning,
+            self._hooks(),
+            self.timer,
+            device,
+            rank,
+            world_size,
         )
         self.optimizer = self.step_fn.optimizer
         self.dense_sync = self.step_fn.dense_sync
@@ -171,8 +180,8 @@ class Trainer:
         self._first_step = self.step
         # freescale's embedding schedule per step (pipelines.job.schedule): probed anew from this process's first step
         self.schedule = (
-            ScheduleProbe(config.train.embedding_schedule, first_step=self.step)
-            if MODES[config.train.mode].switches
+            ScheduleProbe(config.tuning.embedding_schedule, first_step=self.step)
+            if MODES[config.run.mode].switches
             else None
         )
         self.loader = self._build_loader(resumed)
@@ -184,7 +193,7 @@ class Trainer:
         """The training source, the model spec (the reference model, or a user's --model factory), the held-out
         source, and the model on its device."""
         config = self.config
-        self.source = build_source(config.data, config.loader.batch_size * self.world_size)
+        self.source = build_source(config.data, config.data.batch_size * self.world_size)
         self.spec = build_model_spec(config, self.source)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
@@ -196,7 +205,7 @@ class Trainer:
         self.eval_source = self._eval_source(num_items)  # held-out data (--eval-data), read like the training data
         self.evaluations: list[dict] = []
         self.model = self.spec.model.to(self.device)
-        if config.train.deterministic:
+        if config.run.deterministic:
             check_determinism(self.model, self.device)
 
     def _hooks(self) -> StepHooks:
@@ -209,7 +218,7 @@ class Trainer:
             before_backward=lambda: release_loader(self.loader),
             after_backward=self._after_backward,
             per_rank=self._per_rank_slot,
-            early_allreduce=self.config.train.allreduce_start == "backward",
+            early_allreduce=self.config.tuning.allreduce_start == "backward",
         )
 
     def _after_backward(self) -> None:
@@ -237,9 +246,9 @@ class Trainer:
         the batch after next as the backward starts (TrainStep.forward_backward releases it), unless the config says
         otherwise."""
         loader_config = replace(
-            self.config.loader,
-            pin_memory=self.config.loader.pin_memory or self.device.type == "cuda",
-            worker_start=self.config.loader.worker_start or "backward",
+            self.config.loader_config(),
+            pin_memory=self.config.tuning.pin_memory or self.device.type == "cuda",
+            worker_start=self.config.tuning.worker_start or "backward",
         )
         loader = build_loader(
             self.source,
@@ -256,7 +265,7 @@ class Trainer:
 
     @property
     def balancing(self) -> bool:
-        return MODES[self.config.train.mode].balances and self.config.balancer.partitioner != "none"
+        return MODES[self.config.run.mode].balances and self.config.balancer.partitioner != "none"
 
     def _loader_stages(self) -> list:
         """The balancer's stages (when balancing), then the ID-prefetch stage (sdd, freescale)."""
@@ -270,7 +279,7 @@ class Trainer:
                 transport,
                 self.rank,
                 self.world_size,
-                self.config.loader.batch_size,
+                self.config.data.batch_size,
                 self.feedback,
                 self.worker_timer,
                 device=self.device,
@@ -303,23 +312,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
-        cfg = self.config.train
+        run, ckpt = self.config.run, self.config.checkpoint
         progress = self._progress_bar()
-        if self.rank == 0 and cfg.metrics_jsonl:
-            Path(cfg.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(cfg.metrics_jsonl, "w")
+        if self.rank == 0 and run.metrics_jsonl:
+            Path(run.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(run.metrics_jsonl, "w")
         items = iter(self.loader)
         profiler = self._profiler()
         start = time.perf_counter()
-        ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, cfg.steps - self.step)))
+        ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, run.steps - self.step)))
         current: Optional[_Fetched] = None
         release_loader(self.loader)  # the first step's next batch need not wait for its backward
         try:
-            while self.step < cfg.steps:
+            while self.step < run.steps:
                 self.accounting.begin()
                 self._retired, current = current, ahead.popleft()
                 with self._phase("freescale/data"), self.accounting.fetching():
-                    if self.step + self.lookahead < cfg.steps:
+                    if self.step + self.lookahead < run.steps:
                         ahead.append(self._fetch(items))
                 upcoming = ahead[0] if ahead else None
                 if self.schedule is not None:
@@ -335,9 +344,9 @@ class Trainer:
                     self.epoch, self.cursor = self.epoch + 1, 0
                 self.cursor += sum(record.samples_per_rank)  # a global step consumes exactly its samples
                 self._log_settled(record, progress)
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                if ckpt.every and self.step % ckpt.every == 0:
                     self.save_checkpoint(upcoming)
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
                     with paused(progress):  # the progress rate is training's: evaluation time is left out
                         self.evaluate(progress)
                 if profiler is not None:
@@ -357,11 +366,11 @@ class Trainer:
             if self.eval_source is not None:
                 with paused(progress):
                     self.evaluate(progress)
-            if cfg.export:  # the user's own modules back, with the trained tables (not in mode torchrec: config.py)
+            if ckpt.export:  # the user's own modules back, with the trained tables (not in mode torchrec: config.py)
                 if self.wrap is not None:
                     unwrap_model(self.model, self.wrap, dst=0)
                 if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
-                    save_export(self.model, cfg.export, self.config.model.model)
+                    save_export(self.model, ckpt.export, self.config.model.name)
         finally:
             shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
             self.accounting.close()
@@ -444,16 +453,16 @@ class Trainer:
 
     def _profiler(self):
         """--trace: a torch.profiler window of a few steps after warm-up, one Chrome trace per rank (Perfetto)."""
-        path = self.config.train.trace
+        path = self.config.run.trace
         if not path:
             return None
         from torch.profiler import ProfilerActivity, profile, schedule
 
         target = Path(f"{path}.rank{self.rank}.json")
         target.parent.mkdir(parents=True, exist_ok=True)
-        steps = self.config.train.steps
+        steps = self.config.run.steps
         skip = max(
-            0, min(self.config.train.warmup_steps - 1, steps - 3)
+            0, min(self.config.run.warmup_steps - 1, steps - 3)
         )  # past the warm-up, then one profiler warm-up step
         active = max(1, min(5, steps - skip - 2))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -484,11 +493,11 @@ class Trainer:
 
     def _load_checkpoint(self) -> Optional[dict]:
         """Restores model, optimizer, step and data position; returns the loader state to restore, if any."""
-        cfg = self.config.train
+        cfg = self.config.checkpoint
         # At set-up, on every rank: the checkpointer's process group is made collectively.
         self._checkpointer = (
-            checkpoint.Checkpointer(cfg.checkpoint_dir, self.rank, self.world_size, async_save=cfg.async_checkpoint)
-            if cfg.checkpoint_dir or cfg.resume
+            checkpoint.Checkpointer(cfg.dir, self.rank, self.world_size, async_save=cfg.async_save)
+            if cfg.dir or cfg.resume
             else None
         )
         if not cfg.resume:
@@ -501,7 +510,7 @@ class Trainer:
                 print(f"[freescale] {restored.unverified}")
         if restored is None:  # nothing saved yet (first launch of a job that resumes on restart)
             if self.rank == 0:
-                print(f"[freescale] no checkpoint in {cfg.checkpoint_dir}, starting at step 0")
+                print(f"[freescale] no checkpoint in {cfg.dir}, starting at step 0")
             return None
         self.step, self.epoch, self.cursor = restored.step, restored.epoch, restored.cursor
         if self.rank == 0:
@@ -545,7 +554,7 @@ class Trainer:
     def _eval_source(self, num_items: Optional[int]):
         """The held-out source (``--eval-data``): Parquet at the training data's cap, through the same wrappers as
         the training source (a user's feature reader, the item table's id range); None without one."""
-        path = self.config.data.eval_data
+        path = self.config.data.eval_path
         if path is None:
             return None
         from fsdata.parquet import ParquetSource
@@ -563,7 +572,7 @@ class Trainer:
         """One pass over the held-out data (pipelines.api.evaluate: no gradient, tables flushed, every rank's samples
         once); its NE and AUC go to the progress output, the metrics JSONL and the summary."""
         loader = build_loader(
-            self.eval_source, LoaderConfig(batch_size=self.config.loader.batch_size), self.rank, self.world_size
+            self.eval_source, LoaderConfig(batch_size=self.config.data.batch_size), self.rank, self.world_size
         )
         try:
             result = evaluate(
@@ -572,7 +581,7 @@ class Trainer:
                 wrap=self.wrap,
                 inputs=self.spec.inputs,
                 device=self.device,
-                precision=self.config.train.precision,
+                precision=self.config.run.precision,
                 world_size=self.world_size,
             )
         finally:
@@ -582,20 +591,18 @@ class Trainer:
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps({"step": self.step, "eval": result.as_dict()}) + "\n")
             self._metrics_file.flush()
-        if self.rank == 0 and self.config.train.progress:
+        if self.rank == 0 and self.config.run.progress:
             line = (
                 f"step {self.step}: held-out NE {result.ne:.4f}, AUC {result.auc:.4f} "
-                f"({result.samples} samples, {self.config.data.eval_data})"
+                f"({result.samples} samples, {self.config.data.eval_path})"
             )
             (progress.write if progress is not None else print)(line)
         return record
 
     def _progress_bar(self):
-        if self.rank != 0 or not self.config.train.progress:
+        if self.rank != 0 or not self.config.run.progress:
             return None
-        return progress_bar(
-            self.config.train.steps, self.step, f"train {self.config.train.mode} ({self.world_size} ranks)"
-        )
+        return progress_bar(self.config.run.steps, self.step, f"train {self.config.run.mode} ({self.world_size} ranks)")
 
     def _log(self, record: StepRecord, progress) -> None:
         line = record.as_dict()
@@ -620,13 +627,13 @@ class Trainer:
         # The warm-up steps pay one-time costs (compilation, first pinned allocations); the last step drains the
         # lookahead once per run (no next batch: freescale updates all its rows at once, the loader's stages stop).
         # Both are left out of the timings, in every mode alike, and reported apart; at least one step is timed.
-        warm = min(self.config.train.warmup_steps, max(len(h) - 1, 0))
+        warm = min(self.config.run.warmup_steps, max(len(h) - 1, 0))
         drain = 1 if len(h) - warm >= 3 else 0
         timed = h[warm : len(h) - drain]
         n = max(len(timed), 1)
         step_times = [r["step_time_s"] for r in timed]
         return {
-            "mode": self.config.train.mode,
+            "mode": self.config.run.mode,
             "steps": len(h),
             "world_size": self.world_size,
             "samples": samples,

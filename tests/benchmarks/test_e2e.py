@@ -92,8 +92,8 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     default = case_config("light", "freescale", parser.parse_args([]))
-    assert default.loader.background_stages and default.loader.stage_lookahead
-    assert default.train.exclusive_start == "forward" and default.train.early_start == "backward"
+    assert default.tuning.background_stages and default.tuning.stage_lookahead
+    assert default.tuning.exclusive_start == "forward" and default.tuning.early_start == "backward"
     changed = case_config(
         "light",
         "freescale",
@@ -108,8 +108,8 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
             ]
         ),
     )
-    assert not changed.loader.background_stages and not changed.loader.stage_lookahead
-    assert changed.train.exclusive_start == "backward" and changed.train.early_start == "forward"
+    assert not changed.tuning.background_stages and not changed.tuning.stage_lookahead
+    assert changed.tuning.exclusive_start == "backward" and changed.tuning.early_start == "forward"
 
 
 def test_the_straggler_shares_of_sync_and_freescale_are_reported_side_by_side():

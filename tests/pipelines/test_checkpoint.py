@@ -449,14 +449,16 @@ def test_resume_latest_takes_the_newest_step_every_rank_can_load_and_says_what_i
         assert after_all_loaded, f"rank {rank} returned before rank 1 had loaded"
 
 
-def _trainer(rank, world_size, steps, root, **train):
+def _trainer(rank, world_size, steps, root, resume=None, **sections):
+    """``sections``: table -> {key: value} set on the tiny job's config (``run={"seed": 1}``)."""
     from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     cfg = tiny_config("freescale", steps)
-    cfg.train.checkpoint_dir = str(root)
-    for name, value in train.items():
-        setattr(cfg.train, name, value)
+    cfg.checkpoint.dir, cfg.checkpoint.resume = str(root), resume
+    for table, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, table), key, value)
     return Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
 
 
@@ -465,8 +467,8 @@ def _save_at_start(rank, world_size, root):
         trainer.save_checkpoint(None)
 
 
-def _losses(rank, world_size, root, resume, steps, **train):
-    with _trainer(rank, world_size, steps, root, resume=resume, **train) as trainer:
+def _losses(rank, world_size, root, resume, steps, **sections):
+    with _trainer(rank, world_size, steps, root, resume=resume, **sections) as trainer:
         trainer.train()
         return [r["loss"] for r in trainer.history]
 
@@ -474,7 +476,7 @@ def _losses(rank, world_size, root, resume, steps, **train):
 def _fresh_and_resumed(rank, world_size, root):
     fresh = _losses(rank, world_size, root, None, 3)
     # Another seed: the resumed run's own initial model differs, so only what it loads can make it train alike.
-    return fresh, _losses(rank, world_size, root, str(root / "step_000000"), 3, seed=1)
+    return fresh, _losses(rank, world_size, root, str(root / "step_000000"), 3, run={"seed": 1})
 
 
 @pytest.mark.multiprocess
@@ -488,7 +490,7 @@ def test_a_2_rank_checkpoint_resumed_at_3_ranks_trains_as_a_3_rank_run_from_that
 
 
 def _async_straight_and_resumed(rank, world_size, root):
-    straight = _losses(rank, world_size, root, None, 4, checkpoint_every=2, async_checkpoint=True)
+    straight = _losses(rank, world_size, root, None, 4, checkpoint={"every": 2, "async_save": True})
     return straight, _losses(rank, world_size, root, str(root / "step_000002"), 4)
 
 

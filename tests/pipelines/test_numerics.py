@@ -66,6 +66,6 @@ def test_the_deterministic_job_picks_flex_for_the_reference_model():
     source = SyntheticSource(SyntheticConfig(num_samples=4))
     config = JobConfig()
     assert build_model_spec(config, source).plan is None  # varlen on CUDA: no plan stage
-    config.train.deterministic = True
+    config.run.deterministic = True
     spec = build_model_spec(config, source)
     assert spec.model.config.attention_impl == "flex" and spec.plan is not None

@@ -384,22 +384,22 @@ def test_wrap_model_needs_features_or_a_kjt_input():
 
 
 def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path):
-    """`[model] model` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
+    """`[model] name` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
     config and its ModelSpec goes through the same wrap as the reference model."""
     from pipelines.cli import build_parser
     from pipelines.job.builders import build_model_spec, build_source
-    from pipelines.job.config import config_from_args
+    from pipelines.job.flags import config_from_args
 
     (tmp_path / "my_model.py").write_text(
         "import torch\nfrom pipelines import ModelSpec\n\n"
         "def build(config):\n"
-        "    torch.manual_seed(config.train.seed)\n"
+        "    torch.manual_seed(config.run.seed)\n"
         "    return ModelSpec(torch.nn.Embedding(7, 2), embeddings=['items'])\n"
     )
     root = Path(__file__).resolve().parents[2]
     toml = tmp_path / "job.toml"
     toml.write_text(
-        f'[model]\nmodel = "{tmp_path}/my_model.py:build"\n'
+        f'[model]\nname = "{tmp_path}/my_model.py:build"\n'
         f'[balancer]\npartitioner = "{root}/examples/custom_partitioner.py:round_robin_longest"\n'
     )
     config = config_from_args(build_parser().parse_args(["train", "--config", str(toml)])).validate()
@@ -408,7 +408,7 @@ def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path)
     from fsdata.partition import get_partitioner
 
     assert callable(get_partitioner(config.balancer.partitioner))
-    config.model.model = f"{tmp_path}/my_model.py:nothing"
+    config.model.name = f"{tmp_path}/my_model.py:nothing"
     with pytest.raises(ValueError, match="has no attribute 'nothing'"):
         build_model_spec(config, build_source(config.data, 2))
 

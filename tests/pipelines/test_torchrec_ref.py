@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipelines.cli import build_parser
-from pipelines.job.config import config_from_args
+from pipelines.job.flags import config_from_args
 from tests.harness import doing, run_ranks
 
 STEPS = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.job.config import config_from_args
+from pipelines.job.flags import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,11 +29,11 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         "[tuning]\ngil_switch_ms = 2.5\nstage_lookahead = false\n"
     )
     cfg = _parse("--config", str(toml), "--batch-size", "9")
-    assert cfg.loader.batch_size == 9 and cfg.loader.prefetch_depth == 3 and cfg.train.steps == 5
-    assert cfg.balancer.partitioner == "fbs" and cfg.train.lr == 1e-3
-    assert cfg.train.gil_switch_ms == 2.5 and cfg.loader.stage_lookahead is False
+    assert cfg.data.batch_size == 9 and cfg.data.prefetch_depth == 3 and cfg.run.steps == 5
+    assert cfg.balancer.partitioner == "fbs" and cfg.run.lr == 1e-3
+    assert cfg.tuning.gil_switch_ms == 2.5 and cfg.tuning.stage_lookahead is False
     cfg = _parse("--config", str(toml), "--tuning.gil-switch-ms", "3", "--tuning.stage-lookahead")
-    assert cfg.train.gil_switch_ms == 3.0 and cfg.loader.stage_lookahead is True
+    assert cfg.tuning.gil_switch_ms == 3.0 and cfg.tuning.stage_lookahead is True
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,8 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
 def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
     """`freescale train --help` lists the flags a user needs (at most 70 lines at 80 columns); the --tuning.NAME
     knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
-    from pipelines.job.config import TUNING, _fields, flag
+    from pipelines.job.config import config_fields
+    from pipelines.job.flags import flag
 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
@@ -86,7 +87,7 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
     text = capsys.readouterr().out
     assert len(text.splitlines()) <= 70, text
     assert "--tuning." in text and "docs/tuning.md" in text
-    knobs = [name for name, (_, table, _) in _fields().items() if table == TUNING]
+    knobs = [path.split(".")[1] for path in config_fields() if path.startswith("tuning.")]
     assert {
         "gil_switch_ms",
         "allreduce_start",
@@ -100,23 +101,26 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
         "pin_memory",
         "numa_binding",
     } <= set(knobs)
-    assert not any(flag(name) in text for name in knobs)
+    assert not any(flag(f"tuning.{name}") in text for name in knobs)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help-tuning"])
     listed = capsys.readouterr().out
     page = (ROOT / "docs" / "tuning.md").read_text()
     for name in knobs:
-        assert flag(name).replace("--tuning.", "--tuning.no-") in listed or flag(name) in listed, name
-        assert f"`{flag(name)}" in page, f"docs/tuning.md does not document {flag(name)}"
+        knob = flag(f"tuning.{name}")
+        assert knob.replace("--tuning.", "--tuning.no-") in listed or knob in listed, name
+        assert f"`{knob}" in page, f"docs/tuning.md does not document {knob}"
 
 
 def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
     from pipelines.job.config import JobConfig
 
     config = JobConfig()
-    config.train.mode = "fast"
-    with pytest.raises(ValueError, match=r"mode must be one of .*freescale.*got 'fast' \(--mode\)"):
+    config.run.mode = "fast"
+    with pytest.raises(ValueError, match=r"mode must be one of .*freescale.*got 'fast' \(run.mode\)"):
         config.validate()
+    with pytest.raises(ValueError, match=r"mode must be one of .*freescale.*got 'fast' \(--mode\)"):
+        _parse("--mode", "fast")
     toml = tmp_path / "job.toml"
     toml.write_text('[tuning]\nallreduce_start = "later"\n')
     with pytest.raises(ValueError, match=r"allreduce_start must be one of backward, compute.*--tuning.allreduce-start"):
@@ -447,16 +451,16 @@ def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
 
 
-def _tiny_trainer(rank, world_size, mode, steps, **train):
-    """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``train``: further TrainConfig fields."""
+def _tiny_trainer(rank, world_size, mode, steps, **tuning):
+    """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``tuning``: [tuning] knobs set on its config."""
     import torch
 
     from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     cfg = tiny_config(mode, steps)
-    for name, value in train.items():
-        setattr(cfg.train, name, value)
+    for name, value in tuning.items():
+        setattr(cfg.tuning, name, value)
     return Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
 
 

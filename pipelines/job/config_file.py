@@ -1,0 +1,106 @@
+"""The job config's TOML file (``freescale train --config job.toml``): a table per section of
+pipelines.job.config.JobConfig, each key a field of its section.
+
+Every value is checked against its field's type by the config's one type check (config.type_problem); each error
+is one line naming the file and the line, or the table and key. A key spelled as the release before spelled it
+(``RENAMED_KEYS``) is read as its new spelling for one more release, with a warning naming the file, the old and
+the new spelling.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from pipelines.job.config import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
+
+
+class ConfigDeprecation(FutureWarning):
+    """A TOML file spells a key as the release before did. A FutureWarning: shown to the user by default."""
+
+
+# The TOML spellings of the release before, read for one more release with a warning: old -> new ("table.key").
+RENAMED_KEYS = {
+    "data.data": "data.path",
+    "data.data_seed": "data.seed",
+    "data.eval_data": "data.eval_path",
+    "model.model": "model.name",
+    "embeddings.embedding_optimizer": "embeddings.optimizer",
+    "embeddings.embedding_lr": "embeddings.lr",
+    "checkpoint.checkpoint_dir": "checkpoint.dir",
+    "checkpoint.checkpoint_every": "checkpoint.every",
+    "checkpoint.async_checkpoint": "checkpoint.async_save",
+}
+
+
+def _warn_deprecated(message: str) -> None:
+    warnings.warn(message, ConfigDeprecation, stacklevel=3)
+
+
+def _load_tables(path: Path) -> dict[str, Any]:
+    """The TOML file's top level; one-line errors for a missing file, bad TOML, keys outside any table, unknown
+    tables and tables that are not tables."""
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        with path.open("rb") as fh:
+            tables = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:  # its text gives the line and column
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
+    for name, value in tables.items():
+        homes = _homes(name)
+        if homes and name not in SECTIONS:
+            raise ValueError(f"{path}: {name} = {shown(value)} is outside any table; it belongs in {homes}")
+    unknown = set(tables) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected {', '.join(TABLES)}")
+    for table, keys in tables.items():
+        if not isinstance(keys, dict):
+            raise ValueError(
+                f"{path}: {table}: expected a table ([{table}]), got {shown(keys)} ({type(keys).__name__})"
+            )
+    return tables
+
+
+def _homes(key: str) -> str:
+    """Where a key belongs: ``[tuning]``, ``[run] or [embeddings]``, ``[checkpoint] as dir``; "" if nowhere."""
+    fields = config_fields()
+    homes = [f"[{path.split('.')[0]}]" for path in fields if path.split(".")[1] == key]
+    homes += [
+        f"[{new.split('.')[0]}] as {new.split('.')[1]}" for old, new in RENAMED_KEYS.items() if old.split(".")[1] == key
+    ]
+    return " or ".join(homes)
+
+
+def read_toml(path: Path, warn: Callable[[str], None] = _warn_deprecated) -> dict[str, Any]:
+    """path (``run.steps``) -> value, from the TOML file ``path``: a table per section, every key a field of its
+    table, every value of its field's type; each error names the file (and the line, the table, the key). A key
+    spelled as the release before did (``RENAMED_KEYS``) is read as its new spelling, with one call of ``warn``
+    (default: a ConfigDeprecation warning) naming the file, the old and the new spelling."""
+    fields = config_fields()
+    tables = _load_tables(path)
+    values = {}
+    for table, keys in tables.items():
+        for key, value in keys.items():
+            new = RENAMED_KEYS.get(f"{table}.{key}", f"{table}.{key}")
+            if new not in fields:
+                where = f" (it belongs in {_homes(key)})" if _homes(key) else ""
+                raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
+            new_table, new_key = new.split(".")
+            if new != f"{table}.{key}":
+                if new_key in tables.get(new_table, {}):
+                    raise ValueError(
+                        f"{path}: [{table}] {key} is the old spelling of [{new_table}] {new_key}: keep one"
+                    )
+                warn(
+                    f"{path}: [{table}] {key} is deprecated and goes in the next release: write [{new_table}] {new_key}"
+                )
+            problem = type_problem(field_kind(new), value)
+            if problem:
+                raise ValueError(f"{path}: [{table}] {key}: {problem}")
+            values[new] = float(value) if field_kind(new) is float else value
+    return values
