@@ -1,0 +1,161 @@
+"""The job config: sections that are the TOML tables, the old spellings read with a warning, one validation whose
+errors name paths in Python and flags on the command line, and flags derived outside the config's classes."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import pickle
+import textwrap
+
+import pytest
+
+from pipelines.cli import build_parser
+from pipelines.job import config as job_config
+from pipelines.job.config import SECTIONS, ConfigError, JobConfig, config_fields
+from pipelines.job.config_file import ConfigDeprecation, read_toml
+from pipelines.job.flags import FLAGS, config_from_args, flag
+
+# `freescale train`'s options before the config's sections became its tables: users' scripts keep using them.
+OPTIONS = """
+-h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
+--drop-bad-samples --no-drop-bad-samples --eval-data --model --num-items --dim --num-layers --max-uih --attention
+--batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
+--embedding-optimizer --embedding-lr --nproc --steps --warmup-steps --lr --seed --device --precision --deterministic
+--no-deterministic --eval-every --summary-json --metrics-jsonl --progress --no-progress --checkpoint-dir
+--checkpoint-every --resume --async-checkpoint --no-async-checkpoint --export --trace --comm-timeout-s --verbose
+--no-verbose --log-dir --transport --tuning.attention-impl --tuning.pin-memory --tuning.no-pin-memory
+--tuning.background-stages --tuning.no-background-stages --tuning.worker-start --tuning.stage-lookahead
+--tuning.no-stage-lookahead --tuning.threads --tuning.gil-switch-ms --tuning.allreduce-start --tuning.bucket-mb
+--tuning.early-start --tuning.exclusive-start --tuning.numa-binding --tuning.embedding-schedule
+""".split()
+
+
+def _parse(*argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def _train_parser():
+    parser = build_parser()
+    return next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices["train"]
+
+
+def test_every_section_is_a_toml_table_at_its_attribute_path_with_a_docstring_per_field():
+    from fsdata.loader import LoaderConfig
+
+    config = JobConfig()
+    assert [f.name for f in dataclasses.fields(JobConfig)] == list(SECTIONS)
+    for table, cls in SECTIONS.items():
+        assert isinstance(getattr(config, table), cls)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body
+        for i, node in enumerate(body):  # torchtitan's form: each field followed by its docstring
+            if isinstance(node, ast.AnnAssign) and "ClassVar" not in ast.unparse(node):
+                following = body[i + 1] if i + 1 < len(body) else None
+                assert isinstance(following, ast.Expr) and isinstance(following.value.value, str), (
+                    f"{cls.__name__}.{node.target.id} has no docstring"
+                )
+    for cls in (*SECTIONS.values(), LoaderConfig):  # no CLI in the library's classes: the flags live in flags.py
+        assert all(not f.metadata for f in dataclasses.fields(cls)), cls.__name__
+
+
+def test_the_flags_are_the_ones_users_scripts_know_and_each_field_has_exactly_one():
+    assert set(FLAGS) == set(config_fields())
+    options = [option for action in _train_parser()._actions for option in action.option_strings]
+    assert sorted(options) == sorted(OPTIONS)
+    assert flag("checkpoint.dir") == "--checkpoint-dir" and flag("data.path") == "--data"
+    assert flag("tuning.gil_switch_ms") == "--tuning.gil-switch-ms" and flag("run.seed") == "--seed"
+    config = _parse("--checkpoint-dir", "ck", "--data-seed", "3", "--seed", "4", "--embedding-lr", "0.5")
+    assert (config.checkpoint.dir, config.data.seed, config.run.seed, config.embeddings.lr) == ("ck", 3, 4, 0.5)
+
+
+def test_old_toml_spellings_are_read_with_one_warning_line_naming_file_old_and_new(tmp_path, capsys):
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        '[checkpoint]\ncheckpoint_dir = "ck"\ncheckpoint_every = 2\nasync_checkpoint = true\n'
+        '[embeddings]\nembedding_lr = 0.5\nembedding_optimizer = "rowwise_adagrad"\n'
+        '[data]\ndata = "synthetic"\ndata_seed = 3\n[model]\nmodel = "tiny"\n'
+    )
+    config = _parse("--config", str(toml))
+    assert (config.checkpoint.dir, config.checkpoint.every, config.checkpoint.async_save) == ("ck", 2, True)
+    assert (config.embeddings.lr, config.embeddings.optimizer) == (0.5, "rowwise_adagrad")
+    assert (config.data.path, config.data.seed, config.model.name) == ("synthetic", 3, "tiny")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 8, lines
+    assert lines[0] == (
+        f"[freescale] warning: {toml}: [checkpoint] checkpoint_dir is deprecated and goes in the next release: "
+        "write [checkpoint] dir"
+    )
+    assert f"{toml}: [model] model is deprecated and goes in the next release: write [model] name" in lines[-1]
+    with pytest.warns(ConfigDeprecation) as caught:  # from Python: a FutureWarning, shown by default
+        assert read_toml(toml)["data.seed"] == 3
+    assert [str(w.message) for w in caught] == [line.removeprefix("[freescale] warning: ") for line in lines]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[checkpoint]\ncheckpoint_dir = "a"\ndir = "b"\n', "[checkpoint] checkpoint_dir is the old spelling of "),
+        ('[run]\ncheckpoint_dir = "a"\n', "[run] has unknown key 'checkpoint_dir' (it belongs in [checkpoint] as dir)"),
+        ("[embeddings]\nseed = 1\n", "[embeddings] has unknown key 'seed' (it belongs in [data] or [run])"),
+        ("lr = 1.0\n", "lr = 1.0 is outside any table; it belongs in [embeddings] or [run]"),
+        ("[checkpoint]\ncheckpoint_every = 1.5\n", "[checkpoint] checkpoint_every: expected an integer, got 1.5"),
+    ],
+)
+def test_a_toml_key_out_of_place_names_where_it_belongs(tmp_path, text, message):
+    toml = tmp_path / "job.toml"
+    toml.write_text(text)
+    with pytest.raises(ValueError) as error:
+        read_toml(toml, warn=lambda line: None)
+    assert str(error.value).startswith(f"{toml}: ") and message in str(error.value), str(error.value)
+
+
+def test_the_old_python_paths_answer_for_one_release_with_a_warning():
+    config = JobConfig()
+    with pytest.warns(DeprecationWarning, match=r"config\.train\.checkpoint_dir .* use config\.checkpoint\.dir"):
+        config.train.checkpoint_dir = "ck"
+    with pytest.warns(DeprecationWarning, match=r"config\.train\.steps .* use config\.run\.steps"):
+        assert config.train.steps == 20
+    with pytest.warns(DeprecationWarning, match=r"config\.loader\.pin_memory .* use config\.tuning\.pin_memory"):
+        config.loader.pin_memory = True
+    with pytest.warns(DeprecationWarning, match=r"config\.data\.data .* use config\.data\.path"):
+        assert config.data.data == "synthetic"
+    with pytest.warns(DeprecationWarning, match=r"config\.model\.model .* use config\.model\.name"):
+        config.model.model = "small"
+    assert (config.checkpoint.dir, config.tuning.pin_memory, config.model.name) == ("ck", True, "small")
+    with pytest.raises(AttributeError, match="config.train has no field 'batch_size'"):
+        config.train.batch_size
+    for old, new in (("ModelSection", "JobModelSection"), ("DataConfig", "JobDataSection")):
+        with pytest.warns(DeprecationWarning, match=f"pipelines.job.config.{old} is deprecated"):
+            assert getattr(job_config, old) is getattr(job_config, new)
+    with pytest.warns(DeprecationWarning, match="use pipelines.job.flags.config_from_args"):
+        assert job_config.config_from_args is config_from_args
+
+
+def test_validation_names_paths_in_python_and_flags_on_the_command_line():
+    config = JobConfig()
+    config.checkpoint.every = 2
+    with pytest.raises(ConfigError) as error:
+        config.validate()
+    assert str(error.value) == "checkpoint.every and checkpoint.resume=latest need checkpoint.dir"
+    with pytest.raises(ValueError) as error:
+        _parse("--checkpoint-every", "2")
+    assert str(error.value) == "--checkpoint-every and --resume=latest need --checkpoint-dir"
+    config = JobConfig()
+    config.tuning.bucket_mb = -1.0
+    with pytest.raises(ConfigError, match=r"^bucket_mb must be >= 0, got -1.0 \(tuning.bucket_mb\)$") as error:
+        config.validate()
+    again = pickle.loads(pickle.dumps(error.value))  # a rank's error crosses processes with its fields
+    assert str(again) == str(error.value) and again.fields == ("tuning.bucket_mb",)
+    with pytest.raises(ValueError, match=r"^bucket_mb must be >= 0, got -1.0 \(--tuning.bucket-mb\)$"):
+        _parse("--tuning.bucket-mb", "-1")
+
+
+def test_the_loader_and_the_balancer_get_their_own_config_from_the_sections():
+    config = _parse("--batch-size", "5", "--tuning.no-stage-lookahead", "--partitioner", "kk", "--min-gain", "0.1")
+    loader = config.loader_config()
+    assert (loader.batch_size, loader.prefetch_depth, loader.stage_lookahead) == (5, 2, False)
+    assert config.balancer.partitioner == "kk" and config.balancer.min_gain == 0.1
+    with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\), got 1.5"):
+        _parse("--min-gain", "1.5")
