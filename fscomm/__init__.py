@@ -1,10 +1,10 @@
 """fscomm: the Transport protocol and its backends (the SM-free host path: shared memory between ranks of one host,
 gloo TCP across hosts; NCCL; NCCL copy-engine; the RDMA ring)."""
 
-import warnings
 from typing import Any
 
 from fscomm.groups import new_thread_group
+from fscomm.renamed import warn_renamed
 from fscomm.timing import Timer
 from fscomm.transport import (
     CollectiveError,
@@ -31,9 +31,5 @@ _RENAMED = {"new_stage_group": "new_thread_group"}
 def __getattr__(name: str) -> Any:
     if name not in _RENAMED:
         raise AttributeError(f"module 'fscomm' has no attribute {name!r}")
-    warnings.warn(
-        f"fscomm.{name} is deprecated and goes in the next release: use fscomm.{_RENAMED[name]}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_renamed("fscomm", name, _RENAMED[name])
     return globals()[_RENAMED[name]]

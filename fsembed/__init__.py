@@ -1,8 +1,8 @@
 """fsembed: row-wise sharded embedding tables, sparse optimizers, synchronous and prioritized updates."""
 
-import warnings
 from typing import Any
 
+from fscomm.renamed import warn_renamed
 from fsembed.id_prefetch import PrefetchedIds, ShardedIds, id_prefetch_stages
 from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optimizer
 from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
@@ -43,9 +43,5 @@ _RENAMED = {"StageTransports": "EmbeddingTransports", "stage_transports": "embed
 def __getattr__(name: str) -> Any:
     if name not in _RENAMED:
         raise AttributeError(f"module 'fsembed' has no attribute {name!r}")
-    warnings.warn(
-        f"fsembed.{name} is deprecated and goes in the next release: use fsembed.{_RENAMED[name]}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warn_renamed("fsembed", name, _RENAMED[name])
     return globals()[_RENAMED[name]]

@@ -12,8 +12,9 @@ The public names are re-exported here (``from pipelines import TrainStep, wrap_m
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Any
+
+from fscomm.renamed import warn_renamed
 
 # Loaded on first use, so `freescale data ...` and other commands do not import the training stack.
 _EXPORTS = {
@@ -41,11 +42,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
-        warnings.warn(
-            f"pipelines.{name} is deprecated and goes in the next release: use pipelines.{_RENAMED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_renamed("pipelines", name, _RENAMED[name])
         name = _RENAMED[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
