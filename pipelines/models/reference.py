@@ -155,6 +155,27 @@ class Kept(NamedTuple):
     candidates: PackedOffsets  # the candidate offsets likewise
 
 
+def truncate(batch: Batch, max_uih: int) -> Kept:
+    """Keeps each sample's most recent ``max_uih`` events (:class:`Kept`). The sizes come from the batch's host
+    offsets: no device sync. A dozen small ops on a host that, for a small model, is the bottleneck: a model's
+    forward computes it once and hands it to its parts (the HSTU model, pipelines.models.hstu, shares it)."""
+    host_offsets = kept_offsets(batch.host_offsets("uih_offsets"), max_uih)
+    total = int(host_offsets[-1])
+    lengths = batch.uih_lengths
+    kept = lengths.clamp(max=max_uih)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(kept, 0, out=offsets[1:])
+    sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept, output_size=total)
+    pos = torch.arange(total, device=lengths.device) - offsets[:-1][sample]
+    flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
+    cuda = lengths.device.type == "cuda"  # the int32 device copies only where a CUDA kernel reads them
+    uih = PackedOffsets.from_host(host_offsets, on_device=offsets if cuda else None)
+    candidates = PackedOffsets.from_host(
+        batch.host_offsets("candidate_offsets"), on_device=batch.candidate_offsets if cuda else None
+    )
+    return Kept(offsets, flat, pos, uih, candidates)
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
@@ -201,24 +222,8 @@ class SequenceModel(nn.Module):
             nn.init.normal_(emb.weight, std=0.02)
 
     def _truncate(self, batch: Batch) -> Kept:
-        """Keeps each sample's most recent ``max_uih`` events (:class:`Kept`). The sizes come from the batch's host
-        offsets: no device sync. A dozen small ops on a host that, for a small model, is the bottleneck: the
-        forward computes it once and hands it to its parts."""
-        host_offsets = kept_offsets(batch.host_offsets("uih_offsets"), self.config.max_uih)
-        total = int(host_offsets[-1])
-        lengths = batch.uih_lengths
-        kept = lengths.clamp(max=self.config.max_uih)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-        torch.cumsum(kept, 0, out=offsets[1:])
-        sample = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), kept, output_size=total)
-        pos = torch.arange(total, device=lengths.device) - offsets[:-1][sample]
-        flat = batch.uih_offsets[:-1][sample] + (lengths - kept)[sample] + pos
-        cuda = lengths.device.type == "cuda"  # the int32 device copies only where a CUDA kernel reads them
-        uih = PackedOffsets.from_host(host_offsets, on_device=offsets if cuda else None)
-        candidates = PackedOffsets.from_host(
-            batch.host_offsets("candidate_offsets"), on_device=batch.candidate_offsets if cuda else None
-        )
-        return Kept(offsets, flat, pos, uih, candidates)
+        """The batch's UIH after this model's truncation to ``max_uih`` (:func:`truncate`)."""
+        return truncate(batch, self.config.max_uih)
 
     def item_ids(self, batch: Batch, kept: Optional[Kept] = None) -> torch.Tensor:
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids
