@@ -111,7 +111,7 @@ def hstu_attention(
         )
         weights = F.silu(scores) * valid / (seq_norm if seq_norm is not None else b - a)
         parts.append(torch.einsum("hij,jhd->ihd", weights, v[a:b].float()).to(v.dtype))
-    return torch.cat(parts) if parts else v.new_zeros(0, *v.shape[1:])
+    return torch.cat(parts) if parts else v[:0]  # a slice: still part of the autograd graph
 
 
 def padded_hstu_attention(

@@ -1,0 +1,46 @@
+"""The Triton HSTU attention on CUDA against its per-sample twin (bf16 and fp32, outputs and every gradient),
+and its reproducibility: q, k and v gradients bit for bit in both modes, the bucket weights' in the deterministic
+one. No hypothesis here: this file runs where only torch and triton are installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.hstu_cases import Case, assert_matches_twin, inputs, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+LENGTHS = [300, 1, 0, 1024, 517, 64, 2000]
+TARGETS = [5, 1, 0, 40, 0, 64, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("rab", [False, True])
+def test_kernel_matches_twin(dtype, dim, rab):
+    assert_matches_twin(Case(LENGTHS, heads=2, dim=dim, dim_v=dim, targets=TARGETS, rab=rab, dtype=dtype), "cuda")
+
+
+@pytest.mark.parametrize("window", [0, 100])
+@pytest.mark.parametrize("seq_norm", [None, 4096])
+def test_kernel_matches_twin_with_window_and_per_sample_norm(window, seq_norm):
+    case = Case(LENGTHS, dim=64, dim_v=64, targets=TARGETS, window=window, rab=True, seq_norm=seq_norm)
+    assert_matches_twin(case, "cuda")
+
+
+def test_unordered_timestamps():
+    assert_matches_twin(Case(LENGTHS, dim=64, dim_v=64, rab=True, ordered_times=False), "cuda")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_is_reproducible(deterministic):
+    case = Case(LENGTHS, dim=64, dim_v=64, targets=TARGETS, rab=True, dtype=torch.bfloat16, deterministic=deterministic)
+    data = inputs(case, "cuda")
+    first, second = run(case, data, "triton"), run(case, data, "triton")
+    exact = 6 if deterministic else 4  # out, dq, dk, dv (+ the two weight tables when deterministic)
+    for i in range(exact):
+        assert torch.equal(first[i], second[i]), f"tensor {i} differs between two identical backward passes"
