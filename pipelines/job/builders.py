@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -19,6 +19,7 @@ from pipelines.job.config import (
     JobRunSection,
     JobTuningSection,
 )
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
 
 
@@ -57,8 +58,8 @@ def is_factory(name: str) -> bool:
 def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
     """The model to train and how to train it: a user's factory (``--model module:function`` or
     ``path/file.py:function``, called with the job's config; it returns a ModelSpec, or just the model), or the
-    reference model of a preset, described the same way (its item table swapped by name, its features the ids of
-    its one lookup)."""
+    model of a preset (the reference model, or the HSTU model of an HSTU preset), described the same way (its item
+    table swapped by name, its features the ids of its one lookup)."""
     if is_factory(config.model.name):
         from fsdata.resolve import load_callable
 
@@ -95,17 +96,20 @@ def build_model(
     seed: int,
     deterministic: bool = False,
     attention_impl: Optional[str] = None,
-) -> SequenceModel:
-    """The reference model, shaped by the data's label and dense widths; identical initial weights on every rank.
-    ``deterministic`` picks the attention kernel that is reproducible as it is (FlexAttention) where
-    ``attention_impl`` (the job's ``tuning.attention_impl``) is unset."""
-    if config.name not in MODEL_PRESETS:
+) -> Union[SequenceModel, HSTUModel]:
+    """The model of a preset: the reference model (MODEL_PRESETS) or the HSTU model (pipelines.models.hstu's
+    HSTU_PRESETS), shaped by the data's label and dense widths; identical initial weights on every rank.
+    ``deterministic`` picks the attention kernel that is reproducible as it is (the reference model's FlexAttention,
+    the HSTU Triton kernel's deterministic backward) where ``attention_impl`` (the job's ``tuning.attention_impl``)
+    is unset."""
+    presets = {**MODEL_PRESETS, **HSTU_PRESETS}
+    if config.name not in presets:
         raise ValueError(
-            f"unknown model preset {config.name!r}; choose from {sorted(MODEL_PRESETS)} or name a "
+            f"unknown model preset {config.name!r}; choose from {sorted(presets)} or name a "
             "factory: module:function or path/to/file.py:function"
         )
     probe = source.read(0, 0, min(1, source.num_samples(0)))
-    sizes = dict(MODEL_PRESETS[config.name])
+    sizes = dict(presets[config.name])
     overrides = (
         ("num_items", config.num_items),
         ("dim", config.dim),
@@ -113,18 +117,35 @@ def build_model(
         ("max_uih", config.max_uih),
     )
     sizes.update({k: v for k, v in overrides if v is not None})
+    shape = dict(num_labels=max(probe.num_labels, 1), dense_dim=probe.dense.shape[1])
+    if config.name in HSTU_PRESETS:
+        hstu_config = _hstu_config(config, sizes, shape, deterministic, attention_impl)
+        torch.manual_seed(seed)
+        return HSTUModel(hstu_config)
     impl = attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
-    model_config = ModelConfig(
-        num_labels=max(probe.num_labels, 1),
-        dense_dim=probe.dense.shape[1],
-        attention=config.attention,
-        attention_impl=impl,
-        **sizes,
-    )
+    model_config = ModelConfig(attention=config.attention, attention_impl=impl, **shape, **sizes)
     torch.manual_seed(seed)
     return SequenceModel(model_config)
+
+
+def _hstu_config(
+    config: JobModelSection, sizes: dict, shape: dict, deterministic: bool, attention_impl: Optional[str]
+) -> HSTUConfig:
+    """The HSTU model's config of preset ``config.name``; the reference model's attention options are refused in
+    one line (HSTU has its own kernel, kernels.hstu)."""
+    if config.attention != "jagged":
+        raise ValueError(
+            f"--attention {config.attention} is the reference model's; --model {config.name} packs its sequences "
+            "(jagged) always"
+        )
+    if attention_impl not in (None, "torch"):
+        raise ValueError(
+            f"--tuning.attention-impl {attention_impl} is not a kernel of --model {config.name}: leave it unset "
+            "(Triton on CUDA) or give torch"
+        )
+    return HSTUConfig(attention_impl=attention_impl, deterministic=deterministic, **shape, **sizes)
 
 
 def build_wrap(

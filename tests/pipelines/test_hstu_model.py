@@ -1,0 +1,183 @@
+"""The HSTU model (pipelines.models.hstu): candidates as targets that do not see each other, batching and
+truncation invariance, gradients to every parameter, the presets of the job, and training on 2 gloo ranks through
+`freescale train --model hstu` and through the trainer, where mode freescale has sync's losses."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsdata.batch import Batch, Sample
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
+from pipelines.models.reference import bce_sum
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sample(i: int, length: int, rng, candidates: int = 3) -> Sample:
+    return Sample(
+        sample_id=i,
+        user_id=i,
+        uih_item_ids=rng.integers(0, 500, length),
+        candidate_labels=rng.integers(0, 2, (candidates, 2)).astype(np.float32),
+        content_ids=[rng.integers(0, 500, rng.integers(1, 4)) for _ in range(candidates)],
+        dense=rng.random(4, dtype=np.float32),
+        uih_action_types=rng.integers(0, 4, length),
+        uih_timestamps=np.cumsum(rng.integers(1, 5_000, length)),
+    )
+
+
+def _model(max_uih: int = 64, **overrides) -> HSTUModel:
+    torch.manual_seed(0)
+    model = HSTUModel(HSTUConfig(num_items=500, num_labels=2, max_uih=max_uih, **overrides))
+    with torch.no_grad():  # rab weights away from their zero start, so the bias takes part in what is compared
+        for layer in model.layers:
+            layer.position_weights.normal_(std=0.5)
+            layer.time_weights.normal_(std=0.5)
+    return model.eval()
+
+
+def _samples(seed: int = 0) -> list[Sample]:
+    rng = np.random.default_rng(seed)
+    return [_sample(0, 7, rng), _sample(1, 20, rng), _sample(2, 0, rng, 2), _sample(3, 4, rng, 1)]
+
+
+def test_candidates_are_targets_that_do_not_see_each_other():
+    samples, model = _samples(), _model()
+    with torch.no_grad():
+        base = model(Batch.from_samples(samples))
+        assert base.shape == (9, 2) and base.isfinite().all()
+        # Sample 1's first candidate (row 3) gets other content: only its own logits move.
+        other = list(samples[1].content_ids)
+        other[0] = np.array([499, 498])
+        changed = model(Batch.from_samples([samples[0], replace(samples[1], content_ids=other), *samples[2:]]))
+        assert not torch.allclose(changed[3], base[3])
+        keep = [r for r in range(9) if r != 3]
+        torch.testing.assert_close(changed[keep], base[keep])
+        # One history item of sample 1 (rows 3..5) changes all its candidates' logits and no other sample's.
+        history = samples[1].uih_item_ids.copy()
+        history[-2] = (history[-2] + 1) % 500
+        moved = model(Batch.from_samples([samples[0], replace(samples[1], uih_item_ids=history), *samples[2:]]))
+        assert all(not torch.allclose(moved[r], base[r]) for r in (3, 4, 5))
+        torch.testing.assert_close(moved[[0, 1, 2, 6, 7, 8]], base[[0, 1, 2, 6, 7, 8]])
+
+
+def test_a_sample_scores_the_same_alone_batched_or_with_older_events_cut():
+    """The packing of [history..., candidates...] per sample (an empty history included) is per sample; a sample
+    longer than max_uih scores as its most recent max_uih events (timestamps too)."""
+    samples, model = _samples(), _model(max_uih=8)
+    with torch.no_grad():
+        together = model(Batch.from_samples(samples))
+        alone = torch.cat([model(Batch.from_samples([s])) for s in samples])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+        long_ = samples[1]
+        recent = replace(
+            long_,
+            uih_item_ids=long_.uih_item_ids[-8:],
+            uih_action_types=long_.uih_action_types[-8:],
+            uih_timestamps=long_.uih_timestamps[-8:],
+        )
+        torch.testing.assert_close(model(Batch.from_samples([long_])), model(Batch.from_samples([recent])))
+
+
+def test_gradients_reach_every_parameter_and_an_empty_batch_the_table():
+    model = _model(seq_norm="sample", window=5).train()
+    batch = Batch.from_samples(_samples())
+    bce_sum(model(batch), batch.candidate_labels).backward()
+    names = [name for name, _ in model.named_parameters()]
+    assert "layers.0.position_weights" in names and "layers.1.time_weights" in names
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    model.zero_grad(set_to_none=True)
+    empty = Batch.from_samples([], num_labels=2, dense_dim=4)
+    logits = model(empty)
+    assert logits.shape == (0, 2)
+    bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
+    assert model.item_embedding.weight.grad is not None
+
+
+def test_the_configs_errors_are_one_line_and_the_presets_are_valid():
+    for name, fields in HSTU_PRESETS.items():
+        HSTUConfig(**fields)  # hstu-large is only configured here: its tables are GPU-sized
+    for bad, match in (
+        (dict(num_heads=0), "HSTUConfig: num_heads must be >= 1, got 0"),
+        (dict(seq_norm="mean"), "HSTUConfig: seq_norm must be one of max, sample, got 'mean'"),
+        (dict(attention_impl="varlen"), "HSTUConfig: attention_impl must be one of triton, torch or None"),
+        (dict(dropout=1.0), r"HSTUConfig: dropout must lie in \[0, 1\), got 1.0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            HSTUConfig(**bad)
+
+
+def test_the_job_builds_the_hstu_preset_with_its_overrides_and_no_plan():
+    from pipelines.job.builders import build_model_spec, build_source
+    from tests.pipelines.tiny import tiny_config
+
+    cfg = tiny_config("freescale", 1)
+    cfg.model.name, cfg.model.dim, cfg.data.num_samples = "hstu", 48, 64
+    cfg.validate()
+    spec = build_model_spec(cfg, build_source(cfg.data, 16))
+    model = spec.model
+    assert isinstance(model, HSTUModel) and spec.plan is None and spec.embeddings == ["item_embedding"]
+    assert (model.config.dim, model.config.max_uih, model.config.num_layers) == (48, 64, 2)
+    assert not model.needs_plan(torch.device("cuda")) and model.attention_impl(torch.device("cpu")).value == "torch"
+    cfg.model.attention = "padded"
+    with pytest.raises(ValueError, match="--attention padded is the reference model's"):
+        build_model_spec(cfg, build_source(cfg.data, 16))
+    cfg.model.name = "hstu-tiny"
+    with pytest.raises(ValueError, match=r"unknown model preset 'hstu-tiny'; choose from \['hstu', 'hstu-large'"):
+        build_model_spec(cfg, build_source(cfg.data, 16))
+
+
+@pytest.mark.multiprocess
+def test_freescale_train_trains_hstu_on_two_ranks(tmp_path):
+    summary, metrics = tmp_path / "s.json", tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", "--nproc", "2", "--model", "hstu", "--device", "cpu"]
+    cmd += ["--steps", "8", "--batch-size", "8", "--max-uih", "64", "--uih-cap", "64", "--no-progress"]
+    cmd += ["--summary-json", str(summary), "--metrics-jsonl", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["steps"] == 8 and s["world_size"] == 2 and math.isfinite(s["loss"])
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[4:]) < sum(losses[:4])  # it learns: the last half's mean BCE below the first half's
+
+
+def _losses_by_mode(rank, world_size):
+    from pipelines.job.trainer import Trainer
+    from tests.harness import doing
+    from tests.pipelines.tiny import tiny_config
+
+    out = {}
+    for mode, partitioner in (("sync", "none"), ("freescale", "none"), ("freescale", "fbs")):
+        doing(f"train hstu {mode} {partitioner}")
+        cfg = tiny_config(mode, 5)
+        cfg.model.name, cfg.balancer.partitioner = "hstu", partitioner
+        with Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
+            trainer.train()
+            out[f"{mode}/{partitioner}"] = [r["loss"] for r in trainer.history]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_freescale_mode_trains_hstu_with_sync_modes_losses():
+    """Unbalanced, prioritized embedding updates give sync's losses bit for bit; balanced, the same global batch
+    on other ranks gives them up to float32 summation order (rtol 1e-5, the example's parity tolerance)."""
+    from tests.harness import run_ranks
+
+    for out in run_ranks(_losses_by_mode, 2, timeout=120):
+        sync = out["sync/none"]
+        assert len(sync) == 5 and all(math.isfinite(x) for x in sync)
+        assert out["freescale/none"] == sync
+        assert out["freescale/fbs"] == pytest.approx(sync, rel=1e-5)
