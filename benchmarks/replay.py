@@ -60,6 +60,16 @@ resampled from a pool:
 * ``residual``: the fit's relative residuals on its fit set. They mix the fit's model error with the noise of a
   median of k calls, so they are not a device's noise; they say how far the simulation may be off per rank.
 
+Noise floor (:func:`noise_floor_pct`). Jitter alone leaves a straggler share: even a perfectly balanced step waits
+for its unluckiest rank. Each record carries that floor at its rank count (``noise_floor_pct``): the simulator's
+straggler % (:func:`straggler_pct`, the same definition) of :data:`NOISE_FLOOR_STEPS` steps whose ranks all have
+the same busy time times one factor ``max(1 + e, 0)`` each, drawn from the same pool as the partitioners' jitter
+(``noise_floor_rel_std``: its relative std; ``noise_floor_source``: what it is). With ``residual`` jitter the floor
+includes the fit's model error; in ``direct`` mode the pool is one call's measured noise, while a simulated rank's
+time is a median of the repeats. The table prints ``floor%`` and ``x floor`` (the row's straggler % over it,
+``straggler_over_noise_floor`` in the records) at the end of each row, so a balanced figure reads against what the
+device's noise allows at that rank count on any machine.
+
 Every figure says what it rests on: :meth:`ReplayStepTime.record` (``n_timings_fit``, ``n_timings_heldout``,
 ``n_calls_total``, ``timing_wall_s``, ``r2_heldout``, ``median_rel_err_heldout``, ``repeat_rel_std``, the
 coefficients, the jitter's source and size) goes into the JSON records when the simulation is run through
@@ -77,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -111,6 +122,12 @@ JITTER_SOURCES = {
     "repeat": "measured run-to-run noise of one call (repeats' deviations from their median)",
     "residual": "the fit's relative residuals (model error + noise of a median of the repeats; not device noise)",
 }
+FLOOR_SOURCES = {
+    "repeat": "one call's measured noise",
+    "residual": "the fit's residuals: the floor includes the fit's model error",
+    "direct": "one call's measured noise, while a simulated rank's time is a median of the repeats (less noisy)",
+}
+NOISE_FLOOR_STEPS = 4000  # balanced steps per floor: six seeds' floors at 8-1,024 ranks lie within 2.3% of each other
 DEFAULT_REPEATS = 3
 PROGRESS_EVERY_S = 10.0
 
@@ -164,6 +181,59 @@ def rel_spread(times: np.ndarray) -> float:
     """Run-to-run spread of one batch's repeats: the relative std around their median (nan for one call)."""
     dev = repeat_deviations(times)
     return float(np.sqrt(np.mean(dev * dev))) if dev.size else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- noise floor
+def straggler_pct(busy: np.ndarray, sync_s: float = 0.0) -> float:
+    """The simulator's straggler % of steps whose per-rank busy seconds are the rows of ``busy`` [S, W]: the sum
+    over steps of the mean idle wait ``max - busy_r`` over the sum over steps of ``T = max + sync``
+    (``pipelines/plan/simulate.py``'s module docstring)."""
+    busy = np.atleast_2d(np.asarray(busy, dtype=np.float64))
+    longest = busy.max(axis=1)
+    total = float((longest + sync_s).sum())
+    return 100.0 * float((longest[:, None] - busy).mean(axis=1).sum()) / total if total > 0 else 0.0
+
+
+def noise_floor_pct(
+    pool: np.ndarray,
+    ranks: int,
+    rng: np.random.Generator,
+    steps: int = NOISE_FLOOR_STEPS,
+    busy_s: float = 1.0,
+    sync_s: float = 0.0,
+) -> float:
+    """The straggler % that the jitter alone gives at ``ranks`` ranks: ``steps`` perfectly balanced steps (every
+    rank's noise-free busy time the same ``busy_s``), each rank's time times one factor ``max(1 + e, 0)`` drawn
+    from ``pool`` with replacement, as the step-time model draws it, then :func:`straggler_pct`. For the same total
+    work no plan does better on average (the expected max of independently jittered busy times with a fixed sum is
+    smallest when they are equal: it is convex and symmetric in them), so a balanced figure reads against it.
+    ``busy_s`` matters only with ``sync_s``."""
+    pool = np.asarray(pool, dtype=np.float64)
+    if pool.size == 0:
+        return 0.0
+    factors = np.maximum(1.0 + rng.choice(pool, size=(steps, ranks)), 0.0)
+    return straggler_pct(busy_s * factors, sync_s)
+
+
+def floor_record(pool: np.ndarray, ranks: int, seed: int, busy_s: float, sync_s: float, source: str) -> dict:
+    """The noise floor's keys of a record: the floor at ``ranks``, the jitter's size and what it rests on. The
+    floor's stream is seeded by ``--seed`` and ``ranks`` only, so every partitioner of one rank count gets the same
+    floor."""
+    pool = np.asarray(pool, dtype=np.float64)
+    rng = np.random.default_rng([seed, 11, ranks])
+    return {
+        "noise_floor_pct": noise_floor_pct(pool, ranks, rng, busy_s=busy_s, sync_s=sync_s),
+        "noise_floor_rel_std": float(np.sqrt(np.mean(pool * pool))) if pool.size else 0.0,
+        "noise_floor_n_values": int(pool.size),
+        "noise_floor_steps": NOISE_FLOOR_STEPS,
+        "noise_floor_source": source,
+    }
+
+
+def over_floor(record: dict) -> Optional[float]:
+    """A record's straggler % over its noise floor (None where there is no floor: no jitter, or none measured)."""
+    floor = record.get("noise_floor_pct")
+    return record["straggler_pct"] / floor if floor else None
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -388,9 +458,11 @@ class Fit:
 
 class ReplayStepTime:
     """Mode fit: ``step_time(lengths, plan) -> [W]`` busy seconds predicted by a :class:`Fit`, times one resampled
-    relative jitter per rank and step (``jitter``: see the module docstring)."""
+    relative jitter per rank and step (``jitter``: see the module docstring). Its record carries the noise floor of
+    that jitter at the rank count it ran (:func:`floor_record`, balanced busy time = the run's mean predicted one,
+    which matters only with ``sync_s``)."""
 
-    def __init__(self, fit: Fit, seed: int, jitter: str = "residual") -> None:
+    def __init__(self, fit: Fit, seed: int, jitter: str = "residual", sync_s: float = 0.0) -> None:
         if jitter not in JITTERS:
             raise ValueError(f"--replay-jitter {jitter!r}: choose from {JITTERS}")
         if jitter == "repeat" and fit.repeats.size < 2:
@@ -401,11 +473,15 @@ class ReplayStepTime:
         self.fit, self.jitter = fit, jitter
         self.noise = fit.residuals if jitter == "residual" else fit.repeats
         self.params = fit  # simulate reads params.d as the fixed per-rank cost of the lower bound
+        self.seed, self.sync_s = seed, sync_s
         self.rng = np.random.default_rng([seed, 11])
+        self.ranks, self.busy_means = 0, []  # the world size and each step's mean noise-free busy, for the floor
 
     def __call__(self, lengths: GatheredLengths, plan: Plan) -> np.ndarray:
         uih = lengths.uih_lengths.numpy()
         busy = self.fit.predict(features([uih[plan.rank_samples(r).numpy()] for r in range(plan.world_size)]))
+        self.ranks = plan.world_size
+        self.busy_means.append(float(busy.mean()))
         if self.noise.size:
             busy = busy * np.maximum(1.0 + self.rng.choice(self.noise, size=busy.size), 0.0)
         return busy
@@ -419,12 +495,17 @@ class ReplayStepTime:
     def record(self) -> dict:
         """What the figures rest on, for the JSON records."""
         noise = self.noise
+        floor = {}
+        if self.ranks:
+            busy = float(np.mean(self.busy_means))
+            floor = floor_record(noise, self.ranks, self.seed, busy, self.sync_s, FLOOR_SOURCES[self.jitter])
         return {
             **self.fit.info,
             "jitter": self.jitter,
             "jitter_source": JITTER_SOURCES[self.jitter],
             "jitter_rel_std": float(np.sqrt(np.mean(noise * noise))) if noise.size else 0.0,
             "n_jitter_values": int(noise.size),
+            **floor,
         }
 
     def describe(self) -> str:
@@ -432,23 +513,33 @@ class ReplayStepTime:
 
 
 class DirectStepTime:
-    """Mode direct: every rank of every step timed for real (``n_timings_sim`` counts them)."""
+    """Mode direct: every rank of every step timed for real (``n_timings_sim`` counts them). Its noise floor draws
+    one call's noise: the repeats' deviations measured so far in this setting, every partitioner's run included."""
 
-    def __init__(self, direct: "_Direct") -> None:
-        self.direct = direct
+    def __init__(self, direct: "_Direct", seed: int = 0, sync_s: float = 0.0) -> None:
+        self.direct, self.seed, self.sync_s = direct, seed, sync_s
         self.n_timings_sim = 0
+        self.ranks, self.busy_means = 0, []
 
     def __call__(self, lengths: GatheredLengths, plan: Plan) -> np.ndarray:
         self.n_timings_sim += plan.world_size
-        return np.array([self.direct.time(lengths, plan.rank_samples(r).numpy()) for r in range(plan.world_size)])
+        busy = np.array([self.direct.time(lengths, plan.rank_samples(r).numpy()) for r in range(plan.world_size)])
+        self.ranks = plan.world_size
+        self.busy_means.append(float(busy.mean()))
+        return busy
 
     def record(self) -> dict:
         pool = np.concatenate(self.direct.deviations) if self.direct.deviations else np.zeros(0)
+        floor = {}
+        if self.ranks:
+            busy = float(np.mean(self.busy_means))
+            floor = floor_record(pool, self.ranks, self.seed, busy, self.sync_s, FLOOR_SOURCES["direct"])
         return {
             **self.direct.info,
             "n_timings_sim": self.n_timings_sim,
             "n_calls_total": self.direct.timer.calls,
             "repeat_rel_std": float(np.sqrt(np.mean(pool * pool))) if pool.size else float("nan"),
+            **floor,
         }
 
     def describe(self) -> str:
@@ -898,18 +989,43 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
                 _repeats(args),
                 {
                     "replay_mode": "direct",
+                    "replay_kernel": args.replay_kernel,
                     "device": str(device),
                     "dtype": _dtype(args),
                     "replay_repeats": _repeats(args),
                 },
             )
     cached = _CACHE[key]
+    sync_s = getattr(args, "sync_ms", 0.0) / 1e3
     if isinstance(cached, Fit):
-        return ReplayStepTime(cached, args.seed, args.replay_jitter)
-    return DirectStepTime(cached)
+        return ReplayStepTime(cached, args.seed, args.replay_jitter, sync_s)
+    return DirectStepTime(cached, args.seed, sync_s)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def print_table(records: list[dict], out=None) -> None:
+    """The simulator's table, each row followed by its noise floor (``floor%``: the straggler % the jitter alone
+    gives on a perfectly balanced step at that rank count) and the row's straggler % over it (``x floor``)."""
+    buf = io.StringIO()
+    simulate.print_table(records, out=buf)
+    lines, out = buf.getvalue().splitlines(), out or sys.stdout  # sys.stdout as it is now (a test may capture it)
+    print(f"{lines[0]} {'floor%':>7} {'x floor':>8}", file=out)
+    for line, r in zip(lines[1:], records):
+        ratio = over_floor(r)
+        floor = f"{r['noise_floor_pct']:>7.2f}" if "noise_floor_pct" in r else f"{'-':>7}"
+        print(f"{line} {floor} {'-' if ratio is None else f'{ratio:.1f}x':>8}", file=out)
+
+
+def _floor_line(r: dict) -> str:
+    """The noise floor of a record's rank count in words, for the summary."""
+    if "noise_floor_pct" not in r:
+        return ""
+    return (
+        f"; noise floor {r['noise_floor_pct']:.2f}% (jitter rel std {r['noise_floor_rel_std']:.4f} over "
+        f"{r['noise_floor_n_values']} values, {r['noise_floor_steps']} balanced steps): {r['noise_floor_source']}"
+    )
+
+
 def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_list: list[int]) -> list[str]:
     """The run's lines under the table: per kernel what the fit rests on, per jitter what the noise is."""
     lines = []
@@ -948,22 +1064,29 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
                 f"{kernel} kernel, direct: every rank timed, {f.get('replay_repeats')} repeats each, run-to-run "
                 f"spread {f.get('repeat_rel_std', float('nan')):.4f}"
             )
-        for jitter in jitters:
+        fit = f.get("replay_mode") == "fit"
+        for jitter in jitters if fit else jitters[:1]:  # direct mode draws no jitter: its noise is measured
             rows = [r for r in group if r.get("jitter", jitter) == jitter]
-            if f.get("replay_mode") == "fit" and rows:
+            label = f"{kernel}/{jitter} jitter" if fit else f"{kernel} direct"
+            if fit and rows:
                 lines.append(
                     f"  {kernel}/{jitter} jitter = {JITTER_SOURCES[jitter]}: rel std "
                     f"{rows[0]['jitter_rel_std']:.4f} over {rows[0]['n_jitter_values']} values"
                 )
             for ranks in ranks_list:
-                by = {r["partitioner"]: r["straggler_pct"] for r in rows if r["ranks"] == ranks}
-                if "none" in by:
+                at = {r["partitioner"]: r for r in rows if r["ranks"] == ranks}
+                if "none" in at:
+                    none = at["none"]["straggler_pct"]
                     others = "".join(
-                        f" / {p} {v:.2f}% ({by['none'] / max(v, 1e-12):.1f}x lower)"
-                        for p, v in by.items()
+                        f" / {p} {r['straggler_pct']:.2f}% ({none / max(r['straggler_pct'], 1e-12):.1f}x lower"
+                        + ("" if over_floor(r) is None else f", {over_floor(r):.1f}x floor")
+                        + ")"
+                        for p, r in at.items()
                         if p != "none"
                     )
-                    lines.append(f"  {kernel}/{jitter} jitter, ranks {ranks}: straggler none {by['none']:.2f}%{others}")
+                    lines.append(
+                        f"  {label}, ranks {ranks}: straggler none {none:.2f}%{others}" + _floor_line(at["none"])
+                    )
     return lines
 
 
@@ -986,8 +1109,9 @@ def main(args: argparse.Namespace) -> int:
         if kernel in failed:
             continue
         try:
-            # run_grid merges the step-time model's record into each record (what the figure rests on)
-            records += simulate.run_grid(args_one, args_one.ranks, args.batch_size, args.max_uih)
+            # run_grid merges the step-time model's record into each record (what the figure rests on, its floor)
+            for record in simulate.run_grid(args_one, args_one.ranks, args.batch_size, args.max_uih):
+                records.append({**record, "straggler_over_noise_floor": over_floor(record)})
         except ReplayFitError as error:  # the other kernel may still fit in this call's time
             failed[kernel] = str(error)
             records.append({"replay_kernel": kernel, "replay_mode": args.replay_mode, "error": str(error)})
@@ -995,7 +1119,7 @@ def main(args: argparse.Namespace) -> int:
         if args.json:  # after every record: a run cut short still leaves what it measured
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=1)
-    simulate.print_table([r for r in records if "error" not in r])
+    print_table([r for r in records if "error" not in r])
     for line in summary(records, kernels, jitters, ranks_list):
         print(line)
     return 1 if failed else 0
