@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("benchmarks.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
     "attention": ("benchmarks.attention", "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd"),
+    "hstu": ("benchmarks.hstu", "jagged HSTU attention: Triton kernel vs padded twin vs generative-recommenders'"),
     "transport": ("benchmarks.transport", "transport latency, bandwidth and compute contention"),
     "peer": ("benchmarks.peer", "the experimental copy-engine peer transport against plain peer copies (CUDA)"),
     "embedding": ("benchmarks.embedding", "exposed embedding communication: sync vs prioritized"),

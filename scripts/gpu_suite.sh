@@ -14,11 +14,14 @@
 #                                        # with every step's exposed parts (~4 min)
 #   bash scripts/gpu_suite.sh attention  # varlen and FlexAttention against the per-sample twin and the jagged model against
 #                                        # the padded one on CUDA, then bench attention (~4 min, most of it compiling)
+#   bash scripts/gpu_suite.sh hstu       # the HSTU attention's GPU tests, then bench hstu at dim 64 beside generative-
+#                                        # recommenders' kernel from $HSTU_REFERENCE (default .ref/genrec_hstu) (~6 min)
+#   bash scripts/gpu_suite.sh hstu-dims  # bench hstu at head dims 128 and 256 (~4 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -119,6 +122,23 @@ PY
     echo "== bench attention: varlen, FlexAttention (and both in the deterministic mode) against padded SDPA, fwd+bwd, bf16"
     timeout 300 python3 -W ignore -m benchmarks attention --device cuda --json "$OUT/attention.json" 2>&1 \
       | tee "$OUT/attention.log" | grep -v "^ \|^Traceback" | tail -40
+    ;;
+  hstu)
+    echo "== GPU tests: the Triton HSTU attention against its twin (bf16/fp32, dims 64-256, rab, targets, window), repro"
+    FREESCALE_HSTU_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hstu_attention_gpu.py 2>&1 | tail -8
+    echo "== generative-recommenders' Triton HSTU attention (the outside reference), shapes a, b, c at dim 64"
+    REF=${HSTU_REFERENCE:-.ref/genrec_hstu}
+    if [ -f "$REF/bench_hstu.py" ]; then
+      (cd "$REF" && PYTHONPATH=. timeout 300 python3 bench_hstu.py --dims 64 --skip-ref-timing --out "$OLDPWD/$OUT/genrec64.json" 2>&1 | tail -12)
+    else
+      echo "no reference at $REF (copy ../shared/reference/genrec_hstu there): the table has no reference columns"
+    fi
+    echo "== bench hstu: ours (rab off, on, deterministic) and the padded twin at dim 64, against the reference"
+    timeout 300 python3 -m benchmarks hstu --dims 64 --reference "$OUT/genrec64.json" --json "$OUT/hstu64.json" 2>&1 | tail -30
+    ;;
+  hstu-dims)
+    echo "== bench hstu: head dims 128 and 256 (the reference stops with an illegal memory access at 128: not run)"
+    timeout 420 python3 -m benchmarks hstu --dims 128,256 --variants triton,triton-rab --json "$OUT/hstu_dims.json" 2>&1 | tail -20
     ;;
   deterministic)
     echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
