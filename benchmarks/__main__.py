@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("benchmarks.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
     "attention": ("benchmarks.attention", "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd"),
     "hstu": ("benchmarks.hstu", "jagged HSTU attention: Triton kernel vs padded twin vs generative-recommenders'"),
+    "hstu-step": ("benchmarks.hstu_step", "one training step of the HSTU model: TFLOP/s and MFU, rab on and off"),
     "transport": ("benchmarks.transport", "transport latency, bandwidth and compute contention"),
     "peer": ("benchmarks.peer", "the experimental copy-engine peer transport against plain peer copies (CUDA)"),
     "embedding": ("benchmarks.embedding", "exposed embedding communication: sync vs prioritized"),

@@ -17,6 +17,7 @@
 #   bash scripts/gpu_suite.sh hstu       # the HSTU attention's GPU tests, then bench hstu at dim 64 beside generative-
 #                                        # recommenders' kernel from $HSTU_REFERENCE (default .ref/genrec_hstu) (~6 min)
 #   bash scripts/gpu_suite.sh hstu-dims  # bench hstu at head dims 128 and 256 (~4 min)
+#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off: TFLOP/s, MFU (< 7 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
@@ -139,6 +140,11 @@ PY
   hstu-dims)
     echo "== bench hstu: head dims 128 and 256 (the reference stops with an illegal memory access at 128: not run)"
     timeout 420 python3 -m benchmarks hstu --dims 128,256 --variants triton,triton-rab --json "$OUT/hstu_dims.json" 2>&1 | tail -20
+    ;;
+  hstu-step)
+    echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab on/off"
+    timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab on,off \
+      --json "$OUT/hstu_step.json" 2>&1 | tail -12
     ;;
   deterministic)
     echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"

@@ -1,0 +1,429 @@
+"""`python -m benchmarks hstu-step`: one training step of the HSTU model (pipelines.models.hstu) on one device, in
+TFLOP/s and MFU.
+
+The step is what the job's step does around the model, without the loader: forward, ``bce_sum`` loss, backward,
+optimizer step (Adam, fused on CUDA), gradients cleared. The item table is a plain local ``nn.Embedding`` of
+``--num-items`` rows (default 100,000): the job shards its table across ranks, so this step times the dense part
+plus a local lookup, and the dense Adam update of that small table (at width 1024 about 0.1 G parameters, a
+memory-bound pass the FLOP count leaves out).
+
+Precision (``--precision``): ``autocast`` (the default on CUDA) is how the job trains (pipelines.api.numerics):
+fp32 master weights and Adam states, the forward and the loss under bf16 autocast (matmuls and the attention in
+bf16, norms and the loss in fp32). ``bf16``: the parameters themselves in bf16 and Adam on them (no master copy).
+``fp32``: the default on CPU.
+
+Lengths (``--lengths``), one batch per kind drawn once from ``--seed`` and timed again and again:
+
+    zipf   each sample's UIH length drawn from Zipf(``--zipf-alpha``, default 1.2), P(k) ~ k^-alpha for k >= 1,
+           clipped to [1, max_uih]: the jagged lengths of NVIDIA recsys-examples' HSTU training benchmark (numpy's
+           zipf, clipped at their max sequence length 4,096, batch 32 per GPU). Heavy-tailed: about one sample in
+           six sits at the cap, half are shorter than 20 events, and the few full-length samples hold most tokens
+           and nearly all the attention work.
+    full   every sample at max_uih (their non-jagged setting).
+
+Each sample also has ``--candidates`` (default 1-8, uniform) candidates with 1-3 content ids each, the sequence's
+targets, scored as the job scores them (recsys-examples' benchmark sets no candidates and labels every history
+token). Their model interleaves an item and an action token per event (two tokens); this one adds the action
+embedding to its item's token (one), so at the same lengths it runs half their tokens. The FLOPs below count the
+tokens this model runs.
+
+FLOPs (:func:`step_flops`), counted analytically per step, forward + backward:
+
+    per layer   linears   (2 N d 4 H Dh  +  2 N H Dh d) x 3                     (uvqk and output projections)
+                attention 2 H Dh sum(L_i^2) x 3.5                                 (generative-recommenders' count)
+
+with N the packed tokens (kept UIH + candidates), L_i each sample's, d the width, H heads of Dh. The attention
+term is two matmuls over the causal half of each sample (recsys-examples' and generative-recommenders' count; the
+candidates, which do not see each other, make the true count smaller by under C_i^2 per sample). The output
+projection is the whole matmul (recsys-examples' count has 2 N H d for it, without Dh). Left out: the head MLP (two
+small matmuls per candidate, not per token), the embedding lookups, norms, SiLU and Adam.
+
+Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (the first steps autotune the Triton
+attention and warm the allocator). The attention alone: its forward + backward at the step's shapes and inputs
+(q, k, v of one layer, the model's rab weights, targets and timestamps), timed the same way and multiplied by the
+layers; its share of the step is an estimate (it runs alone, without the step's other kernels around it).
+
+MFU: TFLOP/s over ``--peak-tflops`` (default 989, the H200's and H100 SXM's dense bf16 tensor-core peak). The gate
+(CUDA rows): the step at >= 151.2 TFLOP/s, twice recsys-examples' Triton-attention baseline (their exp0: 1,210
+TFLOP/s on 16 H100s, 75.6 per GPU, a multi-GPU job with sharded tables); the aim is 310.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from fsdata.batch import Batch, lengths_to_offsets
+from kernels.hstu import hstu_attention
+from pipelines.api.numerics import autocast
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
+from pipelines.models.reference import bce_sum, truncate
+
+LENGTHS = ("zipf", "full")
+PRECISIONS = ("autocast", "bf16", "fp32")
+PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16 tensor cores
+BASELINE_TFLOPS = 75.6  # recsys-examples' exp0 (Triton attention): 1,210 TFLOP/s over 16 H100s
+GATE_TFLOPS = 2 * BASELINE_TFLOPS
+AIM_TFLOPS = 310.0
+CONTENT_IDS = (1, 3)  # content ids per candidate, inclusive
+
+
+@dataclass
+class Record:
+    preset: str
+    lengths: str
+    rab: bool
+    precision: str
+    batch: int
+    tokens: int
+    max_len: int
+    candidates: int
+    step_ms: Optional[float]
+    attention_ms: Optional[float]
+    attention_share: Optional[float]
+    linear_tflop: float
+    attention_tflop: float
+    tflop: float
+    tflops: Optional[float]
+    mfu: Optional[float]
+    step_ms_reps: list[float]
+    seq_lengths: list[int]  # each sample's packed tokens (kept UIH + candidates), what the FLOPs count
+    skipped: Optional[str] = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--preset", default=None, help=f"one of {', '.join(HSTU_PRESETS)} (default hstu-large on CUDA, hstu on CPU)"
+    )
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-items", type=int, default=100_000, help="rows of the local item table")
+    parser.add_argument("--lengths", default="zipf", help=f"comma list of {', '.join(LENGTHS)}")
+    parser.add_argument("--zipf-alpha", type=float, default=1.2)
+    parser.add_argument("--candidates", default="1-8", help="candidates per sample, LO-HI (uniform) or N")
+    parser.add_argument("--rab", default="on,off", help="comma list of on, off: the config's rab")
+    parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default autocast on CUDA, fp32 on CPU")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths, ids and the model's weights")
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the device's dense peak, for MFU")
+    parser.add_argument("--json", default=None, metavar="PATH")
+
+
+# ---------------------------------------------------------------- the batch
+def parse_candidates(text: str) -> tuple[int, int]:
+    """``"LO-HI"`` or ``"N"`` -> (lo, hi), inclusive."""
+    parts = text.split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (-1, -1)
+    except ValueError:
+        lo, hi = -1, -1
+    if not 0 <= lo <= hi or hi < 1:
+        raise ValueError(f"--candidates: expected LO-HI or N with 0 <= LO <= HI and HI >= 1, got {text!r}")
+    return lo, hi
+
+
+def uih_lengths(kind: str, batch: int, cap: int, alpha: float, rng: np.random.Generator) -> np.ndarray:
+    """[batch] UIH lengths: ``zipf`` (numpy's Zipf(alpha), clipped to [1, cap]) or ``full`` (all ``cap``)."""
+    if kind == "full":
+        return np.full(batch, cap, dtype=np.int64)
+    if alpha <= 1.0:
+        raise ValueError(f"--zipf-alpha must be > 1, got {alpha}")
+    return np.clip(rng.zipf(alpha, batch), 1, cap).astype(np.int64)
+
+
+def synthetic_batch(
+    lengths: np.ndarray, num_candidates: np.ndarray, config: HSTUConfig, rng: np.random.Generator
+) -> Batch:
+    """A host batch with the given UIH lengths and candidates per sample: uniform ids, action types and labels,
+    increasing timestamps (gaps of about an hour), 1-3 content ids per candidate."""
+    b, events, cands = len(lengths), int(lengths.sum()), int(num_candidates.sum())
+    content = rng.integers(CONTENT_IDS[0], CONTENT_IDS[1] + 1, cands)
+    gaps = rng.exponential(3600.0, events).astype(np.int64) + 1
+    t = torch.from_numpy
+    return Batch(
+        sample_ids=torch.arange(b, dtype=torch.int64),
+        user_ids=torch.arange(b, dtype=torch.int64),
+        uih_offsets=lengths_to_offsets(t(lengths)),
+        uih_item_ids=t(rng.integers(0, config.num_items, events)),
+        candidate_offsets=lengths_to_offsets(t(num_candidates.astype(np.int64))),
+        candidate_labels=t(rng.integers(0, 2, (cands, config.num_labels)).astype(np.float32)),
+        content_offsets=lengths_to_offsets(t(content)),
+        content_ids=t(rng.integers(0, config.num_items, int(content.sum()))),
+        dense=t(rng.random((b, config.dense_dim), dtype=np.float32)),
+        uih_action_types=t(rng.integers(0, config.num_actions, events)),
+        uih_timestamps=t(1_700_000_000 + np.cumsum(gaps)),  # increasing across the batch, so within each sample
+    )
+
+
+def sequence_lengths(batch: Batch, max_uih: int) -> np.ndarray:
+    """Each sample's packed sequence as the model runs it: its kept UIH (the most recent ``max_uih``) plus its
+    candidates."""
+    uih = batch.host_offsets("uih_offsets").diff().clamp(max=max_uih)
+    return (uih + batch.host_offsets("candidate_offsets").diff()).numpy()
+
+
+# ---------------------------------------------------------------- FLOPs
+def step_flops(lengths: np.ndarray, dim: int, num_layers: int, num_heads: int, head_dim: int) -> dict[str, float]:
+    """FLOPs of one training step (forward + backward) of the HSTU layers on sequences of ``lengths`` tokens each.
+
+    Per layer: the uvqk projection (d -> 4 H Dh) and the output projection (H Dh -> d), 2 FLOPs per multiply-add,
+    forward x 3 (backward: the input's and the weight's gradients); the attention 2 H Dh sum(L_i^2) forward, two
+    matmuls (q k^T, A v) over the causal half, x 3.5 for forward + backward (generative-recommenders' count: the
+    backward recomputes q k^T). Returns ``linear``, ``attention`` and ``total``; the head MLP, embeddings, norms and
+    elementwise ops are excluded (the module docstring says why)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    tokens, hidden = float(lengths.sum()), num_heads * head_dim
+    linear = 3.0 * (2.0 * tokens * dim * 4 * hidden + 2.0 * tokens * hidden * dim) * num_layers
+    attention = 3.5 * 2.0 * hidden * float(np.sum(lengths**2)) * num_layers
+    return dict(linear=linear, attention=attention, total=linear + attention)
+
+
+# ---------------------------------------------------------------- timing
+def _time_ms(device: torch.device, fn: Callable[[], None], reps: int, warmup: int) -> list[float]:
+    """Each of ``reps`` calls' milliseconds after ``warmup`` calls: CUDA events on CUDA, the wall clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def build_step(model: HSTUModel, batch: Batch, precision: str, device: torch.device) -> Callable[[], None]:
+    """The training step on ``batch``: forward and loss (under bf16 autocast for ``autocast``), backward, Adam
+    (fused on CUDA), gradients cleared."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    dtype = torch.bfloat16 if precision == "autocast" else None  # bf16 and fp32: the parameters' own dtype
+
+    def step() -> None:
+        with autocast(dtype, device):
+            loss = bce_sum(model(batch).float(), batch.candidate_labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch.device, reps: int, warmup: int):
+    """Median ms of one layer's attention forward + backward at the step's shapes: q, k, v [N, H, Dh] in the
+    step's compute dtype, the first layer's rab weights, the candidates as targets, the batch's timestamps."""
+    c, layer = model.config, model.layers[0]
+    seq = model._pack(batch, truncate(batch, c.max_uih))  # the packing the forward builds, same offsets and times
+    n = int(seq.offsets.host[-1])
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    torch.manual_seed(7)
+    q, k, v, grad = (torch.randn(n, c.num_heads, c.head_dim, device=device, dtype=dtype) * 0.1 for _ in "qkvg")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    weights = [
+        w.detach().float().clone().requires_grad_() if w is not None else None
+        for w in (layer.position_weights, layer.time_weights)
+    ]
+    timed = seq.timestamps is not None and weights[1] is not None
+    leaves = [t for t in (q, k, v, *weights) if t is not None]
+
+    def run() -> None:
+        for t in leaves:
+            t.grad = None
+        out = hstu_attention(
+            q,
+            k,
+            v,
+            seq.offsets,
+            alpha=1.0 / math.sqrt(c.head_dim),
+            seq_norm=c.max_uih + c.max_candidates if c.seq_norm == "max" else None,
+            num_targets=seq.num_targets,
+            window=c.window,
+            position_weights=weights[0],
+            time_weights=weights[1] if timed else None,
+            timestamps=seq.timestamps if timed else None,
+            impl=model.attention_impl(device),
+            deterministic=c.deterministic,
+        )
+        out.backward(grad)
+
+    return statistics.median(_time_ms(device, run, reps, warmup))
+
+
+# ---------------------------------------------------------------- one row
+def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precision: str) -> Record:
+    device = torch.device(args.device)
+    config = HSTUConfig(**{**HSTU_PRESETS[preset], "num_items": args.num_items, "rab": rab})
+    lengths = sequence_lengths(host_batch, config.max_uih)
+    flops = step_flops(lengths, config.dim, config.num_layers, config.num_heads, config.head_dim)
+    base = dict(
+        preset=preset,
+        lengths=kind,
+        rab=rab,
+        precision=precision,
+        batch=len(lengths),
+        tokens=int(lengths.sum()),
+        max_len=int(lengths.max()),
+        candidates=int(host_batch.candidate_offsets[-1]),
+        linear_tflop=flops["linear"] / 1e12,
+        attention_tflop=flops["attention"] / 1e12,
+        tflop=flops["total"] / 1e12,
+        seq_lengths=lengths.tolist(),
+    )
+    if precision == "bf16":  # the dense features meet bf16 weights
+        host_batch = dataclasses.replace(host_batch, dense=host_batch.dense.to(torch.bfloat16))
+    batch = host_batch.to(device)
+    torch.manual_seed(args.seed)
+    model = HSTUModel(config).to(device).train()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    try:
+        times = _time_ms(device, build_step(model, batch, precision, device), args.reps, args.warmup)
+        attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
+    except torch.OutOfMemoryError:
+        return Record(
+            **base,
+            step_ms=None,
+            attention_ms=None,
+            attention_share=None,
+            tflops=None,
+            mfu=None,
+            step_ms_reps=[],
+            skipped="out of memory",
+        )
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    step_ms = statistics.median(times)
+    tflops = flops["total"] / step_ms / 1e9
+    return Record(
+        **base,
+        step_ms=step_ms,
+        attention_ms=attention,
+        attention_share=attention / step_ms,
+        tflops=tflops,
+        mfu=tflops / args.peak_tflops,
+        step_ms_reps=times,
+    )
+
+
+# ---------------------------------------------------------------- report
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(records: list[Record]) -> str:
+    head = (
+        "preset      lengths rab prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step  TFLOP/s  MFU %"
+    )
+    lines = [head]
+    for r in records:
+        left = (
+            f"{r.preset:<11} {r.lengths:<7} {'on' if r.rab else 'off':<3} {r.precision:<8} {r.batch:>5} "
+            f"{r.tokens:>7} {r.max_len:>7}"
+        )
+        if r.skipped:
+            lines.append(f"{left}  skipped: {r.skipped}")
+            continue
+        cells = [
+            _fmt(r.step_ms, "8.2f"),
+            _fmt(r.attention_ms, "8.2f"),
+            _fmt(None if r.attention_share is None else 100 * r.attention_share, "6.1f"),
+            _fmt(r.tflop, "10.4g"),
+            _fmt(r.tflops, "7.1f"),
+            _fmt(None if r.mfu is None else 100 * r.mfu, "5.1f"),
+        ]
+        lines.append(f"{left} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def gates(records: list[Record], device: torch.device) -> list[str]:
+    if device.type != "cuda":
+        return [f"gate: CUDA rows only (this run is on {device.type})"]
+    out = []
+    for r in records:
+        if r.tflops is None:
+            continue
+        verdict = "met" if r.tflops >= GATE_TFLOPS else "NOT met"
+        aim = "; aim met" if r.tflops >= AIM_TFLOPS else ""
+        out.append(
+            f"gate {r.preset} {r.lengths} rab {'on' if r.rab else 'off'}: step {r.tflops:.1f} TFLOP/s >= "
+            f"{GATE_TFLOPS:.1f} (2x recsys-examples' Triton baseline {BASELINE_TFLOPS}/GPU; aim {AIM_TFLOPS:.0f}): "
+            f"{verdict}{aim}"
+        )
+    return out
+
+
+def _choices(flag: str, text: str, allowed) -> list[str]:
+    given = text.split(",")
+    unknown = [x for x in given if x not in allowed]
+    if unknown:
+        raise ValueError(f"{flag}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return given
+
+
+def main(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    preset = args.preset or ("hstu-large" if cuda else "hstu")
+    if preset not in HSTU_PRESETS:
+        raise ValueError(f"--preset: unknown {preset!r}; choose from {', '.join(HSTU_PRESETS)}")
+    precision = args.precision or ("autocast" if cuda else "fp32")
+    kinds = _choices("--lengths", args.lengths, LENGTHS)
+    rabs = [x == "on" for x in _choices("--rab", args.rab, ("on", "off"))]
+    lo, hi = parse_candidates(args.candidates)
+    if args.batch_size < 1 or args.reps < 1 or args.warmup < 0:
+        raise ValueError("--batch-size and --reps must be >= 1, --warmup >= 0")
+    config = HSTUConfig(**{**HSTU_PRESETS[preset], "num_items": args.num_items})
+    records = []
+    for kind in kinds:
+        rng = np.random.default_rng(args.seed)
+        lengths = uih_lengths(kind, args.batch_size, config.max_uih, args.zipf_alpha, rng)
+        host_batch = synthetic_batch(lengths, rng.integers(lo, hi + 1, args.batch_size), config, rng)
+        for rab in rabs:
+            records.append(bench_one(args, preset, kind, rab, host_batch, precision))
+            print(table(records[-1:]).splitlines()[1], flush=True)
+    print(table(records))
+    for line in gates(records, device):
+        print(line)
+    if args.json:
+        setup = dict(
+            device=str(device),
+            gpu=torch.cuda.get_device_name(device) if cuda else platform.processor(),
+            torch=torch.__version__,
+            preset=preset,
+            config={k: v for k, v in asdict(config).items() if k != "rab"},  # rab: per record
+            precision=precision,
+            batch_size=args.batch_size,
+            zipf_alpha=args.zipf_alpha,
+            candidates=[lo, hi],
+            seed=args.seed,
+            reps=args.reps,
+            warmup=args.warmup,
+            peak_tflops=args.peak_tflops,
+            gate_tflops=GATE_TFLOPS,
+            aim_tflops=AIM_TFLOPS,
+        )
+        with open(args.json, "w") as f:
+            json.dump(dict(setup=setup, records=[asdict(r) for r in records]), f, indent=1)
+    return 0

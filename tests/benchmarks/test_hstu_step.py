@@ -1,0 +1,78 @@
+"""`python -m benchmarks hstu-step` on CPU at the tiny preset: the FLOP count against a hand count, the Zipf lengths
+and the synthetic batch, and a run that prints the table and writes the JSON the lead merges."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import hstu_step as bench
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig
+
+
+def test_step_flops_is_the_hand_count():
+    # lengths 3 and 5 (N = 8), d = 4, 2 heads of 3 (H Dh = 6), 2 layers.
+    # linears, forward, per layer: uvqk 2*8*4*24 = 1536, output 2*8*6*4 = 384; x3 fwd+bwd, x2 layers: 11520.
+    # attention, forward, per layer: 2*6*(9 + 25) = 408; x3.5, x2 layers: 2856.
+    flops = bench.step_flops(np.array([3, 5]), dim=4, num_layers=2, num_heads=2, head_dim=3)
+    assert flops == dict(linear=11520.0, attention=2856.0, total=14376.0)
+
+
+def test_zipf_lengths_are_heavy_tailed_and_clipped():
+    lengths = bench.uih_lengths("zipf", 20_000, 4096, 1.2, np.random.default_rng(0))
+    assert lengths.min() >= 1 and lengths.max() == 4096
+    # Zipf(1.2): P(k >= 4096) = 0.17 and a median under 20: most samples short, the tokens in the few long ones
+    assert 0.15 < np.mean(lengths == 4096) < 0.19 and np.median(lengths) < 20
+    assert (bench.uih_lengths("full", 3, 64, 1.2, np.random.default_rng(0)) == 64).all()
+    with pytest.raises(ValueError, match="--zipf-alpha must be > 1"):
+        bench.uih_lengths("zipf", 3, 64, 1.0, np.random.default_rng(0))
+
+
+def test_candidates_flag():
+    assert bench.parse_candidates("1-8") == (1, 8) and bench.parse_candidates("4") == (4, 4)
+    for bad in ("8-1", "0", "a-b", "1-2-3"):
+        with pytest.raises(ValueError, match="--candidates: expected LO-HI or N"):
+            bench.parse_candidates(bad)
+
+
+def test_synthetic_batch_has_the_lengths_and_ordered_timestamps():
+    config = HSTUConfig(**{**HSTU_PRESETS["hstu"], "max_uih": 6})
+    rng = np.random.default_rng(1)
+    batch = bench.synthetic_batch(np.array([9, 1, 4]), np.array([2, 1, 3]), config, rng)
+    assert batch.uih_lengths.tolist() == [9, 1, 4] and batch.num_candidates.tolist() == [2, 1, 3]
+    assert batch.candidate_labels.shape == (6, config.num_labels)
+    assert ((batch.candidate_lengths >= 1) & (batch.candidate_lengths <= 3)).all()
+    assert (batch.uih_timestamps.diff() > 0).all()
+    assert bench.sequence_lengths(batch, config.max_uih).tolist() == [6 + 2, 1 + 1, 4 + 3]
+
+
+def test_bench_runs_on_cpu_prints_the_table_and_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    path = tmp_path / "hstu_step.json"
+    flags = "--preset hstu --device cpu --batch-size 3 --num-items 500 --reps 1 --warmup 0"
+    args = parser.parse_args([*flags.split(), "--json", str(path)])
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert "step ms" in out and "TFLOP/s" in out and "MFU %" in out
+    assert "gate: CUDA rows only (this run is on cpu)" in out
+    result = json.loads(path.read_text())
+    assert result["setup"]["precision"] == "fp32" and result["setup"]["peak_tflops"] == bench.PEAK_TFLOPS
+    records = result["records"]
+    assert [(r["lengths"], r["rab"]) for r in records] == [("zipf", True), ("zipf", False)]
+    keys = {"batch", "tokens", "max_len", "step_ms", "attention_ms", "attention_share", "tflop", "tflops", "mfu"}
+    config = HSTUConfig(**HSTU_PRESETS["hstu"])
+    for r in records:
+        assert keys <= set(r) and r["skipped"] is None and r["batch"] == 3
+        assert r["step_ms"] > 0 and r["attention_ms"] > 0 and len(r["step_ms_reps"]) == 1
+        assert r["tokens"] == sum(r["seq_lengths"]) and r["max_len"] == max(r["seq_lengths"])
+        flops = bench.step_flops(
+            np.array(r["seq_lengths"]), config.dim, config.num_layers, config.num_heads, config.head_dim
+        )
+        assert r["tflop"] == pytest.approx(flops["total"] / 1e12)
+        assert r["tflops"] == pytest.approx(r["tflop"] * 1e12 / r["step_ms"] / 1e9)
+        assert r["mfu"] == pytest.approx(r["tflops"] / bench.PEAK_TFLOPS)
+    assert records[0]["seq_lengths"] == records[1]["seq_lengths"]  # rab on and off time the same batch
