@@ -126,11 +126,12 @@ PY
     ;;
   hstu)
     echo "== GPU tests: the Triton HSTU attention against its twin (bf16/fp32, dims 64-256, rab, targets, window), repro"
-    FREESCALE_HSTU_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_hstu_attention_gpu.py 2>&1 | tail -8
+    FREESCALE_HSTU_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/kernels/test_hstu_attention_gpu.py 2>&1 | tail -12
     echo "== generative-recommenders' Triton HSTU attention (the outside reference), shapes a, b, c at dim 64"
     REF=${HSTU_REFERENCE:-.ref/genrec_hstu}
     if [ -f "$REF/bench_hstu.py" ]; then
-      (cd "$REF" && PYTHONPATH=. timeout 300 python3 bench_hstu.py --dims 64 --skip-ref-timing --out "$OLDPWD/$OUT/genrec64.json" 2>&1 | tail -12)
+      OUT_ABS=$(cd "$OUT" && pwd)
+      (cd "$REF" && PYTHONPATH=. timeout 300 python3 bench_hstu.py --dims 64 --skip-ref-timing --out "$OUT_ABS/genrec64.json" 2>&1 | tail -12)
     else
       echo "no reference at $REF (copy ../shared/reference/genrec_hstu there): the table has no reference columns"
     fi

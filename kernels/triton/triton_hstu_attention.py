@@ -478,30 +478,59 @@ def _dq_kernel(
     _store_rows(DQ, dq * alpha, start, rows_q, h, length, H, D, BLOCK_D)
 
 
-# Launch configurations, tried once per (head dims, rab, mode) by Triton's autotuner. (BLOCK_M, BLOCK_N, warps,
-# stages): the forward and the dQ pass hold a query block and stream keys, the dK/dV pass the reverse.
-_FWD_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
-_DKDV_CONFIGS = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 2), (32, 32, 4, 2)]
-_DQ_CONFIGS = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 2)]
+# Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
+# [(BLOCK_M, BLOCK_N, warps, stages)]}. The forward and the dQ pass hold a query block and stream keys, the dK/dV
+# pass the reverse. Wider heads need smaller blocks to stay within shared memory and registers; FALLBACK fits every
+# supported head, fp32 at 256 included.
+_FWD_CONFIGS = {
+    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+    256: [(64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2)],
+}
+_DKDV_CONFIGS = {
+    64: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
+    256: [(64, 64, 8, 2), (32, 64, 4, 2)],
+}
+_DQ_CONFIGS = {
+    64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    128: [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2)],
+    256: [(128, 32, 8, 2), (64, 32, 4, 2)],
+}
+_FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
-_INTERPRETED_CONFIG = (16, 16, 1, 1)
+_INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 _SMALLEST_BLOCK = 16 if _INTERPRET else 32
 
 
-def _configs(table: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    """Every row of ``table``; its first alone with FREESCALE_HSTU_AUTOTUNE=0 (tests: one compile per variant)."""
-    chosen = [_INTERPRETED_CONFIG] if _INTERPRET else table
-    if os.environ.get("FREESCALE_HSTU_AUTOTUNE") == "0":
-        chosen = chosen[:1]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in chosen]
+def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], **options):
+    """``kernel`` autotuned over the configs of the call's head-width class (the smallest class that holds
+    max(BLOCK_D, BLOCK_DV)) and the fallback; with FREESCALE_HSTU_AUTOTUNE=0 (tests: fewer compiles) the class's
+    first and the fallback."""
+    table = _INTERPRETED if _INTERPRET else {**table, 1 << 30: [_FALLBACK]}
+    configs, width_class = [], {}
+    for width, rows in sorted(table.items()):
+        for m, n, w, st in rows:
+            config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            configs.append(config)
+            width_class[id(config)] = width
+
+    def prune(candidates, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        head = max(args["BLOCK_D"], args["BLOCK_DV"])
+        fits = min((width for width in table if width >= head), default=max(table))
+        kept = [c for c in candidates if width_class[id(c)] == fits]
+        if os.environ.get("FREESCALE_HSTU_AUTOTUNE") == "0":
+            kept = kept[:1]
+        return kept + [c for c in candidates if width_class[id(c)] == 1 << 30 and c not in kept]
+
+    return triton.autotune(configs, prune_configs_by={"early_config_prune": prune}, **options)(kernel)
 
 
 _KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW"]
-_fwd = triton.autotune(_configs(_FWD_CONFIGS), key=_KEY)(_fwd_kernel)
-_dkdv = triton.autotune(_configs(_DKDV_CONFIGS), key=_KEY + ["DETERMINISTIC"], reset_to_zero=["DPW", "DTW"])(
-    _dkdv_kernel
-)
-_dq = triton.autotune(_configs(_DQ_CONFIGS), key=_KEY)(_dq_kernel)
+_fwd = _tuned(_fwd_kernel, _FWD_CONFIGS, key=_KEY)
+_dkdv = _tuned(_dkdv_kernel, _DKDV_CONFIGS, key=_KEY + ["DETERMINISTIC"], reset_to_zero=["DPW", "DTW"])
+_dq = _tuned(_dq_kernel, _DQ_CONFIGS, key=_KEY)
 
 _BUCKET_CONSTANTS = dict(
     P_LINEAR=POSITION_LINEAR,
