@@ -230,7 +230,16 @@ class JobRunSection:
     """How the embeddings train (pipelines.job.trainer): replicated, sync, sdd, semisync, freescale, or torchrec
     (the real torchrec on CPU: the outside reference)."""
     nproc: int = 2
-    """Local ranks that `freescale train` launches (torchrun launches its own)."""
+    """Local ranks that `freescale train` launches (torchrun launches its own); per host with ``nnodes`` > 1."""
+    nnodes: int = 1
+    """Hosts of the job: `freescale train` runs on each, with its ``node_rank``, and their launchers (torch's elastic
+    agents) meet at ``rdzv_endpoint`` (docs/reliability.md, Multi-node)."""
+    node_rank: int = 0
+    """This host's place among ``nnodes``: 0 on the host whose launcher serves the rendezvous at ``rdzv_endpoint``
+    (its own address); the ranks' order among hosts is the rendezvous' (sorted by host name)."""
+    rdzv_endpoint: Optional[str] = None
+    """``HOST:PORT`` where the hosts meet (node 0's address and a free port); needed with ``nnodes`` > 1. Hosts that
+    have not all joined within ``comm_timeout_s`` end the job."""
     steps: int = 20
     """The step the job trains to (after a resume too)."""
     warmup_steps: int = 1
@@ -274,6 +283,27 @@ class JobRunSection:
                 raise refuse(f"run.{key}", f"must be >= {low}, got {getattr(self, key)}")
         if not self.comm_timeout_s > 0:
             raise refuse("run.comm_timeout_s", f"must be > 0, got {self.comm_timeout_s}")
+        self._validate_nodes()
+
+    def _validate_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise refuse("run.nnodes", f"must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"{{}} must be in 0..{self.nnodes - 1} ({{}} {self.nnodes}), got {self.node_rank}",
+                "run.node_rank",
+                "run.nnodes",
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(
+                "{} > 1 needs {} HOST:PORT (node 0's address and a free port)", "run.nnodes", "run.rdzv_endpoint"
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise refuse(
+                    "run.rdzv_endpoint", f"must be HOST:PORT with a port in 1..65535, got {self.rdzv_endpoint!r}"
+                )
 
 
 @dataclass

@@ -262,6 +262,7 @@ class CommTimeout(RuntimeError):
 def _is_timeout(exc: BaseException) -> bool:
     while exc is not None:
         text = str(exc).lower()
+        text = text.replace("group timeout", "")  # fscomm's errors name the group's timeout, whatever happened
         if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
             return True
         exc = exc.__cause__
@@ -301,17 +302,31 @@ def _numa_options(config: JobConfig):
     return NumaOptions(affinity_mode=AffinityMode(mode))
 
 
+MULTI_NODE_RUN_ID = "freescale"  # the hosts of one job agree on it without being told
+
+
 def _launch_config(config: JobConfig, log_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    run = config.run
+    nodes = {}
+    if run.nnodes > 1:  # every host's agent: the same run id and the store at the endpoint
+        nodes = dict(
+            run_id=MULTI_NODE_RUN_ID,
+            rdzv_endpoint=run.rdzv_endpoint,
+            rdzv_configs={
+                "is_host": False,  # node 0's launcher serves the store (pipelines.job.nodes.ServedStore)
+                "join_timeout": run.comm_timeout_s,
+                "read_timeout": run.comm_timeout_s,
+            },
+        )
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=config.run.nproc,
-        run_id=f"freescale-{uuid.uuid4().hex[:8]}",
+        min_nodes=run.nnodes,
+        max_nodes=run.nnodes,
+        nproc_per_node=run.nproc,
+        **{"run_id": f"freescale-{uuid.uuid4().hex[:8]}", "rdzv_endpoint": "localhost:0", **nodes},
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
@@ -368,12 +383,17 @@ def _raise_signal(signum: int, frame) -> None:
 
 
 def launch(config: JobConfig) -> Optional[dict]:
-    """Runs ``worker`` on ``config.run.nproc`` local ranks with torch's elastic launcher; rank 0's summary.
-    Raises RankFailed (a rank failed) or Interrupted (a signal ended the job), each with its one line, which names
-    the log directory when a temporary one stays (it holds the ranks' logs)."""
+    """Runs ``worker`` on ``config.run.nproc`` local ranks with torch's elastic launcher (on each of ``run.nnodes``
+    hosts, which meet at ``run.rdzv_endpoint``); rank 0's summary (None on the hosts without rank 0).
+    Raises RankFailed (a rank failed, a host was lost, the hosts did not meet) or Interrupted (a signal ended the
+    job), each with its one line, which names the log directory when a temporary one stays (it holds the ranks'
+    logs)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
+
+    from pipelines.job.nodes import RendezvousFailed
 
     log_dir = Path(config.run.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
@@ -389,15 +409,23 @@ def launch(config: JobConfig) -> Optional[dict]:
     watch.start()
     ended: Optional[RuntimeError] = None
     clean = False
+    board = None
     try:
-        with _quiet_torch_launcher(config.run.verbose):
-            results = elastic_launch(_launch_config(config, log_dir), worker)(config)
-        clean = True
-    except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
-        exitcodes = {rank: f.exitcode for rank, f in failure.failures.items()}
-        ended = _interruption(log_dir, config, exitcodes=exitcodes) or RankFailed(_failure_line(failure, log_dir))
-    except SignalException as received:  # torch's agent has stopped the ranks, forwarding the signal
-        ended = _interruption(log_dir, config, signum=received.sigval)
+        with _meeting(config, log_dir) as board, _quiet_torch_launcher(config.run.verbose):
+            try:
+                results = elastic_launch(_launch_config(config, log_dir), worker)(config)
+                clean = True
+            except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
+                exitcodes = {rank: f.exitcode for rank, f in failure.failures.items()}
+                ended = _interruption(log_dir, config, exitcodes=exitcodes) or _failed(failure, log_dir, board)
+            except SignalException as received:  # torch's agent has stopped the ranks, forwarding the signal
+                ended = _interruption(log_dir, config, signum=received.sigval)
+            except RendezvousError as error:
+                ended = RankFailed(_rendezvous_line(error, config, log_dir, board))
+            if board is not None:  # the other hosts' launchers read how this one ended
+                board.post_end("ok" if clean else str(ended), root=getattr(ended, "root", False))
+    except RendezvousFailed as failure:  # node 0 could not serve the rendezvous
+        ended = RankFailed(str(failure))
     finally:
         for sig in handlers:  # the tidying below runs to its end
             signal.signal(sig, signal.SIG_IGN)
@@ -412,6 +440,124 @@ def launch(config: JobConfig) -> Optional[dict]:
         line = str(ended) + (f"; logs in {log_dir}" if kept and str(log_dir) not in str(ended) else "")
         raise Interrupted(line, ended.signum) if isinstance(ended, Interrupted) else RankFailed(line)
     return results.get(0)
+
+
+_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # read by torch when a process loads it: set for ranks yet to start
+
+
+@contextlib.contextmanager
+def _meeting(config: JobConfig, log_dir: Path):
+    """A multi-node job's board (pipelines.job.nodes), None on one host: node 0's launcher serves the rendezvous
+    store, and every launcher posts its record there for the others; at the end node 0 keeps the store up until
+    the other hosts have ended."""
+    run = config.run
+    if run.nnodes == 1:
+        yield None
+        return
+    from pipelines.job.nodes import NodeBoard, ServedStore, wait_for_endpoint
+
+    served = ServedStore(run.rdzv_endpoint, run.comm_timeout_s) if run.node_rank == 0 else None
+    if served is None:
+        wait_for_endpoint(run.rdzv_endpoint, run.nnodes, run.comm_timeout_s)
+    aside = _StderrAside(log_dir / "launcher.log", run.nproc) if not run.verbose else None
+
+    def local_ranks() -> list[int]:
+        ranks = sorted(rank_pids(log_dir))
+        if aside is not None and len(ranks) == run.nproc:
+            aside.start()
+        return ranks
+
+    board = NodeBoard(run.rdzv_endpoint, run.nnodes, run.node_rank, run.comm_timeout_s, local_ranks)
+    board.start()
+    # The ranks' store clients print a C++ warning with its stack trace for each call that finds a lost host's store
+    # gone (heartbeats, failure diagnoses): on several hosts the ranks keep torch's C++ errors only (--verbose: all).
+    quiet = None if run.verbose or _CPP_LOG_LEVEL in os.environ else os.environ.setdefault(_CPP_LOG_LEVEL, "ERROR")
+    try:
+        yield board
+    finally:
+        if quiet is not None:
+            os.environ.pop(_CPP_LOG_LEVEL, None)
+        if served is not None:
+            board.linger()
+        board.close()
+        if served is not None:
+            served.close()
+        if aside is not None:
+            aside.stop()
+
+
+class _StderrAside:
+    """The launcher's own stderr (fd 2), once its ranks run, in ``path``: torch's agent and the store clients of
+    this process print C++ warnings with their stack traces there, a page of them when the host serving the
+    rendezvous store is lost, which no logger setting quiets (torch reads their level from the environment when it
+    is loaded). The ranks, started before, keep the terminal; the launcher's own line comes after ``stop``."""
+
+    def __init__(self, path: Path, nproc: int):
+        self.path, self.nproc = path, nproc
+        self._saved: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._saved is not None:
+                return
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._saved is None:
+                return
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._saved = None
+        if self.path.exists() and self.path.stat().st_size == 0:
+            self.path.unlink()
+
+
+def _failed(failure, log_dir: Path, board) -> RankFailed:
+    """The job's failure in one line. On several hosts, when the failure began elsewhere: the host lost (its ranks
+    ended this host's through their closed connections), else the failure line of the host where it began."""
+    reports = _reports(log_dir, "error")
+    local_root = any(r["root"] for r in reports)
+    lost, began_elsewhere = board.verdict() if board is not None else (None, None)
+    local = sorted(rank_pids(log_dir))
+    after = f"; this host's rank(s) {local} ended after it"
+    if lost:
+        return RankFailed(lost + after)
+    if began_elsewhere and not local_root:
+        return RankFailed(began_elsewhere + after)
+    failed = RankFailed(_failure_line(failure, log_dir))
+    failed.root = local_root
+    return failed
+
+
+def _rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
+    """The hosts did not meet at the endpoint: why, and how many of them did; or, once the ranks ran, the store's
+    host was lost (torch's agent finds its store gone before its ranks fail)."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+
+    run = config.run
+    local = sorted(rank_pids(log_dir))
+    if local and board is not None:
+        lost, _ = board.verdict()
+        if lost:
+            return f"{lost}; this host's rank(s) {local} ended after it"
+    where = f"at {run.rdzv_endpoint} (--rdzv-endpoint)"
+    joined = board.joined_line() if board is not None else "unknown how many joined"
+    if isinstance(error, RendezvousTimeoutError):
+        return f"the hosts did not meet {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): {joined}"
+    if isinstance(error, RendezvousConnectionError) and not local:
+        return (
+            f"no rendezvous answered {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): node 0, which "
+            f"serves it, has not started or the address is not its own; {joined}"
+        )
+    said = " ".join(str(error).split())[:300]
+    return f"the rendezvous {where} failed: {type(error).__name__}: {said}; {joined}"
 
 
 def _reports(log_dir: Path, kind: str) -> list[dict]:
@@ -564,14 +710,16 @@ def check_before_launch(config: JobConfig) -> None:
     if config.data.eval_path is not None:  # its footers and schema, and the widths and columns the model reads
         from pipelines.job.data_check import check_eval_data
 
-        check_eval_data(config.data, config.data.batch_size * config.run.nproc)
+        check_eval_data(config.data, config.data.batch_size * config.run.nproc * config.run.nnodes)
     resume = config.checkpoint.resume
     if resume and resume != "latest":
         from pipelines.job import checkpoint
 
         for r in range(checkpoint.check_complete(resume)):  # weights-only reads of checked bytes: refuses unsafe files
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
-    if config.checkpoint.dir:  # one job per folder: a second job is refused here, before its ranks start
+    # one job per folder: a second job is refused here, before its ranks start. On several hosts rank 0 alone holds
+    # it (its launcher may be on any host, so no launcher's lock can be the one rank 0 expects from its parent)
+    if config.checkpoint.dir and config.run.nnodes == 1:
         from pipelines.job import checkpoint_lock
 
         checkpoint_lock.hold(config.checkpoint.dir, "launcher")
