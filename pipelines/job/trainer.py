@@ -77,6 +77,7 @@ from pipelines.job.accounting import StepAccounting, stall_clues
 from pipelines.job.builders import build_model_spec, build_source, build_step, build_wrap
 from pipelines.job.config import JobConfig
 from pipelines.job.export import save_export
+from pipelines.job.memory_probe import measured_budget
 from pipelines.job.progress import paused, progress_bar
 from pipelines.job.record import StepRecord, total
 from pipelines.job.schedule import ScheduleProbe
@@ -146,6 +147,7 @@ class Trainer:
         self.worker_timer = Timer("cpu") if config.tuning.background_stages else self.timer
         self.feedback = StepFeedback()
         self._build_data_and_model()
+        self.balancer_config = self._balancer_config()  # before the wrap swaps the model's tables
         self.wrap = build_wrap(self.spec, config.run.mode, config.embeddings, config.tuning, self.timer, device)
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
@@ -207,6 +209,25 @@ class Trainer:
         self.model = self.spec.model.to(self.device)
         if config.run.deterministic:
             check_determinism(self.model, self.device)
+
+    def _model_max_uih(self) -> Optional[int]:
+        """The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps."""
+        return getattr(getattr(self.spec.model, "config", None), "max_uih", None)
+
+    def _balancer_config(self):
+        """The balancer's section; with ``--memory-budget auto``, its memory model measured on this job's model on
+        its device (pipelines.job.memory_probe), unless the flag gives the figures."""
+        config = self.config.balancer
+        if not self.balancing:
+            return config
+        args = (self.spec, self.source, self.device, self.config.run.precision, self._model_max_uih())
+        config, memory = measured_budget(config, *args)
+        if memory is not None and self.rank == 0:
+            print(
+                f"[freescale] --memory-budget auto: {memory.bytes_per_token / 1024:.1f} KiB per kept token + "
+                f"{memory.fixed_bytes / 2**30:.2f} GiB, probed on {type(self.spec.model).__name__}"
+            )
+        return config
 
     def _hooks(self) -> StepHooks:
         """What the job adds around the one step: its phases in a --trace, the loader's worker started as the
@@ -272,10 +293,8 @@ class Trainer:
         stages = []
         if self.balancing:  # the loader's batches are on the CPU: the host transport carries them
             transport = host_transport("balancer")
-            # The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps.
-            max_uih = getattr(getattr(self.spec.model, "config", None), "max_uih", None)
             stages += balancer_stages(
-                self.config.balancer,
+                self.balancer_config,
                 transport,
                 self.rank,
                 self.world_size,
@@ -283,7 +302,7 @@ class Trainer:
                 self.feedback,
                 self.worker_timer,
                 device=self.device,
-                max_uih=max_uih,
+                max_uih=self._model_max_uih(),
             )
         if self.wrap is not None:
             stages += self.wrap.id_prefetch_stages(self.rank, self.worker_timer)
