@@ -1,11 +1,12 @@
 """`python -m benchmarks replay`: ``freescale simulate`` on step times from the real forward+backward of the
-reference model (``--model replay``, which importing this module adds to the simulator's STEP_TIME_MODELS).
+reference model or the HSTU model (``--model replay``, which importing this module adds to the simulator's
+STEP_TIME_MODELS).
 
 The cost model of ``pipelines/plan/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's
-busy time is the time of :class:`pipelines.models.reference.SequenceModel`'s forward, ``bce_sum`` loss and backward
-on that rank's local batch, timed on the actual device (``--device cpu|cuda``), one virtual rank after another, so
-the step time of N virtual ranks is the max of real measured times. That brings the model's real kernel behaviour
-into the figures, which the cost model only approximates. The kernel (``--replay-kernel``) is the model's attention:
+busy time is the time of the model's forward, ``bce_sum`` loss and backward on that rank's local batch, timed on
+the actual device (``--device cpu|cuda``), one virtual rank after another, so the step time of N virtual ranks is
+the max of real measured times. That brings the model's real kernel behaviour into the figures, which the cost
+model only approximates. The kernel (``--replay-kernel``) is the model's attention:
 
 * ``jagged``: the model as it trains by default (``ModelConfig.attention = "jagged"``): packed tokens, no padding,
   each sample's causal attention alone (FlexAttention on CUDA, per-sample SDPA on the CPU), so a local batch
@@ -13,6 +14,16 @@ into the figures, which the cost model only approximates. The kernel (``--replay
 * ``padded``: the model with ``attention = "padded"``: every local batch right-padded to its longest UIH, so
   ``count * max L`` tokens go through the linear layers and its causal, mask-free SDPA (fused kernels, memory
   linear in tokens) computes about ``count * max L^2 / 2`` pairs.
+
+Models (``--replay-model-preset``). ``tiny``, ``small``, ``production`` and ``replay`` are
+:class:`pipelines.models.reference.SequenceModel`'s, with either kernel; ``hstu`` and ``hstu-large`` are
+:class:`pipelines.models.hstu.HSTUModel`'s (the job's ``--model hstu``), whose attention is jagged only (kernels.hstu:
+Triton on CUDA, its PyTorch twin on the CPU). L, in every feature and record (``sequence``), is what the model's
+layers run over (:data:`SEQUENCES`): for the reference model a sample's kept UIH; for the HSTU model its kept UIH
+then its candidates, its targets, in one packed sequence. Its step is then ``sum L`` (linear layers) plus its
+attention pairs, ``L_u (L_u + 1) / 2`` of the history and ``C (L_u + 1)`` of the C targets, each seeing the history
+and itself: ``L^2 / 2 + L / 2 - C (C - 1) / 2``, which the jagged regressors express up to the last term (C is at
+most tens, L thousands).
 
 How one batch is timed (:meth:`Timer.measure`). The batch is moved to the device, run once untimed (the first call
 of a shape pays SDPA/cuBLAS plan selection and allocator growth), then ``--replay-repeats`` times (default 3), each
@@ -78,7 +89,7 @@ coefficients, the jitter's source and size) goes into the JSON records when the 
 before the fit so they survive a failed one. While timing, a progress line goes to stderr every
 :data:`PROGRESS_EVERY_S` seconds.
 
-On CUDA the default precision is bf16 autocast (``--replay-dtype``). The ``replay`` model preset (d=256, 2 layers,
+On CUDA the default precision is bf16 autocast (``--replay-dtype``). Every model preset (``replay``: d=256, 2 layers,
 4 heads) keeps the model's ``max_uih`` at the simulation's ``--max-uih``: the straggler effect comes from long
 UIH, so it is never cut.
 """
@@ -95,13 +106,15 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.partition import GatheredLengths, Plan, RuntimeInfo, get_partitioner
+from pipelines.job.memory_probe import equal_length, line_through
+from pipelines.models.hstu import HSTU_ATTENTION_IMPLS, HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
 from pipelines.plan import simulate
 
@@ -109,6 +122,13 @@ REPLAY_MODEL_PRESETS: dict[str, dict] = {
     **MODEL_PRESETS,
     # The production width is 512 x 4 layers; half of each keeps a few hundred 21,000-token timings within minutes.
     "replay": dict(num_items=1_000_000, dim=256, num_layers=2, num_heads=4),
+}
+#: The models replay times, by preset: the reference model (its own presets and ``replay``) and the HSTU model.
+REPLAY_MODELS = {**{name: "reference" for name in REPLAY_MODEL_PRESETS}, **{name: "hstu" for name in HSTU_PRESETS}}
+#: What L of a timed batch's sample is, per model (module docstring, "Models").
+SEQUENCES = {
+    "uih": "each sample's kept UIH (the reference model's encoder; its candidates attend from the head)",
+    "uih+candidates": "each sample's kept UIH then its candidates, the HSTU model's packed sequence",
 }
 FEATURES = ("const", "count", "sum_L", "sum_L2", "max_L", "count_x_max_L", "count_x_max_L2")
 FIT_FEATURES = {  # the regressors of each kernel (module docstring)
@@ -141,6 +161,19 @@ def features(uih_lengths_per_rank: list[np.ndarray]) -> np.ndarray:
         longest = float(length.max()) if length.size else 0.0
         rows.append([1.0, n, length.sum(), (length * length).sum(), longest, n * longest, n * longest * longest])
     return np.asarray(rows, dtype=np.float64).reshape(-1, len(FEATURES))
+
+
+def sequence_of(model: Optional[torch.nn.Module]) -> str:
+    """The key of :data:`SEQUENCES` that says what L is for ``model``."""
+    return "uih+candidates" if isinstance(model, HSTUModel) else "uih"
+
+
+def sequence_lengths(uih: np.ndarray, num_candidates: np.ndarray, sequence: str) -> np.ndarray:
+    """Each sample's L for the features, from its kept UIH length and its candidate count."""
+    if sequence not in SEQUENCES:
+        raise ValueError(f"replay: unknown sequence {sequence!r}; choose from {sorted(SEQUENCES)}")
+    uih = np.asarray(uih, dtype=np.int64)
+    return uih + np.asarray(num_candidates, dtype=np.int64) if sequence == "uih+candidates" else uih
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -218,9 +251,11 @@ def noise_floor_pct(
 def floor_record(pool: np.ndarray, ranks: int, seed: int, busy_s: float, sync_s: float, source: str) -> dict:
     """The noise floor's keys of a record: the floor at ``ranks``, the jitter's size and what it rests on. The
     floor's stream is seeded by ``--seed`` and ``ranks`` only, so every partitioner of one rank count gets the same
-    floor."""
+    floor; without a sync time to the bit (the busy time, which only a sync time makes matter, is then 1 s for all:
+    scaled by each partitioner's own mean busy time, the same floor would round apart)."""
     pool = np.asarray(pool, dtype=np.float64)
     rng = np.random.default_rng([seed, 11, ranks])
+    busy_s = busy_s if sync_s else 1.0
     return {
         "noise_floor_pct": noise_floor_pct(pool, ranks, rng, busy_s=busy_s, sync_s=sync_s),
         "noise_floor_rel_std": float(np.sqrt(np.mean(pool * pool))) if pool.size else 0.0,
@@ -262,37 +297,14 @@ def select(batch: Batch, idx: np.ndarray) -> Batch:
     )
 
 
-def equal_length(batch: Batch, length: int) -> Batch:
-    """Every sample set to exactly ``length`` UIH events: its most recent ``length`` events, or, when it has fewer,
-    its own events repeated from the start to fill (the last event stays last): the memory probe's batches, whose
-    tokens are the same for both kernels; candidates and the rest are unchanged."""
-    if length < 1:
-        raise ValueError(f"equal_length: length must be >= 1, got {length}")
-    n = batch.batch_size
-    uo = batch.uih_offsets.numpy()
-    have = uo[1:] - uo[:-1]
-    if n and int(have.min()) < 1:
-        raise ValueError("equal_length: a sample has no UIH event to repeat")
-    sample = np.repeat(np.arange(n, dtype=np.int64), length)
-    j = np.tile(np.arange(length, dtype=np.int64), n)
-    keep = torch.from_numpy(uo[:-1][sample] + (have[sample] - length + j) % np.maximum(have[sample], 1))
-    opt = lambda t: None if t is None else t[keep]  # noqa: E731
-    return dataclasses.replace(
-        batch,
-        uih_offsets=torch.arange(n + 1, dtype=torch.int64) * length,
-        uih_item_ids=batch.uih_item_ids[keep],
-        uih_action_types=opt(batch.uih_action_types),
-        uih_timestamps=opt(batch.uih_timestamps),
-    )
-
-
 # ---------------------------------------------------------------------------------------------- timing
 class Timer:
     """Times forward + ``bce_sum`` + backward of the model on one local batch, device-synchronised around each
     call. ``calls`` counts every forward+backward it ran (warm-ups and memory probes included)."""
 
-    def __init__(self, model: SequenceModel, device: torch.device, dtype: str) -> None:
+    def __init__(self, model: Union[SequenceModel, HSTUModel, None], device: torch.device, dtype: str) -> None:
         self.model, self.device, self.dtype = model, device, dtype
+        self.sequence = sequence_of(model)
         self.calls = 0
         self.last_peak_bytes: Optional[float] = None  # CUDA: peak above the allocation before the last measure()
 
@@ -307,11 +319,16 @@ class Timer:
         self._sync()
         start = time.perf_counter()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
-            loss = bce_sum(self.model(batch, plan).float(), batch.candidate_labels)
+            logits = self.model(batch) if plan is None else self.model(batch, plan)
+            loss = bce_sum(logits.float(), batch.candidate_labels)
         loss.backward()
         self._sync()
         self.calls += 1
         return time.perf_counter() - start
+
+    def lengths(self, batch: Batch) -> np.ndarray:
+        """The batch's L per sample, as the timed model sees them (:data:`SEQUENCES`)."""
+        return sequence_lengths(batch.uih_lengths.numpy(), batch.num_candidates.numpy(), self.sequence)
 
     def _plan(self, batch: Batch):
         """The batch's attention plan, on the device, where the model's kernel takes one (FlexAttention's block
@@ -378,17 +395,19 @@ class MemoryGuard:
         cls, timer: Timer, batch: Batch, length: int, limit_gib: float, max_pairs: float, kernel: str = "padded"
     ) -> "MemoryGuard":
         """CUDA: peak bytes of one and of four copies of a sample set to ``length`` events; the line through the
-        two points gives fixed and per-token bytes (activations are linear in tokens: neither kernel holds a
-        mask of pairs; on equal lengths both kernels see the same tokens). Elsewhere only ``max_pairs`` applies."""
+        two points gives fixed and per-token bytes, a token being one of L (:data:`SEQUENCES`: the HSTU model's
+        candidates count) (activations are linear in tokens: neither kernel holds a mask of pairs; on equal lengths
+        both kernels see the same tokens). Elsewhere only ``max_pairs`` applies."""
         guard = cls(max_pairs=max_pairs, kernel=kernel)
         if timer.device.type != "cuda":
             return guard
-        peaks = []
+        points = []
         for k in (1, 4):
-            timer.measure(equal_length(select(batch, np.zeros(k, dtype=np.int64)), length), repeats=0)
-            peaks.append(timer.last_peak_bytes)
-        per_token = max((peaks[1] - peaks[0]) / (3 * length), 1.0)
-        return cls(limit_gib * 2**30, max(peaks[0] - per_token * length, 0.0), per_token, max_pairs, kernel)
+            probe = equal_length(select(batch, np.zeros(k, dtype=np.int64)), length)
+            timer.measure(probe, repeats=0)
+            points.append((float(timer.lengths(probe).sum()), timer.last_peak_bytes))
+        per_token, fixed = line_through(points)
+        return cls(limit_gib * 2**30, fixed, per_token, max_pairs, kernel)
 
 
 def timing_batches(args: argparse.Namespace, source, rng: np.random.Generator) -> Iterator[tuple[str, int, int, Batch]]:
@@ -446,6 +465,7 @@ class Fit:
         default_factory=lambda: np.zeros(0)
     )  # repeat_deviations of every batch: jitter "repeat"
     timings: list = field(default_factory=list)  # one dict per timed batch (the *_timings_<kernel>.json file)
+    sequence: str = "uih"  # what L is (SEQUENCES): the features of a plan's local batches are computed alike
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return x @ self.coefficients
@@ -478,8 +498,8 @@ class ReplayStepTime:
         self.ranks, self.busy_means = 0, []  # the world size and each step's mean noise-free busy, for the floor
 
     def __call__(self, lengths: GatheredLengths, plan: Plan) -> np.ndarray:
-        uih = lengths.uih_lengths.numpy()
-        busy = self.fit.predict(features([uih[plan.rank_samples(r).numpy()] for r in range(plan.world_size)]))
+        seq = gathered_lengths(lengths, self.fit.sequence)
+        busy = self.fit.predict(features([seq[plan.rank_samples(r).numpy()] for r in range(plan.world_size)]))
         self.ranks = plan.world_size
         self.busy_means.append(float(busy.mean()))
         if self.noise.size:
@@ -488,7 +508,7 @@ class ReplayStepTime:
 
     def sample_costs(self, lengths: GatheredLengths) -> np.ndarray:
         """Seconds a sample adds alone on a rank, without the fixed intercept (for the lower bound)."""
-        length = lengths.uih_lengths.numpy().astype(np.float64)
+        length = gathered_lengths(lengths, self.fit.sequence).astype(np.float64)
         x = np.stack([np.zeros_like(length), np.ones_like(length), length, length**2, length, length, length**2], 1)
         return self.fit.predict(x)
 
@@ -510,6 +530,11 @@ class ReplayStepTime:
 
     def describe(self) -> str:
         return f"replay({self.record()})"
+
+
+def gathered_lengths(lengths: GatheredLengths, sequence: str) -> np.ndarray:
+    """Every gathered sample's L (:data:`SEQUENCES`)."""
+    return sequence_lengths(lengths.uih_lengths.numpy(), lengths.num_candidates.numpy(), sequence)
 
 
 class DirectStepTime:
@@ -560,7 +585,7 @@ class _Direct:
         if self._cached[:2] != (lo, hi):
             self._cached = (lo, hi, self.source.read(0, lo, hi))
         uih = lengths.uih_lengths.numpy()[idx]
-        refused = self.guard.refuses(features([uih])[0])
+        refused = self.guard.refuses(features([gathered_lengths(lengths, self.timer.sequence)[idx]])[0])
         if refused:
             raise ValueError(
                 f"replay direct: a local batch of {uih.size} samples up to {uih.max()} events does not "
@@ -594,29 +619,35 @@ def _source(args: argparse.Namespace, num_samples: int, seed: int):
     )
 
 
-def _model(args: argparse.Namespace, source, device: torch.device) -> SequenceModel:
-    if args.replay_model_preset not in REPLAY_MODEL_PRESETS:
-        raise ValueError(
-            f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}"
-        )
-    sizes = dict(REPLAY_MODEL_PRESETS[args.replay_model_preset])
-    for key, flag in (("dim", "replay_dim"), ("num_layers", "replay_layers"), ("num_heads", "replay_heads")):
-        if getattr(args, flag) is not None:
+def _sizes(args: argparse.Namespace) -> dict:
+    """The preset's sizes with the ``--replay-dim/-layers/-heads/-head-dim`` overrides."""
+    if args.replay_model_preset not in REPLAY_MODELS:
+        raise ValueError(f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODELS)}")
+    hstu = REPLAY_MODELS[args.replay_model_preset] == "hstu"
+    sizes = dict((HSTU_PRESETS if hstu else REPLAY_MODEL_PRESETS)[args.replay_model_preset])
+    overrides = (("dim", "replay_dim"), ("num_layers", "replay_layers"), ("num_heads", "replay_heads"))
+    for key, flag in overrides + ((("head_dim", "replay_head_dim"),) if hstu else ()):
+        if getattr(args, flag, None) is not None:
             sizes[key] = getattr(args, flag)
-    c = source.config
-    # max_uih follows the simulation: a model preset's shorter cap would hide the long-UIH stragglers.
-    config = ModelConfig(
-        **{
-            **sizes,
-            "max_uih": args.max_uih,
-            "num_labels": c.num_labels,
-            "dense_dim": c.dense_dim,
-            "attention": args.replay_kernel,
-            "attention_impl": getattr(args, "replay_attention_impl", None),
-        }
-    )
+    return sizes
+
+
+def _config(args: argparse.Namespace, shape: dict) -> Union[ModelConfig, HSTUConfig]:
+    """The timed model's config: the reference model's (its attention ``--replay-kernel``) or, for an HSTU preset,
+    the HSTU model's; ``shape``: the data's label and dense widths. max_uih follows the simulation: a model preset's
+    shorter cap would hide the long-UIH stragglers."""
+    values = {**_sizes(args), **shape, "max_uih": args.max_uih}
+    impl = getattr(args, "replay_attention_impl", None)
+    if REPLAY_MODELS[args.replay_model_preset] == "hstu":
+        return HSTUConfig(**values, attention_impl=impl)
+    return ModelConfig(**values, attention=args.replay_kernel, attention_impl=impl)
+
+
+def _model(args: argparse.Namespace, source, device: torch.device) -> Union[SequenceModel, HSTUModel]:
+    """The timed model (:func:`_config`), shaped by the source's labels and dense width."""
+    config = _config(args, {"num_labels": source.config.num_labels, "dense_dim": source.config.dense_dim})
     torch.manual_seed(args.seed)
-    return SequenceModel(config).to(device)
+    return (HSTUModel if isinstance(config, HSTUConfig) else SequenceModel)(config).to(device)
 
 
 def _dtype(args: argparse.Namespace) -> str:
@@ -648,6 +679,8 @@ def _key(args: argparse.Namespace) -> tuple:
         "replay_dim",
         "replay_layers",
         "replay_heads",
+        "replay_head_dim",
+        "replay_attention_impl",
         "replay_kernel",
         "replay_timings",
         "replay_heldout",
@@ -748,7 +781,7 @@ def _time_batches(
         if local.batch_size == 0:
             skipped.append({"partitioner": name, "step": step, "rank": rank, "count": 0, "reason": "empty"})
             continue
-        x = features([local.uih_lengths.numpy()])[0]
+        x = features([timer.lengths(local)])[0]
         shape = {
             "partitioner": name,
             "step": step,
@@ -824,6 +857,9 @@ def _fit_info(args, model, timer, guard, rows, skipped, ooms, wall, fit: _Regres
     return {
         "replay_mode": "fit",
         "replay_kernel": kernel,
+        "replay_model": REPLAY_MODELS[args.replay_model_preset],
+        "sequence": timer.sequence,  # what L is in every figure below
+        "sequence_is": SEQUENCES[timer.sequence],
         "timed_unit": "whole local batch, padded to its longest UIH"
         if kernel == "padded"
         else "whole local batch, jagged (no padding)",
@@ -935,7 +971,7 @@ def build_fit(args: argparse.Namespace) -> Fit:
         file=sys.stderr,
         flush=True,
     )
-    return Fit(coef, residuals, info, repeats=pool, timings=rows)
+    return Fit(coef, residuals, info, repeats=pool, timings=rows, sequence=timer.sequence)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -955,13 +991,35 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--replay-repeats must be an integer >= 1, got {repeats!r}")
     if args.replay_jitter == "repeat" and repeats < 2:
         raise ValueError("--replay-jitter repeat is the spread of repeated calls: it needs --replay-repeats >= 2")
-    if args.replay_model_preset not in REPLAY_MODEL_PRESETS:
-        raise ValueError(
-            f"--replay-model-preset {args.replay_model_preset!r}: choose from {sorted(REPLAY_MODEL_PRESETS)}"
-        )
+    _check_model(args)
     if getattr(args, "data", None):
         raise ValueError("--model replay draws real samples from a synthetic --preset; --data is not supported")
     _device(args)
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    """The model flags: a known preset, and what the chosen model has (the HSTU model: jagged only, its own kernels
+    and head width; the reference model: its kernels, head width d / heads)."""
+    preset = args.replay_model_preset
+    if preset not in REPLAY_MODELS:
+        raise ValueError(f"--replay-model-preset {preset!r}: choose from {sorted(REPLAY_MODELS)}")
+    impl = getattr(args, "replay_attention_impl", None)
+    if REPLAY_MODELS[preset] == "hstu":
+        if args.replay_kernel != "jagged":
+            raise ValueError(
+                f"--replay-kernel {args.replay_kernel}: --replay-model-preset {preset} packs its sequences (jagged) "
+                "always; the HSTU model has no padded attention"
+            )
+        if impl not in (None, *HSTU_ATTENTION_IMPLS):
+            raise ValueError(f"--replay-attention-impl {impl}: the HSTU model's are {', '.join(HSTU_ATTENTION_IMPLS)}")
+    else:
+        if getattr(args, "replay_head_dim", None) is not None:
+            raise ValueError(
+                f"--replay-head-dim is the HSTU model's; --replay-model-preset {preset}'s head width is d / heads"
+            )
+        if impl not in (None, *ATTENTION_IMPLS):
+            raise ValueError(f"--replay-attention-impl {impl}: the reference model's are {', '.join(ATTENTION_IMPLS)}")
+    _config(args, {})  # the sizes' own checks
 
 
 def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
@@ -990,6 +1048,8 @@ def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
                 {
                     "replay_mode": "direct",
                     "replay_kernel": args.replay_kernel,
+                    "replay_model": REPLAY_MODELS[args.replay_model_preset],
+                    "sequence": timer.sequence,
                     "device": str(device),
                     "dtype": _dtype(args),
                     "replay_repeats": _repeats(args),
@@ -1039,9 +1099,11 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
         if not group:
             continue
         f = group[0]
+        model = f"{f.get('replay_model', 'reference')} model, L = {f.get('sequence', 'uih')}"
         if f.get("replay_mode") == "fit":
             lines.append(
-                f"{kernel} kernel, {f['device']} {f['dtype']}: {f['n_batches_timed']} whole local batches timed from "
+                f"{kernel} kernel ({model}), {f['device']} {f['dtype']}: {f['n_batches_timed']} whole local batches "
+                "timed from "
                 f"{f['timing_steps']} steps of {f['timing_ranks']} ranks, each 1 warm-up + {f['replay_repeats']} "
                 f"timed calls, time = median ({f['n_calls_total']} calls, {f['timing_wall_s']:.0f} s); "
                 f"{f['n_skipped_too_large']} skipped as too large, {f['n_oom']} out of memory; fit on "
@@ -1061,8 +1123,8 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
                 )
         else:
             lines.append(
-                f"{kernel} kernel, direct: every rank timed, {f.get('replay_repeats')} repeats each, run-to-run "
-                f"spread {f.get('repeat_rel_std', float('nan')):.4f}"
+                f"{kernel} kernel ({model}), direct: every rank timed, {f.get('replay_repeats')} repeats each, "
+                f"run-to-run spread {f.get('repeat_rel_std', float('nan')):.4f}"
             )
         fit = f.get("replay_mode") == "fit"
         for jitter in jitters if fit else jitters[:1]:  # direct mode draws no jitter: its noise is measured
@@ -1135,8 +1197,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replay-attention-impl",
         default=None,
-        choices=ATTENTION_IMPLS,
-        help="the jagged attention's kernel on CUDA (default: the model's, varlen)",
+        choices=tuple(dict.fromkeys(ATTENTION_IMPLS + HSTU_ATTENTION_IMPLS)),
+        help="the jagged attention's kernel on CUDA: the reference model's "
+        f"{'|'.join(ATTENTION_IMPLS)} (default varlen), the HSTU model's {'|'.join(HSTU_ATTENTION_IMPLS)} (default"
+        " triton)",
     )
     parser.add_argument(
         "--replay-repeats",
@@ -1153,12 +1217,15 @@ def _add_replay_model_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument(
         "--replay-model-preset",
         default="replay",
-        help="tiny|small|production|replay (default replay:"
-        " d=256, 2 layers, 4 heads); max_uih always follows --max-uih",
+        help="the reference model's tiny|small|production|replay (default replay: d=256, 2 layers, 4 heads) or the"
+        " HSTU model's hstu|hstu-large; max_uih always follows --max-uih",
     )
     replay.add_argument("--replay-dim", type=int, default=None, help="override the preset's width d")
     replay.add_argument("--replay-layers", type=int, default=None, help="override the preset's layer count")
     replay.add_argument("--replay-heads", type=int, default=None, help="override the preset's head count")
+    replay.add_argument(
+        "--replay-head-dim", type=int, default=None, help="override an HSTU preset's head width (HSTU only)"
+    )
     replay.add_argument(
         "--replay-mode",
         default="fit",
