@@ -11,9 +11,13 @@ embedding schedule freescale kept after its probe (pipelines.job.schedule; prio 
 out the same warm-up steps, the probe's included.
 
 Every case runs the reference model with ``--attention`` (default jagged: no padding, so a rank's step costs
-what the sum of its samples' L^2 costs, the imbalance the balancer removes; ``padded`` for comparison). Under the
-table, per case and run, ``straggler share`` puts sync's straggler % (no balancer) beside freescale's: the share
-of the step that ranks spent waiting for the slowest one, in real training.
+what the sum of its samples' L^2 costs, the imbalance the balancer removes; ``padded`` for comparison), or with
+``--model hstu`` / ``hstu-large`` the HSTU model (pipelines.models.hstu: each sample's kept UIH then its candidates
+in one jagged sequence, its own attention kernel; jagged only). Under the table, per case and run, ``straggler
+share`` puts sync's straggler % (no balancer) beside freescale's: the share of the step that ranks spent waiting for
+the slowest one, in real training; and ``NE against sync`` puts every mode's NE beside sync's, with the difference
+(``ne_minus_sync`` in the JSON): the modes train the same model on the same global batches, so their NE differs by
+float rounding alone (the balancer's summation order, and on a GPU bf16), whatever the model.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
@@ -40,6 +44,7 @@ from pipelines.api.modes import MODES as ALL_MODES
 from pipelines.job.config import JobConfig
 from pipelines.job.flags import add_tuning_arguments, apply_tuning
 from pipelines.job.schedule import PROBE_START, ScheduleProbe
+from pipelines.models.hstu import HSTU_PRESETS
 
 # every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
 MODES = tuple(name for name in ALL_MODES if name != "torchrec")
@@ -81,7 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--uih-cap", type=int, default=None, help="override the heavy case's UIH cap")
     parser.add_argument("--batch-size", type=int, default=None, help="override every case's local batch size")
-    parser.add_argument("--model", default=None, help="override every case's model preset")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="override every case's model preset but long's: the reference model's (tiny, small, ...) or the HSTU"
+        " model's (hstu, hstu-large)",
+    )
     parser.add_argument(
         "--attention",
         choices=("jagged", "padded"),
@@ -188,7 +198,9 @@ def _row(case: str, s: dict) -> dict:
         "kernel_variants": s["kernel_variants"],
         "per_rank_compute_ms": [_ms(t) for t in s["per_rank_compute_s"]],
         "partitioner": s["config"]["balancer"]["partitioner"],
-        "attention": s["config"]["model"].get("attention"),
+        "model": s["config"]["model"]["name"],
+        # the HSTU model's attention is its own (kernels.hstu), whatever --attention says
+        "attention": "hstu" if s["config"]["model"]["name"] in HSTU_PRESETS else s["config"]["model"].get("attention"),
         "min_gain": s["config"]["balancer"]["min_gain"],
         "embedding_schedule": s.get("embedding_schedule"),  # freescale: the probe's choice and its median step times
         "balanced_steps": s["balanced_steps"],  # steps whose samples the balancer moved (None: no balancer)
@@ -215,6 +227,11 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown case {c!r}; choose from {sorted(CASES)}")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    if args.model in HSTU_PRESETS and args.attention != "jagged":
+        raise SystemExit(
+            f"--attention {args.attention} is the reference model's; --model {args.model} packs its sequences "
+            "(jagged) always"
+        )
     rows = []
     for case in cases:
         for repeat in range(args.repeats):
@@ -229,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(row)
     pair_with_sync(rows)
     _print_table(rows)
-    for line in straggler_shares(rows):
+    for line in straggler_shares(rows) + ne_against_sync(rows):
         print(line)
     if args.repeats > 1:
         for line in spread(rows):
@@ -259,6 +276,8 @@ def pair_with_sync(rows: list[dict]) -> None:
         sync, ours = by_mode.get("sync"), by_mode.get("freescale")
         for r in by_mode.values():
             r["bubble_reduction"] = r["bubble_reduction_median"] = None
+            both = sync is not None and r.get("ne") is not None and sync.get("ne") is not None
+            r["ne_minus_sync"] = r["ne"] - sync["ne"] if both else None
         if sync is None or ours is None or not (sync["bubble_ms"] or 0) > 0:
             continue
         ours["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"]
@@ -277,6 +296,22 @@ def straggler_shares(rows: list[dict]) -> list[str]:
             f"straggler share, {case} (run {repeat + 1}, {ours.get('attention') or 'jagged'} attention): "
             f"sync {sync['straggler_pct']:.1f}%, freescale {ours['straggler_pct']:.1f}% "
             f"({ours['partitioner']}, moved {ours['balanced_steps']} steps)"
+        )
+    return lines
+
+
+def ne_against_sync(rows: list[dict]) -> list[str]:
+    """Per case and run with sync and another mode: every mode's NE beside sync's, and the difference (set by
+    :func:`pair_with_sync`)."""
+    lines = []
+    for (case, repeat), by_mode in _runs(rows).items():
+        sync = by_mode.get("sync")
+        others = [r for mode, r in by_mode.items() if mode != "sync" and r.get("ne_minus_sync") is not None]
+        if sync is None or not others:
+            continue
+        lines.append(
+            f"NE against sync, {case} (run {repeat + 1}, model {sync.get('model')}): sync {sync['ne']:.6f}; "
+            + ", ".join(f"{r['mode']} {r['ne']:.6f} ({r['ne_minus_sync']:+.1e})" for r in others)
         )
     return lines
 
