@@ -17,12 +17,16 @@
 #   bash scripts/gpu_suite.sh hstu       # the HSTU attention's GPU tests, then bench hstu at dim 64 beside generative-
 #                                        # recommenders' kernel from $HSTU_REFERENCE (default .ref/genrec_hstu) (~6 min)
 #   bash scripts/gpu_suite.sh hstu-dims  # bench hstu at head dims 128 and 256 (~4 min)
+#   bash scripts/gpu_suite.sh hstu-replay  # the memory probe's GPU test, then the replay simulation at 64 and 256 ranks
+#                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~5 min)
+#   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy and light on the HSTU model (hstu-large), sync vs freescale, 2 ranks
+#                                        # sharing the GPU; then a job with --memory-budget auto probing it (~6 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off: TFLOP/s, MFU (< 7 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|hstu-step|hstu-replay|hstu-e2e|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -147,6 +151,24 @@ PY
     timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab on,off \
       --json "$OUT/hstu_step.json" 2>&1 | tail -12
     ;;
+  hstu-replay)
+    echo "== GPU test: --memory-budget auto's probe on the HSTU model predicts a 16-copy batch's peak"
+    FREESCALE_HSTU_AUTOTUNE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/pipelines/test_memory_probe.py 2>&1 | tail -3
+    echo "== replay simulation on the HSTU model (hstu-large: d=1024, 8 layers, 4 heads of 256), cap 4,096, B=32"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python3 -m benchmarks replay --device cuda \
+      --replay-model-preset hstu-large --replay-jitter repeat --replay-ranks 64,256 --batch-size 32 --max-uih 4096 \
+      --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
+      --replay-repeats 3 --replay-time-budget 150 --replay-mem-gib 110 --json "$OUT/replay_hstu.json" 2>&1 | grep -v "^replay timing" | tail -20
+    ;;
+  hstu-e2e)
+    echo "== bench e2e on the HSTU model (hstu-large), heavy and light: sync and freescale, 2 ranks sharing the GPU"
+    timeout 420 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 45 --model hstu-large --uih-cap 4096 \
+      --batch-size 16 --modes sync,freescale --json "$OUT/e2e_hstu.json" 2>&1 | grep -v "^\[bench" | tail -12
+    echo "== freescale train --model hstu-large --memory-budget auto: the budget's memory model probed on the HSTU model"
+    timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model hstu-large --preset kuairand-1k \
+      --uih-cap 4096 --max-uih 4096 --batch-size 16 --num-samples 1000000 --memory-budget auto --no-progress \
+      --summary-json "$OUT/train_hstu_auto.json" 2>&1 | tail -6
+    ;;
   deterministic)
     echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/pipelines/test_deterministic_gpu.py 2>&1 | tail -8
@@ -167,6 +189,6 @@ PY
       --no-progress --summary-json "$OUT/train_gpu.json" 2>&1 | tail -12
     ;;
   *)
-    echo "unknown part $PART: choose check, e2e, replay, trace, pairs, allreduce, stalls, exclusive, attention or transport" >&2; exit 2
+    echo "unknown part $PART: choose check, hstu, hstu-dims, hstu-step, hstu-replay, hstu-e2e, e2e, replay, trace, pairs, allreduce, stalls, exclusive, attention, deterministic, long or transport" >&2; exit 2
     ;;
 esac
