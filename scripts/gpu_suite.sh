@@ -167,7 +167,8 @@ PY
     echo "== freescale train --model hstu-large --memory-budget auto: the budget's memory model probed on the HSTU model"
     timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model hstu-large --preset kuairand-1k \
       --uih-cap 4096 --max-uih 4096 --batch-size 16 --num-samples 1000000 --memory-budget auto --no-progress \
-      --summary-json "$OUT/train_hstu_auto.json" 2>&1 | tail -6
+      --summary-json "$OUT/train_hstu_auto.json" 2>&1 | tee "$OUT/train_hstu_auto.log" | grep -E "^\[freescale\] --memory-budget|Error"
+    tail -4 "$OUT/train_hstu_auto.log"
     ;;
   deterministic)
     echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
