@@ -1,9 +1,12 @@
 """The host-relayed, SM-free transport (the default), with two paths: shared memory and gloo TCP.
 
-Between ranks of one host (every rank of the group on this host, checked once when the transport is made) the
-exchange goes through shared memory (fscomm/shm.py): no socket, and on a GPU rank no host copy either. Across
-hosts it goes over gloo (TCP), as described below. ``get_transport("host")`` picks by locality;
-"host-shm" and "host-tcp" force one path (a benchmark compares both).
+Between ranks of one host the exchange goes through shared memory (fscomm/shm.py): no socket, and on a GPU rank
+no host copy either. Across hosts it goes over gloo (TCP), as described below. ``get_transport("host")`` picks per
+pair of ranks, by the hosts gathered once when the transport is made: every rank on this host, shared memory
+throughout; ranks on several hosts with two or more on some host, each exchange split (shared memory between the
+ranks of a host, gloo point-to-point between hosts); no two ranks on one host, gloo's collectives throughout.
+``active_path`` ("shm", "shm+tcp", "tcp") and ``pairs`` say which, and ``host_paths()`` for every live transport
+(the run summary's ``transport``). "host-shm" and "host-tcp" force one path (a benchmark compares both).
 
 On CUDA tensors an exchange is: a device-to-host copy into a pinned staging buffer on a dedicated copy stream
 (the copy engines do it, no SM), the exchange between hosts on the CPU over gloo in fscomm's worker thread,
@@ -19,6 +22,7 @@ equal blocks) and drops the padding on the way back.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import numpy as np
@@ -89,11 +93,17 @@ class HostTransport(TransportBase):
                 "host transport: relay_cpu runs the host relay's gloo path; it cannot be combined with 'host-shm'"
             )
         if self.path != "tcp" and not relay_cpu:
-            self.shm = ShmExchange.connect(group, required=self.path == "shm")
-        self.active_path = "shm" if self.shm is not None else "tcp"
+            self.shm = ShmExchange.connect(group, required=self.path == "shm", split=self.path == "auto")
+        pairs = self.world_size * (self.world_size - 1) // 2
+        self.pairs = self.shm.pairs() if self.shm is not None else {"shm_pairs": 0, "tcp_pairs": pairs}
+        self.active_path = "tcp" if self.shm is None else "shm+tcp" if self.shm.remote else "shm"
+        _made.add(self)
+
+    closed = False
 
     def close(self) -> None:
         """Releases the shared-memory segments now (peers still waiting on this rank fail at once)."""
+        self.closed = True
         if self.shm is not None:
             self.shm.close()
 
@@ -194,6 +204,19 @@ class HostTransport(TransportBase):
             exchange=lambda w: exchange(w[:block], w[block:], False),
             copy_back=back,
         )
+
+
+_made: "weakref.WeakSet[HostTransport]" = weakref.WeakSet()
+
+
+def host_paths() -> dict[str, dict]:
+    """The path of every live host transport of this process, by its group's name: ``path`` ("shm", "shm+tcp",
+    "tcp"), ``shm_pairs`` and ``tcp_pairs`` (the group's pairs of ranks, on one host and across hosts)."""
+    return {
+        t.state.name: {"path": t.active_path, **t.pairs}
+        for t in sorted(list(_made), key=lambda t: t.state.name)
+        if not t.closed
+    }
 
 
 class ShmHostTransport(HostTransport):

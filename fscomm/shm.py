@@ -1,5 +1,13 @@
 """The host transport's shared-memory path, between ranks of one host: no socket, no host copy on a GPU rank.
 
+Split by locality: when a group's ranks are on several hosts and some host holds two or more of them (``connect``
+with ``split``), each exchange goes through shared memory between the ranks of each host (``local``) and over gloo
+point-to-point (the group's TCP pairs) between ranks of different hosts (``remote``), in one exchange: a rank
+publishes its blocks for its host's peers, posts its sends to and receives from the other hosts' ranks, reads its
+peers' blocks while those travel, then waits for them. On a GPU rank the blocks to other hosts are staged in its own
+(pinned) segment and those from other hosts land in a receiving area of it, so gloo only ever touches host memory.
+The ranks of each host are told apart by host name and boot id, gathered once when the transport is made.
+
 Each rank owns one data segment (POSIX shared memory) where it publishes what it sends; its peers copy their
 blocks straight out of it. On a GPU rank the segments are CUDA-registered (pinned), so an exchange is one
 device-to-host copy into its own segment, the peers' reads, and one host-to-device copy out of each peer's
@@ -35,6 +43,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -285,14 +294,27 @@ def _host_identity() -> tuple[str, str]:
 class ShmExchange:
     """The shared-memory exchange of one group's ranks. Made collectively by ``connect``."""
 
-    def __init__(self, group: dist.ProcessGroup, token: str, pids: Sequence[int], ctl_segs: list[Segment]):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        token: str,
+        pids: Sequence[int],
+        ctl_segs: list[Optional[Segment]],
+        hosts: Sequence[tuple],
+    ):
+        """``hosts``: each rank's host (its name, boot id and user: ranks with the same share memory); ``ctl_segs``
+        holds the control segments of this host's ranks (None for the others)."""
         self.group = group
         self.state = groups.group_state(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.token, self.pids = token, list(pids)
+        self.hosts = list(hosts)
+        self.local = [r for r in range(self.world_size) if self.hosts[r] == self.hosts[self.rank]]
+        self.remote = [r for r in range(self.world_size) if r not in self.local]
+        self._peers = [r for r in self.local if r != self.rank]
         self._ctl_segs = ctl_segs
-        self._ctl = [np.frombuffer(s.mm, dtype=np.int64) for s in ctl_segs]
+        self._ctl = [np.frombuffer(s.mm, dtype=np.int64) if s is not None else None for s in ctl_segs]
         self._mine = self._ctl[self.rank]
         self._data: list[Optional[Segment]] = [None] * self.world_size  # mine, and peers' as mapped
         self._data_gen = [0] * self.world_size
@@ -306,17 +328,20 @@ class ShmExchange:
         self._finalizer = self._make_finalizer()
 
     def _make_finalizer(self) -> weakref.finalize:
-        peers = [(self._ctl[p], self.pids[p]) for p in range(self.world_size) if p != self.rank]
+        peers = [(self._ctl[p], self.pids[p]) for p in self._peers]
         linger_s = min(_LINGER_S, self.state.timeout_s)
         return weakref.finalize(self, _close_all, self._owned(), self._mine, peers, linger_s)
 
     def _owned(self) -> list:
-        return [s for s in self._ctl_segs if s.linked] + ([self._data[self.rank]] if self._data[self.rank] else [])
+        own = [s for s in self._ctl_segs if s is not None and s.linked]
+        return own + ([self._data[self.rank]] if self._data[self.rank] else [])
 
     @classmethod
-    def connect(cls, group: dist.ProcessGroup, required: bool) -> Optional["ShmExchange"]:
+    def connect(cls, group: dist.ProcessGroup, required: bool, split: bool = False) -> Optional["ShmExchange"]:
         """Collective on ``group``: the exchange when every rank is on this host and can map the others'
-        segments; None (or ShmUnavailable if ``required``) otherwise, on every rank alike."""
+        segments; with ``split``, also when the ranks are on several hosts and some host holds two or more (shared
+        memory within each host, gloo point-to-point across). None (or ShmUnavailable if ``required``) otherwise,
+        on every rank alike."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         me = (
             *_host_identity(),
@@ -325,13 +350,18 @@ class ShmExchange:
             _free_bytes() >= MIN_FREE_BYTES,
             secrets.token_hex(16) if rank == 0 else None,
         )
-        everyone: list = [None] * world
+        everyone: list = [None] * world  # the one gather of the ranks' hosts, at set-up
         dist.all_gather_object(everyone, me, group=group)
         token = everyone[0][5]
         pids = [e[3] for e in everyone]
-        if any(e[:3] != everyone[0][:3] for e in everyone):
-            hosts = sorted({e[0] for e in everyone})
-            return cls._refuse(required, f"the group's ranks are not all on one host ({hosts})")
+        hosts = [tuple(e[:3]) for e in everyone]
+        local = [r for r in range(world) if hosts[r] == hosts[rank]]
+        if len(local) < world:
+            if not split:
+                names = sorted({h[0] for h in hosts})
+                return cls._refuse(required, f"the group's ranks are not all on one host ({names})")
+            if len(set(hosts)) == world:
+                return None  # no two ranks share a host: every pair goes over TCP
         if not all(e[4] for e in everyone):
             return cls._refuse(
                 required,
@@ -356,7 +386,7 @@ class ShmExchange:
         errors: list = [None] * world
         dist.all_gather_object(errors, error, group=group)
         if error is None and not any(errors):
-            for r in range(world):
+            for r in local:
                 if r == rank:
                     continue
                 try:
@@ -376,9 +406,17 @@ class ShmExchange:
                 if s is not None:
                     s.close()
             return cls._refuse(required, "; ".join(e for e in errors if e))
-        exchange = cls(group, token, pids, segs)
+        exchange = cls(group, token, pids, segs, hosts)
         exchange._fault = fault
         return exchange
+
+    def pairs(self) -> dict[str, int]:
+        """The group's pairs of ranks by path: ``shm_pairs`` on one host, ``tcp_pairs`` across hosts."""
+        counts: dict[tuple, int] = {}
+        for host in self.hosts:
+            counts[host] = counts.get(host, 0) + 1
+        shm = sum(n * (n - 1) // 2 for n in counts.values())
+        return {"shm_pairs": shm, "tcp_pairs": self.world_size * (self.world_size - 1) // 2 - shm}
 
     @staticmethod
     def _refuse(required: bool, why: str) -> None:
@@ -410,34 +448,41 @@ class ShmExchange:
         recv_b: list[int],
         keep_host: bool,
     ) -> Handle:
-        W, me = self.world_size, self.rank
+        W, me, cuda = self.world_size, self.rank, x.is_cuda
         xb, ob = as_bytes(x), as_bytes(out)
         s_off, r_off = np.concatenate([[0], np.cumsum(send_b)]), np.concatenate([[0], np.cumsum(recv_b)])
         # the own block goes through the segment too, for the host copy (on CPU only when tests ask for the layout)
-        host_copy = keep_host and (x.is_cuda or self.host_copy_on_cpu)
-        publish, table, pos = [], [(0, 0)] * W, 0
+        host_copy = keep_host and (cuda or self.host_copy_on_cpu)
+        plan = _Plan(table=[(0, 0)] * W, host_copy=host_copy)
         for d in range(W):
-            if d != me or host_copy:
-                publish.append((xb[s_off[d] : s_off[d + 1]], pos))
-                table[d] = (pos, send_b[d])
-                pos += send_b[d]
-        local = [] if host_copy else [(xb[s_off[me] : s_off[me + 1]], ob[r_off[me] : r_off[me + 1]])]
-        reads = [(o, ob[r_off[o] : r_off[o + 1]]) for o in range(W) if o != me or host_copy]
-        return self._submit(op, seq, x, out, publish, pos, table, local, reads, host_copy)
+            block = xb[s_off[d] : s_off[d + 1]]
+            if d in self.remote:
+                plan.send(d, block, cuda)
+            elif d != me or host_copy:
+                plan.table[d] = (plan.publish_nbytes, send_b[d])
+                plan.stage(block)
+        if not host_copy:
+            plan.local.append((xb[s_off[me] : s_off[me + 1]], ob[r_off[me] : r_off[me + 1]]))
+        plan.reads = [(o, ob[r_off[o] : r_off[o + 1]]) for o in self.local if o != me or host_copy]
+        for o in self.remote:
+            plan.receive(o, ob[r_off[o] : r_off[o + 1]], cuda)
+        return self._submit(op, seq, x, out, plan)
 
     def all_gather(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor, pieces: list[slice]) -> Handle:
         """``pieces[r]``: rank r's bytes in ``out``'s bytes."""
         xb, ob = as_bytes(x), as_bytes(out)
-        n = xb.numel()
-        publish = [(xb, 0)]
-        table = [(0, n)] * self.world_size
-        local = [(xb, ob[pieces[self.rank]])]
-        reads = [(o, ob[pieces[o]]) for o in range(self.world_size) if o != self.rank]
-        return self._submit(op, seq, x, out, publish, n, table, local, reads, False)
+        plan = _Plan(table=[(0, xb.numel())] * self.world_size)
+        plan.stage(xb)
+        plan.local = [(xb, ob[pieces[self.rank]])]
+        plan.reads = [(o, ob[pieces[o]]) for o in self._peers]
+        for o in self.remote:
+            plan.sends.append((o, (0, xb.numel()) if x.is_cuda else xb))  # on a GPU rank: from the staged copy
+            plan.receive(o, ob[pieces[o]], x.is_cuda)
+        return self._submit(op, seq, x, out, plan)
 
     # --- one exchange -----------------------------------------------------------------------------------
 
-    def _submit(self, op, seq, x, out, publish, publish_nbytes, table, local, reads, host_copy) -> Handle:
+    def _submit(self, op: str, seq: int, x: torch.Tensor, out: torch.Tensor, plan: "_Plan") -> Handle:
         if self._broken is not None:
             raise CollectiveError(
                 f"fscomm {op} #{seq} on group {self.state.name!r}: the shared-memory path "
@@ -450,16 +495,14 @@ class ShmExchange:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(x.device))
             copied_back = helper_event()
-        host_future: Optional[Future] = Future() if host_copy else None
+        host_future: Optional[Future] = Future() if plan.host_copy else None
         k = self._seq
         self._seq += 1
-        held = [x]  # the input lives until its bytes are published (the caller may drop it at once)
+        held = [x]  # the input lives until its bytes are published and sent (the caller may drop it at once)
 
         def job() -> torch.Tensor:
             try:
-                return self._run(
-                    op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back, host_future
-                )
+                return self._run(op, seq, k, held, out, plan, ready, copied_back, host_future)
             except BaseException as exc:
                 self._broken = exc
                 err = exc if isinstance(exc, CollectiveError) else diagnose(self.state, op, seq, exc)
@@ -477,9 +520,7 @@ class ShmExchange:
             self._streams[idx] = torch.cuda.Stream(device=idx)
         return self._streams[idx]
 
-    def _run(
-        self, op, seq, k, held, out, publish, publish_nbytes, table, local, reads, ready, copied_back, host_future
-    ) -> torch.Tensor:
+    def _run(self, op, seq, k, held, out, plan: "_Plan", ready, copied_back, host_future) -> torch.Tensor:
         me = self.rank
         cuda = ready is not None
         what = f"{op} #{seq}"
@@ -488,8 +529,8 @@ class ShmExchange:
         if self._unlink_after is not None and self._unlink_after < k:
             self._data[me].unlink()  # every peer has mapped it by now
             self._unlink_after = None
-        seg = self._own_data(publish_nbytes, k, cuda)
-        for d, (off, n) in enumerate(table):
+        seg = self._own_data(plan.publish_nbytes + plan.recv_nbytes, k, cuda)
+        for d, (off, n) in enumerate(plan.table):
             self._mine[_TABLE + 2 * d] = off
             self._mine[_TABLE + 2 * d + 1] = n
         # 2. publish; then the own block, straight into the result, while the peers read
@@ -497,29 +538,30 @@ class ShmExchange:
             stream = self._copy_stream(out.device)
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
-                for src, off in publish:
+                for src, off in plan.publish:
                     if src.numel():
                         seg.tensor[off : off + src.numel()].copy_(src, non_blocking=True)
                 published = helper_event()
                 published.record(stream)
-                for src, dst in local:
+                for src, dst in plan.local:
                     if src.numel():
                         dst.copy_(src, non_blocking=True)
             published.synchronize()
             self._mine[_READY] = k
             _maybe_fail(self._fault, "exchange")
         else:
-            for src, off in publish:
+            for src, off in plan.publish:
                 if src.numel():
                     seg.tensor[off : off + src.numel()].copy_(src)
             self._mine[_READY] = k
             _maybe_fail(self._fault, "exchange")
-            for src, dst in local:
+            for src, dst in plan.local:
                 if src.numel():
                     dst.copy_(src)
-            held.clear()
-        # 3. read each peer's block as soon as it is published
-        pending = dict(reads)
+        # 3. the other hosts' ranks: their sends and receives posted now, completed while this host's peers are read
+        works = post_pairs(self.group, plan.pair_sends(seg), plan.pair_recvs(seg), tag=k & 0x7FFFFFFF)
+        # 4. read each peer's block as soon as it is published
+        pending = dict(plan.reads)
         host_out = torch.empty(out.shape, dtype=out.dtype) if host_future is not None else None
         host_parts = []
         while pending:
@@ -544,6 +586,14 @@ class ShmExchange:
                     dst.copy_(src)
                 if host_out is not None:
                     host_parts.append((src, dst))
+        for work in works:
+            work.wait()
+        for src, dst in plan.arrived(seg):  # on a GPU rank, from the receiving area; on CPU they landed in place
+            if cuda and src.numel():
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            if host_out is not None:
+                host_parts.append((src, dst))
         if host_out is not None:  # the bytes as they arrived, read on the host (no device sync for the caller)
             base = as_bytes(out).data_ptr()
             hb = as_bytes(host_out)
@@ -554,7 +604,7 @@ class ShmExchange:
         if cuda:
             copied_back.record(stream)
             copied_back.synchronize()  # the peers may rewrite their segments once I say done
-            held.clear()  # x was read until here (its own block); the allocator may now hand its memory out
+        held.clear()  # x was read until here (own block, sends); the allocator may now hand its memory out
         self._mine[_DONE] = k
         return out
 
@@ -562,6 +612,8 @@ class ShmExchange:
         """My data segment, grown (a new generation, the old one dropped) when the exchange outgrows it."""
         me = self.rank
         seg = self._data[me]
+        if seg is None and nbytes == 0 and not self._peers:
+            return None  # alone on its host, on CPU: every block goes straight over TCP
         if seg is None or seg.nbytes < nbytes:
             cap = max(nbytes, 2 * seg.nbytes if seg is not None else 0)
             cap = max(_MIN_DATA, (cap + _PAGE - 1) // _PAGE * _PAGE)
@@ -613,7 +665,7 @@ class ShmExchange:
     ) -> None:
         """Sleeps between polls until ``ok(peer)`` holds for every peer (or for one, ``any_of``); a named error
         on timeout, on a peer's process gone, or on a peer that closed its transport."""
-        peers = only if only is not None else [p for p in range(self.world_size) if p != self.rank]
+        peers = only if only is not None else self._peers
         start = time.monotonic()
         deadline = start + self.state.timeout_s
         next_check = start + _LIVENESS_EVERY_S
@@ -644,3 +696,63 @@ class ShmExchange:
             f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
             f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)"
         )
+
+
+# --- one exchange's layout, and its pairs across hosts ----------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """Where one exchange's bytes go. ``publish``: (source, offset) copies into this rank's segment before it says
+    ready; ``table``: per rank of this host, the (offset, bytes) of its block there; ``local``: (source, destination)
+    copies of the own block; ``reads``: (peer, destination) blocks read from this host's peers' segments;
+    ``sends``: (rank of another host, source bytes, or (offset, bytes) in this segment on a GPU rank);
+    ``recvs``: (rank of another host, destination bytes, offset in the segment's receiving area or None: received in
+    place on a CPU rank)."""
+
+    table: list
+    host_copy: bool = False
+    publish: list = field(default_factory=list)
+    publish_nbytes: int = 0
+    local: list = field(default_factory=list)
+    reads: list = field(default_factory=list)
+    sends: list = field(default_factory=list)
+    recvs: list = field(default_factory=list)
+    recv_nbytes: int = 0
+
+    def stage(self, block: torch.Tensor) -> int:
+        """``block`` copied into the segment at the next offset; returns it."""
+        off = self.publish_nbytes
+        self.publish.append((block, off))
+        self.publish_nbytes += block.numel()
+        return off
+
+    def send(self, rank: int, block: torch.Tensor, cuda: bool) -> None:
+        self.sends.append((rank, (self.stage(block), block.numel()) if cuda else block))
+
+    def receive(self, rank: int, dst: torch.Tensor, cuda: bool) -> None:
+        self.recvs.append((rank, dst, self.recv_nbytes if cuda else None))
+        if cuda:
+            self.recv_nbytes += dst.numel()
+
+    def pair_sends(self, seg: Optional[Segment]) -> list:
+        return [(r, seg.tensor[src[0] : src[0] + src[1]] if isinstance(src, tuple) else src) for r, src in self.sends]
+
+    def pair_recvs(self, seg: Optional[Segment]) -> list:
+        return [(r, dst if off is None else self._received(seg, off, dst)) for r, dst, off in self.recvs]
+
+    def arrived(self, seg: Optional[Segment]) -> list:
+        """(where the bytes arrived, their destination) per rank of another host."""
+        return [(dst if off is None else self._received(seg, off, dst), dst) for _, dst, off in self.recvs]
+
+    def _received(self, seg: Segment, off: int, dst: torch.Tensor) -> torch.Tensor:
+        start = self.publish_nbytes + off
+        return seg.tensor[start : start + dst.numel()]
+
+
+def post_pairs(group: dist.ProcessGroup, sends: list, recvs: list, tag: int) -> list:
+    """Posts gloo's point-to-point sends and receives of one exchange with the ranks of other hosts (group ranks),
+    all at once (async: gloo's threads move them while the caller reads its own host's peers); returns their works.
+    A block of zero bytes is not sent: both ends know its size."""
+    works = [dist.irecv(buf, group=group, group_src=r, tag=tag) for r, buf in recvs if buf.numel()]
+    return works + [dist.isend(buf, group=group, group_dst=r, tag=tag) for r, buf in sends if buf.numel()]

@@ -1,7 +1,8 @@
 """The one transport interface every exchange goes through, and the choice of its backend.
 
     t = get_transport("host")                       # SM-free host path (default): shared memory between ranks
-                                                    # of one host, else TCP; "host-shm", "host-tcp", "nccl", "rdma"
+                                                    # of one host, TCP across hosts, per pair; "host-shm",
+                                                    # "host-tcp", "nccl", "rdma"
     h = t.all_to_all(ids, send_splits, recv_splits)  # returns at once
     ...                                              # compute overlaps the exchange
     ids_here = h.wait()                              # on GPU: safe to use on the caller's current stream
@@ -25,7 +26,7 @@ from fscomm import groups
 Splits = Union[Sequence[int], torch.Tensor]
 
 BACKENDS: dict[str, str] = {
-    "host": "fscomm.host:HostTransport",  # shared memory between ranks of one host, else gloo TCP
+    "host": "fscomm.host:HostTransport",  # shared memory between ranks of one host, gloo TCP across hosts
     "host-shm": "fscomm.host:ShmHostTransport",
     "host-tcp": "fscomm.host:TcpHostTransport",
     "nccl": "fscomm.nccl:NcclTransport",
@@ -135,7 +136,8 @@ class TransportBase:
     """The defaults of the :class:`Transport` methods a backend may not need: available anywhere, no staging pool,
     nothing to release, no choice of path."""
 
-    active_path: Optional[str] = None  # where a backend picks its path per group (host: "shm" or "tcp")
+    active_path: Optional[str] = None  # where a backend picks its path per group (host: "shm", "shm+tcp", "tcp")
+    pairs: Optional[dict] = None  # the host backend: the group's pairs of ranks per path (shm_pairs, tcp_pairs)
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:

@@ -242,6 +242,10 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
             trainer = stop.trainer = Trainer(config, rank=rank, world_size=world_size, device=device)
             heartbeat.set_status(lambda: f"step {trainer.step}")
             summary = trainer.train()
+            if summary is not None:  # which path each exchange's group took (transports close with the trainer)
+                from fscomm.host import host_paths
+
+                summary["transport"] = {"host": host_paths()}
         except Exception as exc:
             if _is_timeout(exc):
                 step = f"step {trainer.step}" if trainer is not None else "set-up"
@@ -771,6 +775,9 @@ def print_summary(summary: dict) -> None:
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
         print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
+    paths = (summary.get("transport") or {}).get("host")
+    if paths:
+        print(f"  transport        host: {describe_paths(paths)}")
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
         from pipelines.job.schedule import describe_choice
@@ -785,6 +792,16 @@ def print_summary(summary: dict) -> None:
             f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
             f"({e['labels']} labels) never trained on"
         )
+
+
+def describe_paths(paths: dict[str, dict]) -> str:
+    """The host transport's groups by path, in one clause: ``shm+tcp (2 shm, 4 tcp pairs): balancer, id-prefetch``."""
+    by_path: dict[tuple, list[str]] = {}
+    for name, p in paths.items():
+        by_path.setdefault((p["path"], p["shm_pairs"], p["tcp_pairs"]), []).append(name)
+    return "; ".join(
+        f"{path} ({shm} shm, {tcp} tcp pairs): {', '.join(names)}" for (path, shm, tcp), names in by_path.items()
+    )
 
 
 def main(args: argparse.Namespace) -> int:
