@@ -12,7 +12,6 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
 
     triton          the Triton kernel, no rab
     triton-rab      with rab: position and time-gap bucket weights [heads, 64] each, ordered timestamps
-    triton-rab-det  the same with ``deterministic=True`` (bucket-weight gradients without atomics)
     padded          the padded twin (one [B, H, L, L] score tensor); skipped where its scores would exceed
                     ``--padded-max-gib``
     torch           the per-sample twin (CPU)
@@ -49,7 +48,7 @@ SHAPES = {
     "c": dict(batch=32, cap=4096, equal=True),
     "tiny": dict(batch=4, cap=64, equal=False),
 }
-VARIANTS = ("triton", "triton-rab", "triton-rab-det", "padded", "torch")
+VARIANTS = ("triton", "triton-rab", "padded", "torch")
 BUCKETS = 64
 SPEEDUP_GATE = 1.5  # fwd+bwd over generative-recommenders' Triton kernel at dim 64
 FORWARD_GATE = 1.0
@@ -160,7 +159,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     base["max_len"] = int(lengths.max())
     if variant == "padded" and _padded_gib(lengths, args.heads, dtype) > args.padded_max_gib:
         return skipped(shape, dim, variant, args.seed, f"{_padded_gib(lengths, args.heads, dtype):.0f} GiB of scores")
-    rab = variant.startswith("triton-rab")
+    rab = variant == "triton-rab"
     data = _inputs(lengths, args.heads, dim, device, dtype, rab)
     host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
     offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)  # built once, as a model does
@@ -177,7 +176,6 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
             alpha=1.0 / math.sqrt(dim),
             seq_norm=cap,
             impl=impl,
-            deterministic=variant.endswith("-det"),
             **extra,
         )
 
@@ -283,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = (args.shapes or ("a,b,c" if cuda else "tiny")).split(",")
-    variants = (args.variants or ("triton,triton-rab,triton-rab-det,padded" if cuda else "torch,padded")).split(",")
+    variants = (args.variants or ("triton,triton-rab,padded" if cuda else "torch,padded")).split(",")
     for name, allowed, given in (("--shapes", SHAPES, shapes), ("--variants", VARIANTS, variants)):
         unknown = [x for x in given if x not in allowed]
         if unknown:

@@ -16,9 +16,8 @@ and ``time_bucket`` (exact below 16 positions / 1 s, then log-spaced). Either we
 Implementations (:class:`kernels.impl.Impl`):
 
 - ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab computed inside from positions and
-  timestamps, never an L x L tensor; backward in two deterministic passes (keys, then queries, no atomics for q,
-  k, v); the bucket weights' gradients by atomics, or with ``deterministic=True`` by per-program partial sums. The
-  default on CUDA.
+  timestamps, never an L x L tensor; backward in two passes (keys, then queries) with no atomics, the bucket
+  weights' gradients by per-program sums: the same bits on every run. The default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
   default on CPU and the reference.
 - ``PADDED``: the batch padded to its longest sample, one [B, H, L, L] score tensor: the baseline.
@@ -65,8 +64,8 @@ def hstu_attention(
 ) -> torch.Tensor:
     """HSTU attention of packed ``q``, ``k`` [N, H, D] and ``v`` [N, H, Dv] within each sample of ``offsets``;
     returns [N, H, Dv]. ``num_targets``: [B] integers (None: no targets). ``timestamps``: [N] int64, needed with
-    ``time_weights``. ``deterministic``: the Triton backward gives the same bits on every run (the bucket weights'
-    gradients by per-program sums instead of atomics); the other implementations always do."""
+    ``time_weights``. ``deterministic``: accepted for the callers of a deterministic mode; every implementation's
+    backward already gives the same bits on every run (the Triton one has no atomics)."""
     _require(
         q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2],
         f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -112,7 +111,6 @@ def hstu_attention(
             position_weights=position_weights,
             time_weights=time_weights,
             timestamps=timestamps,
-            deterministic=deterministic,
         )
     values = _host_offsets("offsets", host.cpu(), q.shape[0])
     twin = pt_hstu_attention.hstu_attention if kind is Impl.TORCH else pt_hstu_attention.padded_hstu_attention

@@ -139,7 +139,7 @@ PY
     else
       echo "no reference at $REF (copy ../shared/reference/genrec_hstu there): the table has no reference columns"
     fi
-    echo "== bench hstu: ours (rab off, on, deterministic) and the padded twin at dim 64, against the reference"
+    echo "== bench hstu: ours (rab off, on) and the padded twin at dim 64, against the reference"
     timeout 300 python3 -m benchmarks hstu --dims 64 --reference "$OUT/genrec64.json" --json "$OUT/hstu64.json" 2>&1 | tail -30
     ;;
   hstu-dims)

@@ -7,19 +7,21 @@ axis the samples longest first (a device argsort, no sync), so the heaviest prog
 ones fill the tail. A block beyond its sample's length returns at once.
 
 Scores. s = alpha * q k^T + rab, A = SiLU(s) / n: no softmax, so no running max or row sums, and a query block
-accumulates ``A V`` in one pass. A tile needs the mask only where it crosses the diagonal, the targets, the window
-or the sample's end (one scalar test per tile). rab is gathered per element from the [H, buckets] weight tables
-(small enough to stay in L1/L2) by the buckets of kernels.pytorch.pt_hstu_attention, mirrored here with the same
-integer and float-exponent arithmetic, so the twin and the kernel agree on every bucket.
+accumulates ``A V`` in one pass. At head dim 64 the kernel is bound by its per-element work, not its matmuls, so
+that work is kept small: a tile needs the mask only where it crosses the diagonal, the targets, the window or the
+sample's end (one scalar test per tile), and for 16-bit inputs the sigmoid is one ``tanh.approx`` instruction
+(sigmoid(x) = (1 + tanh(x / 2)) / 2; fp32 keeps the exact one). rab is one gather per element from a joint [H,
+position buckets x time buckets] table (the two weight tables summed, built per call), at the buckets of
+kernels.pytorch.pt_hstu_attention, mirrored here with the same integer and float-exponent arithmetic, so the twin
+and the kernel agree on every bucket. Timestamps enter as int32 seconds from the sample's first event (gaps
+beyond 2**30 s, 34 years, are clamped).
 
-Backward, deterministic for q, k and v: one pass over key blocks accumulates dK and dV in registers (FlashAttention
-2's order), a second over query blocks recomputes the scores and accumulates dQ; no atomics, no locks. The dQ
-pass repeats two of the five matmuls (q k^T and dO v^T): 7 instead of 5, the price of no atomics. The bucket
-weights' gradient is the sum of dS over each bucket. Along a key's row of the transposed tile the buckets come in
-runs (position buckets always; time buckets when the timestamps are ordered), so a row's prefix sum of dS adds
-each run with two atomics at its ends instead of one per element. ``deterministic``: each program sums its tiles'
-buckets in registers instead (a loop over the buckets a tile holds) and writes one row per program, reduced by
-torch in a fixed order.
+Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
+order), a second over query blocks recomputes the scores and accumulates dQ; no atomics, no locks. The dQ pass
+repeats two of the five matmuls (q k^T and dO v^T): 7 instead of 5, the price of no atomics. The bucket weights'
+gradient is the sum of dS over each bucket: each program of the first pass sums its tiles' buckets in registers
+(a loop over the buckets a tile holds, few away from the diagonal) and writes one row, reduced by torch in a fixed
+order.
 """
 
 from __future__ import annotations
@@ -91,12 +93,21 @@ def _is_full(q0, q_rows, k0, k_rows, length, history, window, HAS_WINDOW: tl.con
 
 
 @triton.jit
-def _bias(
+def _sigmoid(x, FAST: tl.constexpr):
+    if FAST:
+        half = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32, is_pure=True, pack=1
+        )
+        sig = 0.5 * half + 0.5
+    else:
+        sig = tl.sigmoid(x)
+    return sig
+
+
+@triton.jit
+def _buckets(
     dist,
     gap,
-    h,
-    PW,
-    TW,
     num_pb,
     num_tb,
     HAS_POS: tl.constexpr,
@@ -108,12 +119,21 @@ def _bias(
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
 ):
-    bias = tl.zeros(dist.shape, dtype=tl.float32)
+    """The position and time buckets of a tile (zeros for a part that is off)."""
+    pb = tl.zeros(dist.shape, dtype=tl.int32)
+    tb = tl.zeros(dist.shape, dtype=tl.int32)
     if HAS_POS:
-        bias += tl.load(PW + h * num_pb + _position_bucket(dist, num_pb, P_LINEAR, P_LOG2, P_SUB))
+        pb = _position_bucket(dist, num_pb, P_LINEAR, P_LOG2, P_SUB)
     if HAS_TIME:
-        bias += tl.load(TW + h * num_tb + _time_bucket(gap, num_tb, T_LINEAR, T_LOG2, T_SUB))
-    return bias
+        tb = _time_bucket(gap, num_tb, T_LINEAR, T_LOG2, T_SUB)
+    return pb, tb
+
+
+@triton.jit
+def _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME: tl.constexpr):
+    """The joint table's entry of each (position, time) bucket pair: [H, num_pb * num_tb] (num_tb 1 without time)."""
+    width = num_tb if HAS_TIME else 1
+    return tl.load(RAB + h * (num_pb * width) + pb * width + tb)
 
 
 @triton.jit
@@ -132,6 +152,15 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 
 @triton.jit
+def _times(TS, start, rows, length, HAS_TIME: tl.constexpr):
+    """Each row's int32 timestamp (seconds from its sample's first event; 0 without time or past the end)."""
+    times = tl.zeros(rows.shape, dtype=tl.int32)
+    if HAS_TIME:
+        times = tl.load(TS + start + rows, mask=rows < length, other=0)
+    return times
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -141,8 +170,7 @@ def _fwd_kernel(
     ORDER,
     TARGETS,
     TS,
-    PW,
-    TW,
+    RAB,
     alpha,
     inv_norm,
     window,
@@ -159,6 +187,7 @@ def _fwd_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
     P_LINEAR: tl.constexpr,
     P_LOG2: tl.constexpr,
     P_SUB: tl.constexpr,
@@ -168,6 +197,10 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """One query block's ``A V`` over its sample's key blocks.
+
+    One function on purpose: a Triton kernel's body is its program; the per-element helpers it calls are split out.
+    """
     pid = tl.program_id(0)
     h = pid % H
     m0 = (tl.num_programs(0) // H - 1 - pid // H) * BLOCK_M
@@ -179,9 +212,7 @@ def _fwd_kernel(
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
-    ts_q = tl.zeros([BLOCK_M], dtype=tl.int64)
-    if HAS_TIME:
-        ts_q = tl.load(TS + start + rows_q, mask=rows_q < length, other=0)
+    ts_q = _times(TS, start, rows_q, length, HAS_TIME)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -194,15 +225,10 @@ def _fwd_kernel(
         v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         if HAS_POS or HAS_TIME:
-            ts_k = tl.zeros([BLOCK_N], dtype=tl.int64)
-            if HAS_TIME:
-                ts_k = tl.load(TS + start + rows_k, mask=rows_k < length, other=0)
-            s += _bias(
+            ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+            pb, tb = _buckets(
                 pos_q[:, None] - pos_k[None, :],
                 ts_q[:, None] - ts_k[None, :],
-                h,
-                PW,
-                TW,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -214,7 +240,8 @@ def _fwd_kernel(
                 T_LOG2,
                 T_SUB,
             )
-        a = s * tl.sigmoid(s) * inv_norm
+            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+        a = s * _sigmoid(s, FAST) * inv_norm
         if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
             valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
             a = tl.where(valid, a, 0.0)
@@ -225,7 +252,7 @@ def _fwd_kernel(
 @triton.jit
 def _bucket_sums(acc, buckets, ds, BUCKETS: tl.constexpr):
     """``acc`` [BUCKETS] plus the sum of ``ds`` over each bucket of the tile, by a loop over the buckets the
-    tile holds (deterministic: no atomics)."""
+    tile's nonzero entries hold (deterministic: no atomics)."""
     ids = tl.arange(0, BUCKETS)
     live = ds != 0.0
     lo = tl.min(tl.where(live, buckets, BUCKETS))
@@ -234,17 +261,6 @@ def _bucket_sums(acc, buckets, ds, BUCKETS: tl.constexpr):
         total = tl.sum(tl.sum(tl.where(buckets == b, ds, 0.0), axis=1), axis=0)
         acc = tl.where(ids == b, acc + total, acc)
     return acc
-
-
-@triton.jit
-def _bucket_atomics(DW, buckets, next_buckets, ds, last_col):
-    """Adds the sum of ``ds`` over each bucket to DW: along each row the buckets come in runs, so the row's
-    prefix sum at a run's end goes to its bucket, and is taken from the next run's bucket (two atomics per run)."""
-    prefix = tl.cumsum(ds, axis=1)
-    end = (buckets != next_buckets) | last_col
-    live = end & (prefix != 0.0)
-    tl.atomic_add(DW + buckets, prefix, mask=live, sem="relaxed")
-    tl.atomic_add(DW + next_buckets, -prefix, mask=live & ~last_col, sem="relaxed")
 
 
 @triton.jit
@@ -259,8 +275,7 @@ def _dkdv_kernel(
     ORDER,
     TARGETS,
     TS,
-    PW,
-    TW,
+    RAB,
     DPW,
     DTW,
     alpha,
@@ -279,18 +294,23 @@ def _dkdv_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     PRECISION: tl.constexpr,
-    DETERMINISTIC: tl.constexpr,
-    PB: tl.constexpr,
-    TB: tl.constexpr,
+    FAST: tl.constexpr,
     P_LINEAR: tl.constexpr,
     P_LOG2: tl.constexpr,
     P_SUB: tl.constexpr,
     T_LINEAR: tl.constexpr,
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
+    PB: tl.constexpr,
+    TB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """One key block's dK and dV (and its share of the bucket weights' gradients, one row per program) over the
+    query blocks that see it; tiles transposed: keys along rows, queries along columns.
+
+    One function on purpose: a Triton kernel's body is its program; the per-element helpers it calls are split out.
+    """
     pid = tl.program_id(0)
     h = pid % H
     n0 = (tl.num_programs(0) // H - 1 - pid // H) * BLOCK_N
@@ -303,9 +323,7 @@ def _dkdv_kernel(
     pos_k = tl.minimum(rows_k, history)
     k = _rows(K, start, rows_k, h, length, H, D, BLOCK_D)
     v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
-    ts_k = tl.zeros([BLOCK_N], dtype=tl.int64)
-    if HAS_TIME:
-        ts_k = tl.load(TS + start + rows_k, mask=rows_k < length, other=0)
+    ts_k = _times(TS, start, rows_k, length, HAS_TIME)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
@@ -321,19 +339,12 @@ def _dkdv_kernel(
         pos_q = tl.minimum(rows_q, history)
         q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
         do = _rows(DO, start, rows_q, h, length, H, DV, BLOCK_DV)
-        # The transposed tile: keys along rows, queries along columns.
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
-        dist = pos_q[None, :] - pos_k[:, None]
-        ts_q = tl.zeros([BLOCK_M], dtype=tl.int64)
         if HAS_POS or HAS_TIME:
-            if HAS_TIME:
-                ts_q = tl.load(TS + start + rows_q, mask=rows_q < length, other=0)
-            s += _bias(
-                dist,
+            ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+            pb, tb = _buckets(
+                pos_q[None, :] - pos_k[:, None],
                 ts_q[None, :] - ts_k[:, None],
-                h,
-                PW,
-                TW,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -345,7 +356,8 @@ def _dkdv_kernel(
                 T_LOG2,
                 T_SUB,
             )
-        sig = tl.sigmoid(s)
+            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+        sig = _sigmoid(s, FAST)
         a = s * sig * inv_norm
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds = dp * (sig * (1.0 + s * (1.0 - sig)) * inv_norm)
@@ -356,31 +368,16 @@ def _dkdv_kernel(
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
         if HAS_POS:
-            buckets = _position_bucket(dist, num_pb, P_LINEAR, P_LOG2, P_SUB)
-            if DETERMINISTIC:
-                dpw = _bucket_sums(dpw, buckets, ds, PB)
-            else:
-                next_pos = tl.minimum(rows_q + 1, history)
-                nxt = _position_bucket(next_pos[None, :] - pos_k[:, None], num_pb, P_LINEAR, P_LOG2, P_SUB)
-                last = (tl.arange(0, BLOCK_M) == BLOCK_M - 1)[None, :]
-                _bucket_atomics(DPW + h * num_pb, buckets, nxt, ds, last)
+            dpw = _bucket_sums(dpw, pb, ds, PB)
         if HAS_TIME:
-            buckets = _time_bucket(ts_q[None, :] - ts_k[:, None], num_tb, T_LINEAR, T_LOG2, T_SUB)
-            if DETERMINISTIC:
-                dtw = _bucket_sums(dtw, buckets, ds, TB)
-            else:
-                ts_next = tl.load(TS + start + rows_q + 1, mask=rows_q + 1 < length, other=0)
-                nxt = _time_bucket(ts_next[None, :] - ts_k[:, None], num_tb, T_LINEAR, T_LOG2, T_SUB)
-                last = (tl.arange(0, BLOCK_M) == BLOCK_M - 1)[None, :]
-                _bucket_atomics(DTW + h * num_tb, buckets, nxt, ds, last)
+            dtw = _bucket_sums(dtw, tb, ds, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
-    if DETERMINISTIC:
-        program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
-        if HAS_POS:
-            tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
-        if HAS_TIME:
-            tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
+    program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
+    if HAS_POS:
+        tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
+    if HAS_TIME:
+        tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
 
 
 @triton.jit
@@ -394,8 +391,7 @@ def _dq_kernel(
     ORDER,
     TARGETS,
     TS,
-    PW,
-    TW,
+    RAB,
     alpha,
     inv_norm,
     window,
@@ -412,6 +408,7 @@ def _dq_kernel(
     HAS_POS: tl.constexpr,
     HAS_TIME: tl.constexpr,
     PRECISION: tl.constexpr,
+    FAST: tl.constexpr,
     P_LINEAR: tl.constexpr,
     P_LOG2: tl.constexpr,
     P_SUB: tl.constexpr,
@@ -421,6 +418,10 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """One query block's dQ over its sample's key blocks, the scores recomputed.
+
+    One function on purpose: a Triton kernel's body is its program; the per-element helpers it calls are split out.
+    """
     pid = tl.program_id(0)
     h = pid % H
     m0 = (tl.num_programs(0) // H - 1 - pid // H) * BLOCK_M
@@ -433,9 +434,7 @@ def _dq_kernel(
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
     do = _rows(DO, start, rows_q, h, length, H, DV, BLOCK_DV)
-    ts_q = tl.zeros([BLOCK_M], dtype=tl.int64)
-    if HAS_TIME:
-        ts_q = tl.load(TS + start + rows_q, mask=rows_q < length, other=0)
+    ts_q = _times(TS, start, rows_q, length, HAS_TIME)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -448,15 +447,10 @@ def _dq_kernel(
         v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         if HAS_POS or HAS_TIME:
-            ts_k = tl.zeros([BLOCK_N], dtype=tl.int64)
-            if HAS_TIME:
-                ts_k = tl.load(TS + start + rows_k, mask=rows_k < length, other=0)
-            s += _bias(
+            ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+            pb, tb = _buckets(
                 pos_q[:, None] - pos_k[None, :],
                 ts_q[:, None] - ts_k[None, :],
-                h,
-                PW,
-                TW,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -468,7 +462,8 @@ def _dq_kernel(
                 T_LOG2,
                 T_SUB,
             )
-        sig = tl.sigmoid(s)
+            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+        sig = _sigmoid(s, FAST)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = dp * (sig * (1.0 + s * (1.0 - sig)) * inv_norm)
         if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
@@ -527,9 +522,9 @@ def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], **options)
     return triton.autotune(configs, prune_configs_by={"early_config_prune": prune}, **options)(kernel)
 
 
-_KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW"]
+_KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW", "FAST"]
 _fwd = _tuned(_fwd_kernel, _FWD_CONFIGS, key=_KEY)
-_dkdv = _tuned(_dkdv_kernel, _DKDV_CONFIGS, key=_KEY + ["DETERMINISTIC"], reset_to_zero=["DPW", "DTW"])
+_dkdv = _tuned(_dkdv_kernel, _DKDV_CONFIGS, key=_KEY)
 _dq = _tuned(_dq_kernel, _DQ_CONFIGS, key=_KEY)
 
 _BUCKET_CONSTANTS = dict(
@@ -540,22 +535,37 @@ _BUCKET_CONSTANTS = dict(
     T_LOG2=TIME_LINEAR.bit_length() - 1,
     T_SUB=TIME_SUB_BITS,
 )
+#: Timestamps travel as int32 seconds from the sample's first event, clamped to this (34 years).
+_TIME_RANGE = 1 << 30
+
+
+def relative_times(timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """int32 seconds from each sample's first event: the same gaps as the int64 timestamps (within 34 years),
+    at half the bytes and int32 arithmetic in the kernel."""
+    n = timestamps.numel()
+    lengths = (offsets[1:] - offsets[:-1]).long()
+    first = timestamps[offsets[:-1].long().clamp(max=max(n - 1, 0))] if n else timestamps[:0]
+    relative = timestamps.long() - torch.repeat_interleave(first, lengths, output_size=n)
+    return relative.clamp(-_TIME_RANGE, _TIME_RANGE).to(torch.int32)
 
 
 class _Launch:
     """What the three kernels share for one call: tensors, flags and the grid (blocks of the longest sample)."""
 
-    def __init__(self, q, v, offsets, order, targets, timestamps, pw, tw, max_len, alpha, seq_norm, window):
+    def __init__(self, q, v, offsets, order, targets, times, pw, tw, max_len, alpha, seq_norm, window):
         self.batch, self.heads, self.max_len = offsets.numel() - 1, q.shape[1], max_len
         self.pw, self.tw = pw, tw
-        dummy = offsets  # a valid pointer for the absent optional tensors (never read: their flag is off)
+        # A valid pointer for the absent optional tensors (never read or written: their flags are off).
+        self.unused = torch.zeros(1, dtype=torch.float32, device=q.device)
+        if pw is not None or tw is not None:  # the joint table: position weight + time weight per bucket pair
+            joint = (pw[:, :, None] if pw is not None else 0.0) + (tw[:, None, :] if tw is not None else 0.0)
+            rab = joint.detach().reshape(q.shape[1], -1).contiguous()
         self.tensors = dict(
             OFFSETS=offsets,
             ORDER=order,
-            TARGETS=targets if targets is not None else dummy,
-            TS=timestamps if timestamps is not None else dummy,
-            PW=pw if pw is not None else q,
-            TW=tw if tw is not None else q,
+            TARGETS=targets if targets is not None else offsets,
+            TS=times if times is not None else offsets,
+            RAB=rab if pw is not None or tw is not None else self.unused,
         )
         self.scalars = dict(
             alpha=float(alpha),
@@ -576,11 +586,20 @@ class _Launch:
             HAS_POS=pw is not None,
             HAS_TIME=tw is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            FAST=q.dtype != torch.float32 and not _INTERPRET,
             **_BUCKET_CONSTANTS,
         )
 
     def grid(self, block: str):
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
+
+    def bucket_rows(self, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """The dK/dV pass's per-program rows of a weight table's gradient: one per program at its smallest key
+        block (a multiple of ``heads`` per sample), zeros where a program has nothing to add."""
+        if weights is None:
+            return self.unused
+        rows = self.batch * cdiv(max(self.max_len, 1), _SMALLEST_BLOCK) * self.heads
+        return torch.zeros(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
 
 
 def _forward(launch: _Launch, q, k, v) -> torch.Tensor:
@@ -590,26 +609,10 @@ def _forward(launch: _Launch, q, k, v) -> torch.Tensor:
     return out
 
 
-def _backward(launch: _Launch, q, k, v, dout, deterministic: bool):
+def _backward(launch: _Launch, q, k, v, dout):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    heads = launch.heads
-
-    def bucket_grad(weights):
-        if weights is None:
-            return None, q
-        if not deterministic:
-            buffer = torch.zeros(heads, weights.shape[1], dtype=torch.float32, device=q.device)
-            return buffer, buffer
-        # One row per program of the dK/dV pass at its smallest key block, a multiple of ``heads`` per sample.
-        rows = launch.batch * cdiv(max(launch.max_len, 1), _SMALLEST_BLOCK) * heads
-        buffer = torch.zeros(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=q.device)
-        return buffer, buffer
-
-    dpw, dpw_ptr = bucket_grad(launch.pw)
-    dtw, dtw_ptr = bucket_grad(launch.tw)
+    dpw, dtw = launch.bucket_rows(launch.pw), launch.bucket_rows(launch.tw)
     if q.shape[0] and launch.batch:
-        pb = next_power_of_2(launch.pw.shape[1]) if launch.pw is not None else 1
-        tb = next_power_of_2(launch.tw.shape[1]) if launch.tw is not None else 1
         _dkdv[launch.grid("BLOCK_N")](
             q,
             k,
@@ -618,40 +621,37 @@ def _backward(launch: _Launch, q, k, v, dout, deterministic: bool):
             dk,
             dv,
             **launch.tensors,
-            DPW=dpw_ptr,
-            DTW=dtw_ptr,
+            DPW=dpw,
+            DTW=dtw,
             **launch.scalars,
             **launch.flags,
-            DETERMINISTIC=deterministic,
-            PB=pb,
-            TB=tb,
+            PB=dpw.shape[1] if launch.pw is not None else 1,
+            TB=dtw.shape[1] if launch.tw is not None else 1,
         )
         _dq[launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **launch.scalars, **launch.flags)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
 
-    def finish(buffer, weights):
-        if buffer is None:
+    def total(rows, weights):  # the per-program rows summed in a fixed order: the same bits on every run
+        if weights is None:
             return None
-        if deterministic:
-            buffer = buffer.view(-1, heads, buffer.shape[1]).sum(0)[:, : weights.shape[1]]
-        return buffer.to(weights.dtype)
+        return rows.view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
-    return dq, dk, dv, finish(dpw, launch.pw), finish(dtw, launch.tw)
+    return dq, dk, dv, total(dpw, launch.pw), total(dtw, launch.tw)
 
 
 class _HSTUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pw, tw, launch: _Launch, deterministic: bool):
+    def forward(ctx, q, k, v, pw, tw, launch: _Launch):
         ctx.save_for_backward(q, k, v)
-        ctx.launch, ctx.deterministic = launch, deterministic
+        ctx.launch = launch
         return _forward(launch, q, k, v)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v = ctx.saved_tensors
-        dq, dk, dv, dpw, dtw = _backward(ctx.launch, q, k, v, dout.contiguous(), ctx.deterministic)
-        return dq, dk, dv, dpw, dtw, None, None
+        dq, dk, dv, dpw, dtw = _backward(ctx.launch, q, k, v, dout.contiguous())
+        return dq, dk, dv, dpw, dtw, None
 
 
 def hstu_attention(
@@ -668,17 +668,16 @@ def hstu_attention(
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
     timestamps: Optional[torch.Tensor],
-    deterministic: bool,
 ) -> torch.Tensor:
     """The kernel's entry (kernels.hstu validates): ``offsets`` int32 on the tokens' device, ``max_len`` the
-    longest sample (host)."""
+    longest sample (host). Deterministic as it is (the backward has no atomics)."""
     device = q.device
     offsets = offsets.to(device=device, dtype=torch.int32)
     order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True).to(torch.int32)
     targets = num_targets.to(device=device, dtype=torch.int32) if num_targets is not None else None
-    ts = timestamps.to(device=device, dtype=torch.int64).contiguous() if time_weights is not None else None
+    times = relative_times(timestamps.to(device), offsets) if time_weights is not None else None
     pw = position_weights.float().contiguous() if position_weights is not None else None
     tw = time_weights.float().contiguous() if time_weights is not None else None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    launch = _Launch(q, v, offsets, order, targets, ts, pw, tw, max_len, alpha, seq_norm, window)
-    return _HSTUAttention.apply(q, k, v, pw, tw, launch, deterministic)
+    launch = _Launch(q, v, offsets, order, targets, times, pw, tw, max_len, alpha, seq_norm, window)
+    return _HSTUAttention.apply(q, k, v, pw, tw, launch)

@@ -26,7 +26,6 @@ class Case:
     rab: bool = False
     ordered_times: bool = True
     seq_norm: Optional[int] = 64
-    deterministic: bool = False
     dtype: torch.dtype = torch.float32
     seed: int = 0
 
@@ -67,7 +66,6 @@ def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
         window=case.window,
         timestamps=data["timestamps"],
         impl=impl,
-        deterministic=case.deterministic,
         **weights,
     )
     out.backward(data["grad"])
