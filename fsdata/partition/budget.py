@@ -229,36 +229,6 @@ class BudgetSpec:
 
 
 # ---------------------------------------------------------------------------------------------- meeting it
-def deal_with_room(
-    order: np.ndarray, costs: np.ndarray, tokens: np.ndarray, shares: np.ndarray, limit: int
-) -> Optional[np.ndarray]:
-    """[G] ranks: each sample of ``order`` (cost-descending) to the rank of least ``load / share`` that has room
-    for its tokens (LPT under a cap); None if a sample finds no room (impossible for ``limit >=
-    guaranteed_tokens``). The first ``W`` samples go to distinct ranks, so none is left empty when ``G >= W``."""
-    import heapq
-
-    world = shares.size
-    dest = np.empty(order.size, dtype=np.int64)
-    held = [0] * world
-    heap = [(0.0, r) for r in range(world)]
-    inverse = (1.0 / np.maximum(shares, 1e-300)).tolist()
-    load = [0.0] * world
-    for g, cost, need in zip(order.tolist(), costs[order].tolist(), tokens[order].tolist()):
-        full = []
-        while heap and held[heap[0][1]] + need > limit:
-            full.append(heapq.heappop(heap))
-        if not heap:
-            return None
-        _, r = heapq.heappop(heap)
-        dest[g] = r
-        held[r] += need
-        load[r] += cost
-        heapq.heappush(heap, (load[r] * inverse[r], r))
-        for entry in full:
-            heapq.heappush(heap, entry)
-    return dest
-
-
 def repair(
     dest: np.ndarray,
     tokens: np.ndarray,

@@ -49,16 +49,27 @@ class CostModel:
 
     def sample_costs(self, lengths: GatheredLengths, runtime: Optional[RuntimeInfo] = None) -> np.ndarray:
         """[G] float64 cost of every sample, >= 0."""
-        tokens = self.token_lengths(lengths)
         coefficients = None if runtime is None or not self.use_fitted else runtime.cost_coefficients
         if coefficients is not None:
             a, b, c, _ = _check_coefficients(coefficients)
+            tokens = self.token_lengths(lengths)
             cost = a * tokens + b * tokens * tokens + c
         else:
-            cost = np.power(tokens, self.alpha)
+            cost = self._powers(lengths)
         if self.content_weight:
             cost = cost + self.content_weight * lengths.content_lengths_per_sample()
         return cost
+
+    def _powers(self, lengths: GatheredLengths) -> np.ndarray:
+        """``token_lengths ** alpha``. A pow costs ~20 ns, 2.5 ms for a step of 1,024 ranks x 128 samples; with a
+        whole candidate weight the lengths are whole numbers, mostly fewer distinct ones than samples, so the
+        powers of 0..max length are taken once and looked up (the same pow of the same float, so the same bits)."""
+        weight = self.candidate_weight
+        if float(weight).is_integer():
+            whole = lengths.uih_lengths.numpy() + int(weight) * lengths.num_candidates.numpy()
+            if whole.size and int(whole.max()) < whole.size:
+                return np.power(np.arange(int(whole.max()) + 1, dtype=np.float64), self.alpha)[whole]
+        return np.power(self.token_lengths(lengths), self.alpha)
 
 
 def _check_coefficients(coefficients) -> np.ndarray:
