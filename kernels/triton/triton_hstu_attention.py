@@ -315,7 +315,14 @@ def _dkdv_kernel(
     h = pid % H
     n0 = (tl.num_programs(0) // H - 1 - pid // H) * BLOCK_N
     start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
+    # Every program writes its gradient rows, zeros when idle: rows left by the autotuner's trial launches of
+    # other block sizes are overwritten, and only this launch's rows are summed.
+    program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
     if n0 >= length:
+        if HAS_POS:
+            tl.store(DPW + program * PB + tl.arange(0, PB), tl.zeros([PB], dtype=tl.float32))
+        if HAS_TIME:
+            tl.store(DTW + program * TB + tl.arange(0, TB), tl.zeros([TB], dtype=tl.float32))
         return
     if PER_SAMPLE_NORM:
         inv_norm = 1.0 / length.to(tl.float32)
@@ -373,7 +380,6 @@ def _dkdv_kernel(
             dtw = _bucket_sums(dtw, tb, ds, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
-    program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
     if HAS_POS:
         tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
     if HAS_TIME:
@@ -594,12 +600,12 @@ class _Launch:
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
 
     def bucket_rows(self, weights: Optional[torch.Tensor]) -> torch.Tensor:
-        """The dK/dV pass's per-program rows of a weight table's gradient: one per program at its smallest key
-        block (a multiple of ``heads`` per sample), zeros where a program has nothing to add."""
+        """The dK/dV pass's per-program rows of a weight table's gradient: room for one per program at its
+        smallest key block (a multiple of ``heads`` per sample); every program of a launch writes its own."""
         if weights is None:
             return self.unused
         rows = self.batch * cdiv(max(self.max_len, 1), _SMALLEST_BLOCK) * self.heads
-        return torch.zeros(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
+        return torch.empty(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
 
 
 def _forward(launch: _Launch, q, k, v) -> torch.Tensor:
@@ -632,10 +638,11 @@ def _backward(launch: _Launch, q, k, v, dout):
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
 
-    def total(rows, weights):  # the per-program rows summed in a fixed order: the same bits on every run
+    def total(rows, weights):  # this launch's per-program rows summed in a fixed order: the same bits every run
         if weights is None:
             return None
-        return rows.view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
+        programs = launch.batch * cdiv(max(launch.max_len, 1), _dkdv.best_config.kwargs["BLOCK_N"]) * launch.heads
+        return rows[:programs].view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
     return dq, dk, dv, total(dpw, launch.pw), total(dtw, launch.tw)
 
