@@ -46,26 +46,8 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(f"kernels.hstu.hstu_attention: {message}")
 
 
-def hstu_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: Offsets,
-    *,
-    alpha: float,
-    seq_norm: Optional[int] = None,
-    num_targets: Optional[torch.Tensor] = None,
-    window: int = 0,
-    position_weights: Optional[torch.Tensor] = None,
-    time_weights: Optional[torch.Tensor] = None,
-    timestamps: Optional[torch.Tensor] = None,
-    impl: Union[Impl, str, None] = None,
-    deterministic: bool = False,
-) -> torch.Tensor:
-    """HSTU attention of packed ``q``, ``k`` [N, H, D] and ``v`` [N, H, Dv] within each sample of ``offsets``;
-    returns [N, H, Dv]. ``num_targets``: [B] integers (None: no targets). ``timestamps``: [N] int64, needed with
-    ``time_weights``. ``deterministic``: accepted for the callers of a deterministic mode; every implementation's
-    backward already gives the same bits on every run (the Triton one has no atomics)."""
+def _validate(q, k, v, host, window, seq_norm, num_targets, position_weights, time_weights, timestamps) -> None:
+    """Shapes, devices and options, each refused in one line naming the argument."""
     _require(
         q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2],
         f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -86,10 +68,33 @@ def hstu_attention(
             f"time_weights need timestamps [N={q.shape[0]}], got "
             f"{None if timestamps is None else tuple(timestamps.shape)}",
         )
-    host = offsets.host if isinstance(offsets, PackedOffsets) else offsets
     batch = host.numel() - 1
     if num_targets is not None:
         _require(num_targets.shape == (batch,), f"num_targets must be [B={batch}], got {tuple(num_targets.shape)}")
+
+
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: Offsets,
+    *,
+    alpha: float,
+    seq_norm: Optional[int] = None,
+    num_targets: Optional[torch.Tensor] = None,
+    window: int = 0,
+    position_weights: Optional[torch.Tensor] = None,
+    time_weights: Optional[torch.Tensor] = None,
+    timestamps: Optional[torch.Tensor] = None,
+    impl: Union[Impl, str, None] = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """HSTU attention of packed ``q``, ``k`` [N, H, D] and ``v`` [N, H, Dv] within each sample of ``offsets``;
+    returns [N, H, Dv]. ``num_targets``: [B] integers (None: no targets). ``timestamps``: [N] int64, needed with
+    ``time_weights``. ``deterministic``: accepted for the callers of a deterministic mode; every implementation's
+    backward already gives the same bits on every run (the Triton one has no atomics)."""
+    host = offsets.host if isinstance(offsets, PackedOffsets) else offsets
+    _validate(q, k, v, host, window, seq_norm, num_targets, position_weights, time_weights, timestamps)
     kind = resolve_impl(impl, q.device)
     if kind is Impl.TRITON:
         from kernels.triton import triton_hstu_attention
