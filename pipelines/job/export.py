@@ -6,10 +6,11 @@ with the trained tables, the keys of the model's class). Beside it, ``PATH.json`
     {"format": "freescale-export", "version": 1, "model": "pipelines.models.reference:SequenceModel",
      "config": {"num_items": 20000, "dim": 32, ...}}
 
-For the reference model ``config`` is its whole ``ModelConfig``, so ``load_export(PATH)`` rebuilds it and loads
-the weights, with no job config and no data. For a model of a user's factory (``--model module:function``)
-``model`` names the factory and ``config`` is null: the factory's arguments are the whole job, so the model
-comes back through the user's own class, ``MyModel(...).load_state_dict(torch.load(PATH))``. Loading runs no
+For the built-in models (the reference model, the HSTU model) ``config`` is the model's whole config dataclass,
+so ``load_export(PATH)`` rebuilds it and loads the weights, with no job config and no data. For a model of a
+user's factory (``--model module:function``) ``model`` names the factory and ``config`` is null: the factory's
+arguments are the whole job, so the model comes back through the user's own class,
+``MyModel(...).load_state_dict(torch.load(PATH))``. Loading runs no
 code: the state dict is read with ``weights_only=True`` and the description names a class, never imports one.
 """
 
@@ -23,11 +24,17 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from pipelines.models.hstu import HSTUConfig, HSTUModel
 from pipelines.models.reference import ModelConfig, SequenceModel
 
 FORMAT = "freescale-export"
 VERSION = 1
 REFERENCE = "pipelines.models.reference:SequenceModel"
+#: The models load_export rebuilds from their config alone: description name -> (class, config class).
+BUILT_IN: dict[str, tuple[type, type]] = {
+    REFERENCE: (SequenceModel, ModelConfig),
+    "pipelines.models.hstu:HSTUModel": (HSTUModel, HSTUConfig),
+}
 DESCRIPTION_SUFFIX = ".json"
 
 
@@ -37,10 +44,11 @@ def description_path(path: Union[str, Path]) -> Path:
 
 
 def describe(model: nn.Module, factory: str) -> dict[str, Any]:
-    """The description of ``model``: the reference model by its whole config, any other by the factory that
-    built it (``--model``)."""
-    if isinstance(model, SequenceModel):
-        return {"format": FORMAT, "version": VERSION, "model": REFERENCE, "config": asdict(model.config)}
+    """The description of ``model``: a built-in model by its whole config, any other by the factory that built it
+    (``--model``)."""
+    for name, (cls, _) in BUILT_IN.items():
+        if type(model) is cls:
+            return {"format": FORMAT, "version": VERSION, "model": name, "config": asdict(model.config)}
     return {"format": FORMAT, "version": VERSION, "model": factory, "config": None}
 
 
@@ -71,7 +79,7 @@ def _description(path: Path) -> dict[str, Any]:
         raise ValueError(f'{described}: not a FreeScale export description (it lacks "format": "{FORMAT}")')
     if description.get("version") != VERSION:
         raise ValueError(f"{described}: export version {description.get('version')!r}; this FreeScale reads {VERSION}")
-    if description.get("model") != REFERENCE:
+    if description.get("model") not in BUILT_IN:
         raise ValueError(
             f"{path}: exported from the model factory {description.get('model')!r}, which load_export does not "
             f"run; {own_class}"
@@ -92,19 +100,20 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_export(path: Union[str, Path]) -> SequenceModel:
-    """The model a ``freescale train --export PATH`` of the reference model saved, rebuilt from ``PATH.json`` with
-    the trained weights, on the CPU and in eval mode (``.to(device)``, ``.train()`` as needed). A user's own
-    model comes back through its class instead (the error says so)."""
+def load_export(path: Union[str, Path]) -> nn.Module:
+    """The model a ``freescale train --export PATH`` of a built-in model (reference or HSTU) saved, rebuilt from
+    ``PATH.json`` with the trained weights, on the CPU and in eval mode (``.to(device)``, ``.train()`` as
+    needed). A user's own model comes back through its class instead (the error says so)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such export file")
     description = _description(path)
     described = description_path(path)
+    cls, config_cls = BUILT_IN[description["model"]]
     try:
-        model = SequenceModel(ModelConfig(**description.get("config") or {}))
+        model = cls(config_cls(**description.get("config") or {}))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{described}: its config does not describe a reference model: {e}") from None
+        raise ValueError(f"{described}: its config does not describe a {cls.__name__}: {e}") from None
     state, expected = _state(path), model.state_dict()
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     misshapen = [k for k in expected if k in state and state[k].shape != expected[k].shape]

@@ -43,6 +43,23 @@ def test_the_reference_model_comes_back_from_its_file_alone(tmp_path):
         assert torch.equal(loaded(_probe()), model(_probe()))
 
 
+def test_the_hstu_model_comes_back_from_its_file_alone(tmp_path):
+    from pipelines.models.hstu import HSTUConfig, HSTUModel
+
+    config = HSTUConfig(num_items=50, dim=16, num_layers=1, num_heads=2, head_dim=8, max_uih=16, dense_dim=4)
+    torch.manual_seed(5)
+    model = HSTUModel(config).eval()
+    with torch.no_grad():  # rab weights away from their zero start, so that loading them is checked too
+        for layer in model.layers:
+            layer.position_weights.normal_()
+    described = save_export(model, tmp_path / "hstu.pt", "hstu")
+    assert json.loads(described.read_text())["model"] == "pipelines.models.hstu:HSTUModel"
+    loaded = load_export(tmp_path / "hstu.pt")
+    assert isinstance(loaded, HSTUModel) and loaded.config == config and not loaded.training
+    with torch.no_grad():
+        assert torch.equal(loaded(_probe()), model(_probe()))
+
+
 class Mine(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -90,7 +107,7 @@ def test_a_foreign_description_or_tensors_of_another_shape_are_one_line(tmp_path
     assert str(e.value).startswith(f"{path}: its tensors do not fit the model model.pt.json describes (missing [], ")
     assert "shapes ['item_embedding.weight (300, 16) for (300, 32)'" in str(e.value) and "\n" not in str(e.value)
     described.write_text(json.dumps({**good, "config": {**good["config"], "heads": 2}}))
-    with pytest.raises(ValueError, match="model.pt.json: its config does not describe a reference model: .*heads"):
+    with pytest.raises(ValueError, match="model.pt.json: its config does not describe a SequenceModel: .*heads"):
         load_export(path)
     described.write_text(json.dumps(good))
     path.write_bytes(path.read_bytes()[:100])
