@@ -6,4 +6,6 @@ one dispatch point per op family that validates inputs once and picks an impleme
   segment sums, collision masks): a Triton kernel and a vectorized PyTorch twin each.
 - ``kernels.attention``: the jagged attention (varlen FlashAttention, FlexAttention over block masks built from
   offsets, per-sample SDPA, padded SDPA).
+- ``kernels.hstu``: the jagged HSTU attention (SiLU instead of softmax, targets, window, relative bias from
+  positions and timestamps): a Triton kernel, its per-sample twin, the padded baseline.
 """
