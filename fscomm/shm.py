@@ -59,6 +59,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "fscomm-"
 # control slots (int64): magic (2), ready, done, generation, capacity, pid, closed, then (offset, bytes) x W
 _READY, _DONE, _GEN, _CAP, _PID, _CLOSED, _TABLE = 2, 3, 4, 5, 6, 7, 8
+_FAILED = 2  # in _CLOSED: the rank's exchange failed (a peer elsewhere was lost): its peers here stop waiting for it
 _SLEEP_MIN_S, _SLEEP_MAX_S = 2e-5, 2e-4
 _LIVENESS_EVERY_S = 0.05
 _MIN_DATA, _PAGE = 1 << 16, 4096
@@ -505,6 +506,7 @@ class ShmExchange:
                 return self._run(op, seq, k, held, out, plan, ready, copied_back, host_future)
             except BaseException as exc:
                 self._broken = exc
+                self._mine[_CLOSED] = _FAILED  # this host's peers waiting on this exchange fail now, not at timeout
                 err = exc if isinstance(exc, CollectiveError) else diagnose(self.state, op, seq, exc)
                 if host_future is not None and not host_future.done():
                     host_future.set_exception(err)
@@ -650,7 +652,7 @@ class ShmExchange:
             try:
                 self._data[o], self._data_gen[o] = Segment(path, int(ctl[_CAP]), create=False), gen
             except FileNotFoundError:  # its owner closed (or died) before this rank mapped it
-                how = "closed its transport" if ctl[_CLOSED] else f"removed its segment {path}"
+                how = _closed_how(ctl) if ctl[_CLOSED] else f"removed its segment {path}"
                 raise PeerLostError(
                     f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
                     f"rank(s) [{o}] of the group {how} before this rank had read its blocks (shared-memory path)"
@@ -679,7 +681,7 @@ class ShmExchange:
                 next_check = now + _LIVENESS_EVERY_S
                 for p in missing:
                     if self._ctl[p][_CLOSED]:
-                        raise PeerLostError(self._message(what, p, "closed its transport", doing))
+                        raise PeerLostError(self._message(what, p, _closed_how(self._ctl[p]), doing))
                     if not _pid_alive(self.pids[p]):
                         raise PeerLostError(self._message(what, p, f"process {self.pids[p]} has ended", doing))
                 if now >= deadline:
@@ -696,6 +698,12 @@ class ShmExchange:
             f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
             f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)"
         )
+
+
+def _closed_how(ctl: np.ndarray) -> str:
+    if ctl[_CLOSED] == _FAILED:
+        return "failed its part of an exchange (with a rank that failed or was lost)"
+    return "closed its transport"
 
 
 # --- one exchange's layout, and its pairs across hosts ----------------------------------------------------
