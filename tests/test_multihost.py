@@ -1,0 +1,207 @@
+"""Several hosts: the host transport's path per pair of ranks, and `freescale train --nnodes` on emulated hosts
+(tests/harness_hosts.py: each host its own hostname, /dev/shm and process ids, on the machine's loopback).
+
+2 hosts of 2 ranks train bit for bit as 1 host of 4; a lost host (every process of it killed at once) ends the
+others in one line naming it, within the communication timeout, leaving no segment in any host's /dev/shm; hosts
+that do not meet end in one line naming the endpoint and how many joined (docs/reliability.md, Multi-node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import harness_hosts
+from tests.harness import run_ranks
+from tests.harness_hosts import free_port
+
+pytestmark = pytest.mark.multiprocess
+emulated_hosts = harness_hosts.emulated_hosts  # the fixture: hosts made per test, killed at its end
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+TRAIN = (sys.executable, "-m", "pipelines.cli", "train", "--device", "cpu", "--model", "tiny", "--no-progress")
+
+
+# --- the path per pair, hosts faked by their identity (one machine, real gloo groups) ------------------------
+
+
+def _split_exchanges(rank, world_size, layout):
+    from fscomm import get_transport, shm
+
+    shm._host_identity = lambda: (f"host{layout[rank]}", "boot")  # the ranks' hosts as the transport sees them
+    t = get_transport("host")
+    if t.shm is not None:
+        t.shm.host_copy_on_cpu = True  # a GPU rank's keep_host layout, on CPU tensors
+    checks = []
+    for it in range(3):  # uneven splits with zeros; unequal all_gather sizes; equal ones
+        send = [(rank + d + it) % 3 for d in range(world_size)]
+        recv = [(o + rank + it) % 3 for o in range(world_size)]
+        x = torch.cat([torch.full((n, 2), 100 * rank + d, dtype=torch.int64) for d, n in enumerate(send)])
+        handle = t.all_to_all(x, send, recv, keep_host=True)
+        want = torch.cat([torch.full((n, 2), 100 * o + rank, dtype=torch.int64) for o, n in enumerate(recv)])
+        checks.append(torch.equal(handle.wait(), want) and torch.equal(handle.host(), want))
+        sizes = [(r + it) % 3 for r in range(world_size)]
+        got = t.all_gather(torch.full((sizes[rank], 3), float(rank)), sizes).wait()
+        checks.append(torch.equal(got, torch.cat([torch.full((n, 3), float(r)) for r, n in enumerate(sizes)])))
+        same = t.all_gather(torch.tensor([rank, it])).wait()
+        checks.append(torch.equal(same, torch.tensor([[r, it] for r in range(world_size)])))
+    return t.active_path, t.pairs, checks
+
+
+@pytest.mark.parametrize(
+    "layout, path, pairs",
+    [
+        ([0, 0, 1, 1], "shm+tcp", {"shm_pairs": 2, "tcp_pairs": 4}),
+        ([0, 1, 0], "shm+tcp", {"shm_pairs": 1, "tcp_pairs": 2}),  # rank 1 alone on its host: TCP for all it does
+        ([0, 1, 2], "tcp", {"shm_pairs": 0, "tcp_pairs": 3}),
+    ],
+)
+def test_ranks_of_one_host_share_memory_and_other_hosts_ranks_go_over_tcp_in_one_exchange(layout, path, pairs):
+    for got_path, got_pairs, checks in run_ranks(_split_exchanges, len(layout), args=(layout,), timeout=90):
+        assert (got_path, got_pairs) == (path, pairs)
+        assert all(checks), checks
+
+
+# --- freescale train on emulated hosts ---------------------------------------------------------------------
+
+
+def _node_argv(i: int, port: int, *extra: str, nnodes: int = 2) -> list[str]:
+    return [*TRAIN, "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", f"fsnode0:{port}", *extra]
+
+
+def _bad_lines(text: str) -> list[str]:
+    """Lines of torch's own reports (tracebacks, C++ warnings and their frames, the agent's logs)."""
+    pattern = re.compile(r"Traceback|^\[?[WE]\d{4}|^frame #|torch\.distributed|TCPStore|^\[rank\d+\]")
+    return [line for line in text.splitlines() if pattern.search(line)]
+
+
+@pytest.mark.parametrize("mode", ["freescale", "sync"])
+def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_hosts, tmp_path, mode):
+    common = ("--mode", mode, "--steps", "6", "--comm-timeout-s", "120")
+    one = subprocess.run(
+        [*TRAIN, "--nproc", "4", *common, "--summary-json", str(tmp_path / "one.json")],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    hosts, port = emulated_hosts(2), free_port()
+    for i in range(2):
+        argv = _node_argv(i, port, "--nproc", "2", *common, "--summary-json", str(tmp_path / "two.json"))
+        hosts.start(i, argv, ENV, cwd=str(tmp_path))
+    codes = hosts.wait_all(timeout=240)
+    assert codes == {0: 0, 1: 0}, [hosts.output(i)[-2000:] for i in range(2)]
+    one_host, two_hosts = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two_hosts["world_size"] == 4 and two_hosts["steps"] == 6
+    assert two_hosts["loss_curve"] == one_host["loss_curve"] and two_hosts["loss"] == one_host["loss"]
+    paths = two_hosts["transport"]["host"]
+    assert paths and all(p == {"path": "shm+tcp", "shm_pairs": 2, "tcp_pairs": 4} for p in paths.values()), paths
+    assert all(p["path"] == "shm" for p in one_host["transport"]["host"].values())
+    assert "transport        host: shm+tcp (2 shm, 4 tcp pairs): " in hosts.output(0)
+    assert hosts.output(1).strip() == ""  # the summary is rank 0's, on the first host
+    assert [hosts.left(i) for i in range(2)] == [[], []]
+    assert _bad_lines(hosts.output(0) + hosts.output(1)) == []
+
+
+def _steps_done(metrics: Path) -> int:
+    try:
+        return len(metrics.read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.parametrize("lost", [1, 0], ids=["a-host", "the-store-host"])
+def test_a_lost_host_ends_the_others_in_one_line_within_the_timeout_leaving_no_segment(emulated_hosts, tmp_path, lost):
+    timeout_s = 20
+    hosts, port = emulated_hosts(2), free_port()
+    metrics = tmp_path / "metrics.jsonl"
+    extra = ("--nproc", "2", "--steps", "400", "--comm-timeout-s", str(timeout_s), "--metrics-jsonl", str(metrics))
+    for i in range(2):  # logs of their own: a failed job's temporary log folder stays, and a killed one's too
+        hosts.start(i, _node_argv(i, port, *extra, "--log-dir", str(tmp_path / f"logs{i}")), ENV, cwd=str(tmp_path))
+    deadline = time.monotonic() + 180
+    while _steps_done(metrics) < 3:  # training is under way on every rank: rank 0 has written its third step
+        assert time.monotonic() < deadline and all(h.proc.poll() is None for h in hosts.hosts.values()), [
+            hosts.output(i)[-2000:] for i in range(2)
+        ]
+        time.sleep(0.2)
+    hosts.kill(lost)
+    survivor = 1 - lost
+    code = hosts.wait(survivor, timeout=timeout_s + 30)
+    took = time.monotonic() - hosts.hosts[lost].killed_at
+    lines = hosts.hosts[survivor].lines()
+    assert code == 1, lines
+    assert took < timeout_s, (took, lines)  # the connections to the lost host closed: no timeout had to pass
+    ranks, left = ([2, 3], [0, 1]) if lost == 1 else ([0, 1], [2, 3])
+    how = "its launcher stopped answering" if lost == 1 else f"the rendezvous store it served at fsnode0:{port}"
+    assert re.fullmatch(
+        rf"freescale train: error: lost host fsnode{lost} \(node {lost}, ranks {re.escape(str(ranks))}\): {how}.*; "
+        rf"this host's rank\(s\) {re.escape(str(left))} ended after it",
+        lines[-1],
+    ), lines
+    others = [line for line in lines[:-1] if not line.startswith("[freescale] warning: the loader's item in flight")]
+    assert others == [], lines  # the loader's warning on a failed exchange comes from the ranks' own unwinding
+    assert hosts.left(survivor) == []  # the lost host's /dev/shm went with it
+    assert _bad_lines(hosts.output(survivor)) == []
+
+
+@pytest.mark.parametrize("alone", [0, 1], ids=["node-0-waits", "node-1-waits"])
+def test_a_host_that_never_joins_is_one_line_naming_the_endpoint_and_who_came(emulated_hosts, tmp_path, alone):
+    hosts, port = emulated_hosts(2), free_port()
+    argv = _node_argv(alone, port, "--nproc", "2", "--comm-timeout-s", "4", "--log-dir", str(tmp_path / "logs"))
+    hosts.start(alone, argv, ENV, cwd=str(tmp_path))
+    code = hosts.wait(alone, timeout=60)
+    lines = hosts.hosts[alone].lines()
+    assert code == 1, lines
+    endpoint = f"fsnode0:{port} \\(--rdzv-endpoint\\)"
+    if alone == 0:
+        expected = rf"the hosts did not meet at {endpoint} within 4 s \(--comm-timeout-s\): 1 of 2 node\(s\) joined"
+        expected += r" \(node 0 on fsnode0\)"
+    else:
+        expected = rf"no rendezvous answered at {endpoint} within 4 s \(--comm-timeout-s\): node 0, which serves it,"
+        expected += r" has not started .*; 1 of 2 node\(s\) came \(this one, fsnode1\)"
+    assert len(lines) == 1 and re.fullmatch(rf"freescale train: error: {expected}", lines[0]), lines
+    assert hosts.left(alone) == []
+
+
+def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_line(tmp_path):
+    import socket
+
+    from pipelines.cli import build_parser
+    from pipelines.job.flags import config_from_args
+
+    for argv, message in (
+        (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1"], "--node-rank must be in 0..1 (--nnodes 2)"),
+        (["--nnodes", "2", "--rdzv-endpoint", "a"], "rdzv_endpoint must be HOST:PORT with a port in 1..65535"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            config_from_args(build_parser().parse_args(["train", *argv]))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        endpoint = f"localhost:{port}"
+        proc = subprocess.run(
+            [*TRAIN, "--nnodes", "2", "--rdzv-endpoint", endpoint, "--nproc", "1", "--log-dir", str(tmp_path)],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"freescale train: error: node 0 cannot serve the rendezvous at {endpoint} (--rdzv-endpoint): The server "
+        f"socket has failed to listen on any local network address. port: {port}, useIpv6: false, code: -98, name: "
+        "EADDRINUSE, message: address already in use (is the port in use, or the address not this host's?)"
+    ], proc.stderr
