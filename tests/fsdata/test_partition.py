@@ -497,6 +497,20 @@ def test_autotune_converges_with_a_fixed_per_step_overhead(with_weights):
     assert np.abs(autotune.shares().numpy() / balanced - 1).max() < 0.05
 
 
+def test_vbs_autotune_balances_1024_ranks_within_six_steps_of_a_cold_start():
+    """At 1,024 ranks the L^1.5 weights leave VBS's first two steps at a 60% straggler share (the rank of the
+    shortest samples takes ~2,000 of them); the autotune must bring it near FBS's within six steps (the clip of
+    1.5 it had left steps 6-11 at 20%)."""
+    from pipelines.plan.simulate import CostParams, CostStepTime, PresetLengths, SimSettings, simulate
+
+    settings = SimSettings(ranks=1024, batch_size=128, max_uih=21000, steps=6, warmup=6)
+    share = {}
+    for name in ("vbs", "fbs"):
+        lengths = PresetLengths("kuairand-1k", 1024, 128, 21000, 12, seed=0)
+        share[name] = simulate(name, lengths, CostStepTime(CostParams(), seed=0), settings)["straggler_pct"]
+    assert share["vbs"] < 2.5 * share["fbs"], share
+
+
 def test_autotune_state_resumes_exactly():
     speed = np.array([1.0, 1.5, 0.7, 1.0])
     first = AutoTune(4)
