@@ -70,6 +70,43 @@ def test_ranks_of_one_host_share_memory_and_other_hosts_ranks_go_over_tcp_in_one
         assert all(checks), checks
 
 
+def _split_exchanges_on_a_gpu(rank, world_size, layout, devices):
+    from fscomm import get_transport, shm
+
+    shm._host_identity = lambda: (f"host{layout[rank]}", "boot")
+    dev = torch.device(devices[rank])
+    t = get_transport("host")
+    checks = []
+    for step, dtype in enumerate((torch.bfloat16, torch.int64, torch.bool, torch.float32)):
+        rows = [
+            [(s + 2 * d + step) % 4 * (40 if step == 3 else 1) for d in range(world_size)] for s in range(world_size)
+        ]
+        val = lambda s, d, n: (torch.arange(n * 3).reshape(n, 3) % 7 + 10 * s + d).to(dtype)  # noqa: E731
+        x = torch.cat([val(rank, d, rows[rank][d]) for d in range(world_size)]).to(dev)
+        keep = step % 2 == 0
+        h = t.all_to_all(x, rows[rank], [rows[s][rank] for s in range(world_size)], keep_host=keep)
+        y = val(rank, 9, 1 + rank).to(dev)
+        g = t.all_gather(y, sizes=[1 + r for r in range(world_size)])
+        del x, y  # the caller may drop its inputs at once
+        want = torch.cat([val(s, rank, rows[s][rank]) for s in range(world_size)])
+        got = h.wait()
+        checks.append(torch.equal(got.cpu(), want) and (not keep or torch.equal(h.host(), want)))
+        checks.append(torch.equal(g.wait().cpu(), torch.cat([val(s, 9, 1 + s) for s in range(world_size)])))
+    torch.cuda.synchronize()
+    pinned = t.shm._data[rank].tensor.is_pinned() if dev.type == "cuda" else None
+    return t.active_path, checks, pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_split_exchange_on_gpu_ranks_stages_other_hosts_blocks_in_its_pinned_segment():
+    devices = ("cuda", "cuda", "cuda", "cpu")  # 2 hosts: a GPU rank beside a GPU rank, a GPU rank beside a CPU rank
+    results = run_ranks(_split_exchanges_on_a_gpu, 4, args=([0, 0, 1, 1], devices), timeout=240)
+    for rank, (path, checks, pinned) in enumerate(results):
+        assert path == "shm+tcp" and all(checks), (rank, checks)
+        assert pinned is (True if devices[rank] == "cuda" else None), rank
+
+
 # --- freescale train on emulated hosts ---------------------------------------------------------------------
 
 
