@@ -65,11 +65,12 @@ class CostModel:
         whole candidate weight the lengths are whole numbers, mostly fewer distinct ones than samples, so the
         powers of 0..max length are taken once and looked up (the same pow of the same float, so the same bits)."""
         weight = self.candidate_weight
-        if float(weight).is_integer():
-            whole = lengths.uih_lengths.numpy() + int(weight) * lengths.num_candidates.numpy()
-            if whole.size and int(whole.max()) < whole.size:
-                return np.power(np.arange(int(whole.max()) + 1, dtype=np.float64), self.alpha)[whole]
-        return np.power(self.token_lengths(lengths), self.alpha)
+        if not float(weight).is_integer():
+            return np.power(self.token_lengths(lengths), self.alpha)
+        whole = lengths.uih_lengths.numpy() + int(weight) * lengths.num_candidates.numpy()  # = token_lengths
+        if whole.size and int(whole.max()) < whole.size:
+            return np.power(np.arange(int(whole.max()) + 1, dtype=np.float64), self.alpha)[whole]
+        return np.power(whole.astype(np.float64), self.alpha)
 
 
 def _check_coefficients(coefficients) -> np.ndarray:

@@ -46,16 +46,27 @@ from fsdata.partition.cost import CostModel
 from fsdata.partition.deal import deal_in_order
 
 
-def segment_cuts(sorted_weights: np.ndarray, shares: np.ndarray, ensure_nonempty: bool = True) -> np.ndarray:
+def weight_prefix(sorted_weights: np.ndarray) -> np.ndarray:
+    """[G+1] running sum of the weights from 0: segment ``[a, b)`` weighs ``prefix[b] - prefix[a]``."""
+    prefix = np.zeros(sorted_weights.size + 1)
+    np.cumsum(sorted_weights, out=prefix[1:])
+    return prefix
+
+
+def segment_cuts(
+    sorted_weights: np.ndarray, shares: np.ndarray, ensure_nonempty: bool = True, prefix: np.ndarray | None = None
+) -> np.ndarray:
     """[n+1] cut positions of ``sorted_weights`` into n segments whose weights follow ``shares`` (sum 1).
 
-    All-zero weights fall back to equal counts (every sample the same weight).
+    All-zero weights fall back to equal counts (every sample the same weight). ``prefix``: the weights' running
+    sum from 0 (:func:`weight_prefix`), if the caller has it already.
     """
     count = sorted_weights.size
     world_size = shares.size
-    weights = sorted_weights if sorted_weights.sum() > 0 else np.ones(count)
-    prefix = np.zeros(count + 1)
-    np.cumsum(weights, out=prefix[1:])
+    if sorted_weights.sum() > 0:
+        prefix = weight_prefix(sorted_weights) if prefix is None else prefix
+    else:
+        prefix = weight_prefix(np.ones(count))
     targets = prefix[-1] * np.cumsum(shares)[:-1]
     hi = np.searchsorted(prefix, targets, side="left")
     lo = np.maximum(hi - 1, 0)
@@ -77,6 +88,7 @@ def capped_cuts(
     weight_caps: np.ndarray,
     limit: int,
     ensure_nonempty: bool = True,
+    prefix: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """[n+1] contiguous cuts with segment r weighing at most ``weight_caps[r]`` and holding at most ``limit``
     tokens, or None if there are none. Greedy: each segment takes as many samples as its caps allow (leaving one
@@ -86,31 +98,30 @@ def capped_cuts(
     The greedy stops as soon as its answer is None: when a segment it cut is over a cap (a forced one-sample
     segment), or when the tokens left exceed ``limit`` times the segments left (one of them, the last, would be
     over). A budget VBS's own cuts break usually fails here within the first tenth of the ranks; walking all of
-    them costs 8 ms at 1,024 ranks."""
+    them costs 8 ms at 1,024 ranks. ``prefix``: :func:`weight_prefix` of ``sorted_weights``, if at hand."""
     count, world_size = sorted_weights.size, weight_caps.size
-    weight_prefix = np.zeros(count + 1)
-    np.cumsum(sorted_weights, out=weight_prefix[1:])
-    token_prefix = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(sorted_tokens, out=token_prefix[1:])
-    slack = 1e-9 * max(weight_prefix[-1], 1e-300)  # float sums of the same weights in another order
+    weights_before = weight_prefix(sorted_weights) if prefix is None else prefix
+    tokens_before = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(sorted_tokens, out=tokens_before[1:])
+    slack = 1e-9 * max(weights_before[-1], 1e-300)  # float sums of the same weights in another order
     over = weight_caps + slack
-    total_tokens = int(token_prefix[-1])
+    total_tokens = int(tokens_before[-1])
     cuts = np.zeros(world_size + 1, dtype=np.int64)
     start = 0
     for r in range(world_size - 1):
-        if total_tokens - int(token_prefix[start]) > (world_size - r) * limit:
+        if total_tokens - int(tokens_before[start]) > (world_size - r) * limit:
             return None
-        by_weight = int(weight_prefix.searchsorted(weight_prefix[start] + weight_caps[r] + slack, "right")) - 1
-        by_tokens = int(token_prefix.searchsorted(token_prefix[start] + limit, "right")) - 1
+        by_weight = int(weights_before.searchsorted(weights_before[start] + weight_caps[r] + slack, "right")) - 1
+        by_tokens = int(tokens_before.searchsorted(tokens_before[start] + limit, "right")) - 1
         end = min(by_weight, by_tokens)
         if ensure_nonempty and count >= world_size:
             end = min(max(end, start + 1), count - (world_size - 1 - r))
         end = max(end, start)
-        if token_prefix[end] - token_prefix[start] > limit or weight_prefix[end] - weight_prefix[start] > over[r]:
+        if tokens_before[end] - tokens_before[start] > limit or weights_before[end] - weights_before[start] > over[r]:
             return None
         cuts[r + 1] = start = end
     cuts[-1] = count
-    weights, tokens = np.diff(weight_prefix[cuts]), np.diff(token_prefix[cuts])
+    weights, tokens = np.diff(weights_before[cuts]), np.diff(tokens_before[cuts])
     if tokens.max(initial=0) > limit or bool((weights > over).any()):
         return None
     return cuts
@@ -127,18 +138,19 @@ class VBSPartitioner:
         weights = self.cost_model.sample_costs(lengths, runtime)
         sorted_index = cost_sort_order(weights, lengths)
         sorted_weights = weights[sorted_index]
+        prefix = weight_prefix(sorted_weights)
         shares = runtime.shares(lengths.world_size)
-        cuts = segment_cuts(sorted_weights, shares, self.ensure_nonempty)
+        cuts = segment_cuts(sorted_weights, shares, self.ensure_nonempty, prefix)
         ranks = np.arange(lengths.world_size, dtype=np.int64)
         dest = np.empty(lengths.num_samples, dtype=np.int64)
         dest[sorted_index] = np.repeat(ranks, np.diff(cuts))
         budget = runtime.memory_budget
 
         def contiguous(tokens: np.ndarray) -> np.ndarray | None:
-            segment_weights = np.diff(np.concatenate([[0.0], np.cumsum(sorted_weights)])[cuts])
+            segment_weights = np.diff(prefix[cuts])
             heaviest = float((segment_weights / np.maximum(shares, 1e-300)).max())
             capped = capped_cuts(
-                sorted_weights, tokens[sorted_index], heaviest * shares, budget.tokens, self.ensure_nonempty
+                sorted_weights, tokens[sorted_index], heaviest * shares, budget.tokens, self.ensure_nonempty, prefix
             )
             if capped is None:
                 return None
