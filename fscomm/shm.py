@@ -562,10 +562,29 @@ class ShmExchange:
                     dst.copy_(src)
         # 3. the other hosts' ranks: their sends and receives posted now, completed while this host's peers are read
         works = post_pairs(self.group, plan.pair_sends(seg), plan.pair_recvs(seg), tag=k & 0x7FFFFFFF)
-        # 4. read each peer's block as soon as it is published
-        pending = dict(plan.reads)
-        host_out = torch.empty(out.shape, dtype=out.dtype) if host_future is not None else None
-        host_parts = []
+        # 4. read each peer's block as soon as it is published, then take what came from the other hosts
+        host_parts = self._read_peers(k, plan.reads, stream if cuda else None, what)
+        for work in works:
+            work.wait()
+        for src, dst in plan.arrived(seg):  # on a GPU rank, from the receiving area; on CPU they landed in place
+            if cuda and src.numel():
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            host_parts.append((src, dst))
+        if host_future is not None:  # the bytes as they arrived, read on the host (no device sync for the caller)
+            host_future.set_result(_host_copy(out, host_parts))
+        if cuda:
+            copied_back.record(stream)
+            copied_back.synchronize()  # the peers may rewrite their segments once I say done
+        held.clear()  # x was read until here (own block, sends); the allocator may now hand its memory out
+        self._mine[_DONE] = k
+        return out
+
+    def _read_peers(self, k: int, reads: list, stream: Optional["torch.cuda.Stream"], what: str) -> list:
+        """Copies each of this host's peers' blocks of exchange ``k`` as soon as it is published (on ``stream``
+        for a GPU rank); returns the (source, destination) pairs it copied."""
+        pending = dict(reads)
+        parts = []
         while pending:
             posted = [o for o in pending if self._ctl[o][_READY] >= k]
             if not posted:
@@ -579,36 +598,15 @@ class ShmExchange:
                 continue
             for o in posted:
                 dst = pending.pop(o)
-                src = self._peer_block(o, dst.numel(), cuda, what)
-                if cuda:
+                src = self._peer_block(o, dst.numel(), stream is not None, what)
+                if stream is not None:
                     with torch.cuda.stream(stream):
                         if src.numel():
                             dst.copy_(src, non_blocking=True)
                 else:
                     dst.copy_(src)
-                if host_out is not None:
-                    host_parts.append((src, dst))
-        for work in works:
-            work.wait()
-        for src, dst in plan.arrived(seg):  # on a GPU rank, from the receiving area; on CPU they landed in place
-            if cuda and src.numel():
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-            if host_out is not None:
-                host_parts.append((src, dst))
-        if host_out is not None:  # the bytes as they arrived, read on the host (no device sync for the caller)
-            base = as_bytes(out).data_ptr()
-            hb = as_bytes(host_out)
-            for src, dst in host_parts:
-                start = dst.data_ptr() - base
-                hb[start : start + src.numel()].copy_(src)
-            host_future.set_result(host_out)
-        if cuda:
-            copied_back.record(stream)
-            copied_back.synchronize()  # the peers may rewrite their segments once I say done
-        held.clear()  # x was read until here (own block, sends); the allocator may now hand its memory out
-        self._mine[_DONE] = k
-        return out
+                parts.append((src, dst))
+        return parts
 
     def _own_data(self, nbytes: int, k: int, cuda: bool) -> Segment:
         """My data segment, grown (a new generation, the old one dropped) when the exchange outgrows it."""
@@ -698,6 +696,16 @@ class ShmExchange:
             f"fscomm {what} on group {self.state.name!r} failed on rank {self.rank} of {self.world_size}: "
             f"rank(s) [{peer}] of the group {how} while this rank waited for it {doing} (shared-memory path)"
         )
+
+
+def _host_copy(out: torch.Tensor, parts: list) -> torch.Tensor:
+    """A host tensor shaped like ``out`` holding what arrived: each (host source, destination in ``out``) pair."""
+    host_out = torch.empty(out.shape, dtype=out.dtype)
+    base, hb = as_bytes(out).data_ptr(), as_bytes(host_out)
+    for src, dst in parts:
+        start = dst.data_ptr() - base
+        hb[start : start + src.numel()].copy_(src)
+    return host_out
 
 
 def _closed_how(ctl: np.ndarray) -> str:
