@@ -110,6 +110,26 @@ def test_the_split_exchange_on_gpu_ranks_stages_other_hosts_blocks_in_its_pinned
 # --- freescale train on emulated hosts ---------------------------------------------------------------------
 
 
+def test_the_emulation_script_gives_each_host_its_name_and_its_own_dev_shm(emulated_hosts):
+    script = ROOT / "scripts" / "emulate_hosts.py"
+    command = "hostname; getent hosts fsnode1 | cut -f1 -d' '; touch /dev/shm/fs-probe-{index}; ls /dev/shm"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--hosts", "2", "--", "sh", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for i in range(2):  # its name, the other host's address, and only its own file in its /dev/shm
+        assert [line for line in proc.stdout.splitlines() if line.startswith(f"[fsnode{i}]")] == [
+            f"[fsnode{i}] fsnode{i}",
+            f"[fsnode{i}] 127.0.1.2",
+            f"[fsnode{i}] fs-probe-{i}",
+        ], proc.stdout
+    assert sorted(proc.stderr.splitlines()) == [f"[fsnode{i}] left in its /dev/shm: fs-probe-{i}" for i in range(2)]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("fs-probe-")]  # the hosts' tmpfs went with them
+
+
 def _node_argv(i: int, port: int, *extra: str, nnodes: int = 2) -> list[str]:
     return [*TRAIN, "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", f"fsnode0:{port}", *extra]
 

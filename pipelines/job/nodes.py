@@ -219,7 +219,8 @@ class NodeBoard:
             lost = [r for r in records if r.ended is None and now - r.changed_at > LOST_AFTER_S]
             if lost:
                 names = "; ".join(r.named() for r in lost)
-                return f"lost {names}: its launcher stopped answering at the rendezvous {self.endpoint}", None
+                whose = "its launcher" if len(lost) == 1 else "their launchers"
+                return f"lost {names}: {whose} stopped answering at the rendezvous {self.endpoint}", None
             failed = [r for r in records if r.ended not in (None, "ok") and r.root]
             if failed:
                 first = min(failed, key=lambda r: r.node)
