@@ -106,6 +106,12 @@ def capped_cuts(
     slack = 1e-9 * max(weights_before[-1], 1e-300)  # float sums of the same weights in another order
     over = weight_caps + slack
     total_tokens = int(tokens_before[-1])
+    # Before any segment over a cap, segment r starts no later than where caps 0..r-1 run out: if the tokens left
+    # there already exceed the segments left, the loop below would return None at r or before.
+    furthest = weights_before.searchsorted(np.cumsum(over + slack)[:-1], "right") - 1  # + slack: float sums
+    left = world_size - np.arange(1, world_size)
+    if bool((total_tokens - tokens_before[np.minimum(furthest, count)] > left * limit).any()):
+        return None
     cuts = np.zeros(world_size + 1, dtype=np.int64)
     start = 0
     for r in range(world_size - 1):
