@@ -210,7 +210,7 @@ class AutoTune:
 
     Cold start. Until the first measurement, two steps in, the shares are equal and the weights alone decide, and
     at many ranks they are far off: with ``L ** 1.5`` at 1,024 ranks x 128 samples the rank of the shortest samples
-    takes ~2,000 of them, and the cost model's per-sample time makes it 2.5x the mean rank (60% straggler share,
+    takes ~4,800 of them, and the cost model's per-sample time makes it 2.5x the mean rank (60% straggler share,
     ``freescale simulate``). A clip of 1.5 then needed ~12 steps to converge (every other measurement still judged
     the equal shares); the whole first estimate and a clip of 4 bring it within ~6.
     """
