@@ -8,9 +8,11 @@
         assert hosts.left(0) == []                         # what host 0's command left in its /dev/shm
 
 Each host has its own hostname, its own /dev/shm (a tmpfs of its own) and its own process ids, and reaches the
-others by name over the machine's loopback. ``kill(i)`` ends host i as a lost machine ends: every process of it
-at once (SIGKILL to its init), with its /dev/shm. The fixture kills whatever still runs at the end of the test, so
-no host outlives it; the kernel removes their tmpfs and namespaces with their last process.
+others by name over the machine's loopback; ``emulated_hosts(n, rate="1gbit")`` gives them a network of their own
+instead, each host's link limited to the rate both ways (scripts/emulate_hosts.py, ``--rate``; the test skips with
+the reason where it cannot be made). ``kill(i)`` ends host i as a lost machine ends: every process of it at once
+(SIGKILL to its init), with its /dev/shm. The fixture kills whatever still runs at the end of the test, so no host
+outlives it; the kernel removes their tmpfs and namespaces with their last process, and the fixture the network.
 
 Tests that start ranks on the hosts carry the ``multiprocess`` marker (tests/conftest.py fails one that does not).
 """
@@ -40,16 +42,21 @@ def _load_emulator():
 
 
 emulator = _load_emulator()
-_problem: Optional[str] = None
-_probed = False
+_problems: dict[str, Optional[str]] = {}
 
 
 def namespace_problem() -> Optional[str]:
     """Why hosts cannot be emulated here (asked once per test session), or None."""
-    global _problem, _probed
-    if not _probed:
-        _problem, _probed = emulator.namespace_problem(), True
-    return _problem
+    if "hosts" not in _problems:
+        _problems["hosts"] = emulator.namespace_problem()
+    return _problems["hosts"]
+
+
+def network_problem() -> Optional[str]:
+    """Why emulated hosts cannot get a rate-limited network here (asked once per test session), or None."""
+    if "network" not in _problems:
+        _problems["network"] = emulator.network_problem()
+    return _problems["network"]
 
 
 def free_port() -> int:
@@ -79,13 +86,15 @@ class Host:
 
 
 class EmulatedHosts:
-    """``n`` emulated hosts named fsnode0 .. fsnode{n-1}; made by the ``emulated_hosts`` fixture."""
+    """``n`` emulated hosts named fsnode0 .. fsnode{n-1}, on a network of ``rate`` when given (``network`` then
+    names its switch namespace); made by the ``emulated_hosts`` fixture."""
 
-    def __init__(self, n: int, work: Path, shm_size: str = emulator.SHM_SIZE):
+    def __init__(self, n: int, work: Path, shm_size: str = emulator.SHM_SIZE, rate: Optional[str] = None):
         self.names = emulator.host_names(n)
         self.work = work
         self.shm_size = shm_size
-        self.hosts_file = emulator.write_hosts_file(work, self.names)
+        self.network = emulator.Network(rate) if rate is not None else None
+        self.hosts_file = emulator.write_hosts_file(work, self.names, networked=self.network is not None)
         self.hosts: dict[int, Host] = {}
 
     def start(self, index: int, argv: Sequence[str], env: Optional[dict] = None, cwd: Optional[str] = None) -> Host:
@@ -96,9 +105,21 @@ class EmulatedHosts:
         out_path = self.work / f"{name}.out"
         report = self.work / f"{name}.{emulator.LEFT_REPORT}"
         report.unlink(missing_ok=True)
-        cmd = emulator.host_argv(name, argv, self.hosts_file, self.work, self.shm_size)
         with open(out_path, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+            proc = emulator.spawn_host(
+                index,
+                name,
+                argv,
+                self.hosts_file,
+                self.work,
+                self.shm_size,
+                self.network,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
         self.hosts[index] = Host(name, proc, out_path)
         return self.hosts[index]
 
@@ -135,26 +156,33 @@ class EmulatedHosts:
         return self.hosts[index].output
 
     def close(self) -> None:
-        """Kills every host still running (a failed test's leftovers): none outlives the test."""
+        """Kills every host still running (a failed test's leftovers): none outlives the test; then removes the
+        network, if any (its switch namespace, the bridge and every veth)."""
         for index, host in self.hosts.items():
             if host.proc.poll() is None:
                 self.kill(index)
+        if self.network is not None:
+            self.network.close()
 
 
 @pytest.fixture
 def emulated_hosts():
-    """A factory of emulated hosts: ``emulated_hosts(n)``; skips the test, with the reason, where namespaces
-    cannot be made (not root, no unshare, a container that refuses them). Every host is killed at the end."""
+    """A factory of emulated hosts: ``emulated_hosts(n)``, or ``emulated_hosts(n, rate="1gbit")`` on a network of
+    their own; skips the test, with the reason, where namespaces (or, with a rate, the network) cannot be made (not
+    root, no unshare, ip or tc, a container that refuses them). Every host is killed, and every network removed, at
+    the end."""
     problem = namespace_problem()
     if problem:
         pytest.skip(problem)
     made: list[EmulatedHosts] = []
     work = Path(tempfile.mkdtemp(prefix="fs-hosts-"))
 
-    def make(n: int, shm_size: str = emulator.SHM_SIZE) -> EmulatedHosts:
+    def make(n: int, shm_size: str = emulator.SHM_SIZE, rate: Optional[str] = None) -> EmulatedHosts:
+        if rate is not None and network_problem():
+            pytest.skip(network_problem())
         sub = work / str(len(made))
         sub.mkdir()
-        made.append(EmulatedHosts(n, sub, shm_size))
+        made.append(EmulatedHosts(n, sub, shm_size, rate))
         return made[-1]
 
     try:

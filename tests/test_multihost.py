@@ -3,7 +3,8 @@
 
 2 hosts of 2 ranks train bit for bit as 1 host of 4; a lost host (every process of it killed at once) ends the
 others in one line naming it, within the communication timeout, leaving no segment in any host's /dev/shm; hosts
-that do not meet end in one line naming the endpoint and how many joined (docs/reliability.md, Multi-node)."""
+that do not meet end in one line naming the endpoint and how many joined (docs/reliability.md, Multi-node); hosts
+on a network of their own, rate-limited links to a bridge, train over it and leave no namespace or link."""
 
 from __future__ import annotations
 
@@ -168,6 +169,37 @@ def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_h
     assert hosts.output(1).strip() == ""  # the summary is rank 0's, on the first host
     assert [hosts.left(i) for i in range(2)] == [[], []]
     assert _bad_lines(hosts.output(0) + hosts.output(1)) == []
+
+
+# after the command, what the host's tbf sent (the host's namespace and its links go with its last process)
+_THEN_TBF_SENT = (
+    "sh",
+    "-c",
+    '"$@"; code=$?; tc -s qdisc show dev eth0 | grep -o "Sent [0-9]* bytes"; exit $code',
+    "sh",
+)
+
+
+def test_two_hosts_train_over_rate_limited_links_and_leave_no_namespace_or_link(emulated_hosts, tmp_path):
+    hosts, port = emulated_hosts(2, rate="1gbit"), free_port()
+    switch = hosts.network.switch
+    common = ("--nproc", "2", "--steps", "4", "--comm-timeout-s", "60", "--summary-json", str(tmp_path / "s.json"))
+    for i in range(2):
+        hosts.start(i, [*_THEN_TBF_SENT, *_node_argv(i, port, *common)], ENV, cwd=str(tmp_path))
+    codes = hosts.wait_all(timeout=120)
+    assert codes == {0: 0, 1: 0}, [hosts.output(i)[-2000:] for i in range(2)]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["world_size"] == 4 and summary["steps"] == 4
+    paths = summary["transport"]["host"]
+    assert paths and all(p == {"path": "shm+tcp", "shm_pairs": 2, "tcp_pairs": 4} for p in paths.values()), paths
+    assert [hosts.left(i) for i in range(2)] == [[], []]
+    for i in range(2):  # the ranks' traffic to the other host went through this host's limited link
+        sent = re.fullmatch(r"Sent (\d+) bytes", hosts.hosts[i].lines()[-1])
+        assert sent and int(sent.group(1)) > 100_000, hosts.output(i)[-2000:]
+    hosts.close()
+    assert switch not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not re.search(r"^\d+: (fsh\d|fse\d|fsbr)", links, re.MULTILINE), links
 
 
 def _steps_done(metrics: Path) -> int:
