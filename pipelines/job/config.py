@@ -176,9 +176,9 @@ class JobModelSection:
     CHOICES: ClassVar[dict] = {"attention": ATTENTIONS}
 
     name: str = "tiny"
-    """A reference preset (tiny, small, production), or a factory of your own model: ``module:function`` (on
-    sys.path, the current directory first) or ``path/to/file.py:function``; it gets this job's config and returns
-    a ``pipelines.ModelSpec`` (docs/api.md)."""
+    """A built-in preset (the reference model's tiny, small, production; HSTU's hstu, hstu-large), or a factory of
+    your own model: ``module:function`` (on sys.path, the current directory first) or ``path/to/file.py:function``;
+    it gets this job's config and returns a ``pipelines.ModelSpec`` (docs/api.md)."""
     num_items: Optional[int] = None
     """The preset's item table rows, overridden."""
     dim: Optional[int] = None

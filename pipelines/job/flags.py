@@ -43,7 +43,7 @@ class Flag(NamedTuple):
 # Every field's flag, by the field's path; a test checks that every field has one and every entry a field.
 FLAGS = {
     "data.path": Flag("'synthetic' or Parquet path", "--data", "PATH"),
-    "data.preset": Flag("synthetic preset (tiny, kuairand-1k, kuairand-27k, movielens-20m)"),
+    "data.preset": Flag("synthetic data (docs/schema.md)"),
     "data.num_samples": Flag("synthetic samples per epoch"),
     "data.collision_rate": Flag("synthetic: rows shared by consecutive batches"),
     "data.uih_cap": Flag("longest UIH kept (most recent)"),
@@ -53,7 +53,7 @@ FLAGS = {
     "data.eval_path": Flag("held-out Parquet: NE and AUC at the end", "--eval-data", "PATH"),
     "data.batch_size": Flag("local batch size per rank"),
     "data.prefetch_depth": Flag("batches read ahead of the model"),
-    "model.name": Flag("tiny, small, production, or module:function", "--model", "MODEL"),
+    "model.name": Flag("tiny|small|production|hstu|hstu-large|module:function", "--model", "MODEL"),
     "model.num_items": Flag("override the preset's item table rows"),
     "model.dim": Flag("override the preset's width d"),
     "model.num_layers": Flag("override the preset's transformer blocks"),
@@ -92,7 +92,9 @@ FLAGS = {
     "checkpoint.resume": Flag("'latest' or a step directory", metavar="STEP"),
     "checkpoint.async_save": Flag("save checkpoints in the background", "--async-checkpoint"),
     "checkpoint.export": Flag("the trained model's state_dict, and PATH.json", metavar="PATH"),
-    "tuning.attention_impl": Flag("jagged attention kernel on CUDA (default varlen; flex with --deterministic)"),
+    "tuning.attention_impl": Flag(
+        "attention kernel on CUDA (reference: varlen, flex with --deterministic; hstu: its Triton kernel)"
+    ),
     "tuning.pin_memory": Flag("pin host memory of batches (forced on when the trainer trains on CUDA)"),
     "tuning.background_stages": Flag("run the balancer / ID-prefetch stages one batch ahead in a worker thread"),
     "tuning.worker_start": Flag(

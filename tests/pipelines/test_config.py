@@ -22,7 +22,8 @@ OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --eval-data --model --num-items --dim --num-layers --max-uih --attention
 --batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
---embedding-optimizer --embedding-lr --nproc --steps --warmup-steps --lr --seed --device --precision --deterministic
+--embedding-optimizer --embedding-lr --nproc --nnodes --node-rank --rdzv-endpoint --steps --warmup-steps --lr --seed
+--device --precision --deterministic
 --no-deterministic --eval-every --summary-json --metrics-jsonl --progress --no-progress --checkpoint-dir
 --checkpoint-every --resume --async-checkpoint --no-async-checkpoint --export --trace --comm-timeout-s --verbose
 --no-verbose --log-dir --transport --tuning.attention-impl --tuning.pin-memory --tuning.no-pin-memory
