@@ -16,10 +16,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hstu": ("benchmarks.hstu", "jagged HSTU attention: Triton kernel vs padded twin vs generative-recommenders'"),
     "hstu-step": ("benchmarks.hstu_step", "one training step of the HSTU model: TFLOP/s and MFU, rab on and off"),
     "transport": ("benchmarks.transport", "transport latency, bandwidth and compute contention"),
+    "multihost": ("benchmarks.multihost", "mixed shm+tcp against all-TCP on emulated hosts with rate-limited links"),
     "peer": ("benchmarks.peer", "the experimental copy-engine peer transport against plain peer copies (CUDA)"),
     "embedding": ("benchmarks.embedding", "exposed embedding communication: sync vs prioritized"),
     "e2e": ("benchmarks.e2e", "every train mode on the same data, bubbles side by side"),
-    "host": ("benchmarks.host", "host work per step that grows with the world size, at 8-256 ranks"),
+    "host": ("benchmarks.host", "host work per step that grows with the world size, at 8-1,024 ranks"),
     "replay": ("benchmarks.replay", "freescale simulate on measured step times of the reference model"),
     "scaling": ("benchmarks.scaling", "the scaling table and the replay cross-check from e2e and replay JSON"),
 }

@@ -113,7 +113,8 @@ class MemoryModel:
     four copies of a 21,000-event sample, through the two points) on an H200, bf16, jagged attention (varlen), model
     preset
     ``replay`` (d=256, 2 layers, 4 heads): 12.9 KiB per token and 0.83 GiB fixed (docs/bench/replay_h200_jagged.json).
-    Another model needs its own figures: ``auto:bytes_per_token=...,fixed_bytes=...,headroom=...``.
+    ``freescale train`` probes the job's own model instead (pipelines/job/memory_probe.py); figures given as
+    ``auto:bytes_per_token=...,fixed_bytes=...,headroom=...`` replace the probe.
     """
 
     bytes_per_token: float = 13214.0
