@@ -34,11 +34,12 @@ import math
 import platform
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from benchmarks.timing import call_times_ms
 from kernels.attention import PackedOffsets
 from kernels.hstu import hstu_attention
 
@@ -106,30 +107,6 @@ def fwd_flops(lengths: np.ndarray, heads: int, dim: int) -> float:
     return 2.0 * heads * dim * float(np.sum(lengths.astype(np.float64) ** 2))
 
 
-def _time_ms(device: torch.device, fn: Callable[[], None], reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _inputs(lengths: np.ndarray, heads: int, dim: int, device: torch.device, dtype: torch.dtype, rab: bool) -> dict:
     gen = torch.Generator().manual_seed(1001)
     n = int(lengths.sum())
@@ -185,8 +162,8 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
         forward().backward(data["grad"])
 
     with torch.no_grad():
-        fwd_ms = _time_ms(device, forward, args.reps, args.warmup)
-    fwd_bwd_ms = _time_ms(device, forward_backward, args.reps, args.warmup)
+        fwd_ms = statistics.median(call_times_ms(device, forward, args.reps, args.warmup))
+    fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))
     flops = fwd_flops(lengths, args.heads, dim)
     return Record(
         **base,

@@ -56,13 +56,13 @@ import json
 import math
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from benchmarks.timing import call_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
 from pipelines.api.numerics import autocast
@@ -189,30 +189,6 @@ def step_flops(lengths: np.ndarray, dim: int, num_layers: int, num_heads: int, h
     return dict(linear=linear, attention=attention, total=linear + attention)
 
 
-# ---------------------------------------------------------------- timing
-def _time_ms(device: torch.device, fn: Callable[[], None], reps: int, warmup: int) -> list[float]:
-    """Each of ``reps`` calls' milliseconds after ``warmup`` calls: CUDA events on CUDA, the wall clock elsewhere."""
-    for _ in range(warmup):
-        fn()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def build_step(model: HSTUModel, batch: Batch, precision: str, device: torch.device) -> Callable[[], None]:
     """The training step on ``batch``: forward and loss (under bf16 autocast for ``autocast``), backward, Adam
     (fused on CUDA), gradients cleared."""
@@ -266,7 +242,7 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
         )
         out.backward(grad)
 
-    return statistics.median(_time_ms(device, run, reps, warmup))
+    return statistics.median(call_times_ms(device, run, reps, warmup))
 
 
 # ---------------------------------------------------------------- one row
@@ -297,7 +273,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precis
     if precision == "bf16":
         model = model.to(torch.bfloat16)
     try:
-        times = _time_ms(device, build_step(model, batch, precision, device), args.reps, args.warmup)
+        times = call_times_ms(device, build_step(model, batch, precision, device), args.reps, args.warmup)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
