@@ -11,7 +11,9 @@ is given. The node is built with
     plan       the sharding plan (fsembed.plan.ShardingPlan, plain data): it stacks a batch's ids per group of
                tables and says which rank owns which stacked id
     features   batch -> {feature: ids, or the ids of each call of the feature's module, in call order}: the one
-               place a batch's ids are computed (the model's, or the KeyedJaggedTensor among its inputs)
+               place a batch's ids are computed (the model's, or the KeyedJaggedTensor among its inputs); or
+               batch -> ``Derived(features, args)`` where the ids were read from the model's arguments ``args``,
+               which then travel with them to the step (the user's ``inputs()`` runs once per batch)
     transport  anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
 and yields the loader item with ``prefetched`` set (``PrefetchedIds``: the batch's ids per feature, and per group
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar, Union
 
 import torch
 
@@ -154,13 +156,35 @@ class _OnDevice:
 
 
 @dataclass
+class Derived:
+    """What a ``features`` function returns when it read the ids from the model's arguments: the ids, and the
+    arguments (a tuple of tensors and of objects with ``to``, ``pin_memory`` and ``record_stream``, such as a
+    KeyedJaggedTensor), which the step then takes instead of computing them again."""
+
+    features: Features
+    args: Optional[tuple] = None
+
+
+def carried_args(args: tuple, batch: Batch) -> Optional[tuple]:
+    """``args`` where they can travel with the ids to the step's device (every element a tensor or an object
+    with ``to``, ``pin_memory`` and ``record_stream``, and none the batch itself, which travels on its own);
+    None otherwise (the step computes them again from its batch)."""
+    for a in args:
+        if a is batch or not all(hasattr(a, m) for m in ("to", "pin_memory", "record_stream")):
+            return None
+    return tuple(args)
+
+
+@dataclass
 class PrefetchedIds:
     """One batch's ids: per feature, the ids its lookups take (``features``: flat, batch-major, every call of a
-    module in call order; what the swapped modules are called with), and per key (group of tables) their
-    exchange in flight (``keys``)."""
+    module in call order; what the swapped modules are called with), per key (group of tables) their exchange in
+    flight (``keys``), and the model's arguments they were read from where they travel too (``args``,
+    :class:`Derived`)."""
 
     keys: dict[str, ShardedIds]
     features: dict[str, torch.Tensor] = field(default_factory=dict)
+    args: Optional[tuple] = None
 
     def __getitem__(self, key: str) -> ShardedIds:
         if key not in self.keys:
@@ -172,11 +196,15 @@ class PrefetchedIds:
         return PrefetchedIds(
             {k: v.to(device) for k, v in self.keys.items()},
             {f: ids.to(device, non_blocking=True) for f, ids in self.features.items()},
+            None if self.args is None else tuple(a.to(device, non_blocking=True) for a in self.args),
         )
 
     def record_stream(self, stream) -> None:
         for t in self.tensors():
             t.record_stream(stream)
+        for a in self.args or ():
+            if not isinstance(a, torch.Tensor):  # a KeyedJaggedTensor records its own tensors
+                a.record_stream(stream)
 
     def equals(self, other: Any) -> bool:
         """The same ids and exchanges' layout (keys, splits, permutations; not the ids still in flight): what a
@@ -205,10 +233,16 @@ class PrefetchedIds:
         return PrefetchedIds(
             {k: v.pin_memory() for k, v in self.keys.items()},
             {f: ids if ids.is_cuda else ids.pin_memory() for f, ids in self.features.items()},
+            None if self.args is None else tuple(_pinned(a) for a in self.args),
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for v in self.keys.values() for t in v.tensors()] + list(self.features.values())
+        own = [t for v in self.keys.values() for t in v.tensors()] + list(self.features.values())
+        return own + [a for a in self.args or () if isinstance(a, torch.Tensor)]
+
+
+def _pinned(a: Any) -> Any:
+    return a if getattr(a, "is_cuda", False) else a.pin_memory()
 
 
 def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
@@ -316,6 +350,7 @@ if BaseNode is not None:
 
         features: dict[str, torch.Tensor]
         sized: dict[str, SizedIds]
+        args: Optional[tuple] = None
 
     class IdSizeExchange(AsyncStage):
         """First half of the ID prefetch: computes each batch's ids (``features``, once: they travel on with the
@@ -331,7 +366,7 @@ if BaseNode is not None:
             source,
             plan: ShardingPlan,
             transport,
-            features: Callable[[Batch], Features],
+            features: Callable[[Batch], Union[Features, Derived]],
             rank: int = 0,
             timer=None,
         ):
@@ -341,9 +376,11 @@ if BaseNode is not None:
 
         def start(self, item) -> LoaderItem:
             item = as_item(item)
-            ids = flat_features(self.features(item.batch))
+            got = self.features(item.batch)
+            derived = got if isinstance(got, Derived) else Derived(got)
+            ids = flat_features(derived.features)
             sized = start_sizes(self.plan.stack_ids(ids), self.boundaries, self.transport, self.rank)
-            return replace(item, extras={**item.extras, SIZES_KEY: _SizedBatch(ids, sized)})
+            return replace(item, extras={**item.extras, SIZES_KEY: _SizedBatch(ids, sized, derived.args)})
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started
@@ -368,13 +405,13 @@ if BaseNode is not None:
             extras = dict(item.extras)
             sized = extras.pop(SIZES_KEY)
             exchanges = {k: s.post() for k, s in sized.sized.items()}
-            return replace(item, prefetched=PrefetchedIds(exchanges, sized.features), extras=extras)
+            return replace(item, prefetched=PrefetchedIds(exchanges, sized.features, sized.args), extras=extras)
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started  # the ids are waited for by the embedding exchanges, where they are needed
 
     def id_prefetch_stages(
-        plan: ShardingPlan, transport, features: Callable[[Batch], Features], rank: int = 0, timer=None
+        plan: ShardingPlan, transport, features: Callable[[Batch], Union[Features, Derived]], rank: int = 0, timer=None
     ) -> list:
         """The two loader stages of the ID prefetch, for ``fsdata.loader.build_loader(stages=...)``."""
         return [

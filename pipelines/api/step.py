@@ -331,8 +331,13 @@ class TrainStep:
         with self.hooks.phase("freescale/forward"):
             derived, self._derived = self._derived, None
             derived = derived if derived is not None and derived[0] is batch else (batch, None, None)
-            # the user's inputs(), once per step (or kept from the last step, which derived this batch's ids)
-            args = derived[1] if derived[1] is not None else as_args(self.inputs, batch)
+            # the user's inputs(), once per step: kept from the last step, which derived this batch's ids, or from
+            # the loader's ID prefetch, which read the ids from them; else called here
+            args = derived[1]
+            if args is None and item.prefetched is not None:
+                args = item.prefetched.args
+            if args is None:
+                args = as_args(self.inputs, batch)
             if self.wrap is not None:
                 self.wrap.begin_step(self.context(item, upcoming, args, derived[2]))
             with autocast(self.autocast_dtype, self.device):

@@ -212,8 +212,16 @@ class EmbeddingWrap:
         # The loader's batches are on the CPU: their ids travel through the host transport, on a group of the
         # loader's own (the loader's stages issue from the loader's worker thread, fsdata.nodes.background).
         transport = host_transport("id-prefetch")
-        features = self.features if self.features is not None else self.feature_ids
+        features = self.features if self.features is not None else self._derive_in_loader
         return id_prefetch_stages(self.collection.plan, transport, features, rank, timer)
+
+    def _derive_in_loader(self, batch: Batch):
+        """The loader's ids of a KeyedJaggedTensor model's batch, read from its arguments (the user's
+        ``inputs()``, here once), which travel with them to the step where they can (fsembed.id_prefetch.Derived)."""
+        from fsembed.id_prefetch import Derived, carried_args
+
+        args = as_args(self.inputs, batch)
+        return Derived(self.feature_ids(batch, args), carried_args(args, batch))
 
     def loader_stages(self, rank: int, timer=None) -> list:
         """The loader stages this wrap wants (the ID prefetch in sdd / semisync / freescale; none in

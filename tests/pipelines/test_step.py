@@ -325,16 +325,19 @@ def _inputs_calls_body(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_the_users_inputs_run_once_per_step_in_the_training_thread():
+def test_the_users_inputs_run_once_per_step():
     """The batch's ids are computed once: by the loader's ID prefetch (from inputs(), in its worker: once per
-    batch) or by the step from the model's arguments; the pre-hook and the swapped modules read them from the step's
-    context. So the user's inputs() runs once per step in the training thread, whatever the mode."""
+    batch, the model's arguments then travelling with the ids to the step) or by the step from the model's
+    arguments; the pre-hook and the swapped modules read them from the step's context. So the user's inputs() runs
+    once per step, whatever the mode: in the loader's worker where the ID prefetch runs, else in the training
+    thread."""
     pytest.importorskip("torchrec")
     for out in run_ranks(_inputs_calls_body, 2, timeout=240):
         for (mode, loader), (steps, calls, losses) in out.items():
             assert steps == 6, (mode, loader)
-            assert calls["training"] == steps, (mode, loader, calls)
-            assert calls["loader"] == (steps if mode == "freescale" and loader else 0), (mode, loader, calls)
+            in_loader = mode == "freescale" and loader
+            assert calls["loader"] == (steps if in_loader else 0), (mode, loader, calls)
+            assert calls["training"] == (0 if in_loader else steps), (mode, loader, calls)
         # the same batches, the same losses: freescale's ids from the loader or from the step, sync's from the step
         assert out[("freescale", True)][2] == out[("sync", True)][2] == out[("freescale", False)][2]
 
