@@ -98,15 +98,18 @@ def namespace_problem() -> Optional[str]:
         return "emulated hosts need util-linux's unshare and mount on PATH"
     if os.geteuid() != 0:
         return f"emulated hosts need root to make namespaces and mount a tmpfs (uid {os.geteuid()})"
-    probe = subprocess.run(
+    return _probe(
         [*_unshare(), "sh", "-c", "hostname fsprobe && mount -t tmpfs -o size=1m fsprobe /dev/shm"],
-        capture_output=True,
-        text=True,
-        timeout=30,
+        "unshare could not make a host's namespaces here",
     )
+
+
+def _probe(argv: list[str], failure: str) -> Optional[str]:
+    """None if ``argv`` succeeds; else ``failure`` with its exit status and what it said, in one line."""
+    probe = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         said = " ".join((probe.stderr or probe.stdout).split())[:200]
-        return f"unshare could not make a host's namespaces here (exit {probe.returncode}: {said})"
+        return f"{failure} (exit {probe.returncode}: {said})"
     return None
 
 
@@ -119,7 +122,7 @@ def network_problem() -> Optional[str]:
     missing = [tool for tool in ("ip", "tc", "nsenter") if shutil.which(tool) is None]
     if missing:
         return f"emulated networks (--rate) need {', '.join(missing)} on PATH (iproute2, util-linux)"
-    probe = subprocess.run(
+    return _probe(
         [
             "unshare",
             "--net",
@@ -129,14 +132,8 @@ def network_problem() -> Optional[str]:
             "ip link set fsprobe1 master fsprobe0 && tc qdisc add dev fsprobe1 root tbf rate 1gbit burst 256kb "
             f"latency {LATENCY}",
         ],
-        capture_output=True,
-        text=True,
-        timeout=30,
+        "no bridge, veth or tbf in a network namespace here, for --rate",
     )
-    if probe.returncode != 0:
-        said = " ".join((probe.stderr or probe.stdout).split())[:200]
-        return f"no bridge, veth or tbf in a network namespace here, for --rate (exit {probe.returncode}: {said})"
-    return None
 
 
 def _unshare(net: bool = False) -> list[str]:
