@@ -17,7 +17,9 @@ in one jagged sequence, its own attention kernel; jagged only). Under the table,
 share`` puts sync's straggler % (no balancer) beside freescale's: the share of the step that ranks spent waiting for
 the slowest one, in real training; and ``NE against sync`` puts every mode's NE beside sync's, with the difference
 (``ne_minus_sync`` in the JSON): the modes train the same model on the same global batches, so their NE differs by
-float rounding alone (the balancer's summation order, and on a GPU bf16), whatever the model.
+float rounding alone (the balancer's summation order, and on a GPU bf16), whatever the model. With ``--repeats``
+2 or more, ``NE run to run`` gives sync's own spread over the runs beside the largest gap of a mode to sync: where
+training amplifies bf16 rounding (the HSTU model under Adam), two sync runs already differ, and that is the floor.
 
 Cases:
     heavy   long, heavy-tailed UIH (where balancing and prioritized updates should pay)
@@ -249,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     for line in straggler_shares(rows) + ne_against_sync(rows):
         print(line)
     if args.repeats > 1:
-        for line in spread(rows):
+        for line in spread(rows) + ne_run_to_run(rows):
             print(line)
     for line in stalled_steps(rows):
         print(line)
@@ -312,6 +314,27 @@ def ne_against_sync(rows: list[dict]) -> list[str]:
         lines.append(
             f"NE against sync, {case} (run {repeat + 1}, model {sync.get('model')}): sync {sync['ne']:.6f}; "
             + ", ".join(f"{r['mode']} {r['ne']:.6f} ({r['ne_minus_sync']:+.1e})" for r in others)
+        )
+    return lines
+
+
+def ne_run_to_run(rows: list[dict]) -> list[str]:
+    """Per case with two sync runs or more: how far sync's NE moves from run to run on its own (bf16 kernels whose
+    sums are not reproducible, amplified by training), beside the largest gap between another mode and sync of
+    the same run: 'NE equal to sync's' reads against that floor, as a straggler share reads against its noise."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        syncs = [r["ne"] for r in rows if r["case"] == case and r["mode"] == "sync" and r.get("ne") is not None]
+        gaps = [
+            abs(r["ne_minus_sync"])
+            for r in rows
+            if r["case"] == case and r["mode"] != "sync" and r.get("ne_minus_sync") is not None
+        ]
+        if len(syncs) < 2 or not gaps:
+            continue
+        lines.append(
+            f"NE run to run, {case}: sync {min(syncs):.6f}-{max(syncs):.6f} over {len(syncs)} runs (spread "
+            f"{max(syncs) - min(syncs):.1e}); largest |mode - sync| of one run {max(gaps):.1e}"
         )
     return lines
 

@@ -47,6 +47,24 @@ def test_every_modes_ne_is_put_beside_syncs_of_the_same_run():
     ]
 
 
+def test_the_ne_gap_reads_against_syncs_own_spread_over_runs():
+    rows = [
+        {"case": "heavy", "mode": "sync", "repeat": 0, "ne": 0.966},
+        {"case": "heavy", "mode": "freescale", "repeat": 0, "ne": 0.981},
+        {"case": "heavy", "mode": "sync", "repeat": 1, "ne": 0.977},
+        {"case": "heavy", "mode": "freescale", "repeat": 1, "ne": 0.975},
+        {"case": "light", "mode": "sync", "repeat": 0, "ne": 0.9},  # one sync run: no spread to read against
+        {"case": "light", "mode": "freescale", "repeat": 0, "ne": 0.9},
+    ]
+    for r in rows:
+        r["bubble_ms"] = r["bubble_median_ms"] = 1.0
+    e2e.pair_with_sync(rows)
+    assert e2e.ne_run_to_run(rows) == [
+        "NE run to run, heavy: sync 0.966000-0.977000 over 2 runs (spread 1.1e-02); largest |mode - sync| of one "
+        "run 1.5e-02"
+    ]
+
+
 @pytest.mark.multiprocess
 def test_sync_and_freescale_train_the_hstu_model_to_the_same_ne_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "e2e.json"
