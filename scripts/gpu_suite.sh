@@ -18,9 +18,9 @@
 #                                        # recommenders' kernel from $HSTU_REFERENCE (default .ref/genrec_hstu) (~6 min)
 #   bash scripts/gpu_suite.sh hstu-dims  # bench hstu at head dims 128 and 256 (~4 min)
 #   bash scripts/gpu_suite.sh hstu-replay  # the memory probe's GPU test, then the replay simulation at 64 and 256 ranks
-#                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~5 min)
-#   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy and light on the HSTU model (hstu-large), sync vs freescale, 2 ranks
-#                                        # sharing the GPU; then a job with --memory-budget auto probing it (~6 min)
+#                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~6 min)
+#   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy (twice: NE run to run) and light on the HSTU model (hstu-large), sync
+#                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off: TFLOP/s, MFU (< 7 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
@@ -157,13 +157,15 @@ PY
     echo "== replay simulation on the HSTU model (hstu-large: d=1024, 8 layers, 4 heads of 256), cap 4,096, B=32"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python3 -m benchmarks replay --device cuda \
       --replay-model-preset hstu-large --replay-jitter repeat --replay-ranks 64,256 --batch-size 32 --max-uih 4096 \
-      --partitioner none,fbs,kk --steps 30 --warmup 10 --replay-timing-ranks 64 --replay-timings 300 \
-      --replay-repeats 3 --replay-time-budget 150 --replay-mem-gib 110 --json "$OUT/replay_hstu.json" 2>&1 | grep -v "^replay timing" | tail -20
+      --partitioner none,fbs,kk --steps 20 --warmup 5 --replay-timing-ranks 64 --replay-timings 150 \
+      --replay-repeats 2 --replay-time-budget 80 --replay-mem-gib 110 --json "$OUT/replay_hstu.json" 2>&1 | grep -v "^replay timing" | tail -20
     ;;
   hstu-e2e)
-    echo "== bench e2e on the HSTU model (hstu-large), heavy and light: sync and freescale, 2 ranks sharing the GPU"
-    timeout 420 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 45 --model hstu-large --uih-cap 4096 \
-      --batch-size 16 --modes sync,freescale --json "$OUT/e2e_hstu.json" 2>&1 | grep -v "^\[bench" | tail -12
+    echo "== bench e2e on the HSTU model (hstu-large): heavy twice (NE run to run), light once; 2 ranks sharing the GPU"
+    timeout 220 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 20 --model hstu-large --uih-cap 4096 \
+      --batch-size 16 --cases heavy --modes sync,freescale --repeats 2 --json "$OUT/e2e_hstu_heavy.json" 2>&1 | grep -v "^\[bench" | tail -10
+    timeout 150 python3 -m benchmarks e2e --device cuda --nproc 2 --steps 30 --model hstu-large --uih-cap 4096 \
+      --batch-size 16 --cases light --modes sync,freescale --json "$OUT/e2e_hstu_light.json" 2>&1 | grep -v "^\[bench" | tail -6
     echo "== freescale train --model hstu-large --memory-budget auto: the budget's memory model probed on the HSTU model"
     timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model hstu-large --preset kuairand-1k \
       --uih-cap 4096 --max-uih 4096 --batch-size 16 --num-samples 1000000 --memory-budget auto --no-progress \
