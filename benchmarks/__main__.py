@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "kernels": ("benchmarks.kernels", "jagged kernels: Triton vs PyTorch twin vs eager loop"),
     "attention": ("benchmarks.attention", "jagged attention kernels (varlen, FlexAttention) vs padded SDPA, fwd+bwd"),
     "hstu": ("benchmarks.hstu", "jagged HSTU attention: Triton kernel vs padded twin vs generative-recommenders'"),
+    "hstu-static": ("benchmarks.hstu_static", "HSTU attention's machine code per score and one-bucket tiles, no GPU"),
     "hstu-step": ("benchmarks.hstu_step", "one training step of the HSTU model: TFLOP/s and MFU, rab on and off"),
     "transport": ("benchmarks.transport", "transport latency, bandwidth and compute contention"),
     "multihost": ("benchmarks.multihost", "mixed shm+tcp against all-TCP on emulated hosts with rate-limited links"),

@@ -12,9 +12,9 @@ that work is kept small: a tile needs the mask only where it crosses the diagona
 sample's end (one scalar test per tile), and for 16-bit inputs the sigmoid is one ``tanh.approx`` instruction
 (sigmoid(x) = (1 + tanh(x / 2)) / 2; fp32 keeps the exact one). rab is one gather per element from a joint [H,
 position buckets x time buckets] table (the two weight tables summed, built per call), at the buckets of
-kernels.pytorch.pt_hstu_attention, mirrored here with the same integer and float-exponent arithmetic, so the twin
-and the kernel agree on every bucket. Timestamps enter as int32 seconds from the sample's first event (gaps
-beyond 2**30 s, 34 years, are clamped).
+kernels.pytorch.pt_hstu_attention, read from the same float32 exponent and mantissa bits, so the twin and the
+kernel agree on every bucket (a test sweeps the int32 range). Timestamps enter as int32 seconds from the sample's
+first event (gaps beyond 2**30 s, 34 years, are clamped).
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), a second over query blocks recomputes the scores and accumulates dQ; no atomics, no locks. The dQ pass
@@ -41,13 +41,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _log_bucket(x, LINEAR: tl.constexpr, LOG2_LINEAR: tl.constexpr, SUB: tl.constexpr, num_buckets):
-    xf = tl.maximum(x, 1).to(tl.float32)
-    bits = xf.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) - 127
-    mantissa = (bits >> (23 - SUB)) & ((1 << SUB) - 1)
-    log_part = LINEAR + ((exponent - LOG2_LINEAR) << SUB) + mantissa
-    bucket = tl.where(x < LINEAR, x.to(tl.int32), log_part)
-    return tl.minimum(tl.maximum(bucket, 0), num_buckets - 1)
+    # x >= 0. A positive float32's bits shifted right by 23 - SUB are its exponent (biased by 127) followed by its
+    # top SUB mantissa bits, so one shift and one add give the twin's LINEAR + ((exponent - LOG2_LINEAR) << SUB) +
+    # mantissa, and no bucket is negative.
+    bits = tl.maximum(x, 1).to(tl.float32).to(tl.int32, bitcast=True)
+    log_part = (bits >> (23 - SUB)) + (LINEAR - ((127 + LOG2_LINEAR) << SUB))
+    return tl.minimum(tl.where(x < LINEAR, x.to(tl.int32), log_part), num_buckets - 1)
 
 
 @triton.jit
