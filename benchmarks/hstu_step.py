@@ -27,6 +27,11 @@ token). Their model interleaves an item and an action token per event (two token
 embedding to its item's token (one), so at the same lengths it runs half their tokens. The FLOPs below count the
 tokens this model runs.
 
+Positions: ``--rab on`` adds the learned relative attention bias inside the attention (work per score);
+``--position-embeddings`` adds learned recency and age embeddings to the input tokens (a gather per token).
+recsys-examples' configuration is rab off with input embeddings: their HSTU config leaves the relative bias off
+and none of their attention kernels takes one.
+
 FLOPs (:func:`step_flops`), counted analytically per step, forward + backward:
 
     per layer   linears   (2 N d 4 H Dh  +  2 N H Dh d) x 3                     (uvqk and output projections)
@@ -83,6 +88,7 @@ class Record:
     preset: str
     lengths: str
     rab: bool
+    position_embeddings: bool
     precision: str
     batch: int
     tokens: int
@@ -112,6 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf-alpha", type=float, default=1.2)
     parser.add_argument("--candidates", default="1-8", help="candidates per sample, LO-HI (uniform) or N")
     parser.add_argument("--rab", default="on,off", help="comma list of on, off: the config's rab")
+    parser.add_argument(
+        "--position-embeddings",
+        action="store_true",
+        help="every row with the config's input position embeddings (with --rab off: recsys-examples' configuration)",
+    )
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default autocast on CUDA, fp32 on CPU")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -248,13 +259,17 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
-    config = HSTUConfig(**{**HSTU_PRESETS[preset], "num_items": args.num_items, "rab": rab})
+    embeddings = args.position_embeddings
+    config = HSTUConfig(
+        **{**HSTU_PRESETS[preset], "num_items": args.num_items, "rab": rab, "position_embeddings": embeddings}
+    )
     lengths = sequence_lengths(host_batch, config.max_uih)
     flops = step_flops(lengths, config.dim, config.num_layers, config.num_heads, config.head_dim)
     base = dict(
         preset=preset,
         lengths=kind,
         rab=rab,
+        position_embeddings=embeddings,
         precision=precision,
         batch=len(lengths),
         tokens=int(lengths.sum()),
@@ -308,15 +323,20 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def table(records: list[Record]) -> str:
     head = (
-        "preset      lengths rab prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step  TFLOP/s  MFU %"
+        "preset      lengths rab emb prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
+        "  TFLOP/s  MFU %"
     )
     lines = [head]
     for r in records:
         left = (
-            f"{r.preset:<11} {r.lengths:<7} {'on' if r.rab else 'off':<3} {r.precision:<8} {r.batch:>5} "
-            f"{r.tokens:>7} {r.max_len:>7}"
+            f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {r.precision:<8} "
+            f"{r.batch:>5} {r.tokens:>7} {r.max_len:>7}"
         )
         if r.skipped:
             lines.append(f"{left}  skipped: {r.skipped}")
@@ -343,7 +363,8 @@ def gates(records: list[Record], device: torch.device) -> list[str]:
         verdict = "met" if r.tflops >= GATE_TFLOPS else "NOT met"
         aim = "; aim met" if r.tflops >= AIM_TFLOPS else ""
         out.append(
-            f"gate {r.preset} {r.lengths} rab {'on' if r.rab else 'off'}: step {r.tflops:.1f} TFLOP/s >= "
+            f"gate {r.preset} {r.lengths} rab {_on(r.rab)}"
+            f"{', input position embeddings' if r.position_embeddings else ''}: step {r.tflops:.1f} TFLOP/s >= "
             f"{GATE_TFLOPS:.1f} (2x recsys-examples' Triton baseline {BASELINE_TFLOPS}/GPU; aim {AIM_TFLOPS:.0f}): "
             f"{verdict}{aim}"
         )
@@ -388,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
             gpu=torch.cuda.get_device_name(device) if cuda else platform.processor(),
             torch=torch.__version__,
             preset=preset,
-            config={k: v for k, v in asdict(config).items() if k != "rab"},  # rab: per record
+            config={k: v for k, v in asdict(config).items() if k not in ("rab", "position_embeddings")},  # per record
             precision=precision,
             batch_size=args.batch_size,
             zipf_alpha=args.zipf_alpha,

@@ -33,6 +33,10 @@ from kernels.attention import Offsets, PackedOffsets, _host_offsets
 from kernels.impl import Impl, resolve
 from kernels.pytorch import pt_hstu_attention
 
+#: The buckets rab reads, for a model that embeds positions and time gaps the same way.
+position_bucket = pt_hstu_attention.position_bucket
+time_bucket = pt_hstu_attention.time_bucket
+
 SUPPORTED = (Impl.TRITON, Impl.TORCH, Impl.PADDED)
 
 

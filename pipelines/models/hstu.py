@@ -9,7 +9,9 @@ each sample's kept UIH followed by its candidates, as one jagged sequence throug
 
 The candidates are the sequence's targets (kernels.hstu): each sees its sample's history and itself, never
 another candidate, so a candidate's logit does not depend on what else is scored beside it. Positions and time
-gaps enter as a learned relative attention bias (``rab``) per head and bucket, computed inside the kernel.
+gaps enter as a learned relative attention bias (``rab``) per head and bucket, computed inside the kernel, and/or
+(``position_embeddings``) as learned embeddings of each token's recency and age added to its input, as
+generative-recommenders' and NVIDIA recsys-examples' HSTU preprocessors do: per token, not per score.
 
 The attention kernel is kernels.hstu's: the Triton kernel on CUDA, its PyTorch twin on CPU. Both read the
 batch's offsets alone, so the model asks the loader for no plan (:meth:`HSTUModel.needs_plan` is False).
@@ -31,7 +33,7 @@ from torch import nn
 
 from fsdata.batch import Batch
 from kernels.attention import PackedOffsets
-from kernels.hstu import hstu_attention
+from kernels.hstu import hstu_attention, position_bucket, time_bucket
 from kernels.hstu import resolve_impl as resolve_hstu_impl
 from kernels.impl import Impl
 from pipelines.models.reference import Kept, truncate
@@ -80,10 +82,15 @@ class HSTUConfig:
     rab: bool = True
     """Learned relative attention bias per head: by position distance, and by time gap where the batch has
     timestamps."""
+    position_embeddings: bool = False
+    """Learned embeddings added to each input token: of its recency (a history event's distance in events from
+    the sample's end, 1 for the latest; 0 for a candidate) by position bucket, and of its age (seconds before
+    the sample's last event; 0 for a candidate) by time bucket where the batch has timestamps. The peers' input
+    positions: they cost a gather per token, where ``rab`` costs work per score."""
     position_buckets: int = 64
-    """Buckets of position distance (kernels.pytorch.pt_hstu_attention.position_bucket)."""
+    """Buckets of position distance (kernels.hstu.position_bucket), for rab and the recency embedding."""
     time_buckets: int = 64
-    """Buckets of time gap in seconds (kernels.pytorch.pt_hstu_attention.time_bucket)."""
+    """Buckets of time gap in seconds (kernels.hstu.time_bucket), for rab and the age embedding."""
     window: int = 0
     """Keys at most this many positions back are seen; 0: the whole history."""
     dropout: float = 0.0
@@ -122,6 +129,8 @@ class Packing:
     offsets: PackedOffsets  # per sample: kept UIH length + number of candidates
     num_targets: torch.Tensor  # [B] the candidates, the last tokens of each sample
     timestamps: Optional[torch.Tensor]  # [N] int64: events' own; a candidate's is its sample's last event's
+    recency: torch.Tensor  # [N] a history event's distance in events from its sample's end (latest 1); candidates 0
+    age: Optional[torch.Tensor]  # [N] seconds before the sample's last event (candidates 0); None without timestamps
     source: torch.Tensor  # [N] each packed token's row in cat([history tokens, candidate tokens])
     candidate_slot: torch.Tensor  # [C_total] each candidate's packed position
     sample_of_candidate: torch.Tensor  # [C_total]
@@ -179,6 +188,12 @@ class HSTUModel(nn.Module):
         d = config.dim
         self.item_embedding = nn.Embedding(config.num_items, d)
         self.action_embedding = nn.Embedding(config.num_actions, d)
+        self.position_embedding = self.time_embedding = None
+        if config.position_embeddings:  # zeros: training starts without them, as if they were off
+            self.position_embedding = nn.Embedding(
+                config.position_buckets, d, _weight=torch.zeros(config.position_buckets, d)
+            )
+            self.time_embedding = nn.Embedding(config.time_buckets, d, _weight=torch.zeros(config.time_buckets, d))
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(d)
         self.dense_proj = nn.Linear(config.dense_dim, d)
@@ -235,7 +250,8 @@ class HSTUModel(nn.Module):
             torch.arange(b, device=device), num_candidates, output_size=num_cand
         )
         candidate_slot = torch.arange(num_cand, device=device) + kept.offsets[1:][sample_of_candidate]
-        timestamps = None
+        recency = torch.where(history, kept_lengths[sample] - pos, 0)
+        timestamps = age = None
         if batch.uih_timestamps is not None:
             events = batch.uih_timestamps[kept.flat]
             last = torch.zeros(b, dtype=torch.int64, device=device)
@@ -243,8 +259,9 @@ class HSTUModel(nn.Module):
                 at_end = batch.uih_timestamps[(batch.uih_offsets[1:] - 1).clamp(min=0)]
                 last = torch.where(kept_lengths > 0, at_end, last)
             timestamps = torch.cat([events, last[sample_of_candidate]])[source]
+            age = last[sample] - timestamps
         packed = PackedOffsets.from_host(host, on_device=offsets if device.type == "cuda" else None)
-        return Packing(packed, num_candidates, timestamps, source, candidate_slot, sample_of_candidate)
+        return Packing(packed, num_candidates, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         kept = truncate(batch, self.config.max_uih)
@@ -260,6 +277,10 @@ class HSTUModel(nn.Module):
         candidates = torch.segment_reduce(content, "sum", lengths=batch.candidate_lengths, axis=0, unsafe=True)
         seq = self._pack(batch, kept)
         x = torch.cat([history, candidates])[seq.source]
+        if self.position_embedding is not None:
+            x = x + self.position_embedding(position_bucket(seq.recency, self.config.position_buckets))
+            if seq.age is not None:
+                x = x + self.time_embedding(time_bucket(seq.age, self.config.time_buckets))
         impl = self.attention_impl(x.device)
         for layer in self.layers:
             x = layer(x, seq, impl)

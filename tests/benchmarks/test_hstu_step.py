@@ -76,3 +76,14 @@ def test_bench_runs_on_cpu_prints_the_table_and_writes_json(tmp_path, capsys):
         assert r["tflops"] == pytest.approx(r["tflop"] * 1e12 / r["step_ms"] / 1e9)
         assert r["mfu"] == pytest.approx(r["tflops"] / bench.PEAK_TFLOPS)
     assert records[0]["seq_lengths"] == records[1]["seq_lengths"]  # rab on and off time the same batch
+
+
+def test_position_embeddings_flag_reaches_the_model_of_every_row(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    path = tmp_path / "hstu_step.json"
+    flags = "--preset hstu --device cpu --batch-size 2 --num-items 500 --reps 1 --warmup 0 --rab off"
+    assert bench.main(parser.parse_args([*flags.split(), "--position-embeddings", "--json", str(path)])) == 0
+    (record,) = json.loads(path.read_text())["records"]
+    assert (record["rab"], record["position_embeddings"]) == (False, True) and record["step_ms"] > 0
+    assert "zipf    off on  fp32" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import torch
 
 from fsdata.batch import Batch, Sample
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import bce_sum
+from pipelines.models.reference import bce_sum, truncate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,10 +39,12 @@ def _sample(i: int, length: int, rng, candidates: int = 3) -> Sample:
 def _model(max_uih: int = 64, **overrides) -> HSTUModel:
     torch.manual_seed(0)
     model = HSTUModel(HSTUConfig(num_items=500, num_labels=2, max_uih=max_uih, **overrides))
-    with torch.no_grad():  # rab weights away from their zero start, so the bias takes part in what is compared
-        for layer in model.layers:
-            layer.position_weights.normal_(std=0.5)
-            layer.time_weights.normal_(std=0.5)
+    with torch.no_grad():  # rab and embeddings away from their zero start, so they take part in what is compared
+        for name, p in model.named_parameters():
+            if name.endswith(
+                ("position_weights", "time_weights", "position_embedding.weight", "time_embedding.weight")
+            ):
+                p.normal_(std=0.5)
     return model.eval()
 
 
@@ -103,6 +105,46 @@ def test_gradients_reach_every_parameter_and_an_empty_batch_the_table():
     assert logits.shape == (0, 2)
     bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
     assert model.item_embedding.weight.grad is not None
+
+
+def test_recency_and_age_count_back_from_the_samples_last_event():
+    rng = np.random.default_rng(0)
+    samples = [_sample(0, 3, rng, 2), _sample(1, 0, rng, 1), _sample(2, 12, rng, 1)]
+    model = _model(max_uih=4, rab=False, position_embeddings=True)
+    batch = Batch.from_samples(samples)
+    seq = model._pack(batch, truncate(batch, 4))
+    assert seq.recency.tolist() == [3, 2, 1, 0, 0] + [0] + [4, 3, 2, 1, 0]
+    times = [samples[0].uih_timestamps, samples[2].uih_timestamps[-4:]]
+    ages = [int(times[0][-1] - t) for t in times[0]] + [0, 0, 0] + [int(times[1][-1] - t) for t in times[1]] + [0]
+    assert seq.age.tolist() == ages and seq.age[[2, 9]].tolist() == [0, 0]  # each latest event is 0 s old
+
+
+def test_position_embeddings_train_and_keep_the_models_invariances():
+    """Recency and age are per sample and relative to its last event: a sample scores the same alone, batched,
+    cut to its most recent max_uih events, or with every timestamp shifted; both tables get gradients."""
+    samples, model = _samples(), _model(max_uih=8, rab=False, position_embeddings=True)
+    assert all(layer.position_weights is None for layer in model.layers)
+    with torch.no_grad():
+        together = model(Batch.from_samples(samples))
+        alone = torch.cat([model(Batch.from_samples([s])) for s in samples])
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+        shifted = [replace(s, uih_timestamps=s.uih_timestamps + 86_400) for s in samples]
+        torch.testing.assert_close(model(Batch.from_samples(shifted)), together)
+        long_ = samples[1]
+        recent = replace(
+            long_,
+            uih_item_ids=long_.uih_item_ids[-8:],
+            uih_action_types=long_.uih_action_types[-8:],
+            uih_timestamps=long_.uih_timestamps[-8:],
+        )
+        torch.testing.assert_close(model(Batch.from_samples([long_])), model(Batch.from_samples([recent])))
+        plain = _model(max_uih=8, rab=False)  # the same weights but no embeddings: the embeddings move the logits
+        plain.load_state_dict(model.state_dict(), strict=False)
+        assert not torch.allclose(plain(Batch.from_samples(samples)), together)
+    batch = Batch.from_samples(samples)
+    bce_sum(model.train()(batch), batch.candidate_labels).backward()
+    for table in (model.position_embedding, model.time_embedding):
+        assert table.weight.grad is not None and table.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
