@@ -21,7 +21,7 @@
 #                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~6 min)
 #   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy (twice: NE run to run) and light on the HSTU model (hstu-large), sync
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
-#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off: TFLOP/s, MFU (< 7 min)
+#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, input embeddings: TFLOP/s, MFU (< 10 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
@@ -150,6 +150,9 @@ PY
     echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab on/off"
     timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab on,off \
       --json "$OUT/hstu_step.json" 2>&1 | tail -12
+    echo "== the same, recsys-examples' configuration: rab off, input position embeddings"
+    timeout 200 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off \
+      --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | tail -4
     ;;
   hstu-replay)
     echo "== GPU test: --memory-budget auto's probe on the HSTU model predicts a 16-copy batch's peak"
