@@ -22,7 +22,7 @@
 #   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy (twice: NE run to run) and light on the HSTU model (hstu-large), sync
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, input embeddings: TFLOP/s, MFU (< 10 min)
-#   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end (~3 min)
+#   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, reference and HSTU models (~6 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
@@ -176,8 +176,8 @@ PY
     tail -4 "$OUT/train_hstu_auto.log"
     ;;
   deterministic)
-    echo "== the deterministic mode end to end: freescale = sync bit for bit without the balancer, and run to run"
-    timeout 400 python3 -m pytest -q -p no:cacheprovider tests/pipelines/test_deterministic_gpu.py 2>&1 | tail -8
+    echo "== the deterministic mode end to end, reference and HSTU models: freescale = sync bit for bit without the balancer, and run to run"
+    timeout 540 python3 -m pytest -q -p no:cacheprovider tests/pipelines/test_deterministic_gpu.py 2>&1 | tail -8
     ;;
   long)
     echo "== bench e2e, long histories (cap 16,384, small model): sync and freescale, 2 interleaved paired runs"

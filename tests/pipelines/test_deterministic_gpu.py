@@ -1,6 +1,7 @@
-"""The deterministic mode on CUDA, end to end through `freescale train` (2 ranks sharing GPU 0): the loss curve of
-freescale's prioritized updates equals sync's bit for bit without the balancer, and a second run of the same job
-gives the same bits. Plain torch + the project only (the GPU machine lacks hypothesis' extras)."""
+"""The deterministic mode on CUDA, end to end through `freescale train` (2 ranks sharing GPU 0), on the reference
+model and on the HSTU model (its Triton attention): the loss curve of freescale's prioritized updates equals sync's
+bit for bit without the balancer, and a second run of the same job gives the same bits. Plain torch + the project
+only (the GPU machine lacks hypothesis' extras)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ JOB = [
     "2",
     "--steps",
     "8",
-    "--model",
-    "small",
     "--uih-cap",
     "1024",
     "--max-uih",
@@ -39,10 +38,21 @@ JOB = [
 ]
 
 
-def _losses(tmp_path, name: str, *flags: str) -> list[float]:
+def _losses(tmp_path, name: str, model: str, *flags: str) -> list[float]:
     summary = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "train", *JOB, *flags, "--summary-json", str(summary)],
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "train",
+            *JOB,
+            "--model",
+            model,
+            *flags,
+            "--summary-json",
+            str(summary),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -51,9 +61,10 @@ def _losses(tmp_path, name: str, *flags: str) -> list[float]:
     return json.loads(summary.read_text())["loss_curve"]
 
 
-def test_prioritized_updates_equal_sync_bit_for_bit_in_the_deterministic_mode(tmp_path):
-    sync = _losses(tmp_path, "sync", "--mode", "sync")
-    freescale = _losses(tmp_path, "freescale", "--mode", "freescale", "--partitioner", "none")
-    again = _losses(tmp_path, "again", "--mode", "freescale", "--partitioner", "none")
+@pytest.mark.parametrize("model", ["small", "hstu"])
+def test_prioritized_updates_equal_sync_bit_for_bit_in_the_deterministic_mode(tmp_path, model):
+    sync = _losses(tmp_path, "sync", model, "--mode", "sync")
+    freescale = _losses(tmp_path, "freescale", model, "--mode", "freescale", "--partitioner", "none")
+    again = _losses(tmp_path, "again", model, "--mode", "freescale", "--partitioner", "none")
     assert len(sync) == 8 and sync == freescale, (sync, freescale)
     assert freescale == again, (freescale, again)
