@@ -6,7 +6,9 @@ Machine code. Each kernel (kernels.triton.triton_hstu_attention: ``fwd``, ``dkdv
 configuration of its head-dim class (the one ``FREESCALE_HSTU_AUTOTUNE=0`` runs; ``--configs all`` for every one),
 bf16, no targets, no window, with rab off, its position part, its time part, and both. Per variant: registers and
 stack bytes per thread (spills land on the stack), and the SASS instructions of one pass of the tile loop over a
-full tile (the masking branch taken past), per thread and per score (``instructions x threads / tile scores``).
+full tile (the masking branch taken past), per thread and per score (``instructions x threads / tile scores``);
+``+inner``: one pass of each loop inside it, per score (the dK/dV pass sums dS per bucket: each bucket a tile's
+pairs span costs one pass of its part's loop).
 The counts are the compiler's, not the GPU's: they move with the Triton version, and a time ratio can exceed
 the instruction ratio where the added work also stalls.
 
@@ -50,8 +52,9 @@ class Resources:
     registers: int
     stack_bytes: int
     shared_kib: float
-    loop_instructions: int  # one pass of the tile loop on a full tile, per thread
+    loop_instructions: int  # one pass of the tile loop on a full tile, per thread, its inner loops left out
     per_score: float  # loop_instructions x threads / scores in the tile
+    inner_per_score: float  # one pass of each inner loop (the dK/dV pass: one bucket of each rab part), per score
     x_off: Optional[float] = None  # per_score over the same kernel's and config's rab-off row
 
 
@@ -133,9 +136,10 @@ _LABEL = re.compile(r"^(\.L\w+):")
 _BRANCH = re.compile(r"\bBRA\b.*`\((\.L\w+)\)")
 
 
-def loop_instructions(sass: str) -> int:
+def loop_instructions(sass: str) -> tuple[int, list[int]]:
     """Instructions of one pass of the outermost loop (the span from a backward branch's target to the branch) on
-    its shortest path: every forward branch inside it taken, so the code it jumps over is left out."""
+    its shortest path: every forward branch inside it taken, so the code it jumps over (the masking, and the
+    inner loops behind their guards) is left out; and the instructions of one pass of each inner loop."""
     addresses, labels, branches = [], {}, []
     pending = []
     for line in sass.splitlines():
@@ -162,7 +166,8 @@ def loop_instructions(sass: str) -> int:
     for address, target in branches:
         if start <= address < end and target in labels and address < labels[target] <= end:
             skipped.update(a for a in addresses if address < a < labels[target])
-    return sum(1 for a in addresses if start <= a <= end and a not in skipped)
+    inner = [sum(1 for a in addresses if lo <= a <= hi) for lo, hi in backward if start < lo and hi < end]
+    return sum(1 for a in addresses if start <= a <= end and a not in skipped), inner
 
 
 def kernel_resources(args: argparse.Namespace) -> list[Resources]:
@@ -196,10 +201,11 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
                     constants.update(PB=BUCKETS, TB=BUCKETS)
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)
                 registers, stack = resource_usage(cubin)
-                loop = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))
-                per_score = loop * warps * 32 / (block_m * block_n)
+                loop, inner = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))
+                per_score, inner_per_score = (x * warps * 32 / (block_m * block_n) for x in (loop, sum(inner)))
                 row = Resources(
-                    name, variant, block_m, block_n, warps, stages, registers, stack, shared / 1024, loop, per_score
+                    *(name, variant, block_m, block_n, warps, stages, registers, stack, shared / 1024),
+                    *(loop, per_score, inner_per_score),
                 )
                 off = off or row
                 row.x_off = per_score / off.per_score
@@ -209,12 +215,13 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
 
 
 def resources_table(rows: list[Resources]) -> str:
-    lines = ["kernel variant tile      warps stages  regs  stack B  smem KiB  loop instr  per score  x off"]
+    lines = ["kernel variant tile      warps stages  regs  stack B  smem KiB  loop instr  per score  x off  +inner"]
     for r in rows:
         tile = f"{r.block_m}x{r.block_n}"
         lines.append(
             f"{r.kernel:<6} {r.variant:<7} {tile:<9} {r.warps:>5} {r.stages:>6} {r.registers:>5} {r.stack_bytes:>8} "
-            f"{r.shared_kib:>9.1f} {r.loop_instructions:>11} {r.per_score:>10.1f} {r.x_off:>6.2f}"
+            f"{r.shared_kib:>9.1f} {r.loop_instructions:>11} {r.per_score:>10.1f} {r.x_off:>6.2f} "
+            f"{r.inner_per_score:>7.1f}"
         )
     return "\n".join(lines)
 

@@ -30,9 +30,26 @@ SASS = """
 """
 
 
+NESTED = """
+.L_x_2:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/              @!P2 BRA P3, `(.L_x_1) ;
+        /*0030*/                   SEL R3, R3, RZ, P0 ;
+.L_x_9:
+        /*0040*/                   SEL R4, R4, RZ, P0 ;
+        /*0044*/               @P1 BRA `(.L_x_9) ;
+.L_x_1:
+        /*0048*/                   NOP ;
+        /*0050*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0060*/               @P3 BRA `(.L_x_2) ;
+"""
+
+
 def test_the_loop_is_counted_on_its_shortest_path():
     # The loop spans 0x10-0x60 (5 instructions); the forward branch at 0x20 jumps over the two SELs.
-    assert hstu_static.loop_instructions(SASS) == 4
+    assert hstu_static.loop_instructions(SASS) == (4, [])
+    # An inner loop (0x40-0x44) behind the skip: left out of the path, counted on its own.
+    assert hstu_static.loop_instructions(NESTED) == (5, [2])
     with pytest.raises(ValueError, match="no loop"):
         hstu_static.loop_instructions("        /*0000*/                   EXIT ;\n")
 
@@ -88,5 +105,5 @@ def test_the_forward_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert [r["variant"] for r in rows] == list(hstu_static.VARIANTS)
     off, rab = rows[0], rows[-1]
     assert 0 < off["registers"] <= 255 and off["loop_instructions"] > 0 and off["x_off"] == 1.0
-    assert rab["per_score"] > off["per_score"]
+    assert rab["per_score"] > off["per_score"] and off["inner_per_score"] == 0.0
     assert "fwd    rab" in done.stdout
