@@ -14,8 +14,9 @@ the instruction ratio where the added work also stalls.
 
 Tiles. The share of a batch's attending tiles (query block x key block under the causal mask) whose every pair
 falls in one (position, time) bucket pair, at the ``bench hstu`` shapes and timestamps: the tiles whose bias a
-kernel could add as one scalar instead of per score. Exact on the bucket functions of
-kernels.pytorch.pt_hstu_attention; a tile's distances and (non-decreasing) time gaps span its blocks' extremes.
+kernel could add as one scalar instead of per score; and the mean buckets of each part a tile's pairs span.
+Exact on the bucket functions of kernels.pytorch.pt_hstu_attention; a tile's distances and (non-decreasing) time
+gaps span its blocks' extremes.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from kernels.pytorch.pt_hstu_attention import position_bucket, time_bucket
 KERNELS = ("fwd", "dkdv", "dq")
 #: rab's parts per variant: (position, time).
 VARIANTS = {"off": (False, False), "pos": (True, False), "time": (False, True), "rab": (True, True)}
-TILES = ((128, 64), (64, 64))
+#: (query block, key block): the forward's and dQ's 128 x 64 and 64 x 64, the dK/dV pass's 64 x 128.
+TILES = ((128, 64), (64, 64), (64, 128))
 
 
 @dataclass
@@ -67,6 +69,8 @@ class TileShare:
     one_position: float  # share of tiles in one position bucket
     one_time: float  # in one time bucket
     one_pair: float  # in one (position, time) bucket pair
+    position_span: float  # mean position buckets a tile's pairs span (the dK/dV pass's loop passes for that part)
+    time_span: float  # mean time buckets
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -227,10 +231,11 @@ def resources_table(rows: list[Resources]) -> str:
 
 
 # ---------------------------------------------------------------- tiles in one bucket pair
-def one_bucket_tiles(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, int, int, int]:
-    """For one sample with non-decreasing ``times``: its attending tiles, and how many lie in one position bucket,
-    one time bucket, and one bucket pair. A tile's attending pairs have distances from its blocks' nearest to
-    farthest rows, and gaps from their nearest to farthest times; the buckets are monotone in both."""
+def one_bucket_tiles(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, ...]:
+    """For one sample with non-decreasing ``times``: its attending tiles; how many lie in one position bucket, one
+    time bucket, and one bucket pair; and the position and time buckets their pairs span, summed over the tiles. A
+    tile's attending pairs have distances from its blocks' nearest to farthest rows, and gaps from their nearest
+    to farthest times; the buckets are monotone in both."""
     length = len(times)
     q0 = np.arange(0, length, block_m)
     q_last = np.minimum(q0 + block_m, length) - 1
@@ -238,11 +243,13 @@ def one_bucket_tiles(times: np.ndarray, block_m: int, block_n: int) -> tuple[int
     k_last = np.minimum(k0 + block_n, length) - 1
     qi, ki = np.nonzero(k0[None, :] <= q_last[:, None])  # the causal mask: a key block at or before the query's last
     near, far = np.maximum(q0[qi] - k_last[ki], 0), q_last[qi] - k0[ki]
-    one_pos = position_bucket(torch.from_numpy(near), BUCKETS) == position_bucket(torch.from_numpy(far), BUCKETS)
+    pos_span = position_bucket(torch.from_numpy(far), BUCKETS) - position_bucket(torch.from_numpy(near), BUCKETS) + 1
     gap_near = np.maximum(times[q0[qi]] - times[k_last[ki]], 0)
     gap_far = times[q_last[qi]] - times[k0[ki]]
-    one_time = time_bucket(torch.from_numpy(gap_near), BUCKETS) == time_bucket(torch.from_numpy(gap_far), BUCKETS)
-    return len(qi), int(one_pos.sum()), int(one_time.sum()), int((one_pos & one_time).sum())
+    time_span = time_bucket(torch.from_numpy(gap_far), BUCKETS) - time_bucket(torch.from_numpy(gap_near), BUCKETS) + 1
+    one_pos, one_time = pos_span == 1, time_span == 1
+    counts = (one_pos.sum(), one_time.sum(), (one_pos & one_time).sum(), pos_span.sum(), time_span.sum())
+    return (len(qi), *(int(c) for c in counts))
 
 
 def tile_shares(shapes: list[str], seed: int) -> list[TileShare]:
@@ -252,7 +259,7 @@ def tile_shares(shapes: list[str], seed: int) -> list[TileShare]:
         times = event_times(int(lengths.sum())).numpy()
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         for block_m, block_n in TILES:
-            counts = np.zeros(4, dtype=np.int64)
+            counts = np.zeros(6, dtype=np.int64)
             for start, length in zip(starts, lengths):
                 counts += one_bucket_tiles(times[start : start + length], block_m, block_n)
             tiles = int(counts[0])
@@ -261,11 +268,12 @@ def tile_shares(shapes: list[str], seed: int) -> list[TileShare]:
 
 
 def shares_table(rows: list[TileShare]) -> str:
-    lines = ["shape tile      tiles  one position  one time  one pair"]
+    lines = ["shape tile      tiles  one position  one time  one pair  position buckets  time buckets"]
     for r in rows:
         tile = f"{r.block_m}x{r.block_n}"
         lines.append(
-            f"{r.shape:<5} {tile:<9} {r.tiles:>6} {r.one_position:>13.1%} {r.one_time:>9.1%} {r.one_pair:>9.1%}"
+            f"{r.shape:<5} {tile:<9} {r.tiles:>6} {r.one_position:>13.1%} {r.one_time:>9.1%} {r.one_pair:>9.1%} "
+            f"{r.position_span:>17.2f} {r.time_span:>13.2f}"
         )
     return "\n".join(lines)
 

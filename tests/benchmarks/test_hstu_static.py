@@ -54,8 +54,8 @@ def test_the_loop_is_counted_on_its_shortest_path():
         hstu_static.loop_instructions("        /*0000*/                   EXIT ;\n")
 
 
-def _brute_force(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, int, int, int]:
-    tiles = one_pos = one_time = one_pair = 0
+def _brute_force(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, ...]:
+    tiles = one_pos = one_time = one_pair = pos_span = time_span = 0
     length = len(times)
     for q0 in range(0, length, block_m):
         for k0 in range(0, length, block_n):
@@ -63,10 +63,13 @@ def _brute_force(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, in
             if not pairs:
                 continue
             i, j = (torch.tensor(x) for x in zip(*pairs))
-            pos = position_bucket(i - j, 64).unique().numel() == 1
-            gap = time_bucket(torch.from_numpy(times)[i] - torch.from_numpy(times)[j], 64).unique().numel() == 1
+            pb = position_bucket(i - j, 64)
+            tb = time_bucket(torch.from_numpy(times)[i] - torch.from_numpy(times)[j], 64)
+            pos, gap = pb.unique().numel() == 1, tb.unique().numel() == 1
             tiles, one_pos, one_time, one_pair = tiles + 1, one_pos + pos, one_time + gap, one_pair + (pos and gap)
-    return tiles, one_pos, one_time, one_pair
+            pos_span += int(pb.max() - pb.min()) + 1
+            time_span += int(tb.max() - tb.min()) + 1
+    return tiles, one_pos, one_time, one_pair, pos_span, time_span
 
 
 @pytest.mark.parametrize("length,block_m,block_n", [(150, 16, 8), (97, 8, 16), (5, 16, 16)])
@@ -84,8 +87,9 @@ def test_main_prints_the_shares_and_writes_json(tmp_path, capsys):
     args = parser.parse_args(["--kernels", "", "--shapes", "tiny", "--json", str(tmp_path / "s.json")])
     assert hstu_static.main(args) == 0
     tiles = json.loads((tmp_path / "s.json").read_text())["tiles"]
-    assert [(t["shape"], t["block_m"], t["block_n"]) for t in tiles] == [("tiny", 128, 64), ("tiny", 64, 64)]
+    assert [(t["shape"], t["block_m"], t["block_n"]) for t in tiles] == [("tiny", m, n) for m, n in hstu_static.TILES]
     assert all(0.0 <= t["one_pair"] <= min(t["one_position"], t["one_time"]) <= 1.0 for t in tiles)
+    assert all(t["position_span"] >= 1.0 and t["time_span"] >= 1.0 for t in tiles)
     assert "one pair" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"unknown \['fwd2'\]"):
         hstu_static.main(parser.parse_args(["--kernels", "fwd2"]))
