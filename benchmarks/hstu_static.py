@@ -231,7 +231,7 @@ def resources_table(rows: list[Resources]) -> str:
 
 
 # ---------------------------------------------------------------- tiles in one bucket pair
-def one_bucket_tiles(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, ...]:
+def tile_buckets(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, ...]:
     """For one sample with non-decreasing ``times``: its attending tiles; how many lie in one position bucket, one
     time bucket, and one bucket pair; and the position and time buckets their pairs span, summed over the tiles. A
     tile's attending pairs have distances from its blocks' nearest to farthest rows, and gaps from their nearest
@@ -261,7 +261,7 @@ def tile_shares(shapes: list[str], seed: int) -> list[TileShare]:
         for block_m, block_n in TILES:
             counts = np.zeros(6, dtype=np.int64)
             for start, length in zip(starts, lengths):
-                counts += one_bucket_tiles(times[start : start + length], block_m, block_n)
+                counts += tile_buckets(times[start : start + length], block_m, block_n)
             tiles = int(counts[0])
             rows.append(TileShare(shape, block_m, block_n, tiles, *(float(c) / tiles for c in counts[1:])))
     return rows

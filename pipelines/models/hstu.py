@@ -189,11 +189,11 @@ class HSTUModel(nn.Module):
         self.item_embedding = nn.Embedding(config.num_items, d)
         self.action_embedding = nn.Embedding(config.num_actions, d)
         self.position_embedding = self.time_embedding = None
-        if config.position_embeddings:  # zeros: training starts without them, as if they were off
-            self.position_embedding = nn.Embedding(
-                config.position_buckets, d, _weight=torch.zeros(config.position_buckets, d)
-            )
-            self.time_embedding = nn.Embedding(config.time_buckets, d, _weight=torch.zeros(config.time_buckets, d))
+        if config.position_embeddings:
+            self.position_embedding = nn.Embedding(config.position_buckets, d)
+            self.time_embedding = nn.Embedding(config.time_buckets, d)
+            for table in (self.position_embedding, self.time_embedding):
+                nn.init.zeros_(table.weight)  # training starts without them, as if they were off
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
         self.norm = nn.LayerNorm(d)
         self.dense_proj = nn.Linear(config.dense_dim, d)

@@ -73,10 +73,10 @@ def _brute_force(times: np.ndarray, block_m: int, block_n: int) -> tuple[int, ..
 
 
 @pytest.mark.parametrize("length,block_m,block_n", [(150, 16, 8), (97, 8, 16), (5, 16, 16)])
-def test_one_bucket_tiles_match_every_pairs_buckets(length, block_m, block_n):
+def test_tile_buckets_match_every_pairs_buckets(length, block_m, block_n):
     rng = np.random.default_rng(length)
     times = np.cumsum(rng.integers(0, 3 * 3600, size=length))  # non-decreasing, with equal neighbours
-    got = hstu_static.one_bucket_tiles(times, block_m, block_n)
+    got = hstu_static.tile_buckets(times, block_m, block_n)
     assert got == _brute_force(times, block_m, block_n)
     assert got[3] > 0 or length < 16  # the check sees one-pair tiles, not only their absence
 
