@@ -122,6 +122,11 @@ def build_model(
         hstu_config = _hstu_config(config, sizes, shape, deterministic, attention_impl)
         torch.manual_seed(seed)
         return HSTUModel(hstu_config)
+    if config.positions is not None:
+        raise ValueError(
+            f"--positions {config.positions} is the HSTU model's (--model hstu or hstu-large); --model {config.name} "
+            "has no such option"
+        )
     impl = attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
@@ -145,7 +150,15 @@ def _hstu_config(
             f"--tuning.attention-impl {attention_impl} is not a kernel of --model {config.name}: leave it unset "
             "(Triton on CUDA) or give torch"
         )
-    return HSTUConfig(attention_impl=attention_impl, deterministic=deterministic, **shape, **sizes)
+    positions = config.positions or "rab"
+    return HSTUConfig(
+        attention_impl=attention_impl,
+        deterministic=deterministic,
+        rab=positions in ("rab", "both"),
+        position_embeddings=positions in ("embeddings", "both"),
+        **shape,
+        **sizes,
+    )
 
 
 def build_wrap(

@@ -52,6 +52,9 @@ OPTIMIZER_CHOICES = ("sgd", "rowwise_adagrad", "adam")
 ALLREDUCE_STARTS = ("backward", "compute")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 ATTENTIONS = ("jagged", "padded")
+#: How the HSTU model sees positions and time: ``rab`` (relative attention bias, inside the attention), ``embeddings``
+#: (learned input embeddings: recsys-examples' and generative-recommenders' preprocessors), ``both``, ``none``.
+POSITIONS = ("rab", "embeddings", "both", "none")
 
 
 class ConfigError(ValueError):
@@ -173,7 +176,7 @@ class JobModelSection:
     attention kernel is a scheduling knob: ``tuning.attention_impl``."""
 
     TABLE: ClassVar[str] = "model"
-    CHOICES: ClassVar[dict] = {"attention": ATTENTIONS}
+    CHOICES: ClassVar[dict] = {"attention": ATTENTIONS, "positions": POSITIONS}
 
     name: str = "tiny"
     """A built-in preset (the reference model's tiny, small, production; HSTU's hstu, hstu-large), or a factory of
@@ -189,6 +192,10 @@ class JobModelSection:
     """The preset's longest UIH in the encoder, overridden."""
     attention: str = "jagged"
     """``jagged`` (each sample's own length) or ``padded`` (every sample padded to the batch's longest)."""
+    positions: Optional[str] = None
+    """The HSTU model's positions and time gaps: ``rab`` (a learned bias inside the attention, work per score),
+    ``embeddings`` (learned input embeddings, a gather per token: recsys-examples' configuration), ``both`` or
+    ``none``; unset: ``rab``. The HSTU presets' alone."""
 
     model = _Renamed("name")
 

@@ -17,10 +17,12 @@ from pipelines.job.config import SECTIONS, ConfigError, JobConfig, config_fields
 from pipelines.job.config_file import ConfigDeprecation, read_toml
 from pipelines.job.flags import FLAGS, config_from_args, flag
 
-# `freescale train`'s options before the config's sections became its tables: users' scripts keep using them.
+# `freescale train`'s options; those from before the config's sections became its tables stay, as users' scripts
+# use them.
 OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --eval-data --model --num-items --dim --num-layers --max-uih --attention
+--positions
 --batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
 --embedding-optimizer --embedding-lr --nproc --nnodes --node-rank --rdzv-endpoint --steps --warmup-steps --lr --seed
 --device --precision --deterministic

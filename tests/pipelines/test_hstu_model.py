@@ -176,7 +176,7 @@ def test_the_configs_errors_are_one_line_and_the_presets_are_valid():
             HSTUConfig(**bad)
 
 
-def test_the_job_builds_the_hstu_preset_with_its_overrides_and_no_plan():
+def test_the_job_builds_the_hstu_preset_with_its_overrides_positions_and_no_plan():
     from pipelines.job.builders import build_model_spec, build_source
     from tests.pipelines.tiny import tiny_config
 
@@ -188,9 +188,20 @@ def test_the_job_builds_the_hstu_preset_with_its_overrides_and_no_plan():
     assert isinstance(model, HSTUModel) and spec.plan is None and spec.embeddings == ["item_embedding"]
     assert (model.config.dim, model.config.max_uih, model.config.num_layers) == (48, 64, 2)
     assert not model.needs_plan(torch.device("cuda")) and model.attention_impl(torch.device("cpu")).value == "torch"
+    assert (model.config.rab, model.config.position_embeddings) == (True, False)  # --positions unset: rab
+    for positions, expected in (("embeddings", (False, True)), ("both", (True, True)), ("none", (False, False))):
+        cfg.model.positions = positions
+        config = build_model_spec(cfg, build_source(cfg.data, 16)).model.config
+        assert (config.rab, config.position_embeddings) == expected, positions
     cfg.model.attention = "padded"
     with pytest.raises(ValueError, match="--attention padded is the reference model's"):
         build_model_spec(cfg, build_source(cfg.data, 16))
+    cfg.model.name, cfg.model.attention = "tiny", "jagged"
+    with pytest.raises(ValueError, match="--positions none is the HSTU model's"):
+        build_model_spec(cfg, build_source(cfg.data, 16))
+    cfg.model.positions = "relative"
+    with pytest.raises(ValueError, match="model.positions"):
+        cfg.validate()
     cfg.model.name = "hstu-tiny"
     with pytest.raises(ValueError, match=r"unknown model preset 'hstu-tiny'; choose from \['hstu', 'hstu-large'"):
         build_model_spec(cfg, build_source(cfg.data, 16))
