@@ -122,11 +122,6 @@ def build_model(
         hstu_config = _hstu_config(config, sizes, shape, deterministic, attention_impl)
         torch.manual_seed(seed)
         return HSTUModel(hstu_config)
-    if config.positions is not None:
-        raise ValueError(
-            f"--positions {config.positions} is the HSTU model's (--model hstu or hstu-large); --model {config.name} "
-            "has no such option"
-        )
     impl = attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value

@@ -43,6 +43,7 @@ from pipelines.api.modes import BALANCING, MODES, SHARDED
 from pipelines.api.numerics import PRECISIONS
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.schedule import SCHEDULE_CHOICES
+from pipelines.models.hstu import HSTU_PRESETS
 from pipelines.models.reference import ATTENTION_IMPLS
 
 # nccl-ce (fscomm/nccl_ce.py) is not offered until it has run on two GPUs or more
@@ -203,6 +204,8 @@ class JobModelSection:
         check_choices(self.TABLE, self)
         if self.num_items is not None and self.num_items < 1:
             raise refuse("model.num_items", f"must be >= 1, got {self.num_items}")
+        if self.positions is not None and self.name not in HSTU_PRESETS:
+            raise refuse("model.positions", f"is the HSTU presets' ({', '.join(HSTU_PRESETS)}), not {self.name}'s")
 
 
 @dataclass

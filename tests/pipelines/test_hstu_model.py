@@ -197,9 +197,9 @@ def test_the_job_builds_the_hstu_preset_with_its_overrides_positions_and_no_plan
     with pytest.raises(ValueError, match="--attention padded is the reference model's"):
         build_model_spec(cfg, build_source(cfg.data, 16))
     cfg.model.name, cfg.model.attention = "tiny", "jagged"
-    with pytest.raises(ValueError, match="--positions none is the HSTU model's"):
-        build_model_spec(cfg, build_source(cfg.data, 16))
-    cfg.model.positions = "relative"
+    with pytest.raises(ValueError, match=r"positions is the HSTU presets' \(hstu, hstu-large\), not tiny's"):
+        cfg.validate()
+    cfg.model.name, cfg.model.positions = "hstu", "relative"
     with pytest.raises(ValueError, match="model.positions"):
         cfg.validate()
     cfg.model.name = "hstu-tiny"
