@@ -59,7 +59,7 @@ FLAGS = {
     "model.num_layers": Flag("override the preset's transformer blocks"),
     "model.max_uih": Flag("override the preset's longest UIH in the encoder"),
     "model.attention": Flag(""),
-    "model.positions": Flag("HSTU: positions as rab, input embeddings, both or none"),
+    "model.positions": Flag("HSTU positions"),
     "balancer.partitioner": Flag("none|fbs|vbs|kk|module:function", metavar="NAME"),
     "balancer.alpha": Flag("cost exponent of L^alpha (fbs, vbs, kk)"),
     "balancer.autotune": Flag("vbs: tune per-rank budgets from step times"),
