@@ -73,14 +73,19 @@ def test_candidates_are_targets_that_do_not_see_each_other():
         torch.testing.assert_close(moved[[0, 1, 2, 6, 7, 8]], base[[0, 1, 2, 6, 7, 8]])
 
 
-def test_a_sample_scores_the_same_alone_batched_or_with_older_events_cut():
+@pytest.mark.parametrize("positions", [{}, {"rab": False, "position_embeddings": True}], ids=["rab", "embeddings"])
+def test_a_sample_scores_the_same_alone_batched_or_with_older_events_cut(positions):
     """The packing of [history..., candidates...] per sample (an empty history included) is per sample; a sample
-    longer than max_uih scores as its most recent max_uih events (timestamps too)."""
-    samples, model = _samples(), _model(max_uih=8)
+    longer than max_uih scores as its most recent max_uih events (timestamps too); positions and times count
+    relative to the sample (rab's distances and gaps, or the input embeddings' recency and age), so shifting every
+    timestamp changes nothing."""
+    samples, model = _samples(), _model(max_uih=8, **positions)
     with torch.no_grad():
         together = model(Batch.from_samples(samples))
         alone = torch.cat([model(Batch.from_samples([s])) for s in samples])
         torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+        shifted = [replace(s, uih_timestamps=s.uih_timestamps + 86_400) for s in samples]
+        torch.testing.assert_close(model(Batch.from_samples(shifted)), together)
         long_ = samples[1]
         recent = replace(
             long_,
@@ -119,25 +124,13 @@ def test_recency_and_age_count_back_from_the_samples_last_event():
     assert seq.age.tolist() == ages and seq.age[[2, 9]].tolist() == [0, 0]  # each latest event is 0 s old
 
 
-def test_position_embeddings_train_and_keep_the_models_invariances():
-    """Recency and age are per sample and relative to its last event: a sample scores the same alone, batched,
-    cut to its most recent max_uih events, or with every timestamp shifted; both tables get gradients."""
+def test_position_embeddings_move_the_logits_and_train():
+    """The input embeddings take part (their invariances: the alone-or-batched test above); both tables get
+    gradients."""
     samples, model = _samples(), _model(max_uih=8, rab=False, position_embeddings=True)
     assert all(layer.position_weights is None for layer in model.layers)
     with torch.no_grad():
         together = model(Batch.from_samples(samples))
-        alone = torch.cat([model(Batch.from_samples([s])) for s in samples])
-        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
-        shifted = [replace(s, uih_timestamps=s.uih_timestamps + 86_400) for s in samples]
-        torch.testing.assert_close(model(Batch.from_samples(shifted)), together)
-        long_ = samples[1]
-        recent = replace(
-            long_,
-            uih_item_ids=long_.uih_item_ids[-8:],
-            uih_action_types=long_.uih_action_types[-8:],
-            uih_timestamps=long_.uih_timestamps[-8:],
-        )
-        torch.testing.assert_close(model(Batch.from_samples([long_])), model(Batch.from_samples([recent])))
         plain = _model(max_uih=8, rab=False)  # the same weights but no embeddings: the embeddings move the logits
         plain.load_state_dict(model.state_dict(), strict=False)
         assert not torch.allclose(plain(Batch.from_samples(samples)), together)
