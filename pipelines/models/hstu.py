@@ -129,8 +129,10 @@ class Packing:
     offsets: PackedOffsets  # per sample: kept UIH length + number of candidates
     num_targets: torch.Tensor  # [B] the candidates, the last tokens of each sample
     timestamps: Optional[torch.Tensor]  # [N] int64: events' own; a candidate's is its sample's last event's
-    recency: torch.Tensor  # [N] a history event's distance in events from its sample's end (latest 1); candidates 0
-    age: Optional[torch.Tensor]  # [N] seconds before the sample's last event (candidates 0); None without timestamps
+    # Read by the input position embeddings alone: None when they are off (age also without timestamps);
+    # a candidate's recency and age are 0.
+    recency: Optional[torch.Tensor]  # [N] a history event's distance in events from its sample's end (latest 1)
+    age: Optional[torch.Tensor]  # [N] seconds before the sample's last event (candidates 0)
     source: torch.Tensor  # [N] each packed token's row in cat([history tokens, candidate tokens])
     candidate_slot: torch.Tensor  # [C_total] each candidate's packed position
     sample_of_candidate: torch.Tensor  # [C_total]
@@ -250,7 +252,8 @@ class HSTUModel(nn.Module):
             torch.arange(b, device=device), num_candidates, output_size=num_cand
         )
         candidate_slot = torch.arange(num_cand, device=device) + kept.offsets[1:][sample_of_candidate]
-        recency = torch.where(history, kept_lengths[sample] - pos, 0)
+        embeds = self.config.position_embeddings
+        recency = torch.where(history, kept_lengths[sample] - pos, 0) if embeds else None
         timestamps = age = None
         if batch.uih_timestamps is not None:
             events = batch.uih_timestamps[kept.flat]
@@ -259,7 +262,7 @@ class HSTUModel(nn.Module):
                 at_end = batch.uih_timestamps[(batch.uih_offsets[1:] - 1).clamp(min=0)]
                 last = torch.where(kept_lengths > 0, at_end, last)
             timestamps = torch.cat([events, last[sample_of_candidate]])[source]
-            age = last[sample] - timestamps
+            age = last[sample] - timestamps if embeds else None
         packed = PackedOffsets.from_host(host, on_device=offsets if device.type == "cuda" else None)
         return Packing(packed, num_candidates, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 
