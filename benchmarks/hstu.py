@@ -41,7 +41,7 @@ import torch
 
 from benchmarks.timing import call_times_ms
 from kernels.attention import PackedOffsets
-from kernels.hstu import hstu_attention
+from kernels.hstu import hstu_attention, hstu_sequences
 
 SHAPES = {
     "a": dict(batch=64, cap=4096, equal=False),
@@ -144,9 +144,11 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     rab = variant == "triton-rab"
     data = _inputs(lengths, args.heads, dim, device, dtype, rab)
     host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-    offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)  # built once, as a model does
     impl = "triton" if variant.startswith("triton") else variant
-    extra = {key: data[key] for key in ("timestamps", "position_weights", "time_weights") if key in data}
+    offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)
+    # Built once, as a model does for all its layers: the offsets, targets and timestamps checked and on the device.
+    seqs = hstu_sequences(offsets, timestamps=data.get("timestamps"), impl=impl, device=device)
+    extra = {key: data[key] for key in ("position_weights", "time_weights") if key in data}
     leaves = [data[key] for key in ("q", "k", "v", "position_weights", "time_weights") if key in data]
 
     def forward():
@@ -154,7 +156,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
             data["q"],
             data["k"],
             data["v"],
-            offsets,
+            seqs,
             alpha=1.0 / math.sqrt(dim),
             seq_norm=cap,
             impl=impl,

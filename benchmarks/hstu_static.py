@@ -95,8 +95,8 @@ def _tool(name: str) -> str:
 
 
 def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -> tuple[bytes, int]:
-    """The kernel's cubin and shared memory bytes for ``arch``, compiled without a GPU: bf16 tensors, int32 offsets
-    and timestamps, fp32 bias tables and scalars."""
+    """The kernel's cubin and shared memory bytes for ``arch``, compiled without a GPU: bf16 tensors, int32 offsets,
+    int64 timestamps, fp32 bias tables and scalars."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -104,8 +104,10 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
-        if name in ("OFFSETS", "ORDER", "TARGETS", "TS"):
+        if name in ("OFFSETS", "ORDER", "TARGETS"):
             return "*i32"
+        if name == "TS":
+            return "*i64"
         if name in ("RAB", "DPW", "DTW"):
             return "*fp32"
         if name in ("alpha", "inv_norm"):

@@ -240,15 +240,12 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
             q,
             k,
             v,
-            seq.offsets,
+            seq.attention,
             alpha=1.0 / math.sqrt(c.head_dim),
             seq_norm=c.max_uih + c.max_candidates if c.seq_norm == "max" else None,
-            num_targets=seq.num_targets,
             window=c.window,
             position_weights=weights[0],
             time_weights=weights[1] if timed else None,
-            timestamps=seq.timestamps if timed else None,
-            impl=model.attention_impl(device),
             deterministic=c.deterministic,
         )
         out.backward(grad)

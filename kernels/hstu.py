@@ -17,14 +17,23 @@ Implementations (:class:`kernels.impl.Impl`):
 
 - ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab computed inside from positions and
   timestamps, never an L x L tensor; backward in two passes (keys, then queries) with no atomics, the bucket
-  weights' gradients by per-program sums: the same bits on every run. The default on CUDA.
+  weights' gradients by per-program sums: the same bits on every run. A torch operator (``freescale::
+  hstu_attention``) with its own autograd formula, so torch.compile traces a layer through it. The default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
   default on CPU and the reference.
 - ``PADDED``: the batch padded to its longest sample, one [B, H, L, L] score tensor: the baseline.
+
+A model runs the attention in every layer over one batch: :func:`hstu_sequences` checks the batch's offsets,
+targets and timestamps once and makes what the kernel reads on the device once (int32 offsets, the samples'
+order), and every layer passes the :class:`HSTUSequences` in place of the offsets. Bad inputs end in one line:
+``num_targets`` outside [0, the sample's length], timestamps that are not integers. Timestamps are any int64
+(the kernel's time buckets are exact for every gap); the buckets are log-spaced in the timestamps' unit, which
+the HSTU model takes to be seconds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -50,38 +59,73 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(f"kernels.hstu.hstu_attention: {message}")
 
 
-def _validate(q, k, v, host, window, seq_norm, num_targets, position_weights, time_weights, timestamps) -> None:
-    """Shapes, devices and options, each refused in one line naming the argument."""
-    _require(
-        q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2],
-        f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, {tuple(k.shape)}, "
-        f"{tuple(v.shape)}",
-    )
-    _require(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    _require(window >= 0, f"window must be >= 0 (0: no window), got {window}")
-    _require(seq_norm is None or seq_norm > 0, f"seq_norm must be positive or None, got {seq_norm}")
-    heads = q.shape[1]
-    for name, w in (("position_weights", position_weights), ("time_weights", time_weights)):
-        _require(
-            w is None or (w.dim() == 2 and w.shape[0] == heads and w.shape[1] >= 1),
-            f"{name} must be [heads={heads}, buckets], got {None if w is None else tuple(w.shape)}",
-        )
-    if time_weights is not None:
-        _require(
-            timestamps is not None and timestamps.shape == (q.shape[0],),
-            f"time_weights need timestamps [N={q.shape[0]}], got "
-            f"{None if timestamps is None else tuple(timestamps.shape)}",
-        )
-    batch = host.numel() - 1
+@dataclass(frozen=True)
+class HSTUSequences:
+    """One batch's packed sequences as an implementation reads them, checked once (:func:`hstu_sequences`) and
+    passed to the attention of every layer in place of the offsets."""
+
+    impl: Impl
+    offsets: PackedOffsets  # host offsets, and their int32 device copy for TRITON
+    num_tokens: int
+    num_targets: Optional[torch.Tensor]  # [B]: int32 on the device for TRITON, host int64 otherwise
+    timestamps: Optional[torch.Tensor]  # [N] int64 on the tokens' device
+    order: Optional[torch.Tensor]  # TRITON: the samples longest first (int32, device)
+
+
+def hstu_sequences(
+    offsets: Offsets,
+    *,
+    num_targets: Optional[torch.Tensor] = None,
+    timestamps: Optional[torch.Tensor] = None,
+    impl: Union[Impl, str, None] = None,
+    device: Union[torch.device, str],
+) -> HSTUSequences:
+    """``offsets`` (host, or :class:`PackedOffsets`), ``num_targets`` [B] and ``timestamps`` [N] checked and put in
+    the form ``impl`` reads on ``device``. ``num_targets`` on the host costs no sync (on a device it is copied back
+    once to be checked)."""
+    device = torch.device(device)
+    kind = resolve_impl(impl, device)
+    host = offsets.host if isinstance(offsets, PackedOffsets) else offsets.cpu()
+    values = _host_offsets("offsets", host, int(host[-1]) if host.numel() else 0)
+    batch, tokens = len(values) - 1, values[-1]
     if num_targets is not None:
-        _require(num_targets.shape == (batch,), f"num_targets must be [B={batch}], got {tuple(num_targets.shape)}")
+        _require(
+            num_targets.shape == (batch,) and not num_targets.is_floating_point(),
+            f"num_targets must be [B={batch}] integers, got {tuple(num_targets.shape)} {num_targets.dtype}",
+        )
+        targets = num_targets.cpu().to(torch.int64)
+        lengths = torch.tensor(values[1:]) - torch.tensor(values[:-1])
+        bad = ((targets < 0) | (targets > lengths)).nonzero()
+        if bad.numel():
+            s = int(bad[0])
+            _require(
+                False, f"num_targets of sample {s} is {int(targets[s])}, outside [0, its length {int(lengths[s])}]"
+            )
+    if timestamps is not None:
+        _require(
+            timestamps.shape == (tokens,) and timestamps.dtype in (torch.int64, torch.int32),
+            f"timestamps must be [N={tokens}] int64 (seconds), got {tuple(timestamps.shape)} {timestamps.dtype}",
+        )
+        timestamps = timestamps.to(device=device, dtype=torch.int64)
+    if kind is not Impl.TRITON:
+        return HSTUSequences(kind, PackedOffsets.from_host(host), tokens, targets if num_targets is not None else None,
+                             timestamps, None)  # fmt: skip
+    from kernels.triton import triton_hstu_attention
+
+    packed = offsets if isinstance(offsets, PackedOffsets) and offsets.device is not None else None
+    packed = packed or PackedOffsets.from_host(host, device)
+    dev = packed.device.to(device=device, dtype=torch.int32)
+    if num_targets is not None:
+        num_targets = num_targets.to(device=device, dtype=torch.int32, non_blocking=True)
+    order = triton_hstu_attention.sample_order(dev)
+    return HSTUSequences(kind, PackedOffsets(host, dev, packed.max_len), tokens, num_targets, timestamps, order)
 
 
 def hstu_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: Offsets,
+    offsets: Union[Offsets, HSTUSequences],
     *,
     alpha: float,
     seq_norm: Optional[int] = None,
@@ -93,46 +137,75 @@ def hstu_attention(
     impl: Union[Impl, str, None] = None,
     deterministic: bool = False,
 ) -> torch.Tensor:
-    """HSTU attention of packed ``q``, ``k`` [N, H, D] and ``v`` [N, H, Dv] within each sample of ``offsets``;
-    returns [N, H, Dv]. ``num_targets``: [B] integers (None: no targets). ``timestamps``: [N] int64, needed with
-    ``time_weights``. ``deterministic``: accepted for the callers of a deterministic mode; every implementation's
-    backward already gives the same bits on every run (the Triton one has no atomics)."""
-    host = offsets.host if isinstance(offsets, PackedOffsets) else offsets
-    _validate(q, k, v, host, window, seq_norm, num_targets, position_weights, time_weights, timestamps)
-    kind = resolve_impl(impl, q.device)
-    if kind is Impl.TRITON:
+    """HSTU attention of packed ``q``, ``k`` [N, H, D] and ``v`` [N, H, Dv] within each sample; returns [N, H, Dv].
+    ``offsets``: host offsets or :class:`PackedOffsets` with ``num_targets`` [B] integers (None: no targets) and
+    ``timestamps`` [N] int64 (needed with ``time_weights``); or an :class:`HSTUSequences` that holds all three
+    (and the implementation: ``impl`` must then be None or the same). Every implementation's backward gives the
+    same bits on every run; ``deterministic`` makes the Triton kernel's also equal across processes (one fixed
+    launch configuration instead of the autotuner's timed pick, which could tile, and so sum, differently)."""
+    if isinstance(offsets, HSTUSequences):
+        seqs = offsets
+        _require(
+            num_targets is None and timestamps is None,
+            "num_targets and timestamps come inside the HSTUSequences, not beside them",
+        )
+        _require(impl is None or resolve_impl(impl, q.device) is seqs.impl, f"impl {impl} differs from the "
+                 f"HSTUSequences' {seqs.impl.value}")  # fmt: skip
+    else:
+        seqs = hstu_sequences(offsets, num_targets=num_targets, timestamps=timestamps, impl=impl, device=q.device)
+    _validate(q, k, v, seqs, window, seq_norm, position_weights, time_weights)
+    timed = time_weights is not None
+    if seqs.impl is Impl.TRITON:
         from kernels.triton import triton_hstu_attention
 
-        packed = offsets if isinstance(offsets, PackedOffsets) else None
-        if packed is None or packed.device is None:
-            _host_offsets("offsets", host.cpu(), q.shape[0])
-            packed = PackedOffsets.from_host(host.cpu(), q.device)
         return triton_hstu_attention.hstu_attention(
             q,
             k,
             v,
-            packed.device,
-            packed.max_len,
+            seqs.offsets.device,
+            seqs.offsets.max_len,
             alpha=alpha,
             seq_norm=seq_norm,
-            num_targets=num_targets,
+            num_targets=seqs.num_targets,
             window=window,
             position_weights=position_weights,
             time_weights=time_weights,
-            timestamps=timestamps,
+            timestamps=seqs.timestamps if timed else None,
+            order=seqs.order,
+            fixed=deterministic,
         )
-    values = _host_offsets("offsets", host.cpu(), q.shape[0])
-    twin = pt_hstu_attention.hstu_attention if kind is Impl.TORCH else pt_hstu_attention.padded_hstu_attention
+    twin = pt_hstu_attention.hstu_attention if seqs.impl is Impl.TORCH else pt_hstu_attention.padded_hstu_attention
     return twin(
         q,
         k,
         v,
-        values,
+        seqs.offsets.host.tolist(),
         alpha=alpha,
         seq_norm=seq_norm,
-        num_targets=num_targets.tolist() if num_targets is not None else None,
+        num_targets=seqs.num_targets.tolist() if seqs.num_targets is not None else None,
         window=window,
         position_weights=position_weights,
         time_weights=time_weights,
-        timestamps=timestamps,
+        timestamps=seqs.timestamps if timed else None,
     )
+
+
+def _validate(q, k, v, seqs: HSTUSequences, window, seq_norm, position_weights, time_weights) -> None:
+    """Shapes, devices and options, each refused in one line naming the argument (no tensor values read: this
+    runs in every layer, under torch.compile too)."""
+    _require(
+        q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2],
+        f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, {tuple(k.shape)}, "
+        f"{tuple(v.shape)}",
+    )
+    _require(q.shape[0] == seqs.num_tokens, f"q has {q.shape[0]} rows, the offsets {seqs.num_tokens}")
+    _require(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    _require(window >= 0, f"window must be >= 0 (0: no window), got {window}")
+    _require(seq_norm is None or seq_norm > 0, f"seq_norm must be positive or None, got {seq_norm}")
+    heads = q.shape[1]
+    for name, w in (("position_weights", position_weights), ("time_weights", time_weights)):
+        _require(
+            w is None or (w.dim() == 2 and w.shape[0] == heads and w.shape[1] >= 1),
+            f"{name} must be [heads={heads}, buckets], got {None if w is None else tuple(w.shape)}",
+        )
+    _require(time_weights is None or seqs.timestamps is not None, f"time_weights need timestamps [N={seqs.num_tokens}]")

@@ -1,6 +1,7 @@
 """Triton jagged HSTU attention, forward and backward, with the relative attention bias computed inside.
 
-Layout. Tokens packed [N, H, D] (rows contiguous), int32 device offsets, the batch's longest length from the host
+Layout. Tokens packed [N, H, D] (each row's heads dense, rows any stride apart: q, k and v may be views of one
+projection's output), int32 device offsets, the batch's longest length from the host
 (the grid; never read back from the device). One program per (query or key block, head, sample): the grid's
 first axis walks a sample's blocks from the last (the most keys under the causal mask) to the first, its second
 axis the samples longest first (a device argsort, no sync), so the heaviest programs start first and the short
@@ -13,8 +14,9 @@ sample's end (one scalar test per tile), and for 16-bit inputs the sigmoid is on
 (sigmoid(x) = (1 + tanh(x / 2)) / 2; fp32 keeps the exact one). rab is one gather per element from a joint [H,
 position buckets x time buckets] table (the two weight tables summed, built per call), at the buckets of
 kernels.pytorch.pt_hstu_attention, read from the same float32 exponent and mantissa bits, so the twin and the
-kernel agree on every bucket (a test sweeps the int32 range). Timestamps enter as int32 seconds from the sample's
-first event (gaps beyond 2**30 s, 34 years, are clamped).
+kernel agree on every bucket (a test sweeps the int32 range). Timestamps are the int64 ones: a tile whose times
+span less than 2**31 (in seconds, 68 years: every tile of real data) takes its gaps in int32 from the tile's
+earliest time, any other in int64, so every gap's bucket is exact.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), a second over query blocks recomputes the scores and accumulates dQ; no atomics, no locks. The dQ pass
@@ -22,6 +24,9 @@ repeats two of the five matmuls (q k^T and dO v^T): 7 instead of 5, the price of
 gradient is the sum of dS over each bucket: each program of the first pass sums its tiles' buckets in registers
 (a loop over the buckets a tile holds, few away from the diagonal) and writes one row, reduced by torch in a fixed
 order.
+
+The forward and the backward are torch operators (``freescale::hstu_attention`` and its backward) with an autograd
+formula, so torch.compile traces a layer through the attention as one opaque node.
 """
 
 from __future__ import annotations
@@ -52,11 +57,6 @@ def _log_bucket(x, LINEAR: tl.constexpr, LOG2_LINEAR: tl.constexpr, SUB: tl.cons
 @triton.jit
 def _position_bucket(dist, num_buckets, P_LINEAR: tl.constexpr, P_LOG2: tl.constexpr, P_SUB: tl.constexpr):
     return _log_bucket(tl.maximum(dist, 0), P_LINEAR, P_LOG2, P_SUB, num_buckets)
-
-
-@triton.jit
-def _time_bucket(gap, num_buckets, T_LINEAR: tl.constexpr, T_LOG2: tl.constexpr, T_SUB: tl.constexpr):
-    return _log_bucket(tl.abs(gap), T_LINEAR, T_LOG2, T_SUB, num_buckets)
 
 
 @triton.jit
@@ -106,7 +106,8 @@ def _sigmoid(x, FAST: tl.constexpr):
 @triton.jit
 def _buckets(
     dist,
-    gap,
+    ts_rows,
+    ts_cols,
     num_pb,
     num_tb,
     HAS_POS: tl.constexpr,
@@ -118,13 +119,14 @@ def _buckets(
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
 ):
-    """The position and time buckets of a tile (zeros for a part that is off)."""
+    """The position and time buckets of a tile (zeros for a part that is off): ``dist`` the pairs' position
+    distances, ``ts_rows`` and ``ts_cols`` the tile's rows' and columns' timestamps."""
     pb = tl.zeros(dist.shape, dtype=tl.int32)
     tb = tl.zeros(dist.shape, dtype=tl.int32)
     if HAS_POS:
         pb = _position_bucket(dist, num_pb, P_LINEAR, P_LOG2, P_SUB)
     if HAS_TIME:
-        tb = _time_bucket(gap, num_tb, T_LINEAR, T_LOG2, T_SUB)
+        tb = _time_buckets(ts_rows, ts_cols, num_tb, T_LINEAR, T_LOG2, T_SUB)
     return pb, tb
 
 
@@ -136,10 +138,11 @@ def _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME: tl.constexpr):
 
 
 @triton.jit
-def _rows(X, start, rows, h, length, H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A [len(rows), BLOCK_D] tile of head ``h`` of packed [N, H, DIM] rows (zeros past the sample's end)."""
+def _rows(X, stride, start, rows, h, length, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [len(rows), BLOCK_D] tile of head ``h`` of packed [N, H, DIM] rows ``stride`` elements apart (zeros past the
+    sample's end): q, k and v may be views of one projection's output."""
     cols = tl.arange(0, BLOCK_D)
-    ptrs = X + (start + rows.to(tl.int64))[:, None] * (H * DIM) + h * DIM + cols[None, :]
+    ptrs = X + (start + rows.to(tl.int64))[:, None] * stride + h * DIM + cols[None, :]
     return tl.load(ptrs, mask=(rows < length)[:, None] & (cols < DIM)[None, :], other=0.0)
 
 
@@ -152,11 +155,27 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 @triton.jit
 def _times(TS, start, rows, length, HAS_TIME: tl.constexpr):
-    """Each row's int32 timestamp (seconds from its sample's first event; 0 without time or past the end)."""
-    times = tl.zeros(rows.shape, dtype=tl.int32)
+    """Each row's int64 timestamp (0 without time); a row past the sample's end repeats its last event's, so that
+    it widens no tile's span of times."""
+    times = tl.zeros(rows.shape, dtype=tl.int64)
     if HAS_TIME:
-        times = tl.load(TS + start + rows, mask=rows < length, other=0)
+        times = tl.load(TS + start + tl.minimum(rows, length - 1))
     return times
+
+
+@triton.jit
+def _time_buckets(ts_rows, ts_cols, num_buckets, T_LINEAR: tl.constexpr, T_LOG2: tl.constexpr, T_SUB: tl.constexpr):
+    """The time bucket of every (row, column) pair's gap, exact for any int64 timestamps: in int32 arithmetic where
+    the tile's times span less than 2**31 (68 years of seconds: every tile of real data), else in int64."""
+    lo = tl.minimum(tl.min(ts_rows, axis=0), tl.min(ts_cols, axis=0))
+    hi = tl.maximum(tl.max(ts_rows, axis=0), tl.max(ts_cols, axis=0))
+    if hi - lo < 2147483648:
+        gap = (ts_rows - lo).to(tl.int32)[:, None] - (ts_cols - lo).to(tl.int32)[None, :]
+        tb = _log_bucket(tl.abs(gap), T_LINEAR, T_LOG2, T_SUB, num_buckets)
+    else:
+        gap64 = ts_rows[:, None] - ts_cols[None, :]
+        tb = _log_bucket(tl.abs(gap64), T_LINEAR, T_LOG2, T_SUB, num_buckets)
+    return tb
 
 
 @triton.jit
@@ -175,6 +194,10 @@ def _fwd_kernel(
     window,
     num_pb,
     num_tb,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_do,
     H: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -210,7 +233,7 @@ def _fwd_kernel(
         inv_norm = 1.0 / length.to(tl.float32)
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
-    q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
+    q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
@@ -220,14 +243,15 @@ def _fwd_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         pos_k = tl.minimum(rows_k, history)
-        k = _rows(K, start, rows_k, h, length, H, D, BLOCK_D)
-        v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
+        k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
+        v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         if HAS_POS or HAS_TIME:
             ts_k = _times(TS, start, rows_k, length, HAS_TIME)
             pb, tb = _buckets(
                 pos_q[:, None] - pos_k[None, :],
-                ts_q[:, None] - ts_k[None, :],
+                ts_q,
+                ts_k,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -282,6 +306,10 @@ def _dkdv_kernel(
     window,
     num_pb,
     num_tb,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_do,
     H: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -327,8 +355,8 @@ def _dkdv_kernel(
         inv_norm = 1.0 / length.to(tl.float32)
     rows_k = n0 + tl.arange(0, BLOCK_N)
     pos_k = tl.minimum(rows_k, history)
-    k = _rows(K, start, rows_k, h, length, H, D, BLOCK_D)
-    v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
+    k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
+    v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
     ts_k = _times(TS, start, rows_k, length, HAS_TIME)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -343,14 +371,15 @@ def _dkdv_kernel(
     for m0 in range(n0 // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         rows_q = m0 + tl.arange(0, BLOCK_M)
         pos_q = tl.minimum(rows_q, history)
-        q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
-        do = _rows(DO, start, rows_q, h, length, H, DV, BLOCK_DV)
+        q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
+        do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
         if HAS_POS or HAS_TIME:
             ts_q = _times(TS, start, rows_q, length, HAS_TIME)
             pb, tb = _buckets(
                 pos_q[None, :] - pos_k[:, None],
-                ts_q[None, :] - ts_k[:, None],
+                ts_k,
+                ts_q,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -402,6 +431,10 @@ def _dq_kernel(
     window,
     num_pb,
     num_tb,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_do,
     H: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -437,8 +470,8 @@ def _dq_kernel(
         inv_norm = 1.0 / length.to(tl.float32)
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
-    q = _rows(Q, start, rows_q, h, length, H, D, BLOCK_D)
-    do = _rows(DO, start, rows_q, h, length, H, DV, BLOCK_DV)
+    q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
+    do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = 0
@@ -448,14 +481,15 @@ def _dq_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         pos_k = tl.minimum(rows_k, history)
-        k = _rows(K, start, rows_k, h, length, H, D, BLOCK_D)
-        v = _rows(V, start, rows_k, h, length, H, DV, BLOCK_DV)
+        k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
+        v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         if HAS_POS or HAS_TIME:
             ts_k = _times(TS, start, rows_k, length, HAS_TIME)
             pb, tb = _buckets(
                 pos_q[:, None] - pos_k[None, :],
-                ts_q[:, None] - ts_k[None, :],
+                ts_q,
+                ts_k,
                 num_pb,
                 num_tb,
                 HAS_POS,
@@ -503,10 +537,11 @@ _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 _SMALLEST_BLOCK = 16 if _INTERPRET else 32
 
 
-def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], **options):
+def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: bool = False, **options):
     """``kernel`` autotuned over the configs of the call's head-width class (the smallest class that holds
     max(BLOCK_D, BLOCK_DV)) and the fallback; with FREESCALE_HSTU_AUTOTUNE=0 (tests: fewer compiles) the class's
-    first and the fallback."""
+    first and the fallback. ``fixed``: one configuration, chosen by no timing (the class's first for 16-bit inputs,
+    the fallback, which fits every head, for fp32), so that two processes tile alike and sum in one order."""
     table = _INTERPRETED if _INTERPRET else {**table, 1 << 30: [_FALLBACK]}
     configs, width_class = [], {}
     for width, rows in sorted(table.items()):
@@ -520,17 +555,21 @@ def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], **options)
         head = max(args["BLOCK_D"], args["BLOCK_DV"])
         fits = min((width for width in table if width >= head), default=max(table))
         kept = [c for c in candidates if width_class[id(c)] == fits]
+        fallback = [c for c in candidates if width_class[id(c)] == 1 << 30 and c not in kept]
+        if fixed:
+            return kept[:1] if args["FAST"] or _INTERPRET else fallback[:1]
         if os.environ.get("FREESCALE_HSTU_AUTOTUNE") == "0":
             kept = kept[:1]
-        return kept + [c for c in candidates if width_class[id(c)] == 1 << 30 and c not in kept]
+        return kept + fallback
 
     return triton.autotune(configs, prune_configs_by={"early_config_prune": prune}, **options)(kernel)
 
 
 _KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW", "FAST"]
-_fwd = _tuned(_fwd_kernel, _FWD_CONFIGS, key=_KEY)
-_dkdv = _tuned(_dkdv_kernel, _DKDV_CONFIGS, key=_KEY)
-_dq = _tuned(_dq_kernel, _DQ_CONFIGS, key=_KEY)
+#: The three kernels, autotuned ([False]) and at one fixed configuration each ([True], the deterministic mode's).
+_FWD = [_tuned(_fwd_kernel, _FWD_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
+_DKDV = [_tuned(_dkdv_kernel, _DKDV_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
+_DQ = [_tuned(_dq_kernel, _DQ_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
 
 _BUCKET_CONSTANTS = dict(
     P_LINEAR=POSITION_LINEAR,
@@ -540,24 +579,26 @@ _BUCKET_CONSTANTS = dict(
     T_LOG2=TIME_LINEAR.bit_length() - 1,
     T_SUB=TIME_SUB_BITS,
 )
-#: Timestamps travel as int32 seconds from the sample's first event, clamped to this (34 years).
-_TIME_RANGE = 1 << 30
 
 
-def relative_times(timestamps: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """int32 seconds from each sample's first event: the same gaps as the int64 timestamps (within 34 years),
-    at half the bytes and int32 arithmetic in the kernel."""
-    n = timestamps.numel()
-    lengths = (offsets[1:] - offsets[:-1]).long()
-    first = timestamps[offsets[:-1].long().clamp(max=max(n - 1, 0))] if n else timestamps[:0]
-    relative = timestamps.long() - torch.repeat_interleave(first, lengths, output_size=n)
-    return relative.clamp(-_TIME_RANGE, _TIME_RANGE).to(torch.int32)
+def dense_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, H, D] as the kernels read it: each row's heads and dims dense, the rows any stride apart (a view of
+    one projection's output is read in place); otherwise a contiguous copy."""
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
+def sample_order(offsets: torch.Tensor) -> torch.Tensor:
+    """The samples longest first (int32, on the offsets' device, no sync): the grid's second axis, so that the
+    heaviest programs start first and the short ones fill the tail."""
+    return torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True).to(torch.int32)
 
 
 class _Launch:
     """What the three kernels share for one call: tensors, flags and the grid (blocks of the longest sample)."""
 
-    def __init__(self, q, v, offsets, order, targets, times, pw, tw, max_len, alpha, seq_norm, window):
+    def __init__(self, q, k, v, offsets, order, targets, timestamps, pw, tw, max_len, alpha, seq_norm, window):
         self.batch, self.heads, self.max_len = offsets.numel() - 1, q.shape[1], max_len
         self.pw, self.tw = pw, tw
         # A valid pointer for the absent optional tensors (never read or written: their flags are off).
@@ -569,15 +610,18 @@ class _Launch:
             OFFSETS=offsets,
             ORDER=order,
             TARGETS=targets if targets is not None else offsets,
-            TS=times if times is not None else offsets,
+            TS=timestamps if timestamps is not None else offsets,
             RAB=rab if pw is not None or tw is not None else self.unused,
         )
         self.scalars = dict(
             alpha=float(alpha),
-            inv_norm=1.0 / seq_norm if seq_norm is not None else 1.0,
+            inv_norm=1.0 / seq_norm if seq_norm else 1.0,
             window=int(window),
             num_pb=pw.shape[1] if pw is not None else 1,
             num_tb=tw.shape[1] if tw is not None else 1,
+            stride_q=q.stride(0),
+            stride_k=k.stride(0),
+            stride_v=v.stride(0),
         )
         self.flags = dict(
             H=q.shape[1],
@@ -585,7 +629,7 @@ class _Launch:
             DV=v.shape[2],
             BLOCK_D=max(16, next_power_of_2(q.shape[2])),
             BLOCK_DV=max(16, next_power_of_2(v.shape[2])),
-            PER_SAMPLE_NORM=seq_norm is None,
+            PER_SAMPLE_NORM=not seq_norm,
             HAS_TARGETS=targets is not None,
             HAS_WINDOW=window > 0,
             HAS_POS=pw is not None,
@@ -607,57 +651,119 @@ class _Launch:
         return torch.empty(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
 
 
-def _forward(launch: _Launch, q, k, v) -> torch.Tensor:
-    out = torch.empty_like(v)
+def _rows_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)  # dense, whatever the strides of ``x``
+
+
+# The kernels as two torch operators, the forward and the backward, with the forward's autograd formula calling the
+# backward: torch.compile traces a layer through them (each one opaque node), so the memory-bound work around the
+# attention fuses across it without a graph break. ``seq_norm`` 0: each sample's own length.
+@torch.library.custom_op("freescale::hstu_attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    num_targets: Optional[torch.Tensor],
+    timestamps: Optional[torch.Tensor],
+    position_weights: Optional[torch.Tensor],
+    time_weights: Optional[torch.Tensor],
+    max_len: int,
+    alpha: float,
+    seq_norm: int,
+    window: int,
+    fixed: bool,
+) -> torch.Tensor:
+    q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
+    launch = _Launch(
+        q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, max_len, alpha, seq_norm,
+        window,
+    )  # fmt: skip
+    out = _rows_like(v)
     if q.shape[0] and launch.batch:
-        _fwd[launch.grid("BLOCK_M")](q, k, v, out, **launch.tensors, **launch.scalars, **launch.flags)
+        _FWD[fixed][launch.grid("BLOCK_M")](
+            q, k, v, out, **launch.tensors, **launch.scalars, stride_do=0, **launch.flags
+        )
     return out
 
 
-def _backward(launch: _Launch, q, k, v, dout):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dpw, dtw = launch.bucket_rows(launch.pw), launch.bucket_rows(launch.tw)
+@_attention_op.register_fake
+def _(q, k, v, *rest):
+    return _rows_like(v)
+
+
+@torch.library.custom_op("freescale::hstu_attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    num_targets: Optional[torch.Tensor],
+    timestamps: Optional[torch.Tensor],
+    position_weights: Optional[torch.Tensor],
+    time_weights: Optional[torch.Tensor],
+    max_len: int,
+    alpha: float,
+    seq_norm: int,
+    window: int,
+    fixed: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent)."""
+    pw, tw = position_weights, time_weights
+    q, k, v, dout = dense_heads(q), dense_heads(k), dense_heads(v), dense_heads(dout)
+    launch = _Launch(q, k, v, offsets, order, num_targets, timestamps, pw, tw, max_len, alpha, seq_norm, window)
+    dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
+    dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
-        _dkdv[launch.grid("BLOCK_N")](
-            q,
-            k,
-            v,
-            dout,
-            dk,
-            dv,
-            **launch.tensors,
-            DPW=dpw,
-            DTW=dtw,
-            **launch.scalars,
-            **launch.flags,
-            PB=dpw.shape[1] if launch.pw is not None else 1,
-            TB=dtw.shape[1] if launch.tw is not None else 1,
-        )
-        _dq[launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **launch.scalars, **launch.flags)
+        strides = dict(launch.scalars, stride_do=dout.stride(0))
+        _DKDV[fixed][launch.grid("BLOCK_N")](
+            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **strides, **launch.flags,
+            PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1,
+        )  # fmt: skip
+        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
 
     def total(rows, weights):  # this launch's per-program rows summed in a fixed order: the same bits every run
         if weights is None:
-            return None
-        programs = launch.batch * cdiv(max(launch.max_len, 1), _dkdv.best_config.kwargs["BLOCK_N"]) * launch.heads
+            return q.new_empty(0, dtype=torch.float32)
+        if not (q.shape[0] and launch.batch):
+            return torch.zeros_like(weights)
+        programs = (
+            launch.batch * cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"]) * launch.heads
+        )
         return rows[:programs].view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
-    return dq, dk, dv, total(dpw, launch.pw), total(dtw, launch.tw)
+    return dq, dk, dv, total(dpw, pw), total(dtw, tw)
 
 
-class _HSTUAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, pw, tw, launch: _Launch):
-        ctx.save_for_backward(q, k, v)
-        ctx.launch = launch
-        return _forward(launch, q, k, v)
+@_attention_backward_op.register_fake
+def _(dout, q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, *scalars):
+    absent = q.new_empty(0, dtype=torch.float32)
+    weight_grads = [absent if w is None else _rows_like(w) for w in (position_weights, time_weights)]
+    return _rows_like(q), _rows_like(k), _rows_like(v), *weight_grads
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
-        dq, dk, dv, dpw, dtw = _backward(ctx.launch, q, k, v, dout.contiguous())
-        return dq, dk, dv, dpw, dtw, None
+
+_TENSOR_INPUTS = 9  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:_TENSOR_INPUTS])
+    ctx.scalars = inputs[_TENSOR_INPUTS:]
+
+
+def _backward(ctx, dout):
+    saved = ctx.saved_tensors
+    dq, dk, dv, dpw, dtw = _attention_backward_op(dout, *saved, *ctx.scalars)
+    pw, tw = saved[7], saved[8]
+    weight_grads = (dpw if pw is not None else None, dtw if tw is not None else None)
+    return dq, dk, dv, None, None, None, None, *weight_grads, *(None for _ in ctx.scalars)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def hstu_attention(
@@ -674,16 +780,17 @@ def hstu_attention(
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
     timestamps: Optional[torch.Tensor],
+    order: Optional[torch.Tensor] = None,
+    fixed: bool = False,
 ) -> torch.Tensor:
     """The kernel's entry (kernels.hstu validates): ``offsets`` int32 on the tokens' device, ``max_len`` the
-    longest sample (host). Deterministic as it is (the backward has no atomics)."""
-    device = q.device
-    offsets = offsets.to(device=device, dtype=torch.int32)
-    order = torch.argsort(offsets[1:] - offsets[:-1], descending=True, stable=True).to(torch.int32)
-    targets = num_targets.to(device=device, dtype=torch.int32) if num_targets is not None else None
-    times = relative_times(timestamps.to(device), offsets) if time_weights is not None else None
+    longest sample (host), ``num_targets`` int32 and ``timestamps`` int64 on the device, ``order``
+    (:func:`sample_order`) made here when not given. A backward gives the same bits on every run (it has no
+    atomics); ``fixed`` also in every process (one launch configuration, not the autotuner's pick)."""
+    order = sample_order(offsets) if order is None else order
     pw = position_weights.float().contiguous() if position_weights is not None else None
     tw = time_weights.float().contiguous() if time_weights is not None else None
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    launch = _Launch(q, v, offsets, order, targets, times, pw, tw, max_len, alpha, seq_norm, window)
-    return _HSTUAttention.apply(q, k, v, pw, tw, launch)
+    ts = timestamps if time_weights is not None else None
+    return _attention_op(
+        q, k, v, offsets, order, num_targets, ts, pw, tw, max_len, float(alpha), seq_norm or 0, int(window), fixed
+    )

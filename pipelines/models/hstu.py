@@ -33,7 +33,7 @@ from torch import nn
 
 from fsdata.batch import Batch
 from kernels.attention import PackedOffsets
-from kernels.hstu import hstu_attention, position_bucket, time_bucket
+from kernels.hstu import HSTUSequences, hstu_attention, hstu_sequences, position_bucket, time_bucket
 from kernels.hstu import resolve_impl as resolve_hstu_impl
 from kernels.impl import Impl
 from pipelines.models.reference import Kept, truncate
@@ -99,7 +99,13 @@ class HSTUConfig:
     """The attention's kernel on CUDA: ``triton`` or ``torch`` (the per-sample twin); None: triton. CPU always runs
     ``torch``."""
     deterministic: bool = False
-    """The Triton backward gives the same bits on every run (the rab weights' gradients without atomics)."""
+    """The Triton attention runs one fixed launch configuration instead of the autotuner's timed pick, so that two
+    processes (two jobs to compare) sum in the same order and get the same bits; every run's backward already gives
+    the same bits in one process."""
+    compile: Optional[bool] = None
+    """Each layer under torch.compile (inductor, dynamic shapes: one compile for every token count), the attention
+    one opaque operator inside it, so that its memory-bound work (norms, SiLU, casts, the split, the gating and the
+    residual) fuses into few kernels. None: on CUDA with the Triton attention; the eager layer is the twin."""
 
     def __post_init__(self) -> None:
         for name in ("num_items", "num_actions", "dim", "num_layers", "num_heads", "head_dim", "num_labels"):
@@ -127,7 +133,7 @@ class Packing:
     """One batch's packed [history..., candidates...] sequences, what every layer's attention reads."""
 
     offsets: PackedOffsets  # per sample: kept UIH length + number of candidates
-    num_targets: torch.Tensor  # [B] the candidates, the last tokens of each sample
+    attention: HSTUSequences  # the offsets, the candidates as targets and the timestamps, as the kernel reads them
     timestamps: Optional[torch.Tensor]  # [N] int64: events' own; a candidate's is its sample's last event's
     # Read by the input position embeddings alone: None when they are off (age also without timestamps);
     # a candidate's recency and age are 0.
@@ -156,24 +162,22 @@ class HSTULayer(nn.Module):
             self.position_weights = nn.Parameter(torch.zeros(config.num_heads, config.position_buckets))
             self.time_weights = nn.Parameter(torch.zeros(config.num_heads, config.time_buckets))
 
-    def forward(self, x: torch.Tensor, seq: Packing, impl: Impl) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: Packing) -> torch.Tensor:
         c = self.config
         heads = lambda t: t.view(t.shape[0], c.num_heads, c.head_dim)  # noqa: E731
+        # Views of one projection's output: the Triton attention reads q, k and v in place.
         u, v, q, k = F.silu(self.uvqk(self.norm(x))).chunk(4, dim=-1)
         timed = seq.timestamps is not None and self.time_weights is not None
         attended = hstu_attention(
             heads(q),
             heads(k),
             heads(v),
-            seq.offsets,
+            seq.attention,
             alpha=1.0 / math.sqrt(c.head_dim),
             seq_norm=c.max_uih + c.max_candidates if c.seq_norm == "max" else None,
-            num_targets=seq.num_targets,
             window=c.window,
             position_weights=self.position_weights,
             time_weights=self.time_weights if timed else None,
-            timestamps=seq.timestamps if timed else None,
-            impl=impl,
             deterministic=c.deterministic,
         )
         y = u * self.attention_norm(attended.flatten(1))
@@ -197,6 +201,9 @@ class HSTUModel(nn.Module):
             for table in (self.position_embedding, self.time_embedding):
                 nn.init.zeros_(table.weight)  # training starts without them, as if they were off
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
+        self._compiled: Optional[list] = (
+            None  # the layers under torch.compile, made at the first forward that wants them
+        )
         self.norm = nn.LayerNorm(d)
         self.dense_proj = nn.Linear(config.dense_dim, d)
         self.head = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, config.num_labels))
@@ -219,6 +226,19 @@ class HSTUModel(nn.Module):
         if device.type != "cuda":
             return Impl.TORCH
         return resolve_hstu_impl(self.config.attention_impl, device)
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether the layers run under torch.compile on ``device`` (:attr:`HSTUConfig.compile`)."""
+        if self.config.compile is not None:
+            return self.config.compile
+        return self.attention_impl(device) is Impl.TRITON
+
+    def _layer_calls(self, device: torch.device) -> list:
+        if not self.compiles(device):
+            return list(self.layers)
+        if self._compiled is None:  # compiled wrappers, not submodules: the state dict is the eager layers'
+            self._compiled = [torch.compile(layer, dynamic=True) for layer in self.layers]
+        return self._compiled
 
     def needs_plan(self, device: torch.device) -> bool:
         """False: the HSTU kernels read the batch's offsets alone, no host-built plan."""
@@ -264,7 +284,14 @@ class HSTUModel(nn.Module):
             timestamps = torch.cat([events, last[sample_of_candidate]])[source]
             age = last[sample] - timestamps if embeds else None
         packed = PackedOffsets.from_host(host, on_device=offsets if device.type == "cuda" else None)
-        return Packing(packed, num_candidates, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
+        attention = hstu_sequences(
+            packed,
+            num_targets=batch.host_offsets("candidate_offsets").diff(),
+            timestamps=timestamps if self.config.rab else None,
+            impl=self.attention_impl(device),
+            device=device,
+        )
+        return Packing(packed, attention, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         kept = truncate(batch, self.config.max_uih)
@@ -284,9 +311,8 @@ class HSTUModel(nn.Module):
             x = x + self.position_embedding(position_bucket(seq.recency, self.config.position_buckets))
             if seq.age is not None:
                 x = x + self.time_embedding(time_bucket(seq.age, self.config.time_buckets))
-        impl = self.attention_impl(x.device)
-        for layer in self.layers:
-            x = layer(x, seq, impl)
+        for layer in self._layer_calls(x.device):
+            x = layer(x, seq)
         out = self.norm(x)[seq.candidate_slot]
         dense = self.dense_proj(batch.dense)[seq.sample_of_candidate]
         return self.head(torch.cat([out, dense], dim=-1))

@@ -27,7 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.pytorch.pt_hstu_attention import position_bucket, time_bucket  # noqa: E402
-from tests.kernels.hstu_cases import Case, assert_matches_twin  # noqa: E402
+from tests.kernels.hstu_cases import Case, assert_matches_twin, inputs, run  # noqa: E402
 
 hstu = sys.modules.get(_MODULE) or importlib.import_module(_MODULE)
 
@@ -66,33 +66,116 @@ def test_a_target_block_beyond_one_key_block_and_a_window_inside_it():
 def _bucket_kernel(
     X,
     POS,
-    TIME,
     n,
     num_buckets,
     BLOCK: tl.constexpr,
     P_LINEAR: tl.constexpr,
     P_LOG2: tl.constexpr,
     P_SUB: tl.constexpr,
-    T_LINEAR: tl.constexpr,
-    T_LOG2: tl.constexpr,
-    T_SUB: tl.constexpr,
 ):
     i = tl.arange(0, BLOCK)
     x = tl.load(X + i, mask=i < n, other=0)
     tl.store(POS + i, hstu._position_bucket(x, num_buckets, P_LINEAR, P_LOG2, P_SUB), mask=i < n)
-    tl.store(TIME + i, hstu._time_bucket(x, num_buckets, T_LINEAR, T_LOG2, T_SUB), mask=i < n)
+
+
+@triton.jit
+def _time_bucket_kernel(
+    ROWS, COLS, OUT, num_buckets, BLOCK: tl.constexpr, T_LINEAR: tl.constexpr, T_LOG2: tl.constexpr, T_SUB: tl.constexpr
+):
+    i = tl.arange(0, BLOCK)
+    tb = hstu._time_buckets(tl.load(ROWS + i), tl.load(COLS + i), num_buckets, T_LINEAR, T_LOG2, T_SUB)
+    tl.store(OUT + i[:, None] * BLOCK + i[None, :], tb)
 
 
 @pytest.mark.parametrize("num_buckets", [1, 16, 64, 200])
 def test_the_kernels_buckets_are_the_twins(num_buckets):
     powers = torch.tensor([1 << e for e in range(31)])
-    edges = torch.cat([torch.arange(0, 70), powers - 1, powers, powers + 1, -powers, torch.tensor([-1, 2**31 - 1])])
-    x = torch.cat([edges, torch.randint(-(2**31), 2**31 - 1, (256,), generator=torch.Generator().manual_seed(0))])
+    edges = torch.cat([torch.arange(0, 70), powers - 1, powers, powers + 1, torch.tensor([2**31 - 1])])
+    x = torch.cat([edges, torch.randint(0, 2**31 - 1, (256,), generator=torch.Generator().manual_seed(0))])
     x = x.to(torch.int32)
-    pos, time = torch.empty_like(x), torch.empty_like(x)
+    pos = torch.empty_like(x)
     block = triton.next_power_of_2(x.numel())
-    _bucket_kernel[(1,)](x, pos, time, x.numel(), num_buckets, BLOCK=block, **hstu._BUCKET_CONSTANTS)
-    assert torch.equal(pos, position_bucket(x.clamp(min=0), num_buckets))
-    gaps = x.clamp(min=-(2**30), max=2**30)  # the kernel's gaps are within +-2**30 (kernels.triton: _TIME_RANGE)
-    _bucket_kernel[(1,)](gaps, pos, time, x.numel(), num_buckets, BLOCK=block, **hstu._BUCKET_CONSTANTS)
-    assert torch.equal(time, time_bucket(gaps, num_buckets))
+    _bucket_kernel[(1,)](x, pos, x.numel(), num_buckets, BLOCK=block, **constants_of("P"))
+    assert torch.equal(pos, position_bucket(x, num_buckets))
+
+
+@pytest.mark.parametrize("num_buckets", [16, 64, 200])
+@pytest.mark.parametrize("span", [2**20, 2**31 - 1, 2**31, 2**40, 2**61])
+def test_the_kernels_time_buckets_are_the_twins_for_any_int64_gap(num_buckets, span):
+    """A tile's time buckets against the twin's, at spans of time on both sides of int32's range (the kernel's
+    int32 and int64 paths): seconds, milliseconds and beyond, negative and unordered times included."""
+    gen = torch.Generator().manual_seed(span % 1000 + num_buckets)
+    block = 64
+    base = torch.randint(-(2**40), 2**40, (1,), generator=gen)
+    times = base + torch.randint(0, span, (2 * block,), generator=gen)
+    times[:3] = base + torch.tensor([0, span - 1, span // 2])  # both ends of the span, and a gap of half of it
+    rows, cols = times[:block].contiguous(), times[block:].contiguous()
+    out = torch.empty(block, block, dtype=torch.int32)
+    _time_bucket_kernel[(1,)](rows, cols, out, num_buckets, BLOCK=block, **constants_of("T"))
+    assert torch.equal(out, time_bucket(rows[:, None] - cols[None, :], num_buckets))
+
+
+def constants_of(part: str) -> dict:
+    return {k: v for k, v in hstu._BUCKET_CONSTANTS.items() if k.startswith(part + "_")}
+
+
+def _op_args(lengths: list[int], heads: int = 2, dim: int = 16, rab: bool = True, seed: int = 0) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    offsets = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(n, heads, dim, generator=gen).requires_grad_() for _ in "qkv")
+    weights = [torch.randn(heads, b, generator=gen).requires_grad_() if rab else None for b in (40, 24)]
+    times = 1_700_000_000_000 + torch.randint(0, 10**9, (n,), generator=gen).cumsum(0)  # milliseconds: int64
+    targets = torch.tensor([min(2, n) for n in lengths], dtype=torch.int32)
+    order = hstu.sample_order(offsets)
+    return (q, k, v, offsets, order, targets, times if rab else None, *weights, max(lengths), 0.3, 64, 0, False)
+
+
+def test_the_attention_is_a_torch_operator_with_its_fake_and_autograd():
+    """torch.library's own check: the schema, the fake (meta) function's shapes and strides against the real
+    ones, the autograd formula, and tracing by AOTAutograd with static and dynamic shapes."""
+    for rab in (True, False):
+        torch.library.opcheck(torch.ops.freescale.hstu_attention.default, _op_args([5, 0, 18], rab=rab))
+
+
+def test_q_k_v_as_views_of_one_projection_are_read_in_place():
+    """The layer's q, k, v are column slices of one [N, 4 H D] output: the kernel reads them with their row stride
+    and gives the numbers (and gradients) of contiguous copies."""
+    case = Case(lengths=[19, 2, 33], targets=[3, 0, 5], rab=True)
+    data = inputs(case, "cpu")
+    want = run(case, data, "triton")
+    packed = torch.cat([data["q"], data["k"], data["v"]], dim=-1)  # [N, H, 3 D]: each a strided view
+    views = {name: packed[..., i * case.dim : (i + 1) * case.dim] for i, name in enumerate("qkv")}
+    assert views["k"].stride(0) == 3 * case.heads * case.dim or case.heads == 1
+    got = run(case, {**data, **views}, "triton")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_a_function_around_the_operator_compiles_once_for_every_token_count():
+    """torch.compile with dynamic shapes (AOTAutograd's trace, no code generation) through the operator and its
+    backward: the compiled function's output and gradients equal eager's, and a second batch of other lengths
+    (another token count and longest sample) reuses the first graph."""
+    import torch._dynamo
+
+    def layer(x, w, offsets, order, targets, max_len):
+        q, k, v = (x @ w).chunk(3, dim=-1)
+        heads = lambda t: t.reshape(t.shape[0], 2, 8)  # noqa: E731
+        args = (offsets, order, targets, None, None, None, max_len, 0.3, 0, 0, False)
+        return torch.ops.freescale.hstu_attention(heads(q), heads(k), heads(v), *args).flatten(1).relu().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=True, backend="aot_eager")
+    for lengths in ([7, 0, 12], [3, 30]):
+        gen = torch.Generator().manual_seed(len(lengths))
+        offsets = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        x = torch.randn(sum(lengths), 8, generator=gen)
+        order, targets = hstu.sample_order(offsets), torch.tensor([1] * len(lengths), dtype=torch.int32)
+        grads = []
+        for fn in (layer, compiled):
+            w = torch.randn(8, 48, generator=torch.Generator().manual_seed(1)).requires_grad_()
+            out = fn(x, w, offsets, order, targets, max(lengths))
+            out.backward()
+            grads.append((out.detach(), w.grad))
+        assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
