@@ -89,6 +89,7 @@ class Record:
     lengths: str
     rab: bool
     position_embeddings: bool
+    compiled: bool
     precision: str
     batch: int
     tokens: int
@@ -104,6 +105,8 @@ class Record:
     mfu: Optional[float]
     step_ms_reps: list[float]
     seq_lengths: list[int]  # each sample's packed tokens (kept UIH + candidates), what the FLOPs count
+    first_step_s: Optional[float] = None  # the first step's wall time: torch.compile's and the autotuner's work
+    breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     skipped: Optional[str] = None
 
 
@@ -123,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="every row with the config's input position embeddings (with --rab off: recsys-examples' configuration)",
     )
+    parser.add_argument(
+        "--compile", default=None, help="comma list of on, off: the layers under torch.compile (default on,off on CUDA)"
+    )
+    parser.add_argument("--breakdown", action="store_true", help="profile each row's steps: kernel time by part")
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default autocast on CUDA, fp32 on CPU")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -253,12 +260,56 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
     return statistics.median(call_times_ms(device, run, reps, warmup))
 
 
+# ---------------------------------------------------------------- where a step's time goes
+#: The parts of a step's kernel time: the HSTU attention's three kernels, the matmuls (cuBLAS / CUTLASS), the
+#: optimizer's update, and everything else: the memory-bound glue (norms, activations, casts, copies, the
+#: embedding lookups, inductor's fused kernels).
+PARTS = ("attention", "matmul", "optimizer", "other")
+_ATTENTION_KERNELS = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
+_MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")
+
+
+def kernel_part(name: str) -> str:
+    """The part of :data:`PARTS` a kernel's (profiler) name belongs to."""
+    lowered = name.lower()
+    if any(k in name for k in _ATTENTION_KERNELS):
+        return "attention"
+    if any(k in lowered for k in _MATMUL_KERNELS):
+        return "matmul"
+    if "adam" in lowered or "multi_tensor" in lowered:
+        return "optimizer"
+    return "other"
+
+
+def kernel_breakdown(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
+    """Per step, the ms of GPU kernel time in each of :data:`PARTS`, from torch.profiler over ``steps`` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals = dict.fromkeys(PARTS, 0.0)
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[kernel_part(event.name)] += event.time_range.elapsed_us() / 1e3 / steps
+    return totals
+
+
 # ---------------------------------------------------------------- one row
-def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precision: str) -> Record:
+def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
     embeddings = args.position_embeddings
     config = HSTUConfig(
-        **{**HSTU_PRESETS[preset], "num_items": args.num_items, "rab": rab, "position_embeddings": embeddings}
+        **{
+            **HSTU_PRESETS[preset],
+            "num_items": args.num_items,
+            "rab": rab,
+            "position_embeddings": embeddings,
+            "compile": compiled,
+        }
     )
     lengths = sequence_lengths(host_batch, config.max_uih)
     flops = step_flops(lengths, config.dim, config.num_layers, config.num_heads, config.head_dim)
@@ -267,6 +318,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precis
         lengths=kind,
         rab=rab,
         position_embeddings=embeddings,
+        compiled=compiled,
         precision=precision,
         batch=len(lengths),
         tokens=int(lengths.sum()),
@@ -284,8 +336,13 @@ def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precis
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
+    breakdown = None
     try:
-        times = call_times_ms(device, build_step(model, batch, precision, device), args.reps, args.warmup)
+        step = build_step(model, batch, precision, device)
+        first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
+        times = call_times_ms(device, step, args.reps, args.warmup)
+        if args.breakdown and device.type == "cuda":
+            breakdown = kernel_breakdown(step)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
@@ -312,6 +369,8 @@ def bench_one(args, preset: str, kind: str, rab: bool, host_batch: Batch, precis
         tflops=tflops,
         mfu=tflops / args.peak_tflops,
         step_ms_reps=times,
+        first_step_s=first_step_s,
+        breakdown_ms=breakdown,
     )
 
 
@@ -326,14 +385,14 @@ def _on(flag: bool) -> str:
 
 def table(records: list[Record]) -> str:
     head = (
-        "preset      lengths rab emb prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
-        "  TFLOP/s  MFU %"
+        "preset      lengths rab emb comp prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
+        "  TFLOP/s  MFU %  1st s"
     )
     lines = [head]
     for r in records:
         left = (
-            f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {r.precision:<8} "
-            f"{r.batch:>5} {r.tokens:>7} {r.max_len:>7}"
+            f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {_on(r.compiled):<4} "
+            f"{r.precision:<8} {r.batch:>5} {r.tokens:>7} {r.max_len:>7}"
         )
         if r.skipped:
             lines.append(f"{left}  skipped: {r.skipped}")
@@ -345,8 +404,23 @@ def table(records: list[Record]) -> str:
             _fmt(r.tflop, "10.4g"),
             _fmt(r.tflops, "7.1f"),
             _fmt(None if r.mfu is None else 100 * r.mfu, "5.1f"),
+            _fmt(r.first_step_s, "5.1f"),
         ]
         lines.append(f"{left} " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def breakdown_table(records: list[Record]) -> str:
+    """Each profiled row's kernel time per step by part, in ms and as a share of the step (CUDA events' median):
+    ``other`` is the glue; ``idle`` the step's time with no kernel running (launch gaps, host work)."""
+    lines = ["preset      lengths rab emb comp " + "".join(f"{p:>16}" for p in (*PARTS, "idle"))]
+    for r in records:
+        if not r.breakdown_ms or not r.step_ms:
+            continue
+        parts = dict(r.breakdown_ms, idle=max(r.step_ms - sum(r.breakdown_ms.values()), 0.0))
+        cells = "".join(f"{parts[p]:>8.2f} ({100 * parts[p] / r.step_ms:4.1f}%)" for p in (*PARTS, "idle"))
+        left = f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {_on(r.compiled):<4}"
+        lines.append(f"{left} {cells}")
     return "\n".join(lines)
 
 
@@ -360,7 +434,7 @@ def gates(records: list[Record], device: torch.device) -> list[str]:
         verdict = "met" if r.tflops >= GATE_TFLOPS else "NOT met"
         aim = "; aim met" if r.tflops >= AIM_TFLOPS else ""
         out.append(
-            f"gate {r.preset} {r.lengths} rab {_on(r.rab)}"
+            f"gate {r.preset} {r.lengths} rab {_on(r.rab)} compile {_on(r.compiled)}"
             f"{', input position embeddings' if r.position_embeddings else ''}: step {r.tflops:.1f} TFLOP/s >= "
             f"{GATE_TFLOPS:.1f} (2x recsys-examples' Triton baseline {BASELINE_TFLOPS}/GPU; aim {AIM_TFLOPS:.0f}): "
             f"{verdict}{aim}"
@@ -385,6 +459,7 @@ def main(args: argparse.Namespace) -> int:
     precision = args.precision or ("autocast" if cuda else "fp32")
     kinds = _choices("--lengths", args.lengths, LENGTHS)
     rabs = [x == "on" for x in _choices("--rab", args.rab, ("on", "off"))]
+    compiles = [x == "on" for x in _choices("--compile", args.compile or ("on,off" if cuda else "off"), ("on", "off"))]
     lo, hi = parse_candidates(args.candidates)
     if args.batch_size < 1 or args.reps < 1 or args.warmup < 0:
         raise ValueError("--batch-size and --reps must be >= 1, --warmup >= 0")
@@ -395,9 +470,12 @@ def main(args: argparse.Namespace) -> int:
         lengths = uih_lengths(kind, args.batch_size, config.max_uih, args.zipf_alpha, rng)
         host_batch = synthetic_batch(lengths, rng.integers(lo, hi + 1, args.batch_size), config, rng)
         for rab in rabs:
-            records.append(bench_one(args, preset, kind, rab, host_batch, precision))
-            print(table(records[-1:]).splitlines()[1], flush=True)
+            for compiled in compiles:
+                records.append(bench_one(args, preset, kind, rab, compiled, host_batch, precision))
+                print(table(records[-1:]).splitlines()[1], flush=True)
     print(table(records))
+    if any(r.breakdown_ms for r in records):
+        print(breakdown_table(records))
     for line in gates(records, device):
         print(line)
     if args.json:

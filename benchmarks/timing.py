@@ -8,9 +8,12 @@ from typing import Callable
 import torch
 
 
-def call_times_ms(device: torch.device, fn: Callable[[], None], reps: int, warmup: int) -> list[float]:
+def call_times_ms(
+    device: torch.device, fn: Callable[[], None], reps: int, warmup: int, *, wall: bool = False
+) -> list[float]:
     """Each of ``reps`` calls' milliseconds after ``warmup`` calls: CUDA events on CUDA (the device's time of the
-    call, without the host's launch gaps between calls), the wall clock elsewhere."""
+    call, without the host's launch gaps between calls), the wall clock elsewhere or with ``wall`` (on CUDA then
+    up to the device's end of the call: what a first call's compiling and autotuning cost)."""
     for _ in range(warmup):
         fn()
     cuda = device.type == "cuda"
@@ -18,7 +21,7 @@ def call_times_ms(device: torch.device, fn: Callable[[], None], reps: int, warmu
         torch.cuda.synchronize(device)
     times = []
     for _ in range(reps):
-        if cuda:
+        if cuda and not wall:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -28,5 +31,7 @@ def call_times_ms(device: torch.device, fn: Callable[[], None], reps: int, warmu
         else:
             t0 = time.perf_counter()
             fn()
+            if cuda:
+                torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
     return times

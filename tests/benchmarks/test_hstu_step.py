@@ -86,4 +86,26 @@ def test_position_embeddings_flag_reaches_the_model_of_every_row(tmp_path, capsy
     assert bench.main(parser.parse_args([*flags.split(), "--position-embeddings", "--json", str(path)])) == 0
     (record,) = json.loads(path.read_text())["records"]
     assert (record["rab"], record["position_embeddings"]) == (False, True) and record["step_ms"] > 0
-    assert "zipf    off on  fp32" in capsys.readouterr().out
+    assert "zipf    off on  off  fp32" in capsys.readouterr().out
+
+
+def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
+    names = {
+        "_fwd_kernel": "attention",
+        "_dkdv_kernel_0d1d": "attention",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "triton_per_fused__to_copy_native_layer_norm_0": "other",
+        "void at::native::vectorized_elementwise_kernel<4, silu>": "other",
+    }
+    assert {name: bench.kernel_part(name) for name in names} == names
+    record = bench.Record(
+        *("hstu", "zipf", True, False, True, "autocast", 2, 10, 6, 3, 10.0, 4.0, 0.4, 0.1, 0.2, 0.3, 30.0, 0.03),
+        step_ms_reps=[10.0],
+        seq_lengths=[6, 4],
+        breakdown_ms=dict(attention=4.0, matmul=3.0, optimizer=0.5, other=2.0),
+    )
+    row = bench.breakdown_table([record]).splitlines()[1]
+    assert "4.00 (40.0%)" in row and "2.00 (20.0%)" in row and "0.50 ( 5.0%)" in row  # idle: the 0.5 ms left
+    assert row.count("( 5.0%)") == 2

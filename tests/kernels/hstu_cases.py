@@ -25,6 +25,8 @@ class Case:
     window: int = 0
     rab: bool = False
     ordered_times: bool = True
+    time_unit: int = 1  # timestamps in this many ticks a second (1000: milliseconds, gaps beyond int32's range)
+    time_buckets: int = 24
     seq_norm: Optional[int] = 64
     dtype: torch.dtype = torch.float32
     seed: int = 0
@@ -38,6 +40,7 @@ def inputs(case: Case, device) -> dict:
         return (torch.randn(*shape, generator=gen) * scale).to(device)
 
     gaps = torch.randint(0, 4000, (n,), generator=gen)
+    times = (1_700_000_000 + (gaps.cumsum(0) if case.ordered_times else gaps)) * case.time_unit
     return dict(
         offsets=torch.tensor([0, *case.lengths]).cumsum(0),
         q=rand(n, case.heads, case.dim).to(case.dtype),
@@ -45,8 +48,8 @@ def inputs(case: Case, device) -> dict:
         v=rand(n, case.heads, case.dim_v).to(case.dtype),
         grad=rand(n, case.heads, case.dim_v, scale=1.0).to(case.dtype),
         position_weights=rand(case.heads, 40) if case.rab else None,
-        time_weights=rand(case.heads, 24) if case.rab else None,
-        timestamps=(gaps.cumsum(0) if case.ordered_times else gaps).to(device) if case.rab else None,
+        time_weights=rand(case.heads, case.time_buckets) if case.rab else None,
+        timestamps=times.to(device) if case.rab else None,
         num_targets=torch.tensor(case.targets) if case.targets is not None else None,
     )
 

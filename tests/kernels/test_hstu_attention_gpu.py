@@ -49,3 +49,17 @@ def test_backward_is_reproducible():
     first, second = run(case, data, "triton"), run(case, data, "triton")
     for i, (a, b) in enumerate(zip(first, second)):
         assert torch.equal(a, b), f"tensor {i} differs between two identical backward passes"
+
+
+def test_odd_lengths_and_empty_samples():
+    """Lengths one off the block sizes, a single token, and one longer than every tile config's blocks."""
+    lengths = [1, 2, 127, 129, 0, 4097]
+    case = Case(lengths, dim=64, dim_v=64, targets=[0, 1, 3, 129, 0, 8], rab=True, dtype=torch.bfloat16)
+    assert_matches_twin(case, "cuda")
+
+
+def test_millisecond_timestamps_give_the_twins_buckets():
+    """Timestamps in milliseconds: a long sample's tiles span more than 2**31 ticks, so the kernel takes their
+    gaps in int64; 64 time buckets reach gaps of 2**31 ticks."""
+    case = Case([3000, 40, 900], dim=64, dim_v=64, rab=True, time_unit=1000, time_buckets=64)
+    assert_matches_twin(case, "cuda")

@@ -156,6 +156,35 @@ def test_the_model_on_the_triton_kernel_has_the_twins_numbers():
         assert float((results["triton"][name] - expected).abs().max() / scale) < 1e-4, name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_compiled_layers_have_the_eager_layers_numbers_and_compile_once():
+    """On CUDA the layers run under torch.compile by default: logits and every gradient equal the eager layers'
+    (compile=False, the same Triton attention) within bf16's rounding under autocast, and batches of other token
+    counts and longest samples reuse the one graph per layer (no recompiling per batch)."""
+    import torch._dynamo
+
+    from pipelines.api.numerics import autocast
+
+    torch._dynamo.reset()
+    models = {compiled: _model(compile=compiled).train().cuda() for compiled in (False, True)}
+    for samples in (_samples(0), _samples(1)[:2], _samples(0) + _samples(2)):  # three token counts
+        batch = Batch.from_samples(samples).to("cuda")
+        results = {}
+        for compiled, model in models.items():
+            assert model.compiles(batch.dense.device) is compiled
+            model.zero_grad(set_to_none=True)
+            with autocast(torch.bfloat16, batch.dense.device):
+                logits = model(batch)
+            bce_sum(logits.float(), batch.candidate_labels).backward()
+            results[compiled] = {"logits": logits.detach().float(), **{n: p.grad for n, p in model.named_parameters()}}
+        for name, expected in results[False].items():
+            if expected is None:
+                continue
+            scale = expected.abs().max().clamp(min=1e-6)
+            assert float((results[True][name].float() - expected.float()).abs().max() / scale) < 3e-2, name
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= len(models[True].layers)
+
+
 def test_the_configs_errors_are_one_line_and_the_presets_are_valid():
     for name, fields in HSTU_PRESETS.items():
         HSTUConfig(**fields)  # hstu-large is only configured here: its tables are GPU-sized
