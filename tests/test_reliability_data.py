@@ -357,3 +357,19 @@ def test_timestamps_going_backwards_reach_the_run_summary(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "s.json").read_text())["data_counts"]["unordered_timestamps"] == 2
     assert "unordered timestamps 2" in proc.stdout
+
+
+def test_data_stats_says_which_unit_the_timestamps_look_like(tmp_path, capsys):
+    import numpy as np
+
+    from pipelines.cli import main
+    from pipelines.cli.data_stats import timestamp_unit
+
+    now = 1_700_000_000
+    for scale, unit in ((1, "seconds"), (1000, "milliseconds"), (10**6, "microseconds"), (10**9, "nanoseconds")):
+        assert timestamp_unit(np.array([now, now + 60]) * scale)["unit"] == unit
+    assert timestamp_unit(np.array([0, 5, 3600]))["unit"] is None  # relative times: no epoch
+    backwards_file(tmp_path / "ok.parquet", samples=())
+    main(["data", "stats", str(tmp_path / "ok.parquet")])
+    out = capsys.readouterr().out
+    assert "  UIH timestamps look like epoch seconds (median " in out and "convert" not in out, out

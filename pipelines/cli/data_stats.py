@@ -79,12 +79,29 @@ class _TimestampOrder:
         return {"samples": self.samples, "first_sample_id": self.first_sample_id} if self.seen else None
 
 
+#: Epoch timestamps of the years 2001-2286 in each unit: [1e9, 1e10) seconds, then x1000 per unit.
+_EPOCH_UNITS = ("seconds", "milliseconds", "microseconds", "nanoseconds")
+
+
+def timestamp_unit(timestamps: np.ndarray) -> dict:
+    """The unit the timestamps look like, from the magnitude of their median read as time since 1970: one of
+    :data:`_EPOCH_UNITS`, or None where it is no epoch time of the years 2001-2286 in any of them (relative times,
+    say). The HSTU model's time buckets (its relative bias, its age embeddings) read seconds."""
+    median = float(np.median(np.abs(timestamps))) if len(timestamps) else 0.0
+    unit = None
+    if median >= 1e9:
+        power = int(np.floor(np.log10(median))) - 9
+        if power % 3 == 0 and power // 3 < len(_EPOCH_UNITS):
+            unit = _EPOCH_UNITS[power // 3]
+    return {"unit": unit, "median": median}
+
+
 def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -> dict:
     """Reads ``num_samples`` samples of epoch 0 global batch by global batch and measures them."""
     from fsdata.balance_measures import sparsity
     from fsdata.synthetic import collision_rate, row_ids
 
-    uih, ncand, clen, sparsities, rates, dup = [], [], [], [], [], []
+    uih, ncand, clen, sparsities, rates, dup, times = [], [], [], [], [], [], []
     previous, order = None, _TimestampOrder()
     with tqdm(total=num_samples, unit="sample", desc="stats") as bar:
         for lo in range(0, num_samples, global_batch_size):
@@ -99,6 +116,8 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
                 if s + batch_size <= batch.batch_size:  # whole local batches only: a short tail would bias Eq. 1
                     sparsities.append(sparsity(lengths[s : s + batch_size]))
             order.add(batch)
+            if batch.uih_timestamps is not None and len(times) < 64:  # a sample of the events is enough
+                times.append(batch.uih_timestamps.numpy())
             rows = row_ids(batch)
             ids = batch.uih_item_ids.numel() + batch.content_ids.numel()
             dup.append(rows.numel() / max(ids, 1))
@@ -128,6 +147,7 @@ def collect(source, num_samples: int, batch_size: int, global_batch_size: int) -
         ),
         "unique_rows_per_id": float(np.mean(dup)),
         "unordered_timestamps": order.summary(),
+        "timestamp_unit": timestamp_unit(np.concatenate(times)) if times else None,
     }
     if hasattr(source, "stats"):
         out["truncated_uih"] = source.stats()["truncated_uih"]
@@ -159,6 +179,11 @@ def print_stats(stats: dict) -> None:
     if order is not None:
         first = "" if order["first_sample_id"] is None else f" (the first: sample_id {order['first_sample_id']})"
         print(f"  UIH timestamps going backwards: {order['samples']} samples{first}")
+    unit = stats.get("timestamp_unit")
+    if unit is not None:
+        looks = f"epoch {unit['unit']}" if unit["unit"] else "no epoch time in s, ms, us or ns"
+        advice = "" if unit["unit"] == "seconds" else " (--model hstu reads seconds: convert them)"
+        print(f"  UIH timestamps look like {looks} (median {unit['median']:.3g}){advice}")
 
 
 def main(args: argparse.Namespace) -> int:
