@@ -102,6 +102,8 @@ def test_old_toml_spellings_are_read_with_one_warning_line_naming_file_old_and_n
         ('[checkpoint]\ncheckpoint_dir = "a"\ndir = "b"\n', "[checkpoint] checkpoint_dir is the old spelling of "),
         ('[run]\ncheckpoint_dir = "a"\n', "[run] has unknown key 'checkpoint_dir' (it belongs in [checkpoint] as dir)"),
         ("[embeddings]\nseed = 1\n", "[embeddings] has unknown key 'seed' (it belongs in [data] or [run])"),
+        ("[run]\nno_progress = true\n", "[run] has unknown key 'no_progress'; write progress = false"),
+        ("[run]\nsteeps = 4\n", "[run] has unknown key 'steeps'; did you mean steps?"),
         ("lr = 1.0\n", "lr = 1.0 is outside any table; it belongs in [embeddings] or [run]"),
         ("[checkpoint]\ncheckpoint_every = 1.5\n", "[checkpoint] checkpoint_every: expected an integer, got 1.5"),
     ],
