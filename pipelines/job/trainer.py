@@ -523,6 +523,13 @@ class Trainer:
             return None
         restored = self._checkpointer.restore(cfg.resume, self.model, self.optimizer)  # returns once all have loaded
         if self.rank == 0:
+            incomplete = (
+                checkpoint.incomplete_steps(cfg.dir, restored.directory if restored is not None else None)
+                if cfg.resume == "latest"
+                else []
+            )
+            if incomplete:  # saves interrupted before their marker: never resumed, said once
+                print(f"[freescale] skipped {', '.join(incomplete)} (no {checkpoint.COMPLETE_MARKER}: a save cut off)")
             for skipped in restored.skipped if restored is not None else []:
                 print(f"[freescale] skipped {skipped}")
             if restored is not None and restored.unverified:
