@@ -197,6 +197,7 @@ class Trainer:
         config = self.config
         self.source = build_source(config.data, config.data.batch_size * self.world_size)
         self.spec = build_model_spec(config, self.source)
+        self._order_timestamps(self.source)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
         num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
@@ -209,6 +210,15 @@ class Trainer:
         self.model = self.spec.model.to(self.device)
         if config.run.deterministic:
             check_determinism(self.model, self.device)
+
+    def _order_timestamps(self, source) -> None:
+        """A Parquet source's histories out of time order (or with negative times): refused for a model that reads
+        time gaps (its class declares ``reads_time_gaps``), unless --unordered-timestamps sorts or drops them;
+        counted for any other. Synthetic histories are in order by construction."""
+        if not hasattr(source, "set_timestamp_policy"):
+            return
+        reads_gaps = getattr(self.spec.model, "reads_time_gaps", False)
+        source.set_timestamp_policy(self.config.data.unordered_timestamps or ("error" if reads_gaps else "count"))
 
     def _model_max_uih(self) -> Optional[int]:
         """The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps."""
@@ -427,7 +437,13 @@ class Trainer:
         counts = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
-        return {n: int(v) for n, v in zip(names, counts.tolist())}
+        out = {n: int(v) for n, v in zip(names, counts.tolist())}
+        mine = getattr(self.source, "unordered_samples", None)
+        if mine is not None and self.world_size > 1:  # distinct samples: one may reach another rank next epoch
+            every: list = [None] * self.world_size
+            dist.all_gather_object(every, mine())
+            out["unordered_timestamps"] = len(np.unique(np.concatenate(every)))
+        return out
 
     def _fetch(self, items: Iterator) -> _Fetched:
         """The next loader item, its batch and prefetched ids on the device (on a GPU the stage worker copied the
@@ -588,6 +604,7 @@ class Trainer:
         source = ParquetSource(
             [Path(path)], uih_cap=self.config.data.uih_cap, drop_bad_samples=self.config.data.drop_bad_samples
         )
+        self._order_timestamps(source)
         if self.spec.source is not None:
             source = self.spec.source(source)
         if num_items is not None:
