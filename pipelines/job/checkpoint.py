@@ -203,10 +203,9 @@ def read_file(path: str | Path, manifest: Optional[Manifest] = None) -> dict[str
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise ValueError(
             f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
-            f"run as code ({first or 'not a weights-only file'})"
+            f"run as code ({dcp.load_cause(e)})"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise ValueError(

@@ -195,12 +195,11 @@ def check_items(directory: str | Path, name: str, metadata: Metadata) -> None:
             try:
                 tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             except Exception as e:  # what DCP's read would raise mid-load, on every rank: named here instead
-                raise ValueError(f"{where}: does not load: {type(e).__name__}: {_first_line(str(e))}") from None
+                raise ValueError(f"{where}: does not load: {type(e).__name__}: {load_cause(e)}") from None
             expect = chunks.get(MetadataIndex(index.fqn, index.offset))
             if not isinstance(tensor, torch.Tensor) or expect is None:
-                raise ValueError(
-                    f"{where}: does not load: holds a {type(tensor).__name__}, not a tensor .metadata lists"
-                )
+                what = "a tensor .metadata does not list" if expect is None else f"a {type(tensor).__name__}"
+                raise ValueError(f"{where}: does not load: it holds {what}")
             if (tuple(tensor.shape), tensor.dtype) != expect:
                 raise ValueError(
                     f"{where}: does not load: a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, .metadata "
@@ -208,8 +207,10 @@ def check_items(directory: str | Path, name: str, metadata: Metadata) -> None:
                 )
 
 
-def _first_line(text: str) -> str:
-    """torch.load's own cause where it names one (an unsupported global), else its first sentence."""
+def load_cause(error: BaseException) -> str:
+    """What a failed ``torch.load`` says in one line: the global it refused where it names one, else its first
+    sentence."""
+    text = str(error)
     cause = next((line.strip() for line in text.splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
     return cause or " ".join(text.split()).split(". ")[0].rstrip(".")
 
