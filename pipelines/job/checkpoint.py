@@ -525,7 +525,7 @@ class Checkpointer:
             raise error
 
     # ------------------------------------------------------------------ restore
-    def _loadable(self, directory: Path, present: bool = True) -> list[str]:
+    def _loadable(self, directory: Path, present: bool) -> list[str]:
         """Every rank's fault with ``directory`` (``present``: this rank sees the step), gathered: [] when every
         rank can load it."""
         mine = problem(directory, self.rank, self.world_size) if present else "not there"
