@@ -32,10 +32,10 @@ against COMPLETE's sums, and each DCP item of its share decoded as the load woul
 rewritten, do not make bytes that load), the ranks gather their answers, and all load the first step no rank found
 a fault in; a step whose load still fails, for any reason, is passed over too (the next load replaces all it left).
 The steps skipped and why (the file, and in a DCP data file the item) are returned for the job to print; steps
-without COMPLETE (:func:`incomplete_steps`) are never tried. Loading ends
-in an agreement too: no rank reports a resume before every rank has loaded. Every file is opened only once
-pipelines.job.checkpoint_io has checked it (a regular file inside the step folder), and a read that does not return
-within half the communication timeout ends the rank in one line.
+without COMPLETE (:func:`incomplete_steps`) are never tried. Loading ends in an agreement too: no rank reports a
+resume before every rank has loaded. Every file is opened only once pipelines.job.checkpoint_io has checked it (a
+regular file inside the step folder), and a read that does not return within half the communication timeout ends
+the rank in one line. Decoding an item holds it in memory twice (its bytes and its tensor), one item at a time.
 
 Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
 containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
