@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "host": ("benchmarks.host", "host work per step that grows with the world size, at 8-1,024 ranks"),
     "replay": ("benchmarks.replay", "freescale simulate on measured step times of the reference model"),
     "scaling": ("benchmarks.scaling", "the scaling table and the replay cross-check from e2e and replay JSON"),
+    "soak": ("benchmarks.soak", "a long CPU run of the demo's job, its resident memory read at intervals"),
 }
 PROG = "python -m benchmarks"
 

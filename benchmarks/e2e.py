@@ -38,6 +38,7 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -214,14 +215,25 @@ def _row(case: str, s: dict) -> dict:
         "peak_memory_mib": max(s.get("peak_memory_bytes_per_rank") or [s["peak_memory_bytes"] or 0]) / 2**20,
         "peak_memory_mib_per_rank": [b / 2**20 for b in s.get("peak_memory_bytes_per_rank") or []],
         "steps": s["steps"],
+        "curve_steps": s["curve_steps"],
         "ne_curve": s["ne_curve"],
         "world_size": s["world_size"],
     }
 
 
-def main(args: argparse.Namespace) -> int:
+def _run(cfg: JobConfig) -> dict:
+    """One job's summary, with every step's series (the summary holds aggregates only) read back from its
+    ``--metrics-jsonl``."""
+    from pipelines.job.aggregates import per_step, read_metrics
     from pipelines.job.train import launch
 
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as folder:
+        cfg.run.metrics_jsonl = str(Path(folder) / "metrics.jsonl")
+        summary = launch(cfg)
+        return {**summary, **per_step(read_metrics(cfg.run.metrics_jsonl))}
+
+
+def main(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
@@ -243,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
                     f"{args.steps} steps on {args.device}",
                     flush=True,
                 )
-                row = _row(case, launch(case_config(case, mode, args)))
+                row = _row(case, _run(case_config(case, mode, args)))
                 row["repeat"] = repeat
                 rows.append(row)
     pair_with_sync(rows)
@@ -443,7 +455,7 @@ def _plot_ne(rows: list[dict], path: str) -> None:
     for ax, case in zip(axes[0], cases):
         for r in (r for r in rows if r["case"] == case):
             ax.plot(
-                range(1, len(r["ne_curve"]) + 1),
+                [step + 1 for step in r["curve_steps"]],
                 r["ne_curve"],
                 label=r["mode"],
                 linestyle="--" if r["mode"] == "freescale" else "-",

@@ -4,7 +4,7 @@ A model's item table has ``num_rows`` rows. A dataset whose ids reach past it (a
 table, or a corrupt id near 2^62) would otherwise be folded onto rows silently, several items sharing one row.
 So a source is wrapped in :class:`IdRangeSource`, which checks every batch it serves:
 
-    error   (the default) ValueError naming the sample and the largest id
+    error   (the default) ValueError naming the first such sample and its largest id
     modulo  id -> id % num_rows (the fold the reference model has always applied), counted
     hash    id -> a 64-bit mix of the id, % num_rows: neighbouring large ids spread over the table, counted
 
@@ -91,10 +91,7 @@ class IdRangeSource:
         return replace(batch, uih_item_ids=fold(batch.uih_item_ids), content_ids=fold(batch.content_ids))
 
     def _message(self, batch: Batch, over_uih: torch.Tensor, over_content: torch.Tensor, count: int) -> str:
-        largest = max(
-            int(batch.uih_item_ids.max()) if len(batch.uih_item_ids) else 0,
-            int(batch.content_ids.max()) if len(batch.content_ids) else 0,
-        )
+        """The first sample with an id beyond the table, named with its own largest id (not another sample's)."""
         if over_uih.any():
             column, value_index = UIH_ITEM_IDS, int(torch.nonzero(over_uih)[0])
             row = int(torch.searchsorted(batch.uih_offsets, value_index, right=True)) - 1
@@ -102,11 +99,16 @@ class IdRangeSource:
             column, value_index = CANDIDATE_CONTENT_IDS, int(torch.nonzero(over_content)[0])
             candidate = int(torch.searchsorted(batch.content_offsets, value_index, right=True)) - 1
             row = int(torch.searchsorted(batch.candidate_offsets, candidate, right=True)) - 1
+        c0, c1 = (int(c) for c in batch.candidate_offsets[row : row + 2])
+        x0, x1 = (int(x) for x in batch.content_offsets[[c0, c1]])
+        mine = torch.cat(
+            [batch.uih_item_ids[batch.uih_offsets[row] : batch.uih_offsets[row + 1]], batch.content_ids[x0:x1]]
+        )
         where = getattr(self.source, "paths", None)
         where = f"{where[0]}{' ...' if len(where) > 1 else ''}: " if where else ""
         return (
             f"{where}sample_id {int(batch.sample_ids[row])}: id in column '{column}' beyond the item table's "
-            f"{self.num_rows} rows ({count} such ids in this batch, the largest {largest}); give the model more rows "
-            f"(--num-items) or declare how ids map to rows: --id-overflow modulo|hash (or the dataset's "
+            f"{self.num_rows} rows (its largest id {int(mine.max())}; {count} such ids in this batch); give the model "
+            f"more rows (--num-items) or declare how ids map to rows: --id-overflow modulo|hash (or the dataset's "
             f"freescale.id_overflow metadata)"
         )

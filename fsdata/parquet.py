@@ -16,9 +16,13 @@ Bad input (see docs/schema.md):
 * non-finite ``dense`` values or labels, labels outside [0, 1]: ValueError naming file, row group, sample id
   and column; with ``drop_bad_samples=True`` such samples are left out of the batches instead (a local batch
   gets shorter, as at an epoch's end) and counted in ``stats()['dropped_bad_samples']``;
-* UIH timestamps that go backwards inside a sample: counted in ``stats()['unordered_timestamps']`` (samples
-  served); with ``require_ordered_timestamps=True`` (for a model that reads time gaps) a ValueError naming file,
-  row group and sample id, or, with ``drop_bad_samples`` too, left out and counted as the bad values are;
+* UIH timestamps that go backwards inside a sample, or are negative: ``unordered_timestamps`` says what happens
+  (``TIMESTAMP_POLICIES``): ``count`` (the default) serves them and counts them in
+  ``stats()['unordered_timestamps']`` (distinct samples: one served again in a later epoch counts once); for a
+  model that reads time gaps, ``error`` (a ValueError naming file, row group and sample id), ``sort`` (each such
+  history sorted oldest first before the cut to the cap, and counted; a negative time is still an error: sorting
+  cannot mend it) or ``drop`` (left out and counted as the bad values are). ``require_ordered_timestamps=True``
+  is ``error`` (``drop`` with ``drop_bad_samples``);
 * UIH longer than ``uih_cap``: not an error. The most recent ``uih_cap`` events are kept (the history is
   stored oldest first, so the tail) and the sample is counted in ``stats()['truncated_uih']``.
 """
@@ -52,6 +56,7 @@ from fsdata.schema import (
     bad_values,
     metadata_dims,
     metadata_id_overflow,
+    negative_timestamps,
     segment_of,
     unordered_timestamps,
     validate_columns,
@@ -60,6 +65,7 @@ from fsdata.schema import (
 from fsdata.synthetic import segment_arange
 
 PathLike = Union[str, os.PathLike]
+TIMESTAMP_POLICIES = ("count", "error", "sort", "drop")  # what a history out of time order or before 0 gets
 
 
 def expand_paths(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
@@ -100,7 +106,7 @@ class _RowGroup:
     dense: torch.Tensor
     truncated: torch.Tensor  # bool [n]: UIH was cut to the cap
     bad: Optional[np.ndarray] = None  # bool [n], drop_bad_samples only: samples with unsound values
-    unordered: Optional[np.ndarray] = None  # bool [n]: UIH timestamps go backwards (None: none do)
+    unordered: Optional[np.ndarray] = None  # bool [n]: UIH timestamps went backwards or are negative (None: none)
 
     def slice(self, a: int, b: int) -> Batch:
         uo = self.uih_offsets[a : b + 1]
@@ -147,7 +153,14 @@ class ParquetSource:
         cache_row_groups: int = 2,
         drop_bad_samples: bool = False,
         require_ordered_timestamps: bool = False,
+        unordered_timestamps: Optional[str] = None,
     ):
+        if unordered_timestamps is None:
+            unordered_timestamps = ("drop" if drop_bad_samples else "error") if require_ordered_timestamps else "count"
+        if unordered_timestamps not in TIMESTAMP_POLICIES:
+            raise ValueError(
+                f"unordered_timestamps must be one of {', '.join(TIMESTAMP_POLICIES)}, got {unordered_timestamps!r}"
+            )
         if uih_cap < 1:
             raise ValueError(f"uih_cap must be >= 1, got {uih_cap}")
         if cache_row_groups < 1:
@@ -155,7 +168,10 @@ class ParquetSource:
         self.paths = expand_paths(paths)
         self.uih_cap = uih_cap
         self.drop_bad_samples = drop_bad_samples
-        self.require_ordered_timestamps = require_ordered_timestamps
+        self.unordered_timestamps = unordered_timestamps
+        # Per row group with such samples, which of its rows this source served: the count is of distinct samples,
+        # bounded by the data, not by how often an epoch comes round.
+        self._unordered_served: dict[int, np.ndarray] = {}
         # How ids beyond the model's item table map to rows, when the dataset declares it (fsdata.id_overflow).
         self.id_overflow: Optional[str] = None
         self._cache_size = cache_row_groups
@@ -200,7 +216,6 @@ class ParquetSource:
             "row_groups_decoded": 0,
             "cache_hits": 0,
             "dropped_bad_samples": 0,
-            "unordered_timestamps": 0,
         }
 
     # ------------------------------------------------------------------ protocol
@@ -215,8 +230,23 @@ class ParquetSource:
 
     def stats(self) -> dict[str, int]:
         """Counters since construction; ``truncated_uih`` counts served samples whose UIH was cut to the cap,
-        ``unordered_timestamps`` served samples whose UIH timestamps go backwards (dropped ones included)."""
-        return dict(self._stats)
+        ``unordered_timestamps`` the distinct samples served whose UIH timestamps go backwards or are negative
+        (sorted and dropped ones included)."""
+        return {**self._stats, "unordered_timestamps": int(sum(int(m.sum()) for m in self._unordered_served.values()))}
+
+    def unordered_samples(self) -> np.ndarray:
+        """The global indices of the samples ``stats()['unordered_timestamps']`` counts, sorted: several ranks'
+        union is the job's distinct count (a sample may reach another rank in a later epoch)."""
+        found = [self._rg_start[g] + np.flatnonzero(m) for g, m in sorted(self._unordered_served.items())]
+        return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
+
+    def set_timestamp_policy(self, policy: str) -> None:
+        """Sets ``unordered_timestamps`` (see the module doc) once the job knows its model; row groups decoded
+        before are decoded again under it."""
+        if policy not in TIMESTAMP_POLICIES:
+            raise ValueError(f"unordered_timestamps must be one of {', '.join(TIMESTAMP_POLICIES)}, got {policy!r}")
+        self.unordered_timestamps = policy
+        self._cache.clear()
 
     def read(self, epoch: int, start: int, stop: int) -> Batch:
         total = self.num_samples(epoch)
@@ -235,8 +265,9 @@ class ParquetSource:
             )
             part = rg.slice(int(lo), int(hi))
             self._stats["truncated_uih"] += int(rg.truncated[lo:hi].sum())
-            if rg.unordered is not None:
-                self._stats["unordered_timestamps"] += int(rg.unordered[lo:hi].sum())
+            if rg.unordered is not None and rg.unordered[lo:hi].any():
+                served = self._unordered_served.setdefault(g, np.zeros(len(rg.unordered), dtype=bool))
+                served[lo:hi] |= rg.unordered[lo:hi]
             if rg.bad is not None and rg.bad[lo:hi].any():
                 keep = ~rg.bad[lo:hi]
                 self._stats["dropped_bad_samples"] += int((~keep).sum())
@@ -340,14 +371,22 @@ class ParquetSource:
         uih_t, act_t, ts_t = (
             None if a is None else _tensor(a) for a in (cols.uih_item_ids, cols.uih_action_types, cols.uih_timestamps)
         )
+        resorted = None
+        if self.unordered_timestamps == "sort" and ts_t is not None:  # before the cut: it keeps the newest events
+            resorted, _ = unordered_timestamps(cols.uih_offsets, cols.uih_timestamps)
+            if resorted.any():
+                order = torch.from_numpy(np.lexsort((cols.uih_timestamps, np.repeat(np.arange(n), uih_len))))
+                uih_t, act_t, ts_t = (None if x is None else x[order] for x in (uih_t, act_t, ts_t))
         if truncated.any():  # keep the most recent uih_cap events (the tail: histories are stored oldest first)
             kept = np.minimum(uih_len, self.uih_cap)
             index = torch.from_numpy(segment_arange(cols.uih_offsets[1:] - kept, kept))
             uih_t, act_t, ts_t = (None if x is None else x[index] for x in (uih_t, act_t, ts_t))
             uih_off_t = torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]).astype(np.int64))
         unordered = self._timestamp_order(cols, uih_off_t, ts_t, where)
-        if unordered is not None and self.require_ordered_timestamps:  # drop_bad_samples: the read leaves them out
+        if unordered is not None and self.unordered_timestamps == "drop":  # the read leaves them out
             bad = unordered if bad is None else bad | unordered
+        if resorted is not None and resorted.any():
+            unordered = resorted if unordered is None else unordered | resorted
         t = self.num_labels or 1
         return _RowGroup(
             sample_ids=_tensor(cols.sample_ids),
@@ -369,17 +408,26 @@ class ParquetSource:
     def _timestamp_order(
         self, cols: Columns, uih_offsets: torch.Tensor, timestamps: Optional[torch.Tensor], where: str
     ) -> Optional[np.ndarray]:
-        """Which samples' served timestamps (after the cut to the cap) go backwards, None when none do; an error
-        naming the first under ``require_ordered_timestamps`` unless such samples are to be dropped."""
+        """Which samples' served timestamps (after the cut to the cap) go backwards or are negative, None when none
+        do; under the ``error`` policy (and ``sort``, for a negative time) an error naming the first."""
         if timestamps is None:
             return None
-        mask, fault = unordered_timestamps(uih_offsets.numpy(), timestamps.numpy())
-        if fault is None:
+        offsets, values = uih_offsets.numpy(), timestamps.numpy()
+        backwards, order_fault = unordered_timestamps(offsets, values)
+        negative, sign_fault = negative_timestamps(offsets, values)
+        if order_fault is None and sign_fault is None:
             return None
-        if self.require_ordered_timestamps and not self.drop_bad_samples:
+        fault = {"error": min(f for f in (order_fault, sign_fault) if f is not None), "sort": sign_fault}.get(
+            self.unordered_timestamps
+        )
+        if fault is not None:
             row, what = fault
-            raise ValueError(f"{where}: sample_id {int(cols.sample_ids[row])} (row {row}): {what}")
-        return mask
+            mend = "drop" if self.unordered_timestamps == "sort" else "sort|drop"
+            raise ValueError(
+                f"{where}: sample_id {int(cols.sample_ids[row])} (row {row}): {what}; the model reads time gaps, "
+                f"which needs every history oldest first and no negative time (--unordered-timestamps {mend})"
+            )
+        return backwards | negative
 
 
 def _columns_of(table: pa.Table, where: str, names: Sequence[str]) -> Columns:

@@ -289,9 +289,28 @@ def unordered_timestamps(
     v, row = int(later[0]), int(rows[0])
     what = (
         f"{UIH_TIMESTAMPS} go backwards at event {v - int(offsets[row])} ({int(timestamps[v])} after"
-        f" {int(timestamps[v - 1])}); with require_ordered_timestamps every history must be oldest first"
+        f" {int(timestamps[v - 1])})"
     )
     return mask, (row, what)
+
+
+def negative_timestamps(
+    offsets: np.ndarray, timestamps: Optional[np.ndarray]
+) -> tuple[np.ndarray, Optional[tuple[int, str]]]:
+    """Samples with a ``uih_timestamps`` value below 0 (seconds since the epoch cannot be; a time gap read from one
+    is meaningless), as :func:`unordered_timestamps` answers: a bool mask over the rows and (row, description) of
+    the first, or None."""
+    mask = np.zeros(len(offsets) - 1, dtype=bool)
+    negative = np.flatnonzero(timestamps < 0) if timestamps is not None else np.zeros(0, dtype=np.int64)
+    if not len(negative):
+        return mask, None
+    rows = np.searchsorted(offsets, negative, side="right") - 1
+    mask[rows] = True
+    v, row = int(negative[0]), int(rows[0])
+    return mask, (
+        row,
+        f"{UIH_TIMESTAMPS} holds a negative time at event {v - int(offsets[row])} ({int(timestamps[v])})",
+    )
 
 
 def batch_columns(batch: Batch) -> Columns:

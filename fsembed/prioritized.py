@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ from fsembed.id_prefetch import ShardedIds
 from fsembed.schedules import RUNTIME_SCHEDULES
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, GroupShard, Ids, ShardedEmbeddingCollection
 from kernels import ops
+
+COLLISION_STEPS = 1024  # the steps whose collision rates a lookup keeps (collision_rates)
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,9 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
             _Later
         ] = []  # lines 6-7 and 12 issued by the forward, not started yet (early_start="backward")
         self.ctx = {name: _GroupContext() for name in self.shards}
-        self._collisions: list[tuple[torch.Tensor, int]] = []  # per step: (collided ids, all ids) on this rank's shards
+        # per step, the latest COLLISION_STEPS: (collided ids, all ids) on this rank's shards; bounded, as a job
+        # runs for millions of steps
+        self._collisions: deque[tuple[torch.Tensor, int]] = deque(maxlen=COLLISION_STEPS)
         # shard-major id counts, cumulative: looked up early (line 12), sent after the collision update
         # (line 21), gradients deferred (line 18's exclusive part)
         self.row_counts = {"early": 0, "collision": 0, "deferred": 0}
@@ -390,8 +395,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
 
     @property
     def collision_rates(self) -> list[float]:
-        """Per training step: the share of this rank's shard-major ids whose row the next step uses again
-        (Figure 3's collision %; 0 for a last step, which has no next one)."""
+        """Per training step, the latest ``COLLISION_STEPS``: the share of this rank's shard-major ids whose row the
+        next step uses again (Figure 3's collision %; 0 for a last step, which has no next one)."""
         return [float(c) / t if t else 0.0 for c, t in self._collisions]
 
     def _first_step(self, shard: GroupShard, sid: ShardedIds) -> _Step:

@@ -322,12 +322,50 @@ def test_timestamps_going_backwards_are_counted_and_refused_on_request(tmp_path)
         ParquetSource(path, require_ordered_timestamps=True).read(0, 0, 8)
     assert str(error.value) == (
         f"{path} row group 0: sample_id 1 (row 1): uih_timestamps go backwards at event {len(ts) - 1} ({ts[-2]} after"
-        f" {ts[-1]}); with require_ordered_timestamps every history must be oldest first"
+        f" {ts[-1]}); the model reads time gaps, which needs every history oldest first and no negative time "
+        "(--unordered-timestamps sort|drop)"
     )
     dropping = ParquetSource(path, require_ordered_timestamps=True, drop_bad_samples=True)
     kept = dropping.read(0, 0, 16)
     assert kept.sample_ids.tolist() == [i for i in range(16) if i not in (1, 6, 9)]
     assert dropping.stats()["dropped_bad_samples"] == 3 and dropping.stats()["unordered_timestamps"] == 3
+    dropping.read(1, 0, 16)  # served again in the next epoch: still 3 distinct samples
+    assert dropping.stats()["unordered_timestamps"] == 3 and dropping.unordered_samples().tolist() == [1, 6, 9]
+
+
+def test_sort_orders_each_history_before_the_cut_and_a_negative_time_is_refused_or_dropped(tmp_path):
+    path = tmp_path / "ts.parquet"
+    batch = backwards_file(path, samples=(1, 6), at_start=(9,))
+    raw = ParquetSource(path).read(0, 0, 16)  # as stored: the swapped events' items kept in place
+    sorting = ParquetSource(path, unordered_timestamps="sort", uih_cap=3)
+    served = sorting.read(0, 0, 16)
+    assert sorting.stats()["unordered_timestamps"] == 3
+    for row in range(16):  # every history oldest first, its newest 3 events kept, each event with its own item
+        a, b = raw.uih_offsets[row], raw.uih_offsets[row + 1]
+        events = sorted(zip(raw.uih_timestamps[a:b].tolist(), raw.uih_item_ids[a:b].tolist()))[-3:]
+        c, d = served.uih_offsets[row], served.uih_offsets[row + 1]
+        assert list(zip(served.uih_timestamps[c:d].tolist(), served.uih_item_ids[c:d].tolist())) == events
+    assert sorting.read(1, 0, 16).uih_timestamps.equal(served.uih_timestamps)
+
+    from fsdata.schema import batch_to_table
+
+    negative = tmp_path / "neg.parquet"
+    pq.write_table(
+        _with_column(batch_to_table(batch), "uih_timestamps", lambda v: v[20].__setitem__(0, -5)),
+        negative,
+        row_group_size=16,
+    )
+    for policy in ("error", "sort"):
+        with pytest.raises(ValueError) as error:
+            ParquetSource(negative, unordered_timestamps=policy).read(0, 16, 32)
+        assert str(error.value).startswith(
+            f"{negative} row group 1: sample_id 20 (row 4): uih_timestamps holds a negative time at event 0 (-5); "
+        ), str(error.value)
+    assert str(error.value).endswith("(--unordered-timestamps drop)")
+    dropping = ParquetSource(negative, unordered_timestamps="drop")
+    assert 20 not in dropping.read(0, 16, 32).sample_ids.tolist() and dropping.stats()["unordered_timestamps"] == 1
+    with pytest.raises(ValueError, match="unordered_timestamps must be one of count, error, sort, drop, got 'keep'"):
+        ParquetSource(negative, unordered_timestamps="keep")
 
 
 def test_data_stats_counts_timestamps_going_backwards_in_a_line_and_its_json(tmp_path, capsys):
@@ -347,16 +385,26 @@ def test_data_stats_counts_timestamps_going_backwards_in_a_line_and_its_json(tmp
 
 
 @pytest.mark.multiprocess
-def test_timestamps_going_backwards_reach_the_run_summary(tmp_path):
+def test_timestamps_going_backwards_reach_the_run_summary_and_a_model_reading_time_gaps_refuses_them(tmp_path):
+    """The reference model reads no time gap: served and counted, as distinct samples (both are in step 0 of every
+    epoch: 10 steps of 8 read them twice). HSTU reads them: refused in one line, or sorted on request."""
     import json
 
     from tests.test_reliability_cli import FAST, freescale
 
-    backwards_file(tmp_path / "ts.parquet", num_samples=256, samples=(1, 6))  # both in step 0, read once
-    proc = freescale(tmp_path, "train", *FAST, "--steps", "4", "--data", "ts.parquet", "--summary-json", "s.json")
+    backwards_file(tmp_path / "ts.parquet", num_samples=64, samples=(1, 6))
+    proc = freescale(tmp_path, "train", *FAST, "--steps", "10", "--data", "ts.parquet", "--summary-json", "s.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "s.json").read_text())["data_counts"]["unordered_timestamps"] == 2
     assert "unordered timestamps 2" in proc.stdout
+    hstu = [*FAST, "--steps", "2", "--data", "ts.parquet", "--model", "hstu"]
+    refused = freescale(tmp_path, "train", *hstu)
+    lines = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert refused.returncode != 0 and len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "ts.parquet row group 0: sample_id 1 (row 1): uih_timestamps go backwards at event" in lines[0]
+    assert "(--unordered-timestamps sort|drop)" in lines[0], lines[0]
+    sorted_ = freescale(tmp_path, "train", *hstu, "--unordered-timestamps", "sort")
+    assert sorted_.returncode == 0 and "unordered timestamps 2" in sorted_.stdout, sorted_.stderr[-3000:]
 
 
 def test_data_stats_says_which_unit_the_timestamps_look_like(tmp_path, capsys):

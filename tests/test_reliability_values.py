@@ -67,15 +67,20 @@ def test_drop_bad_samples_leaves_them_out_and_counts_them(tmp_path):
         assert torch.equal(out.dense[i], clean.dense[sid])
 
 
-def test_ids_beyond_the_table_are_an_error_naming_sample_and_largest_id(tmp_path):
+def test_ids_beyond_the_table_are_an_error_naming_sample_and_its_largest_id(tmp_path):
     batch = damaged(uih_item_ids=(5, 2**62))
     source = IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "big.parquet")), num_rows=20_000)
     with pytest.raises(
         ValueError,
         match=r"sample_id 0: id in column 'uih_item_ids' beyond the item table's 20000 rows "
-        r"\(1 such ids in this batch, the largest 4611686018427387904\)",
+        r"\(its largest id 4611686018427387904; 1 such ids in this batch\)",
     ):
         source.read(0, 0, 16)
+    # The sample named quotes its own largest id, not the batch's (a later sample's content id here).
+    batch = damaged(uih_item_ids=(5, 30_000), content_ids=(-1, 2**62))
+    source = IdRangeSource(ParquetSource(write_raw(batch, tmp_path / "two.parquet")), num_rows=20_000)
+    with pytest.raises(ValueError, match=r"sample_id 0: .* \(its largest id 30000; 2 such ids in this batch\)"):
+        source.read(0, 0, 64)
 
 
 @pytest.mark.parametrize("overflow", ["modulo", "hash"])

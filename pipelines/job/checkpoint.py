@@ -27,12 +27,15 @@ restores what is world-size independent (model, optimizer, tables resharded, the
 lost or repeated) and starts the loader's balancer state afresh.
 
 Resume. ``--resume latest`` takes the newest step that every rank can load: newest first, each rank checks a step
-(the marker, every file's size, the DCP metadata, the rank file it would read, and its share of the step's bytes
-against COMPLETE's sums), the ranks gather their answers, and all take the first step no rank found a fault in; the
-steps skipped and why (the file, and in a DCP data file the item) are returned for the job to print. Loading ends
-in an agreement too: no rank reports a resume before every rank has loaded. Every file is opened only once
-pipelines.job.checkpoint_io has checked it (a regular file inside the step folder), and a read that does not return
-within half the communication timeout ends the rank in one line.
+(the marker, every file's size, the DCP metadata, the rank file it would read, its share of the step's bytes
+against COMPLETE's sums, and each DCP item of its share decoded as the load would: sums that match, COMPLETE
+rewritten, do not make bytes that load), the ranks gather their answers, and all load the first step no rank found
+a fault in; a step whose load still fails, for any reason, is passed over too (the next load replaces all it left).
+The steps skipped and why (the file, and in a DCP data file the item) are returned for the job to print; steps
+without COMPLETE (:func:`incomplete_steps`) are never tried. Loading ends in an agreement too: no rank reports a
+resume before every rank has loaded. Every file is opened only once pipelines.job.checkpoint_io has checked it (a
+regular file inside the step folder), and a read that does not return within half the communication timeout ends
+the rank in one line. Decoding an item holds it in memory twice (its bytes and its tensor), one item at a time.
 
 Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
 containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
@@ -98,6 +101,21 @@ def complete_steps(root: str | Path) -> list[Path]:
         if (m := _STEP_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()
     ]
     return [p for _, p in sorted(steps, reverse=True)]
+
+
+def incomplete_steps(root: str | Path, newer_than: Optional[Path] = None) -> list[str]:
+    """Step directories under ``root`` without a COMPLETE marker (a save interrupted before its end), newest first;
+    only those newer than ``newer_than`` when given: the ones ``--resume latest`` passed over."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    floor = int(_STEP_DIR.match(newer_than.name).group(1)) if newer_than is not None else -1
+    steps = [
+        (int(m.group(1)), p.name)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > floor and not (p / COMPLETE_MARKER).exists()
+    ]
+    return [name for _, name in sorted(steps, reverse=True)]
 
 
 def latest(root: str | Path) -> Optional[Path]:
@@ -185,10 +203,9 @@ def read_file(path: str | Path, manifest: Optional[Manifest] = None) -> dict[str
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
         raise ValueError(
             f"{path}: refused: it holds objects other than tensors and plain data, which loading would "
-            f"run as code ({first or 'not a weights-only file'})"
+            f"run as code ({dcp.load_cause(e)})"
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise ValueError(
@@ -228,13 +245,18 @@ def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, A
     return payload, saved_world == world_size
 
 
-def verify_share(directory: Path, manifest: Manifest, rank: int, world_size: int) -> None:
+def verify_share(directory: Path, manifest: Manifest, metadata: Optional[Metadata], rank: int, world_size: int) -> None:
     """Reads this rank's share of the step's files (every ``world_size``-th, so that the ranks together read each
-    file once) and compares them with COMPLETE; ValueError (one line) naming the file and, in a DCP data file, the
-    item whose bytes differ. The marker and the metadata are verified wherever they are read."""
+    file once) and compares them with COMPLETE, then loads each item of its share of the DCP data files as the
+    load would (pipelines.job.dcp.check_items: sums that match do not make bytes that load); ValueError (one line)
+    naming the file and, in a DCP data file, the item. The marker and the metadata are verified wherever they are
+    read."""
     names = sorted(set(manifest.files or ()) - {METADATA})
     for name in names[rank::world_size]:
         checkpoint_io.verify_file(directory, name, manifest.files[name])
+    data = sorted(dcp.data_files(metadata)) if metadata is not None else []
+    for name in data[rank::world_size]:
+        dcp.check_items(directory, name, metadata)
 
 
 def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
@@ -251,19 +273,21 @@ def problem(directory: str | Path, rank: int, world_size: int) -> Optional[str]:
             )
         elif not same:  # the earlier format reshards from every old rank's file
             load_all(directory)
-        if manifest.verified:
-            verify_share(directory, manifest, rank, world_size)
-    except (ValueError, OSError) as e:
+        verify_share(directory, manifest, metadata, rank, world_size)
+    except Exception as e:  # whatever keeps a step from loading skips it under --resume latest
         return _fault(directory, e)
     return None
 
 
 def _fault(directory: Path, exc: Exception) -> str:
-    """A reading fault's line: the checkers' own, or an OS error (a permission, an I/O error) with the step."""
+    """A reading fault's line: the checkers' own, an OS error (a permission, an I/O error) with the step, or any
+    other failure with the step and its first sentence."""
     if isinstance(exc, ValueError):
         return str(exc)
-    where = getattr(exc, "filename", None) or directory
-    return f"{where}: cannot be read: {type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+    if isinstance(exc, OSError):
+        where = getattr(exc, "filename", None) or directory
+        return f"{where}: cannot be read: {type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+    return f"checkpoint {directory}: {type(exc).__name__}: {_first_sentence(str(exc))}"
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -501,29 +525,37 @@ class Checkpointer:
             raise error
 
     # ------------------------------------------------------------------ restore
-    def _choose(self, resume: str) -> tuple[Optional[Path], list[str]]:
-        """The step directory every rank can load, and the newer ones skipped (``resume == "latest"``): the steps
-        are tried newest first, each checked by every rank (its share of the bytes too), until one passes."""
-        if resume != "latest":
-            directory = Path(resume)
-            self._agree(problem(directory, self.rank, self.world_size), f"checkpoint {directory}")
-            return directory, []
+    def _loadable(self, directory: Path, present: bool) -> list[str]:
+        """Every rank's fault with ``directory`` (``present``: this rank sees the step), gathered: [] when every
+        rank can load it."""
+        mine = problem(directory, self.rank, self.world_size) if present else "not there"
+        return [f"rank {r}: {m}" for r, m in enumerate(self._gather(mine)) if m is not None]
+
+    def _latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
+        """The newest step that every rank checks (its share of the bytes, every item decoded) and then loads; a
+        step that fails either way, for any reason, is skipped with its line, and the next older one tried."""
         seen = self._gather([p.name for p in complete_steps(self.root)])
         skipped, mine_failed = [], False
         for name in sorted({n for names in seen for n in names}, reverse=True):
             directory = self.root / name
-            mine = problem(directory, self.rank, self.world_size) if name in seen[self.rank] else "not there"
-            mine_failed |= mine is not None
-            faults = [f"rank {r}: {m}" for r, m in enumerate(self._gather(mine)) if m is not None]
+            faults = self._loadable(directory, name in seen[self.rank])
             if not faults:
-                return directory, skipped
+                try:
+                    restored = self._load(directory, model, optimizer)
+                except CheckpointError as e:  # a load every rank failed alike (it ends in an agreement)
+                    faults = [str(e)]
+                    mine_failed |= e.root
+                else:
+                    restored.skipped = skipped
+                    return restored
+            mine_failed |= any(f.startswith(f"rank {self.rank}: ") for f in faults)
             skipped.append(f"{name} ({'; '.join(faults)})")
         if skipped:
             raise CheckpointError(
                 f"--resume latest: no step under {self.root} that every rank can load: " + "; ".join(skipped),
                 root=mine_failed,
             )
-        return None, []
+        return None
 
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
         """Loads ``resume`` (a step directory, or "latest": the newest step every rank can load) into model and
@@ -532,12 +564,11 @@ class Checkpointer:
         from fscomm.groups import comm_timeout_s
 
         with checkpoint_io.watching(comm_timeout_s(), self.rank):
-            directory, skipped = self._choose(resume)
-            if directory is None:
-                return None
-            restored = self._load(directory, model, optimizer)
-        restored.skipped = skipped
-        return restored
+            if resume == "latest":
+                return self._latest(model, optimizer)
+            directory = Path(resume)
+            self._agree(problem(directory, self.rank, self.world_size), f"checkpoint {directory}")
+            return self._load(directory, model, optimizer)
 
     def _load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
         payload: dict = {}
@@ -549,7 +580,7 @@ class Checkpointer:
                 targets = dcp_state.targets(directory, payload[STATE_KEY], model, metadata)
             else:
                 _restore_files(directory, payload, model, optimizer, same)
-        except (ValueError, OSError) as e:
+        except Exception as e:  # one rank's fault reaches every rank through the agreement below
             error = _fault(directory, e)
         self._agree(error, f"checkpoint {directory}")
         same = manifest.world_size == self.world_size

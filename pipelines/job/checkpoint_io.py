@@ -144,8 +144,13 @@ class ItemSum:
     crc32: int
 
     def name(self) -> str:
-        chunk = f" (chunk at {list(self.offset)})" if self.offset and any(self.offset) else ""
-        return f"item {self.fqn!r}{chunk}, bytes {self.start}..{self.start + self.length}"
+        return item_name(self.fqn, self.offset, self.start, self.length)
+
+
+def item_name(fqn: str, offset: Optional[Sequence[int]], start: int, length: int) -> str:
+    """How a line names a DCP item of a data file: its metadata key, its chunk where not at the origin, its bytes."""
+    chunk = f" (chunk at {list(offset)})" if offset and any(offset) else ""
+    return f"item {fqn!r}{chunk}, bytes {start}..{start + length}"
 
 
 @dataclass(frozen=True)

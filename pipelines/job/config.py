@@ -128,7 +128,7 @@ class JobDataSection:
     it each rank takes per step."""
 
     TABLE: ClassVar[str] = "data"
-    CHOICES: ClassVar[dict] = {"id_overflow": ID_OVERFLOW_CHOICES}
+    CHOICES: ClassVar[dict] = {"id_overflow": ID_OVERFLOW_CHOICES, "unordered_timestamps": ("sort", "drop")}
 
     path: str = "synthetic"
     """``synthetic`` (the generator of ``preset``), a Parquet file, or a directory of ``*.parquet`` files."""
@@ -148,6 +148,11 @@ class JobDataSection:
     drop_bad_samples: bool = False
     """Parquet: leave out samples with non-finite dense values or labels, or labels outside [0, 1], counted in the
     summary's ``data_counts``. Off, such a sample is an error naming it."""
+    unordered_timestamps: Optional[str] = None
+    """Parquet: histories whose timestamps go backwards or are negative, for a model that reads time gaps (one that
+    declares ``reads_time_gaps``, as the HSTU model does): ``sort`` (each history sorted oldest first; a negative
+    time is still refused) or ``drop`` (left out, counted). Unset: refused for such a model, in one line naming
+    file, row group and sample; served and counted for any other."""
     eval_path: Optional[str] = None
     """Held-out Parquet data: NE and AUC at the end, and every ``run.eval_every`` steps."""
     batch_size: int = 16

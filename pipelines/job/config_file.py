@@ -9,6 +9,7 @@ the new spelling.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 import warnings
 from pathlib import Path
@@ -76,6 +77,19 @@ def _homes(key: str) -> str:
     return " or ".join(homes)
 
 
+def _closest(table: str, key: str) -> str:
+    """The known key of ``table`` a user most likely meant, as a hint: a flag's negation (``no_progress``, since the
+    TOML keys are the flags' names) as the field set to false, else the nearest spelling; "" if none is near."""
+    fields = config_fields()
+    spelled = key.replace("-", "_")
+    negated = f"{table}.{spelled.removeprefix('no_')}"
+    if spelled.startswith("no_") and negated in fields and field_kind(negated) is bool:
+        return f"; write {negated.split('.')[1]} = false"
+    keys = [p.split(".")[1] for p in fields if p.split(".")[0] == table]
+    match = difflib.get_close_matches(spelled, keys, n=1)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
 def read_toml(path: Path, warn: Callable[[str], None] = _warn_deprecated) -> dict[str, Any]:
     """path (``run.steps``) -> value, from the TOML file ``path``: a table per section, every key a field of its
     table, every value of its field's type; each error names the file (and the line, the table, the key). A key
@@ -88,7 +102,7 @@ def read_toml(path: Path, warn: Callable[[str], None] = _warn_deprecated) -> dic
         for key, value in keys.items():
             new = RENAMED_KEYS.get(f"{table}.{key}", f"{table}.{key}")
             if new not in fields:
-                where = f" (it belongs in {_homes(key)})" if _homes(key) else ""
+                where = f" (it belongs in {_homes(key)})" if _homes(key) else _closest(table, key)
                 raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
             new_table, new_key = new.split(".")
             if new != f"{table}.{key}":

@@ -170,6 +170,51 @@ def check_metadata(directory: str | Path, expect: Optional[FileSum] = None) -> M
     return metadata
 
 
+def check_items(directory: str | Path, name: str, metadata: Metadata) -> None:
+    """Reads every item of data file ``name`` as DCP's load would (``torch.load(weights_only=True)`` of its byte
+    range) and checks it is a tensor of the chunk's shape and dtype that the metadata records: bytes that match
+    their sums yet do not load (an item written over with a resealed COMPLETE) are named here, by file and item,
+    before a load begins. ValueError (one line)."""
+    directory = Path(directory)
+    chunks = {
+        MetadataIndex(fqn, chunk.offsets): (tuple(chunk.sizes), md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+        for chunk in md.chunks
+    }
+    items = sorted(
+        ((index, info) for index, info in (metadata.storage_data or {}).items() if info.relative_path == name),
+        key=lambda pair: pair[1].offset,
+    )
+    with checkpoint_io.open_checked(directory, name) as f:
+        for index, info in items:
+            offset = tuple(index.offset) if index.offset is not None else None
+            where = f"{directory / name}: {checkpoint_io.item_name(index.fqn, offset, info.offset, info.length)}"
+            f.seek(info.offset)
+            data = f.read(info.length)
+            try:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as e:  # what DCP's read would raise mid-load, on every rank: named here instead
+                raise ValueError(f"{where}: does not load: {type(e).__name__}: {load_cause(e)}") from None
+            expect = chunks.get(MetadataIndex(index.fqn, index.offset))
+            if not isinstance(tensor, torch.Tensor) or expect is None:
+                what = "a tensor .metadata does not list" if expect is None else f"a {type(tensor).__name__}"
+                raise ValueError(f"{where}: does not load: it holds {what}")
+            if (tuple(tensor.shape), tensor.dtype) != expect:
+                raise ValueError(
+                    f"{where}: does not load: a {tensor.dtype} tensor of shape {tuple(tensor.shape)}, .metadata "
+                    f"records {expect[1]} of shape {expect[0]}"
+                )
+
+
+def load_cause(error: BaseException) -> str:
+    """What a failed ``torch.load`` says in one line: the global it refused where it names one, else its first
+    sentence."""
+    text = str(error)
+    cause = next((line.strip() for line in text.splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+    return cause or " ".join(text.split()).split(". ")[0].rstrip(".")
+
+
 def data_files(metadata: Metadata) -> dict[str, int]:
     """``{data file: the byte where its last item ends}`` of metadata that :func:`check_storage` accepted."""
     ends: dict[str, int] = {}

@@ -50,6 +50,7 @@ FLAGS = {
     "data.seed": Flag("seed of the synthetic generator", "--data-seed"),
     "data.id_overflow": Flag("ids beyond the item table"),
     "data.drop_bad_samples": Flag("Parquet: skip and count samples with bad values"),
+    "data.unordered_timestamps": Flag("histories out of time order", metavar="HOW"),
     "data.eval_path": Flag("held-out Parquet: NE and AUC at the end", "--eval-data", "PATH"),
     "data.batch_size": Flag("local batch size per rank"),
     "data.prefetch_depth": Flag("batches read ahead of the model"),

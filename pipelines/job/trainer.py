@@ -73,17 +73,18 @@ from pipelines.api.modes import MODES
 from pipelines.api.numerics import check_determinism, enable_determinism
 from pipelines.api.step import StepHooks, StepResult, unwrap_model
 from pipelines.job import checkpoint
-from pipelines.job.accounting import StepAccounting, stall_clues
+from pipelines.job.accounting import StepAccounting
+from pipelines.job.aggregates import RunAggregates
 from pipelines.job.builders import build_model_spec, build_source, build_step, build_wrap
 from pipelines.job.config import JobConfig
 from pipelines.job.export import save_export
 from pipelines.job.memory_probe import measured_budget
 from pipelines.job.progress import paused, progress_bar
-from pipelines.job.record import StepRecord, total
+from pipelines.job.record import StepRecord
 from pipelines.job.schedule import ScheduleProbe
-from pipelines.models.reference import normalized_entropy
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
+RECENT_STEPS = 256  # the step records a trainer keeps (``history``); the summary's figures are running aggregates
 
 
 @dataclass
@@ -105,22 +106,6 @@ class NonFiniteLoss(FloatingPointError):
 
 def _unnamed(name: str) -> contextlib.nullcontext:
     return contextlib.nullcontext()
-
-
-def _median(values: list[Optional[float]]) -> Optional[float]:
-    if any(v is None for v in values):  # not measured (mode torchrec): not a number either
-        return None
-    return float(torch.tensor(values, dtype=torch.float64).median()) if values else float("nan")
-
-
-def _mean(values: list[Optional[float]]) -> Optional[float]:
-    summed = total(values)
-    return None if summed is None else summed / max(len(values), 1)
-
-
-def _compute(record: dict, rank: int) -> Optional[float]:
-    """A rank's forward+backward time; None in mode torchrec, where it cannot be told apart from the exchanges."""
-    return None if record["compute_s"] is None else record["compute_s"][rank]
 
 
 class Trainer:
@@ -188,7 +173,10 @@ class Trainer:
         )
         self.loader = self._build_loader(resumed)
         self.accounting = StepAccounting(self.timer, self.loader, self.wrap, device)
-        self.history: list[dict] = []
+        # The latest steps' records (every step's goes to --metrics-jsonl) and the summary's running aggregates:
+        # neither grows with the number of steps.
+        self.history: deque[dict] = deque(maxlen=RECENT_STEPS)
+        self.aggregates = RunAggregates(config.run.steps - self.step, config.run.warmup_steps, world_size, rank)
         self._metrics_file = None
 
     def _build_data_and_model(self) -> None:
@@ -197,6 +185,7 @@ class Trainer:
         config = self.config
         self.source = build_source(config.data, config.data.batch_size * self.world_size)
         self.spec = build_model_spec(config, self.source)
+        self._order_timestamps(self.source)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
         num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
@@ -209,6 +198,15 @@ class Trainer:
         self.model = self.spec.model.to(self.device)
         if config.run.deterministic:
             check_determinism(self.model, self.device)
+
+    def _order_timestamps(self, source) -> None:
+        """A Parquet source's histories out of time order (or with negative times): refused for a model that reads
+        time gaps (its class declares ``reads_time_gaps``), unless --unordered-timestamps sorts or drops them;
+        counted for any other. Synthetic histories are in order by construction."""
+        if not hasattr(source, "set_timestamp_policy"):
+            return
+        reads_gaps = getattr(self.spec.model, "reads_time_gaps", False)
+        source.set_timestamp_policy(self.config.data.unordered_timestamps or ("error" if reads_gaps else "count"))
 
     def _model_max_uih(self) -> Optional[int]:
         """The model's UIH cap, where it declares one: the memory budget counts the tokens the model keeps."""
@@ -427,7 +425,13 @@ class Trainer:
         counts = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(counts)
-        return {n: int(v) for n, v in zip(names, counts.tolist())}
+        out = {n: int(v) for n, v in zip(names, counts.tolist())}
+        mine = getattr(self.source, "unordered_samples", None)
+        if mine is not None and self.world_size > 1:  # distinct samples: one may reach another rank next epoch
+            every: list = [None] * self.world_size
+            dist.all_gather_object(every, mine())
+            out["unordered_timestamps"] = len(np.unique(np.concatenate(every)))
+        return out
 
     def _fetch(self, items: Iterator) -> _Fetched:
         """The next loader item, its batch and prefetched ids on the device (on a GPU the stage worker copied the
@@ -523,6 +527,13 @@ class Trainer:
             return None
         restored = self._checkpointer.restore(cfg.resume, self.model, self.optimizer)  # returns once all have loaded
         if self.rank == 0:
+            incomplete = (
+                checkpoint.incomplete_steps(cfg.dir, restored.directory if restored is not None else None)
+                if cfg.resume == "latest"
+                else []
+            )
+            if incomplete:  # saves interrupted before their marker: never resumed, said once
+                print(f"[freescale] skipped {', '.join(incomplete)} (no {checkpoint.COMPLETE_MARKER}: a save cut off)")
             for skipped in restored.skipped if restored is not None else []:
                 print(f"[freescale] skipped {skipped}")
             if restored is not None and restored.unverified:
@@ -543,14 +554,6 @@ class Trainer:
                 )
             )
         return restored.loader_state
-
-    def _ne_curve(self) -> list[float]:
-        """Cumulative NE after every step (what the NE-parity plot draws)."""
-        out, bce, pos, n = [], 0.0, 0.0, 0.0
-        for r in self.history:
-            bce, pos, n = bce + r["bce_sum"], pos + r["positives"], n + r["labels"]
-            out.append(normalized_entropy(bce, pos, n))
-        return out
 
     def _peak_memory(self) -> int:
         """This rank's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
@@ -581,6 +584,7 @@ class Trainer:
         source = ParquetSource(
             [Path(path)], uih_cap=self.config.data.uih_cap, drop_bad_samples=self.config.data.drop_bad_samples
         )
+        self._order_timestamps(source)
         if self.spec.source is not None:
             source = self.spec.source(source)
         if num_items is not None:
@@ -626,6 +630,7 @@ class Trainer:
     def _log(self, record: StepRecord, progress) -> None:
         line = record.as_dict()
         self.history.append(line)
+        self.aggregates.add(line)
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps(line) + "\n")
             self._metrics_file.flush()
@@ -637,65 +642,20 @@ class Trainer:
             progress.update(1)
 
     def _summary(self, wall: float) -> dict:
-        h = self.history
-        samples = sum(sum(r["samples_per_rank"]) for r in h)
-        # loss and NE: label-weighted over the second half of this process's steps (after a resume, of the resumed
-        # part), past the first steps' fast fall, so they read where training is rather than where it began
-        tail = h[len(h) // 2 :] or h
-        labels = sum(r["labels"] for r in tail)
-        # The warm-up steps pay one-time costs (compilation, first pinned allocations); the last step drains the
-        # lookahead once per run (no next batch: freescale updates all its rows at once, the loader's stages stop).
-        # Both are left out of the timings, in every mode alike, and reported apart; at least one step is timed.
-        warm = min(self.config.run.warmup_steps, max(len(h) - 1, 0))
-        drain = 1 if len(h) - warm >= 3 else 0
-        timed = h[warm : len(h) - drain]
-        n = max(len(timed), 1)
-        step_times = [r["step_time_s"] for r in timed]
+        """Rank 0's run summary: the steps' running aggregates (pipelines.job.aggregates) and the run's own figures;
+        its size does not grow with the number of steps."""
+        steps = self.aggregates.summary()
         return {
             "mode": self.config.run.mode,
-            "steps": len(h),
+            "steps": steps.pop("steps"),
             "world_size": self.world_size,
-            "samples": samples,
             "wall_s": wall,
-            "samples_per_s": sum(sum(r["samples_per_rank"]) for r in timed) / max(sum(step_times), 1e-9),
-            "loss": (sum(r["bce_sum"] for r in tail) / labels) if labels else float("nan"),
-            "loss_first_step": h[0]["loss"] if h else float("nan"),
-            "loss_curve": [r["loss"] for r in h],
-            "ne_curve": self._ne_curve(),
-            "ne": normalized_entropy(sum(r["bce_sum"] for r in tail), sum(r["positives"] for r in tail), labels),
-            "straggler_pct": _mean([r["straggler_pct"] for r in timed]),
-            "step_time_s": sum(step_times) / n,
-            "warmup_steps": warm,
-            "warmup_s": sum(r["step_time_s"] for r in h[:warm]),
-            "drain_steps": drain,
-            "drain_s": sum(r["step_time_s"] for r in h[len(h) - drain :]),
-            "step_time_median_s": _median(step_times),
-            "data_wait_median_s": _median([r["data_wait_s"] for r in timed]),
-            "data_blocked_median_s": _median([r["data_blocked_s"] for r in timed]),
-            "compute_median_s": _median([_compute(r, self.rank) for r in timed]),
-            "bubble_s": _mean([r["bubble_s"] for r in timed]),
-            "bubble_median_s": _median([r["bubble_s"] for r in timed]),
-            "gc_s": sum(r["gc_s"] for r in timed),  # this rank's garbage-collection pauses in the timed steps
-            "gc_max_s": max((r["gc_s"] for r in timed), default=0.0),
-            "step_times_s": [r["step_time_s"] for r in h],  # every step, the warm-up ones first
-            "bubbles_s": [r["bubble_s"] for r in h],
-            # every step's exposed parts and straggler wait: what a stalled step waited for
-            "exposed_per_step_s": {k: [r["exposed_s"][k] for r in h] for k in (h[0]["exposed_s"] if h else {})},
-            "straggler_per_step_s": [r["straggler_wait_s"] for r in h],
-            "stall_clues_per_step": stall_clues(h),
-            "exposed_s": {
-                k: _mean([r["exposed_s"][k] for r in timed]) for k in (timed[0]["exposed_s"] if timed else {})
-            },
-            "per_rank_compute_s": [_mean([_compute(r, q) for r in timed]) for q in range(self.world_size)],
-            "unmeasured": h[0].get("unmeasured", []) if h else [],
+            **steps,
             "embedding_schedule": self.schedule.summary() if self.schedule is not None else None,
             # held-out evaluations (--eval-data): one per --eval-every steps and one at the end, the last here too
             "eval": self.evaluations,
             "eval_ne": self.evaluations[-1]["ne"] if self.evaluations else None,
             "eval_auc": self.evaluations[-1]["auc"] if self.evaluations else None,
-            # steps whose samples the balancer moved (the balance gate keeps the others local); None: no balancer
-            "balanced_steps": sum(r["balance"]["exchanged"] for r in h) if h and "balance" in h[0] else None,
-            "predicted_gains": [r["balance"]["predicted_gain"] for r in h] if h and "balance" in h[0] else None,
             "peak_memory_bytes": self._peak_memory(),  # rank 0's
             "peak_memory_bytes_per_rank": getattr(self, "_peak_per_rank", None),
             "kernel_variants": self._kernel_variants(),

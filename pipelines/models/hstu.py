@@ -188,6 +188,10 @@ class HSTUModel(nn.Module):
     """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels] (the reference model's contract:
     its loss is ``bce_sum``)."""
 
+    # Its relative bias and age embeddings read the gaps between events' times: the job's loader refuses histories
+    # out of time order or with negative times for it (fsdata.parquet, --unordered-timestamps).
+    reads_time_gaps = True
+
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()
         self.config = config

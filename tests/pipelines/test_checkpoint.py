@@ -277,6 +277,51 @@ def test_damaged_bytes_of_the_same_size_are_named_by_file_and_item(tmp_path):
     assert "rank0.pt: sha256 differs from the one COMPLETE records" in checkpoint.problem(directory, 0, 1)
 
 
+def test_an_item_that_verifies_but_does_not_load_is_named_and_latest_falls_back_past_it(tmp_path, monkeypatch):
+    """An item's bytes replaced and COMPLETE resealed to match: the sums pass, the item is decoded as the load would
+    and named; a step whose load itself fails (for any reason) is skipped too, with the model left as the older
+    step has it; the steps without COMPLETE newer than the one taken are listed."""
+    _save_one(tmp_path, step=2)
+    directory = _save_one(tmp_path, step=4)
+    item = next(i for i in checkpoint_manifest.read(directory).files["__0_0.distcp"].items if i.fqn == "model.0.bias")
+    _flip(directory / "__0_0.distcp", item.start, bytes(item.length))
+    _reseal(directory)
+    line = checkpoint.problem(directory, 0, 1)
+    assert (
+        line.startswith(
+            f"{directory}/__0_0.distcp: item 'model.0.bias', bytes {item.start}..{item.start + item.length}: does not "
+            "load: "
+        )
+        and "\n" not in line
+    ), line
+    with pytest.raises(checkpoint.CheckpointError) as failed:  # an explicit --resume of it: that one line
+        checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore(str(directory), *_dense())
+    assert str(failed.value) == line
+    (tmp_path / "ck" / "step_000006").mkdir()  # a save cut off before its marker
+    (tmp_path / "ck" / "step_000006" / "rank0.pt").write_bytes(b"partial")
+    model, optimizer = _dense(seed=1)
+    restored = checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore("latest", model, optimizer)
+    assert restored.step == 2 and restored.skipped == [f"step_000004 (rank 0: {line})"]
+    assert checkpoint.incomplete_steps(tmp_path / "ck", restored.directory) == ["step_000006"]
+
+    model, optimizer = _dense(seed=2)  # step 4 whole again, of another model; now its load fails after the checks
+    checkpoint.Checkpointer(tmp_path / "ck", 0, 1).save(4, model, optimizer, {}, {"epoch": 0, "cursor": 32})
+    apply = dcp_state.apply
+
+    def fails_at_step_4(directory, *args, **kwargs):
+        apply(directory, *args, **kwargs)  # the model is loaded with step 4's state when it fails
+        if directory.name == "step_000004":
+            raise ValueError(f"checkpoint {directory}: does not fit (a fault of the load itself)")
+
+    monkeypatch.setattr(dcp_state, "apply", fails_at_step_4)
+    model, optimizer = _dense(seed=1)
+    restored = checkpoint.Checkpointer(tmp_path / "ck", 0, 1).restore("latest", model, optimizer)
+    assert restored.step == 2 and len(restored.skipped) == 1 and "a fault of the load itself" in restored.skipped[0]
+    expect_model, expect_optimizer = _dense()  # what step 2 saved: none of step 4's state remains
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), expect_model.state_dict().values()))
+    assert str(optimizer.state_dict()) == str(expect_optimizer.state_dict())
+
+
 def test_a_complete_marker_cut_in_half_is_a_step_that_does_not_verify(tmp_path):
     directory = _save_one(tmp_path)
     text = (directory / "COMPLETE").read_text()
@@ -523,9 +568,10 @@ def _one_error_line(proc) -> str:
 
 @pytest.mark.multiprocess
 def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_read_is_one_line(tmp_path, capsys):
-    """`freescale train`, 2 ranks: step 8's metadata leads to a FIFO outside the step (COMPLETE made to match), step
-    6's data file has a zero-filled tail, step 4's COMPLETE is cut in half. --resume latest skips the three with
-    their reasons and resumes from step 2, well within --comm-timeout-s; an explicit --resume of each is one line;
+    """`freescale train`, 2 ranks: step 10 has no COMPLETE, step 8's metadata leads to a FIFO outside the step
+    (COMPLETE made to match), step 6's data file has a zero-filled tail (COMPLETE made to match: it verifies but
+    does not load), step 4's COMPLETE is cut in half. --resume latest says it passed over step 10, skips the three
+    with their reasons and resumes from step 2, well within --comm-timeout-s; an explicit --resume of each is one line;
     a rank whose read stalls (as on a hung mount) ends the job in one line naming the file and the bound."""
     assert _train(tmp_path, "--steps", "8", "--checkpoint-every", "2", "--checkpoint-dir", "ck").returncode == 0
     ck = tmp_path / "ck"
@@ -533,6 +579,8 @@ def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_rea
     _point_data_at(ck / "step_000008", "path-object", tmp_path / "outside", world_size=2)
     size = (ck / "step_000006" / "__0_0.distcp").stat().st_size
     _flip(ck / "step_000006" / "__0_0.distcp", size - 64, bytes(64))
+    _reseal(ck / "step_000006", world_size=2)  # it verifies, but an item does not load
+    (ck / "step_000010").mkdir()  # a save cut off before its marker
     text = (ck / "step_000004" / "COMPLETE").read_text()
     (ck / "step_000004" / "COMPLETE").write_text(text[: len(text) // 2])
 
@@ -543,9 +591,11 @@ def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_rea
     done.set()
     assert resumed.returncode == 0 and time.monotonic() - started < 60, resumed.stderr[-3000:]
     skipped = [line for line in resumed.stdout.splitlines() if line.startswith("[freescale] skipped")]
+    assert skipped[0] == "[freescale] skipped step_000010 (no COMPLETE: a save cut off)", skipped
+    skipped = skipped[1:]
     assert [line.split()[2] for line in skipped] == ["step_000008", "step_000006", "step_000004"], skipped
     assert "refused: file name '__0_0.distcp' is a pathlib.PosixPath, not a str" in skipped[0]
-    assert "__0_0.distcp: item '" in skipped[1] and "differs from its checksum in COMPLETE" in skipped[1]
+    assert "__0_0.distcp: item '" in skipped[1] and "does not load: " in skipped[1]
     assert "COMPLETE: unreadable marker (cut short or damaged?)" in skipped[2]
     assert "[freescale] resumed from ck/step_000002 at step 2" in resumed.stdout
 
@@ -556,7 +606,7 @@ def test_freescale_train_resumes_past_steps_that_do_not_verify_and_a_stalled_rea
         err = capsys.readouterr().err
         assert fragment in err and len(err.strip().splitlines()) == 1, err
     line = _one_error_line(_train(tmp_path, "--steps", "8", "--resume", "ck/step_000006"))
-    assert "__0_0.distcp: item '" in line and "differs from its checksum in COMPLETE" in line, line
+    assert "__0_0.distcp: item '" in line and "does not load: " in line, line
 
     started = time.monotonic()
     stalled = _train(

@@ -21,7 +21,8 @@ from pipelines.job.flags import FLAGS, config_from_args, flag
 # use them.
 OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
---drop-bad-samples --no-drop-bad-samples --eval-data --model --num-items --dim --num-layers --max-uih --attention
+--drop-bad-samples --no-drop-bad-samples --unordered-timestamps --eval-data --model --num-items --dim --num-layers
+--max-uih --attention
 --positions
 --batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
 --embedding-optimizer --embedding-lr --nproc --nnodes --node-rank --rdzv-endpoint --steps --warmup-steps --lr --seed
@@ -102,6 +103,8 @@ def test_old_toml_spellings_are_read_with_one_warning_line_naming_file_old_and_n
         ('[checkpoint]\ncheckpoint_dir = "a"\ndir = "b"\n', "[checkpoint] checkpoint_dir is the old spelling of "),
         ('[run]\ncheckpoint_dir = "a"\n', "[run] has unknown key 'checkpoint_dir' (it belongs in [checkpoint] as dir)"),
         ("[embeddings]\nseed = 1\n", "[embeddings] has unknown key 'seed' (it belongs in [data] or [run])"),
+        ("[run]\nno_progress = true\n", "[run] has unknown key 'no_progress'; write progress = false"),
+        ("[run]\nsteeps = 4\n", "[run] has unknown key 'steeps'; did you mean steps?"),
         ("lr = 1.0\n", "lr = 1.0 is outside any table; it belongs in [embeddings] or [run]"),
         ("[checkpoint]\ncheckpoint_every = 1.5\n", "[checkpoint] checkpoint_every: expected an integer, got 1.5"),
     ],

@@ -76,7 +76,7 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
 
 
 def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
-    """`freescale train --help` lists the flags a user needs (at most 73 lines at 80 columns); the --tuning.NAME
+    """`freescale train --help` lists the flags a user needs (at most 74 lines at 80 columns); the --tuning.NAME
     knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
     from pipelines.job.config import config_fields
     from pipelines.job.flags import flag
@@ -85,7 +85,7 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = capsys.readouterr().out
-    assert len(text.splitlines()) <= 73, text
+    assert len(text.splitlines()) <= 74, text
     assert "--tuning." in text and "docs/tuning.md" in text
     knobs = [path.split(".")[1] for path in config_fields() if path.startswith("tuning.")]
     assert {
@@ -189,21 +189,24 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
     assert len(s["peak_memory_bytes_per_rank"]) == 2 and min(s["peak_memory_bytes_per_rank"]) > 0
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
-    times = s["step_times_s"]  # every step; the first two (warm-up) and the last (drain) are left out of the timings
+    from pipelines.job.aggregates import per_step, read_metrics
+
+    lines = read_metrics(metrics)  # every step's record, and only there: the summary holds aggregates
+    assert [r["step"] for r in lines] == list(range(6))
+    assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
+    assert s["curve_steps"] == list(range(6)) and s["loss_curve"] == [r["loss"] for r in lines]
+    assert "step_times_s" not in s and "exposed_per_step_s" not in s
+    series = per_step(lines)
+    times = series["step_times_s"]  # the first two (warm-up) and the last (drain) are left out of the timings
     assert len(times) == 6 and s["warmup_steps"] == 2 and s["warmup_s"] == pytest.approx(sum(times[:2]))
     assert s["drain_steps"] == 1 and s["drain_s"] == pytest.approx(times[5])
     assert s["step_time_s"] == pytest.approx(sum(times[2:5]) / 3)
-    parts, waits = (
-        s["exposed_per_step_s"],
-        s["straggler_per_step_s"],
-    )  # every step: a stalled one says what it waited for
+    assert s["step_time_median_s"] == pytest.approx(sorted(times[2:5])[1]) and s["step_time_p99_s"] == max(times[2:5])
+    parts, waits = series["exposed_per_step_s"], series["straggler_per_step_s"]  # what a stalled step waited for
     assert len(waits) == 6 and all(len(v) == 6 for v in parts.values()) and "dense_allreduce" in parts
-    assert s["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
-    clues = s["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no staging pool, no pinned memory
+    assert series["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
+    clues = series["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no staging pool, no pinned memory
     assert len(clues["gc_s"]) == 6 and clues["new_staging_blocks"] is None and clues["new_pinned_blocks"] is None
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(6))
-    assert all("balance" in r and 0 <= r["straggler_pct"] <= 100 and r["gc_s"] >= 0 for r in lines)
 
 
 def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_later():
