@@ -90,6 +90,7 @@ class Record:
     rab: bool
     position_embeddings: bool
     compiled: bool
+    backward: str  # the Triton attention's backward schedule (kernels.triton.triton_hstu_attention.BACKWARD)
     precision: str
     batch: int
     tokens: int
@@ -298,6 +299,12 @@ def kernel_breakdown(step: Callable[[], None], steps: int = 3) -> dict[str, floa
     return totals
 
 
+def _backward_schedule() -> str:
+    from kernels.triton import triton_hstu_attention
+
+    return triton_hstu_attention.BACKWARD
+
+
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
@@ -319,6 +326,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         rab=rab,
         position_embeddings=embeddings,
         compiled=compiled,
+        backward=_backward_schedule(),
         precision=precision,
         batch=len(lengths),
         tokens=int(lengths.sum()),

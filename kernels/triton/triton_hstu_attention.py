@@ -565,10 +565,10 @@ _DQ_CONFIGS = {
     256: [(128, 32, 8, 2), (64, 32, 4, 2)],
 }
 _FALLBACK = (32, 32, 4, 1)
-#: The backward's schedule: ``two-pass`` (dK/dV over the keys, then dQ over the queries, the scores computed in
-#: both) or ``one-pass`` (dQ's shares added in a fixed order by the key blocks' pass); FREESCALE_HSTU_BACKWARD
-#: overrides it.
-BACKWARD = "two-pass"
+#: The backward's schedule, read at every call: ``two-pass`` (dK/dV over the keys, then dQ over the queries, the
+#: scores computed in both) or ``one-pass`` (dQ's shares added in a fixed order by the key blocks' pass). Its
+#: default comes from FREESCALE_HSTU_BACKWARD.
+BACKWARD = os.environ.get("FREESCALE_HSTU_BACKWARD", "two-pass")
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 _SMALLEST_BLOCK = 16 if _INTERPRET else 32
@@ -756,7 +756,7 @@ def _attention_backward_op(
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
-        one_pass = os.environ.get("FREESCALE_HSTU_BACKWARD", BACKWARD) == "one-pass"
+        one_pass = BACKWARD == "one-pass"
         lock_rows = cdiv(max(launch.max_len, 1), _SMALLEST_BLOCK)
         acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if one_pass else launch.unused
         locks = torch.zeros(

@@ -193,7 +193,7 @@ def test_the_one_pass_backward_matches_the_twin_and_the_two_pass_one(case, monke
     bit for bit those of the two-pass backward (the same sums), dQ within rounding (another order of sums)."""
     data = inputs(case, "cpu")
     two_pass = run(case, data, "triton")
-    monkeypatch.setenv("FREESCALE_HSTU_BACKWARD", "one-pass")
+    monkeypatch.setattr(hstu, "BACKWARD", "one-pass")
     assert_matches_twin(case, "cpu")
     one_pass = run(case, data, "triton")
     assert torch.equal(one_pass[0], two_pass[0])
