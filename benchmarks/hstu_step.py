@@ -108,6 +108,7 @@ class Record:
     seq_lengths: list[int]  # each sample's packed tokens (kept UIH + candidates), what the FLOPs count
     first_step_s: Optional[float] = None  # the first step's wall time: torch.compile's and the autotuner's work
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
+    other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
     skipped: Optional[str] = None
 
 
@@ -282,8 +283,9 @@ def kernel_part(name: str) -> str:
     return "other"
 
 
-def kernel_breakdown(step: Callable[[], None], steps: int = 3) -> dict[str, float]:
-    """Per step, the ms of GPU kernel time in each of :data:`PARTS`, from torch.profiler over ``steps`` steps."""
+def kernel_breakdown(step: Callable[[], None], steps: int = 3, top: int = 12) -> tuple[dict[str, float], dict]:
+    """Per step, the ms of GPU kernel time in each of :data:`PARTS`, and of the ``top`` costliest kernels of
+    ``other`` by name, from torch.profiler over ``steps`` steps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -292,11 +294,14 @@ def kernel_breakdown(step: Callable[[], None], steps: int = 3) -> dict[str, floa
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    totals = dict.fromkeys(PARTS, 0.0)
+    totals, other = dict.fromkeys(PARTS, 0.0), {}
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
-            totals[kernel_part(event.name)] += event.time_range.elapsed_us() / 1e3 / steps
-    return totals
+            ms, part = event.time_range.elapsed_us() / 1e3 / steps, kernel_part(event.name)
+            totals[part] += ms
+            if part == "other":
+                other[event.name] = other.get(event.name, 0.0) + ms
+    return totals, dict(sorted(other.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _backward_schedule() -> str:
@@ -344,13 +349,13 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = None
+    breakdown = other_kernels = None
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
         if args.breakdown and device.type == "cuda":
-            breakdown = kernel_breakdown(step)
+            breakdown, other_kernels = kernel_breakdown(step)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
@@ -379,6 +384,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         step_ms_reps=times,
         first_step_s=first_step_s,
         breakdown_ms=breakdown,
+        other_kernels_ms=other_kernels,
     )
 
 
@@ -484,6 +490,11 @@ def main(args: argparse.Namespace) -> int:
     print(table(records))
     if any(r.breakdown_ms for r in records):
         print(breakdown_table(records))
+        for r in records:
+            if r.other_kernels_ms:
+                print(f"costliest 'other' kernels, rab {_on(r.rab)} compile {_on(r.compiled)} (ms per step):")
+                for name, ms in r.other_kernels_ms.items():
+                    print(f"  {ms:7.3f}  {name[:110]}")
     for line in gates(records, device):
         print(line)
     if args.json:

@@ -557,12 +557,12 @@ _FWD_CONFIGS = {
 _DKDV_CONFIGS = {
     64: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
     128: [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
-    256: [(64, 64, 8, 2), (32, 64, 4, 2)],
+    256: [(64, 64, 8, 2), (32, 64, 4, 2), (32, 16, 8, 1)],
 }
 _DQ_CONFIGS = {
     64: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
     128: [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2)],
-    256: [(128, 32, 8, 2), (64, 32, 4, 2)],
+    256: [(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 8, 1)],
 }
 _FALLBACK = (32, 32, 4, 1)
 #: The backward's schedule, read at every call: ``two-pass`` (dK/dV over the keys, then dQ over the queries, the
@@ -571,7 +571,13 @@ _FALLBACK = (32, 32, 4, 1)
 BACKWARD = os.environ.get("FREESCALE_HSTU_BACKWARD", "two-pass")
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
-_SMALLEST_BLOCK = 16 if _INTERPRET else 32
+#: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
+_SMALLEST_BLOCK = min(
+    min(m, n)
+    for table in (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS, _INTERPRETED if _INTERPRET else {0: [_FALLBACK]})
+    for rows in table.values()
+    for m, n, _, _ in rows
+)
 
 
 def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: bool, **options):
