@@ -65,7 +65,6 @@ from pipelines.models.torchrec_ref import (
 )
 
 ITEM_IDS_KEY = "item_ids"  # the reference model's one feature: every id it looks up in its item table
-COLLECTION = "collection"  # the sharded module's name in DistributedModelParallel's plan
 
 
 class _LookedUpCollection(nn.Module):
@@ -181,6 +180,9 @@ class _Dense(nn.Module):
 
 
 class _PECModule(nn.Module):
+    """What DistributedModelParallel shards: the collection (PEC once sharded, driven by PECDriver, never called)
+    beside the dense part, which its forward runs."""
+
     def __init__(self, collection: nn.Module, dense: _Dense) -> None:
         super().__init__()
         self.collection = collection
@@ -192,16 +194,89 @@ class _PECModule(nn.Module):
 
 @dataclass
 class _InFlight:
-    """One batch in PEC's stages: its inputs, then what each stage left for the next."""
+    """One batch in PEC's stages: what each stage left for the next."""
 
-    batch: Batch
-    args: tuple
-    global_labels: float
     ctx: Any  # PECEmbeddingCollectionContext
     dist_input: Any  # KJTList after the input dist
     forward: Any = None  # ForwardPartitionContext: its ids split by overlap with the previous batch
     backward: Any = None  # BackwardPartitionContext: its ids split by overlap with the next batch
     early_rows: Any = None  # the non-overlapped lookup's output AllToAll, started a step ahead
+
+
+def _untimed(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+class PECDriver:
+    """Drives a ShardedPECEmbeddingCollection one step at a time, in the order of the module docstring. ``span(name)``
+    (e.g. fscomm.timing.Timer.span) times the waits on the training thread: ``ids_a2a`` (input dist and mask
+    AllToAlls), ``emb_a2a`` (the overlapped lookup and both output AllToAlls), ``grad_a2a`` (the gradient
+    AllToAlls and the lookups that apply them)."""
+
+    def __init__(self, pec, span: Callable[[str], ContextManager] = _untimed) -> None:
+        self.pec, self._span = pec, span
+        self._current: Optional[_InFlight] = None  # this step's batch, its stages begun in the previous step
+        self._late: Optional[_InFlight] = None  # the previous batch, its non-overlapped gradient applied this step
+
+    def _input_dist(self, features) -> _InFlight:
+        ctx = self.pec.create_context()
+        return _InFlight(ctx, self.pec.input_dist(ctx, features).wait().wait())
+
+    def _lookup(self, batch: _InFlight, overlapped: bool):
+        part = batch.forward.ol_features if overlapped else batch.forward.nol_features
+        return self.pec.compute_and_output_dist_in_partition(batch.ctx, part, batch.forward.splits, overlapped)
+
+    def _grad_dist(self, batch: _InFlight, overlapped: bool) -> list:
+        from torchrec.distributed.embedding_types import KJTList
+
+        part = batch.backward.ol_features if overlapped else batch.backward.nol_features
+        return self.pec.grad_dist(batch.ctx, KJTList([part]), is_overlapped=overlapped)
+
+    def step(self, features, next_features, forward_backward: Callable[[dict], Any]) -> Any:
+        """One step: ``features`` (this batch's KeyedJaggedTensor; only read at the first step, later batches
+        arrive as ``next_features``), ``next_features`` (None at the last step), ``forward_backward(rows)`` runs
+        the model on the looked-up rows (feature -> JaggedTensor) through its backward; its result is returned."""
+        if self._current is None:  # the first batch: nothing overlaps it, all its rows are looked up ahead
+            with self._span("ids_a2a"):
+                first = self._input_dist(features)
+                ((first.forward, _),) = [a.wait() for a in self.pec.overlap_dist(first.ctx, first.dist_input)]
+            first.early_rows = self._lookup(first, overlapped=False)
+            self._current = first
+        current = self._current
+        with self._span("ids_a2a"):
+            following = self._input_dist(next_features) if next_features is not None else None
+            ((following_forward, current.backward),) = [
+                a.wait()
+                for a in self.pec.overlap_dist(
+                    ctx=None if following is None else following.ctx,
+                    dist_input=None if following is None else following.dist_input,
+                    prev_ctx=current.ctx,
+                    prev_dist_input=current.dist_input,
+                )
+            ]
+        # The previous batch's late gradient, started now so that its AllToAll runs under this step's forward.
+        late = self._grad_dist(self._late, overlapped=False) if self._late is not None else []
+        with self._span("emb_a2a"):
+            rows = self.pec.merge_partitioned_embeddings(
+                current.ctx,
+                self._lookup(current, overlapped=True),
+                current.early_rows,
+                [current.forward],
+                [current.backward],
+            ).wait()
+        result = forward_backward(rows)  # PECAll2AllSeqWait.backward starts the overlapped rows' gradient AllToAll
+        with self._span("grad_a2a"):
+            for applied in late + self._grad_dist(current, overlapped=True):
+                applied.wait()
+            if following is None:  # the last batch: every row was overlapped, its late part is empty
+                for applied in self._grad_dist(current, overlapped=False):
+                    applied.wait()
+        if following is not None:
+            following.forward = following_forward
+            following.early_rows = self._lookup(following, overlapped=False)
+        self._late = current if following is not None else None
+        self._current = following
+        return result
 
 
 class TorchrecPEC:
@@ -220,115 +295,83 @@ class TorchrecPEC:
         global_labels: Callable[[Batch], float],
         phase: Optional[Callable[[str], ContextManager]] = None,
     ) -> None:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-        from torchrec.distributed.types import ShardingEnv, ShardingPlan
-        from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.target = target
-        pec = PECEmbeddingCollection(target.collection)
-        sharder = PECEmbeddingCollectionSharder()
-        plan = construct_module_sharding_plan(
-            pec,
-            per_param_sharding={config.name: row_wise() for config in target.collection.embedding_configs()},
-            local_size=self.world_size,
-            world_size=self.world_size,
-            device_type=device.type,
-            sharder=sharder,
-        )
-        self.dmp = DistributedModelParallel(
-            _PECModule(pec, _Dense(target, self.world_size)),
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            plan=ShardingPlan({COLLECTION: plan}),
-            device=device,
-            sharders=[sharder],
-        )
-        self.pec = self.dmp.module.collection  # the ShardedPECEmbeddingCollection
+        self.dmp = shard_pec(_PECModule(target.collection, _Dense(target, self.world_size)), device)
+        self.driver = PECDriver(self.dmp.module.collection)
         self.optimizer = torch.optim.Adam([p for _, p in in_backward_optimizer_filter(self.dmp.named_parameters())], lr)
         self.global_labels = global_labels
-        self._phase: Callable[[str], Any] = phase if phase is not None else (lambda name: contextlib.nullcontext())
-        self._current: Optional[_InFlight] = None  # this step's batch, its stages begun in the previous step
-        self._late: Optional[list] = None  # the previous batch's non-overlapped gradient, applied in this step
+        self._phase: Callable[[str], Any] = phase if phase is not None else _untimed
+        self._inputs: dict[int, tuple] = {}  # step -> (its model arguments, its KeyedJaggedTensor, global labels)
         self.step = 0
 
     def to_device(self, item: LoaderItem) -> LoaderItem:
         """The item as it is: a CPU reference, its batches are where the model is."""
         return item
 
-    def _input_dist(self, batch: Batch) -> _InFlight:
-        if batch.batch_size == 0:
-            raise ValueError(
-                f"mode torchrec-pec: rank {self.rank} got an empty local batch at step {self.step}; the model's "
-                "empty-batch path skips dense parameters that DDP's static graph expects"
-            )
-        args = self.target.args(batch)
-        ctx = self.pec.create_context()
-        dist_input = self.pec.input_dist(ctx, self.target.features(batch, args)).wait().wait()
-        return _InFlight(batch, args, self.global_labels(batch), ctx, dist_input)
-
-    def _lookup(self, batch: _InFlight, overlapped: bool):
-        part = batch.forward.ol_features if overlapped else batch.forward.nol_features
-        return self.pec.compute_and_output_dist_in_partition(batch.ctx, part, batch.forward.splits, overlapped)
-
-    def _grad_dist(self, batch: _InFlight, overlapped: bool) -> list:
-        from torchrec.distributed.embedding_types import KJTList
-
-        part = batch.backward.ol_features if overlapped else batch.backward.nol_features
-        return self.pec.grad_dist(batch.ctx, KJTList([part]), is_overlapped=overlapped)
+    def _prepare(self, step: int, batch: Batch) -> tuple:
+        """The batch's model arguments (once per batch), its ids, and its global label count."""
+        if step not in self._inputs:
+            if batch.batch_size == 0:
+                raise ValueError(
+                    f"mode torchrec-pec: rank {self.rank} got an empty local batch at step {step}; the model's "
+                    "empty-batch path skips dense parameters that DDP's static graph expects"
+                )
+            args = self.target.args(batch)
+            self._inputs[step] = (args, self.target.features(batch, args), self.global_labels(batch))
+        return self._inputs[step]
 
     def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
         """One step on ``item``; ``upcoming``: the next batch (none at the end)."""
+        batch = item.batch
         t0 = time.perf_counter()
         with self._phase("freescale/torchrec_pec_step"):
-            stats = self._step(item.batch, upcoming[0].batch if upcoming else None)
-        progress_s = time.perf_counter() - t0
-        self.step += 1
-        return step_result(stats, progress_s, item.batch, self.rank, self.world_size)
+            args, features, global_labels = self._prepare(self.step, batch)
+            following = self._prepare(self.step + 1, upcoming[0].batch)[1] if upcoming else None
 
-    def _step(self, batch: Batch, next_batch: Optional[Batch]) -> torch.Tensor:
-        if self._current is None:  # the first batch: nothing overlaps it, all its rows are looked up ahead
-            first = self._input_dist(batch)
-            ((first.forward, _),) = [
-                a.wait() for a in self.pec.overlap_dist(ctx=first.ctx, dist_input=first.dist_input)
-            ]
-            first.early_rows = self._lookup(first, overlapped=False)
-            self._current = first
-        current = self._current
-        following = self._input_dist(next_batch) if next_batch is not None else None
-        ((following_forward, current.backward),) = [
-            a.wait()
-            for a in self.pec.overlap_dist(
-                ctx=None if following is None else following.ctx,
-                dist_input=None if following is None else following.dist_input,
-                prev_ctx=current.ctx,
-                prev_dist_input=current.dist_input,
-            )
-        ]
-        # The previous batch's late gradient, started now so that its AllToAll runs under this step's forward.
-        late = self._grad_dist(self._late, overlapped=False) if self._late is not None else []
-        rows = self.pec.merge_partitioned_embeddings(
-            current.ctx,
-            self._lookup(current, overlapped=True),
-            current.early_rows,
-            [current.forward],
-            [current.backward],
-        ).wait()
-        self.optimizer.zero_grad()
-        scaled, stats = self.dmp(current.batch, current.args, rows, current.global_labels)
-        scaled.backward()  # PECAll2AllSeqWait.backward starts the overlapped rows' gradient AllToAll
-        for applied in late + self._grad_dist(current, overlapped=True):
-            applied.wait()
-        if following is not None:
-            following.forward = following_forward
-            following.early_rows = self._lookup(following, overlapped=False)
-        self.optimizer.step()
-        self._late = current
-        self._current = following
-        if following is None:  # the last batch: every row was overlapped, its late part is empty
-            for applied in self._grad_dist(current, overlapped=False):
-                applied.wait()
-            self._late = None
-        return stats
+            def forward_backward(rows: dict) -> torch.Tensor:
+                self.optimizer.zero_grad()
+                scaled, stats = self.dmp(batch, args, rows, global_labels)
+                scaled.backward()
+                return stats
+
+            stats = self.driver.step(features, following, forward_backward)
+            self.optimizer.step()
+        progress_s = time.perf_counter() - t0
+        del self._inputs[self.step]
+        self.step += 1
+        return step_result(stats, progress_s, batch, self.rank, self.world_size)
+
+
+def shard_pec(module: nn.Module, device: torch.device, name: str = "collection"):
+    """DistributedModelParallel around ``module``, whose ``name`` (an EmbeddingCollection) becomes torchrec's
+    PEC, sharded row-wise by PECEmbeddingCollectionSharder; the rest goes to DDP. The collection's optimizer must
+    be fused already (fuse_optimizer)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
+
+    world_size = dist.get_world_size()
+    collection = module.get_submodule(name)
+    pec = PECEmbeddingCollection(collection)
+    setattr(module, name, pec)
+    sharder = PECEmbeddingCollectionSharder()
+    plan = construct_module_sharding_plan(
+        pec,
+        per_param_sharding={config.name: row_wise() for config in collection.embedding_configs()},
+        local_size=world_size,
+        world_size=world_size,
+        device_type=device.type,
+        sharder=sharder,
+    )
+    return DistributedModelParallel(
+        module,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        plan=ShardingPlan({name: plan}),
+        device=device,
+        sharders=[sharder],
+    )
