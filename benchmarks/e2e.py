@@ -67,8 +67,9 @@ TORCHREC_PEC_NOTE = (
     "torchrec-pec: torchrec's PEC (PECEmbeddingCollectionSharder) driven as upstream's TrainPipelinePEC\n"
     "  (pipelines.models.torchrec_pec): the next batch's non-overlapped rows looked up a step ahead, their gradient\n"
     "  applied a step late; n/m as for torchrec (its exchanges are timed as one step). PEC's gradient AllToAll does\n"
-    "  not divide by the world size: the rows' gradient is scaled by 1/world size before it, so it trains torchrec's\n"
-    "  numbers; the item table is read by one feature (torchrec 1.8.0's PEC misplaces gradients with several)."
+    "  not divide by the world size: the rows' gradient is scaled by 1/world size before it, so it trains sync's\n"
+    "  numbers to float rounding; the item table is read by one feature (torchrec 1.8.0's PEC updates other rows\n"
+    "  with several: docs/pec.md)."
 )
 CASES = {
     "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),

@@ -34,7 +34,8 @@ power-of-two world size).
 Features. torchrec 1.8.0's PEC applies a gradient to the wrong rows when its sharding group holds more than one
 feature (tests/pipelines/test_torchrec_pec_grad_order.py names the cause). The reference model's table is read
 by one feature here (``item_ids``: the kept UIH ids, then the candidates' content ids, as ``model.item_ids``), so
-it trains exactly; a model of the user's (``--model``, one torchrec EmbeddingCollection among its modules, one
+it trains mode torchrec's numbers (to float rounding: fbgemm may sum a row's repeated gradients in another
+order); a model of the user's (``--model``, one torchrec EmbeddingCollection among its modules, one
 KeyedJaggedTensor among ``inputs(batch)``) runs as it is, and with several features it shows that fault.
 
 What else is as in mode ``torchrec`` (pipelines.models.torchrec_ref): CPU only, table optimizers ``sgd`` and
@@ -230,6 +231,7 @@ class PECDriver:
         from torchrec.distributed.embedding_types import KJTList
 
         part = batch.backward.ol_features if overlapped else batch.backward.nol_features
+        # One sharding group: PEC shards row-wise only.
         return self.pec.grad_dist(batch.ctx, KJTList([part]), is_overlapped=overlapped)
 
     def step(self, features, next_features, forward_backward: Callable[[dict], Any]) -> Any:
