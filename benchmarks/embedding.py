@@ -381,17 +381,7 @@ def _run_point(
     parity = torch.equal(s["losses"], p["losses"]) and all(
         torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"]
     )
-    outside = {}
-    if cfg.torchrec:
-        from benchmarks import embedding_torchrec
-
-        meet = lambda: dist.barrier(group=dense_group)  # noqa: E731
-        for mode, r in embedding_torchrec.run(
-            plan, init_tables, batches, dense, cfg.warmup, cfg.compute_ms, meet, _loss, LR
-        ).items():
-            outside[f"{mode}_exposed"] = r["exposed"]
-            outside[f"{mode}_step_s"] = r["step_s"]
-            outside[f"{mode}_loss_max_diff"] = float((r["losses"] - s["losses"].cpu()).abs().max())
+    outside = _torchrec_runs(cfg, plan, init_tables, batches, dense, dense_group, s["losses"]) if cfg.torchrec else {}
     return dict(
         **outside,
         collision_knob=collision,
@@ -404,6 +394,23 @@ def _run_point(
         sync_step_s=s["step_s"],
         prioritized_step_s=p["step_s"],
     )
+
+
+def _torchrec_runs(cfg, plan, init_tables, batches, dense, dense_group, sync_losses: torch.Tensor) -> dict:
+    """``--torchrec``: torchrec's two runs of one point (benchmarks/embedding_torchrec.py), as record fields."""
+    import torch.distributed as dist
+
+    from benchmarks import embedding_torchrec
+
+    meet = lambda: dist.barrier(group=dense_group)  # noqa: E731
+    out = {}
+    for mode, r in embedding_torchrec.run(
+        plan, init_tables, batches, dense, cfg.warmup, cfg.compute_ms, meet, _loss, LR
+    ).items():
+        out[f"{mode}_exposed"] = r["exposed"]
+        out[f"{mode}_step_s"] = r["step_s"]
+        out[f"{mode}_loss_max_diff"] = float((r["losses"] - sync_losses.cpu()).abs().max())
+    return out
 
 
 def _rank_main(job: argparse.Namespace, rank: int, world_size: int) -> list[dict]:
