@@ -347,8 +347,8 @@ class TorchrecPEC:
         return step_result(stats, progress_s, batch, self.rank, self.world_size)
 
 
-def shard_pec(module: nn.Module, device: torch.device, name: str = "collection"):
-    """DistributedModelParallel around ``module``, whose ``name`` (an EmbeddingCollection) becomes torchrec's
+def shard_pec(module: nn.Module, device: torch.device):
+    """DistributedModelParallel around ``module``, whose ``collection`` (an EmbeddingCollection) becomes torchrec's
     PEC, sharded row-wise by PECEmbeddingCollectionSharder; the rest goes to DDP. The collection's optimizer must
     be fused already (fuse_optimizer)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -358,9 +358,8 @@ def shard_pec(module: nn.Module, device: torch.device, name: str = "collection")
     from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
 
     world_size = dist.get_world_size()
-    collection = module.get_submodule(name)
-    pec = PECEmbeddingCollection(collection)
-    setattr(module, name, pec)
+    collection = module.collection
+    pec = module.collection = PECEmbeddingCollection(collection)
     sharder = PECEmbeddingCollectionSharder()
     plan = construct_module_sharding_plan(
         pec,
@@ -373,7 +372,7 @@ def shard_pec(module: nn.Module, device: torch.device, name: str = "collection")
     return DistributedModelParallel(
         module,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
-        plan=ShardingPlan({name: plan}),
+        plan=ShardingPlan({"collection": plan}),
         device=device,
         sharders=[sharder],
     )

@@ -14,9 +14,10 @@ calls ``embs.backward(grad)`` with no recat in between (the forward's output dis
 ``sparse_features_recat``; the gradient path has no counterpart). With one feature (or one rank) both orders are
 the same; with two they are not, and a gradient lands on another position's row.
 
-The two-feature case is a strict xfail: it fails today with the exact update predicted from that pairing (checked,
-so a different fault would fail the test outright), and it passes, flipping the xfail, the day torchrec recats the
-received gradient. The one-feature case, which must pass, shows the harness itself is right.
+The two-feature cases are strict xfails: they fail today with exactly the update that pairing predicts (checked,
+so a different fault fails the test outright); the day torchrec recats the received gradient they pass, which the
+strict marker reports as a failure: then remove the marker. The one-feature case, which must pass, shows the
+harness itself is right.
 """
 
 from __future__ import annotations
