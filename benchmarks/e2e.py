@@ -4,8 +4,11 @@ For each case (a workload) and each mode it launches the same job (`pipelines.jo
 table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
-``--modes ...,torchrec`` adds the real torchrec as an outside reference (CPU only); what it cannot measure
-shows as "n/m" (None in the JSON), never as 0. ``moved``: the steps whose samples the balancer moved; the balance
+``--modes ...,torchrec,torchrec-pec`` adds the real torchrec as an outside reference (CPU only): its synchronous
+pipeline and its prioritized embedding communication (PEC); what they cannot measure shows as "n/m" (None in the
+JSON), never as 0. ``losses against sync`` gives, per run, every mode's largest per-step loss difference to sync's
+(``loss_max_diff_vs_sync`` in the JSON; 0 and "bit for bit" where every step's loss is sync's).
+``moved``: the steps whose samples the balancer moved; the balance
 gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay. ``emb``: the
 embedding schedule freescale kept after its probe (pipelines.job.schedule; prio or sdd); every mode's timings leave
 out the same warm-up steps, the probe's included.
@@ -44,13 +47,14 @@ from pathlib import Path
 from typing import Optional
 
 from pipelines.api.modes import MODES as ALL_MODES
+from pipelines.api.modes import TORCHREC_MODES
 from pipelines.job.config import JobConfig
 from pipelines.job.flags import add_tuning_arguments, apply_tuning
 from pipelines.job.schedule import PROBE_START, ScheduleProbe
 from pipelines.models.hstu import HSTU_PRESETS
 
-# every mode but the torchrec reference (CPU only: --modes ...,torchrec adds it)
-MODES = tuple(name for name in ALL_MODES if name != "torchrec")
+# every mode but the torchrec references (CPU only: --modes ...,torchrec,torchrec-pec adds them)
+MODES = tuple(name for name in ALL_MODES if name not in TORCHREC_MODES)
 TORCHREC_NOTE = (
     "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.models.torchrec_ref). n/m = not\n"
     "  measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run inside\n"
@@ -59,6 +63,14 @@ TORCHREC_NOTE = (
     "  Same data, initial weights, loss scaling and optimizers as sync (dense Adam; table SGD / row-wise Adagrad in\n"
     "  fbgemm); the loss is multiplied by the world size to undo DDP's and torchrec's division of gradients by it;\n"
     "  losses match sync to float rounding (fbgemm and DDP sum in other orders), not bit for bit."
+)
+TORCHREC_PEC_NOTE = (
+    "torchrec-pec: torchrec's PEC (PECEmbeddingCollectionSharder) driven as upstream's TrainPipelinePEC\n"
+    "  (pipelines.models.torchrec_pec): the next batch's non-overlapped rows looked up a step ahead, their gradient\n"
+    "  applied a step late; n/m as for torchrec (its exchanges are timed as one step). PEC's gradient AllToAll does\n"
+    "  not divide by the world size: the rows' gradient is scaled by 1/world size before it, so it trains sync's\n"
+    "  numbers to float rounding; the item table is read by one feature (torchrec 1.8.0's PEC updates other rows\n"
+    "  with several: docs/pec.md)."
 )
 CASES = {
     "heavy": dict(preset="kuairand-1k", uih_cap=2_048, batch_size=8, model="tiny", max_uih=2_048),
@@ -83,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
-        help="comma-separated modes (add torchrec for the real torchrec reference, CPU only)",
+        help="comma-separated modes (add torchrec,torchrec-pec for the real torchrec's, CPU only)",
     )
     parser.add_argument("--cases", default="heavy,light", help=f"comma-separated cases of {sorted(CASES)}")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -211,6 +223,7 @@ def _row(case: str, s: dict) -> dict:
         "unmeasured": s.get("unmeasured", []),
         "ne": s["ne"],
         "loss": s["loss"],
+        "loss_curve": s["loss_curve"],
         # the busiest rank's peak (the table), and every rank's (the JSON)
         "peak_memory_mib": max(s.get("peak_memory_bytes_per_rank") or [s["peak_memory_bytes"] or 0]) / 2**20,
         "peak_memory_mib_per_rank": [b / 2**20 for b in s.get("peak_memory_bytes_per_rank") or []],
@@ -260,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(row)
     pair_with_sync(rows)
     _print_table(rows)
-    for line in straggler_shares(rows) + ne_against_sync(rows):
+    for line in straggler_shares(rows) + ne_against_sync(rows) + losses_against_sync(rows):
         print(line)
     if args.repeats > 1:
         for line in spread(rows) + ne_run_to_run(rows):
@@ -292,6 +305,9 @@ def pair_with_sync(rows: list[dict]) -> None:
             r["bubble_reduction"] = r["bubble_reduction_median"] = None
             both = sync is not None and r.get("ne") is not None and sync.get("ne") is not None
             r["ne_minus_sync"] = r["ne"] - sync["ne"] if both else None
+            curves = (r.get("loss_curve"), (sync or {}).get("loss_curve"))
+            same = None not in curves and len(curves[0]) == len(curves[1])
+            r["loss_max_diff_vs_sync"] = max((abs(a - b) for a, b in zip(*curves)), default=0.0) if same else None
         if sync is None or ours is None or not (sync["bubble_ms"] or 0) > 0:
             continue
         ours["bubble_reduction"] = 1.0 - ours["bubble_ms"] / sync["bubble_ms"]
@@ -328,6 +344,23 @@ def ne_against_sync(rows: list[dict]) -> list[str]:
             + ", ".join(f"{r['mode']} {r['ne']:.6f} ({r['ne_minus_sync']:+.1e})" for r in others)
         )
     return lines
+
+
+def losses_against_sync(rows: list[dict]) -> list[str]:
+    """Per case and run with sync and another mode: every mode's largest per-step loss difference to sync's."""
+    lines = []
+    for (case, repeat), by_mode in _runs(rows).items():
+        others = [r for mode, r in by_mode.items() if mode != "sync" and r.get("loss_max_diff_vs_sync") is not None]
+        if "sync" in by_mode and others:
+            lines.append(
+                f"losses against sync, {case} (run {repeat + 1}, {len(by_mode['sync']['loss_curve'])} steps): "
+                + ", ".join(f"{r['mode']} {_loss_gap(r['loss_max_diff_vs_sync'])}" for r in others)
+            )
+    return lines
+
+
+def _loss_gap(gap: float) -> str:
+    return "bit for bit" if gap == 0 else f"max |diff| {gap:.1e}"
 
 
 def ne_run_to_run(rows: list[dict]) -> list[str]:
@@ -423,7 +456,7 @@ def _schedule_cell(row: dict) -> str:
 
 def _print_table(rows: list[dict]) -> None:
     parts = ("data", "ids_a2a", "emb_a2a", "grad_a2a", "balancer", "label_count", "dense_allreduce")
-    head = f"{'case':<6} {'mode':<10} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(
+    head = f"{'case':<6} {'mode':<12} {'QPS':>8} {'step ms':>8} {'med ms':>7} {'comp ms':>7} " + " ".join(
         f"{p[:9]:>9}" for p in parts
     )
     head += f" {'strag %':>7} {'bubble ms':>9} {'med bub':>7} {'warm ms':>7} {'NE':>8} {'peak MiB':>8}"
@@ -432,7 +465,7 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         red = r.get("bubble_reduction")
         print(
-            f"{r['case']:<6} {r['mode']:<10} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
+            f"{r['case']:<6} {r['mode']:<12} {r['samples_per_s']:>8.1f} {r['step_time_ms']:>8.1f} "
             f"{r['step_time_median_ms']:>7.1f} {_cell(r['compute_median_ms'], 7, 1)} "
             + " ".join(_cell(r["exposed_ms"].get(p, 0.0), 9, 2) for p in parts)
             + f" {_cell(r['straggler_pct'], 7, 1)} {_cell(r['bubble_ms'], 9, 2)} {_cell(r['bubble_median_ms'], 7, 2)} "
@@ -442,6 +475,8 @@ def _print_table(rows: list[dict]) -> None:
         )
     if any(r["mode"] == "torchrec" for r in rows):
         print(TORCHREC_NOTE)
+    if any(r["mode"] == "torchrec-pec" for r in rows):
+        print(TORCHREC_PEC_NOTE)
 
 
 def _plot_ne(rows: list[dict], path: str) -> None:

@@ -20,6 +20,10 @@ the ranks meet (a barrier on a group of its own, standing in for the all-reduce)
 (``dense_ms``), not as embedding communication: it holds the ranks' skew (on one shared GPU the two processes
 are time-sliced, so one finishes its step milliseconds after the other), which would otherwise land in whichever
 embedding exchange waits first in the next step. Needs neither torchdata nor torchrec.
+
+``--torchrec`` (CPU) adds two runs on the same batches and initial tables: torchrec's synchronous sharded
+EmbeddingCollection and its prioritized embedding communication, PEC (benchmarks/embedding_torchrec.py), with
+their exposed parts and their losses' largest difference to the sync run's.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+TORCHREC_MODES = ("torchrec", "torchrec_pec")  # benchmarks/embedding_torchrec.py's runs
+
 PARTS = ("ids_a2a", "emb_a2a", "grad_a2a")
+LR = 0.05  # the tables' row-wise Adagrad
 
 
 @dataclass
@@ -58,6 +65,7 @@ class BenchConfig:
     seed: int = 0
     timeout: float = 300.0  # seconds a collective may wait on a peer
     trace: Optional[str] = None  # directory: torch.profiler traces of the first point's steps, per rank and mode
+    torchrec: bool = False  # also torchrec's synchronous collection and its PEC (CPU)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "point's figures are then measured under the profiler)",
     )
     parser.add_argument("--timeout", type=float, default=d.timeout, help="collective timeout in seconds")
+    parser.add_argument(
+        "--torchrec",
+        action="store_true",
+        help="also torchrec's synchronous sharded collection and its PEC on the same batches (CPU)",
+    )
     parser.add_argument("--json", type=str, default=None, help="write the records here")
     parser.add_argument(
         "--plot", type=str, default=None, help="PNG of exposed time against collision rate (needs matplotlib)"
@@ -111,7 +124,10 @@ def _config_from_args(args) -> BenchConfig:
         device=device,
         timeout=getattr(args, "timeout", BenchConfig.timeout),
         trace=getattr(args, "trace", None),
+        torchrec=getattr(args, "torchrec", False),
     )
+    if cfg.torchrec and cfg.device != "cpu":
+        raise ValueError("--torchrec runs on CPU only (torchrec's CPU build): add --device cpu")
     if cfg.nproc < 2:
         raise ValueError(f"--nproc must be >= 2 (exchanges need peers), got {cfg.nproc}")
     if cfg.max_uih < 4 or cfg.batch_size < 1 or cfg.steps < 1:
@@ -327,8 +343,11 @@ def _run_point(
 
     batches = _batches(cfg, rank, world_size, collision, max_uih)
     runs = {}
+    init_tables = None
     for mode, cls in (("sync", ShardedEmbeddingCollection), ("prioritized", PrioritizedEmbeddingCollection)):
-        coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=0.05), seed=cfg.seed, device=device)
+        coll = cls(plan, rank, transport=transports, optimizer=RowWiseAdagrad(lr=LR), seed=cfg.seed, device=device)
+        if cfg.torchrec and init_tables is None:
+            init_tables = coll.full_tables()  # torchrec's runs start from the same weights
         dist.barrier()
         prefetcher = (
             (lambda f: pool.submit(start_prefetch, plan.stack_ids(f), plan.group_boundaries, prefetch_transport, rank))
@@ -362,7 +381,9 @@ def _run_point(
     parity = torch.equal(s["losses"], p["losses"]) and all(
         torch.equal(s["tables"][k], p["tables"][k]) for k in s["tables"]
     )
+    outside = _torchrec_runs(cfg, plan, init_tables, batches, dense, dense_group, s["losses"]) if cfg.torchrec else {}
     return dict(
+        **outside,
         collision_knob=collision,
         max_uih=max_uih,
         parity=parity,
@@ -373,6 +394,23 @@ def _run_point(
         sync_step_s=s["step_s"],
         prioritized_step_s=p["step_s"],
     )
+
+
+def _torchrec_runs(cfg, plan, init_tables, batches, dense, dense_group, sync_losses: torch.Tensor) -> dict:
+    """``--torchrec``: torchrec's two runs of one point (benchmarks/embedding_torchrec.py), as record fields."""
+    import torch.distributed as dist
+
+    from benchmarks import embedding_torchrec
+
+    meet = lambda: dist.barrier(group=dense_group)  # noqa: E731
+    out = {}
+    for mode, r in embedding_torchrec.run(
+        plan, init_tables, batches, dense, cfg.warmup, cfg.compute_ms, meet, _loss, LR
+    ).items():
+        out[f"{mode}_exposed"] = r["exposed"]
+        out[f"{mode}_step_s"] = r["step_s"]
+        out[f"{mode}_loss_max_diff"] = float((r["losses"] - sync_losses.cpu()).abs().max())
+    return out
 
 
 def _rank_main(job: argparse.Namespace, rank: int, world_size: int) -> list[dict]:
@@ -404,6 +442,12 @@ def _merge(per_rank: list[list[dict]]) -> list[dict]:
             }
             rec[f"{mode}_exposed_ms"] = parts
             rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
+        for mode in TORCHREC_MODES if "torchrec_exposed" in r0 else ():
+            rec[f"{mode}_exposed_ms"] = {
+                p: float(np.mean([r[f"{mode}_exposed"][p] for r in recs])) * 1e3 for p in (*PARTS, "total")
+            }
+            rec[f"{mode}_step_ms"] = float(np.mean([r[f"{mode}_step_s"] for r in recs])) * 1e3
+            rec[f"{mode}_loss_max_diff"] = max(r[f"{mode}_loss_max_diff"] for r in recs)
         p_total = rec["prioritized_exposed_ms"]["total"]
         rec["exposed_reduction"] = rec["sync_exposed_ms"]["total"] / p_total if p_total > 0 else float("inf")
         out.append(rec)
@@ -463,12 +507,38 @@ def _table(result: dict) -> str:
             f"{r['sync_step_ms']:>6.1f}/{r['prioritized_step_ms']:>6.1f} | "
             f"{s['dense']:>5.2f}/{p['dense']:>5.2f}"
         )
+    if any("torchrec_exposed_ms" in r for r in result["records"]):
+        lines.append(_torchrec_table(result))
     for mode, fit in result["fit_vs_collision"].items():
         if fit:
             lines.append(
                 f"fit {mode}: exposed_ms = {fit['intercept_ms']:.3f} + {fit['slope_ms_per_unit']:.3f} * collision  (r2 "
                 f"{fit['r2']:.3f})"
             )
+    return "\n".join(lines)
+
+
+def _torchrec_table(result: dict) -> str:
+    """torchrec's two runs beside the sync run of each point: exposed parts, step time, losses against sync."""
+    head = (
+        f"{'coll.knob':>9} {'max_uih':>7} | {'torchrec ids/emb/grad = total ms':>34} | "
+        f"{'torchrec-pec ids/emb/grad = total ms':>36} | {'step ms tr/pec':>14} | {'loss max|diff| tr/pec':>21}"
+    )
+    lines = ["", head, "-" * len(head)]
+    for r in result["records"]:
+        t, p = r["torchrec_exposed_ms"], r["torchrec_pec_exposed_ms"]
+        lines.append(
+            f"{r['collision_knob']:>9.3f} {r['max_uih']:>7d} | "
+            f"{t['ids_a2a']:>7.2f}/{t['emb_a2a']:>7.2f}/{t['grad_a2a']:>7.2f} = {t['total']:>7.2f} | "
+            f"{p['ids_a2a']:>8.2f}/{p['emb_a2a']:>7.2f}/{p['grad_a2a']:>7.2f} = {p['total']:>7.2f} | "
+            f"{r['torchrec_step_ms']:>6.1f}/{r['torchrec_pec_step_ms']:>7.1f} | "
+            f"{r['torchrec_loss_max_diff']:>10.1e}/{r['torchrec_pec_loss_max_diff']:>10.1e}"
+        )
+    lines.append(
+        "torchrec: its gradient AllToAll and fused update run inside autograd's backward (grad = from the last "
+        "feature's gradient to the backward's end);\ntorchrec-pec's losses part from sync's where torchrec 1.8.0's "
+        "PEC updates other rows (three features here: docs/pec.md)"
+    )
     return "\n".join(lines)
 
 

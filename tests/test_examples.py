@@ -141,6 +141,17 @@ def test_train_with_a_model_factory_file_from_another_directory(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_train_mode_torchrec_pec_with_a_model_of_several_tables(tmp_path):
+    """torchrec's PEC on the example's collection (two tables, three features): it trains; its numbers part from
+    sync's by torchrec's gradient-order fault (tests/pipelines/test_torchrec_pec_grad_order.py)."""
+    pytest.importorskip("torchrec")
+    model = ["--steps", "3", "--model", f"{ROOT}/examples/bring_your_own_model.py:build_model"]
+    summary = _train([*model, "--mode", "torchrec-pec"], ROOT, tmp_path)
+    assert summary["mode"] == "torchrec-pec" and summary["steps"] == 3
+    assert all(loss == loss for loss in summary["loss_curve"]) and "emb_a2a" in summary["unmeasured"]
+
+
+@pytest.mark.multiprocess
 def test_custom_partitioner_commands_run_from_the_root_and_from_elsewhere(tmp_path):
     # as documented, from the repository root: module:function, found with the current directory first
     by_module = _train(

@@ -10,6 +10,8 @@ none, and says whether the job composes the balancer's stages.
                 faster (pipelines.job.schedule's probe; exact either way)
     torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
                 reference (pipelines.models.torchrec_ref)
+    torchrec-pec  torchrec's Prioritized Embedding Communication (PEC) driven as upstream's TrainPipelinePEC,
+                CPU only: the outside counterpart of freescale's prioritized updates (pipelines.models.torchrec_pec)
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ MODES: dict[str, Mode] = {
         Mode("semisync", "semisync", balances=False),
         Mode("freescale", "prioritized", balances=True, switches=RUNTIME_SCHEDULES),
         Mode("torchrec", None, balances=False),
+        Mode("torchrec-pec", None, balances=False),
     )
 }
 #: The modes whose tables FreeScale shards (wrap_model's modes).
 SHARDED = tuple(name for name, m in MODES.items() if m.schedule is not None)
+#: The modes that train through torchrec itself (CPU references, no checkpoints).
+TORCHREC_MODES = ("torchrec", "torchrec-pec")
 #: The modes in which `freescale train` balances.
 BALANCING = tuple(name for name, m in MODES.items() if m.balances)
 

@@ -203,6 +203,8 @@ def build_step(
     ``wrap``, dense Adam at ``run.lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
     TrainPipelineSparseDist (the outside reference), which implements the same interface (``lookahead``,
     ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``). ``hooks``: what the job adds around the step."""
+    if run.mode == "torchrec-pec":
+        return _torchrec_pec_step(spec, run, embeddings, hooks, timer, device)
     if run.mode == "torchrec":
         from pipelines.api.step import count_labels
         from pipelines.models.torchrec_ref import TorchrecReference
@@ -233,4 +235,28 @@ def build_step(
         precision=run.precision,
         timer=timer,
         hooks=hooks,
+    )
+
+
+def _torchrec_pec_step(
+    spec: ModelSpec, run: JobRunSection, embeddings: JobEmbeddingsSection, hooks: StepHooks, timer, device
+):
+    """Mode ``torchrec-pec``: torchrec's PEC (pipelines.models.torchrec_pec) on the reference model's item table, or
+    on the one EmbeddingCollection of a ``--model`` factory's model."""
+    from pipelines.api.step import count_labels
+    from pipelines.models.torchrec_pec import TorchrecPEC, reference_target, user_target
+    from pipelines.models.torchrec_ref import check_device_and_optimizer, require_torchrec
+
+    require_torchrec()
+    check_device_and_optimizer(run.mode, device, embeddings.optimizer)
+    if isinstance(spec.model, SequenceModel) and spec.inputs is None:
+        target = reference_target(spec.model, embeddings.optimizer, embeddings.lr, device)
+    else:
+        target = user_target(spec, embeddings.optimizer, embeddings.lr)
+    return TorchrecPEC(
+        target,
+        lr=run.lr,
+        device=device,
+        global_labels=lambda batch: count_labels(batch, device, timer),
+        phase=hooks.phase,
     )

@@ -39,7 +39,7 @@ from fsdata.balancer import BalancerConfig
 from fsdata.loader import WORKER_STARTS, LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
-from pipelines.api.modes import BALANCING, MODES, SHARDED
+from pipelines.api.modes import BALANCING, MODES, SHARDED, TORCHREC_MODES
 from pipelines.api.numerics import PRECISIONS
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.schedule import SCHEDULE_CHOICES
@@ -216,7 +216,7 @@ class JobModelSection:
 @dataclass
 class JobEmbeddingsSection:
     """The ``[embeddings]`` table of the job config (``config.embeddings``): the row-wise sharded tables of the
-    sharded modes (sync, sdd, semisync, freescale; optimizer and lr also torchrec's)."""
+    sharded modes (sync, sdd, semisync, freescale; optimizer and lr also torchrec's and torchrec-pec's)."""
 
     TABLE: ClassVar[str] = "embeddings"
     CHOICES: ClassVar[dict] = {"optimizer": OPTIMIZER_CHOICES, "transport": TRANSPORT_CHOICES}
@@ -242,8 +242,8 @@ class JobRunSection:
     CHOICES: ClassVar[dict] = {"mode": tuple(MODES), "device": DEVICES, "precision": PRECISIONS}
 
     mode: str = "freescale"
-    """How the embeddings train (pipelines.job.trainer): replicated, sync, sdd, semisync, freescale, or torchrec
-    (the real torchrec on CPU: the outside reference)."""
+    """How the embeddings train (pipelines.job.trainer): replicated, sync, sdd, semisync, freescale, torchrec (the
+    real torchrec on CPU: the outside reference) or torchrec-pec (torchrec's prioritized embedding communication)."""
     nproc: int = 2
     """Local ranks that `freescale train` launches (torchrun launches its own); per host with ``nnodes`` > 1."""
     nnodes: int = 1
@@ -442,8 +442,8 @@ MODE_OPTIONS = {
     "balancer.min_gain": BALANCING,
     "balancer.memory_budget": BALANCING,
     "embeddings.transport": SHARDED,
-    "embeddings.lr": (*SHARDED, "torchrec"),
-    "embeddings.optimizer": (*SHARDED, "torchrec"),
+    "embeddings.lr": (*SHARDED, *TORCHREC_MODES),
+    "embeddings.optimizer": (*SHARDED, *TORCHREC_MODES),
     "tuning.early_start": ("freescale",),
     "tuning.exclusive_start": ("freescale",),
     "tuning.embedding_schedule": ("freescale",),
@@ -577,9 +577,11 @@ class JobConfig:
             getattr(self, table).validate()
         if self.run.eval_every and self.data.eval_path is None:
             raise ConfigError("{} needs {} (the held-out Parquet file)", "run.eval_every", "data.eval_path")
-        if self.data.eval_path is not None and self.run.mode == "torchrec":
-            raise ConfigError("{}: mode torchrec (the outside reference) has no held-out evaluation", "data.eval_path")
-        if self.run.mode == "torchrec":
+        if self.data.eval_path is not None and self.run.mode in TORCHREC_MODES:
+            raise ConfigError(
+                f"{{}}: mode {self.run.mode} (an outside reference) has no held-out evaluation", "data.eval_path"
+            )
+        if self.run.mode in TORCHREC_MODES:
             self._validate_torchrec()
         if self.balancer.partitioner != "none":  # an unknown name or an unimportable module:function, before ranks
             from fsdata.partition import get_partitioner
@@ -589,25 +591,30 @@ class JobConfig:
         return self
 
     def _validate_torchrec(self) -> None:
+        """Modes torchrec and torchrec-pec: the reference model (torchrec-pec: or a factory's model with one torchrec
+        EmbeddingCollection), on CPU, with an optimizer torchrec fuses there, no checkpoints."""
         from pipelines.models.torchrec_ref import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
 
+        mode = self.run.mode
         missing = missing_packages()
         if missing:
             raise ValueError(unavailable_message(missing))
-        if ":" in self.model.name:
+        if mode == "torchrec" and ":" in self.model.name:
             raise ConfigError(
                 f"mode torchrec runs the reference model only, not {{}} {_literal(repr(self.model.name))}", "model.name"
             )
+        if mode == "torchrec-pec" and self.model.name in HSTU_PRESETS:
+            raise ConfigError(f"mode {mode} does not run the HSTU model: {{}} {self.model.name}", "model.name")
         if self.run.device == "cuda":
-            raise ConfigError("mode torchrec is a CPU reference only: use {} cpu", "run.device")
+            raise ConfigError(f"mode {mode} is a CPU reference only: use {{}} cpu", "run.device")
         if self.embeddings.optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(
-                f"mode torchrec supports {{}} {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+                f"mode {mode} supports {{}} {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
                 f"{self.embeddings.optimizer!r} (torchrec's fused Adam fails on CPU)",
                 "embeddings.optimizer",
             )
         if self.checkpoint.every or self.checkpoint.resume:
-            raise ValueError("mode torchrec does not checkpoint or resume (it is a reference run, not a job)")
+            raise ValueError(f"mode {mode} does not checkpoint or resume (it is a reference run, not a job)")
 
     def loader_config(self) -> LoaderConfig:
         """The loader's config (fsdata.build_loader): ``[data]`` batch_size and prefetch_depth, and the loader's

@@ -774,7 +774,7 @@ def print_summary(summary: dict) -> None:
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
-        print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
+        print(f"  not measured     {', '.join(summary['unmeasured'])} (interleaved inside torchrec's step)")
     paths = (summary.get("transport") or {}).get("host")
     if paths:
         print(f"  transport        host: {describe_paths(paths)}")

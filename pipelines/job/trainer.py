@@ -10,8 +10,8 @@
                    its typed record (pipelines.job.record.StepRecord) is settled one step later (straggler wait,
                    bubbles)
 
-The step is chosen once, by the builder (pipelines.job.builders.build_step): the API's TrainStep, or in mode
-torchrec the torchrec reference, which implements the same interface; the loop has no mode of its own.
+The step is chosen once, by the builder (pipelines.job.builders.build_step): the API's TrainStep, or in modes
+torchrec and torchrec-pec torchrec's own, which implement the same interface; the loop has no mode of its own.
 
 Modes (``--mode``), one harness:
     replicated  data parallel, embedding tables replicated and all-reduced (the foundation's plain loop);
@@ -22,6 +22,8 @@ Modes (``--mode``), one harness:
     freescale   balancer (``--partitioner``, default fbs) + prioritized embedding updates + SM-free transport
     torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
                 reference (pipelines.models.torchrec_ref; the parts its progress() hides are reported as None)
+    torchrec-pec  torchrec's prioritized embedding communication (PEC), CPU only (pipelines.models.torchrec_pec;
+                its exchanges reported as None too)
 
 Gradient semantics. Local batches may differ in size (the last global batch of an epoch, variable batch size
 balancing), so each rank backpropagates the sum of its candidates' BCE divided by the *global* label count,

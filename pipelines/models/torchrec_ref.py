@@ -126,7 +126,7 @@ class TorchrecInput:
             tensor.record_stream(stream)
 
 
-class _LookedUpRows(nn.Module):
+class LookedUpRows(nn.Module):
     """Stands in for the model's ``item_embedding``: the rows the collection looked up for this batch."""
 
     def __init__(self, dim: int) -> None:
@@ -176,12 +176,16 @@ class _TorchrecSequenceModel(nn.Module):
         return self.dense(inputs, self.item_collection(inputs.item_ids))
 
 
-def _item_collection(weight: torch.Tensor, optimizer_name: str, embedding_lr: float, device: torch.device):
-    """torchrec's EmbeddingCollection holding the model's item table (a copy of its seeded weight), its optimizer
-    fused into the backward."""
+def item_collection(
+    weight: torch.Tensor,
+    optimizer_name: str,
+    embedding_lr: float,
+    device: torch.device,
+    features: Sequence[str] = (UIH_ITEM_KEY, CONTENT_KEY),
+):
+    """torchrec's EmbeddingCollection holding the model's item table (a copy of its seeded weight) looked up by
+    ``features``, its optimizer fused into the backward."""
     from torchrec import EmbeddingCollection, EmbeddingConfig
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     collection = EmbeddingCollection(
         tables=[
@@ -189,18 +193,65 @@ def _item_collection(weight: torch.Tensor, optimizer_name: str, embedding_lr: fl
                 name=TABLE_NAME,
                 embedding_dim=weight.shape[1],
                 num_embeddings=weight.shape[0],
-                feature_names=[UIH_ITEM_KEY, CONTENT_KEY],
+                feature_names=list(features),
             )
         ],
         device=device,
     )
     with torch.no_grad():
         collection.embeddings[TABLE_NAME].weight.copy_(weight)
+    fuse_optimizer(collection, optimizer_name, embedding_lr)
+    return collection
+
+
+def fuse_optimizer(collection: nn.Module, optimizer_name: str, embedding_lr: float) -> None:
+    """Fuses the tables' optimizer into the backward: once sharded, fbgemm's EXACT_SGD (``sgd``) or
+    EXACT_ROWWISE_ADAGRAD (``rowwise_adagrad``), the update rules of fsembed's row-wise SGD and RowWiseAdagrad."""
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
     if optimizer_name == "sgd":
         apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": embedding_lr})
     else:
         apply_optimizer_in_backward(RowWiseAdagrad, collection.parameters(), {"lr": embedding_lr, "eps": 1e-8})
-    return collection
+
+
+def check_device_and_optimizer(mode: str, device: torch.device, optimizer_name: str) -> None:
+    """What the torchrec modes can run here: CPU, and an embedding optimizer torchrec's CPU build fuses."""
+    if device.type != "cpu":
+        raise ValueError(f"mode {mode} is a CPU reference only (got device {device}); pass --device cpu")
+    if optimizer_name not in EMBEDDING_OPTIMIZERS:
+        raise ValueError(
+            f"mode {mode} supports --embedding-optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
+            f"{optimizer_name!r} (torchrec's fused Adam fails on CPU)"
+        )
+
+
+def step_result(stats: torch.Tensor, progress_s: float, batch: Batch, rank: int, world_size: int) -> StepResult:
+    """A torchrec step's result from its local [labels, BCE sum, positives] and its wall time ``progress_s``: one
+    SUM all-reduce of [labels, BCE sum, positives | per-rank slots] (float64: exact counts); the exchanges the
+    step interleaves with its compute are reported as unmeasured."""
+    t0 = time.perf_counter()
+    book = torch.zeros(len(_GLOBAL_FIELDS) + world_size * len(_PER_RANK_FIELDS), dtype=torch.float64)
+    book[: len(_GLOBAL_FIELDS)] = stats
+    lengths = batch.uih_lengths.cpu()
+    slot = len(_GLOBAL_FIELDS) + rank * len(_PER_RANK_FIELDS)
+    book[slot : slot + len(_PER_RANK_FIELDS)] = torch.tensor(
+        (progress_s, float(lengths.sum()), float(batch.batch_size), sparsity(lengths)), dtype=torch.float64
+    )
+    dist.all_reduce(book)
+    bookkeeping_s = time.perf_counter() - t0
+    per_rank = book[len(_GLOBAL_FIELDS) :].view(world_size, len(_PER_RANK_FIELDS))
+    return StepResult(
+        float(book[1] / book[0]) if book[0] > 0 else float("nan"),
+        float(book[0]),
+        float(book[2]),
+        loss_sum=float(book[1]),
+        local_loss_sum=stats[1],
+        per_rank={name: per_rank[:, i].numpy() for i, name in enumerate(_PER_RANK_FIELDS)},
+        unmeasured=UNMEASURED_PARTS,  # compute and the all-reduce: not separable from what the step interleaves
+        extras={"progress_s": per_rank[:, 0].tolist(), "bookkeeping_s": bookkeeping_s},
+    )
 
 
 class TorchrecReference:
@@ -235,19 +286,13 @@ class TorchrecReference:
         from torchrec.optim.optimizers import in_backward_optimizer_filter
         from torchrec.streamable import Pipelineable
 
-        if device.type != "cpu":
-            raise ValueError(f"mode torchrec is a CPU reference only (got device {device}); pass --device cpu")
-        if optimizer_name not in EMBEDDING_OPTIMIZERS:
-            raise ValueError(
-                f"mode torchrec supports --embedding-optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
-                f"{optimizer_name!r} (torchrec's fused Adam fails on CPU)"
-            )
+        check_device_and_optimizer("torchrec", device, optimizer_name)
         Pipelineable.register(TorchrecInput)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model = model
         weight = model.item_embedding.weight.detach()
-        collection = _item_collection(weight, optimizer_name, embedding_lr, device)
-        model.item_embedding = _LookedUpRows(weight.shape[1])
+        collection = item_collection(weight, optimizer_name, embedding_lr, device)
+        model.item_embedding = LookedUpRows(weight.shape[1])
         plan = construct_module_sharding_plan(
             collection,
             per_param_sharding={TABLE_NAME: row_wise()},
@@ -310,30 +355,5 @@ class TorchrecReference:
         if not self.dmp.module.item_collection.is_pipelined:  # torchrec would only log it and run unpipelined
             raise RuntimeError("mode torchrec: TrainPipelineSparseDist did not pipeline the item collection")
         batch = self._in_flight.popleft()
-        t1 = time.perf_counter()
-        book = self._bookkeeping(stats, progress_s, batch)
-        bookkeeping_s = time.perf_counter() - t1
         self.step += 1
-        per_rank = book[len(_GLOBAL_FIELDS) :].view(self.world_size, len(_PER_RANK_FIELDS))
-        return StepResult(
-            float(book[1] / book[0]) if book[0] > 0 else float("nan"),
-            float(book[0]),
-            float(book[2]),
-            loss_sum=float(book[1]),
-            local_loss_sum=stats[1],
-            per_rank={name: per_rank[:, i].numpy() for i, name in enumerate(_PER_RANK_FIELDS)},
-            unmeasured=UNMEASURED_PARTS,  # compute and the all-reduce: not separable from what progress() interleaves
-            extras={"progress_s": per_rank[:, 0].tolist(), "bookkeeping_s": bookkeeping_s},
-        )
-
-    def _bookkeeping(self, stats: torch.Tensor, progress_s: float, batch: Batch) -> torch.Tensor:
-        """One SUM all-reduce of [labels, BCE sum, positives | per-rank slots] (float64: exact counts)."""
-        book = torch.zeros(len(_GLOBAL_FIELDS) + self.world_size * len(_PER_RANK_FIELDS), dtype=torch.float64)
-        book[: len(_GLOBAL_FIELDS)] = stats
-        lengths = batch.uih_lengths.cpu()
-        slot = len(_GLOBAL_FIELDS) + self.rank * len(_PER_RANK_FIELDS)
-        book[slot : slot + len(_PER_RANK_FIELDS)] = torch.tensor(
-            (progress_s, float(lengths.sum()), float(batch.batch_size), sparsity(lengths)), dtype=torch.float64
-        )
-        dist.all_reduce(book)
-        return book
+        return step_result(stats, progress_s, batch, self.rank, self.world_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.e2e import pair_with_sync, spread, stalled_steps
+from benchmarks.e2e import losses_against_sync, pair_with_sync, spread, stalled_steps
 from pipelines.job.accounting import stall_clues as _stall_clues
 
 
@@ -82,6 +82,16 @@ def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
     )
     assert _stall_clues([{"gc_s": 0.0}])["new_pinned_blocks"] is None  # not recorded off a GPU
     assert stalled_steps([dict(row, bubble_median_ms=None)]) == []  # a run without timings (torchrec) says nothing
+
+
+def test_losses_are_compared_with_sync_of_the_same_run_step_by_step():
+    curves = {"sync": [0.7, 0.6], "freescale": [0.7, 0.6], "torchrec-pec": [0.7, 0.625]}
+    rows = [dict(_row("light", mode, 0, 1.0, 1.0, 1.0), ne=0.9, loss_curve=c) for mode, c in curves.items()]
+    rows.append(dict(_row("light", "torchrec", 1, 1.0, 1.0, 1.0), ne=0.9, loss_curve=[0.0, 0.0]))  # no sync in run 2
+    pair_with_sync(rows)
+    assert [r["loss_max_diff_vs_sync"] for r in rows] == pytest.approx([0.0, 0.0, 0.025, None])
+    (line,) = losses_against_sync(rows)
+    assert line == "losses against sync, light (run 1, 2 steps): freescale bit for bit, torchrec-pec max |diff| 2.5e-02"
 
 
 def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():

@@ -1,5 +1,5 @@
-"""`python -m benchmarks embedding` end to end at toy size: every record has both modes' exposed parts, parity holds,
-and the fit is computed."""
+"""`python -m benchmarks embedding` end to end at toy size: every record has both modes' exposed parts (and
+torchrec's two runs'), parity holds, and the fit is computed."""
 
 from __future__ import annotations
 
@@ -43,13 +43,16 @@ def test_bench_embedding_smoke(tmp_path):
     from benchmarks import embedding
 
     out = tmp_path / "emb.json"
-    assert embedding.main(_toy_args("--json", str(out))) == 0
+    assert embedding.main(_toy_args("--json", str(out), "--torchrec")) == 0
     result = json.loads(out.read_text())
     assert len(result["records"]) == 4  # 2 collision rates + the UIH sweep's 2 shorter lengths
     for r in result["records"]:
         assert r["parity"] is True
         assert set(r["sync_exposed_ms"]) == {"ids_a2a", "emb_a2a", "grad_a2a", "total", "dense"}
         assert r["exposed_reduction"] > 0
+        # torchrec's two runs on the same batches: the synchronous one trains sync's numbers to float rounding
+        assert set(r["torchrec_pec_exposed_ms"]) == {"ids_a2a", "emb_a2a", "grad_a2a", "total"}
+        assert r["torchrec_loss_max_diff"] < 1e-5 and r["torchrec_pec_step_ms"] > 0
     assert result["fit_vs_collision"]["prioritized"] is not None
 
 
@@ -62,6 +65,8 @@ def test_bench_embedding_rejects_bad_arguments():
         embedding.main(parser.parse_args(["--nproc", "1"]))
     with pytest.raises(ValueError, match="collision"):
         embedding.main(parser.parse_args(["--collisions", "0,1.5"]))
+    with pytest.raises(ValueError, match="--torchrec runs on CPU only"):
+        embedding.main(parser.parse_args(["--torchrec", "--device", "cuda"]))
 
 
 def test_a_killed_bench_embedding_rank_is_one_line_and_leaves_no_segment(tmp_path, monkeypatch, capfd):

@@ -1,6 +1,7 @@
-"""Mode torchrec (the real DistributedModelParallel + TrainPipelineSparseDist) on 2 gloo ranks: it trains, its
-losses follow sync mode's on the same data, it reports what it cannot measure as None, and without torchrec it
-fails with a message naming the package.
+"""Modes torchrec (the real DistributedModelParallel + TrainPipelineSparseDist) and torchrec-pec (torchrec's PEC) on
+2 gloo ranks: they train, their losses follow sync mode's on the same data (torchrec-pec's equal torchrec's bit for
+bit, and freescale's equal sync's), they report what they cannot measure as None, and without torchrec they fail
+with a message naming the package.
 
 Tolerance of the loss comparison: 1e-6, relative. Both modes start from the same weights and batches, scale the
 loss the same way and apply the same update rules, so they differ only in float32 summation order (fbgemm sums a
@@ -29,30 +30,47 @@ TOLERANCE = 1e-6
 def _config(mode: str):
     from tests.pipelines.tiny import tiny_config
 
-    return tiny_config(mode, STEPS).validate()
+    cfg = tiny_config(mode, STEPS)
+    cfg.balancer.partitioner = "none"  # freescale: the same local batches as sync, so the same bits
+    return cfg.validate()
 
 
-def _train_both(rank, world_size):
+def _local_rows(state, key: str) -> int:
+    return sum(s.tensor.shape[0] for s in state[key].local_shards())
+
+
+def _train_every_mode(rank, world_size):
     from pipelines.job.trainer import Trainer
 
     out = {}
-    for mode in ("sync", "torchrec"):
+    for mode in ("sync", "freescale", "torchrec", "torchrec-pec"):
         doing(f"train {mode}")
         trainer = Trainer(_config(mode), rank=rank, world_size=world_size, device=torch.device("cpu"))
         trainer.train()
         out[mode] = trainer.history
+        out["num_items"] = trainer.model.config.num_items
         if mode == "torchrec":
-            weight = trainer.step_fn.dmp.state_dict()["item_collection.embeddings.item_embedding.weight"]
-            out["local_rows"] = sum(s.tensor.shape[0] for s in weight.local_shards())
-            out["num_items"] = trainer.model.config.num_items
+            state = trainer.step_fn.dmp.state_dict()
+            out["local_rows"] = _local_rows(state, "item_collection.embeddings.item_embedding.weight")
+        if mode == "torchrec-pec":
+            state = trainer.step_fn.dmp.state_dict()
+            out["pec_local_rows"] = _local_rows(
+                state, "collection._embedding_collection.embeddings.item_embedding.weight"
+            )
     return out
 
 
 @pytest.mark.multiprocess
-def test_torchrec_mode_trains_like_sync():
+def test_torchrec_modes_train_like_sync():
     pytest.importorskip("torchrec")
-    for rank_out in run_ranks(_train_both, 2, timeout=120):
-        sync, ref = rank_out["sync"], rank_out["torchrec"]
+    for rank_out in run_ranks(_train_every_mode, 2, timeout=180):
+        sync, ref, pec = rank_out["sync"], rank_out["torchrec"], rank_out["torchrec-pec"]
+        # Prioritized updates change when rows move, never the numbers; PEC is exact on the reference model's table
+        # (one feature: tests/pipelines/test_torchrec_pec_grad_order.py) and applies torchrec's update rules.
+        assert [r["loss"] for r in rank_out["freescale"]] == [r["loss"] for r in sync]
+        assert [r["loss"] for r in pec] == [r["loss"] for r in ref]
+        assert rank_out["pec_local_rows"] == rank_out["num_items"] // 2
+        assert pec[1]["compute_s"] is None and pec[1]["exposed_s"]["emb_a2a"] is None
         assert [r["step"] for r in ref] == list(range(STEPS))
         assert [r["samples_per_rank"] for r in ref] == [r["samples_per_rank"] for r in sync]
         for a, b in zip(sync, ref):
@@ -109,15 +127,36 @@ def test_without_torchrec_the_error_names_the_package(monkeypatch):
         require_torchrec()
 
 
+@pytest.mark.parametrize("mode", ["torchrec", "torchrec-pec"])
 @pytest.mark.parametrize(
     "argv,match",
     [
         (["--embedding-optimizer", "adam"], "fused Adam fails on CPU"),
         (["--device", "cuda"], "CPU reference only"),
         (["--checkpoint-every", "2", "--checkpoint-dir", "ck"], "does not checkpoint"),
+        (["--eval-data", "eval.parquet"], "has no held-out evaluation"),
     ],
 )
-def test_torchrec_mode_refuses_what_it_cannot_match(argv, match):
+def test_torchrec_modes_refuse_what_they_cannot_match(mode, argv, match):
     pytest.importorskip("torchrec")
-    with pytest.raises(ValueError, match=match):
-        _parse("--mode", "torchrec", *argv)
+    with pytest.raises(ValueError, match=f"mode {mode}.*{match}|{match}"):
+        _parse("--mode", mode, *argv)
+
+
+def test_only_torchrec_pec_takes_a_model_factory_and_neither_the_hstu_model():
+    pytest.importorskip("torchrec")
+    factory = "examples/bring_your_own_model.py:build_model"
+    with pytest.raises(ValueError, match="mode torchrec runs the reference model only"):
+        _parse("--mode", "torchrec", "--model", factory)
+    assert _parse("--mode", "torchrec-pec", "--model", factory).run.mode == "torchrec-pec"
+    with pytest.raises(ValueError, match="mode torchrec-pec does not run the HSTU model: --model hstu"):
+        _parse("--mode", "torchrec-pec", "--model", "hstu")
+
+
+def test_torchrec_pec_names_what_a_model_of_its_own_lacks():
+    pytest.importorskip("torchrec")
+    from pipelines import ModelSpec
+    from pipelines.models.torchrec_pec import user_target
+
+    with pytest.raises(ValueError, match="needs --model's model to hold one torchrec EmbeddingCollection, it holds 0"):
+        user_target(ModelSpec(torch.nn.Linear(2, 1)), "sgd", 0.1)
