@@ -12,8 +12,6 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
 
     triton          the Triton kernel, no rab
     triton-rab      with rab: position and time-gap bucket weights [heads, 64] each, ordered timestamps
-    triton-1pass, triton-rab-1pass
-                    the same with the one-pass backward (kernels.triton.triton_hstu_attention.BACKWARD)
     padded          the padded twin (one [B, H, L, L] score tensor); skipped where its scores would exceed
                     ``--padded-max-gib``
     torch           the per-sample twin (CPU)
@@ -44,7 +42,6 @@ import torch
 from benchmarks.timing import call_times_ms
 from kernels.attention import PackedOffsets
 from kernels.hstu import hstu_attention, hstu_sequences
-from kernels.triton import triton_hstu_attention as kernel
 
 SHAPES = {
     "a": dict(batch=64, cap=4096, equal=False),
@@ -52,7 +49,7 @@ SHAPES = {
     "c": dict(batch=32, cap=4096, equal=True),
     "tiny": dict(batch=4, cap=64, equal=False),
 }
-VARIANTS = ("triton", "triton-rab", "triton-1pass", "triton-rab-1pass", "padded", "torch")
+VARIANTS = ("triton", "triton-rab", "padded", "torch")
 BUCKETS = 64
 SPEEDUP_GATE = 1.5  # fwd+bwd over generative-recommenders' Triton kernel at dim 64
 FORWARD_GATE = 1.0
@@ -144,8 +141,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     base["max_len"] = int(lengths.max())
     if variant == "padded" and _padded_gib(lengths, args.heads, dtype) > args.padded_max_gib:
         return skipped(shape, dim, variant, args.seed, f"{_padded_gib(lengths, args.heads, dtype):.0f} GiB of scores")
-    rab = variant.startswith("triton-rab")
-    backward = "one-pass" if variant.endswith("-1pass") else "two-pass"
+    rab = variant == "triton-rab"
     data = _inputs(lengths, args.heads, dim, device, dtype, rab)
     host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
     impl = "triton" if variant.startswith("triton") else variant
@@ -174,11 +170,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
 
     with torch.no_grad():
         fwd_ms = statistics.median(call_times_ms(device, forward, args.reps, args.warmup))
-    previous, kernel.BACKWARD = kernel.BACKWARD, backward
-    try:
-        fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))
-    finally:
-        kernel.BACKWARD = previous
+    fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))
     flops = fwd_flops(lengths, args.heads, dim)
     return Record(
         **base,

@@ -104,11 +104,11 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
-        if name in ("OFFSETS", "ORDER", "TARGETS", "LOCKS"):
+        if name in ("OFFSETS", "ORDER", "TARGETS"):
             return "*i32"
         if name == "TS":
             return "*i64"
-        if name in ("RAB", "DPW", "DTW", "DQ_ACC"):
+        if name in ("RAB", "DPW", "DTW"):
             return "*fp32"
         if name in ("alpha", "inv_norm"):
             return "fp32"
@@ -204,7 +204,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             for variant, (pos, time) in VARIANTS.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
                 if name == "dkdv":
-                    constants.update(PB=BUCKETS, TB=BUCKETS, ONE_PASS=False)
+                    constants.update(PB=BUCKETS, TB=BUCKETS)
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)
                 registers, stack = resource_usage(cubin)
                 loop, inner = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))

@@ -90,7 +90,6 @@ class Record:
     rab: bool
     position_embeddings: bool
     compiled: bool
-    backward: str  # the Triton attention's backward schedule (kernels.triton.triton_hstu_attention.BACKWARD)
     precision: str
     batch: int
     tokens: int
@@ -304,12 +303,6 @@ def kernel_breakdown(step: Callable[[], None], steps: int = 3, top: int = 12) ->
     return totals, dict(sorted(other.items(), key=lambda kv: -kv[1])[:top])
 
 
-def _backward_schedule() -> str:
-    from kernels.triton import triton_hstu_attention
-
-    return triton_hstu_attention.BACKWARD
-
-
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
@@ -331,7 +324,6 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         rab=rab,
         position_embeddings=embeddings,
         compiled=compiled,
-        backward=_backward_schedule(),
         precision=precision,
         batch=len(lengths),
         tokens=int(lengths.sum()),

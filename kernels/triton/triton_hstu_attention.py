@@ -287,28 +287,6 @@ def _bucket_sums(acc, buckets, ds, BUCKETS: tl.constexpr):
 
 
 @triton.jit
-def _add_in_turn(
-    ACC, tile, lock, turn, start, rows, h, length, H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """``tile`` added to the fp32 rows of ``ACC`` as the ``turn``-th writer of this query block: the key blocks
-    add their shares from the sample's last down (the order they start in, so a program only waits for ones
-    started before it), each after the ``lock`` counts its turn, then passes it on. A fixed order of float
-    additions: the same bits on every run, without atomics on the values."""
-    cols = tl.arange(0, BLOCK_D)
-    ptrs = ACC + (start + rows.to(tl.int64))[:, None] * (H * DIM) + h * DIM + cols[None, :]
-    mask = (rows < length)[:, None] & (cols < DIM)[None, :]
-    seen = tl.atomic_add(lock, 0, sem="acquire")
-    while seen != turn:
-        seen = tl.atomic_add(lock, 0, sem="acquire")
-    tl.debug_barrier()
-    if turn > 0:  # past L1 (.cg): another program on this SM may have read these rows before the last writer
-        tile = tile + tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(ptrs, tile, mask=mask)
-    tl.debug_barrier()
-    tl.atomic_xchg(lock, turn + 1, sem="release")
-
-
-@triton.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -323,8 +301,6 @@ def _dkdv_kernel(
     RAB,
     DPW,
     DTW,
-    DQ_ACC,
-    LOCKS,
     alpha,
     inv_norm,
     window,
@@ -334,7 +310,6 @@ def _dkdv_kernel(
     stride_k,
     stride_v,
     stride_do,
-    lock_rows,
     H: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
@@ -355,14 +330,11 @@ def _dkdv_kernel(
     T_SUB: tl.constexpr,
     PB: tl.constexpr,
     TB: tl.constexpr,
-    ONE_PASS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """One key block's dK and dV (and its share of the bucket weights' gradients, one row per program) over the
-    query blocks that see it; tiles transposed: keys along rows, queries along columns. ``ONE_PASS``: also each
-    query block's share of dQ, added to the fp32 ``DQ_ACC`` in a fixed order (:func:`_add_in_turn`), so that the dQ
-    pass, which computes the scores again, is not needed.
+    query blocks that see it; tiles transposed: keys along rows, queries along columns.
 
     One function on purpose: a Triton kernel's body is its program; the per-element helpers it calls are split out.
     """
@@ -430,11 +402,6 @@ def _dkdv_kernel(
             ds = tl.where(valid, ds, 0.0)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-        if ONE_PASS:
-            dq = tl.dot(tl.trans(ds.to(k.dtype)), k, input_precision=PRECISION)
-            last = tl.minimum((m0 + BLOCK_M - 1) // BLOCK_N, (length - 1) // BLOCK_N)
-            lock = LOCKS + (tl.program_id(1) * H + h).to(tl.int64) * lock_rows + m0 // BLOCK_M
-            _add_in_turn(DQ_ACC, dq, lock, last - n0 // BLOCK_N, start, rows_q, h, length, H, D, BLOCK_D)
         if HAS_POS:
             dpw = _bucket_sums(dpw, pb, ds, PB)
         if HAS_TIME:
@@ -565,10 +532,6 @@ _DQ_CONFIGS = {
     256: [(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 8, 1)],
 }
 _FALLBACK = (32, 32, 4, 1)
-#: The backward's schedule, read at every call: ``two-pass`` (dK/dV over the keys, then dQ over the queries, the
-#: scores computed in both) or ``one-pass`` (dQ's shares added in a fixed order by the key blocks' pass). Its
-#: default comes from FREESCALE_HSTU_BACKWARD.
-BACKWARD = os.environ.get("FREESCALE_HSTU_BACKWARD", "two-pass")
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
@@ -580,7 +543,7 @@ _SMALLEST_BLOCK = min(
 )
 
 
-def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: bool, **options):
+def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: bool = False, **options):
     """``kernel`` autotuned over the configs of the call's head-width class (the smallest class that holds
     max(BLOCK_D, BLOCK_DV)) and the fallback; with FREESCALE_HSTU_AUTOTUNE=0 (tests: fewer compiles) the class's
     first and the fallback. ``fixed``: one configuration, chosen by no timing (the class's first for 16-bit inputs,
@@ -608,11 +571,10 @@ def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: boo
     return triton.autotune(configs, prune_configs_by={"early_config_prune": prune}, **options)(kernel)
 
 
-_KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW", "FAST", "ONE_PASS"]
+_KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW", "FAST"]
 #: The three kernels, autotuned ([False]) and at one fixed configuration each ([True], the deterministic mode's).
 _FWD = [_tuned(_fwd_kernel, _FWD_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
-# The one-pass backward's turn counters start at zero in every launch, the autotuner's trials included.
-_DKDV = [_tuned(_dkdv_kernel, _DKDV_CONFIGS, fixed, key=_KEY, reset_to_zero=["LOCKS"]) for fixed in (False, True)]
+_DKDV = [_tuned(_dkdv_kernel, _DKDV_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
 _DQ = [_tuned(_dq_kernel, _DQ_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
 
 _BUCKET_CONSTANTS = dict(
@@ -762,22 +724,12 @@ def _attention_backward_op(
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
-        one_pass = BACKWARD == "one-pass"
-        lock_rows = cdiv(max(launch.max_len, 1), _SMALLEST_BLOCK)
-        acc = torch.empty(q.shape, dtype=torch.float32, device=q.device) if one_pass else launch.unused
-        locks = torch.zeros(
-            launch.batch * launch.heads * lock_rows if one_pass else 1, dtype=torch.int32, device=q.device
-        )
         strides = dict(launch.scalars, stride_do=dout.stride(0))
         _DKDV[fixed][launch.grid("BLOCK_N")](
-            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, DQ_ACC=acc, LOCKS=locks, **strides,
-            lock_rows=lock_rows, **launch.flags, PB=dpw.shape[1] if pw is not None else 1,
-            TB=dtw.shape[1] if tw is not None else 1, ONE_PASS=one_pass,
+            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **strides, **launch.flags,
+            PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1,
         )  # fmt: skip
-        if one_pass:
-            dq = (acc * alpha).to(q.dtype)
-        else:
-            _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
+        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
 

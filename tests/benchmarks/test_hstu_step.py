@@ -101,8 +101,7 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
     }
     assert {name: bench.kernel_part(name) for name in names} == names
     record = bench.Record(
-        *("hstu", "zipf", True, False, True, "two-pass", "autocast", 2, 10, 6, 3, 10.0, 4.0, 0.4, 0.1, 0.2, 0.3),
-        *(30.0, 0.03),
+        *("hstu", "zipf", True, False, True, "autocast", 2, 10, 6, 3, 10.0, 4.0, 0.4, 0.1, 0.2, 0.3, 30.0, 0.03),
         step_ms_reps=[10.0],
         seq_lengths=[6, 4],
         breakdown_ms=dict(attention=4.0, matmul=3.0, optimizer=0.5, other=2.0),

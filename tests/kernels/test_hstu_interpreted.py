@@ -179,24 +179,3 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
             grads.append((out.detach(), w.grad))
         assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        Case(lengths=[45, 3, 0, 17], targets=[20, 1, 0, 2], window=5, rab=True),
-        Case(lengths=[40, 33], rab=True, ordered_times=False, seq_norm=None),
-    ],
-)
-def test_the_one_pass_backward_matches_the_twin_and_the_two_pass_one(case, monkeypatch):
-    """dQ's shares added by the key blocks in turn: the twin's numbers, dK, dV and the bucket weights' gradients
-    bit for bit those of the two-pass backward (the same sums), dQ within rounding (another order of sums)."""
-    data = inputs(case, "cpu")
-    two_pass = run(case, data, "triton")
-    monkeypatch.setattr(hstu, "BACKWARD", "one-pass")
-    assert_matches_twin(case, "cpu")
-    one_pass = run(case, data, "triton")
-    assert torch.equal(one_pass[0], two_pass[0])
-    assert torch.allclose(one_pass[1], two_pass[1], rtol=1e-5, atol=1e-6)
-    for a, b in zip(one_pass[2:], two_pass[2:]):
-        assert torch.equal(a, b)
