@@ -21,7 +21,8 @@
 #                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~6 min)
 #   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy (twice: NE run to run) and light on the HSTU model (hstu-large), sync
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
-#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, input embeddings: TFLOP/s, MFU (< 10 min)
+#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, eager/compiled,
+#                                        # input embeddings: TFLOP/s, MFU, kernel time by part (< 10 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, reference and HSTU models (~6 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
@@ -147,9 +148,9 @@ PY
     timeout 420 python3 -m benchmarks hstu --dims 128,256 --variants triton,triton-rab --json "$OUT/hstu_dims.json" 2>&1 | tail -20
     ;;
   hstu-step)
-    echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab on/off"
-    timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab on,off \
-      --json "$OUT/hstu_step.json" 2>&1 | tail -12
+    echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab off/on, eager/compiled layers, where the time goes"
+    timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off,on \
+      --compile off,on --breakdown --reps 6 --warmup 2 --json "$OUT/hstu_step.json" 2>&1 | grep -v Warn | tail -40
     echo "== the same, recsys-examples' configuration: rab off, input position embeddings"
     timeout 200 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off \
       --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | tail -4
