@@ -98,8 +98,9 @@ def hstu_sequences(
         bad = ((targets < 0) | (targets > lengths)).nonzero()
         if bad.numel():
             s = int(bad[0])
-            _require(
-                False, f"num_targets of sample {s} is {int(targets[s])}, outside [0, its length {int(lengths[s])}]"
+            raise ValueError(
+                f"kernels.hstu.hstu_attention: num_targets of sample {s} is {int(targets[s])}, outside [0, its "
+                f"length {int(lengths[s])}]"
             )
     if timestamps is not None:
         _require(
@@ -108,8 +109,8 @@ def hstu_sequences(
         )
         timestamps = timestamps.to(device=device, dtype=torch.int64)
     if kind is not Impl.TRITON:
-        return HSTUSequences(kind, PackedOffsets.from_host(host), tokens, targets if num_targets is not None else None,
-                             timestamps, None)  # fmt: skip
+        host_targets = targets if num_targets is not None else None
+        return HSTUSequences(kind, PackedOffsets.from_host(host), tokens, host_targets, timestamps, None)
     from kernels.triton import triton_hstu_attention
 
     packed = offsets if isinstance(offsets, PackedOffsets) and offsets.device is not None else None
@@ -149,8 +150,10 @@ def hstu_attention(
             num_targets is None and timestamps is None,
             "num_targets and timestamps come inside the HSTUSequences, not beside them",
         )
-        _require(impl is None or resolve_impl(impl, q.device) is seqs.impl, f"impl {impl} differs from the "
-                 f"HSTUSequences' {seqs.impl.value}")  # fmt: skip
+        _require(
+            impl is None or resolve_impl(impl, q.device) is seqs.impl,
+            f"impl {impl} differs from the HSTUSequences' {seqs.impl.value}",
+        )
     else:
         seqs = hstu_sequences(offsets, num_targets=num_targets, timestamps=timestamps, impl=impl, device=q.device)
     _validate(q, k, v, seqs, window, seq_norm, position_weights, time_weights)

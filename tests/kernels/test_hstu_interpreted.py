@@ -179,3 +179,26 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
             grads.append((out.detach(), w.grad))
         assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_bad_inputs_at_the_kernels_edge_end_in_one_line_naming_them():
+    from kernels.hstu import hstu_attention, hstu_sequences
+
+    offsets = torch.tensor([0, 4, 4, 10])
+    q = torch.zeros(10, 2, 16)
+    for targets, sample, value, length in (([1, 0, 7], 2, 7, 6), ([1, -1, 0], 1, -1, 0)):
+        for impl in ("torch", "triton"):
+            with pytest.raises(ValueError) as err:
+                hstu_attention(q, q, q, offsets, alpha=1.0, num_targets=torch.tensor(targets), impl=impl)
+            message = str(err.value)
+            assert message == (
+                f"kernels.hstu.hstu_attention: num_targets of sample {sample} is {value}, outside [0, its length "
+                f"{length}]"
+            )
+    with pytest.raises(ValueError, match=r"timestamps must be \[N=10\] int64 \(seconds\), got \(10,\) torch.float32"):
+        hstu_sequences(offsets, timestamps=torch.zeros(10), device="cpu")
+    seqs = hstu_sequences(offsets, num_targets=torch.tensor([0, 0, 6]), device="cpu")
+    with pytest.raises(ValueError, match="num_targets and timestamps come inside the HSTUSequences"):
+        hstu_attention(q, q, q, seqs, alpha=1.0, num_targets=torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="q has 9 rows, the offsets 10"):
+        hstu_attention(q[:9], q[:9], q[:9], seqs, alpha=1.0)
