@@ -205,9 +205,8 @@ class HSTUModel(nn.Module):
             for table in (self.position_embedding, self.time_embedding):
                 nn.init.zeros_(table.weight)  # training starts without them, as if they were off
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
-        self._compiled: Optional[list] = (
-            None  # the layers under torch.compile, made at the first forward that wants them
-        )
+        # The layers under torch.compile, made at the first forward that wants them.
+        self._compiled: Optional[list] = None
         self.norm = nn.LayerNorm(d)
         self.dense_proj = nn.Linear(config.dense_dim, d)
         self.head = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, config.num_labels))
