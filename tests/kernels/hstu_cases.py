@@ -29,6 +29,7 @@ class Case:
     time_buckets: int = 24
     seq_norm: Optional[int] = 64
     dtype: torch.dtype = torch.float32
+    deterministic: bool = False  # the Triton kernels at their fixed launch configuration
     seed: int = 0
 
 
@@ -69,6 +70,7 @@ def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
         window=case.window,
         timestamps=data["timestamps"],
         impl=impl,
+        deterministic=case.deterministic,
         **weights,
     )
     out.backward(data["grad"])

@@ -63,3 +63,10 @@ def test_millisecond_timestamps_give_the_twins_buckets():
     gaps in int64; 64 time buckets reach gaps of 2**31 ticks."""
     case = Case([3000, 40, 900], dim=64, dim_v=64, rab=True, time_unit=1000, time_buckets=64)
     assert_matches_twin(case, "cuda")
+
+
+@pytest.mark.parametrize("dtype, dim", [(torch.bfloat16, 64), (torch.bfloat16, 256), (torch.float32, 256)])
+def test_the_deterministic_modes_fixed_configuration_matches_the_twin(dtype, dim):
+    """One launch configuration per head width and dtype, picked by no timing: the twin's numbers."""
+    case = Case(LENGTHS, dim=dim, dim_v=dim, targets=TARGETS, rab=True, dtype=dtype, deterministic=True)
+    assert_matches_twin(case, "cuda")
