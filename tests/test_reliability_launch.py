@@ -323,6 +323,68 @@ def test_a_signal_ends_the_job_in_one_line_with_its_step_and_checkpoint_leaving_
     assert f"resumed from ck/step_{saved:06d} at step {saved}" in resumed.stdout, resumed.stdout[-3000:]
 
 
+def _spawned_ranks(pid: int) -> list[int]:
+    """The launcher's rank processes that multiprocessing has spawned (its resource tracker left out)."""
+    found = []
+    for child in _children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:  # it has ended since
+            continue
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig, to", [(signal.SIGINT, "group"), (signal.SIGTERM, "launcher")])
+def test_a_signal_while_the_ranks_set_up_is_one_line_and_ends_the_job_in_seconds(tmp_path, sig, to):
+    """While the ranks import torch (seconds; no rank has written its pid file yet), Ctrl-C gave each rank's
+    KeyboardInterrupt traceback (80 lines), and the launcher waited 30 s for a rank that had not taken the signal."""
+    log_dir = tmp_path / "logs"
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(
+            _train(tmp_path, "--steps", "100000", "--log-dir", str(log_dir)),
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (ranks := _spawned_ranks(proc.pid)) or next(log_dir.glob("rank*.pid"), None) is not None:
+                assert proc.poll() is None and time.monotonic() < deadline, "no rank was seen setting up"
+                time.sleep(0.02)
+            (os.killpg if to == "group" else os.kill)(proc.pid, sig)
+            sent = time.monotonic()
+            proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stderr = (tmp_path / "err").read_text()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    lines = _terminal_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.fullmatch(rf"freescale train: interrupted \({sig.name}\) during set-up; no checkpoint", lines[0]), lines
+    assert took < 15, took  # 1-3 s on a quiet machine: a rank that has not taken the signal is killed after 2 s
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]  # no rank outlives the launcher
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    import pipelines.cli as cli
+
+    def loading(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    assert cli.main(["train", "--nproc", "2"]) == 130
+    assert capsys.readouterr().err == "freescale train: interrupted (SIGINT)\n"
+    assert cli.main(["data", "stats", "x.parquet"]) == 130
+    assert capsys.readouterr().err == "freescale data stats: interrupted (SIGINT)\n"
+
+
 def _report(log_dir: Path, rank: int, sig: str, step) -> None:
     (log_dir / f"rank{rank}.interrupted").write_text(json.dumps({"rank": rank, "signal": sig, "step": step}))
 

@@ -77,9 +77,11 @@ class Interrupted(RuntimeError):
 
 def last_checkpoint(checkpoint_dir: Optional[str]) -> str:
     """Where a resume of an interrupted job starts, as its line says it."""
-    from pipelines.job import checkpoint
+    if not checkpoint_dir:
+        return "no checkpoint"
+    from pipelines.job import checkpoint  # seconds to load on a busy host: check_before_launch loads it first
 
-    newest = checkpoint.latest(checkpoint_dir) if checkpoint_dir else None
+    newest = checkpoint.latest(checkpoint_dir)
     return f"last complete checkpoint step {int(newest.name.removeprefix('step_'))}" if newest else "no checkpoint"
 
 
@@ -94,8 +96,12 @@ class _StopOnSignal:
     """A rank's end on a stop signal: it reports the step it had reached (for the launcher's line; under torchrun it
     prints its own), unlinks its shared-memory segments and exits at once with 128 + the signal. At once, not by
     unwinding: the unwinding's waits (the loader's item in flight, a collective) would wait on peers that are ending
-    too, and a rank's error report would follow. Python runs the handler in the main thread between two bytecodes,
-    so a collective in C++ code first completes, or fails on a peer that has gone."""
+    too, and a rank's error report would follow.
+
+    The signals are taken by a thread of their own (``signal.sigwait``; they are blocked in every other thread), not
+    by a Python handler: Python runs a handler in the main thread between two bytecodes, so a main thread inside a
+    collective in C++ code, waiting on a peer that has gone, would take it only when the collective times out. The
+    handler stays installed for the threads that were started before the signals were blocked (under torchrun)."""
 
     def __init__(self, rank: int, config: JobConfig) -> None:
         self.rank, self.config = rank, config
@@ -103,16 +109,26 @@ class _StopOnSignal:
         self._previous: dict = {}
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
-            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+            return
+        self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        # under `freescale train` the rank started with them blocked (launch): one that came while it set up is
+        # pending, and the thread takes it now
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=self._wait, name="freescale-stop-signals", daemon=True).start()
+
+    def _wait(self) -> None:
+        signum = signal.sigwait(STOP_SIGNALS)
+        self(signum, None)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def __call__(self, signum: int, frame) -> None:
-        for sig in STOP_SIGNALS:  # the launcher forwards the signal it got too: this rank is ending already
-            signal.signal(sig, signal.SIG_IGN)
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:  # the launcher forwards the signal it got too: this rank is ending already
+                signal.signal(sig, signal.SIG_IGN)
         try:
             self._report(signal.Signals(signum).name, getattr(self.trainer, "step", None))
         finally:
@@ -333,6 +349,7 @@ def _launch_config(config: JobConfig, log_dir: Path):
         rdzv_backend="c10d",
         max_restarts=0,
         monitor_interval=0.2,
+        shutdown_timeout=_ENDING_GRACE_S,  # after a stop signal: a rank still setting up takes it later (launch)
         start_method="spawn",
         numa_options=_numa_options(config),
         # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
@@ -379,6 +396,31 @@ def _without_agent_thread_join(hook):
     return quiet
 
 
+class _SignalBeforeLaunch(BaseException):
+    """A stop signal while the launcher checks the job, before any rank starts. A BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_signals_before_launch():
+    """The stop signals as ``_SignalBeforeLaunch`` while the launcher checks the job (launch takes over after)."""
+
+    def stop(signum: int, frame) -> None:
+        raise _SignalBeforeLaunch(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS} if main_thread else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _raise_signal(signum: int, frame) -> None:
     """What torch's agent does with a stop signal once its ranks have started (the launcher catches it)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -392,6 +434,8 @@ def launch(config: JobConfig) -> Optional[dict]:
     Raises RankFailed (a rank failed, a host was lost, the hosts did not meet) or Interrupted (a signal ended the
     job), each with its one line, which names the log directory when a temporary one stays (it holds the ranks'
     logs)."""
+    from multiprocessing import resource_tracker
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -408,15 +452,23 @@ def launch(config: JobConfig) -> Optional[dict]:
         signal.signal(sig, _raise_signal)
     done = threading.Event()
     watch = threading.Thread(
-        target=_kill_stopped_ranks_after_a_failure, args=(log_dir, done), name="freescale-stopped-ranks", daemon=True
+        target=_kill_ranks_left_after_an_end, args=(log_dir, done), name="freescale-ending", daemon=True
     )
     watch.start()
     ended: Optional[RuntimeError] = None
     clean = False
-    board = None
+    board = mask = None
     try:
         with _meeting(config, log_dir) as board, _quiet_torch_launcher(config.run.verbose):
             try:
+                # The ranks start with the stop signals blocked (a thread's mask is inherited through fork and exec),
+                # so that one arriving while they import (seconds) waits for their own handling (_StopOnSignal)
+                # instead of printing a KeyboardInterrupt traceback per rank. This thread blocks them only while it
+                # spawns: the watch thread, started before, takes them for the launcher meanwhile, and Python runs
+                # the launcher's handler in this thread all the same. multiprocessing's resource tracker is started
+                # first: starting it unblocks them in the thread that does.
+                resource_tracker.ensure_running()
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
                 results = elastic_launch(_launch_config(config, log_dir), worker)(config)
                 clean = True
             except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
@@ -433,6 +485,8 @@ def launch(config: JobConfig) -> Optional[dict]:
     finally:
         for sig in handlers:  # the tidying below runs to its end
             signal.signal(sig, signal.SIG_IGN)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         done.set()
         watch.join()
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
@@ -617,27 +671,30 @@ def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> bool:
     return True
 
 
-_STOPPED_GRACE_S = 5.0
+_ENDING_GRACE_S = 2  # how long a rank is given to end on the launcher's stop signal before it is killed
 
 
-def _kill_stopped_ranks_after_a_failure(log_dir: Path, done: threading.Event) -> None:
-    """Once a rank has reported an error, kills the ranks that are stopped (SIGSTOP, a debugger) ``_STOPPED_GRACE_S``
-    later. torch's elastic launcher stops the other ranks with SIGTERM, which a stopped process does not take, and
-    then waits 30 s before its SIGKILL: the job would end that long after its error line. Only this launcher's own
-    children are touched (a pid file left by an earlier job in the same directory may name another process)."""
-    failed_at = None
+def _kill_ranks_left_after_an_end(log_dir: Path, done: threading.Event) -> None:
+    """Once a rank has reported an error or a stop signal (rank<r>.error, rank<r>.interrupted), kills the ranks still
+    running ``_ENDING_GRACE_S`` later. torch's elastic launcher stops the others with SIGTERM after a failure and
+    waits 30 s before its SIGKILL, and a rank that does not take it in that time is stopped (SIGSTOP, a debugger) or
+    in uninterruptible sleep: the job would end that long after its error line. Only this launcher's own children
+    are touched (a pid file left by an earlier job in the same directory may name another process).
+
+    Started before the launcher blocks the stop signals in its main thread (launch): this thread takes them."""
+    ended_at = None
     while not done.wait(0.25):
-        if failed_at is None:
-            if next(log_dir.glob("rank*.error"), None) is not None:
-                failed_at = time.monotonic()
+        if ended_at is None:
+            if any(next(log_dir.glob(f"rank*.{kind}"), None) for kind in ("error", _INTERRUPTED)):
+                ended_at = time.monotonic()
             continue
-        if time.monotonic() - failed_at < _STOPPED_GRACE_S:
+        if time.monotonic() - ended_at < _ENDING_GRACE_S:
             continue
         for pid in rank_pids(log_dir).values():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-                if state in ("T", "t") and int(ppid) == os.getpid():
+                if state != "Z" and int(ppid) == os.getpid():
                     os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError, IndexError):
                 continue
@@ -723,6 +780,8 @@ def check_before_launch(config: JobConfig) -> None:
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
     # one job per folder: a second job is refused here, before its ranks start. On several hosts rank 0 alone holds
     # it (its launcher may be on any host, so no launcher's lock can be the one rank 0 expects from its parent)
+    if config.checkpoint.dir:  # loaded now, not in the seconds after a stop signal, whose line names the newest step
+        from pipelines.job import checkpoint  # noqa: F401
     if config.checkpoint.dir and config.run.nnodes == 1:
         from pipelines.job import checkpoint_lock
 
@@ -811,7 +870,12 @@ def main(args: argparse.Namespace) -> int:
     if _under_launcher():
         summary = worker(config)
     else:
-        check_before_launch(config)
+        try:
+            with _stop_signals_before_launch():
+                check_before_launch(config)
+        except _SignalBeforeLaunch as stop:
+            print(f"freescale train: {interrupted_line(stop.name, None, config.checkpoint.dir)}", file=sys.stderr)
+            return 128 + stop.signum
         try:
             summary = launch(config)
         except RankFailed as failure:
