@@ -271,7 +271,9 @@ def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_lin
     for argv, message in (
         (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1"], "--node-rank must be in 0..1 (--nnodes 2)"),
-        (["--nnodes", "2", "--rdzv-endpoint", "a"], "rdzv_endpoint must be HOST:PORT with a port in 1..65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", "a"], "--rdzv-endpoint must be HOST:PORT with a port in 1..65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", ":29515"], "--rdzv-endpoint ':29515' names no host: give node 0's"),
+        (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             config_from_args(build_parser().parse_args(["train", *argv]))
