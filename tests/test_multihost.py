@@ -141,11 +141,17 @@ def _bad_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if pattern.search(line)]
 
 
-@pytest.mark.parametrize("mode", ["freescale", "sync"])
-def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_hosts, tmp_path, mode):
+def _loss_sums(metrics: Path) -> list[float]:
+    return [json.loads(line)["bce_sum"] for line in metrics.read_text().splitlines() if '"bce_sum"' in line]
+
+
+@pytest.mark.parametrize("mode, nnodes, nproc", [("freescale", 2, 2), ("sync", 3, 1)])
+def test_hosts_train_bit_for_bit_as_one_host_of_as_many_ranks(emulated_hosts, tmp_path, mode, nnodes, nproc):
+    """Losses and the reported loss sums alike (the sums are added in rank order, not in the backend's order)."""
+    world = nnodes * nproc
     common = ("--mode", mode, "--steps", "6", "--comm-timeout-s", "120")
     one = subprocess.run(
-        [*TRAIN, "--nproc", "4", *common, "--summary-json", str(tmp_path / "one.json")],
+        [*TRAIN, "--nproc", str(world), *common, "--summary-json", "one.json", "--metrics-jsonl", "one.jsonl"],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -153,22 +159,36 @@ def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_h
         timeout=240,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    hosts, port = emulated_hosts(2), free_port()
-    for i in range(2):
-        argv = _node_argv(i, port, "--nproc", "2", *common, "--summary-json", str(tmp_path / "two.json"))
-        hosts.start(i, argv, ENV, cwd=str(tmp_path))
+    hosts, port = emulated_hosts(nnodes), free_port()
+    for i in range(nnodes):
+        argv = _node_argv(i, port, "--nproc", str(nproc), *common, nnodes=nnodes)
+        hosts.start(i, [*argv, "--summary-json", "many.json", "--metrics-jsonl", "many.jsonl"], ENV, cwd=str(tmp_path))
     codes = hosts.wait_all(timeout=240)
-    assert codes == {0: 0, 1: 0}, [hosts.output(i)[-2000:] for i in range(2)]
-    one_host, two_hosts = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert two_hosts["world_size"] == 4 and two_hosts["steps"] == 6
-    assert two_hosts["loss_curve"] == one_host["loss_curve"] and two_hosts["loss"] == one_host["loss"]
-    paths = two_hosts["transport"]["host"]
-    assert paths and all(p == {"path": "shm+tcp", "shm_pairs": 2, "tcp_pairs": 4} for p in paths.values()), paths
+    assert codes == dict.fromkeys(range(nnodes), 0), [hosts.output(i)[-2000:] for i in range(nnodes)]
+    one_host, many_hosts = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "many"))
+    assert many_hosts["world_size"] == world and many_hosts["steps"] == 6
+    assert many_hosts["loss_curve"] == one_host["loss_curve"] and many_hosts["loss"] == one_host["loss"]
+    sums = _loss_sums(tmp_path / "many.jsonl")
+    assert len(sums) == 6 and sums == _loss_sums(tmp_path / "one.jsonl")
+    paths = many_hosts["transport"]["host"]
+    shm = nnodes * nproc * (nproc - 1) // 2  # the pairs of ranks that share a host
+    tcp = world * (world - 1) // 2 - shm
+    want = {"path": "shm+tcp" if shm else "tcp", "shm_pairs": shm, "tcp_pairs": tcp}
+    assert paths and all(p == want for p in paths.values()), paths
+    assert many_hosts["hosts"] == [f"fsnode{r // nproc}" for r in range(world)]  # hosts in name order
+    pairs = [[a, b] for a in range(world) for b in range(a + 1, world)]
+    assert many_hosts["transport"]["pairs"] == {
+        "shm": [p for p in pairs if p[0] // nproc == p[1] // nproc],
+        "tcp": [p for p in pairs if p[0] // nproc != p[1] // nproc],
+    }
+    assert one_host["transport"]["pairs"] == {"shm": pairs, "tcp": []}
+    ranks_of = "; ".join(f"fsnode{i}: ranks {list(range(i * nproc, (i + 1) * nproc))}" for i in range(nnodes))
+    assert f"hosts            {ranks_of}\n" in hosts.output(0)
     assert all(p["path"] == "shm" for p in one_host["transport"]["host"].values())
-    assert "transport        host: shm+tcp (2 shm, 4 tcp pairs): " in hosts.output(0)
-    assert hosts.output(1).strip() == ""  # the summary is rank 0's, on the first host
-    assert [hosts.left(i) for i in range(2)] == [[], []]
-    assert _bad_lines(hosts.output(0) + hosts.output(1)) == []
+    assert f"transport        host: {want['path']} ({shm} shm, {tcp} tcp pairs): " in hosts.output(0)
+    assert all(hosts.output(i).strip() == "" for i in range(1, nnodes))  # the summary is rank 0's, on node 0
+    assert [hosts.left(i) for i in range(nnodes)] == [[]] * nnodes
+    assert _bad_lines("".join(hosts.output(i) for i in range(nnodes))) == []
 
 
 # after the command, what the host's tbf sent (the host's namespace and its links go with its last process)
@@ -243,23 +263,44 @@ def test_a_lost_host_ends_the_others_in_one_line_within_the_timeout_leaving_no_s
     assert _bad_lines(hosts.output(survivor)) == []
 
 
-@pytest.mark.parametrize("alone", [0, 1], ids=["node-0-waits", "node-1-waits"])
-def test_a_host_that_never_joins_is_one_line_naming_the_endpoint_and_who_came(emulated_hosts, tmp_path, alone):
-    hosts, port = emulated_hosts(2), free_port()
-    argv = _node_argv(alone, port, "--nproc", "2", "--comm-timeout-s", "4", "--log-dir", str(tmp_path / "logs"))
-    hosts.start(alone, argv, ENV, cwd=str(tmp_path))
-    code = hosts.wait(alone, timeout=60)
-    lines = hosts.hosts[alone].lines()
-    assert code == 1, lines
+@pytest.mark.parametrize("nnodes, started", [(3, [0, 1]), (2, [1])], ids=["node-2-missing", "node-1-waits"])
+def test_a_host_that_never_joins_is_one_line_naming_it_the_endpoint_and_who_came(
+    emulated_hosts, tmp_path, nnodes, started
+):
+    hosts, port = emulated_hosts(nnodes), free_port()
+    for i in started:
+        argv = _node_argv(i, port, "--nproc", "1", "--comm-timeout-s", "4", nnodes=nnodes)
+        hosts.start(i, [*argv, "--log-dir", str(tmp_path / f"logs{i}")], ENV, cwd=str(tmp_path))
+    codes = hosts.wait_all(timeout=60)
+    lines = {i: hosts.hosts[i].lines() for i in started}
+    assert codes == dict.fromkeys(started, 1), lines
     endpoint = f"fsnode0:{port} \\(--rdzv-endpoint\\)"
-    if alone == 0:
-        expected = rf"the hosts did not meet at {endpoint} within 4 s \(--comm-timeout-s\): 1 of 2 node\(s\) joined"
-        expected += r" \(node 0 on fsnode0\)"
+    if nnodes == 3:  # node 0 timed out and closed the rendezvous; node 1 found it closed: both name node 2
+        missing = r"node 2 never joined \(no launcher with --node-rank 2 reached it, so no host is known for it\); "
+        missing += r"2 of 3 node\(s\) joined \(node 0 on fsnode0, node 1 on fsnode1\)"
+        expected = {
+            0: rf"the hosts did not meet at {endpoint} within 4 s \(--comm-timeout-s\): {missing}",
+            1: rf"the hosts did not meet at {endpoint}: another host closed the rendezvous when its 4 s "
+            rf"\(--comm-timeout-s\) ran out; {missing}",
+        }
     else:
-        expected = rf"no rendezvous answered at {endpoint} within 4 s \(--comm-timeout-s\): node 0, which serves it,"
-        expected += r" has not started .*; 1 of 2 node\(s\) came \(this one, fsnode1\)"
-    assert len(lines) == 1 and re.fullmatch(rf"freescale train: error: {expected}", lines[0]), lines
-    assert hosts.left(alone) == []
+        expected = {
+            1: rf"no rendezvous answered at {endpoint} within 4 s \(--comm-timeout-s\): node 0, which serves it, "
+            r"has not started .*; 1 of 2 node\(s\) came \(this one, fsnode1\)"
+        }
+    for i in started:
+        assert len(lines[i]) == 1 and re.fullmatch(rf"freescale train: error: {expected[i]}", lines[i][0]), lines
+        assert hosts.left(i) == []
+
+
+def test_pairs_share_memory_on_one_host_unless_a_group_goes_over_tcp():
+    from pipelines.job.train import describe_pairs, pair_paths
+
+    hosts = ["a", "a", "b"]
+    shm = {"balancer": {"path": "shm+tcp"}, "id-prefetch": {"path": "shm+tcp"}}
+    assert pair_paths(hosts, shm) == {"shm": [[0, 1]], "tcp": [[0, 2], [1, 2]]}
+    assert pair_paths(hosts, {**shm, "embedding": {"path": "tcp"}}) == {"shm": [], "tcp": [[0, 1], [0, 2], [1, 2]]}
+    assert describe_pairs(pair_paths(hosts, shm), most=1) == "shm 0-1; tcp 0-2 and 1 more"
 
 
 def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_line(tmp_path):

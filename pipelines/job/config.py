@@ -318,7 +318,9 @@ class JobRunSection:
                     "run.rdzv_endpoint",
                 )
             if not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"{{}} must be HOST:PORT with a port in 1..65535, got {endpoint}", "run.rdzv_endpoint")
+                raise ConfigError(
+                    f"{{}} must be HOST:PORT with a port in 1..65535, got {endpoint}", "run.rdzv_endpoint"
+                )
 
 
 @dataclass

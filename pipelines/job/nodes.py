@@ -245,8 +245,16 @@ class NodeBoard:
             time.sleep(BEAT_S / 2)
 
     def joined_line(self) -> str:
-        """How many hosts reached the rendezvous, and which, for a rendezvous that timed out."""
+        """How many hosts reached the rendezvous, and which, for a rendezvous that timed out; first the nodes that
+        never came, by number (no launcher of theirs posted a record, so their hosts are unknown)."""
         count = self.joined if self.joined is not None else 0
-        hosts = sorted([(self.node_rank, self.host)] + [(r.node, r.host) for r in self.others().values() if r])
+        others = self.others()
+        hosts = sorted([(self.node_rank, self.host)] + [(r.node, r.host) for r in others.values() if r])
         came = ", ".join(f"node {n} on {h}" for n, h in hosts) if self.joined is not None else "none reached its store"
-        return f"{count} of {self.nnodes} node(s) joined ({came})"
+        joined = f"{count} of {self.nnodes} node(s) joined ({came})"
+        missing = [n for n, r in others.items() if r is None]
+        if self.joined is None or not missing:
+            return joined
+        which = f"node {missing[0]}" if len(missing) == 1 else f"nodes {missing}"
+        flags = " or ".join(f"--node-rank {n}" for n in missing)
+        return f"{which} never joined (no launcher with {flags} reached it, so no host is known for it); {joined}"

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -250,6 +251,8 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size, timeout_s)
+    hosts: list = [None] * world_size  # each rank's host, for the summary (one small gather at set-up)
+    dist.all_gather_object(hosts, socket.gethostname())
     # On failure the process ends without destroying the groups (worker): a peer may be gone, and an NCCL
     # group's destruction can then wait for it.
     with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 10)) as heartbeat:
@@ -261,7 +264,9 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
             if summary is not None:  # which path each exchange's group took (transports close with the trainer)
                 from fscomm.host import host_paths
 
-                summary["transport"] = {"host": host_paths()}
+                paths = host_paths()
+                summary["hosts"] = hosts
+                summary["transport"] = {"host": paths, "pairs": pair_paths(hosts, paths)}
         except Exception as exc:
             if _is_timeout(exc):
                 step = f"step {trainer.step}" if trainer is not None else "set-up"
@@ -597,7 +602,11 @@ def _failed(failure, log_dir: Path, board) -> RankFailed:
 def _rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
     """The hosts did not meet at the endpoint: why, and how many of them did; or, once the ranks ran, the store's
     host was lost (torch's agent finds its store gone before its ranks fail)."""
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
 
     run = config.run
     local = sorted(rank_pids(log_dir))
@@ -609,6 +618,11 @@ def _rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
     joined = board.joined_line() if board is not None else "unknown how many joined"
     if isinstance(error, RendezvousTimeoutError):
         return f"the hosts did not meet {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): {joined}"
+    if isinstance(error, RendezvousClosedError) and not local:  # the host that timed out first closed it for all
+        return (
+            f"the hosts did not meet {where}: another host closed the rendezvous when its {run.comm_timeout_s:g} s "
+            f"(--comm-timeout-s) ran out; {joined}"
+        )
     if isinstance(error, RendezvousConnectionError) and not local:
         return (
             f"no rendezvous answered {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): node 0, which "
@@ -834,9 +848,12 @@ def print_summary(summary: dict) -> None:
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
         print(f"  not measured     {', '.join(summary['unmeasured'])} (hidden inside torchrec's progress())")
+    if summary.get("hosts"):
+        print(f"  hosts            {describe_hosts(summary['hosts'])}")
     paths = (summary.get("transport") or {}).get("host")
     if paths:
         print(f"  transport        host: {describe_paths(paths)}")
+        print(f"  pairs            {describe_pairs(summary['transport']['pairs'])}")
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
         from pipelines.job.schedule import describe_choice
@@ -851,6 +868,36 @@ def print_summary(summary: dict) -> None:
             f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
             f"({e['labels']} labels) never trained on"
         )
+
+
+def pair_paths(hosts: list[str], paths: dict[str, dict]) -> dict[str, list[list[int]]]:
+    """Every pair of ranks by the path its exchanges take: ``shm`` for two ranks of one host (when the host
+    transport's groups share memory: not under ``--transport host-tcp``, nor with no room in /dev/shm), ``tcp`` for
+    the others."""
+    shared = bool(paths) and all(p["path"] != "tcp" for p in paths.values())
+    by_path: dict[str, list[list[int]]] = {"shm": [], "tcp": []}
+    for a in range(len(hosts)):
+        for b in range(a + 1, len(hosts)):
+            by_path["shm" if shared and hosts[a] == hosts[b] else "tcp"].append([a, b])
+    return by_path
+
+
+def describe_hosts(hosts: list[str]) -> str:
+    """``fsnode0: ranks [0, 1]; fsnode1: ranks [2, 3]``, hosts in the order of their first rank."""
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks.setdefault(host, []).append(rank)
+    return "; ".join(f"{host}: ranks {r}" for host, r in ranks.items())
+
+
+def describe_pairs(pairs: dict[str, list[list[int]]], most: int = 12) -> str:
+    """``shm 0-1, 2-3; tcp 0-2, 0-3, 1-2, 1-3``, at most ``most`` pairs a path (the JSON has them all)."""
+    parts = []
+    for path, listed in pairs.items():
+        if listed:
+            shown = ", ".join(f"{a}-{b}" for a, b in listed[:most])
+            parts.append(f"{path} {shown}" + (f" and {len(listed) - most} more" if len(listed) > most else ""))
+    return "; ".join(parts)
 
 
 def describe_paths(paths: dict[str, dict]) -> str:
