@@ -16,6 +16,7 @@ named with its exit code or signal. See docs/reliability.md.
 Signals. SIGTERM, SIGINT (Ctrl-C, which reaches every process of the group) and SIGHUP end the job in one line naming
 the step the ranks had reached and the newest complete checkpoint, exit status 128 + the signal: each rank reports
 its step and ends at once (``_StopOnSignal``), and the launcher prints the line (under torchrun, each rank its own).
+So at any moment, set-up included: a rank that has not ended 2 s after the signal is killed.
 """
 
 from __future__ import annotations
@@ -468,8 +469,8 @@ def launch(config: JobConfig) -> Optional[dict]:
             try:
                 # The ranks start with the stop signals blocked (a thread's mask is inherited through fork and exec),
                 # so that one arriving while they import (seconds) waits for their own handling (_StopOnSignal)
-                # instead of printing a KeyboardInterrupt traceback per rank. This thread blocks them only while it
-                # spawns: the watch thread, started before, takes them for the launcher meanwhile, and Python runs
+                # instead of printing a KeyboardInterrupt traceback per rank. This thread keeps them blocked until
+                # the agent returns: the watch thread, started before, takes them for the launcher, and Python runs
                 # the launcher's handler in this thread all the same. multiprocessing's resource tracker is started
                 # first: starting it unblocks them in the thread that does.
                 resource_tracker.ensure_running()
