@@ -362,9 +362,24 @@ def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports,
         line = f"rank {rank}: cause {rank} (traceback: x)"
         (tmp_path / f"rank{rank}.error").write_text(json.dumps({"rank": rank, "line": line, "root": root}))
     for rank in pids:
-        (tmp_path / f"rank{rank}.pid").write_text("1\n")
-    failure = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c) for r, c in failures.items()})
+        (tmp_path / f"rank{rank}.pid").write_text(f"{100 + rank}\n")
+    failure = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c, pid=100 + r) for r, c in failures.items()})
     assert _failure_line(failure, tmp_path).startswith(expect)
+
+
+def test_the_launcher_names_a_failed_rank_by_the_jobs_rank_not_torchs(tmp_path):
+    """On several hosts torch's agent numbers the ranks in its own order of the hosts, the job by --node-rank: the
+    ranks' pid files tell which process is which; a rank that died before it wrote one keeps torch's number."""
+    from types import SimpleNamespace
+
+    from pipelines.job.train import _exitcodes
+
+    (tmp_path / "rank2.pid").write_text("100\n")  # torch's rank 0 is the job's rank 2
+    (tmp_path / "rank3.pid").write_text("101\n")
+    failures = {0: SimpleNamespace(exitcode=-9, pid=100), 1: SimpleNamespace(exitcode=1, pid=101)}
+    assert _exitcodes(SimpleNamespace(failures=failures), tmp_path) == {2: -9, 3: 1}
+    unknown = {1: SimpleNamespace(exitcode=-9, pid=555)}
+    assert _exitcodes(SimpleNamespace(failures=unknown), tmp_path) == {1: -9}
 
 
 def _launch_forbidden(monkeypatch) -> None:

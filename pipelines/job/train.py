@@ -196,6 +196,16 @@ def worker(config: JobConfig) -> Optional[dict]:
 
     An error ends the rank with one line (see the module docstring): under `freescale train` the launcher prints
     it; under torchrun the rank prints it itself and exits with status 1."""
+    if os.environ.get(_LAUNCHED_ENV) == "1" and config.run.nnodes > 1:  # ranks follow --node-rank, not torch's order
+        from pipelines.job.nodes import rank_offset
+
+        run = config.run
+        try:
+            offset = rank_offset(run.rdzv_endpoint, run.node_rank, run.comm_timeout_s)
+        except Exception as exc:
+            report_failure(exc, int(os.environ["RANK"]), run.verbose, run.log_dir)
+            os._exit(1)
+        os.environ["RANK"] = str(offset + int(os.environ["LOCAL_RANK"]))
     rank = int(os.environ["RANK"])
     use_thread_locks_for_progress_bars()
     log_dir = config.run.log_dir or os.environ.get(LOG_DIR_ENV)
@@ -478,8 +488,9 @@ def launch(config: JobConfig) -> Optional[dict]:
                 results = elastic_launch(_launch_config(config, log_dir), worker)(config)
                 clean = True
             except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
-                exitcodes = {rank: f.exitcode for rank, f in failure.failures.items()}
-                ended = _interruption(log_dir, config, exitcodes=exitcodes) or _failed(failure, log_dir, board)
+                ended = _interruption(log_dir, config, exitcodes=_exitcodes(failure, log_dir)) or _failed(
+                    failure, log_dir, board
+                )
             except SignalException as received:  # torch's agent has stopped the ranks, forwarding the signal
                 ended = _interruption(log_dir, config, signum=received.sigval)
             except RendezvousError as error:
@@ -503,7 +514,15 @@ def launch(config: JobConfig) -> Optional[dict]:
     if ended is not None:
         line = str(ended) + (f"; logs in {log_dir}" if kept and str(log_dir) not in str(ended) else "")
         raise Interrupted(line, ended.signum) if isinstance(ended, Interrupted) else RankFailed(line)
-    return results.get(0)
+    # keyed by torch's ranks, which are not the job's on several hosts (worker): rank 0 alone returns a summary
+    return next((summary for summary in results.values() if summary is not None), None)
+
+
+def _exitcodes(failure, log_dir: Path) -> dict[int, int]:
+    """The exit codes of the ranks torch's agent saw fail, by the job's rank: torch's agent numbers the ranks in its
+    own order of the hosts, the job by ``--node-rank`` (worker); the pid files say which process is which rank."""
+    ranks = {pid: rank for rank, pid in rank_pids(log_dir).items()}
+    return {ranks.get(f.pid, rank): f.exitcode for rank, f in failure.failures.items()}
 
 
 _CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # read by torch when a process loads it: set for ranks yet to start
@@ -531,7 +550,7 @@ def _meeting(config: JobConfig, log_dir: Path):
             aside.start()
         return ranks
 
-    board = NodeBoard(run.rdzv_endpoint, run.nnodes, run.node_rank, run.comm_timeout_s, local_ranks)
+    board = NodeBoard(run.rdzv_endpoint, run.nnodes, run.node_rank, run.nproc, run.comm_timeout_s, local_ranks)
     board.start()
     # The ranks' store clients print a C++ warning with its stack trace for each call that finds a lost host's store
     # gone (heartbeats, failure diagnoses): on several hosts the ranks keep torch's C++ errors only (--verbose: all).
@@ -735,7 +754,7 @@ def remove_rank_segments(log_dir: Path) -> list[str]:
 
 
 def _failure_line(failure, log_dir: Path) -> str:
-    return failure_line({rank: f.exitcode for rank, f in failure.failures.items()}, log_dir)
+    return failure_line(_exitcodes(failure, log_dir), log_dir)
 
 
 def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
