@@ -433,14 +433,53 @@ def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
     assert not _tidy_log_dir(folder("clean", "rank0.pid", "rank0.log"), made_here=True, clean=True)
     assert not _tidy_log_dir(folder("pids", "rank0.pid", "rank1.pid"), made_here=True, clean=False)
     assert not (tmp_path / "clean").exists() and not (tmp_path / "pids").exists()
-    # made here, a rank's log: it stays, pid files beside it (the line names the folder)
-    assert _tidy_log_dir(folder("logs", "rank0.pid", "rank1.pid", "rank0.log"), made_here=True, clean=False)
-    assert {p.name for p in (tmp_path / "logs").glob("rank*")} == {"rank0.pid", "rank1.pid", "rank0.log"}
+    # made here, a rank's log: it stays, pid files beside it (the line names the folder), and no later launcher's
+    # clean-up takes it (its marker goes)
+    assert _tidy_log_dir(
+        folder("logs", "rank0.pid", "rank1.pid", "rank0.log", "launcher.pid"), made_here=True, clean=False
+    )
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"rank0.pid", "rank1.pid", "rank0.log", "torchelastic"}
     # the user's --log-dir: never removed, its pid files go after a clean run only
     assert not _tidy_log_dir(folder("mine", "rank0.pid", "rank0.log"), made_here=False, clean=False)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.pid", "rank0.log"}
     assert not _tidy_log_dir(tmp_path / "mine", made_here=False, clean=True)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.log"}
+
+
+def test_a_killed_launchers_temporary_folder_goes_at_the_next_start_on_its_host(tmp_path):
+    """A launcher killed outright (its host lost, kill -9) could not tidy its folder; a folder it kept for a failed
+    rank's log (no marker), another host's, or one whose launcher or ranks still run, stays."""
+    import socket
+
+    from pipelines.job import log_dirs
+
+    host = socket.gethostname()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    me = f"{os.getpid()} {log_dirs._start_time(os.getpid())}"
+
+    def folder(name, marker=None, rank_pid=None):
+        path = tmp_path / f"freescale-{name}"
+        path.mkdir()
+        (path / "rank0.log").write_text("x")
+        if marker is not None:
+            (path / "launcher.pid").write_text(marker + "\n")
+        if rank_pid is not None:
+            (path / "rank0.pid").write_text(f"{rank_pid}\n")
+        return path
+
+    killed = folder("killed", f"{host} {dead} 1", rank_pid=dead)
+    reused = folder("reused", f"{host} {os.getpid()} 1")  # its launcher's id is this process's now
+    folder("running", f"{host} {me}")
+    folder("elsewhere", f"another-host {dead} 1")
+    folder("kept")  # a failed job's, named by its line: no marker
+    folder("ranks-left", f"{host} {dead} 1", rank_pid=os.getpid())
+    assert sorted(log_dirs.remove_stale(tmp_path)) == sorted([killed, reused])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "freescale-elsewhere",
+        "freescale-kept",
+        "freescale-ranks-left",
+        "freescale-running",
+    ]
 
 
 @pytest.mark.multiprocess

@@ -31,7 +31,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -457,9 +456,10 @@ def launch(config: JobConfig) -> Optional[dict]:
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from pipelines.job import log_dirs
     from pipelines.job.nodes import RendezvousFailed
 
-    log_dir = Path(config.run.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
+    log_dir = Path(config.run.log_dir).resolve() if config.run.log_dir else log_dirs.make()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
     # torch's agent turns a stop signal into SignalException once its ranks have started: from now on, here
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
@@ -702,6 +702,9 @@ def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> bool:
     if clean or next(log_dir.glob("rank*.log"), None) is None:
         shutil.rmtree(log_dir, ignore_errors=True)
         return False
+    from pipelines.job import log_dirs
+
+    log_dirs.unmark(log_dir)  # kept for the user, whom the line tells: no later launcher removes it
     return True
 
 
