@@ -123,8 +123,8 @@ class NodeRecord:
 
 class NodeBoard:
     """This launcher's record on the rendezvous store, posted every ``BEAT_S`` by a thread, and the others' as read.
-    The first post comes before torch's agent joins the rendezvous, so every rank finds the records of the nodes
-    before its own (rank_offset).
+    The first post comes as the launcher starts, before any rank of the job does: every rank finds the records of
+    the nodes before its own (rank_offset waits for them, at most the communication timeout).
 
     ``ranks``: called at every beat, this host's global ranks (known once they have started)."""
 
