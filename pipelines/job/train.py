@@ -365,6 +365,9 @@ def _launch_config(config: JobConfig, log_dir: Path):
         max_restarts=0,
         monitor_interval=0.2,
         shutdown_timeout=_ENDING_GRACE_S,  # after a stop signal: a rank still setting up takes it later (launch)
+        # torch's agent would raise on these at once, also while it spawns a rank: the launcher's own handler
+        # (_raise_signal) keeps the stop signals, torch's SIGQUIT
+        signals_to_handle="SIGQUIT",
         start_method="spawn",
         numa_options=_numa_options(config),
         # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
@@ -437,9 +440,17 @@ def _stop_signals_before_launch():
 
 
 def _raise_signal(signum: int, frame) -> None:
-    """What torch's agent does with a stop signal once its ranks have started (the launcher catches it)."""
+    """What torch's agent does with a stop signal (the launcher catches it), except while the agent spawns the ranks:
+    raised there, it would leave a rank half started (it prints an EOFError traceback of its own) or started but
+    unknown to the agent, which then stops only the others. The signal is sent again 50 ms later instead."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "start_processes" and Path(code.co_filename).match("multiprocessing/spawn.py"):
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
     raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
 
 
@@ -461,7 +472,7 @@ def launch(config: JobConfig) -> Optional[dict]:
 
     log_dir = Path(config.run.log_dir).resolve() if config.run.log_dir else log_dirs.make()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
-    # torch's agent turns a stop signal into SignalException once its ranks have started: from now on, here
+    # a stop signal becomes SignalException from now on, as torch's agent makes it (_raise_signal)
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main_thread else {}
     for sig in handlers:
