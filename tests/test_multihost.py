@@ -1,10 +1,11 @@
 """Several hosts: the host transport's path per pair of ranks, and `freescale train --nnodes` on emulated hosts
 (tests/harness_hosts.py: each host its own hostname, /dev/shm and process ids, on the machine's loopback).
 
-2 hosts of 2 ranks train bit for bit as 1 host of 4; a lost host (every process of it killed at once) ends the
-others in one line naming it, within the communication timeout, leaving no segment in any host's /dev/shm; hosts
-that do not meet end in one line naming the endpoint and how many joined (docs/reliability.md, Multi-node); hosts
-on a network of their own, rate-limited links to a bridge, train over it and leave no namespace or link."""
+2 hosts of 2 ranks train bit for bit as 1 host of 4, and 3 hosts of 1 rank as 1 host of 3, ranks in --node-rank
+order; a lost host (every process of it killed at once) ends the others in one line naming it, within the
+communication timeout, leaving no segment in any host's /dev/shm; hosts that do not meet end in one line naming the
+endpoint, the node that never came and how many joined (docs/reliability.md, Multi-node); hosts on a network of their
+own, rate-limited links to a bridge, train over it and leave no namespace or link."""
 
 from __future__ import annotations
 
