@@ -156,15 +156,16 @@ def loader_blocked_s(loader: Loader) -> float:
     return sum(worker.blocked_s for worker in _workers(loader))
 
 
-def shutdown_loader(loader: Loader) -> None:
+def shutdown_loader(loader: Loader, abandon: bool = False) -> None:
     """Lets the loader's stage worker finish its item in flight (every rank alike) and stop, then ends the read-ahead
     threads of torchdata's nodes (Prefetcher): call it once the loader is done, before destroying the process groups.
+    ``abandon``: the process ends on a failure: the item in flight is not waited for (``Background.shutdown``).
 
     The read-ahead threads are daemon threads, often inside a torch op that has released the GIL: left running
     at interpreter exit, such a thread is ended by the interpreter in the middle of C++ code, which can abort the
     process ("terminate called without an active exception") after an otherwise clean run."""
     for worker in _workers(loader):
-        worker.shutdown()
+        worker.shutdown(abandon)
     node = loader.root
     while node is not None:
         # torchdata has no public way to end a node's thread short of reset(), which starts a new one

@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fscomm.renamed import warn_renamed
-
 # Loaded on first use, so `freescale data ...` and other commands do not import the training stack.
 _EXPORTS = {
     "ModelSpec": "pipelines.api.step",
@@ -42,6 +40,8 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _RENAMED:
+        from fscomm.renamed import warn_renamed  # here: fscomm loads torch, which `freescale` loads only when needed
+
         warn_renamed("pipelines", name, _RENAMED[name])
         name = _RENAMED[name]
     if name not in _EXPORTS:

@@ -1,10 +1,11 @@
 """Several hosts: the host transport's path per pair of ranks, and `freescale train --nnodes` on emulated hosts
 (tests/harness_hosts.py: each host its own hostname, /dev/shm and process ids, on the machine's loopback).
 
-2 hosts of 2 ranks train bit for bit as 1 host of 4; a lost host (every process of it killed at once) ends the
-others in one line naming it, within the communication timeout, leaving no segment in any host's /dev/shm; hosts
-that do not meet end in one line naming the endpoint and how many joined (docs/reliability.md, Multi-node); hosts
-on a network of their own, rate-limited links to a bridge, train over it and leave no namespace or link."""
+2 hosts of 2 ranks train bit for bit as 1 host of 4, and 3 hosts of 1 rank as 1 host of 3, ranks in --node-rank
+order; a lost host (every process of it killed at once) ends the others in one line naming it, within the
+communication timeout, leaving no segment in any host's /dev/shm; hosts that do not meet end in one line naming the
+endpoint, the node that never came and how many joined (docs/reliability.md, Multi-node); hosts on a network of their
+own, rate-limited links to a bridge, train over it and leave no namespace or link."""
 
 from __future__ import annotations
 
@@ -131,8 +132,9 @@ def test_the_emulation_script_gives_each_host_its_name_and_its_own_dev_shm(emula
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("fs-probe-")]  # the hosts' tmpfs went with them
 
 
-def _node_argv(i: int, port: int, *extra: str, nnodes: int = 2) -> list[str]:
-    return [*TRAIN, "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", f"fsnode0:{port}", *extra]
+def _node_argv(i: int, port: int, *extra: str, nnodes: int = 2, server: str = "fsnode0") -> list[str]:
+    """Node ``i``'s command, node 0 on host ``server`` (serving the rendezvous there)."""
+    return [*TRAIN, "--nnodes", str(nnodes), "--node-rank", str(i), "--rdzv-endpoint", f"{server}:{port}", *extra]
 
 
 def _bad_lines(text: str) -> list[str]:
@@ -141,11 +143,19 @@ def _bad_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if pattern.search(line)]
 
 
-@pytest.mark.parametrize("mode", ["freescale", "sync"])
-def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_hosts, tmp_path, mode):
+def _loss_sums(metrics: Path) -> list[float]:
+    return [json.loads(line)["bce_sum"] for line in metrics.read_text().splitlines() if '"bce_sum"' in line]
+
+
+@pytest.mark.parametrize("mode, nnodes, nproc", [("freescale", 2, 2), ("sync", 3, 1)])
+def test_hosts_train_bit_for_bit_as_one_host_of_as_many_ranks(emulated_hosts, tmp_path, mode, nnodes, nproc):
+    """Losses and the reported loss sums alike (the sums are added in rank order, not in the backend's order). The
+    nodes run on the hosts in the reverse of their names' order, which torch's rendezvous sorts by: the ranks
+    follow --node-rank all the same (node 0 holds rank 0 and prints the summary)."""
+    world = nnodes * nproc
     common = ("--mode", mode, "--steps", "6", "--comm-timeout-s", "120")
     one = subprocess.run(
-        [*TRAIN, "--nproc", "4", *common, "--summary-json", str(tmp_path / "one.json")],
+        [*TRAIN, "--nproc", str(world), *common, "--summary-json", "one.json", "--metrics-jsonl", "one.jsonl"],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -153,22 +163,39 @@ def test_two_hosts_of_two_ranks_train_bit_for_bit_as_one_host_of_four(emulated_h
         timeout=240,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    hosts, port = emulated_hosts(2), free_port()
-    for i in range(2):
-        argv = _node_argv(i, port, "--nproc", "2", *common, "--summary-json", str(tmp_path / "two.json"))
-        hosts.start(i, argv, ENV, cwd=str(tmp_path))
+    hosts, port = emulated_hosts(nnodes), free_port()
+    host_of = [nnodes - 1 - node for node in range(nnodes)]  # node 0 on the last host by name
+    for node in range(nnodes):
+        argv = _node_argv(node, port, "--nproc", str(nproc), *common, nnodes=nnodes, server=f"fsnode{host_of[0]}")
+        argv += ["--summary-json", "many.json", "--metrics-jsonl", "many.jsonl"]
+        hosts.start(host_of[node], argv, ENV, cwd=str(tmp_path))
     codes = hosts.wait_all(timeout=240)
-    assert codes == {0: 0, 1: 0}, [hosts.output(i)[-2000:] for i in range(2)]
-    one_host, two_hosts = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
-    assert two_hosts["world_size"] == 4 and two_hosts["steps"] == 6
-    assert two_hosts["loss_curve"] == one_host["loss_curve"] and two_hosts["loss"] == one_host["loss"]
-    paths = two_hosts["transport"]["host"]
-    assert paths and all(p == {"path": "shm+tcp", "shm_pairs": 2, "tcp_pairs": 4} for p in paths.values()), paths
+    assert codes == dict.fromkeys(range(nnodes), 0), [hosts.output(i)[-2000:] for i in range(nnodes)]
+    one_host, many_hosts = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "many"))
+    assert many_hosts["world_size"] == world and many_hosts["steps"] == 6
+    assert many_hosts["loss_curve"] == one_host["loss_curve"] and many_hosts["loss"] == one_host["loss"]
+    sums = _loss_sums(tmp_path / "many.jsonl")
+    assert len(sums) == 6 and sums == _loss_sums(tmp_path / "one.jsonl")
+    paths = many_hosts["transport"]["host"]
+    shm = nnodes * nproc * (nproc - 1) // 2  # the pairs of ranks that share a host
+    tcp = world * (world - 1) // 2 - shm
+    want = {"path": "shm+tcp" if shm else "tcp", "shm_pairs": shm, "tcp_pairs": tcp}
+    assert paths and all(p == want for p in paths.values()), paths
+    assert many_hosts["hosts"] == [f"fsnode{host_of[r // nproc]}" for r in range(world)]
+    pairs = [[a, b] for a in range(world) for b in range(a + 1, world)]
+    assert many_hosts["transport"]["pairs"] == {
+        "shm": [p for p in pairs if p[0] // nproc == p[1] // nproc],
+        "tcp": [p for p in pairs if p[0] // nproc != p[1] // nproc],
+    }
+    assert one_host["transport"]["pairs"] == {"shm": pairs, "tcp": []}
+    ranks_of = "; ".join(f"fsnode{host_of[n]}: ranks {list(range(n * nproc, (n + 1) * nproc))}" for n in range(nnodes))
+    summary = hosts.output(host_of[0])
+    assert f"hosts            {ranks_of}\n" in summary
     assert all(p["path"] == "shm" for p in one_host["transport"]["host"].values())
-    assert "transport        host: shm+tcp (2 shm, 4 tcp pairs): " in hosts.output(0)
-    assert hosts.output(1).strip() == ""  # the summary is rank 0's, on the first host
-    assert [hosts.left(i) for i in range(2)] == [[], []]
-    assert _bad_lines(hosts.output(0) + hosts.output(1)) == []
+    assert f"transport        host: {want['path']} ({shm} shm, {tcp} tcp pairs): " in summary
+    assert all(hosts.output(host_of[n]).strip() == "" for n in range(1, nnodes))  # the summary is rank 0's, on node 0
+    assert [hosts.left(i) for i in range(nnodes)] == [[]] * nnodes
+    assert _bad_lines("".join(hosts.output(i) for i in range(nnodes))) == []
 
 
 # after the command, what the host's tbf sent (the host's namespace and its links go with its last process)
@@ -243,23 +270,42 @@ def test_a_lost_host_ends_the_others_in_one_line_within_the_timeout_leaving_no_s
     assert _bad_lines(hosts.output(survivor)) == []
 
 
-@pytest.mark.parametrize("alone", [0, 1], ids=["node-0-waits", "node-1-waits"])
-def test_a_host_that_never_joins_is_one_line_naming_the_endpoint_and_who_came(emulated_hosts, tmp_path, alone):
-    hosts, port = emulated_hosts(2), free_port()
-    argv = _node_argv(alone, port, "--nproc", "2", "--comm-timeout-s", "4", "--log-dir", str(tmp_path / "logs"))
-    hosts.start(alone, argv, ENV, cwd=str(tmp_path))
-    code = hosts.wait(alone, timeout=60)
-    lines = hosts.hosts[alone].lines()
-    assert code == 1, lines
+@pytest.mark.parametrize("nnodes, started", [(3, [0, 1]), (2, [1])], ids=["node-2-missing", "node-1-waits"])
+def test_a_host_that_never_joins_is_one_line_naming_it_the_endpoint_and_who_came(
+    emulated_hosts, tmp_path, nnodes, started
+):
+    hosts, port = emulated_hosts(nnodes), free_port()
+    for i in started:
+        argv = _node_argv(i, port, "--nproc", "1", "--comm-timeout-s", "4", nnodes=nnodes)
+        hosts.start(i, [*argv, "--log-dir", str(tmp_path / f"logs{i}")], ENV, cwd=str(tmp_path))
+    codes = hosts.wait_all(timeout=60)
+    lines = {i: hosts.hosts[i].lines() for i in started}
+    assert codes == dict.fromkeys(started, 1), lines
     endpoint = f"fsnode0:{port} \\(--rdzv-endpoint\\)"
-    if alone == 0:
-        expected = rf"the hosts did not meet at {endpoint} within 4 s \(--comm-timeout-s\): 1 of 2 node\(s\) joined"
-        expected += r" \(node 0 on fsnode0\)"
+    if nnodes == 3:  # the node whose timeout ran out first closed the rendezvous, the other found it closed
+        missing = r"node 2 never joined \(no launcher with --node-rank 2 reached it, so no host is known for it\); "
+        missing += r"2 of 3 node\(s\) joined \(node 0 on fsnode0, node 1 on fsnode1\)"
+        why = r"( within 4 s \(--comm-timeout-s\):|: another host closed the rendezvous when its 4 s "
+        why += r"\(--comm-timeout-s\) ran out;)"
+        expected = dict.fromkeys(started, rf"the hosts did not meet at {endpoint}{why} {missing}")
     else:
-        expected = rf"no rendezvous answered at {endpoint} within 4 s \(--comm-timeout-s\): node 0, which serves it,"
-        expected += r" has not started .*; 1 of 2 node\(s\) came \(this one, fsnode1\)"
-    assert len(lines) == 1 and re.fullmatch(rf"freescale train: error: {expected}", lines[0]), lines
-    assert hosts.left(alone) == []
+        expected = {
+            1: rf"no rendezvous answered at {endpoint} within 4 s \(--comm-timeout-s\): node 0, which serves it, "
+            r"has not started .*; 1 of 2 node\(s\) came \(this one, fsnode1\)"
+        }
+    for i in started:
+        assert len(lines[i]) == 1 and re.fullmatch(rf"freescale train: error: {expected[i]}", lines[i][0]), lines
+        assert hosts.left(i) == []
+
+
+def test_pairs_share_memory_on_one_host_unless_a_group_goes_over_tcp():
+    from pipelines.job.train import describe_pairs, pair_paths
+
+    hosts = ["a", "a", "b"]
+    shm = {"balancer": {"path": "shm+tcp"}, "id-prefetch": {"path": "shm+tcp"}}
+    assert pair_paths(hosts, shm) == {"shm": [[0, 1]], "tcp": [[0, 2], [1, 2]]}
+    assert pair_paths(hosts, {**shm, "embedding": {"path": "tcp"}}) == {"shm": [], "tcp": [[0, 1], [0, 2], [1, 2]]}
+    assert describe_pairs(pair_paths(hosts, shm), most=1) == "shm 0-1; tcp 0-2 and 1 more"
 
 
 def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_line(tmp_path):
@@ -271,7 +317,9 @@ def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_lin
     for argv, message in (
         (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)"),
         (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "a:1"], "--node-rank must be in 0..1 (--nnodes 2)"),
-        (["--nnodes", "2", "--rdzv-endpoint", "a"], "rdzv_endpoint must be HOST:PORT with a port in 1..65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", "a"], "--rdzv-endpoint must be HOST:PORT with a port in 1..65535"),
+        (["--nnodes", "2", "--rdzv-endpoint", ":29515"], "--rdzv-endpoint ':29515' names no host: give node 0's"),
+        (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             config_from_args(build_parser().parse_args(["train", *argv]))

@@ -323,6 +323,93 @@ def test_a_signal_ends_the_job_in_one_line_with_its_step_and_checkpoint_leaving_
     assert f"resumed from ck/step_{saved:06d} at step {saved}" in resumed.stdout, resumed.stdout[-3000:]
 
 
+def _spawned_ranks(pid: int) -> list[int]:
+    """The launcher's rank processes that multiprocessing has spawned (its resource tracker left out)."""
+    found = []
+    for child in _children(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:  # it has ended since
+            continue
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig, to", [(signal.SIGINT, "group"), (signal.SIGTERM, "launcher")])
+def test_a_signal_while_the_ranks_set_up_is_one_line_and_ends_the_job_in_seconds(tmp_path, sig, to):
+    """While the ranks import torch (seconds), Ctrl-C gave each rank's KeyboardInterrupt traceback (80 lines), and
+    the launcher waited 30 s for a rank that had not taken the signal."""
+    log_dir = tmp_path / "logs"
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(
+            _train(tmp_path, "--steps", "100000", "--log-dir", str(log_dir)),
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (ranks := _spawned_ranks(proc.pid)):  # just spawned: they import torch for a second or more
+                assert proc.poll() is None and time.monotonic() < deadline, "no rank was seen setting up"
+                time.sleep(0.02)
+            (os.killpg if to == "group" else os.kill)(proc.pid, sig)
+            sent = time.monotonic()
+            proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stderr = (tmp_path / "err").read_text()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    lines = _terminal_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.fullmatch(rf"freescale train: interrupted \({sig.name}\) during set-up; no checkpoint", lines[0]), lines
+    assert took < 15, took  # 1-3 s on a quiet machine: a rank that has not taken the signal is killed after 2 s
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]  # no rank outlives the launcher
+
+
+def test_a_stop_signal_while_the_agent_spawns_a_rank_is_taken_again_after_it(monkeypatch):
+    """Raised in the middle of a spawn, the launcher's signal left a rank half started (its EOFError traceback)."""
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipelines.job.train import _raise_signal
+
+    sent = threading.Event()
+    monkeypatch.setattr(
+        os, "kill", lambda pid, sig: sent.set() if (pid, sig) == (os.getpid(), signal.SIGTERM) else None
+    )
+    spawning: dict = {}  # a function of torch's name and file, calling the handler as Python would inside it
+    exec(
+        compile(
+            "def start_processes(f, sig, sys):\n    f(sig, sys._getframe())\n", "torch/multiprocessing/spawn.py", "exec"
+        ),
+        spawning,
+    )
+    spawning["start_processes"](_raise_signal, signal.SIGTERM, sys)  # returns: the signal is sent again
+    assert sent.wait(timeout=10)
+    with pytest.raises(SignalException):
+        _raise_signal(signal.SIGTERM, sys._getframe())
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    import pipelines.cli as cli
+
+    def loading(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", loading)
+    assert cli.main(["train", "--nproc", "2"]) == 130
+    assert capsys.readouterr().err == "freescale train: interrupted (SIGINT)\n"
+    assert cli.main(["data", "stats", "x.parquet"]) == 130
+    assert capsys.readouterr().err == "freescale data stats: interrupted (SIGINT)\n"
+
+
 def _report(log_dir: Path, rank: int, sig: str, step) -> None:
     (log_dir / f"rank{rank}.interrupted").write_text(json.dumps({"rank": rank, "signal": sig, "step": step}))
 
@@ -371,14 +458,53 @@ def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
     assert not _tidy_log_dir(folder("clean", "rank0.pid", "rank0.log"), made_here=True, clean=True)
     assert not _tidy_log_dir(folder("pids", "rank0.pid", "rank1.pid"), made_here=True, clean=False)
     assert not (tmp_path / "clean").exists() and not (tmp_path / "pids").exists()
-    # made here, a rank's log: it stays, pid files beside it (the line names the folder)
-    assert _tidy_log_dir(folder("logs", "rank0.pid", "rank1.pid", "rank0.log"), made_here=True, clean=False)
-    assert {p.name for p in (tmp_path / "logs").glob("rank*")} == {"rank0.pid", "rank1.pid", "rank0.log"}
+    # made here, a rank's log: it stays, pid files beside it (the line names the folder), and no later launcher's
+    # clean-up takes it (its marker goes)
+    assert _tidy_log_dir(
+        folder("logs", "rank0.pid", "rank1.pid", "rank0.log", "launcher.pid"), made_here=True, clean=False
+    )
+    assert {p.name for p in (tmp_path / "logs").iterdir()} == {"rank0.pid", "rank1.pid", "rank0.log", "torchelastic"}
     # the user's --log-dir: never removed, its pid files go after a clean run only
     assert not _tidy_log_dir(folder("mine", "rank0.pid", "rank0.log"), made_here=False, clean=False)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.pid", "rank0.log"}
     assert not _tidy_log_dir(tmp_path / "mine", made_here=False, clean=True)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.log"}
+
+
+def test_a_killed_launchers_temporary_folder_goes_at_the_next_start_on_its_host(tmp_path):
+    """A launcher killed outright (its host lost, kill -9) could not tidy its folder; a folder it kept for a failed
+    rank's log (no marker), another host's, or one whose launcher or ranks still run, stays."""
+    import socket
+
+    from pipelines.job import log_dirs
+
+    host = socket.gethostname()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    me = f"{os.getpid()} {log_dirs._start_time(os.getpid())}"
+
+    def folder(name, marker=None, rank_pid=None):
+        path = tmp_path / f"freescale-{name}"
+        path.mkdir()
+        (path / "rank0.log").write_text("x")
+        if marker is not None:
+            (path / "launcher.pid").write_text(marker + "\n")
+        if rank_pid is not None:
+            (path / "rank0.pid").write_text(f"{rank_pid}\n")
+        return path
+
+    killed = folder("killed", f"{host} {dead} 1", rank_pid=dead)
+    reused = folder("reused", f"{host} {os.getpid()} 1")  # its launcher's id is this process's now
+    folder("running", f"{host} {me}")
+    folder("elsewhere", f"another-host {dead} 1")
+    folder("kept")  # a failed job's, named by its line: no marker
+    folder("ranks-left", f"{host} {dead} 1", rank_pid=os.getpid())
+    assert sorted(log_dirs.remove_stale(tmp_path)) == sorted([killed, reused])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "freescale-elsewhere",
+        "freescale-kept",
+        "freescale-ranks-left",
+        "freescale-running",
+    ]
 
 
 @pytest.mark.multiprocess

@@ -55,7 +55,7 @@ def _acquire() -> concurrent.futures.ThreadPoolExecutor:
         return _executor
 
 
-def _release() -> None:
+def _release(wait: bool = True) -> None:
     global _executor, _holders
     with _lock:
         _holders -= 1
@@ -63,7 +63,7 @@ def _release() -> None:
         if done is not None:
             _executor = None
     if done is not None:
-        done.shutdown(wait=True)
+        done.shutdown(wait=wait)
 
 
 def _describe(node: Any) -> str:
@@ -159,12 +159,18 @@ class Background(BaseNode[T]):
     def get_state(self) -> Dict[str, Any]:
         return {self.SOURCE_KEY: self._state}
 
-    def shutdown(self) -> None:
-        """Waits for the item in flight (call before destroying the process groups) and lets the worker thread go."""
+    def shutdown(self, abandon: bool = False) -> None:
+        """Waits for the item in flight (call before destroying the process groups) and lets the worker thread go.
+
+        ``abandon``: for a process that ends on a failure. The item in flight is not waited for: its collectives
+        wait on peers that may be gone, each up to the communication timeout, after the timeout that failed the
+        step; the worker thread ends with the process."""
+        if abandon:
+            self._pending, self._owed = None, False
         self._drain()
         if self._pool is not None:
             self._pool = None
-            _release()
+            _release(wait=not abandon)
 
     close = shutdown
 

@@ -12,9 +12,12 @@ after the backward, in the same order. The hooks issue from autograd's thread wh
 ``backward()``, and the training thread issues the last bucket after it returns: the two threads never issue on
 the group at the same time.
 
-The last bucket (the first parameters) ends with the bookkeeping block: the global scalars (label count, BCE
-sum, positives), then one slot of ``PER_RANK_FIELDS`` per rank, written only by its rank, so every rank learns
-every rank's timings from the same all-reduce. It starts once the block is written (``start``) and is waited
+The last bucket (the first parameters) ends with the bookkeeping block: one row per rank, written only by its rank,
+of the global scalars (label count, BCE sum, positives) and ``PER_RANK_FIELDS``, so every rank learns every rank's
+timings from the same all-reduce. The all-reduce of rows that only one rank writes is exact in any order; the
+global scalars are then summed over the rows in rank order on the host, so the reported sums have the same bits
+however the ranks are split over hosts (a float sum all-reduced by the backend depends on its algorithm's order,
+which follows the layout). It starts once the block is written (``start``) and is waited
 for apart (``finish``), so the trainer may launch it as soon as the backward is queued, before the device has
 finished it; the per-rank timings it carries are therefore the previous step's (``last_compute_s``,
 ``last_step_s``), known by then. The block travels as float32 (exact for counts below 2^24 per step) and on a GPU
@@ -50,8 +53,8 @@ class _Bucket:
 
 class DenseSync:
     """``all_reduce(scalars, mine, device_scalars)``: sums the gradients of ``params`` and the bookkeeping block
-    over the ranks; returns the block on the host (a float64 numpy array): GLOBAL_FIELDS, then world_size x
-    PER_RANK_FIELDS."""
+    over the ranks; returns the block on the host (a float64 numpy array): GLOBAL_FIELDS summed in rank order, then
+    world_size x PER_RANK_FIELDS."""
 
     def __init__(
         self,
@@ -64,7 +67,7 @@ class DenseSync:
         if bucket_bytes < 0:
             raise ValueError(f"DenseSync: bucket_bytes must be >= 0, got {bucket_bytes}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.book_size = len(GLOBAL_FIELDS) + world_size * len(PER_RANK_FIELDS)
+        self.book_size = world_size * _ROW
         cap = bucket_bytes or math.inf
         self.buckets: list[_Bucket] = []
         for p in reversed([p for p in params if p.requires_grad]):
@@ -176,12 +179,12 @@ class DenseSync:
                 p.grad = view
         up = self._up_host  # the pinned block's previous copy is done: the last all_reduce waited for the block
         up.fill(0.0)
-        up[: len(scalars)] = scalars
-        slot = len(GLOBAL_FIELDS) + self.rank * len(PER_RANK_FIELDS)
-        up[slot : slot + len(PER_RANK_FIELDS)] = mine
+        row = self.rank * _ROW
+        up[row : row + len(scalars)] = scalars
+        up[row + len(GLOBAL_FIELDS) : row + _ROW] = mine
         self.book.copy_(self._up, non_blocking=True)
         if n_device:
-            self.book[len(scalars) : len(GLOBAL_FIELDS)].copy_(device_scalars.reshape(-1))
+            self.book[row + len(scalars) : row + len(GLOBAL_FIELDS)].copy_(device_scalars.reshape(-1))
         with self._lock:
             self._start_ready(upto=len(self.buckets))  # the rest, the block's bucket last
 
@@ -192,11 +195,24 @@ class DenseSync:
         for work in works:
             work.wait()
         if self._done is None:
-            return self.book.numpy().astype(np.float64)
+            return _summed(self.book.numpy(), self.world_size)
         self._down.copy_(self.book, non_blocking=True)
         self._done.record()
         self._done.synchronize()
-        return self._down_host.astype(np.float64)
+        return _summed(self._down_host, self.world_size)
+
+
+_ROW = len(GLOBAL_FIELDS) + len(PER_RANK_FIELDS)  # a rank's row of the block as it travels
+
+
+def _summed(rows: np.ndarray, world_size: int) -> np.ndarray:
+    """The travelled block (a row per rank) as handed back: GLOBAL_FIELDS summed over the ranks in rank order, then
+    every rank's PER_RANK_FIELDS."""
+    rows = rows.astype(np.float64).reshape(world_size, _ROW)
+    total = rows[0, : len(GLOBAL_FIELDS)].copy()
+    for row in rows[1:]:  # one rank after the other: the same bits for every layout of the ranks
+        total += row[: len(GLOBAL_FIELDS)]
+    return np.concatenate([total, rows[:, len(GLOBAL_FIELDS) :].reshape(-1)])
 
 
 def per_rank_of(book: np.ndarray, world_size: int) -> dict[str, np.ndarray]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -55,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the command loads torch (seconds): one line, not the import's traceback
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = [w for w in (words[:2] if words[:1] == ["data"] else words[:1]) if not w.startswith("-")]
+        print(f"{' '.join(['freescale', *command])}: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _run(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "_unavailable", None):  # its flags are unknown here: say why, not "unrecognized arguments"

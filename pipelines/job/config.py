@@ -301,8 +301,9 @@ class JobRunSection:
         self._validate_nodes()
 
     def _validate_nodes(self) -> None:
+        # named by their flags first (the field names of `refuse` read as a second vocabulary beside --node-rank)
         if self.nnodes < 1:
-            raise refuse("run.nnodes", f"must be >= 1, got {self.nnodes}")
+            raise ConfigError(f"{{}} must be >= 1, got {self.nnodes}", "run.nnodes")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"{{}} must be in 0..{self.nnodes - 1} ({{}} {self.nnodes}), got {self.node_rank}",
@@ -314,10 +315,16 @@ class JobRunSection:
                 "{} > 1 needs {} HOST:PORT (node 0's address and a free port)", "run.nnodes", "run.rdzv_endpoint"
             )
         if self.rdzv_endpoint is not None:
-            host, _, port = self.rdzv_endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise refuse(
-                    "run.rdzv_endpoint", f"must be HOST:PORT with a port in 1..65535, got {self.rdzv_endpoint!r}"
+            endpoint = _literal(repr(self.rdzv_endpoint))
+            host, colon, port = self.rdzv_endpoint.rpartition(":")
+            if colon and not host.strip("[]"):
+                raise ConfigError(
+                    f"{{}} {endpoint} names no host: give node 0's address before the port (HOST:PORT)",
+                    "run.rdzv_endpoint",
+                )
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    f"{{}} must be HOST:PORT with a port in 1..65535, got {endpoint}", "run.rdzv_endpoint"
                 )
 
 

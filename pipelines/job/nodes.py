@@ -87,12 +87,31 @@ def wait_for_endpoint(endpoint: str, nnodes: int, timeout_s: float) -> None:
         time.sleep(BEAT_S)
 
 
+def rank_offset(endpoint: str, node_rank: int, timeout_s: float) -> int:
+    """The global rank of local rank 0 on node ``node_rank``: the ranks of the nodes before it come first, so ranks
+    follow ``--node-rank`` (node 0 holds rank 0), whatever order torch's rendezvous put the hosts in. Read by each
+    rank from the launchers' records on the rendezvous store (each posts its ``--nproc``)."""
+    host, port = split_endpoint(endpoint)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    keys = [f"{PREFIX}/{node}" for node in range(node_rank)]
+    try:
+        store.wait(keys)
+    except RuntimeError:  # the store's own timeout: a launcher of a node before this one never posted
+        missing = [node for node, key in enumerate(keys) if not store.check([key])]
+        raise ValueError(
+            f"node(s) {missing} posted no record at {endpoint} (--rdzv-endpoint) within {timeout_s:g} s "
+            "(--comm-timeout-s), though the hosts met: is some --node-rank given to two hosts?"
+        ) from None
+    return sum(json.loads(store.get(key))["nproc"] for key in keys)
+
+
 @dataclass
 class NodeRecord:
     node: int
     host: str
     ranks: list[int]
     beat: int
+    nproc: int = 0  # its local ranks (--nproc): the ranks of later nodes come after them (rank_offset)
     ended: Optional[str] = None  # "ok", or the host's failure line
     root: bool = False  # its failure began on this host (not only after peers elsewhere)
     changed_at: float = 0.0  # when this launcher last saw its beat advance (its own clock)
@@ -104,11 +123,13 @@ class NodeRecord:
 
 class NodeBoard:
     """This launcher's record on the rendezvous store, posted every ``BEAT_S`` by a thread, and the others' as read.
+    The first post comes as the launcher starts, before any rank of the job does: every rank finds the records of
+    the nodes before its own (rank_offset waits for them, at most the communication timeout).
 
     ``ranks``: called at every beat, this host's global ranks (known once they have started)."""
 
-    def __init__(self, endpoint: str, nnodes: int, node_rank: int, timeout_s: float, ranks):
-        self.endpoint, self.nnodes, self.node_rank = endpoint, nnodes, node_rank
+    def __init__(self, endpoint: str, nnodes: int, node_rank: int, nproc: int, timeout_s: float, ranks):
+        self.endpoint, self.nnodes, self.node_rank, self.nproc = endpoint, nnodes, node_rank, nproc
         self.timeout_s = timeout_s
         self.host = socket.gethostname()
         self._ranks = ranks
@@ -165,7 +186,13 @@ class NodeBoard:
             ranks = []
         with self._lock:
             self._beat += 1
-            record = {"node": self.node_rank, "host": self.host, "ranks": ranks, "beat": self._beat}
+            record = {
+                "node": self.node_rank,
+                "host": self.host,
+                "ranks": ranks,
+                "beat": self._beat,
+                "nproc": self.nproc,
+            }
             record.update(ended=self._ended, root=self._root)
         try:
             self._store.set(self._key(self.node_rank), json.dumps(record))
@@ -245,8 +272,16 @@ class NodeBoard:
             time.sleep(BEAT_S / 2)
 
     def joined_line(self) -> str:
-        """How many hosts reached the rendezvous, and which, for a rendezvous that timed out."""
+        """How many hosts reached the rendezvous, and which, for a rendezvous that timed out; first the nodes that
+        never came, by number (no launcher of theirs posted a record, so their hosts are unknown)."""
         count = self.joined if self.joined is not None else 0
-        hosts = sorted([(self.node_rank, self.host)] + [(r.node, r.host) for r in self.others().values() if r])
+        others = self.others()
+        hosts = sorted([(self.node_rank, self.host)] + [(r.node, r.host) for r in others.values() if r])
         came = ", ".join(f"node {n} on {h}" for n, h in hosts) if self.joined is not None else "none reached its store"
-        return f"{count} of {self.nnodes} node(s) joined ({came})"
+        joined = f"{count} of {self.nnodes} node(s) joined ({came})"
+        missing = [n for n, r in others.items() if r is None]
+        if self.joined is None or not missing:
+            return joined
+        which = f"node {missing[0]}" if len(missing) == 1 else f"nodes {missing}"
+        flags = " or ".join(f"--node-rank {n}" for n in missing)
+        return f"{which} never joined (no launcher with {flags} reached it, so no host is known for it); {joined}"

@@ -16,6 +16,7 @@ named with its exit code or signal. See docs/reliability.md.
 Signals. SIGTERM, SIGINT (Ctrl-C, which reaches every process of the group) and SIGHUP end the job in one line naming
 the step the ranks had reached and the newest complete checkpoint, exit status 128 + the signal: each rank reports
 its step and ends at once (``_StopOnSignal``), and the launcher prints the line (under torchrun, each rank its own).
+So at any moment, set-up included: a rank that has not ended 2 s after the signal is killed.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -77,9 +78,11 @@ class Interrupted(RuntimeError):
 
 def last_checkpoint(checkpoint_dir: Optional[str]) -> str:
     """Where a resume of an interrupted job starts, as its line says it."""
-    from pipelines.job import checkpoint
+    if not checkpoint_dir:
+        return "no checkpoint"
+    from pipelines.job import checkpoint  # seconds to load on a busy host: check_before_launch loads it first
 
-    newest = checkpoint.latest(checkpoint_dir) if checkpoint_dir else None
+    newest = checkpoint.latest(checkpoint_dir)
     return f"last complete checkpoint step {int(newest.name.removeprefix('step_'))}" if newest else "no checkpoint"
 
 
@@ -94,8 +97,12 @@ class _StopOnSignal:
     """A rank's end on a stop signal: it reports the step it had reached (for the launcher's line; under torchrun it
     prints its own), unlinks its shared-memory segments and exits at once with 128 + the signal. At once, not by
     unwinding: the unwinding's waits (the loader's item in flight, a collective) would wait on peers that are ending
-    too, and a rank's error report would follow. Python runs the handler in the main thread between two bytecodes,
-    so a collective in C++ code first completes, or fails on a peer that has gone."""
+    too, and a rank's error report would follow.
+
+    The signals are taken by a thread of their own (``signal.sigwait``; they are blocked in every other thread), not
+    by a Python handler: Python runs a handler in the main thread between two bytecodes, so a main thread inside a
+    collective in C++ code, waiting on a peer that has gone, would take it only when the collective times out. The
+    handler stays installed for the threads that were started before the signals were blocked (under torchrun)."""
 
     def __init__(self, rank: int, config: JobConfig) -> None:
         self.rank, self.config = rank, config
@@ -103,16 +110,26 @@ class _StopOnSignal:
         self._previous: dict = {}
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
-            self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+            return
+        self._previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+        # under `freescale train` the rank started with them blocked (launch): one that came while it set up is
+        # pending, and the thread takes it now
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        threading.Thread(target=self._wait, name="freescale-stop-signals", daemon=True).start()
+
+    def _wait(self) -> None:
+        signum = signal.sigwait(STOP_SIGNALS)
+        self(signum, None)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def __call__(self, signum: int, frame) -> None:
-        for sig in STOP_SIGNALS:  # the launcher forwards the signal it got too: this rank is ending already
-            signal.signal(sig, signal.SIG_IGN)
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:  # the launcher forwards the signal it got too: this rank is ending already
+                signal.signal(sig, signal.SIG_IGN)
         try:
             self._report(signal.Signals(signum).name, getattr(self.trainer, "step", None))
         finally:
@@ -178,6 +195,16 @@ def worker(config: JobConfig) -> Optional[dict]:
 
     An error ends the rank with one line (see the module docstring): under `freescale train` the launcher prints
     it; under torchrun the rank prints it itself and exits with status 1."""
+    if os.environ.get(_LAUNCHED_ENV) == "1" and config.run.nnodes > 1:  # ranks follow --node-rank, not torch's order
+        from pipelines.job.nodes import rank_offset
+
+        run = config.run
+        try:
+            offset = rank_offset(run.rdzv_endpoint, run.node_rank, run.comm_timeout_s)
+        except Exception as exc:
+            report_failure(exc, int(os.environ["RANK"]), run.verbose, run.log_dir)
+            os._exit(1)
+        os.environ["RANK"] = str(offset + int(os.environ["LOCAL_RANK"]))
     rank = int(os.environ["RANK"])
     use_thread_locks_for_progress_bars()
     log_dir = config.run.log_dir or os.environ.get(LOG_DIR_ENV)
@@ -234,6 +261,8 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size, timeout_s)
+    hosts: list = [None] * world_size  # each rank's host, for the summary (one small gather at set-up)
+    dist.all_gather_object(hosts, socket.gethostname())
     # On failure the process ends without destroying the groups (worker): a peer may be gone, and an NCCL
     # group's destruction can then wait for it.
     with Heartbeat(rank, world_size, interval_s=min(1.0, timeout_s / 10)) as heartbeat:
@@ -245,7 +274,9 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
             if summary is not None:  # which path each exchange's group took (transports close with the trainer)
                 from fscomm.host import host_paths
 
-                summary["transport"] = {"host": host_paths()}
+                paths = host_paths()
+                summary["hosts"] = hosts
+                summary["transport"] = {"host": paths, "pairs": pair_paths(hosts, paths)}
         except Exception as exc:
             if _is_timeout(exc):
                 step = f"step {trainer.step}" if trainer is not None else "set-up"
@@ -333,6 +364,10 @@ def _launch_config(config: JobConfig, log_dir: Path):
         rdzv_backend="c10d",
         max_restarts=0,
         monitor_interval=0.2,
+        shutdown_timeout=_ENDING_GRACE_S,  # after a stop signal: a rank still setting up takes it later (launch)
+        # torch's agent would raise on these at once, also while it spawns a rank: the launcher's own handler
+        # (_raise_signal) keeps the stop signals, torch's SIGQUIT
+        signals_to_handle="SIGQUIT",
         start_method="spawn",
         numa_options=_numa_options(config),
         # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
@@ -379,10 +414,43 @@ def _without_agent_thread_join(hook):
     return quiet
 
 
+class _SignalBeforeLaunch(BaseException):
+    """A stop signal while the launcher checks the job, before any rank starts. A BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_signals_before_launch():
+    """The stop signals as ``_SignalBeforeLaunch`` while the launcher checks the job (launch takes over after)."""
+
+    def stop(signum: int, frame) -> None:
+        raise _SignalBeforeLaunch(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS} if main_thread else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _raise_signal(signum: int, frame) -> None:
-    """What torch's agent does with a stop signal once its ranks have started (the launcher catches it)."""
+    """What torch's agent does with a stop signal (the launcher catches it), except while the agent spawns the ranks:
+    raised there, it would leave a rank half started (it prints an EOFError traceback of its own) or started but
+    unknown to the agent, which then stops only the others. The signal is sent again 50 ms later instead."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "start_processes" and Path(code.co_filename).match("multiprocessing/spawn.py"):
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
+        frame = frame.f_back
     raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
 
 
@@ -392,36 +460,48 @@ def launch(config: JobConfig) -> Optional[dict]:
     Raises RankFailed (a rank failed, a host was lost, the hosts did not meet) or Interrupted (a signal ended the
     job), each with its one line, which names the log directory when a temporary one stays (it holds the ranks'
     logs)."""
+    from multiprocessing import resource_tracker
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from pipelines.job import log_dirs
     from pipelines.job.nodes import RendezvousFailed
 
-    log_dir = Path(config.run.log_dir or tempfile.mkdtemp(prefix="freescale-")).resolve()  # as lines name it
+    log_dir = Path(config.run.log_dir).resolve() if config.run.log_dir else log_dirs.make()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[_LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks
-    # torch's agent turns a stop signal into SignalException once its ranks have started: from now on, here
+    # a stop signal becomes SignalException from now on, as torch's agent makes it (_raise_signal)
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works there only
     handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if main_thread else {}
     for sig in handlers:
         signal.signal(sig, _raise_signal)
     done = threading.Event()
     watch = threading.Thread(
-        target=_kill_stopped_ranks_after_a_failure, args=(log_dir, done), name="freescale-stopped-ranks", daemon=True
+        target=_kill_ranks_left_after_an_end, args=(log_dir, done), name="freescale-ending", daemon=True
     )
     watch.start()
     ended: Optional[RuntimeError] = None
     clean = False
-    board = None
+    board = mask = None
     try:
         with _meeting(config, log_dir) as board, _quiet_torch_launcher(config.run.verbose):
             try:
+                # The ranks start with the stop signals blocked (a thread's mask is inherited through fork and exec),
+                # so that one arriving while they import (seconds) waits for their own handling (_StopOnSignal)
+                # instead of printing a KeyboardInterrupt traceback per rank. This thread keeps them blocked until
+                # the agent returns: the watch thread, started before, takes them for the launcher, and Python runs
+                # the launcher's handler in this thread all the same. multiprocessing's resource tracker is started
+                # first: starting it unblocks them in the thread that does.
+                resource_tracker.ensure_running()
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
                 results = elastic_launch(_launch_config(config, log_dir), worker)(config)
                 clean = True
             except ChildFailedError as failure:  # a rank signalled alone (not through the launcher) ends the job too
-                exitcodes = {rank: f.exitcode for rank, f in failure.failures.items()}
-                ended = _interruption(log_dir, config, exitcodes=exitcodes) or _failed(failure, log_dir, board)
+                ended = _interruption(log_dir, config, exitcodes=_exitcodes(failure, log_dir)) or _failed(
+                    failure, log_dir, board
+                )
             except SignalException as received:  # torch's agent has stopped the ranks, forwarding the signal
                 ended = _interruption(log_dir, config, signum=received.sigval)
             except RendezvousError as error:
@@ -433,6 +513,8 @@ def launch(config: JobConfig) -> Optional[dict]:
     finally:
         for sig in handlers:  # the tidying below runs to its end
             signal.signal(sig, signal.SIG_IGN)
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         done.set()
         watch.join()
         os.environ.pop(LOG_DIR_ENV, None), os.environ.pop(_LAUNCHED_ENV, None)
@@ -443,7 +525,15 @@ def launch(config: JobConfig) -> Optional[dict]:
     if ended is not None:
         line = str(ended) + (f"; logs in {log_dir}" if kept and str(log_dir) not in str(ended) else "")
         raise Interrupted(line, ended.signum) if isinstance(ended, Interrupted) else RankFailed(line)
-    return results.get(0)
+    # keyed by torch's ranks, which are not the job's on several hosts (worker): rank 0 alone returns a summary
+    return next((summary for summary in results.values() if summary is not None), None)
+
+
+def _exitcodes(failure, log_dir: Path) -> dict[int, int]:
+    """The exit codes of the ranks torch's agent saw fail, by the job's rank: torch's agent numbers the ranks in its
+    own order of the hosts, the job by ``--node-rank`` (worker); the pid files say which process is which rank."""
+    ranks = {pid: rank for rank, pid in rank_pids(log_dir).items()}
+    return {ranks.get(f.pid, rank): f.exitcode for rank, f in failure.failures.items()}
 
 
 _CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # read by torch when a process loads it: set for ranks yet to start
@@ -471,7 +561,7 @@ def _meeting(config: JobConfig, log_dir: Path):
             aside.start()
         return ranks
 
-    board = NodeBoard(run.rdzv_endpoint, run.nnodes, run.node_rank, run.comm_timeout_s, local_ranks)
+    board = NodeBoard(run.rdzv_endpoint, run.nnodes, run.node_rank, run.nproc, run.comm_timeout_s, local_ranks)
     board.start()
     # The ranks' store clients print a C++ warning with its stack trace for each call that finds a lost host's store
     # gone (heartbeats, failure diagnoses): on several hosts the ranks keep torch's C++ errors only (--verbose: all).
@@ -543,7 +633,11 @@ def _failed(failure, log_dir: Path, board) -> RankFailed:
 def _rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
     """The hosts did not meet at the endpoint: why, and how many of them did; or, once the ranks ran, the store's
     host was lost (torch's agent finds its store gone before its ranks fail)."""
-    from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
 
     run = config.run
     local = sorted(rank_pids(log_dir))
@@ -555,6 +649,11 @@ def _rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
     joined = board.joined_line() if board is not None else "unknown how many joined"
     if isinstance(error, RendezvousTimeoutError):
         return f"the hosts did not meet {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): {joined}"
+    if isinstance(error, RendezvousClosedError) and not local:  # the host that timed out first closed it for all
+        return (
+            f"the hosts did not meet {where}: another host closed the rendezvous when its {run.comm_timeout_s:g} s "
+            f"(--comm-timeout-s) ran out; {joined}"
+        )
     if isinstance(error, RendezvousConnectionError) and not local:
         return (
             f"no rendezvous answered {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): node 0, which "
@@ -614,30 +713,36 @@ def _tidy_log_dir(log_dir: Path, made_here: bool, clean: bool) -> bool:
     if clean or next(log_dir.glob("rank*.log"), None) is None:
         shutil.rmtree(log_dir, ignore_errors=True)
         return False
+    from pipelines.job import log_dirs
+
+    log_dirs.unmark(log_dir)  # kept for the user, whom the line tells: no later launcher removes it
     return True
 
 
-_STOPPED_GRACE_S = 5.0
+_ENDING_GRACE_S = 2  # how long a rank is given to end on the launcher's stop signal before it is killed
 
 
-def _kill_stopped_ranks_after_a_failure(log_dir: Path, done: threading.Event) -> None:
-    """Once a rank has reported an error, kills the ranks that are stopped (SIGSTOP, a debugger) ``_STOPPED_GRACE_S``
-    later. torch's elastic launcher stops the other ranks with SIGTERM, which a stopped process does not take, and
-    then waits 30 s before its SIGKILL: the job would end that long after its error line. Only this launcher's own
-    children are touched (a pid file left by an earlier job in the same directory may name another process)."""
-    failed_at = None
+def _kill_ranks_left_after_an_end(log_dir: Path, done: threading.Event) -> None:
+    """Once a rank has reported an error or a stop signal (rank<r>.error, rank<r>.interrupted), kills the ranks still
+    running ``_ENDING_GRACE_S`` later. torch's elastic launcher stops the others with SIGTERM after a failure and
+    waits 30 s before its SIGKILL, and a rank that does not take it in that time is stopped (SIGSTOP, a debugger) or
+    in uninterruptible sleep: the job would end that long after its error line. Only this launcher's own children
+    are touched (a pid file left by an earlier job in the same directory may name another process).
+
+    Started before the launcher blocks the stop signals in its main thread (launch): this thread takes them."""
+    ended_at = None
     while not done.wait(0.25):
-        if failed_at is None:
-            if next(log_dir.glob("rank*.error"), None) is not None:
-                failed_at = time.monotonic()
+        if ended_at is None:
+            if any(next(log_dir.glob(f"rank*.{kind}"), None) for kind in ("error", _INTERRUPTED)):
+                ended_at = time.monotonic()
             continue
-        if time.monotonic() - failed_at < _STOPPED_GRACE_S:
+        if time.monotonic() - ended_at < _ENDING_GRACE_S:
             continue
         for pid in rank_pids(log_dir).values():
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-                if state in ("T", "t") and int(ppid) == os.getpid():
+                if state != "Z" and int(ppid) == os.getpid():
                     os.kill(pid, signal.SIGKILL)
             except (OSError, ValueError, IndexError):
                 continue
@@ -663,7 +768,7 @@ def remove_rank_segments(log_dir: Path) -> list[str]:
 
 
 def _failure_line(failure, log_dir: Path) -> str:
-    return failure_line({rank: f.exitcode for rank, f in failure.failures.items()}, log_dir)
+    return failure_line(_exitcodes(failure, log_dir), log_dir)
 
 
 def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
@@ -723,6 +828,8 @@ def check_before_launch(config: JobConfig) -> None:
             checkpoint.read_file(Path(resume) / f"rank{r}.pt")
     # one job per folder: a second job is refused here, before its ranks start. On several hosts rank 0 alone holds
     # it (its launcher may be on any host, so no launcher's lock can be the one rank 0 expects from its parent)
+    if config.checkpoint.dir:  # loaded now, not in the seconds after a stop signal, whose line names the newest step
+        from pipelines.job import checkpoint  # noqa: F401
     if config.checkpoint.dir and config.run.nnodes == 1:
         from pipelines.job import checkpoint_lock
 
@@ -775,9 +882,12 @@ def print_summary(summary: dict) -> None:
         print(f"  rank {rank} compute  " + ("n/m (not measured)" if t is None else f"{t * 1e3:.1f} ms/step (mean)"))
     if summary.get("unmeasured"):
         print(f"  not measured     {', '.join(summary['unmeasured'])} (interleaved inside torchrec's step)")
+    if summary.get("hosts"):
+        print(f"  hosts            {describe_hosts(summary['hosts'])}")
     paths = (summary.get("transport") or {}).get("host")
     if paths:
         print(f"  transport        host: {describe_paths(paths)}")
+        print(f"  pairs            {describe_pairs(summary['transport']['pairs'])}")
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
         from pipelines.job.schedule import describe_choice
@@ -792,6 +902,36 @@ def print_summary(summary: dict) -> None:
             f"  held-out         step {e['step']}: NE {e['ne']:.4f}, AUC {e['auc']:.4f} over {e['samples']} samples "
             f"({e['labels']} labels) never trained on"
         )
+
+
+def pair_paths(hosts: list[str], paths: dict[str, dict]) -> dict[str, list[list[int]]]:
+    """Every pair of ranks by the path its exchanges take: ``shm`` for two ranks of one host (when the host
+    transport's groups share memory: not under ``--transport host-tcp``, nor with no room in /dev/shm), ``tcp`` for
+    the others."""
+    shared = bool(paths) and all(p["path"] != "tcp" for p in paths.values())
+    by_path: dict[str, list[list[int]]] = {"shm": [], "tcp": []}
+    for a in range(len(hosts)):
+        for b in range(a + 1, len(hosts)):
+            by_path["shm" if shared and hosts[a] == hosts[b] else "tcp"].append([a, b])
+    return by_path
+
+
+def describe_hosts(hosts: list[str]) -> str:
+    """``fsnode0: ranks [0, 1]; fsnode1: ranks [2, 3]``, hosts in the order of their first rank."""
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        ranks.setdefault(host, []).append(rank)
+    return "; ".join(f"{host}: ranks {r}" for host, r in ranks.items())
+
+
+def describe_pairs(pairs: dict[str, list[list[int]]], most: int = 12) -> str:
+    """``shm 0-1, 2-3; tcp 0-2, 0-3, 1-2, 1-3``, at most ``most`` pairs a path (the JSON has them all)."""
+    parts = []
+    for path, listed in pairs.items():
+        if listed:
+            shown = ", ".join(f"{a}-{b}" for a, b in listed[:most])
+            parts.append(f"{path} {shown}" + (f" and {len(listed) - most} more" if len(listed) > most else ""))
+    return "; ".join(parts)
 
 
 def describe_paths(paths: dict[str, dict]) -> str:
@@ -811,7 +951,12 @@ def main(args: argparse.Namespace) -> int:
     if _under_launcher():
         summary = worker(config)
     else:
-        check_before_launch(config)
+        try:
+            with _stop_signals_before_launch():
+                check_before_launch(config)
+        except _SignalBeforeLaunch as stop:
+            print(f"freescale train: {interrupted_line(stop.name, None, config.checkpoint.dir)}", file=sys.stderr)
+            return 128 + stop.signum
         try:
             summary = launch(config)
         except RankFailed as failure:

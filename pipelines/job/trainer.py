@@ -342,6 +342,7 @@ class Trainer:
         ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, run.steps - self.step)))
         current: Optional[_Fetched] = None
         release_loader(self.loader)  # the first step's next batch need not wait for its backward
+        failed = True
         try:
             while self.step < run.steps:
                 self.accounting.begin()
@@ -390,8 +391,11 @@ class Trainer:
                     unwrap_model(self.model, self.wrap, dst=0)
                 if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
                     save_export(self.model, ckpt.export, self.config.model.name)
+            failed = False
         finally:
-            shutdown_loader(self.loader)  # the stage worker's item in flight completes on every rank
+            # the stage worker's item in flight completes on every rank; after a failure the rank ends, and waiting
+            # for it would add its collectives' timeout to the one that failed the step
+            shutdown_loader(self.loader, abandon=failed)
             self.accounting.close()
             if profiler is not None:
                 profiler.stop()
@@ -609,8 +613,10 @@ class Trainer:
                 precision=self.config.run.precision,
                 world_size=self.world_size,
             )
-        finally:
-            shutdown_loader(loader)
+        except BaseException:
+            shutdown_loader(loader, abandon=True)  # the rank ends: no wait for its item in flight (as in train)
+            raise
+        shutdown_loader(loader)
         record = {"step": self.step, **result.as_dict()}
         self.evaluations.append(record)
         if self._metrics_file is not None:

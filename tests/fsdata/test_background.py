@@ -136,3 +136,30 @@ def test_blocked_time_counts_only_the_waits_for_a_late_worker():
     next(it)  # ready: taking it waits for nothing
     assert loader_blocked_s(loader) - first < 0.1
     assert loader_blocked_s(Loader(_reader())) == 0.0  # no stage worker: never blocked on one
+
+
+class Blocking(Counting):
+    """Blocks its second pull until ``go`` is set: an item in flight stuck on a peer that is gone."""
+
+    def __init__(self, source, go):
+        super().__init__(source)
+        self.go = go
+
+    def next(self):
+        if self.pulled == 1:
+            assert self.go.wait(timeout=60)
+        return super().next()
+
+
+def test_an_abandoned_worker_does_not_wait_for_its_item_in_flight():
+    """A rank that ends on a failure: waiting for the item in flight would add its collectives' timeout."""
+    import threading
+
+    go = threading.Event()
+    node = Background(Blocking(_reader(), go))
+    node.reset()
+    next(node)  # the second item is now in flight, and blocks
+    t0 = time.monotonic()
+    node.shutdown(abandon=True)
+    assert time.monotonic() - t0 < 1
+    go.set()  # the worker thread ends with its item, as it would with the process

@@ -116,3 +116,18 @@ def test_the_block_is_read_by_field_name():
     assert list(columns) == list(PER_RANK_FIELDS)
     for i, name in enumerate(PER_RANK_FIELDS):
         assert columns[name].tolist() == [len(GLOBAL_FIELDS) + r * n + i for r in range(world)]
+
+
+def test_the_global_sums_are_added_in_rank_order_whatever_the_backend_did():
+    """Float addition is not associative: a sum all-reduced by the backend takes its algorithm's order, which
+    follows the layout of the ranks over hosts; the block's rows are added one rank after the other."""
+    from pipelines.api.dense_sync import _ROW, GLOBAL_FIELDS, PER_RANK_FIELDS, _summed
+
+    world = 3
+    rows = np.zeros((world, _ROW), dtype=np.float32)
+    rows[:, 1] = [2.0**60, 1.0, -(2.0**60)]  # bce_sum: (2^60 + 1) - 2^60 = 0 in rank order, 1 in another
+    rows[:, 0] = [4.0, 5.0, 6.0]
+    rows[:, len(GLOBAL_FIELDS) :] = np.arange(world * len(PER_RANK_FIELDS)).reshape(world, -1)
+    book = _summed(rows.reshape(-1), world)
+    assert book[:3].tolist() == [15.0, 0.0, 0.0]
+    assert book[3:].tolist() == list(range(world * len(PER_RANK_FIELDS)))
