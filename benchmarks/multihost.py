@@ -156,7 +156,7 @@ def run_train(hosts: Hosts, ranks: int, transport: str, args: argparse.Namespace
 
     hosts.run(argv, args.timeout, label)
     summary = json.loads(out.read_text())
-    paths = sorted({p["path"] for groups in summary["transport"].values() for p in groups.values()})
+    paths = sorted({p["path"] for p in summary["transport"]["host"].values()})
     return {"transport": transport, "samples_per_s": summary["samples_per_s"], "paths": paths}
 
 
