@@ -13,6 +13,7 @@ what a killed rank left.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -198,13 +199,14 @@ def _spawned(
     (Path(log_dir) / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
     try:
         groups.set_comm_timeout(args.timeout)
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(store_path, world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=args.timeout),
-        )
+        with _cpp_stderr_to(Path(log_dir) / f"rank{rank}.init.stderr"):
+            dist.init_process_group(
+                "gloo",
+                store=dist.FileStore(store_path, world),
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=args.timeout),
+            )
         result = rank_main(args, rank, world)
         if every_rank:
             with open(f"{out_path}.rank{rank}.pkl", "wb") as f:
@@ -215,6 +217,26 @@ def _spawned(
     except Exception as exc:
         _fail(exc, rank, name, log_dir, print_line=False)
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _cpp_stderr_to(path: Path):
+    """The process's stderr (file descriptor 2) into ``path`` for the block, removed if it stays empty: gloo's C++
+    logs a line of its own when a peer that has already failed drops out of the connection mesh, which would
+    stand beside the launcher's one line; the exception that follows it carries the cause."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if path.exists() and path.stat().st_size == 0:
+            path.unlink()
 
 
 def write_json(result: Any, path: Optional[str]) -> None:
