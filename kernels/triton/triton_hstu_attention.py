@@ -681,11 +681,9 @@ def _attention_op(
     window: int,
     fixed: bool,
 ) -> torch.Tensor:
+    pw, tw = position_weights, time_weights
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
-    launch = _Launch(
-        q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, max_len, alpha, seq_norm,
-        window,
-    )  # fmt: skip
+    launch = _Launch(q, k, v, offsets, order, num_targets, timestamps, pw, tw, max_len, alpha, seq_norm, window)
     out = _rows_like(v)
     if q.shape[0] and launch.batch:
         _FWD[fixed][launch.grid("BLOCK_M")](
