@@ -32,18 +32,11 @@ _EXPORTS = {
     "wrap_model": "pipelines.api.step",
     "EmbeddingWrap": "pipelines.api.wrap",
 }
-# Old names, answered for one release with a DeprecationWarning: old name -> new name.
-_RENAMED = {"StagedPipeline": "EmbeddingWrap"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        from fscomm.renamed import warn_renamed  # here: fscomm loads torch, which `freescale` loads only when needed
-
-        warn_renamed("pipelines", name, _RENAMED[name])
-        name = _RENAMED[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)
