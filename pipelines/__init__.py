@@ -3,7 +3,8 @@
     api/       the training API a user's script calls: wrap_model (and the EmbeddingWrap it returns), TrainStep,
                ModelSpec, unwrap_model, predict, evaluate
     job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
-    models/    the reference model, and torchrec's TrainPipelineSparseDist and PEC around it as outside references
+    models/    the reference models (a softmax transformer, and HSTU), and torchrec's TrainPipelineSparseDist and PEC
+               around the first as outside references
     cli/       the `freescale` command and its data commands
     plan/      the planner: `freescale simulate`, the straggler effect of N ranks without N devices
 
