@@ -26,9 +26,9 @@ _transports: dict[tuple[str, str], Transport] = {}
 _threads: dict[tuple[int, str], tuple[Transport, SerialWorker]] = {}
 
 
-def named_transport(name: str, backend: str = "host", *, pg_options=None) -> Transport:
+def named_transport(name: str, backend: str = "host") -> Transport:
     """The ``backend`` transport on the thread group ``name`` (made collectively on the first call with this name
-    and backend; ``pg_options``: the group's backend options, e.g. NCCL's zero-CTA policy)."""
+    and backend)."""
     key = (name, backend)
     with _lock:
         cached = _transports.get(key)
@@ -37,7 +37,7 @@ def named_transport(name: str, backend: str = "host", *, pg_options=None) -> Tra
         cached = None
     if cached is None:
         group_backend = "nccl" if backend.startswith("nccl") else "gloo"
-        cached = get_transport(backend, group=new_thread_group(name, backend=group_backend, pg_options=pg_options))
+        cached = get_transport(backend, group=new_thread_group(name, backend=group_backend))
         with _lock:
             _transports[key] = cached
     return cached

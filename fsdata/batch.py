@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from kernels.offsets import lengths_to_offsets
+
 if TYPE_CHECKING:  # torchrec is optional: the training path must work without it.
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -82,12 +84,17 @@ class Sample:
         return int(self.candidate_labels.shape[0])
 
 
-def lengths_to_offsets(lengths: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
-    """[n] lengths (a tensor, or a host sequence such as an exchange's splits) -> [n+1] int64 offsets from 0."""
-    lengths = torch.as_tensor(lengths, dtype=torch.int64) if not isinstance(lengths, torch.Tensor) else lengths
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
-    return out
+def kjt_split(kjt: "KeyedJaggedTensor") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{key: (values, lengths)}`` of a torchrec KeyedJaggedTensor, split by hand: ``KJT.to_dict()`` fails on a
+    KJT of zero samples, which an empty local batch gives."""
+    keys = list(kjt.keys())
+    ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    stride = kjt.lengths().numel() // max(len(keys), 1)
+    values, lengths = kjt.values(), kjt.lengths()
+    return {
+        k: (values[s:e], lengths[i * stride : (i + 1) * stride]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))
+    }
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
@@ -417,7 +424,6 @@ class Batch:
         extra_dense: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> "Batch":
         """Inverse of :meth:`to_kjt`: keys other than the built-in ones become ``extra_jagged`` fields."""
-        # Split per key by hand (KJT.to_dict() fails on a zero-sample KJT).
         keys = list(kjt.keys())
         missing = {UIH_ITEM_KEY, CONTENT_LENGTHS_KEY, CONTENT_KEY} - set(keys)
         if missing:
@@ -427,13 +433,7 @@ class Batch:
             raise ValueError(
                 f"KeyedJaggedTensor has {kjt.lengths().numel()} lengths for {len(keys)} keys x {b} samples"
             )
-        ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
-        starts = [0] + ends[:-1]
-        all_values, all_lengths = kjt.values(), kjt.lengths()
-        jt = {
-            k: (all_values[s:e], all_lengths[i * b : (i + 1) * b])
-            for i, (k, s, e) in enumerate(zip(keys, starts, ends))
-        }
+        jt = kjt_split(kjt)
         uih_values, uih_lengths = jt[UIH_ITEM_KEY]
         cand_values, cand_lengths = jt[CONTENT_LENGTHS_KEY]
         return cls(

@@ -41,6 +41,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from fsdata.batch import kjt_split
 from fsembed.context import EmbeddingContext
 from fsembed.plan import ShardingPlan, TableConfig
 from fsembed.prioritized import PrioritizedEmbeddingCollection
@@ -185,19 +186,6 @@ def quiet_torchrec_notes() -> None:
     a deprecation note addressed to torchrec's authors: nothing a user of FreeScale can act on, so it is silenced
     (that one logger, errors still shown) wherever FreeScale takes torchrec types."""
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-
-def kjt_split(kjt) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{key: (values, lengths)}`` of a torchrec KeyedJaggedTensor, split by hand: ``KJT.to_dict()`` fails on a
-    KJT of zero samples, which an empty local batch gives."""
-    keys = list(kjt.keys())
-    ends = torch.tensor(kjt.length_per_key(), dtype=torch.int64).cumsum(0).tolist()
-    starts = [0] + ends[:-1]
-    stride = kjt.lengths().numel() // max(len(keys), 1)
-    values, lengths = kjt.values(), kjt.lengths()
-    return {
-        k: (values[s:e], lengths[i * stride : (i + 1) * stride]) for i, (k, s, e) in enumerate(zip(keys, starts, ends))
-    }
 
 
 def kjt_ids(kjt) -> dict[str, torch.Tensor]:

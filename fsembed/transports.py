@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fscomm import TransportUnavailableError
 from fscomm.registry import named_transport
 
 ROLES = ("fsembed-forward", "fsembed-backward", "fsembed-bulk", "fsembed-collision")
@@ -65,12 +64,4 @@ def embedding_transports(backend: str = "host") -> EmbeddingTransports:
         raise RuntimeError(
             "fsembed: torch.distributed is not initialised (init_process_group before building a collection)"
         )
-    options = None
-    if backend == "nccl-ce":  # NCCL's zero-CTA policy: made with the group, or the transport refuses it
-        from fscomm.experimental.nccl_ce import NcclCeTransport, ce_group_options
-
-        reason = NcclCeTransport.unavailable_reason()
-        if reason is not None:
-            raise TransportUnavailableError(f"transport 'nccl-ce' cannot run on this machine: {reason}")
-        options = ce_group_options()
-    return EmbeddingTransports(*(named_transport(f"{role}-{backend}", backend, pg_options=options) for role in ROLES))
+    return EmbeddingTransports(*(named_transport(f"{role}-{backend}", backend) for role in ROLES))

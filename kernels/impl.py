@@ -1,6 +1,7 @@
 """The one vocabulary of kernel implementations, and its one resolver: every dispatch point (kernels.ops for the
-jagged data ops, kernels.attention for the jagged attention) names its implementations with :class:`Impl` and
-picks one with :func:`resolve`, which refuses a name it does not know and an implementation the op has not got.
+jagged data ops, kernels.attention for the jagged attention, kernels.hstu for the jagged HSTU attention) names its
+implementations with :class:`Impl` and picks one with :func:`resolve`, which refuses a name it does not know and an
+implementation the op has not got.
 """
 
 from __future__ import annotations

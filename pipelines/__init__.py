@@ -3,7 +3,8 @@
     api/       the training API a user's script calls: wrap_model (and the EmbeddingWrap it returns), TrainStep,
                ModelSpec, unwrap_model, predict, evaluate
     job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
-    models/    the reference model, and torchrec's TrainPipelineSparseDist and PEC around it as outside references
+    models/    the reference models (a softmax transformer, and HSTU), and torchrec's TrainPipelineSparseDist and PEC
+               around the first as outside references
     cli/       the `freescale` command and its data commands
     plan/      the planner: `freescale simulate`, the straggler effect of N ranks without N devices
 
@@ -32,18 +33,11 @@ _EXPORTS = {
     "wrap_model": "pipelines.api.step",
     "EmbeddingWrap": "pipelines.api.wrap",
 }
-# Old names, answered for one release with a DeprecationWarning: old name -> new name.
-_RENAMED = {"StagedPipeline": "EmbeddingWrap"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        from fscomm.renamed import warn_renamed  # here: fscomm loads torch, which `freescale` loads only when needed
-
-        warn_renamed("pipelines", name, _RENAMED[name])
-        name = _RENAMED[name]
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

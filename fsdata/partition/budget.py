@@ -24,17 +24,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from fsdata.partition.base import GatheredLengths, Plan
 
+if TYPE_CHECKING:
+    from fsdata.batch import Batch
+
 FLAG = "--memory-budget"
 
 
-def kept_tokens(lengths: GatheredLengths, max_uih: Optional[int] = None, per_sample_tokens: int = 0) -> np.ndarray:
-    """[G] int64 tokens each sample puts on the rank that holds it."""
+def kept_tokens(
+    lengths: Union[GatheredLengths, "Batch"], max_uih: Optional[int] = None, per_sample_tokens: int = 0
+) -> np.ndarray:
+    """[G] int64 tokens each sample puts on the rank that holds it: of a step's gathered lengths, or of one batch
+    (the memory probe counts its probe batches so, as the budget counts them)."""
     uih = lengths.uih_lengths.numpy()
     if max_uih is not None:
         uih = np.minimum(uih, max_uih)

@@ -10,12 +10,7 @@ from typing import Optional
 
 import torch
 
-
-def lengths_to_offsets(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[K] lengths -> [K+1] offsets of ``dtype`` starting at 0 (cumsum runs in int64 so int32 cannot wrap early)."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
-    return out.to(dtype)
+from kernels.offsets import lengths_to_offsets
 
 
 def gather_segments(

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.api.wrap import wrap_argument
 from pipelines.models.reference import normalized_entropy
 
 
@@ -117,19 +116,15 @@ def predict(
     device: Union[str, torch.device] = "cpu",
     precision: str = "auto",
     probabilities: bool = False,
-    stage=None,
 ) -> Predictions:
     """The model's per-candidate logits (``probabilities=True``: their float32 sigmoid) over ``items``: a loader,
     any iterable of LoaderItems or Batches, or one Batch or LoaderItem. Runs under ``torch.no_grad()`` in eval
     mode and leaves the model in the mode it was in. ``wrap``: what ``wrap_model`` returned (flushed first; its
-    lookups are collective, so every rank calls ``predict`` over as many batches; ``stage``: its old name,
-    deprecated); ``inputs``: ``batch -> model arguments`` (default: the wrap's, else the batch); ``precision``: as
-    ``--precision`` (``auto`` is fp32 on CPU, bf16 autocast on CUDA). Returns this rank's rows only (``evaluate``
-    gathers every rank's)."""
+    lookups are collective, so every rank calls ``predict`` over as many batches); ``inputs``: ``batch -> model
+    arguments`` (default: the wrap's, else the batch); ``precision``: as ``--precision`` (``auto`` is fp32 on CPU,
+    bf16 autocast on CUDA). Returns this rank's rows only (``evaluate`` gathers every rank's)."""
     from pipelines.api.step import call_model
 
-    # 3 frames up: torch.no_grad's wrapper stands between the caller and this function
-    wrap = wrap_argument("predict", wrap, stage, stacklevel=3)
     device = torch.device(device)
     if wrap is not None:
         wrap.flush()
@@ -171,12 +166,10 @@ def evaluate(
     device: Union[str, torch.device] = "cpu",
     precision: str = "auto",
     world_size: Optional[int] = None,
-    stage=None,
 ) -> EvalResult:
     """NE and AUC of ``model`` over ``items`` (every rank passes its own loader's held-out items): ``predict``'s
     logits and labels gathered from every rank, then the module docstring's metrics. The arguments are
     ``predict``'s; ``world_size``: the ranks to gather from (default: the process group's, 1 without one)."""
-    wrap = wrap_argument("evaluate", wrap, stage, stacklevel=2)
     world_size = (dist.get_world_size() if dist.is_initialized() else 1) if world_size is None else world_size
     rows = predict(model, items, wrap=wrap, inputs=inputs, device=device, precision=precision)
     logits, labels = _gathered(rows.scores, world_size), _gathered(rows.labels, world_size)

@@ -47,7 +47,7 @@ from fsembed.context import EmbeddingContext
 from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, per_rank_of
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args, wrap_argument
+from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args
 from pipelines.models.reference import bce_sum
 from pipelines.models.step_result import StepResult
 
@@ -133,7 +133,6 @@ def unwrap_model(
     wrap: Optional[EmbeddingWrap] = None,
     *,
     dst: Optional[int] = 0,
-    stage: Optional[EmbeddingWrap] = None,
 ) -> nn.Module:
     """The inverse of :func:`wrap_model`, after training: puts your own embedding modules back in ``model`` in
     place, with the trained tables, and removes FreeScale's collection and hooks, so ``model.state_dict()`` is
@@ -142,11 +141,9 @@ def unwrap_model(
     Collective: every rank calls it, once, when the wrap is done (``wrap.flush()`` runs first). The tables
     are gathered to rank ``dst`` only, one table at a time; on the other ranks the modules come back on the meta
     device (the same keys, shapes and dtypes, no values: load the saved file to use them). ``dst=None`` gives
-    every rank the tables (each holds every whole table then). The wrap trains no more afterwards. ``stage``: the
-    old name of ``wrap``, deprecated."""
+    every rank the tables (each holds every whole table then). The wrap trains no more afterwards."""
     from fsembed.swap import unswap_embeddings
 
-    wrap = wrap_argument("unwrap_model", wrap, stage, stacklevel=2)
     if wrap is None:
         raise ValueError("unwrap_model: give the EmbeddingWrap that wrap_model returned for this model")
     wrap.flush()
@@ -219,11 +216,10 @@ class TrainStep:
     implementation of a training step, which ``freescale train``'s trainer drives too (pipelines.job.trainer adds only
     what a job needs around it, through ``hooks``: timings, per-rank slots; and checkpoints, logs).
 
-    ``wrap``: what ``wrap_model`` returned (None for a model without sharded tables; ``stage``: its old name,
-    deprecated). ``inputs``: ``batch -> model arguments`` (default: the wrap's, else the batch). ``loss``:
-    ``(outputs, batch) ->`` the sum of the local per-label losses (default :func:`bce_loss`). ``optimizer``: the
-    dense part's, built on ``model.parameters()`` after ``wrap_model`` (the swapped tables are no parameters: the
-    wrap updates them).
+    ``wrap``: what ``wrap_model`` returned (None for a model without sharded tables). ``inputs``: ``batch -> model
+    arguments`` (default: the wrap's, else the batch). ``loss``: ``(outputs, batch) ->`` the sum of the local
+    per-label losses (default :func:`bce_loss`). ``optimizer``: the dense part's, built on ``model.parameters()``
+    after ``wrap_model`` (the swapped tables are no parameters: the wrap updates them).
     ``precision``: the forward's and loss's compute, ``auto`` (bf16 autocast on CUDA, fp32 on CPU), ``bf16`` or
     ``fp32`` (pipelines.api.numerics). For a job's accounting: ``timer`` (fscomm.timing.Timer) times the label count's
     all-reduce as ``label_count``, the forward and backward as ``forward_backward`` and the wait for the dense
@@ -248,9 +244,7 @@ class TrainStep:
         precision: str = "auto",
         timer=None,
         hooks: Optional[StepHooks] = None,
-        stage: Optional[EmbeddingWrap] = None,
     ) -> None:
-        wrap = wrap_argument("TrainStep", wrap, stage, stacklevel=2)
         self.model, self.optimizer, self.wrap = model, optimizer, wrap
         self.loss = loss if loss is not None else bce_loss
         self.inputs = inputs if inputs is not None else getattr(wrap, "inputs", None)

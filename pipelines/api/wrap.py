@@ -35,7 +35,6 @@ Built through the public ``pipelines.api.step.wrap_model`` (the reference model 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -61,21 +60,6 @@ def as_args(inputs: Optional[Inputs], batch: Batch) -> tuple:
         return (batch,)
     args = inputs(batch)
     return tuple(args) if isinstance(args, (tuple, list)) else (args,)
-
-
-def wrap_argument(where: str, wrap: Optional["EmbeddingWrap"], stage: Optional["EmbeddingWrap"], stacklevel: int):
-    """The wrap passed as ``wrap=``, or as ``stage=``, its name until this release (then with a DeprecationWarning
-    at the caller's line, ``stacklevel`` frames up)."""
-    if stage is None:
-        return wrap
-    if wrap is not None:
-        raise ValueError(f"{where}: give wrap= alone; stage= is its old name")
-    warnings.warn(
-        f"{where}: stage= is deprecated and goes in the next release: pass wrap= (what wrap_model returns)",
-        DeprecationWarning,
-        stacklevel=stacklevel + 1,
-    )
-    return stage
 
 
 def kjt_in(args: tuple, where: str):

@@ -124,15 +124,6 @@ def latest(root: str | Path) -> Optional[Path]:
     return steps[0] if steps else None
 
 
-def saved_world_size(directory: str | Path) -> int:
-    return checkpoint_manifest.read(directory).world_size
-
-
-def saved_format(directory: str | Path) -> str:
-    """``"dcp"``, or ``"files"`` for the earlier format (one torch.save per rank)."""
-    return checkpoint_manifest.read(directory).format
-
-
 def _size(directory: Path, name: str) -> Optional[int]:
     """The size of file ``name`` of ``directory`` (None: missing), once checkpoint_io accepts its path."""
     try:

@@ -30,7 +30,6 @@ import json
 import math
 import numbers
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
@@ -46,7 +45,7 @@ from pipelines.job.schedule import SCHEDULE_CHOICES
 from pipelines.models.hstu import HSTU_PRESETS
 from pipelines.models.reference import ATTENTION_IMPLS
 
-# nccl-ce (fscomm/nccl_ce.py) is not offered until it has run on two GPUs or more
+# nccl-ce and peer (fscomm/experimental/) are not offered until they have run on the hardware they are written for
 TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
 DEVICES = ("cpu", "cuda", "auto")
 OPTIMIZER_CHOICES = ("sgd", "rowwise_adagrad", "adam")
@@ -93,35 +92,6 @@ def check_choices(table: str, section: Any) -> None:
             raise refuse(f"{table}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
 
 
-class _Renamed:
-    """A section's field under its name of the release before: read and set through to the new name, with a
-    DeprecationWarning naming both."""
-
-    def __init__(self, new: str) -> None:
-        self.new = new
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.old, self.table = name, owner.TABLE
-
-    def _warn(self) -> None:
-        warnings.warn(
-            f"config.{self.table}.{self.old} is deprecated and goes in the next release: use "
-            f"config.{self.table}.{self.new}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-
-    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
-        if obj is None:
-            return self
-        self._warn()
-        return getattr(obj, self.new)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        self._warn()
-        setattr(obj, self.new, value)
-
-
 @dataclass
 class JobDataSection:
     """The ``[data]`` table of the job config (``config.data``): the training and held-out data, and how much of
@@ -159,10 +129,6 @@ class JobDataSection:
     """Samples per rank per step: the local batch B (the global batch is B x ranks)."""
     prefetch_depth: int = 2
     """Local batches read ahead of the model, in a thread."""
-
-    data = _Renamed("path")
-    data_seed = _Renamed("seed")
-    eval_data = _Renamed("eval_path")
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
@@ -202,8 +168,6 @@ class JobModelSection:
     """The HSTU model's positions and time gaps: ``rab`` (a learned bias inside the attention, work per score),
     ``embeddings`` (learned input embeddings, a gather per token: recsys-examples' configuration), ``both`` or
     ``none``; unset: ``rab``. The HSTU presets' alone."""
-
-    model = _Renamed("name")
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
@@ -417,30 +381,6 @@ SECTIONS = {
 }
 TABLES = tuple(SECTIONS)
 
-# config.train and config.loader of the release before: where their fields live now (JobConfig.train, .loader).
-_LOADER_KNOBS = ("pin_memory", "background_stages", "worker_start", "stage_lookahead")
-OLD_TRAIN_FIELDS = {
-    **{f.name: f"run.{f.name}" for f in dataclasses.fields(JobRunSection)},
-    **{
-        f.name: f"tuning.{f.name}"
-        for f in dataclasses.fields(JobTuningSection)
-        if f.name not in (*_LOADER_KNOBS, "attention_impl")  # the loader's and the model's then
-    },
-    "embedding_optimizer": "embeddings.optimizer",
-    "embedding_lr": "embeddings.lr",
-    "transport": "embeddings.transport",
-    "checkpoint_dir": "checkpoint.dir",
-    "checkpoint_every": "checkpoint.every",
-    "resume": "checkpoint.resume",
-    "async_checkpoint": "checkpoint.async_save",
-    "export": "checkpoint.export",
-}
-OLD_LOADER_FIELDS = {
-    "batch_size": "data.batch_size",
-    "prefetch_depth": "data.prefetch_depth",
-    **{key: f"tuning.{key}" for key in _LOADER_KNOBS},
-}
-
 # Options that only some modes read: the others ignore them (JobConfig.ignored_options warns).
 MODE_OPTIONS = {
     "balancer.partitioner": BALANCING,
@@ -524,34 +464,6 @@ def check_types(table: str, section: Any) -> None:
         problem = None if value is None and f.default is None else type_problem(kind, value, repr)
         if problem:
             raise ConfigError(f"{{}}: {_literal(problem)}", f"{table}.{f.name}")
-
-
-class _OldSection:
-    """``config.train`` or ``config.loader`` of the release before: their fields, read and set where they live now
-    (``fields``: old name -> path), each access with a DeprecationWarning naming the new path."""
-
-    def __init__(self, config: "JobConfig", name: str, fields: dict[str, str]) -> None:
-        object.__setattr__(self, "_where", (config, name, fields))
-
-    def _section(self, key: str) -> tuple[Any, str]:
-        config, name, fields = self._where
-        if key not in fields:
-            tables = ", ".join(sorted({path.split(".")[0] for path in fields.values()}))
-            raise AttributeError(f"config.{name} has no field {key!r} (it is deprecated; its fields are in {tables})")
-        path = fields[key]
-        warnings.warn(
-            f"config.{name}.{key} is deprecated and goes in the next release: use config.{path}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        table, new_key = path.split(".")
-        return getattr(config, table), new_key
-
-    def __getattr__(self, key: str) -> Any:
-        return getattr(*self._section(key))
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        setattr(*self._section(key), value)
 
 
 @dataclass
@@ -647,35 +559,3 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @property
-    def train(self) -> _OldSection:
-        """The release before's ``config.train`` (33 fields, now in run, embeddings, checkpoint and tuning)."""
-        return _OldSection(self, "train", OLD_TRAIN_FIELDS)
-
-    @property
-    def loader(self) -> _OldSection:
-        """The release before's ``config.loader`` (now in data and tuning; :meth:`loader_config` builds one)."""
-        return _OldSection(self, "loader", OLD_LOADER_FIELDS)
-
-
-_OLD_NAMES = {"DataConfig": "JobDataSection", "ModelSection": "JobModelSection"}
-_MOVED_TO_FLAGS = ("config_from_args", "add_config_arguments", "add_tuning_arguments", "apply_tuning")
-
-
-def __getattr__(name: str) -> Any:
-    """The names of the release before, for one more release, with a DeprecationWarning."""
-    if name in _OLD_NAMES:
-        new, where = _OLD_NAMES[name], "pipelines.job.config"
-    elif name in _MOVED_TO_FLAGS:
-        new, where = name, "pipelines.job.flags"
-    else:
-        raise AttributeError(f"module 'pipelines.job.config' has no attribute {name!r}")
-    warnings.warn(
-        f"pipelines.job.config.{name} is deprecated and goes in the next release: use {where}.{new}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    import importlib
-
-    return getattr(importlib.import_module(where), new)

@@ -2,42 +2,17 @@
 pipelines.job.config.JobConfig, each key a field of its section.
 
 Every value is checked against its field's type by the config's one type check (config.type_problem); each error
-is one line naming the file and the line, or the table and key. A key spelled as the release before spelled it
-(``RENAMED_KEYS``) is read as its new spelling for one more release, with a warning naming the file, the old and
-the new spelling.
+is one line naming the file and the line, or the table and key.
 """
 
 from __future__ import annotations
 
 import difflib
 import tomllib
-import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipelines.job.config import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
-
-
-class ConfigDeprecation(FutureWarning):
-    """A TOML file spells a key as the release before did. A FutureWarning: shown to the user by default."""
-
-
-# The TOML spellings of the release before, read for one more release with a warning: old -> new ("table.key").
-RENAMED_KEYS = {
-    "data.data": "data.path",
-    "data.data_seed": "data.seed",
-    "data.eval_data": "data.eval_path",
-    "model.model": "model.name",
-    "embeddings.embedding_optimizer": "embeddings.optimizer",
-    "embeddings.embedding_lr": "embeddings.lr",
-    "checkpoint.checkpoint_dir": "checkpoint.dir",
-    "checkpoint.checkpoint_every": "checkpoint.every",
-    "checkpoint.async_checkpoint": "checkpoint.async_save",
-}
-
-
-def _warn_deprecated(message: str) -> None:
-    warnings.warn(message, ConfigDeprecation, stacklevel=3)
 
 
 def _load_tables(path: Path) -> dict[str, Any]:
@@ -68,13 +43,8 @@ def _load_tables(path: Path) -> dict[str, Any]:
 
 
 def _homes(key: str) -> str:
-    """Where a key belongs: ``[tuning]``, ``[run] or [embeddings]``, ``[checkpoint] as dir``; "" if nowhere."""
-    fields = config_fields()
-    homes = [f"[{path.split('.')[0]}]" for path in fields if path.split(".")[1] == key]
-    homes += [
-        f"[{new.split('.')[0]}] as {new.split('.')[1]}" for old, new in RENAMED_KEYS.items() if old.split(".")[1] == key
-    ]
-    return " or ".join(homes)
+    """Where a key belongs: ``[tuning]``, ``[run] or [embeddings]``; "" if nowhere."""
+    return " or ".join(f"[{path.split('.')[0]}]" for path in config_fields() if path.split(".")[1] == key)
 
 
 def _closest(table: str, key: str) -> str:
@@ -90,31 +60,20 @@ def _closest(table: str, key: str) -> str:
     return f"; did you mean {match[0]}?" if match else ""
 
 
-def read_toml(path: Path, warn: Callable[[str], None] = _warn_deprecated) -> dict[str, Any]:
+def read_toml(path: Path) -> dict[str, Any]:
     """path (``run.steps``) -> value, from the TOML file ``path``: a table per section, every key a field of its
-    table, every value of its field's type; each error names the file (and the line, the table, the key). A key
-    spelled as the release before did (``RENAMED_KEYS``) is read as its new spelling, with one call of ``warn``
-    (default: a ConfigDeprecation warning) naming the file, the old and the new spelling."""
+    table, every value of its field's type; each error names the file (and the line, the table, the key)."""
     fields = config_fields()
     tables = _load_tables(path)
     values = {}
     for table, keys in tables.items():
         for key, value in keys.items():
-            new = RENAMED_KEYS.get(f"{table}.{key}", f"{table}.{key}")
-            if new not in fields:
+            known = f"{table}.{key}"
+            if known not in fields:
                 where = f" (it belongs in {_homes(key)})" if _homes(key) else _closest(table, key)
                 raise ValueError(f"{path}: [{table}] has unknown key {key!r}{where}")
-            new_table, new_key = new.split(".")
-            if new != f"{table}.{key}":
-                if new_key in tables.get(new_table, {}):
-                    raise ValueError(
-                        f"{path}: [{table}] {key} is the old spelling of [{new_table}] {new_key}: keep one"
-                    )
-                warn(
-                    f"{path}: [{table}] {key} is deprecated and goes in the next release: write [{new_table}] {new_key}"
-                )
-            problem = type_problem(field_kind(new), value)
+            problem = type_problem(field_kind(known), value)
             if problem:
                 raise ValueError(f"{path}: [{table}] {key}: {problem}")
-            values[new] = float(value) if field_kind(new) is float else value
+            values[known] = float(value) if field_kind(known) is float else value
     return values

@@ -14,7 +14,6 @@ same check as a TOML value (config.type_problem); the validation's errors name t
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -225,15 +224,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     add_tuning_arguments(parser, show=False)
 
 
-def _deprecation_line(message: str) -> None:
-    print(f"[freescale] warning: {message}", file=sys.stderr)
-
-
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     """The job's config: flags (already of their fields' types, parsed by ``_add``'s parsers) over the TOML file
-    of ``--config`` (its old spellings each one warning line) over the defaults, validated; errors name flags.
+    of ``--config`` over the defaults, validated; errors name flags.
     ``config.explicit``: the paths the user set, for :func:`ignored_option_lines`."""
-    file_values = read_toml(Path(args.config), warn=_deprecation_line) if getattr(args, "config", None) else {}
+    file_values = read_toml(Path(args.config)) if getattr(args, "config", None) else {}
     given = {path: getattr(args, path) for path in FLAGS if getattr(args, path, None) is not None}
     config = JobConfig.from_values({**file_values, **given})
     try:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from fsdata.batch import Batch
-from fsdata.partition import BudgetSpec, MemoryModel
+from fsdata.partition import BudgetSpec, MemoryModel, kept_tokens
 from pipelines.api.numerics import autocast, autocast_dtype
 
 if TYPE_CHECKING:  # the balancer's stages and the API's step need torchdata, which the replay benchmark does without
@@ -67,12 +67,6 @@ def equal_length(batch: Batch, length: int) -> Batch:
         uih_action_types=opt(batch.uih_action_types),
         uih_timestamps=opt(batch.uih_timestamps),
     )
-
-
-def kept_tokens(batch: Batch, max_uih: Optional[int]) -> int:
-    """The batch's kept tokens as the budget counts them (fsdata.partition.budget.kept_tokens)."""
-    uih = batch.uih_lengths if max_uih is None else batch.uih_lengths.clamp(max=max_uih)
-    return int(uih.sum()) + int(batch.num_candidates.sum())
 
 
 def probe_batches(source, length: Optional[int]) -> tuple[Batch, Batch]:
@@ -151,7 +145,7 @@ def probe_memory_model(
         points = []
         for batch in (one, many):
             peak = peak_bytes(lambda batch=batch: step_once(spec, batch, device, precision), device)
-            points.append((kept_tokens(batch, max_uih), peak))
+            points.append((int(kept_tokens(batch, max_uih).sum()), peak))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the job's reported peak is its training's
     per_token, fixed = line_through(points)

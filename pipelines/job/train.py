@@ -3,9 +3,10 @@
     freescale train --nproc 2 --steps 20 --summary-json out.json     # launches 2 local ranks itself
     torchrun --nproc-per-node 2 -m pipelines.job.train --steps 20         # or under torchrun
 
-Data parallel for now: every rank holds the whole model; after backward one all-reduce carries the gradients
-and the step's bookkeeping (label counts, per-rank compute times), so a step has exactly one blocking
-collective and the straggler wait is measured where it happens (see pipelines.job.trainer).
+Every rank holds the whole dense model (data parallel); the embedding tables are replicated or, in the sharded
+modes, row-wise sharded. The dense gradients' all-reduce carries the step's bookkeeping too (label counts, per-rank
+compute times), so the bookkeeping adds no collective and the straggler wait is measured where it happens (see
+pipelines.job.trainer).
 
 Errors. What can be checked before the ranks start is checked there (the config, the data's files and schema, an
 explicit checkpoint directory). An error raised on a rank reaches the user as one line naming the rank and the cause,

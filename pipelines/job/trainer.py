@@ -503,7 +503,6 @@ class Trainer:
         profiler.start()
         return profiler
 
-    # ------------------------------------------------------------------ exposed time
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, upcoming: Optional[_Fetched]) -> None:
         """``upcoming``: the batch already fetched for the next step (the lookahead): the saved loader state is

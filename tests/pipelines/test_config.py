@@ -1,5 +1,5 @@
-"""The job config: sections that are the TOML tables, the old spellings read with a warning, one validation whose
-errors name paths in Python and flags on the command line, and flags derived outside the config's classes."""
+"""The job config: sections that are the TOML tables, keys and paths of before refused as unknown, one validation
+whose errors name paths in Python and flags on the command line, and flags derived outside the config's classes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from pipelines.cli import build_parser
 from pipelines.job import config as job_config
 from pipelines.job.config import SECTIONS, ConfigError, JobConfig, config_fields
-from pipelines.job.config_file import ConfigDeprecation, read_toml
+from pipelines.job.config_file import read_toml
 from pipelines.job.flags import FLAGS, config_from_args, flag
 
 # `freescale train`'s options; those from before the config's sections became its tables stay, as users' scripts
@@ -74,69 +74,42 @@ def test_the_flags_are_the_ones_users_scripts_know_and_each_field_has_exactly_on
     assert (config.checkpoint.dir, config.data.seed, config.run.seed, config.embeddings.lr) == ("ck", 3, 4, 0.5)
 
 
-def test_old_toml_spellings_are_read_with_one_warning_line_naming_file_old_and_new(tmp_path, capsys):
-    toml = tmp_path / "job.toml"
-    toml.write_text(
-        '[checkpoint]\ncheckpoint_dir = "ck"\ncheckpoint_every = 2\nasync_checkpoint = true\n'
-        '[embeddings]\nembedding_lr = 0.5\nembedding_optimizer = "rowwise_adagrad"\n'
-        '[data]\ndata = "synthetic"\ndata_seed = 3\n[model]\nmodel = "tiny"\n'
-    )
-    config = _parse("--config", str(toml))
-    assert (config.checkpoint.dir, config.checkpoint.every, config.checkpoint.async_save) == ("ck", 2, True)
-    assert (config.embeddings.lr, config.embeddings.optimizer) == (0.5, "rowwise_adagrad")
-    assert (config.data.path, config.data.seed, config.model.name) == ("synthetic", 3, "tiny")
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 8, lines
-    assert lines[0] == (
-        f"[freescale] warning: {toml}: [checkpoint] checkpoint_dir is deprecated and goes in the next release: "
-        "write [checkpoint] dir"
-    )
-    assert f"{toml}: [model] model is deprecated and goes in the next release: write [model] name" in lines[-1]
-    with pytest.warns(ConfigDeprecation) as caught:  # from Python: a FutureWarning, shown by default
-        assert read_toml(toml)["data.seed"] == 3
-    assert [str(w.message) for w in caught] == [line.removeprefix("[freescale] warning: ") for line in lines]
-
-
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('[checkpoint]\ncheckpoint_dir = "a"\ndir = "b"\n', "[checkpoint] checkpoint_dir is the old spelling of "),
-        ('[run]\ncheckpoint_dir = "a"\n', "[run] has unknown key 'checkpoint_dir' (it belongs in [checkpoint] as dir)"),
+        ('[checkpoint]\ncheckpoint_dir = "a"\n', "[checkpoint] has unknown key 'checkpoint_dir'"),
+        ("[data]\ndata_seed = 3\n", "[data] has unknown key 'data_seed'; did you mean seed?"),
+        ('[model]\nmodel = "tiny"\n', "[model] has unknown key 'model'"),
         ("[embeddings]\nseed = 1\n", "[embeddings] has unknown key 'seed' (it belongs in [data] or [run])"),
         ("[run]\nno_progress = true\n", "[run] has unknown key 'no_progress'; write progress = false"),
         ("[run]\nsteeps = 4\n", "[run] has unknown key 'steeps'; did you mean steps?"),
         ("lr = 1.0\n", "lr = 1.0 is outside any table; it belongs in [embeddings] or [run]"),
-        ("[checkpoint]\ncheckpoint_every = 1.5\n", "[checkpoint] checkpoint_every: expected an integer, got 1.5"),
+        ("[checkpoint]\nevery = 1.5\n", "[checkpoint] every: expected an integer, got 1.5"),
     ],
 )
 def test_a_toml_key_out_of_place_names_where_it_belongs(tmp_path, text, message):
     toml = tmp_path / "job.toml"
     toml.write_text(text)
     with pytest.raises(ValueError) as error:
-        read_toml(toml, warn=lambda line: None)
+        read_toml(toml)
     assert str(error.value).startswith(f"{toml}: ") and message in str(error.value), str(error.value)
 
 
-def test_the_old_python_paths_answer_for_one_release_with_a_warning():
+def test_the_old_python_paths_are_gone():
     config = JobConfig()
-    with pytest.warns(DeprecationWarning, match=r"config\.train\.checkpoint_dir .* use config\.checkpoint\.dir"):
-        config.train.checkpoint_dir = "ck"
-    with pytest.warns(DeprecationWarning, match=r"config\.train\.steps .* use config\.run\.steps"):
-        assert config.train.steps == 20
-    with pytest.warns(DeprecationWarning, match=r"config\.loader\.pin_memory .* use config\.tuning\.pin_memory"):
-        config.loader.pin_memory = True
-    with pytest.warns(DeprecationWarning, match=r"config\.data\.data .* use config\.data\.path"):
-        assert config.data.data == "synthetic"
-    with pytest.warns(DeprecationWarning, match=r"config\.model\.model .* use config\.model\.name"):
-        config.model.model = "small"
-    assert (config.checkpoint.dir, config.tuning.pin_memory, config.model.name) == ("ck", True, "small")
-    with pytest.raises(AttributeError, match="config.train has no field 'batch_size'"):
-        config.train.batch_size
-    for old, new in (("ModelSection", "JobModelSection"), ("DataConfig", "JobDataSection")):
-        with pytest.warns(DeprecationWarning, match=f"pipelines.job.config.{old} is deprecated"):
-            assert getattr(job_config, old) is getattr(job_config, new)
-    with pytest.warns(DeprecationWarning, match="use pipelines.job.flags.config_from_args"):
-        assert job_config.config_from_args is config_from_args
+    for section, old in (
+        (config, "train"),
+        (config, "loader"),
+        (config.data, "data"),
+        (config.data, "data_seed"),
+        (config.data, "eval_data"),
+        (config.model, "model"),
+    ):
+        with pytest.raises(AttributeError, match=f"has no attribute '{old}'"):
+            getattr(section, old)
+    for old in ("DataConfig", "ModelSection", "config_from_args", "add_config_arguments", "apply_tuning"):
+        with pytest.raises(AttributeError, match=f"has no attribute '{old}'"):
+            getattr(job_config, old)
 
 
 def test_validation_names_paths_in_python_and_flags_on_the_command_line():

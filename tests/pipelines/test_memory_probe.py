@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fsdata.batch import Batch
-from fsdata.partition import BudgetSpec, MemoryModel
+from fsdata.partition import BudgetSpec, MemoryModel, kept_tokens
 from pipelines.job import memory_probe
 from pipelines.job.builders import build_model_spec, build_source
 from pipelines.job.config import JobConfig
@@ -39,7 +39,7 @@ class StandIn:
 
     def __call__(self, run, device) -> float:
         run()
-        return FIXED + PER_TOKEN * memory_probe.kept_tokens(self.batches[-1], self.max_uih)
+        return FIXED + PER_TOKEN * int(kept_tokens(self.batches[-1], self.max_uih).sum())
 
 
 @pytest.mark.parametrize("name, kind", [("hstu", HSTUModel), ("tiny", SequenceModel)])
@@ -118,7 +118,7 @@ def _trainer_with_auto_budget(rank, world_size):
             seen = len(forwards)
             run()
             assert len(forwards) == seen + 1, "the probe's call ran no forward of the job's HSTU model"
-            return FIXED + PER_TOKEN * memory_probe.kept_tokens(forwards[-1], 48)
+            return FIXED + PER_TOKEN * int(kept_tokens(forwards[-1], 48).sum())
 
     memory_probe.PEAK_BYTES["cpu"] = Peak()
     budget.device_free_bytes = lambda device=None: 2**30
@@ -162,5 +162,5 @@ def test_the_probed_line_predicts_the_peak_of_larger_batches_on_cuda():
     other = memory_probe.equal_length(source.read(0, int(having[1]), int(having[1]) + 1), 2048)
     batch = Batch.concat([other] * 16)
     peak = memory_probe.cuda_peak_bytes(lambda: memory_probe.step_once(spec, batch, device, "auto"), device)
-    predicted = model.fixed_bytes + model.bytes_per_token * memory_probe.kept_tokens(batch, 2048)
+    predicted = model.fixed_bytes + model.bytes_per_token * int(kept_tokens(batch, 2048).sum())
     assert predicted == pytest.approx(peak, rel=0.10), (predicted / 2**30, peak / 2**30)

@@ -1,0 +1,44 @@
+"""Names renamed so that each word has one meaning are gone, not aliased: the packages' old names raise
+AttributeError, and TrainStep, predict, evaluate and unwrap_model refuse the old ``stage=`` keyword."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fscomm
+import fsembed
+import pipelines
+
+OLD_NAMES = [
+    (pipelines, "StagedPipeline"),
+    (fscomm, "new_stage_group"),
+    (fsembed, "StageTransports"),
+    (fsembed, "stage_transports"),
+]
+
+
+@pytest.mark.parametrize("package,old", OLD_NAMES, ids=[old for _, old in OLD_NAMES])
+def test_an_old_public_name_is_gone(package, old):
+    with pytest.raises(AttributeError, match=f"module '{package.__name__}' has no attribute '{old}'"):
+        getattr(package, old)
+    assert old not in package.__all__
+
+
+def test_the_old_stage_keyword_is_refused():
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="stage"):
+        pipelines.TrainStep(model, None, torch.optim.SGD(model.parameters()), stage=None, rank=0, world_size=1)
+    for function in (pipelines.predict, pipelines.evaluate):
+        with pytest.raises(TypeError, match="stage"):
+            function(model, [], stage=None)
+    with pytest.raises(TypeError, match="stage"):
+        pipelines.unwrap_model(model, stage=None)
+
+
+def test_unwrap_model_without_a_wrap_is_one_line():
+    with pytest.raises(
+        ValueError, match=r"^unwrap_model: give the EmbeddingWrap that wrap_model returned for this model$"
+    ):
+        pipelines.unwrap_model(nn.Linear(2, 1))
