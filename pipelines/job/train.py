@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -357,7 +358,7 @@ def _launch_config(config: JobConfig, log_dir: Path):
                 "read_timeout": run.comm_timeout_s,
             },
         )
-    return LaunchConfig(
+    options = dict(
         min_nodes=run.nnodes,
         max_nodes=run.nnodes,
         nproc_per_node=run.nproc,
@@ -374,6 +375,10 @@ def _launch_config(config: JobConfig, log_dir: Path):
         # torch's launcher keeps its own per-run folder: under ours, so that it goes with ours
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "torchelastic")),
     )
+    # shutdown_timeout, signals_to_handle and numa_options came in later torch releases than the oldest one the job
+    # runs on (2.11 has no shutdown_timeout); where one is missing torch's own default stands.
+    known = {field.name for field in dataclasses.fields(LaunchConfig)}
+    return LaunchConfig(**{name: value for name, value in options.items() if name in known})
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ def test_the_gates_read_the_triton_rows():
 
     lines = hstu.gates([record("triton", 1.0, 2.0, 1.2, 4.0), record("triton-rab", 1.1, 2.4)])
     assert lines[0].startswith("gate a/64: fwd+bwd 2.00x") and lines[0].endswith("met")
-    assert lines[1] == "gate rab a/64: fwd+bwd 1.20x rab off (<= 1.25): met"
+    assert lines[1] == "gate rab a/64: fwd+bwd 1.20x rab off (<= 2.0): met"
 
 
 def test_bad_input_is_one_line(tmp_path):
