@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks import hstu_step as bench
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig
@@ -109,3 +110,16 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
     row = bench.breakdown_table([record]).splitlines()[1]
     assert "4.00 (40.0%)" in row and "2.00 (20.0%)" in row and "0.50 ( 5.0%)" in row  # idle: the 0.5 ms left
     assert row.count("( 5.0%)") == 2
+
+
+def test_the_gates_read_each_rows_rab_and_its_glue():
+    def record(rab, tflops, other_ms):
+        return bench.Record(
+            "hstu-large", "zipf", rab, False, True, "autocast", 32, 100, 10, 32, 50.0, None, None, 1.0, 1.0, 2.0,
+            tflops, None, [50.0], [10],
+            breakdown_ms={"attention": 20.0, "matmul": 10.0, "optimizer": 2.0, "other": other_ms},
+        )  # fmt: skip
+
+    lines = bench.gates([record(False, 350.0, 5.0), record(True, 150.0, 12.0)], torch.device("cuda"))
+    assert lines[0].endswith(">= 340 (aim 400): met") and lines[1] == "  glue 10% of the step (<= 15%): met"
+    assert lines[2].endswith(">= 200 (aim 300): NOT met") and lines[3] == "  glue 24% of the step (<= 15%): NOT met"
