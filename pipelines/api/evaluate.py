@@ -11,7 +11,7 @@ the same number of batches (the last ones short or empty), so the exchanges pair
 Metrics, over the whole held-out set (all ranks, each sample once):
 
 - **NE**: the summed BCE of the logits (in float64) over the label count, divided by the entropy of the labels'
-  positive rate (as the training NE, pipelines.models.reference.normalized_entropy).
+  positive rate (as the training NE, pipelines.metrics.normalized_entropy).
 - **AUC**: the area under the ROC curve per label column: torchmetrics' binary AUROC of the float32 sigmoid of
   the logits against every candidate's label (every rank's, gathered); tied scores count half, as the
   trapezoid rule gives. ``auc`` is the mean over the columns that have both classes (a column without positives
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.models.reference import normalized_entropy
+from pipelines.metrics import normalized_entropy
 
 
 @dataclass

@@ -48,7 +48,7 @@ from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, 
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args
-from pipelines.models.reference import bce_sum
+from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.step_result import StepResult
 
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -56,8 +56,8 @@ Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of 
 
 def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed
-    (pipelines.models.reference.bce_sum, the reference model's)."""
-    return bce_sum(outputs, batch.candidate_labels)
+    (pipelines.metrics.binary_cross_entropy_sum, the reference model's)."""
+    return binary_cross_entropy_sum(outputs, batch.candidate_labels)
 
 
 def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem, args: Optional[tuple] = None) -> Any:

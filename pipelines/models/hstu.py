@@ -186,7 +186,7 @@ class HSTULayer(nn.Module):
 
 class HSTUModel(nn.Module):
     """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels] (the reference model's contract:
-    its loss is ``bce_sum``)."""
+    its default loss is pipelines.metrics.binary_cross_entropy_sum)."""
 
     # Its relative bias and age embeddings read the gaps between events' times: the job's loader refuses histories
     # out of time order or with negative times for it (fsdata.parquet, --unordered-timestamps).

@@ -4,7 +4,7 @@
     encoder     = num_layers pre-norm transformer blocks     (causal softmax attention over each sample's UIH)
     candidates  = sum of their content-id embeddings         ([C_total, d], content ids are jagged per candidate)
     target attn = each candidate attends over its sample's encoded UIH
-    head        = MLP(candidate, attended UIH, dense) -> one logit per label column; BCE loss; NE metric
+    head        = MLP(candidate, attended UIH, dense) -> one logit per label column (loss and NE: pipelines.metrics)
 
 Attention (``ModelConfig.attention``):
 
@@ -30,7 +30,6 @@ FreeScale wrap (``wrap_model``) finds and swaps them by name, so this model's co
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -346,17 +345,3 @@ class SequenceModel(nn.Module):
         )
         dense = self.dense_proj(batch.dense)[sample_of_cand]
         return self.head(torch.cat([cand, attended, dense], dim=-1))
-
-
-def bce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-label BCE over the local candidates (the trainer scales it to the global mean)."""
-    return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-
-
-def normalized_entropy(bce_total: float, positives: float, count: float) -> float:
-    """NE = mean BCE / entropy of the base rate (lower is better, 1.0 = predicting the base rate)."""
-    if count <= 0:
-        return float("nan")
-    p = min(max(positives / count, 1e-7), 1 - 1e-7)
-    base = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    return (bce_total / count) / base
