@@ -49,6 +49,7 @@ from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args
 from pipelines.metrics import binary_cross_entropy_sum
+from pipelines.models.step_protocol import Lookahead
 from pipelines.models.step_result import StepResult
 
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -261,10 +262,9 @@ class TrainStep:
         )
         self.timer = timer
         self.hooks = hooks if hooks is not None else StepHooks()
-        self._current: Optional[LoaderItem] = None
+        self._items: Lookahead[LoaderItem] = Lookahead(self._take, self.lookahead)
         # the next batch's (batch, model arguments, ids), where this step computed its ids for prioritized updates
         self._derived: Optional[tuple] = None
-        self._started = False
         self.step = 0
 
     # ------------------------------------------------------------------ the iterator
@@ -283,19 +283,14 @@ class TrainStep:
 
     def has_next(self, items: Iterator) -> bool:
         """Whether ``progress(items)`` has a batch to train (takes the first one on the first call)."""
-        if not self._started:
-            self._started, self._current = True, self._take(items)
-        return self._current is not None
+        return self._items.has_next(items)
 
     def progress(self, items: Iterator) -> StepResult:
         """Trains the next batch of ``items``, taking the one after it as lookahead; raises StopIteration when
         ``items`` is exhausted."""
-        if not self.has_next(items):
-            raise StopIteration
-        current, upcoming = self._current, self._take(items)
-        self._current = upcoming
+        current, upcoming = self._items.advance(items)
         result = self.train_on(current, upcoming)
-        if upcoming is None and self.wrap is not None:
+        if not upcoming and self.wrap is not None:
             self.wrap.flush()  # the last step: deferred updates land, the tables are final
         return result
 
@@ -369,9 +364,9 @@ class TrainStep:
         self._derived = (batch, args, ids)
         return ids
 
-    def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
-        """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the
-        end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
+        """One step on ``item``, ``upcoming`` being the items after it (the next one's ids feed prioritized updates;
+        none at the end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
         optimizer step. A loop of one's own calls these in this order. The only step there is: the trainer's goes
         through here too, its additions coming in through ``hooks``."""
         hooks = self.hooks
@@ -379,7 +374,7 @@ class TrainStep:
         total = self.global_labels(item)
         t0 = time.perf_counter()
         with hooks.phase("freescale/forward_backward"):
-            labels, device_scalars = self.forward_backward(item, upcoming, total)
+            labels, device_scalars = self.forward_backward(item, upcoming[0] if upcoming else None, total)
             mine = hooks.per_rank(item) if hooks.per_rank is not None else (0.0,) * len(PER_RANK_FIELDS)
             if hooks.early_allreduce:  # queued behind the backward on the device: runs as soon as it is done
                 with hooks.phase("freescale/dense_allreduce"):

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -330,7 +330,7 @@ class TorchrecPEC:
             self._inputs[step] = (args, self.target.features(batch, args), self.global_labels(batch))
         return self._inputs[step]
 
-    def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
         """One step on ``item``; ``upcoming``: the next batch (none at the end)."""
         batch = item.batch
         t0 = time.perf_counter()

@@ -345,7 +345,7 @@ class TorchrecReference:
                 self._in_flight.append(batch)
                 self._fed_steps += 1
 
-    def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
         """One ``progress()``: trains on ``item``; ``upcoming`` are the ``lookahead`` items after it (fewer at the
         end), handed to TrainPipelineSparseDist as it needs them."""
         self._feed_new([item.batch, *(u.batch for u in upcoming)])
