@@ -3,10 +3,10 @@
     hub = swap_embeddings(model, ["item_emb", "user_emb"], schedule="prioritized")    # by name (paths in the model)
     hub = swap_embeddings(model, types=["EmbeddingCollection"], schedule="prioritized")  # or every module of a type
     for batch, next_batch in ...:
-        context = EmbeddingContext.of(features_of(batch), upcoming=features_of(next_batch))
-        hub.prepare(context, context.ids, context.upcoming)  # the exchanges of every table, once
+        ids = flat_features(features_of(batch))
+        hub.prepare(ids, ids, flat_features(features_of(next_batch)))  # the exchanges of every table, once
         loss = model(batch)                                  # model code unchanged: item_emb(ids) works
-        hub.release()                                        # the forward is done with the context
+        hub.release()                                        # the forward is done with its rows
         loss.backward()
 
 (pipelines.api.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
@@ -19,8 +19,8 @@ many the model has. Pooled modules (``nn.EmbeddingBag``, torchrec's ``EmbeddingB
 prioritized updates split each looked-up row's gradient by whether the next batch uses the row again, which needs
 the gradient of every row of every id, not of a pooled sum.
 
-The replaced module's ``forward`` returns the rows prepared for its ids, read from the step's context
-(fsembed.context: the ids and rows of this step, nowhere else) and checked equal to what it is called with, so a
+The replaced module's ``forward`` returns the rows prepared for its ids, held by the hub for one forward (the
+ids and rows of this step, nowhere else) and checked equal to what it is called with, so a
 mismatch between the features function and the model fails loudly. A module called more than once
 per step is prepared with the ids of every call, in call order (a list per feature, or one concatenated
 tensor): each call takes the next ids' rows; a module called again with all of its ids gets the same rows again.
@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from fsdata.batch import kjt_split
-from fsembed.context import EmbeddingContext
 from fsembed.plan import ShardingPlan, TableConfig
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.schedules import get_schedule
@@ -58,6 +57,15 @@ CALLS_HINT = (
 
 
 @dataclass
+class _Forward:
+    """One forward's lookup: the ids prepared per feature, their rows, and how many of them the calls took."""
+
+    ids: Mapping[str, torch.Tensor]
+    rows: dict[str, torch.Tensor]
+    taken: dict[str, int]
+
+
+@dataclass
 class SwappedModule:
     """A user's module that :func:`swap_embeddings` replaced: the module itself, its parameters on the meta
     device, and where each of its tables goes back."""
@@ -67,48 +75,49 @@ class SwappedModule:
 
 
 class EmbeddingHub:
-    """Runs the collection once per step and hands each swapped module its rows from the step's context."""
+    """Runs the collection once per forward and hands each swapped module its rows for the ids it is called with."""
 
     def __init__(self, collection: ShardedEmbeddingCollection):
         self.collection = collection
         self.swapped: dict[str, SwappedModule] = {}  # path in the model -> the user's module it replaced
-        self._context: Optional[EmbeddingContext] = None  # this step's, from prepare() until release()
+        self._forward: Optional[_Forward] = None  # this forward's ids and rows, from prepare() until release()
         self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed), see rows()
 
-    def prepare(self, context: EmbeddingContext, ids: Ids, next_ids: Optional[Ids] = None) -> None:
-        """Looks up every feature of this step: ``ids`` as the collection takes them (the context's ids, or their
-        exchange started earlier; the schedule picks, fsembed.schedules), ``next_ids`` the next step's for
-        prioritized updates. The swapped modules then read their rows from ``context`` until :meth:`release`."""
+    def prepare(self, ids: Mapping[str, torch.Tensor], lookup_ids: Ids, next_ids: Optional[Ids] = None) -> None:
+        """Looks up every feature of this forward: ``ids`` per feature (what the swapped modules are called with),
+        ``lookup_ids`` as the collection takes them (the ids, or their exchange started earlier; the schedule picks,
+        fsembed.schedules), ``next_ids`` the next step's for prioritized updates. The swapped modules then read
+        their rows until :meth:`release`."""
         self.verify()
-        context.taken = {k: 0 for k in context.ids}
-        context.rows = self.collection(ids, next_ids)
-        self._context = context
+        self._forward = _Forward(ids, self.collection(lookup_ids, next_ids), {k: 0 for k in ids})
 
     def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
-        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids of the context's for it (a
-        module called again with all of its prepared ids gets the same rows again).
+        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids of those prepared for it (a
+        module called again with all of its prepared ids gets the same rows again; called with the prepared tensor
+        itself, nothing is compared).
 
         Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
         would synchronise the device in the middle of the forward (the GPU drains, then idles while the host
         queues the rest), so the comparison is queued and read back at the next ``prepare`` (or ``verify()``),
         when the step has synchronised anyway: a mismatch still raises, one step later at most."""
-        context = self._context
-        if context is None or feature not in context.rows:
+        forward = self._forward
+        if forward is None or feature not in forward.rows:
             raise ValueError(
-                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(context, ids) before "
-                "the model)"
+                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(ids, lookup_ids) "
+                "before the model)"
             )
-        flat, every = ids.reshape(-1), context.ids[feature]
+        every = forward.ids[feature]
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
         if flat.dtype != every.dtype:  # a KJT may hold int32 ids
             flat = flat.to(every.dtype)
-        start = context.taken[feature] % max(every.numel(), 1)
+        start = forward.taken[feature] % max(every.numel(), 1)
         if start + flat.numel() > every.numel():
             raise ValueError(
                 f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
                 f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
                 f"prepared. {CALLS_HINT}"
             )
-        context.taken[feature] = start + flat.numel()
+        forward.taken[feature] = start + flat.numel()
         prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
             raise self._mismatch([feature])
@@ -118,17 +127,17 @@ class EmbeddingHub:
                     raise self._mismatch([feature])
             else:
                 self._unchecked.append((feature, (flat.to(prepared.device, non_blocking=True) != prepared).any()))
-        out = context.rows[feature]
+        out = forward.rows[feature]
         return out if flat.numel() == every.numel() else out[start : start + flat.numel()]
 
     def release(self) -> None:
-        """Lets go of the step's context (its ids and rows) once the forward has returned; raises if a swapped
+        """Lets go of the forward's ids and rows once the forward has returned; raises if a swapped
         module took only part of the ids prepared for it."""
-        context, self._context = self._context, None
-        if context is None:
+        forward, self._forward = self._forward, None
+        if forward is None:
             return
         partial = {
-            k: (c, context.ids[k].numel()) for k, c in context.taken.items() if c % max(context.ids[k].numel(), 1)
+            k: (c, forward.ids[k].numel()) for k, c in forward.taken.items() if c % max(forward.ids[k].numel(), 1)
         }
         if partial:
             raise ValueError(
@@ -136,13 +145,17 @@ class EmbeddingHub:
                 "prepared): features(batch) must give exactly the ids of every call of the module, in call order"
             )
 
+    def discard(self) -> None:
+        """Lets go of the forward's ids and rows without checking them (the forward raised)."""
+        self._forward = None
+
     def verify(self) -> None:
         """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
-        queued on the device), or took only part of them; lets go of the step's context."""
+        queued on the device), or took only part of them; lets go of the forward's ids and rows."""
         unchecked, self._unchecked = self._unchecked, []
         bad = [feature for feature, differs in unchecked if bool(differs)]
         if bad:
-            self._context = None
+            self._forward = None
             raise self._mismatch(bad)
         self.release()
 

@@ -84,6 +84,7 @@ from pipelines.job.memory_probe import measured_budget
 from pipelines.job.progress import paused, progress_bar
 from pipelines.job.record import StepRecord
 from pipelines.job.schedule import ScheduleProbe
+from pipelines.models.protocol import SequenceRecommender
 from pipelines.models.step_protocol import Lookahead
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
@@ -191,7 +192,8 @@ class Trainer:
         self._order_timestamps(self.source)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
-        num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
+        # a model declaring SequenceRecommender (the presets') names its item table's rows; a user's may not
+        num_items = self.spec.model.num_items if isinstance(self.spec.model, SequenceRecommender) else None
         if num_items is not None:
             # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
             # (fsdata.id_overflow).

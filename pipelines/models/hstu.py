@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -220,6 +220,11 @@ class HSTUModel(nn.Module):
         flat = (kept if kept is not None else truncate(batch, self.config.max_uih)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
+    @property
+    def num_items(self) -> int:
+        """Rows of the item table."""
+        return self.config.num_items
+
     def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's wrap."""
         return {"item_embedding": self.item_ids(batch)}
@@ -296,9 +301,17 @@ class HSTUModel(nn.Module):
         )
         return Packing(packed, attention, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(
+        self,
+        batch: Batch,
+        attention_plan: None = None,
+        embedding_ids: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """``attention_plan``: none is taken (:meth:`needs_plan`); ``embedding_ids``: this batch's
+        :meth:`embedding_ids` where the step has them (pipelines.models.protocol), else computed here."""
         kept = truncate(batch, self.config.max_uih)
-        rows = self.item_embedding(self.item_ids(batch, kept))
+        ids = embedding_ids["item_embedding"] if embedding_ids is not None else self.item_ids(batch, kept)
+        rows = self.item_embedding(ids)
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -234,6 +234,11 @@ class SequenceModel(nn.Module):
         flat = (kept if kept is not None else self._truncate(batch)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
+    @property
+    def num_items(self) -> int:
+        """Rows of the item table."""
+        return self.config.num_items
+
     def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's embedding
         wrap (computed once per batch, by the loader's ID prefetch or by the step)."""
@@ -293,11 +298,18 @@ class SequenceModel(nn.Module):
             x = block(x, attend)
         return self.norm(x)
 
-    def forward(self, batch: Batch, attention_plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: Batch,
+        attention_plan: Optional[AttentionPlan] = None,
+        embedding_ids: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """``attention_plan``: the batch's block masks from the loader, read where the kernel takes them
-        (:meth:`needs_plan`) and built here when absent; ignored by the other kernels."""
+        (:meth:`needs_plan`) and built here when absent; ignored by the other kernels. ``embedding_ids``: this
+        batch's :meth:`embedding_ids` where the step has them (pipelines.models.protocol), else computed here."""
         kept = self._truncate(batch)
-        rows = self.item_embedding(self.item_ids(batch, kept))
+        ids = embedding_ids["item_embedding"] if embedding_ids is not None else self.item_ids(batch, kept)
+        rows = self.item_embedding(ids)
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0

@@ -34,10 +34,13 @@ class UserModel(nn.Module):
 def _prepare(hub, features, upcoming=None, exchange=None):
     """A step's context handed to the hub as the prioritized schedule does (the synchronous collection ignores the
     next batch's ids); returns it."""
-    from fsembed.context import EmbeddingContext
+    from fsembed.context import StepContext
+    from fsembed.plan import flat_features
+    from fsembed.schedules import Prioritized
 
-    context = EmbeddingContext.of(features, exchange, upcoming)
-    hub.prepare(context, context.lookup_ids, context.upcoming)
+    following = None if upcoming is None else StepContext(flat_features(upcoming))
+    context = StepContext(flat_features(features), exchange, upcoming=following)
+    hub.prepare(context.ids, *Prioritized().lookup_args(context))
     return context
 
 

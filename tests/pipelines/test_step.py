@@ -328,7 +328,7 @@ def _inputs_calls_body(rank, world_size):
 def test_the_users_inputs_run_once_per_step():
     """The batch's ids are computed once: by the loader's ID prefetch (from inputs(), in its worker: once per
     batch, the model's arguments then travelling with the ids to the step) or by the step from the model's
-    arguments; the pre-hook and the swapped modules read them from the step's context. So the user's inputs() runs
+    arguments; the wrap's lookup takes them in the step's context. So the user's inputs() runs
     once per step, whatever the mode: in the loader's worker where the ID prefetch runs, else in the training
     thread."""
     pytest.importorskip("torchrec")
