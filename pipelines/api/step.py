@@ -161,7 +161,7 @@ def unwrap_model(
     if wrap is None:
         raise ValueError("unwrap_model: give the EmbeddingWrap that wrap_model returned for this model")
     wrap.flush()
-    unswap_embeddings(model, wrap.hub, dst)
+    unswap_embeddings(model, wrap.swapped, dst)
     return model
 
 

@@ -43,6 +43,7 @@ from fsdata.batch import Batch
 from fsembed.context import StepContext
 from fsembed.plan import Features, flat_features
 from fsembed.schedules import get_schedule
+from fsembed.swap import ForwardRows, swap_embeddings
 from pipelines.api.modes import SHARDED, get_mode
 
 # The wrap's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
@@ -73,9 +74,10 @@ def kjt_in(args: tuple, where: str):
 
 
 class EmbeddingWrap:
-    """What :func:`pipelines.api.step.wrap_model` returns: the model's swapped embedding tables (``hub``,
-    ``collection``) and the embedding schedule that runs their exchanges each step, in :meth:`lookup`, which the
-    step's forward runs inside.
+    """What :func:`pipelines.api.step.wrap_model` returns: the one object between the model and its sharded tables.
+    It holds the swapped tables (``collection``; the user's modules they replaced: ``swapped``) and the embedding
+    schedule that runs their exchanges each step, in :meth:`lookup`, which the step's forward runs inside; the
+    swapped modules take their rows from it (:meth:`rows`).
 
     ``features``: ``batch -> {feature: ids}``; None: the ids of the KeyedJaggedTensor among ``inputs(batch)``."""
 
@@ -96,15 +98,18 @@ class EmbeddingWrap:
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
-        from fsembed.swap import swap_embeddings
-
         self.model = model
         self.mode, self.features, self.inputs = get_mode(mode, SHARDED, "EmbeddingWrap mode"), features, inputs
         self.schedule = get_schedule(self.mode.schedule)  # this step's; freescale's may change (set_schedule)
         prioritized = self.schedule.prioritized_collection
-        self.hub = swap_embeddings(
+        # The rows of the forward running now (lookup), and of the last one, whose id checks queued on a GPU are read
+        # at the next lookup or flush (fsembed.swap.ForwardRows).
+        self._forward: Optional[ForwardRows] = None
+        self._last: Optional[ForwardRows] = None
+        self.swapped = swap_embeddings(
             model,
             table_names,
+            source=self,
             types=types,
             row_boundaries=row_boundaries,
             schedule=self.schedule.name,
@@ -118,7 +123,7 @@ class EmbeddingWrap:
             ),
             **self._transports(transport_name),
         )
-        self.collection = self.hub.collection
+        self.collection = self.swapped.collection
 
     @staticmethod
     def _transports(name: str) -> dict:
@@ -146,23 +151,46 @@ class EmbeddingWrap:
 
     @contextlib.contextmanager
     def lookup(self, context: StepContext) -> Iterator[None]:
-        """Looks up every swapped module's rows for ``context``, which the model's forward, run inside, reads;
-        then lets go of them and starts the next batch's early rows held by the forward (``early_start=
-        "backward"``: the collection's bulk chain then runs beside the backward). In evaluation (the model in eval
-        mode, or no grad) a plain synchronous lookup of this batch's ids."""
+        """Looks every feature of ``context`` up, once, for the model's forward run inside, whose swapped modules
+        take their rows (:meth:`rows`); then lets go of them and starts the next batch's early rows held by the
+        forward (``early_start="backward"``: the collection's bulk chain then runs beside the backward).
+
+        Training: the ids as the schedule takes them (their exchange started by the loader where it prefetches
+        ids, else the ids, exchanged here) and, for prioritized updates, the next batch's. In evaluation (the model
+        in eval mode, or no grad) a plain synchronous lookup of this batch's ids."""
+        self.verify()
         training = self.model.training and torch.is_grad_enabled()
-        if training:
-            self.hub.prepare(context.ids, *self.schedule.lookup_args(context))
-        else:
-            self.hub.prepare(context.ids, context.ids)
+        ids, following = context.ids, None
+        if training and self.schedule.prefetches_ids:
+            ids = context.lookup_ids
+        if training and self.prioritized and context.upcoming is not None:
+            following = context.upcoming.lookup_ids
+        self._forward = ForwardRows(context.ids, self.collection(ids, following))
         try:
             yield
-        except BaseException:
-            self.hub.discard()
-            raise
-        self.hub.release()
+        finally:
+            forward, self._forward = self._forward, None
+            self._last = forward
+        forward.finish()
         if training and self.prioritized:
             self.collection.start_early_rows()
+
+    def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``feature`` for a swapped module's call with ``ids`` (fsembed.swap.RowSource), from the lookup
+        running now."""
+        if self._forward is None:
+            raise ValueError(
+                f"embedding wrap: feature {feature!r} was looked up by no step: call the model inside "
+                "wrap.lookup(context) (TrainStep does)"
+            )
+        return self._forward.take(feature, ids)
+
+    def verify(self) -> None:
+        """Raises if the last forward's swapped modules were called with other ids than its lookup took (the
+        checks queued on a GPU, read here, when the step has synchronised anyway)."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.verify()
 
     @property
     def prioritized(self) -> bool:
@@ -211,6 +239,6 @@ class EmbeddingWrap:
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end), and reads back
-        the last step's id checks (fsembed.swap.EmbeddingHub.rows)."""
+        the last step's id checks (:meth:`verify`)."""
         self.collection.flush()
-        self.hub.verify()
+        self.verify()

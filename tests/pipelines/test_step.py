@@ -348,9 +348,9 @@ def test_pooled_modules_are_refused_with_the_reason():
     model = nn.Module()
     model.bag = nn.EmbeddingBag(10, 4)
     with pytest.raises(ValueError, match="unpooled"):
-        swap_embeddings(model, ["bag"], world_size=1, rank=0)
+        swap_embeddings(model, ["bag"], source=None, world_size=1, rank=0)
     with pytest.raises(ValueError, match="unpooled"):
-        swap_embeddings(model, types=["EmbeddingBag"], world_size=1, rank=0)
+        swap_embeddings(model, types=["EmbeddingBag"], source=None, world_size=1, rank=0)
 
 
 def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
@@ -363,7 +363,7 @@ def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
         device=torch.device("cpu"),
     )
     with pytest.raises(ValueError, match="EmbeddingBagCollection.*pooled.*unpooled"):
-        swap_embeddings(model, ["ebc"], world_size=1, rank=0)
+        swap_embeddings(model, ["ebc"], source=None, world_size=1, rank=0)
 
 
 def test_find_embeddings_by_type_takes_the_outermost_modules():

@@ -61,7 +61,12 @@ def _id_calls_body(rank, world_size):
             while step.has_next(items):
                 losses.append(step.progress(items).loss)
             shutdown_loader(loader)
-            out[mode] = (len(losses), dict(calls), losses)
+            try:  # a swapped module called outside a step's lookup reads no stale rows
+                model.item_embedding(torch.arange(3))
+                outside = None
+            except ValueError as e:
+                outside = str(e)
+            out[mode] = (len(losses), dict(calls), losses, outside)
     finally:
         SequenceModel.item_ids, SequenceModel.forward = item_ids, forward
     return out
@@ -70,9 +75,13 @@ def _id_calls_body(rank, world_size):
 @pytest.mark.multiprocess
 def test_a_batchs_ids_are_computed_once_and_never_in_the_models_forward():
     for out in run_ranks(_id_calls_body, 2, timeout=240):
-        for mode, (steps, calls, _) in out.items():
+        for mode, (steps, calls, _, outside) in out.items():
             assert steps == 6, mode
             assert calls == {"all": steps, "in_forward": 0}, (mode, calls)
+            assert outside == (
+                "embedding wrap: feature 'item_embedding' was looked up by no step: call the model inside "
+                "wrap.lookup(context) (TrainStep does)"
+            ), mode
         # the same batches, the same losses, whichever stage computed the ids
         assert out["sync"][2] == out["sdd"][2] == out["freescale"][2]
 
