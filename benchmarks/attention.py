@@ -359,7 +359,8 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
     """One forward+backward of the replay's reference model on one batch, varlen against flex (plan built ahead)."""
     from benchmarks.replay import REPLAY_MODEL_PRESETS
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
-    from pipelines.models.reference import ModelConfig, SequenceModel, bce_sum
+    from pipelines.metrics import binary_cross_entropy_sum
+    from pipelines.models.reference import ModelConfig, SequenceModel
 
     source = SyntheticSource(SyntheticConfig.from_preset("kuairand-1k", num_samples=b, seed=args.seed, uih_cap=cap))
     batch = source.read(0, 0, b).to(device)
@@ -382,7 +383,7 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
         def run(model=model, plan=plan):
             model.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = bce_sum(model(batch, plan).float(), batch.candidate_labels)
+                loss = binary_cross_entropy_sum(model(batch, plan).float(), batch.candidate_labels)
             loss.backward()
 
         ms = _time_ms(device, run, args.reps, args.warmup)

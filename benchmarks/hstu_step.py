@@ -1,7 +1,7 @@
 """`python -m benchmarks hstu-step`: one training step of the HSTU model (pipelines.models.hstu) on one device, in
 TFLOP/s and MFU.
 
-The step is what the job's step does around the model, without the loader: forward, ``bce_sum`` loss, backward,
+The step is what the job's step does around the model, without the loader: forward, BCE loss, backward,
 optimizer step (Adam, fused on CUDA), gradients cleared. The item table is a plain local ``nn.Embedding`` of
 ``--num-items`` rows (default 100,000): the job shards its table across ranks, so this step times the dense part
 plus a local lookup, and the dense Adam update of that small table (at width 1024 about 0.1 G parameters, a
@@ -72,8 +72,9 @@ from benchmarks.timing import call_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
 from pipelines.api.numerics import autocast
+from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import bce_sum, truncate
+from pipelines.models.reference import truncate
 
 LENGTHS = ("zipf", "full")
 PRECISIONS = ("autocast", "bf16", "fp32")
@@ -217,7 +218,7 @@ def build_step(model: HSTUModel, batch: Batch, precision: str, device: torch.dev
 
     def step() -> None:
         with autocast(dtype, device):
-            loss = bce_sum(model(batch).float(), batch.candidate_labels)
+            loss = binary_cross_entropy_sum(model(batch).float(), batch.candidate_labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

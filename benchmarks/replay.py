@@ -3,7 +3,7 @@ reference model or the HSTU model (``--model replay``, which importing this modu
 STEP_TIME_MODELS).
 
 The cost model of ``pipelines/plan/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's
-busy time is the time of the model's forward, ``bce_sum`` loss and backward on that rank's local batch, timed on
+busy time is the time of the model's forward, BCE loss and backward on that rank's local batch, timed on
 the actual device (``--device cpu|cuda``), one virtual rank after another, so the step time of N virtual ranks is
 the max of real measured times. That brings the model's real kernel behaviour into the figures, which the cost
 model only approximates. The kernel (``--replay-kernel``) is the model's attention:
@@ -114,8 +114,9 @@ import torch
 from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.partition import GatheredLengths, Plan, RuntimeInfo, get_partitioner
 from pipelines.job.memory_probe import equal_length, line_through
+from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_ATTENTION_IMPLS, HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel, bce_sum
+from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel
 from pipelines.plan import simulate
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
@@ -299,7 +300,7 @@ def select(batch: Batch, idx: np.ndarray) -> Batch:
 
 # ---------------------------------------------------------------------------------------------- timing
 class Timer:
-    """Times forward + ``bce_sum`` + backward of the model on one local batch, device-synchronised around each
+    """Times forward + BCE loss + backward of the model on one local batch, device-synchronised around each
     call. ``calls`` counts every forward+backward it ran (warm-ups and memory probes included)."""
 
     def __init__(self, model: Union[SequenceModel, HSTUModel, None], device: torch.device, dtype: str) -> None:
@@ -320,7 +321,7 @@ class Timer:
         start = time.perf_counter()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.dtype == "bf16"):
             logits = self.model(batch) if plan is None else self.model(batch, plan)
-            loss = bce_sum(logits.float(), batch.candidate_labels)
+            loss = binary_cross_entropy_sum(logits.float(), batch.candidate_labels)
         loss.backward()
         self._sync()
         self.calls += 1

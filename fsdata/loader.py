@@ -1,7 +1,7 @@
 """Loader composition: source -> batch (GlobalBatchReader) -> prefetch -> [stages] -> pin memory / device copy.
 
 Every item the loader yields is one ``fsdata.item.LoaderItem`` whatever stages are composed: the batch, and what
-the stages attached (the balancer's ``report``, the ID prefetch's ``prefetched``, ...), ``None`` where absent.
+the stages attached (the balancer's ``report``, the ID prefetch's ``context``, ...), ``None`` where absent.
 
 Each stage is a torchdata.nodes BaseNode wrapping the one before it, so the chain checkpoints through the one
 ``Loader.state_dict()`` (the StatefulDataLoader protocol: ``state_dict()`` / ``load_state_dict()``).

@@ -5,7 +5,7 @@ from fsembed.optim import SGD, Adam, RowWiseAdagrad, RowWiseOptimizer, get_optim
 from fsembed.plan import GroupLayout, ShardingPlan, TableConfig, row_wise_boundaries
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.sharded import EMB_A2A, GRAD_A2A, IDS_A2A, ShardedEmbeddingCollection
-from fsembed.swap import EmbeddingHub, find_embeddings, swap_embeddings
+from fsembed.swap import find_embeddings, swap_embeddings
 from fsembed.transports import EmbeddingTransports, embedding_transports
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "id_prefetch_stages",
     "EmbeddingTransports",
     "embedding_transports",
-    "EmbeddingHub",
     "swap_embeddings",
     "find_embeddings",
     "SGD",

@@ -16,12 +16,12 @@ is given. The node is built with
                which then travel with them to the step (the user's ``inputs()`` runs once per batch)
     transport  anything with ``all_to_all(tensor, send_splits, recv_splits) -> Handle`` (fscomm)
 
-and yields the loader item with ``prefetched`` set (``PrefetchedIds``: the batch's ids per feature, and per group
-their exchange in flight; an attachment in the sense of fsdata.item: later loader stages complete, pin, move and
-compare it through its own methods). The step hands both to the embedding wrap in its per-step context
-(fsembed.context), so nothing computes the ids again. The node is an AsyncStage: the exchange in flight is not
-loader state (a resumed node pulls that batch again and restarts its exchange), and once a batch is yielded its
-ids belong to the consumer.
+and yields the loader item with ``context`` set (fsembed.context.StepContext: the batch's ids per feature, per group
+their exchange in flight, and the model's arguments where they were read from them; an attachment in the sense
+of fsdata.item: later loader stages complete, pin, move and compare it through its own methods). The step passes
+that context on to the embedding wrap's lookup, so nothing computes the ids again. The node is an AsyncStage:
+the exchange in flight is not loader state (a resumed node pulls that batch again and restarts its exchange),
+and once a batch is yielded its ids belong to the consumer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 
 from fsdata.batch import Batch, lengths_to_offsets
 from fsdata.item import LoaderItem, as_item
+from fsembed.context import StepContext
 from fsembed.plan import Features, ShardingPlan, flat_features
 
 try:  # the node needs torchdata; the exchange helpers below do not (they run where torchdata is absent)
@@ -177,14 +178,10 @@ def carried_args(args: tuple, batch: Batch) -> Optional[tuple]:
 
 @dataclass
 class PrefetchedIds:
-    """One batch's ids: per feature, the ids its lookups take (``features``: flat, batch-major, every call of a
-    module in call order; what the swapped modules are called with), per key (group of tables) their exchange in
-    flight (``keys``), and the model's arguments they were read from where they travel too (``args``,
-    :class:`Derived`)."""
+    """One batch's ID AllToAll: per key (group of tables) its exchange in flight. The ids themselves and the
+    model's arguments travel beside it in the step's context (fsembed.context.StepContext)."""
 
     keys: dict[str, ShardedIds]
-    features: dict[str, torch.Tensor] = field(default_factory=dict)
-    args: Optional[tuple] = None
 
     def __getitem__(self, key: str) -> ShardedIds:
         if key not in self.keys:
@@ -192,28 +189,14 @@ class PrefetchedIds:
         return self.keys[key]
 
     def to(self, device: torch.device, non_blocking: bool = True) -> "PrefetchedIds":
-        """Every key's exchange and the ids delivered on ``device`` (always asynchronously from pinned memory)."""
-        return PrefetchedIds(
-            {k: v.to(device) for k, v in self.keys.items()},
-            {f: ids.to(device, non_blocking=True) for f, ids in self.features.items()},
-            None if self.args is None else tuple(a.to(device, non_blocking=True) for a in self.args),
-        )
-
-    def record_stream(self, stream) -> None:
-        for t in self.tensors():
-            t.record_stream(stream)
-        for a in self.args or ():
-            if not isinstance(a, torch.Tensor):  # a KeyedJaggedTensor records its own tensors
-                a.record_stream(stream)
+        """Every key's exchange delivered on ``device`` (always asynchronously from pinned memory)."""
+        return PrefetchedIds({k: v.to(device) for k, v in self.keys.items()})
 
     def equals(self, other: Any) -> bool:
-        """The same ids and exchanges' layout (keys, splits, permutations; not the ids still in flight): what a
-        resumed loader must reproduce."""
+        """The same exchanges' layout (keys, splits, permutations; not the ids still in flight)."""
         return (
             isinstance(other, PrefetchedIds)
             and self.keys.keys() == other.keys.keys()
-            and self.features.keys() == other.features.keys()
-            and all(torch.equal(self.features[f].cpu(), other.features[f].cpu()) for f in self.features)
             and all(
                 a.send_splits == b.send_splits
                 and a.recv_splits == b.recv_splits
@@ -230,19 +213,10 @@ class PrefetchedIds:
         return self
 
     def pin_memory(self) -> "PrefetchedIds":
-        return PrefetchedIds(
-            {k: v.pin_memory() for k, v in self.keys.items()},
-            {f: ids if ids.is_cuda else ids.pin_memory() for f, ids in self.features.items()},
-            None if self.args is None else tuple(_pinned(a) for a in self.args),
-        )
+        return PrefetchedIds({k: v.pin_memory() for k, v in self.keys.items()})
 
     def tensors(self) -> list[torch.Tensor]:
-        own = [t for v in self.keys.values() for t in v.tensors()] + list(self.features.values())
-        return own + [a for a in self.args or () if isinstance(a, torch.Tensor)]
-
-
-def _pinned(a: Any) -> Any:
-    return a if getattr(a, "is_cuda", False) else a.pin_memory()
+        return [t for v in self.keys.values() for t in v.tensors()]
 
 
 def _dispatch(ids: torch.Tensor, boundaries: torch.Tensor):
@@ -388,13 +362,14 @@ if BaseNode is not None:
     class IdPrefetch(AsyncStage):
         """Second half: posts each batch's id AllToAll (its sizes known) one ``next()`` before handing it out.
 
-        Yields the item with ``prefetched`` set (``PrefetchedIds``: the ids and their exchanges). Chained after
+        Yields the item with ``context`` set (``StepContext``: the ids, their exchange and the model's arguments).
+        Chained after
         :class:`IdSizeExchange` (``id_prefetch_stages``), batch k's sizes leave two loader calls and its ids one
         call before batch k is handed out: with the trainer's one batch of lookahead, batch i+1's ids travel
         during step i-1 and are there for step i's forward.
         The ids travel from the CPU (the loader's batches are on the CPU): an exchange of GPU tensors would order
         its copies behind the compute queued on the GPU and stall the loader; the consumer moves the results to
-        the tables' device (``PrefetchedIds.to``).
+        the tables' device (``StepContext.to``).
         """
 
         span_name = "id_prefetch_wait"
@@ -404,8 +379,8 @@ if BaseNode is not None:
                 raise ValueError("IdPrefetch: compose it right after IdSizeExchange (use id_prefetch_stages)")
             extras = dict(item.extras)
             sized = extras.pop(SIZES_KEY)
-            exchanges = {k: s.post() for k, s in sized.sized.items()}
-            return replace(item, prefetched=PrefetchedIds(exchanges, sized.features, sized.args), extras=extras)
+            exchange = PrefetchedIds({k: s.post() for k, s in sized.sized.items()})
+            return replace(item, context=StepContext(sized.features, exchange, sized.args), extras=extras)
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started  # the ids are waited for by the embedding exchanges, where they are needed

@@ -1,15 +1,13 @@
 """Module swap: the user's embedding modules, found by name or by type, replaced by views of one sharded collection.
 
-    hub = swap_embeddings(model, ["item_emb", "user_emb"], schedule="prioritized")    # by name (paths in the model)
-    hub = swap_embeddings(model, types=["EmbeddingCollection"], schedule="prioritized")  # or every module of a type
-    for batch, next_batch in ...:
-        context = EmbeddingContext.of(features_of(batch), upcoming=features_of(next_batch))
-        hub.prepare(context, context.ids, context.upcoming)  # the exchanges of every table, once
-        loss = model(batch)                                  # model code unchanged: item_emb(ids) works
-        hub.release()                                        # the forward is done with the context
-        loss.backward()
+    swapped = swap_embeddings(model, ["item_emb", "user_emb"], source=wrap, schedule="prioritized")  # by name
+    swapped = swap_embeddings(model, types=["EmbeddingCollection"], source=wrap)                # or by type
 
-(pipelines.api.step.wrap_model and TrainStep do this, and connect the loader's ID prefetch: a user's loop need not.)
+``source`` is what the views ask for their rows (:class:`RowSource`): the embedding wrap
+(pipelines.api.wrap.EmbeddingWrap), the one object between the model and the collection. Per forward it runs
+``swapped.collection(ids, next_ids)`` once, for every table, and holds the result as :class:`ForwardRows`, from
+which each view's call takes its rows; ``pipelines.api.step.wrap_model`` and ``TrainStep`` do all this, and connect
+the loader's ID prefetch: a user's loop need not.
 
 The modules may be ``nn.Embedding`` (one table, its feature is the module's name) or torchrec's
 ``EmbeddingCollection`` (its tables and feature names as configured; a table may serve several features).
@@ -19,15 +17,15 @@ many the model has. Pooled modules (``nn.EmbeddingBag``, torchrec's ``EmbeddingB
 prioritized updates split each looked-up row's gradient by whether the next batch uses the row again, which needs
 the gradient of every row of every id, not of a pooled sum.
 
-The replaced module's ``forward`` returns the rows prepared for its ids, read from the step's context
-(fsembed.context: the ids and rows of this step, nowhere else) and checked equal to what it is called with, so a
-mismatch between the features function and the model fails loudly. A module called more than once
-per step is prepared with the ids of every call, in call order (a list per feature, or one concatenated
-tensor): each call takes the next ids' rows; a module called again with all of its ids gets the same rows again.
+The replaced module's ``forward`` returns the rows prepared for its ids, held for one forward (the ids and rows of
+this step, nowhere else) and checked equal to what it is called with, so a mismatch between the features function
+and the model fails loudly. A module called more than once per step is prepared with the ids of every call, in
+call order (a list per feature, or one concatenated tensor): each call takes the next ids' rows; a module called
+again with all of its ids gets the same rows again.
 The collection is registered in the model as ``fsembed_collection``: its tables, optimizer state and, for
 prioritized updates, the exchange in flight ride in ``model.state_dict()``.
 
-The hub keeps the user's own modules (``hub.swapped``) with their parameters moved to the meta device (shapes and
+The user's own modules are kept (``swapped.modules``) with their parameters moved to the meta device (shapes and
 dtypes kept, storage released: the tables live in the collection, and a second whole copy on every rank is what
 sharding avoids). :func:`unswap_embeddings` puts them back, filled with the trained tables gathered to one rank.
 """
@@ -35,18 +33,17 @@ sharding avoids). :func:`unswap_embeddings` puts them back, filled with the trai
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
 
 from fsdata.batch import kjt_split
-from fsembed.context import EmbeddingContext
 from fsembed.plan import ShardingPlan, TableConfig
 from fsembed.prioritized import PrioritizedEmbeddingCollection
 from fsembed.schedules import get_schedule
-from fsembed.sharded import Ids, ShardedEmbeddingCollection
+from fsembed.sharded import ShardedEmbeddingCollection
 
 COLLECTION_NAME = "fsembed_collection"
 SWAPPABLE_TYPES = ("Embedding", "EmbeddingCollection")
@@ -57,79 +54,80 @@ CALLS_HINT = (
 )
 
 
+class RowSource(Protocol):
+    """What the swapped modules ask their rows of: the embedding wrap (pipelines.api.wrap.EmbeddingWrap), which
+    looks every feature up once per forward (:class:`ForwardRows`)."""
+
+    def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class SwappedModule:
-    """A user's module that :func:`swap_embeddings` replaced: the module itself, its parameters on the meta
+    """A user's embedding module replaced by a view: the module itself, its parameters on the meta
     device, and where each of its tables goes back."""
 
     module: nn.Module
     tables: dict[str, tuple[str, torch.device]]  # table -> (its parameter's path in the module, the weight's device)
 
 
-class EmbeddingHub:
-    """Runs the collection once per step and hands each swapped module its rows from the step's context."""
+@dataclass
+class Swapped:
+    """What :func:`swap_embeddings` did to a model: the one collection its views read, and the user's modules they
+    replaced (path in the model -> :class:`SwappedModule`), for :func:`unswap_embeddings`."""
 
-    def __init__(self, collection: ShardedEmbeddingCollection):
-        self.collection = collection
-        self.swapped: dict[str, SwappedModule] = {}  # path in the model -> the user's module it replaced
-        self._context: Optional[EmbeddingContext] = None  # this step's, from prepare() until release()
-        self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed), see rows()
+    collection: ShardedEmbeddingCollection
+    modules: dict[str, SwappedModule] = field(default_factory=dict)
 
-    def prepare(self, context: EmbeddingContext, ids: Ids, next_ids: Optional[Ids] = None) -> None:
-        """Looks up every feature of this step: ``ids`` as the collection takes them (the context's ids, or their
-        exchange started earlier; the schedule picks, fsembed.schedules), ``next_ids`` the next step's for
-        prioritized updates. The swapped modules then read their rows from ``context`` until :meth:`release`."""
-        self.verify()
-        context.taken = {k: 0 for k in context.ids}
-        context.rows = self.collection(ids, next_ids)
-        self._context = context
 
-    def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
-        """The prepared rows of ``feature`` for this call; ``ids`` must be the next ids of the context's for it (a
-        module called again with all of its prepared ids gets the same rows again).
+class ForwardRows:
+    """One forward's lookup: the ids prepared per feature, their rows, and what the swapped modules' calls took of
+    them; each call gets the rows of the next ids, checked equal to the ids it is called with.
 
-        Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
-        would synchronise the device in the middle of the forward (the GPU drains, then idles while the host
-        queues the rest), so the comparison is queued and read back at the next ``prepare`` (or ``verify()``),
-        when the step has synchronised anyway: a mismatch still raises, one step later at most."""
-        context = self._context
-        if context is None or feature not in context.rows:
+    Shapes are compared at once. Values are compared at once on the CPU; on a GPU reading the comparison back
+    would synchronise the device in the middle of the forward (the GPU drains, then idles while the host queues
+    the rest), so the comparison is queued and read back by :meth:`verify` (the wrap calls it at its next lookup or
+    flush, when the step has synchronised anyway): a mismatch still raises, one step later at most."""
+
+    def __init__(self, ids: Mapping[str, torch.Tensor], rows: dict[str, torch.Tensor]) -> None:
+        self.ids, self.rows = ids, rows
+        self.taken = {k: 0 for k in ids}
+        self._unchecked: list[tuple[str, torch.Tensor]] = []  # (feature, device flag: ids differed)
+
+    def take(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``feature`` for this call; ``ids`` must be the next ids of those prepared for it (a module
+        called again with all of its prepared ids gets the same rows again; called with the prepared tensor
+        itself, nothing is compared)."""
+        if feature not in self.rows:
             raise ValueError(
-                f"fsembed swap: feature {feature!r} was not prepared this step (call hub.prepare(context, ids) before "
-                "the model)"
+                f"fsembed swap: feature {feature!r} was not looked up this step (prepared: {sorted(self.rows)})"
             )
-        flat, every = ids.reshape(-1), context.ids[feature]
+        every = self.ids[feature]
+        flat = ids if ids.dim() == 1 else ids.reshape(-1)
         if flat.dtype != every.dtype:  # a KJT may hold int32 ids
             flat = flat.to(every.dtype)
-        start = context.taken[feature] % max(every.numel(), 1)
+        start = self.taken[feature] % max(every.numel(), 1)
         if start + flat.numel() > every.numel():
             raise ValueError(
-                f"fsembed swap: module of feature {feature!r} was called with other ids than hub.prepare "
-                f"received: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
+                f"fsembed swap: module of feature {feature!r} was called with other ids than its step's lookup "
+                f"prepared: this call asks for ids [{start}, {start + flat.numel()}) of the {every.numel()} "
                 f"prepared. {CALLS_HINT}"
             )
-        context.taken[feature] = start + flat.numel()
+        self.taken[feature] = start + flat.numel()
         prepared = every if flat.numel() == every.numel() else every[start : start + flat.numel()]
         if flat.shape != prepared.shape:
-            raise self._mismatch([feature])
+            raise mismatch([feature])
         if flat is not prepared:
             if flat.device.type == "cpu" and prepared.device.type == "cpu":
                 if not torch.equal(flat, prepared):
-                    raise self._mismatch([feature])
+                    raise mismatch([feature])
             else:
                 self._unchecked.append((feature, (flat.to(prepared.device, non_blocking=True) != prepared).any()))
-        out = context.rows[feature]
+        out = self.rows[feature]
         return out if flat.numel() == every.numel() else out[start : start + flat.numel()]
 
-    def release(self) -> None:
-        """Lets go of the step's context (its ids and rows) once the forward has returned; raises if a swapped
-        module took only part of the ids prepared for it."""
-        context, self._context = self._context, None
-        if context is None:
-            return
-        partial = {
-            k: (c, context.ids[k].numel()) for k, c in context.taken.items() if c % max(context.ids[k].numel(), 1)
-        }
+    def finish(self) -> None:
+        """Raises if a swapped module took only part of the ids prepared for it (the forward has returned)."""
+        partial = {k: (c, self.ids[k].numel()) for k, c in self.taken.items() if c % max(self.ids[k].numel(), 1)}
         if partial:
             raise ValueError(
                 f"fsembed swap: the model looked up only part of the ids prepared for {partial} (taken, "
@@ -137,47 +135,44 @@ class EmbeddingHub:
             )
 
     def verify(self) -> None:
-        """Raises if a swapped module was called with other ids than ``prepare`` received (the checks ``rows``
-        queued on the device), or took only part of them; lets go of the step's context."""
+        """Raises if a swapped module was called with other ids than prepared (the checks queued on the device)."""
         unchecked, self._unchecked = self._unchecked, []
         bad = [feature for feature, differs in unchecked if bool(differs)]
         if bad:
-            self._context = None
-            raise self._mismatch(bad)
-        self.release()
+            raise mismatch(bad)
 
-    @staticmethod
-    def _mismatch(features: list[str]) -> ValueError:
-        return ValueError(
-            f"fsembed swap: module of feature(s) {features} was called with other ids than hub.prepare "
-            f"received. {CALLS_HINT}"
-        )
+
+def mismatch(features: list[str]) -> ValueError:
+    return ValueError(
+        f"fsembed swap: module of feature(s) {features} was called with other ids than its step's lookup "
+        f"prepared. {CALLS_HINT}"
+    )
 
 
 class ShardedEmbeddingView(nn.Module):
     """Stands in for an ``nn.Embedding``: ``forward(ids) -> Tensor[*ids.shape, dim]``."""
 
-    def __init__(self, hub: EmbeddingHub, feature: str, dim: int):
+    def __init__(self, source: RowSource, feature: str, dim: int):
         super().__init__()
-        self._hub, self.feature, self.dim = hub, feature, dim
+        self.source, self.feature, self.dim = source, feature, dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._hub.rows(self.feature, ids).reshape(*ids.shape, self.dim)
+        return self.source.rows(self.feature, ids).reshape(*ids.shape, self.dim)
 
 
 class ShardedCollectionView(nn.Module):
     """Stands in for a torchrec ``EmbeddingCollection``: ``forward(kjt) -> {feature: JaggedTensor}``."""
 
-    def __init__(self, hub: EmbeddingHub, features: Sequence[str]):
+    def __init__(self, source: RowSource, features: Sequence[str]):
         super().__init__()
-        self._hub, self.features = hub, list(features)
+        self.source, self.features = source, list(features)
 
     def forward(self, kjt):
         from torchrec.sparse.jagged_tensor import JaggedTensor
 
         jts = kjt_split(kjt)
         return {
-            f: JaggedTensor(values=self._hub.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts
+            f: JaggedTensor(values=self.source.rows(f, jts[f][0]), lengths=jts[f][1]) for f in self.features if f in jts
         }
 
 
@@ -249,25 +244,25 @@ def _keep(name: str, module: nn.Module) -> SwappedModule:
     return SwappedModule(module, tables)
 
 
-def unswap_embeddings(model: nn.Module, hub: EmbeddingHub, dst: Optional[int] = 0) -> None:
+def unswap_embeddings(model: nn.Module, swapped: Swapped, dst: Optional[int] = 0) -> None:
     """The inverse of :func:`swap_embeddings`: puts the user's own modules back in ``model`` in place, and removes
     the collection. On rank ``dst`` their weights are the trained tables (gathered there one at a time); on the
     other ranks they stay on the meta device (same keys, shapes and dtypes; no values), or with ``dst=None`` every
     rank gets the tables. Collective: every rank calls it, after the collection's ``flush()``."""
-    if model._modules.get(COLLECTION_NAME) is not hub.collection:
+    if model._modules.get(COLLECTION_NAME) is not swapped.collection:
         raise ValueError(
-            f"fsembed unswap: {type(model).__name__} holds no collection of this hub (never swapped, or "
+            f"fsembed unswap: {type(model).__name__} holds no collection of this swap (never swapped, or "
             "already unswapped)"
         )
-    for name, kept in hub.swapped.items():  # the same order on every rank: the gathers pair up
+    for name, kept in swapped.modules.items():  # the same order on every rank: the gathers pair up
         for table, (path, device) in kept.tables.items():
-            full = hub.collection.gather_table(table, dst)
+            full = swapped.collection.gather_table(table, dst)
             if full is not None:
                 _set_param(kept.module, path, full.to(device), kept.module.get_parameter(path).requires_grad)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, kept.module)
     del model._modules[COLLECTION_NAME]
-    hub.swapped = {}
+    swapped.modules = {}
 
 
 def find_embeddings(model: nn.Module, types: Sequence[Union[str, type]]) -> list[str]:
@@ -294,18 +289,21 @@ def swap_embeddings(
     model: nn.Module,
     names: Optional[Sequence[str]] = None,
     *,
+    source: RowSource,
     types: Optional[Sequence[Union[str, type]]] = None,
     schedule: str = "sync",
     world_size: Optional[int] = None,
     rank: Optional[int] = None,
     row_boundaries: Optional[Mapping[str, torch.Tensor]] = None,
     **collection_kwargs,
-) -> EmbeddingHub:
+) -> Swapped:
     """Replaces the modules ``names`` of ``model`` (paths as in ``named_modules()``), or every module of one of
-    ``types`` (:func:`find_embeddings`), in place; returns the hub.
+    ``types`` (:func:`find_embeddings`), in place, by views that take their rows from ``source``; returns what it
+    did (:class:`Swapped`).
 
     Initial values are the modules' own weights (identical on every rank, as after a seeded construction); the
-    modules themselves are kept in ``hub.swapped``, their parameters on the meta device, for :func:`unswap_embeddings`.
+    modules themselves are kept in ``swapped.modules``, their parameters on the meta device, for
+    :func:`unswap_embeddings`.
     ``row_boundaries``: the sharding plan, ``{table: [W+1] int64 row boundaries}`` for the tables that do not take
     torchrec's row-wise split. ``schedule`` (fsembed.schedules) picks the collection: the prioritized one for the
     schedules that prefetch rows, else the synchronous one. ``collection_kwargs`` go to the collection (optimizer,
@@ -335,15 +333,15 @@ def swap_embeddings(
     )
     cls = PrioritizedEmbeddingCollection if prioritized else ShardedEmbeddingCollection
     collection = cls(plan, rank, init_tables=init, **collection_kwargs)
-    hub = EmbeddingHub(collection)
+    swapped = Swapped(collection)
     for n in names:
         parent_name, _, child = n.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(modules[n], nn.Embedding):
-            view: nn.Module = ShardedEmbeddingView(hub, n, modules[n].embedding_dim)
+            view: nn.Module = ShardedEmbeddingView(source, n, modules[n].embedding_dim)
         else:
-            view = ShardedCollectionView(hub, [f for t, _ in found[n] for f in t.features])
+            view = ShardedCollectionView(source, [f for t, _ in found[n] for f in t.features])
         setattr(parent, child, view)
-        hub.swapped[n] = _keep(n, modules[n])
+        swapped.modules[n] = _keep(n, modules[n])
     model.add_module(COLLECTION_NAME, collection)
-    return hub
+    return swapped

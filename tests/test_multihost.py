@@ -144,7 +144,7 @@ def _bad_lines(text: str) -> list[str]:
 
 
 def _loss_sums(metrics: Path) -> list[float]:
-    return [json.loads(line)["bce_sum"] for line in metrics.read_text().splitlines() if '"bce_sum"' in line]
+    return [json.loads(line)["loss_sum"] for line in metrics.read_text().splitlines() if '"loss_sum"' in line]
 
 
 @pytest.mark.parametrize("mode, nnodes, nproc", [("freescale", 2, 2), ("sync", 3, 1)])

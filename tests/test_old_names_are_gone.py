@@ -16,6 +16,7 @@ OLD_NAMES = [
     (fscomm, "new_stage_group"),
     (fsembed, "StageTransports"),
     (fsembed, "stage_transports"),
+    (fsembed, "EmbeddingHub"),
 ]
 
 

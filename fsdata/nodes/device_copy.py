@@ -6,7 +6,7 @@ previous step computes, instead of between two steps, where the GPU idles until 
 them. The training thread does nothing with an item but use it.
 
 Items: LoaderItems (fsdata.item); they come out with the batch on the device. The ID prefetch's exchanges
-(``prefetched``) are completed here, the worker waiting for them instead of the step's forward, and come out with
+(``context``) are completed here, the worker waiting for them instead of the step's forward, and come out with
 their send permutations and received ids on the device, by the same copies. The other fields (the balancer's
 report, an attention plan, extras) pass through untouched.
 
@@ -59,14 +59,14 @@ class DeviceCopy(BaseNode[Any]):
         with torch.cuda.stream(self._stream):
             batch = item.batch.pin_memory().to(self.device, non_blocking=True)
             # The attachments (fsdata.item): ids in flight are completed here, in the worker, then moved.
-            ids, plan = moved(item.prefetched, self.device), moved(item.attention_plan, self.device)
+            context, plan = moved(item.context, self.device), moved(item.attention_plan, self.device)
         self.consumer_stream.wait_stream(self._stream)
         for t in batch.tensors().values():
             t.record_stream(self.consumer_stream)
-        for attachment in (ids, plan):
+        for attachment in (context, plan):
             if hasattr(attachment, "record_stream"):
                 attachment.record_stream(self.consumer_stream)
-        return replace(item, batch=batch, prefetched=ids, attention_plan=plan)
+        return replace(item, batch=batch, context=context, attention_plan=plan)
 
     def get_state(self) -> Dict[str, Any]:
         return self.source.state_dict()

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
+GLOBAL_FIELDS = ("labels", "loss_sum", "positives")
 PER_RANK_FIELDS = ("last_compute_s", "tokens", "samples", "sparsity", "last_step_s")  # last_*: of the previous step
 
 

@@ -11,7 +11,7 @@ the same number of batches (the last ones short or empty), so the exchanges pair
 Metrics, over the whole held-out set (all ranks, each sample once):
 
 - **NE**: the summed BCE of the logits (in float64) over the label count, divided by the entropy of the labels'
-  positive rate (as the training NE, pipelines.models.reference.normalized_entropy).
+  positive rate (as the training NE, pipelines.metrics.normalized_entropy).
 - **AUC**: the area under the ROC curve per label column: torchmetrics' binary AUROC of the float32 sigmoid of
   the logits against every candidate's label (every rank's, gathered); tied scores count half, as the
   trapezoid rule gives. ``auc`` is the mean over the columns that have both classes (a column without positives
@@ -20,6 +20,7 @@ Metrics, over the whole held-out set (all ranks, each sample once):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional, Union
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
 from pipelines.api.numerics import autocast, autocast_dtype
-from pipelines.models.reference import normalized_entropy
+from pipelines.metrics import normalized_entropy
 
 
 @dataclass
@@ -124,6 +125,7 @@ def predict(
     arguments`` (default: the wrap's, else the batch); ``precision``: as ``--precision`` (``auto`` is fp32 on CPU,
     bf16 autocast on CUDA). Returns this rank's rows only (``evaluate`` gathers every rank's)."""
     from pipelines.api.step import call_model
+    from pipelines.api.wrap import as_args
 
     device = torch.device(device)
     if wrap is not None:
@@ -137,10 +139,14 @@ def predict(
         for raw in [items] if isinstance(items, (Batch, LoaderItem)) else items:
             item = _on_device(as_item(raw), device)
             batch = item.batch
-            if wrap is not None:  # names the batch whose features the lookup takes (the model may take other inputs)
-                wrap.begin_step(batch)
+            args = as_args(inputs, batch)
+            # the lookup takes the batch's ids (the model may take other inputs), looked up synchronously: an ID
+            # exchange a training loader's stage started is not this lookup's
+            context = None if wrap is None else wrap.context_of(batch, args)
             with autocast(dtype, device):
-                logits = _per_candidate(call_model(model, inputs, item), batch)
+                with wrap.lookup(context) if wrap is not None else contextlib.nullcontext():
+                    outputs = call_model(model, inputs, item, args, context)
+                logits = _per_candidate(outputs, batch)
             scores.append(logits.float().cpu())
             labels.append(batch.candidate_labels.float().cpu())
             sample_ids.append(batch.sample_ids.cpu().repeat_interleave(batch.num_candidates.cpu()))

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from kernels.attention import is_deterministic
+from pipelines.models.protocol import SequenceRecommender
 
 PRECISIONS = ("auto", "bf16", "fp32")
 #: cuBLAS's reproducible workspace settings (its documentation names these two).
@@ -62,8 +63,8 @@ def enable_determinism() -> None:
 
 
 def check_determinism(model: torch.nn.Module, device: torch.device) -> None:
-    """Raises unless the process is in the deterministic mode and ``model``'s attention kernel (where it tells,
-    through ``attention_impl(device)``) is reproducible in it."""
+    """Raises unless the process is in the deterministic mode and ``model``'s attention kernel (where it tells:
+    pipelines.models.protocol.SequenceRecommender's ``attention_impl(device)``) is reproducible in it."""
     if not torch.are_deterministic_algorithms_enabled():
         raise ValueError(
             "--deterministic: torch's deterministic algorithms are off (call "
@@ -71,9 +72,8 @@ def check_determinism(model: torch.nn.Module, device: torch.device) -> None:
         )
     if device.type == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in CUBLAS_WORKSPACES:
         raise ValueError(f"--deterministic: CUBLAS_WORKSPACE_CONFIG must be one of {', '.join(CUBLAS_WORKSPACES)}")
-    pick = getattr(model, "attention_impl", None)
-    if callable(pick):
-        impl = pick(device)
+    if isinstance(model, SequenceRecommender):
+        impl = model.attention_impl(device)
         if not is_deterministic(impl, device):
             raise ValueError(
                 f"--deterministic: the model's attention kernel {impl.value!r} is not reproducible on "

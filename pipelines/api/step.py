@@ -10,22 +10,24 @@
         loss = step.progress(items)
 
 ``wrap_model`` swaps the model's embedding modules (by name or by type) for views of one row-wise sharded
-collection (fsembed.swap) and returns the embedding wrap (pipelines.api.wrap.EmbeddingWrap): its forward pre-hook
+collection (fsembed.swap) and returns the embedding wrap (pipelines.api.wrap.EmbeddingWrap): its ``lookup(context)``
 runs the embedding exchanges of the mode (sync, sdd, semisync, freescale) before the model's first layer, and its
-``loader_stages`` start every batch's ID AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``,
-in the spirit of torchrec's ``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that
-prioritized updates need (batch i+1's ids go to step i's forward), runs forward and backward, all-reduces the
-dense gradients (pipelines.api.dense_sync) and steps the dense optimizer.
+``loader_stages`` compute every batch's ids into its context (fsembed.context.StepContext) and start their ID
+AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``, in the spirit of torchrec's
+``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that prioritized updates need (batch i+1's
+ids go to step i's forward: pipelines.models.step_protocol.Lookahead), runs forward and backward, all-reduces the
+dense gradients (pipelines.api.dense_sync) and steps the dense optimizer. TrainStep implements the Step protocol
+(pipelines.models.step_protocol), as torchrec's reference steps do.
 
 Loss semantics. ``loss(outputs, batch)`` returns the SUM of the per-label losses of the local batch; the step
 divides it by the global number of labels (every rank's ``batch.candidate_labels.numel()``), so the gradient is
 the global mean's however the balancer spread the samples, and sums the gradients over the ranks. The global
 count comes with the balancer's report, else from one small all-reduce.
 
-A loop of one's own instead of ``progress`` does per step (see ``TrainStep.train_on``):
-``wrap.begin_step(context)`` before the forward (``context``: fsembed.context.EmbeddingContext, the batch's ids
-and exchange from ``item.prefetched`` and the next batch's ids), backward of the scaled loss sum, the dense
-all-reduce, the optimizer step, and ``wrap.flush()`` before reading tables or checkpointing.
+A loop of one's own instead of ``progress`` does per step (see ``TrainStep.train_on``): the forward inside
+``with wrap.lookup(item.context.with_upcoming(next_item.context))`` (the item's context, built by the loader's ID
+prefetch or by ``step.to_device``, with the next item's), backward of the scaled loss sum, the dense all-reduce,
+the optimizer step, and ``wrap.flush()`` before reading tables or checkpointing.
 torchrec is imported only where the model uses its types.
 """
 
@@ -43,12 +45,14 @@ from torch import nn
 from fscomm.registry import host_transport  # noqa: F401  (the public API's name for a loader stage's transport)
 from fsdata.batch import Batch
 from fsdata.item import LoaderItem, as_item
-from fsembed.context import EmbeddingContext
+from fsembed.context import StepContext
 from pipelines.api.dense_sync import GLOBAL_FIELDS, PER_RANK_FIELDS, DenseSync, per_rank_of
 from pipelines.api.modes import SHARDED, get_mode
 from pipelines.api.numerics import autocast, autocast_dtype
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START, EmbeddingWrap, FeatureFn, Inputs, as_args
-from pipelines.models.reference import bce_sum
+from pipelines.metrics import binary_cross_entropy_sum
+from pipelines.models.protocol import SequenceRecommender
+from pipelines.models.step_protocol import Lookahead
 from pipelines.models.step_result import StepResult
 
 Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of the local per-label losses
@@ -56,14 +60,24 @@ Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of 
 
 def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed
-    (pipelines.models.reference.bce_sum, the reference model's)."""
-    return bce_sum(outputs, batch.candidate_labels)
+    (pipelines.metrics.binary_cross_entropy_sum, the reference model's)."""
+    return binary_cross_entropy_sum(outputs, batch.candidate_labels)
 
 
-def call_model(model: nn.Module, inputs: Optional[Inputs], item: LoaderItem, args: Optional[tuple] = None) -> Any:
+def call_model(
+    model: nn.Module,
+    inputs: Optional[Inputs],
+    item: LoaderItem,
+    args: Optional[tuple] = None,
+    context: Optional[StepContext] = None,
+) -> Any:
     """The model's forward on the item's batch (``args``: its arguments, where the caller built them already), with
-    the loader's attention plan as keyword ``attention_plan`` when the item carries one."""
+    the loader's attention plan as keyword ``attention_plan`` when the item carries one, and, for a model that
+    declares it takes them (pipelines.models.protocol.SequenceRecommender), the context's ids as
+    ``embedding_ids``: the forward computes none of them again."""
     kwargs = {} if item.attention_plan is None else {"attention_plan": item.attention_plan}
+    if context is not None and isinstance(model, SequenceRecommender):
+        kwargs["embedding_ids"] = context.ids
     return model(*(args if args is not None else as_args(inputs, item.batch)), **kwargs)
 
 
@@ -135,7 +149,7 @@ def unwrap_model(
     dst: Optional[int] = 0,
 ) -> nn.Module:
     """The inverse of :func:`wrap_model`, after training: puts your own embedding modules back in ``model`` in
-    place, with the trained tables, and removes FreeScale's collection and hooks, so ``model.state_dict()`` is
+    place, with the trained tables, and removes FreeScale's collection, so ``model.state_dict()`` is
     your class's (load it into a fresh instance to serve or evaluate). Returns ``model``.
 
     Collective: every rank calls it, once, when the wrap is done (``wrap.flush()`` runs first). The tables
@@ -147,9 +161,7 @@ def unwrap_model(
     if wrap is None:
         raise ValueError("unwrap_model: give the EmbeddingWrap that wrap_model returned for this model")
     wrap.flush()
-    unswap_embeddings(model, wrap.hub, dst)
-    wrap._hook.remove()  # the wrap's forward hooks would look up tables that are gone
-    wrap._after_hook.remove()
+    unswap_embeddings(model, wrap.swapped, dst)
     return model
 
 
@@ -261,10 +273,7 @@ class TrainStep:
         )
         self.timer = timer
         self.hooks = hooks if hooks is not None else StepHooks()
-        self._current: Optional[LoaderItem] = None
-        # the next batch's (batch, model arguments, ids), where this step computed its ids for prioritized updates
-        self._derived: Optional[tuple] = None
-        self._started = False
+        self._items: Lookahead[LoaderItem] = Lookahead(self._take, self.lookahead)
         self.step = 0
 
     # ------------------------------------------------------------------ the iterator
@@ -276,26 +285,26 @@ class TrainStep:
         return self.to_device(item)
 
     def to_device(self, item: LoaderItem) -> LoaderItem:
-        """The item with its batch and prefetched ids on the step's device (no-op where they are already)."""
+        """The item with its batch and its context on the step's device (no-op where they are already). Where no
+        loader stage built the context and the model has sharded tables, it is built here, once per batch
+        (``wrap.context_of``: its ids, and the model's arguments they were read from)."""
         batch = item.batch if item.batch.device == self.device else item.batch.to(self.device, non_blocking=True)
-        ids = item.prefetched.to(self.device) if item.prefetched is not None else None
-        return LoaderItem(batch, item.report, ids, item.attention_plan, item.extras)
+        if item.context is not None:
+            context = item.context.to(self.device)
+        else:
+            context = self.wrap.context_of(batch) if self.wrap is not None else None
+        return LoaderItem(batch, item.report, context, item.attention_plan, item.extras)
 
     def has_next(self, items: Iterator) -> bool:
         """Whether ``progress(items)`` has a batch to train (takes the first one on the first call)."""
-        if not self._started:
-            self._started, self._current = True, self._take(items)
-        return self._current is not None
+        return self._items.has_next(items)
 
     def progress(self, items: Iterator) -> StepResult:
         """Trains the next batch of ``items``, taking the one after it as lookahead; raises StopIteration when
         ``items`` is exhausted."""
-        if not self.has_next(items):
-            raise StopIteration
-        current, upcoming = self._current, self._take(items)
-        self._current = upcoming
+        current, upcoming = self._items.advance(items)
         result = self.train_on(current, upcoming)
-        if upcoming is None and self.wrap is not None:
+        if not upcoming and self.wrap is not None:
             self.wrap.flush()  # the last step: deferred updates land, the tables are final
         return result
 
@@ -323,55 +332,35 @@ class TrainStep:
         Runs even for an empty local batch: a sharded table's exchanges must run on every rank."""
         batch, labels = item.batch, item.batch.candidate_labels
         with self.hooks.phase("freescale/forward"):
-            derived, self._derived = self._derived, None
-            derived = derived if derived is not None and derived[0] is batch else (batch, None, None)
-            # the user's inputs(), once per step: kept from the last step, which derived this batch's ids, or from
-            # the loader's ID prefetch, which read the ids from them; else called here
-            args = derived[1]
-            if args is None and item.prefetched is not None:
-                args = item.prefetched.args
-            if args is None:
-                args = as_args(self.inputs, batch)
-            if self.wrap is not None:
-                self.wrap.begin_step(self.context(item, upcoming, args, derived[2]))
+            context = self.context(item, upcoming)
+            # the user's inputs(), once per step: read by the loader's ID prefetch or by to_device where the ids came
+            # from them (they travel in the context), else called here
+            args = context.args if context is not None and context.args is not None else as_args(self.inputs, batch)
             with autocast(self.autocast_dtype, self.device):
-                loss_sum = self.loss(call_model(self.model, self.inputs, item, args), batch)
+                with self.wrap.lookup(context) if self.wrap is not None else contextlib.nullcontext():
+                    outputs = call_model(self.model, self.inputs, item, args, context)
+                loss_sum = self.loss(outputs, batch)
         if self.hooks.before_backward is not None:
             self.hooks.before_backward()
         with self.hooks.phase("freescale/backward"):
             (loss_sum / max(global_labels, 1.0)).backward()
         return float(labels.numel()), torch.stack([loss_sum.detach().float().reshape(()), labels.sum().float()])
 
-    def context(
-        self,
-        item: LoaderItem,
-        upcoming: Optional[LoaderItem],
-        args: Optional[tuple] = None,
-        ids: Optional[dict[str, torch.Tensor]] = None,
-    ) -> EmbeddingContext:
-        """The step's embedding context: the ids and exchange the loader's ID prefetch attached to ``item``, else
-        ``ids``, else the ids computed here (from ``args``, the model's arguments, where the features come from
-        its KeyedJaggedTensor); and for prioritized updates the next batch's ids (None at the end)."""
-        if item.prefetched is not None:
-            ids = item.prefetched.features
-        elif ids is None:
-            ids = self.wrap.feature_ids(item.batch, args)
-        upcoming_ids = None
-        if upcoming is not None and self.wrap.prioritized:
-            upcoming_ids = upcoming.prefetched if upcoming.prefetched is not None else self._derive(upcoming.batch)
-        return EmbeddingContext(ids, item.prefetched, upcoming_ids)
+    def context(self, item: LoaderItem, upcoming: Optional[LoaderItem]) -> Optional[StepContext]:
+        """The step's context: the item's (built by the loader's ID prefetch, or by :meth:`to_device`), with the next
+        item's in it for prioritized updates (None at the end); None for a model without sharded tables."""
+        if self.wrap is None:
+            return None
+        if item.context is None:  # an item that did not come through to_device
+            item = self.to_device(item)
+        following = upcoming.context if upcoming is not None and self.wrap.prioritized else None
+        if following is None and upcoming is not None and self.wrap.prioritized:
+            following = self.to_device(upcoming).context
+        return item.context.with_upcoming(following)
 
-    def _derive(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The ids of the next batch, which no loader stage computed, with the model's arguments they came from (a
-        KeyedJaggedTensor model's): kept for the batch's own step, so that neither is computed twice."""
-        args = as_args(self.inputs, batch) if self.wrap.features is None else None
-        ids = self.wrap.feature_ids(batch, args)
-        self._derived = (batch, args, ids)
-        return ids
-
-    def train_on(self, item: LoaderItem, upcoming: Optional[LoaderItem] = None) -> StepResult:
-        """One step on ``item``, ``upcoming`` being the next item (its ids feed prioritized updates; None at the
-        end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
+        """One step on ``item``, ``upcoming`` being the items after it (the next one's ids feed prioritized updates;
+        none at the end): :meth:`zero_grad`, :meth:`global_labels`, :meth:`forward_backward`, the dense all-reduce, the
         optimizer step. A loop of one's own calls these in this order. The only step there is: the trainer's goes
         through here too, its additions coming in through ``hooks``."""
         hooks = self.hooks
@@ -379,7 +368,7 @@ class TrainStep:
         total = self.global_labels(item)
         t0 = time.perf_counter()
         with hooks.phase("freescale/forward_backward"):
-            labels, device_scalars = self.forward_backward(item, upcoming, total)
+            labels, device_scalars = self.forward_backward(item, upcoming[0] if upcoming else None, total)
             mine = hooks.per_rank(item) if hooks.per_rank is not None else (0.0,) * len(PER_RANK_FIELDS)
             if hooks.early_allreduce:  # queued behind the backward on the device: runs as soon as it is done
                 with hooks.phase("freescale/dense_allreduce"):

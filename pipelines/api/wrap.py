@@ -4,46 +4,46 @@ The model takes a batch and returns logits; it looks its item ids up in ``item_e
 modules are named). FreeScale installs itself around it:
 
 * module swap (fsembed.swap): the named embedding modules become views of one row-wise sharded collection;
-* a forward pre-hook on the model drives the embedding exchanges, before the model's first layer runs: it takes the
-  step's context (fsembed.context.EmbeddingContext: this batch's ids, their exchange and the next batch's ids) and
-  hands it to the mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized;
-  pipelines.api.modes names which mode runs which). Where the
-  step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
-  chosen from measured step times by pipelines.job.schedule; exact either way);
-* a forward hook on the model lets go of the step's context as its forward returns, and starts the side work of
-  the next batch's embedding exchanges that the forward issued (``early_start="backward"``, the default:
-  freescale's lines 6-7 and 12 then run in the collection's bulk chain beside the backward, where the training
-  thread waits without the GIL);
+* the step passes each forward's context (fsembed.context.StepContext: this batch's ids, their exchange and the
+  next batch's context) to ``with wrap.lookup(context): model(...)``: before the model's first layer runs, the
+  mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.api.modes names which
+  mode runs which) picks what of it the collection takes, and the collection's exchanges run. Where the step is
+  bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``, chosen from
+  measured step times by pipelines.job.schedule; exact either way);
+* as the forward returns, the lookup lets go of its rows and starts the side work of the next batch's embedding
+  exchanges that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then
+  run in the collection's bulk chain beside the backward, where the training thread waits without the GIL);
 * the loader's balancer stages (fsdata.balancer) already gave this rank a balanced batch; their exchanges are
   started in the loader's ``next()`` between steps and finish one step later (the paper hooks them at the
   optimizer step, forward and backward; here they ride the loader, with the same overlap);
 * the backward of the swapped modules runs the gradient AllToAll and the row-wise update (fused optimizer); in
   ``freescale`` it sends the collision rows' gradients first; the collection's collision chain updates those
   rows as soon as they arrive and sends their new values during the dense all-reduce and the optimizer step, and
-  the next step's pre-hook waits only for what is still in flight (the paper: the blocking exchange is waited
+  the next step's lookup waits only for what is still in flight (the paper: the blocking exchange is waited
   for only in the next iteration's forward).
 
-The loader's ID-prefetch stage (fsembed.id_prefetch) computes every batch's ids, once, and starts their ID
-AllToAll one loader call early; the step (pipelines.api.step.TrainStep) keeps one batch of lookahead and, before
-step i's forward, hands this wrap one context with batch i's ids and exchange (for sdd) and batch i+1's (for
-freescale): section 6.1's one extra batch. ``begin_step(context)`` does so; without a loader stage the step
-computes the ids itself (``feature_ids``: the features function, or the KeyedJaggedTensor among the model's
-arguments, so the user's ``inputs`` runs once per step).
+The loader's ID-prefetch stage (fsembed.id_prefetch) computes every batch's ids, once, builds the batch's context
+and starts their ID AllToAll one loader call early; the step (pipelines.api.step.TrainStep) keeps one batch of
+lookahead and passes step i's lookup batch i's context with batch i+1's in it (for freescale): section 6.1's one
+extra batch. Without a loader stage the step builds the context itself (``context_of``: the features function, or
+the KeyedJaggedTensor among the model's arguments, so the user's ``inputs`` runs once per step).
 
 Built through the public ``pipelines.api.step.wrap_model`` (the reference model too).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from fsdata.batch import Batch
-from fsembed.context import EmbeddingContext
+from fsembed.context import StepContext
 from fsembed.plan import Features, flat_features
 from fsembed.schedules import get_schedule
+from fsembed.swap import ForwardRows, swap_embeddings
 from pipelines.api.modes import SHARDED, get_mode
 
 # The wrap's defaults (also `freescale train`'s): it calls start_early_rows() as the forward returns, which
@@ -74,9 +74,10 @@ def kjt_in(args: tuple, where: str):
 
 
 class EmbeddingWrap:
-    """What :func:`pipelines.api.step.wrap_model` returns: the model's swapped embedding tables (``hub``,
-    ``collection``) and the embedding schedule that runs their exchanges each step, driven by a forward pre-hook
-    that takes the step's context (``begin_step``) before each forward.
+    """What :func:`pipelines.api.step.wrap_model` returns: the one object between the model and its sharded tables.
+    It holds the swapped tables (``collection``; the user's modules they replaced: ``swapped``) and the embedding
+    schedule that runs their exchanges each step, in :meth:`lookup`, which the step's forward runs inside; the
+    swapped modules take their rows from it (:meth:`rows`).
 
     ``features``: ``batch -> {feature: ids}``; None: the ids of the KeyedJaggedTensor among ``inputs(batch)``."""
 
@@ -97,14 +98,18 @@ class EmbeddingWrap:
         timer=None,
         device: torch.device = torch.device("cpu"),
     ) -> None:
-        from fsembed.swap import swap_embeddings
-
+        self.model = model
         self.mode, self.features, self.inputs = get_mode(mode, SHARDED, "EmbeddingWrap mode"), features, inputs
         self.schedule = get_schedule(self.mode.schedule)  # this step's; freescale's may change (set_schedule)
         prioritized = self.schedule.prioritized_collection
-        self.hub = swap_embeddings(
+        # The rows of the forward running now (lookup), and of the last one, whose id checks queued on a GPU are read
+        # at the next lookup or flush (fsembed.swap.ForwardRows).
+        self._forward: Optional[ForwardRows] = None
+        self._last: Optional[ForwardRows] = None
+        self.swapped = swap_embeddings(
             model,
             table_names,
+            source=self,
             types=types,
             row_boundaries=row_boundaries,
             schedule=self.schedule.name,
@@ -118,11 +123,7 @@ class EmbeddingWrap:
             ),
             **self._transports(transport_name),
         )
-        self.collection = self.hub.collection
-        # The next forward's context (begin_step), taken by the pre-hook; a batch instead: its ids are computed there.
-        self._context: Optional[Union[EmbeddingContext, Batch]] = None
-        self._hook = model.register_forward_pre_hook(self._before_forward)
-        self._after_hook = model.register_forward_hook(self._after_forward)
+        self.collection = self.swapped.collection
 
     @staticmethod
     def _transports(name: str) -> dict:
@@ -141,32 +142,55 @@ class EmbeddingWrap:
 
         return kjt_ids(kjt_in(args if args is not None else as_args(self.inputs, batch), "wrap_model"))
 
-    def begin_step(self, context: Union[EmbeddingContext, Batch]) -> None:
-        """The next forward's embedding context (the step builds it from the loader's item: TrainStep does), or a
-        batch whose ids the pre-hook computes (an evaluation, a probe)."""
-        self._context = context
+    def context_of(self, batch: Batch, args: Optional[tuple] = None) -> StepContext:
+        """The context of a batch no loader stage built one for: its ids (:meth:`feature_ids`), and the model's
+        arguments where they were read from them (a KeyedJaggedTensor model's; ``args`` where the caller has them)."""
+        if self.features is None and args is None:
+            args = as_args(self.inputs, batch)
+        return StepContext(self.feature_ids(batch, args), None, args)
 
-    def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        context, self._context = self._context, None
-        if not isinstance(context, EmbeddingContext):
-            batch = context if context is not None else (args[0] if args and isinstance(args[0], Batch) else None)
-            if batch is None and self.features is not None:
-                raise ValueError(
-                    "wrap_model: the model's forward does not take the batch; call "
-                    "wrap.begin_step(context or batch) before it (TrainStep does)"
-                )
-            context = EmbeddingContext(self.feature_ids(batch, args))
-        if not module.training or not torch.is_grad_enabled():  # evaluation: a plain synchronous lookup
-            self.hub.prepare(context, context.ids)
-            return
-        self.schedule.prepare(self.hub, context)
+    @contextlib.contextmanager
+    def lookup(self, context: StepContext) -> Iterator[None]:
+        """Looks every feature of ``context`` up, once, for the model's forward run inside, whose swapped modules
+        take their rows (:meth:`rows`); then lets go of them and starts the next batch's early rows held by the
+        forward (``early_start="backward"``: the collection's bulk chain then runs beside the backward).
 
-    def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
-        """Lets go of the step's context, and starts the next batch's early rows held by the forward
-        (``early_start="backward"``): the collection's bulk chain then runs beside the backward."""
-        self.hub.release()
-        if module.training and torch.is_grad_enabled() and self.prioritized:
+        Training: the ids as the schedule takes them (their exchange started by the loader where it prefetches
+        ids, else the ids, exchanged here) and, for prioritized updates, the next batch's. In evaluation (the model
+        in eval mode, or no grad) a plain synchronous lookup of this batch's ids."""
+        self.verify()
+        training = self.model.training and torch.is_grad_enabled()
+        ids, following = context.ids, None
+        if training and self.schedule.prefetches_ids:
+            ids = context.lookup_ids
+        if training and self.prioritized and context.upcoming is not None:
+            following = context.upcoming.lookup_ids
+        self._forward = ForwardRows(context.ids, self.collection(ids, following))
+        try:
+            yield
+        finally:
+            forward, self._forward = self._forward, None
+            self._last = forward
+        forward.finish()
+        if training and self.prioritized:
             self.collection.start_early_rows()
+
+    def rows(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``feature`` for a swapped module's call with ``ids`` (fsembed.swap.RowSource), from the lookup
+        running now."""
+        if self._forward is None:
+            raise ValueError(
+                f"embedding wrap: feature {feature!r} was looked up by no step: call the model inside "
+                "wrap.lookup(context) (TrainStep does)"
+            )
+        return self._forward.take(feature, ids)
+
+    def verify(self) -> None:
+        """Raises if the last forward's swapped modules were called with other ids than its lookup took (the
+        checks queued on a GPU, read here, when the step has synchronised anyway)."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.verify()
 
     @property
     def prioritized(self) -> bool:
@@ -215,6 +239,6 @@ class EmbeddingWrap:
 
     def flush(self) -> None:
         """Applies deferred updates (before a checkpoint, an evaluation, a reshard and at the end), and reads back
-        the last step's id checks (fsembed.swap.EmbeddingHub.rows)."""
+        the last step's id checks (:meth:`verify`)."""
         self.collection.flush()
-        self.hub.verify()
+        self.verify()

@@ -105,8 +105,8 @@ class RunAggregates:
         self.seen = 0
         self.samples = self.timed_samples = 0
         self.warmup_s = self.drain_s = self.timed_s = 0.0
-        self.bce = self.positives = self.labels = 0.0  # cumulative: the NE curve
-        self.tail_bce = self.tail_positives = self.tail_labels = 0.0
+        self.loss_total = self.positives = self.labels = 0.0  # cumulative: the NE curve
+        self.tail_loss_sum = self.tail_positives = self.tail_labels = 0.0
         self.loss_first_step = float("nan")
         self.unmeasured: list[str] = []
         self.loss_curve, self.ne_curve = Curve(), Curve()
@@ -119,7 +119,7 @@ class RunAggregates:
         self.balanced_steps: Optional[int] = None
 
     def add(self, record: dict) -> None:
-        from pipelines.models.reference import normalized_entropy
+        from pipelines.metrics import normalized_entropy
 
         i = self.seen
         self.seen += 1
@@ -128,12 +128,12 @@ class RunAggregates:
             self.unmeasured = list(record.get("unmeasured", []))
         samples = sum(record["samples_per_rank"])
         self.samples += samples
-        self.bce, self.positives = self.bce + record["bce_sum"], self.positives + record["positives"]
+        self.loss_total, self.positives = self.loss_total + record["loss_sum"], self.positives + record["positives"]
         self.labels += record["labels"]
         self.loss_curve.add(record["step"], record["loss"])
-        self.ne_curve.add(record["step"], normalized_entropy(self.bce, self.positives, self.labels))
+        self.ne_curve.add(record["step"], normalized_entropy(self.loss_total, self.positives, self.labels))
         if i >= self.tail_from:
-            self.tail_bce += record["bce_sum"]
+            self.tail_loss_sum += record["loss_sum"]
             self.tail_positives += record["positives"]
             self.tail_labels += record["labels"]
         if "balance" in record:
@@ -164,16 +164,16 @@ class RunAggregates:
 
     def summary(self) -> dict[str, Any]:
         """The summary's step figures (pipelines.job.trainer adds what is not per step)."""
-        from pipelines.models.reference import normalized_entropy
+        from pipelines.metrics import normalized_entropy
 
         timed = max(self.timed_end - self.warm, 0) if self.seen else 0
         return {
             "steps": self.seen,
             "samples": self.samples,
             "samples_per_s": self.timed_samples / max(self.timed_s, 1e-9),
-            "loss": self.tail_bce / self.tail_labels if self.tail_labels else float("nan"),
+            "loss": self.tail_loss_sum / self.tail_labels if self.tail_labels else float("nan"),
             "loss_first_step": self.loss_first_step,
-            "ne": normalized_entropy(self.tail_bce, self.tail_positives, self.tail_labels),
+            "ne": normalized_entropy(self.tail_loss_sum, self.tail_positives, self.tail_labels),
             # at most CURVE_POINTS points, evenly spaced, each at its step (every step: --metrics-jsonl)
             "curve_steps": self.loss_curve.steps,
             "loss_curve": self.loss_curve.values,

@@ -30,7 +30,7 @@ class StepRecord:
     step: int
     loss: float  # the global mean
     labels: float  # the global label count
-    bce_sum: float
+    loss_sum: float
     positives: float
     compute_local_s: Optional[float]  # this rank's forward and backward; None: not measured (mode torchrec)
     tokens_per_rank: list[int]
@@ -67,7 +67,7 @@ class StepRecord:
             step=step,
             loss=result.loss,
             labels=result.labels,
-            bce_sum=result.loss_sum,
+            loss_sum=result.loss_sum,
             positives=result.positives,
             compute_local_s=result.compute_s,
             tokens_per_rank=tokens.astype(np.int64).tolist(),

@@ -84,6 +84,8 @@ from pipelines.job.memory_probe import measured_budget
 from pipelines.job.progress import paused, progress_bar
 from pipelines.job.record import StepRecord
 from pipelines.job.schedule import ScheduleProbe
+from pipelines.models.protocol import SequenceRecommender
+from pipelines.models.step_protocol import Lookahead
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
 RECENT_STEPS = 256  # the step records a trainer keeps (``history``); the summary's figures are running aggregates
@@ -190,7 +192,8 @@ class Trainer:
         self._order_timestamps(self.source)
         if self.spec.source is not None:  # a user's model may read features of its own from the source
             self.source = self.spec.source(self.source)
-        num_items = getattr(getattr(self.spec.model, "config", None), "num_items", None)
+        # a model declaring SequenceRecommender (the presets') names its item table's rows; a user's may not
+        num_items = self.spec.model.num_items if isinstance(self.spec.model, SequenceRecommender) else None
         if num_items is not None:
             # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
             # (fsdata.id_overflow).
@@ -339,21 +342,21 @@ class Trainer:
         items = iter(self.loader)
         profiler = self._profiler()
         start = time.perf_counter()
-        ahead = deque(self._fetch(items) for _ in range(min(self.lookahead, run.steps - self.step)))
+        # the step's one lookahead loop, fed by this job's fetch (epochs, loader state) within the steps left
+        fetched = Lookahead(self._fetch, self.lookahead, limit=run.steps - self.step)
+        fetched.fill(items)
         current: Optional[_Fetched] = None
         release_loader(self.loader)  # the first step's next batch need not wait for its backward
         failed = True
         try:
             while self.step < run.steps:
                 self.accounting.begin()
-                self._retired, current = current, ahead.popleft()
-                with self._phase("freescale/data"), self.accounting.fetching():
-                    if self.step + self.lookahead < run.steps:
-                        ahead.append(self._fetch(items))
+                self._retired = current
+                current, ahead = fetched.advance(items, fetching=self._fetching)
                 upcoming = ahead[0] if ahead else None
                 if self.schedule is not None:
                     self.wrap.set_schedule(self.schedule.schedule_for(self.step))
-                record = self.train_step(current, list(ahead))
+                record = self.train_step(current, ahead)
                 self.accounting.finish(record)
                 self._last_step_s = record.step_time_s
                 if self.schedule is not None:
@@ -439,6 +442,12 @@ class Trainer:
             out["unordered_timestamps"] = len(np.unique(np.concatenate(every)))
         return out
 
+    @contextlib.contextmanager
+    def _fetching(self) -> Iterator[None]:
+        """Around the loop's fetch of the step's next lookahead batch: its trace phase and its timing."""
+        with self._phase("freescale/data"), self.accounting.fetching():
+            yield
+
     def _fetch(self, items: Iterator) -> _Fetched:
         """The next loader item, its batch and prefetched ids on the device (on a GPU the stage worker copied the
         batch already: fsdata.nodes.device_copy)."""
@@ -456,7 +465,7 @@ class Trainer:
         its record. The record lacks what needs the other ranks' compute times of this step (straggler wait, the
         all-reduce's exposed part): they come in the next step's block (StepRecord.settle); its
         ``last_compute_all_s`` is the previous step's."""
-        result = self.step_fn.train_on(fetched.item, *(f.item for f in ahead))
+        result = self.step_fn.train_on(fetched.item, [f.item for f in ahead])
         if result.compute_s is not None:
             self.feedback.report(self.step, result.compute_s)  # read by the balancer's Stage I (autotune, cost fit)
             self._last_compute_s = result.compute_s

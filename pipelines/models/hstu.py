@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +186,7 @@ class HSTULayer(nn.Module):
 
 class HSTUModel(nn.Module):
     """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels] (the reference model's contract:
-    its loss is ``bce_sum``)."""
+    its default loss is pipelines.metrics.binary_cross_entropy_sum)."""
 
     # Its relative bias and age embeddings read the gaps between events' times: the job's loader refuses histories
     # out of time order or with negative times for it (fsdata.parquet, --unordered-timestamps).
@@ -219,6 +219,11 @@ class HSTUModel(nn.Module):
         reference model's order, so a sharded table exchanges the whole step's ids at once)."""
         flat = (kept if kept is not None else truncate(batch, self.config.max_uih)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
+
+    @property
+    def num_items(self) -> int:
+        """Rows of the item table."""
+        return self.config.num_items
 
     def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's wrap."""
@@ -296,9 +301,17 @@ class HSTUModel(nn.Module):
         )
         return Packing(packed, attention, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
+    def forward(
+        self,
+        batch: Batch,
+        attention_plan: None = None,
+        embedding_ids: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """``attention_plan``: none is taken (:meth:`needs_plan`); ``embedding_ids``: this batch's
+        :meth:`embedding_ids` where the step has them (pipelines.models.protocol), else computed here."""
         kept = truncate(batch, self.config.max_uih)
-        rows = self.item_embedding(self.item_ids(batch, kept))
+        ids = embedding_ids["item_embedding"] if embedding_ids is not None else self.item_ids(batch, kept)
+        rows = self.item_embedding(ids)
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0

@@ -4,7 +4,7 @@
     encoder     = num_layers pre-norm transformer blocks     (causal softmax attention over each sample's UIH)
     candidates  = sum of their content-id embeddings         ([C_total, d], content ids are jagged per candidate)
     target attn = each candidate attends over its sample's encoded UIH
-    head        = MLP(candidate, attended UIH, dense) -> one logit per label column; BCE loss; NE metric
+    head        = MLP(candidate, attended UIH, dense) -> one logit per label column (loss and NE: pipelines.metrics)
 
 Attention (``ModelConfig.attention``):
 
@@ -30,9 +30,8 @@ FreeScale wrap (``wrap_model``) finds and swaps them by name, so this model's co
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -235,6 +234,11 @@ class SequenceModel(nn.Module):
         flat = (kept if kept is not None else self._truncate(batch)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 
+    @property
+    def num_items(self) -> int:
+        """Rows of the item table."""
+        return self.config.num_items
+
     def embedding_ids(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The ids of the forward's one sharded lookup, by the module's name: the features of FreeScale's embedding
         wrap (computed once per batch, by the loader's ID prefetch or by the step)."""
@@ -294,11 +298,18 @@ class SequenceModel(nn.Module):
             x = block(x, attend)
         return self.norm(x)
 
-    def forward(self, batch: Batch, attention_plan: Optional[AttentionPlan] = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: Batch,
+        attention_plan: Optional[AttentionPlan] = None,
+        embedding_ids: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """``attention_plan``: the batch's block masks from the loader, read where the kernel takes them
-        (:meth:`needs_plan`) and built here when absent; ignored by the other kernels."""
+        (:meth:`needs_plan`) and built here when absent; ignored by the other kernels. ``embedding_ids``: this
+        batch's :meth:`embedding_ids` where the step has them (pipelines.models.protocol), else computed here."""
         kept = self._truncate(batch)
-        rows = self.item_embedding(self.item_ids(batch, kept))
+        ids = embedding_ids["item_embedding"] if embedding_ids is not None else self.item_ids(batch, kept)
+        rows = self.item_embedding(ids)
         if batch.batch_size == 0:
             # Still tied to the embedding lookup, so a sharded table's backward exchange runs on this rank too.
             return rows.new_zeros(0, self.config.num_labels) + rows.sum() * 0
@@ -346,17 +357,3 @@ class SequenceModel(nn.Module):
         )
         dense = self.dense_proj(batch.dense)[sample_of_cand]
         return self.head(torch.cat([cand, attended, dense], dim=-1))
-
-
-def bce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of per-label BCE over the local candidates (the trainer scales it to the global mean)."""
-    return F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-
-
-def normalized_entropy(bce_total: float, positives: float, count: float) -> float:
-    """NE = mean BCE / entropy of the base rate (lower is better, 1.0 = predicting the base rate)."""
-    if count <= 0:
-        return float("nan")
-    p = min(max(positives / count, 1e-7), 1 - 1e-7)
-    base = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    return (bce_total / count) / base

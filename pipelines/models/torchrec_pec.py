@@ -26,7 +26,7 @@ in the backward).
 
 Gradient division. PEC's gradient AllToAll sums what the ranks send and divides by nothing; torchrec's synchronous
 one divides by the world size (torchrec.distributed.comm_ops, ``GRADIENT_DIVISION``, on by default), and DDP
-averages the dense gradients. As in mode ``torchrec`` each rank backpropagates bce_sum / global label count times
+averages the dense gradients. As in mode ``torchrec`` each rank backpropagates loss_sum / global label count times
 the world size (DDP's division undone), and the looked-up rows' gradient is multiplied by 1 / world size before
 PEC's AllToAll: the table gets the summed gradient of the global mean loss, as in every other mode (exact for a
 power-of-two world size).
@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,8 @@ from torch import nn
 
 from fsdata.batch import Batch, offsets_to_lengths
 from fsdata.item import LoaderItem
-from pipelines.models.reference import SequenceModel, bce_sum
+from pipelines.metrics import binary_cross_entropy_sum
+from pipelines.models.reference import SequenceModel
 from pipelines.models.step_result import StepResult
 from pipelines.models.torchrec_ref import (
     LookedUpRows,
@@ -122,7 +123,7 @@ def reference_target(model: SequenceModel, optimizer_name: str, embedding_lr: fl
         lambda batch: (batch,),
         features,
         feed,
-        lambda out, batch: bce_sum(out, batch.candidate_labels),
+        lambda out, batch: binary_cross_entropy_sum(out, batch.candidate_labels),
     )
 
 
@@ -155,7 +156,11 @@ def user_target(spec, optimizer_name: str, embedding_lr: float) -> PECTarget:
         stand_in.rows = embeddings
 
     args = spec.inputs if spec.inputs is not None else (lambda batch: (batch,))
-    loss = spec.loss if spec.loss is not None else (lambda out, batch: bce_sum(out, batch.candidate_labels))
+    loss = (
+        spec.loss
+        if spec.loss is not None
+        else (lambda out, batch: binary_cross_entropy_sum(out, batch.candidate_labels))
+    )
     return PECTarget(spec.model, collection, lambda batch: tuple(args(batch)), features, feed, loss)
 
 
@@ -325,7 +330,7 @@ class TorchrecPEC:
             self._inputs[step] = (args, self.target.features(batch, args), self.global_labels(batch))
         return self._inputs[step]
 
-    def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
         """One step on ``item``; ``upcoming``: the next batch (none at the end)."""
         batch = item.batch
         t0 = time.perf_counter()

@@ -19,7 +19,7 @@ looked up for this batch (the same module swap as fsembed.swap, with torchrec's 
 
 Matched with ``sync`` mode, so that losses and NE compare step by step:
 * same initial weights (the table is a copy of the seeded ``nn.Embedding``), data, and local batches;
-* loss semantics: each rank backpropagates bce_sum / global label count (counted before the batch enters
+* loss semantics: each rank backpropagates loss_sum / global label count (counted before the batch enters
   TrainPipelineSparseDist), times the world size: DDP averages dense gradients over ranks and torchrec divides embedding
   gradients by the world size (comm_ops gradient division, on by default), so the factor gives back the summed
   gradient of the global mean loss that the other modes use (exact for a power-of-two world size);
@@ -57,7 +57,8 @@ from torch import nn
 from fsdata.balance_measures import sparsity
 from fsdata.batch import CONTENT_KEY, UIH_ITEM_KEY, Batch, offsets_to_lengths
 from fsdata.item import LoaderItem
-from pipelines.models.reference import SequenceModel, bce_sum
+from pipelines.metrics import binary_cross_entropy_sum
+from pipelines.models.reference import SequenceModel
 from pipelines.models.step_result import StepResult
 
 TORCHREC_PACKAGES = ("torchrec", "fbgemm_gpu")
@@ -66,7 +67,7 @@ EMBEDDING_OPTIMIZERS = ("sgd", "rowwise_adagrad")
 # Exposed-time parts that progress() hides (the trainer reports them as None).
 UNMEASURED_PARTS = ("ids_a2a", "emb_a2a", "grad_a2a", "dense_allreduce")
 # Bookkeeping all-reduce: global scalars, then per-rank slots.
-_GLOBAL_FIELDS = ("labels", "bce_sum", "positives")
+_GLOBAL_FIELDS = ("labels", "loss_sum", "positives")
 _PER_RANK_FIELDS = ("progress_s", "tokens", "samples", "sparsity")
 
 
@@ -155,7 +156,7 @@ class _DenseStep(nn.Module):
         rows = {key: jt.values() for key, jt in embeddings.items()}  # waits for the embedding AllToAll
         self.model.item_embedding.rows = torch.cat([rows[UIH_ITEM_KEY], rows[CONTENT_KEY]])
         labels = inputs.batch.candidate_labels
-        loss = bce_sum(self.model(inputs.batch), labels)
+        loss = binary_cross_entropy_sum(self.model(inputs.batch), labels)
         # x world size: DDP and torchrec's gradient division both divide by it (module docstring).
         scaled = (loss / max(inputs.global_labels, 1.0)) * self.world_size
         stats = torch.stack([torch.tensor(float(labels.numel())), loss.detach().cpu(), labels.sum().cpu()])
@@ -344,7 +345,7 @@ class TorchrecReference:
                 self._in_flight.append(batch)
                 self._fed_steps += 1
 
-    def train_on(self, item: LoaderItem, *upcoming: LoaderItem) -> StepResult:
+    def train_on(self, item: LoaderItem, upcoming: Sequence[LoaderItem] = ()) -> StepResult:
         """One ``progress()``: trains on ``item``; ``upcoming`` are the ``lookahead`` items after it (fewer at the
         end), handed to TrainPipelineSparseDist as it needs them."""
         self._feed_new([item.batch, *(u.batch for u in upcoming)])

@@ -87,17 +87,22 @@ def test_prefetched_ids_arrive_on_the_device_with_the_batch():
     """The ID prefetch's exchange is completed in the node, and its send permutation and result are copied with
     the batch: the step's forward finds them on the device."""
     from fsdata.item import LoaderItem
+    from fsembed.context import StepContext
     from fsembed.id_prefetch import PrefetchedIds, ShardedIds
 
     perm, shard_ids = torch.randperm(1000), torch.arange(7, 1007)
-    ids = PrefetchedIds({"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))})
+    exchange = PrefetchedIds(
+        {"items": ShardedIds("items", 1000, [1000], perm, [600, 400], [500, 500], _Done(shard_ids))}
+    )
+    context = StepContext({"items": torch.arange(1000)}, exchange)
 
     consumer = torch.cuda.Stream()  # the node orders this stream after its copies
     with torch.cuda.stream(consumer):
-        with_ids = _Map(_reader(), lambda batch: LoaderItem(batch, prefetched=ids))
+        with_ids = _Map(_reader(), lambda batch: LoaderItem(batch, context=context))
         item = next(iter(Loader(DeviceCopy(with_ids, "cuda", consumer_stream=consumer))))
-        batch, moved = item.batch, item.prefetched
+        batch, moved = item.batch, item.context.exchange
         assert isinstance(moved, PrefetchedIds) and batch.uih_item_ids.is_cuda
+        assert item.context.ids["items"].is_cuda
         sid = moved["items"]
         assert sid.perm.is_cuda and torch.equal(sid.perm.sort().values.cpu(), torch.arange(1000))
         assert torch.equal(sid.perm.cpu(), perm)

@@ -109,7 +109,7 @@ def test_the_loader_yields_loader_items_whatever_is_composed():
     plain = list(build_loader(source, LoaderConfig(batch_size=4, prefetch_depth=1), 0, 2))
     staged = list(build_loader(source, LoaderConfig(batch_size=4, prefetch_depth=1), 0, 2, stages=[lambda node: node]))
     for items in (plain, staged):
-        assert all(isinstance(item, LoaderItem) and item.report is None and item.prefetched is None for item in items)
+        assert all(isinstance(item, LoaderItem) and item.report is None and item.context is None for item in items)
     assert all(a.equals(b) for a, b in zip(plain, staged)) and len(plain) == len(staged) == 3
     assert as_item(plain[0].batch).batch is plain[0].batch and as_item(plain[0]) is plain[0]
     with pytest.raises(ValueError, match="expected an fsdata LoaderItem or Batch"):

@@ -47,9 +47,12 @@ def _make_loader(rank, world_size, transport):
         node = wrap(node)
 
     def settle(item):  # comparable items: the batch, its ids, and every key's shard-major ids and splits
-        batch, pre = item.batch, item.prefetched
-        keyed = {k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets) for k, s in pre.keys.items()}
-        return batch, pre.features, keyed
+        batch, context = item.batch, item.context
+        keyed = {
+            k: (s.wait(), s.send_splits, s.recv_splits, s.perm, s.recv_offsets)
+            for k, s in context.exchange.keys.items()
+        }
+        return batch, context.ids, keyed
 
     return Loader(Mapper(node, settle))
 

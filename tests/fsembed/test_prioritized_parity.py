@@ -23,7 +23,7 @@ def _optimizer(name: str):
 
 def train(coll, feats, prefetch: bool, after_forward=None, schedules=None):
     """Trains over ``feats`` with a one-step lookahead; returns the losses. ``after_forward(coll)`` runs between
-    every forward and its backward (where the embedding wrap's forward hook runs); ``schedules``: the embedding
+    every forward and its backward (where the embedding wrap's lookup ends); ``schedules``: the embedding
     schedule of every step (set before its forward, as the trainer does)."""
     ahead = (lambda f: coll.exchange_ids(f)) if prefetch else (lambda f: f)
     losses = []

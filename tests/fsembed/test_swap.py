@@ -31,14 +31,36 @@ class UserModel(nn.Module):
         return torch.tanh(self.head(h)).square().sum()
 
 
-def _prepare(hub, features, upcoming=None, exchange=None):
-    """A step's context handed to the hub as the prioritized schedule does (the synchronous collection ignores the
-    next batch's ids); returns it."""
-    from fsembed.context import EmbeddingContext
+class _Lookups:
+    """The embedding wrap's part around a forward, without a step (fsembed.swap.RowSource): one lookup of every
+    feature per forward, as the prioritized schedule makes it (the synchronous collection ignores the next batch's
+    ids), from which the swapped modules take their rows."""
 
-    context = EmbeddingContext.of(features, exchange, upcoming)
-    hub.prepare(context, context.lookup_ids, context.upcoming)
-    return context
+    def __init__(self):
+        self.swapped, self.forward = None, None
+
+    def rows(self, feature, ids):
+        return self.forward.take(feature, ids)
+
+    def prepare(self, features, upcoming=None, exchange=None):
+        from fsembed.plan import flat_features
+        from fsembed.swap import ForwardRows
+
+        ids = flat_features(features)
+        following = None if upcoming is None else flat_features(upcoming)
+        self.forward = ForwardRows(ids, self.swapped.collection(exchange if exchange is not None else ids, following))
+
+    def release(self):
+        forward, self.forward = self.forward, None
+        forward.finish()
+
+
+def _swap(model, names, **kwargs):
+    from fsembed.swap import swap_embeddings
+
+    lookups = _Lookups()
+    lookups.swapped = swap_embeddings(model, names, source=lookups, **kwargs)
+    return lookups
 
 
 def _data(step, rank):
@@ -48,13 +70,12 @@ def _data(step, rank):
 
 def _body(rank, world_size):
     from fsembed.optim import SGD
-    from fsembed.swap import swap_embeddings
 
     out = {}
     for mode in ("sync", "prioritized"):
         doing(mode)
         model = UserModel()
-        hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], schedule=mode, optimizer=SGD(lr=LR))
+        lookups = _swap(model, ["towers.item_emb", "user_emb"], schedule=mode, optimizer=SGD(lr=LR))
         losses = []
         for s in range(STEPS):
             items, users = _data(s, rank)
@@ -62,12 +83,12 @@ def _body(rank, world_size):
             if s + 1 < STEPS:
                 ni, nu = _data(s + 1, rank)
                 nxt = {"towers.item_emb": ni.reshape(-1), "user_emb": nu}
-            _prepare(hub, {"towers.item_emb": items.reshape(-1), "user_emb": users}, nxt)
+            lookups.prepare({"towers.item_emb": items.reshape(-1), "user_emb": users}, nxt)
             loss = model(items, users)
-            hub.release()
+            lookups.release()
             loss.backward()
             losses.append(loss.detach())
-        out[mode] = (torch.stack(losses), hub.collection.full_tables(), sorted(model.state_dict()))
+        out[mode] = (torch.stack(losses), lookups.swapped.collection.full_tables(), sorted(model.state_dict()))
     return out
 
 
@@ -97,9 +118,9 @@ def test_swap_rejects_unknown_module():
     from fsembed.swap import swap_embeddings
 
     with pytest.raises(ValueError, match="no module named"):
-        swap_embeddings(UserModel(), ["nope"], world_size=1, rank=0)
+        swap_embeddings(UserModel(), ["nope"], source=_Lookups(), world_size=1, rank=0)
     with pytest.raises(ValueError, match="expected nn.Embedding"):
-        swap_embeddings(UserModel(), ["head"], world_size=1, rank=0)
+        swap_embeddings(UserModel(), ["head"], source=_Lookups(), world_size=1, rank=0)
 
 
 def _torchrec_body(rank, world_size):
@@ -107,7 +128,7 @@ def _torchrec_body(rank, world_size):
 
     from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
-    from fsembed.swap import ShardedCollectionView, swap_embeddings
+    from fsembed.swap import ShardedCollectionView
 
     torch.manual_seed(1)
     model = nn.Module()
@@ -130,8 +151,8 @@ def _torchrec_body(rank, world_size):
         values=torch.cat([feats[k] for k in ("uih", "cand", "user")]),
         lengths=torch.tensor([5, 4, 1, 3, 1, 1], dtype=torch.int32),  # two samples per key
     )
-    hub = swap_embeddings(model, ["ec"])
-    _prepare(hub, feats)
+    lookups = _swap(model, ["ec"])
+    lookups.prepare(feats)
     got, want = model.ec(kjt), original(kjt)
     return isinstance(model.ec, ShardedCollectionView) and all(
         torch.equal(got[k].values().detach(), want[k].values().detach())
@@ -147,18 +168,18 @@ def test_swap_torchrec_embedding_collection_gives_its_lookups():
 
 def _prefetched_body(rank, world_size):
     from fsembed.optim import SGD
-    from fsembed.swap import swap_embeddings
 
     model = UserModel()
-    hub = swap_embeddings(model, ["towers.item_emb", "user_emb"], optimizer=SGD(lr=LR))
+    lookups = _swap(model, ["towers.item_emb", "user_emb"], optimizer=SGD(lr=LR))
     items, users = _data(0, rank)
     feats = {"towers.item_emb": items.reshape(-1), "user_emb": users}
-    early = hub.collection.exchange_ids(feats)  # started before the step, as TorchRec's TrainPipelineSparseDist does
-    _prepare(hub, feats, exchange=early)
+    # started before the step, as TorchRec's TrainPipelineSparseDist does
+    early = lookups.swapped.collection.exchange_ids(feats)
+    lookups.prepare(feats, exchange=early)
     with_prefetch = model(items, users).detach()
     model.eval()
     with torch.no_grad():
-        _prepare(hub, feats)
+        lookups.prepare(feats)
         plain = model(items, users)
     return with_prefetch, plain
 
@@ -168,76 +189,58 @@ def test_swap_prepare_with_prefetched_ids():
         assert torch.equal(with_prefetch, plain)
 
 
-class _FakeCollection:
-    """Stands in for a collection: the hub's id check does not depend on the exchanges."""
+def _rows_check(device):
+    from fsembed.swap import ForwardRows
 
-    def __call__(self, features, next_features=None):
-        return {k: torch.ones(v.numel(), 4, device=v.device) for k, v in features.items()}
-
-
-def _hub_check(device):
-    from fsembed.swap import EmbeddingHub
-
-    hub = EmbeddingHub(_FakeCollection())
     ids = torch.arange(6, device=device)
-    _prepare(hub, {"items": ids})
-    assert hub.rows("items", ids.clone()).shape == (6, 4)  # equal values, another tensor: fine
-    hub.verify()
-    _prepare(hub, {"items": ids})
+    rows = ForwardRows({"items": ids}, {"items": torch.ones(6, 4, device=device)})
+    assert rows.take("items", ids.clone()).shape == (6, 4)  # equal values, another tensor: fine
+    rows.verify()
+    rows = ForwardRows({"items": ids}, {"items": torch.ones(6, 4, device=device)})
     with pytest.raises(ValueError, match="other ids"):
-        hub.rows("items", torch.arange(7, device=device))  # more ids than prepared: at once, on any device
-    return hub, ids
+        rows.take("items", torch.arange(7, device=device))  # more ids than prepared: at once, on any device
+    return ForwardRows({"items": ids}, {"items": torch.ones(6, 4, device=device)}), ids
 
 
-class _NumberedCollection:
-    """Row k of a feature is k's id as a float: which rows a call got is visible."""
+def _numbered(features):
+    """A forward's rows where row k of a feature is k's id as a float: which rows a call got is visible."""
+    from fsembed.plan import flat_features
+    from fsembed.swap import ForwardRows
 
-    def __call__(self, features, next_features=None):
-        return {k: v.float().unsqueeze(1) for k, v in features.items()}
+    ids = flat_features(features)
+    return ForwardRows(ids, {k: v.float().unsqueeze(1) for k, v in ids.items()})
 
 
-def test_hub_serves_a_module_called_several_times_per_step_in_call_order():
-    from fsembed.swap import EmbeddingHub
-
-    hub = EmbeddingHub(_NumberedCollection())
+def test_a_module_called_several_times_per_step_takes_its_rows_in_call_order():
     first, second = torch.tensor([3, 1, 4]), torch.tensor([1, 5])
-    _prepare(hub, {"items": [first, second]})
-    assert hub.rows("items", first).flatten().tolist() == [3, 1, 4]
-    assert hub.rows("items", second).flatten().tolist() == [1, 5]
-    assert hub.rows("items", torch.cat([first, second])).flatten().tolist() == [
-        3,
-        1,
-        4,
-        1,
-        5,
-    ]  # all again: the same rows
-    hub.release()
-    _prepare(hub, {"items": [first, second]})
-    hub.rows("items", first)
+    rows = _numbered({"items": [first, second]})
+    assert rows.take("items", first).flatten().tolist() == [3, 1, 4]
+    assert rows.take("items", second).flatten().tolist() == [1, 5]
+    assert rows.take("items", torch.cat([first, second])).flatten().tolist() == [3, 1, 4, 1, 5]  # all again
+    rows.finish()
+    rows = _numbered({"items": [first, second]})
+    rows.take("items", first)
     with pytest.raises(ValueError, match="only part of the ids"):
-        hub.release()  # the forward returned, the second call never came
-    with pytest.raises(ValueError, match="'items' was not prepared this step"):
-        hub.rows("items", second)  # the context is let go of: no call reads a step's rows after it
-    _prepare(hub, {"items": [first, second]})
+        rows.finish()  # the forward returned, the second call never came
     with pytest.raises(ValueError, match="list in call order"):
-        hub.rows("items", second)  # the calls came in another order than features() listed them
+        _numbered({"items": [first, second]}).take("items", second)  # another order than features() listed
 
 
-def test_hub_refuses_other_ids_than_prepared_on_the_cpu():
-    hub, ids = _hub_check("cpu")
+def test_a_forwards_rows_refuse_other_ids_than_prepared_on_the_cpu():
+    rows, ids = _rows_check("cpu")
     with pytest.raises(ValueError, match=r"\['items'\] was called with other ids"):
-        hub.rows("items", ids.flip(0))
+        rows.take("items", ids.flip(0))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_hub_checks_gpu_ids_without_a_sync_and_raises_at_the_next_prepare():
-    hub, ids = _hub_check("cuda")
+def test_a_forwards_rows_check_gpu_ids_without_a_sync_and_raise_when_verified():
+    rows, ids = _rows_check("cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        hub.rows("items", ids.flip(0))  # queued on the device, not read back here
+        rows.take("items", ids.flip(0))  # queued on the device, not read back here
     finally:
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(ValueError, match="other ids"):
-        _prepare(hub, {"items": ids})
+        rows.verify()  # the wrap's next lookup or flush

@@ -18,7 +18,7 @@ def _record(step: int, rng: random.Random) -> dict:
         "step": step,
         "loss": 0.7 - step * 1e-5,
         "labels": 32.0,
-        "bce_sum": 20.0 + rng.random(),
+        "loss_sum": 20.0 + rng.random(),
         "positives": 8.0,
         "samples_per_rank": [16, 16],
         "step_time_s": 0.01 + rng.random() * 1e-3,
@@ -68,7 +68,7 @@ def test_the_summary_is_the_same_size_after_a_thousand_steps_as_after_twenty_tho
     assert s["steps"] == 10 and s["samples"] == 320 and s["balanced_steps"] == 5
     assert s["step_time_s"] == pytest.approx(sum(r["step_time_s"] for r in timed) / 7)
     assert s["step_time_median_s"] == sorted(r["step_time_s"] for r in timed)[3]
-    assert s["loss"] == pytest.approx(sum(r["bce_sum"] for r in records[5:10]) / (5 * 32.0))
+    assert s["loss"] == pytest.approx(sum(r["loss_sum"] for r in records[5:10]) / (5 * 32.0))
     assert s["loss_curve"] == [r["loss"] for r in records[:10]] and s["curve_steps"] == list(range(10))
     assert s["per_rank_compute_s"] == pytest.approx([0.008, 0.009]) and s["exposed_s"]["data"] == pytest.approx(1e-4)
 

@@ -125,7 +125,7 @@ def test_the_global_sums_are_added_in_rank_order_whatever_the_backend_did():
 
     world = 3
     rows = np.zeros((world, _ROW), dtype=np.float32)
-    rows[:, 1] = [2.0**60, 1.0, -(2.0**60)]  # bce_sum: (2^60 + 1) - 2^60 = 0 in rank order, 1 in another
+    rows[:, 1] = [2.0**60, 1.0, -(2.0**60)]  # loss_sum: (2^60 + 1) - 2^60 = 0 in rank order, 1 in another
     rows[:, 0] = [4.0, 5.0, 6.0]
     rows[:, len(GLOBAL_FIELDS) :] = np.arange(world * len(PER_RANK_FIELDS)).reshape(world, -1)
     book = _summed(rows.reshape(-1), world)

@@ -105,8 +105,9 @@ def _body(rank, world_size, kind, mode, path, dst):
     probe = source.read(1, 0, 12)  # the same samples on every rank: its lookups are collective
     model.eval()
     doing("wrapped logits")
-    wrap.begin_step(probe)
-    trained = _logits(kind, model, probe)
+    args = tuple(inputs(probe)) if kind == "torchrec" else (probe,)
+    with wrap.lookup(wrap.context_of(probe, args)):  # the probe's ids, looked up synchronously (eval mode)
+        trained = _logits(kind, model, probe)
     doing("unwrap")
     unwrap_model(model, wrap, dst=dst)
     state = model.state_dict()

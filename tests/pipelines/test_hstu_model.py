@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
+from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import bce_sum, truncate
+from pipelines.models.reference import truncate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +100,7 @@ def test_a_sample_scores_the_same_alone_batched_or_with_older_events_cut(positio
 def test_gradients_reach_every_parameter_and_an_empty_batch_the_table():
     model = _model(seq_norm="sample", window=5).train()
     batch = Batch.from_samples(_samples())
-    bce_sum(model(batch), batch.candidate_labels).backward()
+    binary_cross_entropy_sum(model(batch), batch.candidate_labels).backward()
     names = [name for name, _ in model.named_parameters()]
     assert "layers.0.position_weights" in names and "layers.1.time_weights" in names
     for name, p in model.named_parameters():
@@ -108,7 +109,9 @@ def test_gradients_reach_every_parameter_and_an_empty_batch_the_table():
     empty = Batch.from_samples([], num_labels=2, dense_dim=4)
     logits = model(empty)
     assert logits.shape == (0, 2)
-    bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
+    binary_cross_entropy_sum(
+        logits, empty.candidate_labels
+    ).backward()  # a sharded table's backward must run on every rank
     assert model.item_embedding.weight.grad is not None
 
 
@@ -135,7 +138,7 @@ def test_position_embeddings_move_the_logits_and_train():
         plain.load_state_dict(model.state_dict(), strict=False)
         assert not torch.allclose(plain(Batch.from_samples(samples)), together)
     batch = Batch.from_samples(samples)
-    bce_sum(model.train()(batch), batch.candidate_labels).backward()
+    binary_cross_entropy_sum(model.train()(batch), batch.candidate_labels).backward()
     for table in (model.position_embedding, model.time_embedding):
         assert table.weight.grad is not None and table.weight.grad.abs().sum() > 0
 
@@ -149,7 +152,7 @@ def test_the_model_on_the_triton_kernel_has_the_twins_numbers():
     for impl in ("torch", "triton"):
         model = _model(attention_impl=impl).train().cuda()
         logits = model(batch)
-        bce_sum(logits, batch.candidate_labels).backward()
+        binary_cross_entropy_sum(logits, batch.candidate_labels).backward()
         results[impl] = {"logits": logits.detach(), **{n: p.grad for n, p in model.named_parameters()}}
     for name, expected in results["torch"].items():
         scale = expected.abs().max().clamp(min=1e-12)
@@ -176,7 +179,7 @@ def test_the_compiled_layers_have_the_eager_layers_numbers_and_compile_once():
             model.zero_grad(set_to_none=True)
             with autocast(torch.bfloat16, batch.dense.device):
                 logits = model(batch)
-            bce_sum(logits.float(), batch.candidate_labels).backward()
+            binary_cross_entropy_sum(logits.float(), batch.candidate_labels).backward()
             results[compiled] = {"logits": logits.detach().float(), **{n: p.grad for n, p in model.named_parameters()}}
         for name, expected in results[False].items():
             if expected is None:

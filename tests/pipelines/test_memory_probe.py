@@ -111,7 +111,7 @@ def _trainer_with_auto_budget(rank, world_size):
 
     forwards = []
     hook = HSTUModel.forward
-    HSTUModel.forward = lambda self, batch: forwards.append(batch) or hook(self, batch)
+    HSTUModel.forward = lambda self, batch, **kwargs: forwards.append(batch) or hook(self, batch, **kwargs)
 
     class Peak:  # the stand-in device: FIXED + PER_TOKEN per kept token of the batch the model last got
         def __call__(self, run, device):

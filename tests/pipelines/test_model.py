@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from fsdata.batch import Batch, Sample
-from pipelines.models.reference import ModelConfig, SequenceModel, bce_sum
+from pipelines.metrics import binary_cross_entropy_sum
+from pipelines.models.reference import ModelConfig, SequenceModel
 
 
 def _sample(i: int, length: int, rng) -> Sample:
@@ -62,7 +63,9 @@ def test_empty_batch_still_reaches_the_embedding_table():
     empty = Batch.from_samples([], num_labels=1, dense_dim=4)
     logits = model(empty)
     assert logits.shape == (0, 1)
-    bce_sum(logits, empty.candidate_labels).backward()  # a sharded table's backward must run on every rank
+    binary_cross_entropy_sum(
+        logits, empty.candidate_labels
+    ).backward()  # a sharded table's backward must run on every rank
     assert model.item_embedding.weight.grad is not None
 
 
@@ -147,7 +150,7 @@ def _pair(max_uih=64, **kw) -> tuple[SequenceModel, SequenceModel]:
 def _logits_and_grads(model: SequenceModel, batch: Batch, **kw):
     model.zero_grad(set_to_none=True)
     logits = model(batch, **kw)
-    bce_sum(logits, batch.candidate_labels).backward()
+    binary_cross_entropy_sum(logits, batch.candidate_labels).backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -328,7 +328,7 @@ def _inputs_calls_body(rank, world_size):
 def test_the_users_inputs_run_once_per_step():
     """The batch's ids are computed once: by the loader's ID prefetch (from inputs(), in its worker: once per
     batch, the model's arguments then travelling with the ids to the step) or by the step from the model's
-    arguments; the pre-hook and the swapped modules read them from the step's context. So the user's inputs() runs
+    arguments; the wrap's lookup takes them in the step's context. So the user's inputs() runs
     once per step, whatever the mode: in the loader's worker where the ID prefetch runs, else in the training
     thread."""
     pytest.importorskip("torchrec")
@@ -348,9 +348,9 @@ def test_pooled_modules_are_refused_with_the_reason():
     model = nn.Module()
     model.bag = nn.EmbeddingBag(10, 4)
     with pytest.raises(ValueError, match="unpooled"):
-        swap_embeddings(model, ["bag"], world_size=1, rank=0)
+        swap_embeddings(model, ["bag"], source=None, world_size=1, rank=0)
     with pytest.raises(ValueError, match="unpooled"):
-        swap_embeddings(model, types=["EmbeddingBag"], world_size=1, rank=0)
+        swap_embeddings(model, types=["EmbeddingBag"], source=None, world_size=1, rank=0)
 
 
 def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
@@ -363,7 +363,7 @@ def test_torchrec_embedding_bag_collection_is_refused_with_the_reason():
         device=torch.device("cpu"),
     )
     with pytest.raises(ValueError, match="EmbeddingBagCollection.*pooled.*unpooled"):
-        swap_embeddings(model, ["ebc"], world_size=1, rank=0)
+        swap_embeddings(model, ["ebc"], source=None, world_size=1, rank=0)
 
 
 def test_find_embeddings_by_type_takes_the_outermost_modules():

@@ -230,7 +230,7 @@ def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_l
     assert line["compute_s"] == [0.2, 0.5] and line["straggler_wait_s"] == pytest.approx(0.15)
     assert line["allreduce_exposed_s"] == 0.0 and line["straggler_pct"] == pytest.approx(50.0)  # waited 0.3 of 0.1
     assert line["bubble_s"] == pytest.approx(0.01 + 0.15) and line["exposed_s"]["dense_allreduce"] == 0.0
-    assert line["tokens_per_rank"] == [10, 30] and line["samples_per_rank"] == [2, 4] and line["bce_sum"] == 3.0
+    assert line["tokens_per_rank"] == [10, 30] and line["samples_per_rank"] == [2, 4] and line["loss_sum"] == 3.0
     assert not {"last_compute_all_s", "extras", "balance", "schedule", "unmeasured"} & set(line)
 
     torchrec = StepResult(
