@@ -107,7 +107,7 @@ PY
         --metrics-jsonl "$OUT/stalls_$run.jsonl" 2>&1 | tail -3
       python3 - "$OUT/stalls_$run.jsonl" <<'PY'
 import json, sys
-from pipelines.job.accounting import stall_clues as _stall_clues
+from pipelines.job.run.accounting import stall_clues as _stall_clues
 rows = [json.loads(line) for line in open(sys.argv[1])]
 clues = _stall_clues(rows)
 for i, r in enumerate(rows):

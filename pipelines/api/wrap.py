@@ -9,7 +9,7 @@ modules are named). FreeScale installs itself around it:
   hands it to the mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized;
   pipelines.api.modes names which mode runs which). Where the
   step is bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``,
-  chosen from measured step times by pipelines.job.schedule; exact either way);
+  chosen from measured step times by pipelines.job.run.schedule; exact either way);
 * a forward hook on the model lets go of the step's context as its forward returns, and starts the side work of
   the next batch's embedding exchanges that the forward issued (``early_start="backward"``, the default:
   freescale's lines 6-7 and 12 then run in the collection's bulk chain beside the backward, where the training
@@ -176,7 +176,7 @@ class EmbeddingWrap:
     def set_schedule(self, schedule: str) -> None:
         """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.api.modes):
         ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
-        pipelines.job.schedule)."""
+        pipelines.job.run.schedule)."""
         if schedule not in self.mode.switches:
             raise ValueError(
                 f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "

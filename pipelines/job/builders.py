@@ -11,7 +11,7 @@ from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
 from pipelines.api.modes import MODES
 from pipelines.api.step import ModelSpec, StepHooks, TrainStep
-from pipelines.job.config import (
+from pipelines.job.config.sections import (
     JobConfig,
     JobDataSection,
     JobEmbeddingsSection,

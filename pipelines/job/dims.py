@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
 
 class DataDims(NamedTuple):

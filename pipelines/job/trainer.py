@@ -7,7 +7,7 @@
                    buckets' all-reduces start as the backward fills them; then the last bucket with the
                    bookkeeping block, every bucket waited for, timed; the optimizer step), with what the job adds
                    coming in through the step's hooks (StepHooks: phases, the early all-reduce, this rank's slot);
-                   its typed record (pipelines.job.record.StepRecord) is settled one step later (straggler wait,
+                   its typed record (pipelines.job.run.record.StepRecord) is settled one step later (straggler wait,
                    bubbles)
 
 The step is chosen once, by the builder (pipelines.job.builders.build_step): the API's TrainStep, or in modes
@@ -74,16 +74,16 @@ from pipelines.api.evaluate import evaluate
 from pipelines.api.modes import MODES
 from pipelines.api.numerics import check_determinism, enable_determinism
 from pipelines.api.step import StepHooks, StepResult, unwrap_model
-from pipelines.job import checkpoint
-from pipelines.job.accounting import StepAccounting
-from pipelines.job.aggregates import RunAggregates
 from pipelines.job.builders import build_model_spec, build_source, build_step, build_wrap
-from pipelines.job.config import JobConfig
-from pipelines.job.export import save_export
+from pipelines.job.checkpoint import checkpointer
+from pipelines.job.checkpoint.export import save_export
+from pipelines.job.config.sections import JobConfig
 from pipelines.job.memory_probe import measured_budget
-from pipelines.job.progress import paused, progress_bar
-from pipelines.job.record import StepRecord
-from pipelines.job.schedule import ScheduleProbe
+from pipelines.job.run.accounting import StepAccounting
+from pipelines.job.run.aggregates import RunAggregates
+from pipelines.job.run.progress import paused, progress_bar
+from pipelines.job.run.record import StepRecord
+from pipelines.job.run.schedule import ScheduleProbe
 
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
 RECENT_STEPS = 256  # the step records a trainer keeps (``history``); the summary's figures are running aggregates
@@ -167,7 +167,7 @@ class Trainer:
         self.epoch, self.cursor = 0, 0  # global data position of the next step (world-size independent)
         resumed = self._load_checkpoint()
         self._first_step = self.step
-        # freescale's embedding schedule per step (pipelines.job.schedule): probed anew from this process's first step
+        # freescale's embedding schedule per step (pipelines.job.run.schedule): probed anew from this process's 1st step
         self.schedule = (
             ScheduleProbe(config.tuning.embedding_schedule, first_step=self.step)
             if MODES[config.run.mode].switches
@@ -524,7 +524,7 @@ class Trainer:
         cfg = self.config.checkpoint
         # At set-up, on every rank: the checkpointer's process group is made collectively.
         self._checkpointer = (
-            checkpoint.Checkpointer(cfg.dir, self.rank, self.world_size, async_save=cfg.async_save)
+            checkpointer.Checkpointer(cfg.dir, self.rank, self.world_size, async_save=cfg.async_save)
             if cfg.dir or cfg.resume
             else None
         )
@@ -533,12 +533,14 @@ class Trainer:
         restored = self._checkpointer.restore(cfg.resume, self.model, self.optimizer)  # returns once all have loaded
         if self.rank == 0:
             incomplete = (
-                checkpoint.incomplete_steps(cfg.dir, restored.directory if restored is not None else None)
+                checkpointer.incomplete_steps(cfg.dir, restored.directory if restored is not None else None)
                 if cfg.resume == "latest"
                 else []
             )
             if incomplete:  # saves interrupted before their marker: never resumed, said once
-                print(f"[freescale] skipped {', '.join(incomplete)} (no {checkpoint.COMPLETE_MARKER}: a save cut off)")
+                print(
+                    f"[freescale] skipped {', '.join(incomplete)} (no {checkpointer.COMPLETE_MARKER}: a save cut off)"
+                )
             for skipped in restored.skipped if restored is not None else []:
                 print(f"[freescale] skipped {skipped}")
             if restored is not None and restored.unverified:
@@ -649,7 +651,7 @@ class Trainer:
             progress.update(1)
 
     def _summary(self, wall: float) -> dict:
-        """Rank 0's run summary: the steps' running aggregates (pipelines.job.aggregates) and the run's own figures;
+        """Rank 0's run summary: the steps' running aggregates (pipelines.job.run.aggregates) and the run's own figures;
         its size does not grow with the number of steps."""
         steps = self.aggregates.summary()
         return {

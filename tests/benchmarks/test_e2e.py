@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.e2e import losses_against_sync, pair_with_sync, spread, stalled_steps
-from pipelines.job.accounting import stall_clues as _stall_clues
+from pipelines.job.run.accounting import stall_clues as _stall_clues
 
 
 def _row(case, mode, repeat, bubble, median, qps):

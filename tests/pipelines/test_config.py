@@ -12,10 +12,10 @@ import textwrap
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.job import config as job_config
-from pipelines.job.config import SECTIONS, ConfigError, JobConfig, config_fields
-from pipelines.job.config_file import read_toml
-from pipelines.job.flags import FLAGS, config_from_args, flag
+from pipelines.job.config import sections as job_config
+from pipelines.job.config.flags import FLAGS, config_from_args, flag
+from pipelines.job.config.sections import SECTIONS, ConfigError, JobConfig, config_fields
+from pipelines.job.config.toml_file import read_toml
 
 # `freescale train`'s options; those from before the config's sections became its tables stay, as users' scripts
 # use them.

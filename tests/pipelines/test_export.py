@@ -174,7 +174,7 @@ def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_
     from fsdata import LoaderConfig, ParquetSource, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
     from fsdata.schema import write_parquet
     from pipelines import evaluate, load_export
-    from pipelines.job.export import REFERENCE
+    from pipelines.job.checkpoint.export import REFERENCE
     from pipelines.models.reference import ModelConfig, SequenceModel
 
     write_parquet(

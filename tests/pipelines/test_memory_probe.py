@@ -15,7 +15,7 @@ from fsdata.batch import Batch
 from fsdata.partition import BudgetSpec, MemoryModel, kept_tokens
 from pipelines.job import memory_probe
 from pipelines.job.builders import build_model_spec, build_source
-from pipelines.job.config import JobConfig
+from pipelines.job.config.sections import JobConfig
 from pipelines.models.hstu import HSTUModel
 from pipelines.models.reference import SequenceModel
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipelines.cli import build_parser
-from pipelines.job.flags import config_from_args
+from pipelines.job.config.flags import config_from_args
 from tests.harness import doing, run_ranks
 
 STEPS = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.job.flags import config_from_args
+from pipelines.job.config.flags import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,25 +61,25 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
     """torch's NUMA binding binds local rank r near GPU r: a CPU run, or ranks sharing GPUs, get none, and say so."""
     import torch
 
-    from pipelines.job.train import _numa_options
+    from pipelines.job.launch.launcher import numa_options
 
-    assert _numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
-    assert _numa_options(_parse("--device", "cpu", "--tuning.numa-binding", "exclusive")) is None
+    assert numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
+    assert numa_options(_parse("--device", "cpu", "--tuning.numa-binding", "exclusive")) is None
     assert "ignored" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "node")) is None
+    assert numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "node")) is None
     assert "2 ranks share 1 GPU" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    options = _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "exclusive"))
+    options = numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "exclusive"))
     assert options is not None and options.affinity_mode.value == "exclusive"
 
 
 def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
     """`freescale train --help` lists the flags a user needs (at most 74 lines at 80 columns); the --tuning.NAME
     knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
-    from pipelines.job.config import config_fields
-    from pipelines.job.flags import flag
+    from pipelines.job.config.flags import flag
+    from pipelines.job.config.sections import config_fields
 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
@@ -113,7 +113,7 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
 
 
 def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
     config = JobConfig()
     config.run.mode = "fast"
@@ -189,7 +189,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
     assert len(s["peak_memory_bytes_per_rank"]) == 2 and min(s["peak_memory_bytes_per_rank"]) > 0
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
-    from pipelines.job.aggregates import per_step, read_metrics
+    from pipelines.job.run.aggregates import per_step, read_metrics
 
     lines = read_metrics(metrics)  # every step's record, and only there: the summary holds aggregates
     assert [r["step"] for r in lines] == list(range(6))
@@ -215,7 +215,7 @@ def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_l
     times) is None or left out, never 0."""
     import numpy as np
 
-    from pipelines.job.record import StepRecord
+    from pipelines.job.run.record import StepRecord
     from pipelines.models.step_result import StepResult
 
     slots = {"tokens": np.array([10.0, 30.0]), "samples": np.array([2.0, 4.0]), "sparsity": np.array([0.5, 0.25])}
@@ -246,7 +246,7 @@ def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_l
 def test_garbage_collection_pauses_are_timed():
     import gc
 
-    from pipelines.job.accounting import GcPauses
+    from pipelines.job.run.accounting import GcPauses
 
     pauses = GcPauses()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def tiny_config(mode: str, steps: int):
     """A JobConfig, not yet validated (callers set what their test varies, then ``validate()``)."""
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
     cfg = JobConfig()
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000

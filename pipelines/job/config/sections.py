@@ -10,7 +10,7 @@
 
 ``[checkpoint] dir`` is ``config.checkpoint.dir``; every field is documented where it is declared. The library's
 own configs are built from these (:meth:`JobConfig.loader_config`; the balancer's section is its config), and each
-builder is given only the sections it reads. The command line (pipelines.job.flags) derives its flags from these
+builder is given only the sections it reads. The command line (pipelines.job.config.flags) derives its flags from these
 fields; nothing here knows a flag.
 
 A field's type is its annotation (``int``, ``float``, ``bool``, ``str``, each possibly ``Optional``), checked in
@@ -19,7 +19,7 @@ takes no float and no bool (TOML's ``4.5`` or ``true`` would otherwise run as 5 
 bool and nothing non-finite. :meth:`JobConfig.validate` is the one validation: the types of every section, then
 each section's own ``validate()`` (its ranges and ``CHOICES``), then what spans sections. Its errors
 (:class:`ConfigError`) name each field by its path (``run.steps``); the command line names the flag instead. The
-TOML file is read in pipelines.job.config_file.
+TOML file is read in pipelines.job.config.toml_file.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
 from pipelines.api.modes import BALANCING, MODES, SHARDED, TORCHREC_MODES
 from pipelines.api.numerics import PRECISIONS
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
-from pipelines.job.schedule import SCHEDULE_CHOICES
+from pipelines.job.run.schedule import SCHEDULE_CHOICES
 from pipelines.models.hstu import HSTU_PRESETS
 from pipelines.models.reference import ATTENTION_IMPLS
 

@@ -1,7 +1,7 @@
 """A step's record in `freescale train`: what its metrics line and the run summary say about it.
 
 Built from what the step returned (``StepRecord.of``: pipelines.models.step_result.StepResult, whichever kind of
-step ran), completed by the trainer's accounting (pipelines.job.accounting: data wait, exposed parts, wall time)
+step ran), completed by the trainer's accounting (pipelines.job.run.accounting: data wait, exposed parts, wall time)
 and, one step later, settled with every rank's compute time of that step (``settle``: straggler wait, the
 all-reduce's exposed part, bubbles), which the next step's bookkeeping block brings. ``as_dict`` is the line
 written per step and kept in the trainer's history.

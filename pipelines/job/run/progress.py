@@ -94,3 +94,15 @@ def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step
 
         return tqdm(total=total, initial=initial, desc=desc, unit=unit)
     return PlainProgress(total, initial, desc)
+
+
+def use_thread_locks_for_progress_bars() -> None:
+    """tqdm's bars take a multiprocessing lock by default: a POSIX semaphore registered with the launcher's
+    resource tracker, released only by the process's clean-up at exit. A rank that ends without it (``os._exit``
+    after its error, a kill) leaves it registered, and the tracker then warns at the launcher's exit about a
+    "leaked semaphore" that the user cannot act on. A rank's bars are drawn by its own threads: a thread lock does."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())

@@ -1,4 +1,4 @@
-"""The command line of `freescale train`: its flags, derived from the job config's fields (pipelines.job.config).
+"""The command line of `freescale train`: its flags, derived from the job config's fields (sections.py).
 
 A field's flag is ``--KEY`` with dashes (``--batch-size``), ``--tuning.KEY`` in the ``[tuning]`` table
 (``--tuning.gil-switch-ms``); a boolean's is a pair, ``--KEY`` / ``--no-KEY`` (``--tuning.no-stage-lookahead``).
@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pipelines.job.config import (
+from pipelines.job.config.sections import (
     EXPECTED,
     SECTIONS,
     TABLES,
@@ -28,7 +28,7 @@ from pipelines.job.config import (
     shown,
     type_problem,
 )
-from pipelines.job.config_file import read_toml
+from pipelines.job.config.toml_file import read_toml
 
 TUNING = "tuning"
 

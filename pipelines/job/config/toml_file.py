@@ -1,5 +1,5 @@
 """The job config's TOML file (``freescale train --config job.toml``): a table per section of
-pipelines.job.config.JobConfig, each key a field of its section.
+pipelines.job.config.sections.JobConfig, each key a field of its section.
 
 Every value is checked against its field's type by the config's one type check (config.type_problem); each error
 is one line naming the file and the line, or the table and key.
@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pipelines.job.config import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
+from pipelines.job.config.sections import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
 
 
 def _load_tables(path: Path) -> dict[str, Any]:
