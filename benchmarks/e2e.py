@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override the balance gate's threshold (0: the balancer moves samples every step)",
     )
-    # every scheduling knob of `freescale train` (--tuning.NAME; default: the train default)
+    # every scheduling knob of `freescale train` (--TABLE.NAME; default: the train default)
     add_tuning_arguments(parser, show=True)
     parser.add_argument(
         "--repeats",
@@ -150,7 +150,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         c["uih_cap"] = c["max_uih"] = args.uih_cap
     cfg = JobConfig()
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = c["preset"], c["uih_cap"], 1_000_000
-    cfg.data.batch_size = args.batch_size or c["batch_size"]
+    cfg.loader.batch_size = args.batch_size or c["batch_size"]
     cfg.model.name, cfg.model.max_uih = (args.model if case != "long" else None) or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
     cfg.model.attention = args.attention
@@ -172,7 +172,7 @@ def warmup_steps(args: argparse.Namespace) -> int:
     probe when it runs (so that every mode is timed over the same steps, all of them past the probe)."""
     if args.warmup_steps is not None:
         return args.warmup_steps
-    probing = "freescale" in args.modes.split(",") and (getattr(args, "tuning.embedding_schedule") or "auto") == "auto"
+    probing = "freescale" in args.modes.split(",") and (getattr(args, "embeddings.schedule") or "auto") == "auto"
     return PROBE_START + ScheduleProbe.length() if probing else 3
 
 
@@ -239,10 +239,11 @@ def _run(cfg: JobConfig) -> dict:
     ``--metrics-jsonl``."""
     from pipelines.job.launch.launcher import launch
     from pipelines.job.run.aggregates import per_step, read_metrics
+    from pipelines.job.train import worker
 
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as folder:
         cfg.run.metrics_jsonl = str(Path(folder) / "metrics.jsonl")
-        summary = launch(cfg)
+        summary = launch(cfg, worker)
         return {**summary, **per_step(read_metrics(cfg.run.metrics_jsonl))}
 
 

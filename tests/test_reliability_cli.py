@@ -275,9 +275,9 @@ def test_options_the_mode_ignores_are_named_only_when_set():
         return ignored_option_lines(config)
 
     assert warnings("--mode", "sync") == []  # defaults are never "set"
-    assert warnings("--mode", "sync", "--partitioner", "kk", "--tuning.early-start", "backward") == [
+    assert warnings("--mode", "sync", "--partitioner", "kk", "--embeddings.early-start", "backward") == [
         "--partitioner is ignored in mode sync (it applies to mode(s) replicated, freescale)",
-        "--tuning.early-start is ignored in mode sync (it applies to mode(s) freescale)",
+        "--embeddings.early-start is ignored in mode sync (it applies to mode(s) freescale)",
     ]
     assert warnings("--mode", "replicated", "--transport", "host") == [
         "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"
@@ -386,7 +386,7 @@ def _launch_forbidden(monkeypatch) -> None:
     """Makes a launch fail the test: these errors must come before any rank starts."""
     from pipelines.job import train
 
-    monkeypatch.setattr(train, "launch", lambda config: pytest.fail("the ranks were started"))
+    monkeypatch.setattr(train, "launch", lambda config, worker: pytest.fail("the ranks were started"))
 
 
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypatch):
@@ -410,7 +410,7 @@ def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypat
         ('[run]\nlr = "fast"\n', 'job.toml: [run] lr: expected a finite number, got "fast" (str)'),
         ("[run]\nlr = true\n", "job.toml: [run] lr: expected a finite number, got true (bool)"),
         ("[run]\nlr = nan\n", "job.toml: [run] lr: expected a finite number, got nan (float)"),
-        ("[tuning]\nstage_lookahead = 1\n", "job.toml: [tuning] stage_lookahead: expected true or false, got 1 (int)"),
+        ("[loader]\nstage_lookahead = 1\n", "job.toml: [loader] stage_lookahead: expected true or false, got 1 (int)"),
         ("[data]\npath = 5\n", "job.toml: [data] path: expected a string, got 5 (int)"),
         ("run = 5\n", "job.toml: run: expected a table ([run]), got 5 (int)"),
         ("steps = 5\n", "job.toml: steps = 5 is outside any table; it belongs in [run]"),
@@ -434,7 +434,7 @@ def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_table_key_and_ty
         (["--nproc", "true"], 'argument --nproc: expected an integer, got "true"'),
         (["--lr", "fast"], 'argument --lr: expected a finite number, got "fast"'),
         (["--lr", "inf"], 'argument --lr: expected a finite number, got "inf"'),
-        (["--tuning.bucket-mb", "nan"], 'argument --tuning.bucket-mb: expected a finite number, got "nan"'),
+        (["--dense-sync.bucket-mb", "nan"], 'argument --dense-sync.bucket-mb: expected a finite number, got "nan"'),
     ],
 )
 def test_a_flag_of_the_wrong_type_is_refused_by_the_same_check(tmp_path, capsys, monkeypatch, argv, message):

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from pipelines.job.config import JobConfig
 from pipelines.job.config.flags import add_config_arguments, config_from_args, ignored_option_lines
+from pipelines.job.config.sections import JobProcessSection
 from pipelines.job.launch.failure import (
     LAUNCHED_ENV,
     LOG_DIR_ENV,
@@ -144,21 +145,7 @@ def _rank_job(config: JobConfig, stop: StopOnSignal) -> Optional[dict]:
     backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
     if use_cuda:
         torch.cuda.set_device(device)
-    if use_cuda and config.tuning.numa_binding is not None and hasattr(os, "sched_getaffinity"):
-        cpus = sorted(os.sched_getaffinity(0))
-        print(
-            f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), "
-            f"numa_binding={config.tuning.numa_binding}"
-        )
-    # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
-    # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
-    # single ops by milliseconds.
-    share = max(1, (os.cpu_count() or 1) // local_world)
-    torch.set_num_threads(config.tuning.threads or (min(2, share) if use_cuda else share))
-    # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
-    # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
-    # thread. --tuning.gil-switch-ms bounds that wait.
-    sys.setswitchinterval(config.tuning.gil_switch_ms / 1e3)
+    configure_process(config.process, rank, device, local_world)
     timeout_s = config.run.comm_timeout_s
     groups.set_comm_timeout(timeout_s)
     if not dist.is_initialized():
@@ -192,6 +179,27 @@ def _rank_job(config: JobConfig, stop: StopOnSignal) -> Optional[dict]:
     return summary
 
 
+def configure_process(section: JobProcessSection, rank: int, device: torch.device, local_world: int) -> None:
+    """This rank's process from its ``[process]`` section: torch's intra-op threads and Python's thread switch
+    interval (the NUMA binding is the launcher's: pipelines.job.launch.launcher.numa_options)."""
+    cuda = device.type == "cuda"
+    if cuda and section.numa_binding is not None and hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        print(
+            f"[freescale] rank {rank} on {device}: {len(cpus)} CPUs ({cpus[0]}-{cpus[-1]}), "
+            f"numa_binding={section.numa_binding}"
+        )
+    # 2 ranks on 2 cores must not each start a pool of 2 threads: split the cores between local ranks. On a GPU
+    # the pool only runs small host ops; a large one crowds out the loader and exchange threads and stalls
+    # single ops by milliseconds.
+    share = max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(section.threads or (min(2, share) if cuda else share))
+    # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
+    # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
+    # thread. --process.gil-switch-ms bounds that wait.
+    sys.setswitchinterval(section.gil_switch_ms / 1e3)
+
+
 def main(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     for warning in ignored_option_lines(config):
@@ -206,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"freescale train: {interrupted_line(stop.name, None, config.checkpoint.dir)}", file=sys.stderr)
             return 128 + stop.signum
         try:
-            summary = launch(config)
+            summary = launch(config, worker)
         except RankFailed as failure:
             print(f"freescale train: error: {failure}", file=sys.stderr)
             return 1

@@ -135,7 +135,7 @@ def _config(mode: str, schedule: str = "auto"):
 
     cfg = tiny_config(mode, STEPS)
     cfg.balancer.partitioner = "none"  # the same samples on every rank as in sync: losses equal bit for bit
-    cfg.tuning.embedding_schedule = schedule
+    cfg.embeddings.schedule = schedule
     return cfg.validate()
 
 

@@ -90,7 +90,8 @@ def test_torchrec_modes_train_like_sync():
 
 
 def _nan_on_rank_1_at_step_2(rank, world_size):
-    from pipelines.job.trainer import NonFiniteLoss, Trainer
+    from pipelines.job.run.step_log import NonFiniteLoss
+    from pipelines.job.trainer import Trainer
 
     with Trainer(_config("torchrec"), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
         poison = lambda module, args, out: out * float("nan") if rank == 1 and trainer.step == 2 else out  # noqa: E731

@@ -9,6 +9,6 @@ def tiny_config(mode: str, steps: int):
 
     cfg = JobConfig()
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = "tiny", 64, 10_000
-    cfg.model.max_uih, cfg.data.batch_size = 64, 8
+    cfg.model.max_uih, cfg.loader.batch_size = 64, 8
     cfg.run.mode, cfg.run.steps, cfg.run.device, cfg.run.progress = mode, steps, "cpu", False
     return cfg

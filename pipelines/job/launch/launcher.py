@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,7 +32,7 @@ from pipelines.job.launch.signals import INTERRUPTED, STOP_SIGNALS, Interrupted,
 
 def numa_options(config: JobConfig):
     """torch's NUMA binding for a GPU run (local rank r bound near GPU r), or None (CPU runs, or not asked for)."""
-    mode = config.tuning.numa_binding
+    mode = config.process.numa_binding
     if mode is None:
         return None
     if not torch.cuda.is_available() or config.run.device == "cpu":
@@ -126,9 +126,11 @@ def without_agent_thread_join(hook):
     return quiet
 
 
-def launch(config: JobConfig) -> Optional[dict]:
-    """Runs ``worker`` on ``config.run.nproc`` local ranks with torch's elastic launcher (on each of ``run.nnodes``
-    hosts, which meet at ``run.rdzv_endpoint``); rank 0's summary (None on the hosts without rank 0).
+def launch(config: JobConfig, worker: Callable[[JobConfig], Optional[dict]]) -> Optional[dict]:
+    """Runs ``worker`` (the rank's job, pipelines.job.train.worker: given, not imported, as the entry point is
+    above the launcher; the spawned ranks find it by its module path) on ``config.run.nproc`` local ranks with
+    torch's elastic launcher (on each of ``run.nnodes`` hosts, which meet at ``run.rdzv_endpoint``); rank 0's
+    summary (None on the hosts without rank 0).
     Raises RankFailed (a rank failed, a host was lost, the hosts did not meet) or Interrupted (a signal ended the
     job), each with its one line, which names the log directory when a temporary one stays (it holds the ranks'
     logs)."""
@@ -141,7 +143,6 @@ def launch(config: JobConfig) -> Optional[dict]:
 
     from pipelines.job.launch import log_dirs
     from pipelines.job.launch.hosts import RendezvousFailed
-    from pipelines.job.train import worker  # the ranks' entry, which spawn finds by its module path
 
     log_dir = Path(config.run.log_dir).resolve() if config.run.log_dir else log_dirs.make()  # as lines name it
     os.environ[LOG_DIR_ENV], os.environ[LAUNCHED_ENV] = str(log_dir), "1"  # inherited by the spawned ranks

@@ -27,7 +27,7 @@ def check_before_launch(config: JobConfig) -> None:
     if config.data.eval_path is not None:  # its footers and schema, and the widths and columns the model reads
         from pipelines.job.launch.data_check import check_eval_data
 
-        check_eval_data(config.data, config.data.batch_size * config.run.nproc * config.run.nnodes)
+        check_eval_data(config.data, config.loader.batch_size * config.run.nproc * config.run.nnodes)
     resume = config.checkpoint.resume
     if resume and resume != "latest":
         from pipelines.job.checkpoint import checkpointer

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Iterator, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 
 class PlainProgress:
@@ -106,3 +106,11 @@ def use_thread_locks_for_progress_bars() -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+
+
+def job_progress_bar(run: Any, rank: int, step: int, world_size: int):
+    """A job's bar (``run``: its ``[run]`` section), on rank 0 with ``run.progress`` only; from ``step`` to
+    ``run.steps``."""
+    if rank != 0 or not run.progress:
+        return None
+    return progress_bar(run.steps, step, f"train {run.mode} ({world_size} ranks)")

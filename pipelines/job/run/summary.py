@@ -1,6 +1,13 @@
-"""The run summary as `freescale train` prints it (rank 0's summary, also written with ``--summary-json``)."""
+"""The run summary: rank 0's, built from the trainer's parts and the run's own figures (:func:`run_summary`), printed
+by `freescale train` (:func:`print_summary`) and written with ``--summary-json``."""
 
 from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 
 def print_summary(summary: dict) -> None:
@@ -109,3 +116,79 @@ def describe_paths(paths: dict[str, dict]) -> str:
     return "; ".join(
         f"{path} ({shm} shm, {tcp} tcp pairs): {', '.join(names)}" for (path, shm, tcp), names in by_path.items()
     )
+
+
+# ---------------------------------------------------------------------------------------------- building it
+DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
+
+
+def run_summary(trainer: Any, wall: float) -> dict:
+    """Rank 0's run summary: the steps' running aggregates (pipelines.job.run.aggregates) and the run's own figures
+    from the trainer's parts; its size does not grow with the number of steps."""
+    steps = trainer.aggregates.summary()
+    evaluations = trainer.held_out.evaluations if trainer.held_out is not None else []
+    config = trainer.config
+    return {
+        "mode": config.run.mode,
+        "steps": steps.pop("steps"),
+        "world_size": trainer.world_size,
+        "wall_s": wall,
+        **steps,
+        "embedding_schedule": trainer.schedule.summary() if trainer.schedule is not None else None,
+        # held-out evaluations (--eval-data): one per --eval-every steps and one at the end, the last here too
+        "eval": evaluations,
+        "eval_ne": evaluations[-1]["ne"] if evaluations else None,
+        "eval_auc": evaluations[-1]["auc"] if evaluations else None,
+        "peak_memory_bytes": peak_memory(trainer.device),  # rank 0's
+        "peak_memory_bytes_per_rank": getattr(trainer, "_peak_per_rank", None),
+        "kernel_variants": kernel_variants(trainer.device),
+        "timing": trainer.timer.summary(),
+        "loader_worker_timing": trainer.worker_timer.summary() if trainer.worker_timer is not trainer.timer else None,
+        "source": trainer.source.describe(),
+        # every rank's reads summed: samples read, folded ids, dropped samples, cut UIHs, ...
+        "data_counts": getattr(trainer, "_data_counts", None),
+        "first_step": trainer.first_step,  # this process's first step: after a resume, the step it resumed at
+        "last_step": trainer.step,
+        "config": config.to_dict(),
+    }
+
+
+def count_data_faults(source: Any, world_size: int, device: torch.device) -> dict[str, int]:
+    """The source's read counts summed over every rank (one tiny all-reduce after the loop): samples read, ids folded
+    onto the table (id_overflow), samples left out (drop_bad_samples), histories cut to the cap, and whatever else
+    the source counts (a user's source, ModelSpec.source, may keep none). Every rank's source counts the same
+    names."""
+    read = source.stats() if hasattr(source, "stats") else {}
+    stats = {k: v for k, v in read.items() if isinstance(v, (int, float))}
+    for name in DATA_FAULTS:
+        stats.setdefault(name, 0)
+    names = sorted(stats)
+    counts = torch.tensor([float(stats[n]) for n in names], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    out = {n: int(v) for n, v in zip(names, counts.tolist())}
+    mine = getattr(source, "unordered_samples", None)
+    if mine is not None and world_size > 1:  # distinct samples: one may reach another rank next epoch
+        every: list = [None] * world_size
+        dist.all_gather_object(every, mine())
+        out["unordered_timestamps"] = len(np.unique(np.concatenate(every)))
+    return out
+
+
+def peak_memory(device: torch.device) -> int:
+    """This rank's peak: CUDA allocator peak on GPU, the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def kernel_variants(device: torch.device) -> Optional[dict]:
+    """Rank 0's compiled Triton variants per kernel (CUDA only): more than a few per kernel means sizes that change
+    per step are compiling new variants mid-run (kernels.triton.common.fixed_code)."""
+    if device.type != "cuda":
+        return None
+    from kernels.triton.variants import compiled_variants
+
+    return compiled_variants()
