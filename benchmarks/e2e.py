@@ -1,7 +1,7 @@
 """`python -m benchmarks e2e`: every train mode on the same data in one invocation, bubbles side by side.
 
-For each case (a workload) and each mode it launches the same job (`pipelines.job.train.launch`), then prints one
-table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
+For each case (a workload) and each mode it launches the same job (`pipelines.job.launch.launcher.launch`), then
+prints one table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
 ``--modes ...,torchrec,torchrec-pec`` adds the real torchrec as an outside reference (CPU only): its synchronous
@@ -10,7 +10,7 @@ JSON), never as 0. ``losses against sync`` gives, per run, every mode's largest 
 (``loss_max_diff_vs_sync`` in the JSON; 0 and "bit for bit" where every step's loss is sync's).
 ``moved``: the steps whose samples the balancer moved; the balance
 gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay. ``emb``: the
-embedding schedule freescale kept after its probe (pipelines.job.schedule; prio or sdd); every mode's timings leave
+embedding schedule freescale kept after its probe (pipelines.job.run.schedule; prio or sdd); every mode's timings leave
 out the same warm-up steps, the probe's included.
 
 Every case runs the reference model with ``--attention`` (default jagged: no padding, so a rank's step costs
@@ -48,9 +48,9 @@ from typing import Optional
 
 from pipelines.api.modes import MODES as ALL_MODES
 from pipelines.api.modes import TORCHREC_MODES
-from pipelines.job.config import JobConfig
-from pipelines.job.flags import add_tuning_arguments, apply_tuning
-from pipelines.job.schedule import PROBE_START, ScheduleProbe
+from pipelines.job.config.flags import add_tuning_arguments, apply_tuning
+from pipelines.job.config.sections import JobConfig
+from pipelines.job.run.schedule import PROBE_START, ScheduleProbe
 from pipelines.models.hstu import HSTU_PRESETS
 
 # every mode but the torchrec references (CPU only: --modes ...,torchrec,torchrec-pec adds them)
@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override the balance gate's threshold (0: the balancer moves samples every step)",
     )
-    # every scheduling knob of `freescale train` (--tuning.NAME; default: the train default)
+    # every scheduling knob of `freescale train` (--TABLE.NAME; default: the train default)
     add_tuning_arguments(parser, show=True)
     parser.add_argument(
         "--repeats",
@@ -150,7 +150,7 @@ def case_config(case: str, mode: str, args: argparse.Namespace) -> JobConfig:
         c["uih_cap"] = c["max_uih"] = args.uih_cap
     cfg = JobConfig()
     cfg.data.preset, cfg.data.uih_cap, cfg.data.num_samples = c["preset"], c["uih_cap"], 1_000_000
-    cfg.data.batch_size = args.batch_size or c["batch_size"]
+    cfg.loader.batch_size = args.batch_size or c["batch_size"]
     cfg.model.name, cfg.model.max_uih = (args.model if case != "long" else None) or c["model"], c["max_uih"]
     cfg.model.num_items = c.get("num_items")
     cfg.model.attention = args.attention
@@ -172,7 +172,7 @@ def warmup_steps(args: argparse.Namespace) -> int:
     probe when it runs (so that every mode is timed over the same steps, all of them past the probe)."""
     if args.warmup_steps is not None:
         return args.warmup_steps
-    probing = "freescale" in args.modes.split(",") and (getattr(args, "tuning.embedding_schedule") or "auto") == "auto"
+    probing = "freescale" in args.modes.split(",") and (getattr(args, "embeddings.schedule") or "auto") == "auto"
     return PROBE_START + ScheduleProbe.length() if probing else 3
 
 
@@ -237,12 +237,13 @@ def _row(case: str, s: dict) -> dict:
 def _run(cfg: JobConfig) -> dict:
     """One job's summary, with every step's series (the summary holds aggregates only) read back from its
     ``--metrics-jsonl``."""
-    from pipelines.job.aggregates import per_step, read_metrics
-    from pipelines.job.train import launch
+    from pipelines.job.launch.launcher import launch
+    from pipelines.job.run.aggregates import per_step, read_metrics
+    from pipelines.job.train import worker
 
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as folder:
         cfg.run.metrics_jsonl = str(Path(folder) / "metrics.jsonl")
-        summary = launch(cfg)
+        summary = launch(cfg, worker)
         return {**summary, **per_step(read_metrics(cfg.run.metrics_jsonl))}
 
 

@@ -1,8 +1,8 @@
 """`python -m benchmarks replay`: ``freescale simulate`` on step times from the real forward+backward of the
-reference model or the HSTU model (``--model replay``, which importing this module adds to the simulator's
+reference model or the HSTU model (``--step-model replay``, which importing this module adds to the simulator's
 STEP_TIME_MODELS).
 
-The cost model of ``pipelines/plan/simulate.py`` assumes its coefficients; replay measures them. A virtual rank's
+The cost model of ``pipelines/simulate/simulator.py`` assumes its coefficients; replay measures them. A virtual rank's
 busy time is the time of the model's forward, BCE loss and backward on that rank's local batch, timed on
 the actual device (``--device cpu|cuda``), one virtual rank after another, so the step time of N virtual ranks is
 the max of real measured times. That brings the model's real kernel behaviour into the figures, which the cost
@@ -117,7 +117,7 @@ from pipelines.job.memory_probe import equal_length, line_through
 from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_ATTENTION_IMPLS, HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel
-from pipelines.plan import simulate
+from pipelines.simulate import simulator
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
     **MODEL_PRESETS,
@@ -221,7 +221,7 @@ def rel_spread(times: np.ndarray) -> float:
 def straggler_pct(busy: np.ndarray, sync_s: float = 0.0) -> float:
     """The simulator's straggler % of steps whose per-rank busy seconds are the rows of ``busy`` [S, W]: the sum
     over steps of the mean idle wait ``max - busy_r`` over the sum over steps of ``T = max + sync``
-    (``pipelines/plan/simulate.py``'s module docstring)."""
+    (``pipelines/simulate/simulator.py``'s module docstring)."""
     busy = np.atleast_2d(np.asarray(busy, dtype=np.float64))
     longest = busy.max(axis=1)
     total = float((longest + sync_s).sum())
@@ -614,7 +614,7 @@ def _source(args: argparse.Namespace, num_samples: int, seed: int):
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
 
     if getattr(args, "data", None):
-        raise ValueError("--model replay draws real samples from a synthetic --preset; --data is not supported")
+        raise ValueError("--step-model replay draws real samples from a synthetic --preset; --data is not supported")
     return SyntheticSource(
         SyntheticConfig.from_preset(args.preset, uih_cap=args.max_uih, num_samples=num_samples, seed=seed)
     )
@@ -994,7 +994,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--replay-jitter repeat is the spread of repeated calls: it needs --replay-repeats >= 2")
     _check_model(args)
     if getattr(args, "data", None):
-        raise ValueError("--model replay draws real samples from a synthetic --preset; --data is not supported")
+        raise ValueError("--step-model replay draws real samples from a synthetic --preset; --data is not supported")
     _device(args)
 
 
@@ -1024,7 +1024,7 @@ def _check_model(args: argparse.Namespace) -> None:
 
 
 def build_step_time(args: argparse.Namespace) -> ReplayStepTime:
-    """The builder of ``--model replay`` in the simulator's STEP_TIME_MODELS. It is called once per partitioner:
+    """The builder of ``--step-model replay`` in the simulator's STEP_TIME_MODELS. It is called once per partitioner:
     timings and the fit are made once per setting and shared, each call gets a fresh jitter stream (the same
     noise for every partitioner, as the cost model does)."""
     _check(args)
@@ -1068,7 +1068,7 @@ def print_table(records: list[dict], out=None) -> None:
     """The simulator's table, each row followed by its noise floor (``floor%``: the straggler % the jitter alone
     gives on a perfectly balanced step at that rank count) and the row's straggler % over it (``x floor``)."""
     buf = io.StringIO()
-    simulate.print_table(records, out=buf)
+    simulator.print_table(records, out=buf)
     lines, out = buf.getvalue().splitlines(), out or sys.stdout  # sys.stdout as it is now (a test may capture it)
     print(f"{lines[0]} {'floor%':>7} {'x floor':>8}", file=out)
     for line, r in zip(lines[1:], records):
@@ -1154,9 +1154,9 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
 
 
 def main(args: argparse.Namespace) -> int:
-    """``freescale simulate`` with ``--model replay``, whose records also carry what each figure rests on."""
-    args.model = "replay"
-    simulate._validate(args)
+    """``freescale simulate`` with ``--step-model replay``, whose records also carry what each figure rests on."""
+    args.step_model = "replay"
+    simulator._validate(args)
     ranks_list = [int(r) for r in str(getattr(args, "replay_ranks", None) or args.ranks).split(",")]
     kernels, jitters = args.replay_kernel.split(","), args.replay_jitter.split(",")
     grid = list(itertools.product(kernels, jitters, ranks_list, args.partitioner.split(",")))
@@ -1164,7 +1164,7 @@ def main(args: argparse.Namespace) -> int:
     for kernel, jitter, ranks, name in grid:  # every flag checked before the first timing
         change = {"partitioner": name, "ranks": ranks, "replay_kernel": kernel, "replay_jitter": jitter}
         runs.append(argparse.Namespace(**{**vars(args), **change}))
-        simulate._validate(runs[-1])
+        simulator._validate(runs[-1])
         _check(runs[-1])
     records, failed = [], {}
     for args_one in runs:
@@ -1173,7 +1173,7 @@ def main(args: argparse.Namespace) -> int:
             continue
         try:
             # run_grid merges the step-time model's record into each record (what the figure rests on, its floor)
-            for record in simulate.run_grid(args_one, args_one.ranks, args.batch_size, args.max_uih):
+            for record in simulator.run_grid(args_one, args_one.ranks, args.batch_size, args.max_uih):
                 records.append({**record, "straggler_over_noise_floor": over_floor(record)})
         except ReplayFitError as error:  # the other kernel may still fit in this call's time
             failed[kernel] = str(error)
@@ -1190,7 +1190,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``freescale simulate``, the replay model's, and those that span several runs of one fit."""
-    simulate.add_arguments(parser)
+    simulator.add_arguments(parser)
     _add_replay_model_arguments(parser)
     parser.add_argument(
         "--replay-ranks", default=None, help="comma-separated rank counts simulated from one fit (default: --ranks)"
@@ -1269,5 +1269,5 @@ def _add_replay_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# Importing this module is what offers --model replay to the simulator (the product knows no benchmark).
-simulate.STEP_TIME_MODELS["replay"] = build_step_time
+# Importing this module is what offers --step-model replay to the simulator (the product knows no benchmark).
+simulator.STEP_TIME_MODELS["replay"] = build_step_time

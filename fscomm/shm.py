@@ -73,7 +73,7 @@ class ShmUnavailable(TransportUnavailableError):
 class PeerLostError(CollectiveError):
     """A peer's process ended, or it closed its transport, while this rank waited on it."""
 
-    # It follows another rank's failure: the launcher names that rank as the cause (pipelines.job.train).
+    # It follows another rank's failure: the launcher names that rank as the cause (pipelines.job.launch.failure).
     root = False
 
 

@@ -17,8 +17,8 @@ Given a CUDA ``device``, that worker also pins each batch and copies it to the d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence
 
 import torch
 from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
@@ -58,8 +58,10 @@ WORKER_STARTS = ("take", "backward")
 
 @dataclass
 class LoaderConfig:
-    """The loader's config (``build_loader``). `freescale train` builds it from its ``[data]`` table (batch_size,
-    prefetch_depth) and its ``[tuning]`` table (the rest: scheduling knobs, docs/tuning.md)."""
+    """The loader's config (``build_loader``), and the ``[loader]`` table of `freescale train`'s config: the fields
+    past ``prefetch_depth`` are scheduling knobs (docs/tuning.md)."""
+
+    CHOICES: ClassVar[dict] = {"worker_start": WORKER_STARTS}
 
     batch_size: int = 16
     """Samples per rank per step: the local batch B."""
@@ -86,6 +88,13 @@ class LoaderConfig:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.worker_start not in (None, *WORKER_STARTS):
             raise ValueError(f"worker_start must be one of {', '.join(WORKER_STARTS)}, got {self.worker_start!r}")
+
+    def for_trainer(self, device: Any) -> "LoaderConfig":
+        """This config as a trainer that calls ``release_loader`` as its backward starts runs it on ``device``: the
+        worker starts the batch after next there unless ``worker_start`` says otherwise, and on CUDA the batches
+        are pinned (their copies to the device then queue without waiting)."""
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return replace(self, pin_memory=self.pin_memory or cuda, worker_start=self.worker_start or "backward")
 
 
 def build_loader(

@@ -8,7 +8,7 @@ by the new plan: exact, with no collective, so a job stopped on W ranks resumes 
 The prioritized collection's exchange in flight is not carried over: the checkpoint flushed every deferred
 update, so the resumed job's first step looks its rows up synchronously and gets the same values.
 
-The distributed checkpoint (pipelines.job.dcp) does not concatenate: it stores each rank's rows of a table as one
+The job's checkpoint (pipelines.job.checkpoint.dcp) does not concatenate: it stores each rank's rows of a table as one
 row-wise chunk (``split_rank_state``: rows ``[b[r], b[r+1])`` of the table, at that row offset) and reads back
 only the rows the new plan gives a rank, restacked by ``stack_rank_state``. This module's whole-table path serves
 the per-rank files of the earlier format.

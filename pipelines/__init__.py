@@ -2,11 +2,11 @@
 
     api/       the training API a user's script calls: wrap_model (and the EmbeddingWrap it returns), TrainStep,
                ModelSpec, unwrap_model, predict, evaluate
-    job/       what `freescale train` runs around the API's step: launcher, trainer, config, checkpoints, export
+    job/       what `freescale train` runs around the API's step, in rooms: config/, checkpoint/, launch/, run/
     models/    the reference models (a softmax transformer, and HSTU), and torchrec's TrainPipelineSparseDist and PEC
                around the first as outside references
     cli/       the `freescale` command and its data commands
-    plan/      the planner: `freescale simulate`, the straggler effect of N ranks without N devices
+    simulate/  the step-time simulator: `freescale simulate`, the straggler effect of N ranks without N devices
 
 The public names are re-exported here (``from pipelines import TrainStep, wrap_model, ...``; docs/api.md)."""
 
@@ -25,7 +25,7 @@ _EXPORTS = {
     "EvalResult": "pipelines.api.evaluate",
     "predict": "pipelines.api.evaluate",
     "Predictions": "pipelines.api.evaluate",
-    "load_export": "pipelines.job.export",
+    "load_export": "pipelines.job.checkpoint.export",
     "data_dims": "pipelines.job.dims",
     "DataDims": "pipelines.job.dims",
     "host_transport": "fscomm.registry",

@@ -6,11 +6,11 @@
 #   bash scripts/gpu_suite.sh replay     # the replay simulation on whole local batches of the jagged model (~2.5 min)
 #   bash scripts/gpu_suite.sh trace      # light and heavy case traces of sync and freescale, split by phase and thread (~2 min)
 #   bash scripts/gpu_suite.sh pairs      # sync and freescale, 4 interleaved paired runs per case: the spread of the ratios (~5 min)
-#   bash scripts/gpu_suite.sh allreduce  # heavy case, --tuning.allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
+#   bash scripts/gpu_suite.sh allreduce  # heavy case, --dense-sync.allreduce-start compute against backward, 2 interleaved pairs each (~3 min)
 #   bash scripts/gpu_suite.sh stalls     # heavy freescale twice with per-step records: the steps that stall, beside
 #                                        # their GC pauses and pinned allocations (~1.5 min)
 #   bash scripts/gpu_suite.sh transport  # host paths' GPU tests, bench transport tcp vs shm, a jagged training run (~6 min)
-#   bash scripts/gpu_suite.sh exclusive  # heavy case, --tuning.exclusive-start backward against forward, 3 interleaved pairs each,
+#   bash scripts/gpu_suite.sh exclusive  # heavy case, --embeddings.exclusive-start backward against forward, 3 interleaved pairs each,
 #                                        # with every step's exposed parts (~4 min)
 #   bash scripts/gpu_suite.sh attention  # varlen and FlexAttention against the per-sample twin and the jagged model against
 #                                        # the padded one on CUDA, then bench attention (~4 min, most of it compiling)
@@ -39,12 +39,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-# heavy_ab KNOB "VALUES" REPEATS: the heavy case's sync and freescale under each value of --tuning.KNOB, interleaved
+# heavy_ab TABLE.KNOB "VALUES" REPEATS: the heavy case's sync and freescale under each value of --TABLE.KNOB,
+# interleaved; the JSON files are named by the knob's first word (allreduce_backward_r1.json)
 heavy_ab() {
+  local name=${1#*.}
   for rep in $(seq "$3"); do
     for value in $2; do
       timeout 120 python3 -m benchmarks e2e --device cuda --nproc 2 --model small --uih-cap 4096 --batch-size 16 \
-        --cases heavy --modes sync,freescale "--tuning.$1" "$value" --json "$OUT/${1%%-*}_${value}_r$rep.json" 2>&1 \
+        --cases heavy --modes sync,freescale "--$1" "$value" --json "$OUT/${name%%-*}_${value}_r$rep.json" 2>&1 \
         | grep -E "^heavy|^stalled" | sed "s/^/$value /"
     done
   done
@@ -97,7 +99,7 @@ PY
     ;;
   allreduce)
     echo "== bench e2e, heavy case: the dense all-reduce's last bucket launched after the host saw the backward end, or at once"
-    heavy_ab allreduce-start "compute backward" 2
+    heavy_ab dense-sync.allreduce-start "compute backward" 2
     ;;
   stalls)
     echo "== heavy freescale, per-step records: steps with over 5 ms of bubbles, and what else happened in them"
@@ -107,7 +109,7 @@ PY
         --metrics-jsonl "$OUT/stalls_$run.jsonl" 2>&1 | tail -3
       python3 - "$OUT/stalls_$run.jsonl" <<'PY'
 import json, sys
-from pipelines.job.accounting import stall_clues as _stall_clues
+from pipelines.job.run.accounting import stall_clues as _stall_clues
 rows = [json.loads(line) for line in open(sys.argv[1])]
 clues = _stall_clues(rows)
 for i, r in enumerate(rows):
@@ -120,7 +122,7 @@ PY
     ;;
   exclusive)
     echo "== bench e2e, heavy case: the deferred exclusive gradients sent at the backward or with the next forward"
-    heavy_ab exclusive-start "backward forward" 3
+    heavy_ab embeddings.exclusive-start "backward forward" 3
     ;;
   attention)
     echo "== GPU tests: varlen and FlexAttention against the per-sample twin, empty keys, reproducible backward; the model"

@@ -23,9 +23,9 @@ LAYERS = [
     "pipelines.api",
     "pipelines.job",
     "pipelines.cli",
-    "pipelines.plan",
+    "pipelines.simulate",
 ]
-TOP = {"pipelines.cli": 7, "pipelines.plan": 7}  # both on top, neither imports the other
+TOP = {"pipelines.cli": 7, "pipelines.simulate": 7}  # both on top, neither imports the other
 # A module named in a string, as the command table and the transport registry name theirs ("pkg.mod" or "pkg.mod:fn").
 MODULE_PATH = re.compile(rf"{BENCHMARKS}(\.\w+)+(:\w+)?")
 

@@ -299,7 +299,7 @@ def test_a_host_that_never_joins_is_one_line_naming_it_the_endpoint_and_who_came
 
 
 def test_pairs_share_memory_on_one_host_unless_a_group_goes_over_tcp():
-    from pipelines.job.train import describe_pairs, pair_paths
+    from pipelines.job.run.summary import describe_pairs, pair_paths
 
     hosts = ["a", "a", "b"]
     shm = {"balancer": {"path": "shm+tcp"}, "id-prefetch": {"path": "shm+tcp"}}
@@ -312,7 +312,7 @@ def test_node_0_that_cannot_serve_the_endpoint_and_a_bad_node_config_are_one_lin
     import socket
 
     from pipelines.cli import build_parser
-    from pipelines.job.flags import config_from_args
+    from pipelines.job.config.flags import config_from_args
 
     for argv, message in (
         (["--nnodes", "2"], "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)"),

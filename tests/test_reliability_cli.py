@@ -79,7 +79,7 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
 
 def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verbose(tmp_path, capsys):
     """What a failing rank leaves for the launcher (in process: a launch costs seconds)."""
-    from pipelines.job.failure import report_failure
+    from pipelines.job.launch.failure import report_failure
 
     try:
         raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")
@@ -121,7 +121,7 @@ def test_a_checkpoint_carrying_a_pickled_callable_is_refused_and_nothing_runs(tm
     proc = cli(tmp_path, capsys, "train", *FAST, "--resume", str(tmp_path / "ck" / "step_000001"))
     one_line_error(proc, "rank0.pt: refused: it holds objects other than tensors and plain data")
     assert not marker.exists()
-    from pipelines.job import checkpoint
+    from pipelines.job.checkpoint import checkpointer as checkpoint
 
     with pytest.raises(ValueError, match="refused"):  # and every load of the library path refuses it too
         checkpoint.load(tmp_path / "ck" / "step_000001", 0, 1)
@@ -268,16 +268,16 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
 
 def test_options_the_mode_ignores_are_named_only_when_set():
     from pipelines.cli import build_parser
-    from pipelines.job.flags import config_from_args, ignored_option_lines
+    from pipelines.job.config.flags import config_from_args, ignored_option_lines
 
     def warnings(*argv):
         config = config_from_args(build_parser().parse_args(["train", *argv]))
         return ignored_option_lines(config)
 
     assert warnings("--mode", "sync") == []  # defaults are never "set"
-    assert warnings("--mode", "sync", "--partitioner", "kk", "--tuning.early-start", "backward") == [
+    assert warnings("--mode", "sync", "--partitioner", "kk", "--embeddings.early-start", "backward") == [
         "--partitioner is ignored in mode sync (it applies to mode(s) replicated, freescale)",
-        "--tuning.early-start is ignored in mode sync (it applies to mode(s) freescale)",
+        "--embeddings.early-start is ignored in mode sync (it applies to mode(s) freescale)",
     ]
     assert warnings("--mode", "replicated", "--transport", "host") == [
         "--transport is ignored in mode replicated (it applies to mode(s) sync, sdd, semisync, freescale)"
@@ -294,7 +294,7 @@ def test_options_the_mode_ignores_are_named_only_when_set():
 )
 def test_new_flags_are_validated(argv, match):
     from pipelines.cli import build_parser
-    from pipelines.job.flags import config_from_args
+    from pipelines.job.config.flags import config_from_args
 
     with pytest.raises(ValueError, match=match):
         config_from_args(build_parser().parse_args(["train", *argv]))
@@ -356,7 +356,7 @@ def test_a_stage_worker_that_hangs_is_an_error_naming_the_stages(monkeypatch):
 def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports, failures, pids, expect):
     from types import SimpleNamespace
 
-    from pipelines.job.train import _failure_line
+    from pipelines.job.launch.failure import child_failure_line
 
     for rank, root in reports.items():
         line = f"rank {rank}: cause {rank} (traceback: x)"
@@ -364,7 +364,7 @@ def test_the_launcher_names_the_rank_where_the_fault_happened(tmp_path, reports,
     for rank in pids:
         (tmp_path / f"rank{rank}.pid").write_text(f"{100 + rank}\n")
     failure = SimpleNamespace(failures={r: SimpleNamespace(exitcode=c, pid=100 + r) for r, c in failures.items()})
-    assert _failure_line(failure, tmp_path).startswith(expect)
+    assert child_failure_line(failure, tmp_path).startswith(expect)
 
 
 def test_the_launcher_names_a_failed_rank_by_the_jobs_rank_not_torchs(tmp_path):
@@ -372,21 +372,21 @@ def test_the_launcher_names_a_failed_rank_by_the_jobs_rank_not_torchs(tmp_path):
     ranks' pid files tell which process is which; a rank that died before it wrote one keeps torch's number."""
     from types import SimpleNamespace
 
-    from pipelines.job.train import _exitcodes
+    from pipelines.job.launch.failure import exitcodes
 
     (tmp_path / "rank2.pid").write_text("100\n")  # torch's rank 0 is the job's rank 2
     (tmp_path / "rank3.pid").write_text("101\n")
     failures = {0: SimpleNamespace(exitcode=-9, pid=100), 1: SimpleNamespace(exitcode=1, pid=101)}
-    assert _exitcodes(SimpleNamespace(failures=failures), tmp_path) == {2: -9, 3: 1}
+    assert exitcodes(SimpleNamespace(failures=failures), tmp_path) == {2: -9, 3: 1}
     unknown = {1: SimpleNamespace(exitcode=-9, pid=555)}
-    assert _exitcodes(SimpleNamespace(failures=unknown), tmp_path) == {1: -9}
+    assert exitcodes(SimpleNamespace(failures=unknown), tmp_path) == {1: -9}
 
 
 def _launch_forbidden(monkeypatch) -> None:
     """Makes a launch fail the test: these errors must come before any rank starts."""
     from pipelines.job import train
 
-    monkeypatch.setattr(train, "launch", lambda config: pytest.fail("the ranks were started"))
+    monkeypatch.setattr(train, "launch", lambda config, worker: pytest.fail("the ranks were started"))
 
 
 def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypatch):
@@ -410,7 +410,7 @@ def test_a_toml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypat
         ('[run]\nlr = "fast"\n', 'job.toml: [run] lr: expected a finite number, got "fast" (str)'),
         ("[run]\nlr = true\n", "job.toml: [run] lr: expected a finite number, got true (bool)"),
         ("[run]\nlr = nan\n", "job.toml: [run] lr: expected a finite number, got nan (float)"),
-        ("[tuning]\nstage_lookahead = 1\n", "job.toml: [tuning] stage_lookahead: expected true or false, got 1 (int)"),
+        ("[loader]\nstage_lookahead = 1\n", "job.toml: [loader] stage_lookahead: expected true or false, got 1 (int)"),
         ("[data]\npath = 5\n", "job.toml: [data] path: expected a string, got 5 (int)"),
         ("run = 5\n", "job.toml: run: expected a table ([run]), got 5 (int)"),
         ("steps = 5\n", "job.toml: steps = 5 is outside any table; it belongs in [run]"),
@@ -434,7 +434,7 @@ def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_table_key_and_ty
         (["--nproc", "true"], 'argument --nproc: expected an integer, got "true"'),
         (["--lr", "fast"], 'argument --lr: expected a finite number, got "fast"'),
         (["--lr", "inf"], 'argument --lr: expected a finite number, got "inf"'),
-        (["--tuning.bucket-mb", "nan"], 'argument --tuning.bucket-mb: expected a finite number, got "nan"'),
+        (["--dense-sync.bucket-mb", "nan"], 'argument --dense-sync.bucket-mb: expected a finite number, got "nan"'),
     ],
 )
 def test_a_flag_of_the_wrong_type_is_refused_by_the_same_check(tmp_path, capsys, monkeypatch, argv, message):
@@ -451,8 +451,8 @@ def test_numbers_take_their_fields_type_and_a_config_set_in_python_is_checked_to
     import numpy as np
 
     from pipelines.cli import build_parser
-    from pipelines.job.config import EXPECTED, JobConfig, config_fields, field_kind
-    from pipelines.job.flags import config_from_args
+    from pipelines.job.config.flags import config_from_args
+    from pipelines.job.config.sections import EXPECTED, JobConfig, config_fields, field_kind
 
     assert all(field_kind(path) in EXPECTED for path in config_fields())  # every field has a check
     (tmp_path / "job.toml").write_text("[run]\nlr = 1\nsteps = 3\n[balancer]\nalpha = 2\n")
@@ -539,9 +539,9 @@ def test_eval_data_that_matches_training_passes_also_without_freescales_metadata
     """A file written by another tool carries no ``freescale.dense_dim``: its widths come from its first sample."""
     from fsdata.parquet import ParquetSource
     from pipelines.cli import build_parser
-    from pipelines.job.data_check import DataColumns, source_columns
-    from pipelines.job.flags import config_from_args
-    from pipelines.job.train import check_before_launch
+    from pipelines.job.config.flags import config_from_args
+    from pipelines.job.launch.data_check import DataColumns, source_columns
+    from pipelines.job.launch.preflight import check_before_launch
 
     _write_data(tmp_path / "train.parquet")
     table = batch_to_table(SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=8)).read(0, 0, 8))

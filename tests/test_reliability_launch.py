@@ -378,7 +378,7 @@ def test_a_stop_signal_while_the_agent_spawns_a_rank_is_taken_again_after_it(mon
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from pipelines.job.train import _raise_signal
+    from pipelines.job.launch.signals import raise_signal
 
     sent = threading.Event()
     monkeypatch.setattr(
@@ -391,10 +391,10 @@ def test_a_stop_signal_while_the_agent_spawns_a_rank_is_taken_again_after_it(mon
         ),
         spawning,
     )
-    spawning["start_processes"](_raise_signal, signal.SIGTERM, sys)  # returns: the signal is sent again
+    spawning["start_processes"](raise_signal, signal.SIGTERM, sys)  # returns: the signal is sent again
     assert sent.wait(timeout=10)
     with pytest.raises(SignalException):
-        _raise_signal(signal.SIGTERM, sys._getframe())
+        raise_signal(signal.SIGTERM, sys._getframe())
 
 
 def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
@@ -417,7 +417,7 @@ def _report(log_dir: Path, rank: int, sig: str, step) -> None:
 def test_an_interruption_names_the_signal_the_step_every_rank_completed_and_the_newest_complete_checkpoint(tmp_path):
     from types import SimpleNamespace
 
-    from pipelines.job.train import _interruption
+    from pipelines.job.launch.signals import interruption
 
     (tmp_path / "ck" / "step_000006").mkdir(parents=True)
     (tmp_path / "ck" / "step_000006" / "COMPLETE").write_text("2 dcp\n")
@@ -427,26 +427,26 @@ def test_an_interruption_names_the_signal_the_step_every_rank_completed_and_the_
     logs.mkdir()
     _report(logs, 0, "SIGTERM", 8)
     _report(logs, 1, "SIGTERM", 7)  # a step behind: step 8 is not complete on every rank
-    through_launcher = _interruption(logs, config, signum=signal.SIGTERM)
+    through_launcher = interruption(logs, config, signum=signal.SIGTERM)
     assert str(through_launcher) == "interrupted (SIGTERM) at step 7; last complete checkpoint step 6"
     assert through_launcher.signum == signal.SIGTERM and list(logs.iterdir()) == []  # the reports are read once
     # sent to rank 1 alone: the launcher saw it end first (128 + SIGTERM), then stopped rank 0 with its SIGTERM
     _report(logs, 1, "SIGTERM", 7)
     _report(logs, 0, "SIGTERM", 8)
-    alone = _interruption(logs, config, exitcodes={1: 128 + signal.SIGTERM})
+    alone = interruption(logs, config, exitcodes={1: 128 + signal.SIGTERM})
     assert str(alone) == "interrupted (SIGTERM to rank(s) [1]) at step 7; last complete checkpoint step 6"
     # rank 1 failed (exit 1); rank 0 reports only the SIGTERM that stopped it after: a failure, not an interruption
     _report(logs, 0, "SIGTERM", 8)
-    assert _interruption(logs, config, exitcodes={1: 1}) is None
+    assert interruption(logs, config, exitcodes={1: 1}) is None
     _report(logs, 0, "SIGINT", None)  # before its trainer was built (set-up, a restore)
     _report(logs, 1, "SIGINT", None)
     none = SimpleNamespace(run=SimpleNamespace(nproc=2), checkpoint=SimpleNamespace(dir=None))
     both = {0: 128 + signal.SIGINT, 1: 128 + signal.SIGINT}
-    assert str(_interruption(logs, none, exitcodes=both)) == "interrupted (SIGINT) during set-up; no checkpoint"
+    assert str(interruption(logs, none, exitcodes=both)) == "interrupted (SIGINT) during set-up; no checkpoint"
 
 
 def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
-    from pipelines.job.train import _tidy_log_dir
+    from pipelines.job.launch.log_dirs import tidy
 
     def folder(name, *files):
         (tmp_path / name / "torchelastic" / "run" / "attempt_0").mkdir(parents=True)
@@ -455,19 +455,17 @@ def test_the_launchers_temporary_folder_stays_only_with_a_ranks_log(tmp_path):
         return tmp_path / name
 
     # made here: a clean run, or a failure or signal that left only pid files, leaves nothing
-    assert not _tidy_log_dir(folder("clean", "rank0.pid", "rank0.log"), made_here=True, clean=True)
-    assert not _tidy_log_dir(folder("pids", "rank0.pid", "rank1.pid"), made_here=True, clean=False)
+    assert not tidy(folder("clean", "rank0.pid", "rank0.log"), made_here=True, clean=True)
+    assert not tidy(folder("pids", "rank0.pid", "rank1.pid"), made_here=True, clean=False)
     assert not (tmp_path / "clean").exists() and not (tmp_path / "pids").exists()
     # made here, a rank's log: it stays, pid files beside it (the line names the folder), and no later launcher's
     # clean-up takes it (its marker goes)
-    assert _tidy_log_dir(
-        folder("logs", "rank0.pid", "rank1.pid", "rank0.log", "launcher.pid"), made_here=True, clean=False
-    )
+    assert tidy(folder("logs", "rank0.pid", "rank1.pid", "rank0.log", "launcher.pid"), made_here=True, clean=False)
     assert {p.name for p in (tmp_path / "logs").iterdir()} == {"rank0.pid", "rank1.pid", "rank0.log", "torchelastic"}
     # the user's --log-dir: never removed, its pid files go after a clean run only
-    assert not _tidy_log_dir(folder("mine", "rank0.pid", "rank0.log"), made_here=False, clean=False)
+    assert not tidy(folder("mine", "rank0.pid", "rank0.log"), made_here=False, clean=False)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.pid", "rank0.log"}
-    assert not _tidy_log_dir(tmp_path / "mine", made_here=False, clean=True)
+    assert not tidy(tmp_path / "mine", made_here=False, clean=True)
     assert {p.name for p in (tmp_path / "mine").glob("rank*")} == {"rank0.log"}
 
 
@@ -476,7 +474,7 @@ def test_a_killed_launchers_temporary_folder_goes_at_the_next_start_on_its_host(
     rank's log (no marker), another host's, or one whose launcher or ranks still run, stays."""
     import socket
 
-    from pipelines.job import log_dirs
+    from pipelines.job.launch import log_dirs
 
     host = socket.gethostname()
     dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
@@ -530,11 +528,11 @@ def test_the_launchers_unraisable_hook_drops_only_the_agents_thread_joining_itse
     'Exception ignored ... cannot join current thread' beside the one line; any other report still reaches the hook."""
     from types import SimpleNamespace
 
-    from pipelines.job.train import _without_agent_thread_join
+    from pipelines.job.launch.launcher import without_agent_thread_join
 
     seen = []
-    hook = _without_agent_thread_join(seen.append)
-    assert _without_agent_thread_join(hook) is hook  # installed once per process, however many launches
+    hook = without_agent_thread_join(seen.append)
+    assert without_agent_thread_join(hook) is hook  # installed once per process, however many launches
     hook(SimpleNamespace(exc_value=RuntimeError("cannot join current thread")))
     other = SimpleNamespace(exc_value=RuntimeError("something else"))
     hook(other)

@@ -119,7 +119,8 @@ def test_a_bad_declaration_in_the_metadata_is_refused(tmp_path):
 
 
 def _nan_on_rank_1_at_step_2(rank, world_size):
-    from pipelines.job.trainer import NonFiniteLoss, Trainer
+    from pipelines.job.run.step_log import NonFiniteLoss
+    from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     with Trainer(tiny_config("sync", 5).validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as t:

@@ -24,7 +24,7 @@ class PartitionerError(ValueError):
     """A partitioner failed at a step, or the ranks' plans for a step differ; the message names the partitioner
     (``module:function``, a class, or a built-in's name) and the step."""
 
-    root = True  # this rank is where the fault happened (the launcher names it: pipelines.job.train)
+    root = True  # this rank is where the fault happened (the launcher names it: pipelines.job.launch.failure)
 
 
 class PeerPartitionerError(PartitionerError):

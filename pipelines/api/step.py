@@ -252,7 +252,7 @@ class TrainStep:
         device: Union[str, torch.device] = "cpu",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float = 1.0,
         precision: str = "auto",
         timer=None,
         hooks: Optional[StepHooks] = None,

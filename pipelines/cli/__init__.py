@@ -21,7 +21,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("data", "convert"), "pipelines.cli.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),
     (("data", "stats"), "pipelines.cli.data_stats", "length, sparsity and collision statistics of a dataset"),
     (("trace",), "pipelines.cli.trace_report", "where a traced run's host time went, per phase of the step and thread"),
-    (("simulate",), "pipelines.plan.simulate", "straggler simulation of N ranks, with and without balancing"),
+    (("simulate",), "pipelines.simulate.simulator", "straggler simulation of N ranks, with and without balancing"),
 ]
 
 

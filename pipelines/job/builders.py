@@ -11,13 +11,13 @@ from fsdata.source import SampleSource
 from kernels.attention import resolve_impl
 from pipelines.api.modes import MODES
 from pipelines.api.step import ModelSpec, StepHooks, TrainStep
-from pipelines.job.config import (
+from pipelines.job.config.sections import (
     JobConfig,
     JobDataSection,
+    JobDenseSyncSection,
     JobEmbeddingsSection,
     JobModelSection,
     JobRunSection,
-    JobTuningSection,
 )
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
@@ -78,7 +78,7 @@ def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
         source,
         seed=config.run.seed,
         deterministic=config.run.deterministic,
-        attention_impl=config.tuning.attention_impl,
+        attention_impl=config.kernels.attention_impl,
     )
     # A plan only for a kernel that takes block masks (FlexAttention); the loader runs its stage on CUDA alone.
     plan = model.plan_function() if model.needs_plan(torch.device("cuda")) else None
@@ -100,7 +100,7 @@ def build_model(
     """The model of a preset: the reference model (MODEL_PRESETS) or the HSTU model (pipelines.models.hstu's
     HSTU_PRESETS), shaped by the data's label and dense widths; identical initial weights on every rank.
     ``deterministic`` picks the attention kernel that is reproducible as it is (the reference model's FlexAttention,
-    the HSTU Triton kernel's deterministic backward) where ``attention_impl`` (the job's ``tuning.attention_impl``)
+    the HSTU Triton kernel's deterministic backward) where ``attention_impl`` (the job's ``kernels.attention_impl``)
     is unset."""
     presets = {**MODEL_PRESETS, **HSTU_PRESETS}
     if config.name not in presets:
@@ -142,7 +142,7 @@ def _hstu_config(
         )
     if attention_impl not in (None, "torch"):
         raise ValueError(
-            f"--tuning.attention-impl {attention_impl} is not a kernel of --model {config.name}: leave it unset "
+            f"--kernels.attention-impl {attention_impl} is not a kernel of --model {config.name}: leave it unset "
             "(Triton on CUDA) or give torch"
         )
     positions = config.positions or "rab"
@@ -160,7 +160,6 @@ def build_wrap(
     spec: ModelSpec,
     mode: str,
     embeddings: JobEmbeddingsSection,
-    tuning: JobTuningSection,
     timer,
     device: torch.device,
 ):
@@ -180,8 +179,8 @@ def build_wrap(
         inputs=spec.inputs,
         optimizer=get_optimizer(embeddings.optimizer, lr=embeddings.lr),
         transport=embeddings.transport,
-        early_start=tuning.early_start,
-        exclusive_start=tuning.exclusive_start,
+        early_start=embeddings.early_start,
+        exclusive_start=embeddings.exclusive_start,
         timer=timer,
         device=device,
     )
@@ -192,7 +191,7 @@ def build_step(
     wrap,
     run: JobRunSection,
     embeddings: JobEmbeddingsSection,
-    tuning: JobTuningSection,
+    dense_sync: JobDenseSyncSection,
     hooks: StepHooks,
     timer,
     device: torch.device,
@@ -231,7 +230,7 @@ def build_step(
         device=device,
         rank=rank,
         world_size=world_size,
-        bucket_mb=tuning.bucket_mb,
+        bucket_mb=dense_sync.bucket_mb,
         precision=run.precision,
         timer=timer,
         hooks=hooks,

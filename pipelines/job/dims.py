@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
 
 class DataDims(NamedTuple):
@@ -24,6 +24,6 @@ def data_dims(config: "JobConfig") -> DataDims:
     rank; a source without samples gives (0, 1)."""
     from pipelines.job.builders import build_source
 
-    source = build_source(config.data, config.data.batch_size)
+    source = build_source(config.data, config.loader.batch_size)
     probe = source.read(0, 0, min(1, source.num_samples(0)))
     return DataDims(int(probe.dense.shape[1]), max(probe.num_labels, 1))

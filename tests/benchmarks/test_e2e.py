@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.e2e import losses_against_sync, pair_with_sync, spread, stalled_steps
-from pipelines.job.accounting import stall_clues as _stall_clues
+from pipelines.job.run.accounting import stall_clues as _stall_clues
 
 
 def _row(case, mode, repeat, bubble, median, qps):
@@ -102,24 +102,24 @@ def test_the_bench_overrides_reach_the_job_config_and_the_defaults_stay():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     default = case_config("light", "freescale", parser.parse_args([]))
-    assert default.tuning.background_stages and default.tuning.stage_lookahead
-    assert default.tuning.exclusive_start == "forward" and default.tuning.early_start == "backward"
+    assert default.loader.background_stages and default.loader.stage_lookahead
+    assert default.embeddings.exclusive_start == "forward" and default.embeddings.early_start == "backward"
     changed = case_config(
         "light",
         "freescale",
         parser.parse_args(
             [
-                "--tuning.no-background-stages",
-                "--tuning.no-stage-lookahead",
-                "--tuning.exclusive-start",
+                "--loader.no-background-stages",
+                "--loader.no-stage-lookahead",
+                "--embeddings.exclusive-start",
                 "backward",
-                "--tuning.early-start",
+                "--embeddings.early-start",
                 "forward",
             ]
         ),
     )
-    assert not changed.tuning.background_stages and not changed.tuning.stage_lookahead
-    assert changed.tuning.exclusive_start == "backward" and changed.tuning.early_start == "forward"
+    assert not changed.loader.background_stages and not changed.loader.stage_lookahead
+    assert changed.embeddings.exclusive_start == "backward" and changed.embeddings.early_start == "forward"
 
 
 def test_the_straggler_shares_of_sync_and_freescale_are_reported_side_by_side():

@@ -16,7 +16,7 @@ from benchmarks import replay
 from fsdata.partition import GatheredLengths, Plan
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from pipelines.models.reference import ModelConfig
-from pipelines.plan import simulate
+from pipelines.simulate import simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ TINY = (
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     replay.add_arguments(parser)  # simulate's flags plus --replay-ranks and --replay-repeats
-    return parser.parse_args(["--model", "replay", *argv])
+    return parser.parse_args(["--step-model", "replay", *argv])
 
 
 def fit_run(tmp_path, *argv: str, steps: str = "2", exit_code: int = 0) -> list[dict]:
@@ -207,7 +207,7 @@ def test_fit_mode_times_once_and_records_what_each_figure_rests_on(tmp_path, ker
         (j, p) for j in ("residual", "repeat") for p in ("none", "fbs", "vbs", "kk")
     ]
     for r in records:
-        assert r["model"] == "replay" and r["replay_mode"] == "fit" and r["replay_kernel"] == kernel
+        assert r["step_model"] == "replay" and r["replay_mode"] == "fit" and r["replay_kernel"] == kernel
         assert r["replay_repeats"] == 3 and r["n_batches_timed"] == 16 and r["n_timings_repeat"] == 16
         assert r["n_calls_timed"] == 48 and r["n_calls_total"] == 64  # + one warm-up per batch (no probe on the CPU)
         assert r["n_timings_fit"] == 12 and r["n_timings_heldout"] == 4  # 16 timings, a quarter held out
@@ -369,11 +369,11 @@ def test_direct_mode_times_every_rank_through_simulate(tmp_path, kernel):
         "--replay-kernel",
         kernel,
     )
-    records = simulate.run_grid(args, 3, 4, 64)  # the hook in simulate.STEP_TIME_MODELS
-    assert [r["partitioner"] for r in records] == ["none", "fbs"] and all(r["model"] == "replay" for r in records)
+    records = simulator.run_grid(args, 3, 4, 64)  # the hook in simulator.STEP_TIME_MODELS
+    assert [r["partitioner"] for r in records] == ["none", "fbs"] and all(r["step_model"] == "replay" for r in records)
     step_time = replay.build_step_time(args)
     assert isinstance(step_time, replay.DirectStepTime)
-    lengths = simulate.PresetLengths("tiny", 3, 4, 64, 3, 0).step(1)
+    lengths = simulator.PresetLengths("tiny", 3, 4, 64, 3, 0).step(1)
     busy = step_time(lengths, Plan.from_destinations(np.arange(12) % 3, 3))
     assert busy.shape == (3,) and np.all(busy > 0) and step_time.record()["n_timings_sim"] == 3
 
@@ -416,7 +416,7 @@ def test_the_replay_path_imports_without_torchdata_or_torchrec():
         "        if name.split('.')[0] in ('torchdata', 'torchrec'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import pipelines.plan.simulate, benchmarks.replay, fsdata.synthetic, fsdata.partition\n"
+        "import pipelines.simulate.simulator, benchmarks.replay, fsdata.synthetic, fsdata.partition\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -424,5 +424,5 @@ def test_the_replay_path_imports_without_torchdata_or_torchrec():
 
 
 def test_importing_the_harness_offers_replay_to_the_simulator_with_the_models_own_attention():
-    assert simulate.STEP_TIME_MODELS["replay"] is replay.build_step_time
+    assert simulator.STEP_TIME_MODELS["replay"] is replay.build_step_time
     assert parse().replay_kernel == ModelConfig().attention == "jagged"

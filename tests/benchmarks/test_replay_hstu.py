@@ -15,7 +15,7 @@ from benchmarks import replay
 from fsdata.partition import GatheredLengths, Plan
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from pipelines.models.hstu import HSTUModel
-from pipelines.plan import simulate
+from pipelines.simulate import simulator
 
 HSTU = ("--preset", "tiny", "--max-uih", "64", "--replay-model-preset", "hstu", "--replay-dim", "16")
 
@@ -32,7 +32,7 @@ def one_thread():
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     replay.add_arguments(parser)
-    return parser.parse_args(["--model", "replay", *HSTU, *argv])
+    return parser.parse_args(["--step-model", "replay", *HSTU, *argv])
 
 
 def test_the_fit_times_the_hstu_model_on_its_packed_sequences(tmp_path, monkeypatch, capsys):
@@ -119,7 +119,7 @@ def test_direct_mode_times_every_rank_of_the_hstu_model():
         "--ranks", "2", "--batch-size", "4", "--steps", "1", "--warmup", "0", "--partitioner", "none,kk",
         "--replay-mode", "direct",
     )  # fmt: skip
-    records = simulate.run_grid(args, 2, 4, 64)
+    records = simulator.run_grid(args, 2, 4, 64)
     assert [r["partitioner"] for r in records] == ["none", "kk"]
     assert all(r["replay_model"] == "hstu" and r["sequence"] == "uih+candidates" for r in records)
     assert all(r["n_timings_sim"] == 2 and r["noise_floor_pct"] >= 0 for r in records)

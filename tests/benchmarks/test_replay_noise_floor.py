@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import replay
 from fsdata.partition import GatheredLengths, Plan
-from pipelines.plan import simulate
+from pipelines.simulate import simulator
 
 POOL = np.random.default_rng(3).standard_normal(500) * 0.01  # a fixed 1% jitter pool
 
@@ -69,9 +69,9 @@ def test_straggler_pct_is_the_simulators_own():
     rng = np.random.default_rng(2)
     busy = 1.0 + 0.1 * rng.random((6, 4))
     steps = iter(busy)
-    settings = simulate.SimSettings(ranks=4, batch_size=8, max_uih=64, steps=6, warmup=0, sync_s=0.05)
-    source = simulate.LognormalLengths(4, 8, 64, seed=0)
-    record = simulate.simulate("none", source, lambda lengths, plan: next(steps), settings)
+    settings = simulator.SimSettings(ranks=4, batch_size=8, max_uih=64, steps=6, warmup=0, sync_s=0.05)
+    source = simulator.LognormalLengths(4, 8, 64, seed=0)
+    record = simulator.simulate("none", source, lambda lengths, plan: next(steps), settings)
     assert replay.straggler_pct(busy, sync_s=0.05) == pytest.approx(record["straggler_pct"], rel=1e-12)
     assert replay.straggler_pct(np.array([[1.1, 0.9], [1.0, 1.0]])) == pytest.approx(100 * 0.1 / 2.1)
 

@@ -131,3 +131,12 @@ def test_shutdown_ends_every_thread_the_loader_started(background):
     assert set(threading.enumerate()) - before, "the loader started no thread: nothing is tested"
     shutdown_loader(loader)
     assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+
+def test_a_trainer_runs_the_loader_with_its_worker_started_at_the_backward_and_pinned_batches_on_cuda():
+    config = LoaderConfig(batch_size=4)
+    cpu, cuda = config.for_trainer("cpu"), config.for_trainer("cuda")
+    assert (cpu.worker_start, cpu.pin_memory) == ("backward", False)
+    assert (cuda.worker_start, cuda.pin_memory) == ("backward", True)
+    assert LoaderConfig(worker_start="take").for_trainer("cuda").worker_start == "take"  # what the job set, kept
+    assert (config.worker_start, config.pin_memory) == (None, False)  # a copy: the job's section is left as it was

@@ -501,7 +501,7 @@ def test_vbs_autotune_balances_1024_ranks_within_six_steps_of_a_cold_start():
     """At 1,024 ranks the L^1.5 weights leave VBS's first two steps at a 60% straggler share (the rank of the
     shortest samples takes ~4,800 of them); the autotune must bring it near FBS's within six steps (the clip of
     1.5 it had left steps 6-11 at 20%)."""
-    from pipelines.plan.simulate import CostParams, CostStepTime, PresetLengths, SimSettings, simulate
+    from pipelines.simulate.simulator import CostParams, CostStepTime, PresetLengths, SimSettings, simulate
 
     settings = SimSettings(ranks=1024, batch_size=128, max_uih=21000, steps=6, warmup=6)
     share = {}

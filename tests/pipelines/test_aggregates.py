@@ -1,4 +1,4 @@
-"""The run summary's running aggregates (pipelines.job.aggregates): exact where a run is short, bounded however long
+"""The run summary's running aggregates (pipelines.job.run.aggregates): exact where a run is short, bounded however long
 it runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pipelines.job.aggregates import CURVE_POINTS, WINDOW, Curve, RunAggregates, Window, per_step
+from pipelines.job.run.aggregates import CURVE_POINTS, WINDOW, Curve, RunAggregates, Window, per_step
 
 
 def _record(step: int, rng: random.Random) -> dict:

@@ -1,4 +1,4 @@
-"""Distributed checkpoints (pipelines.job.checkpoint, pipelines.job.dcp): row-wise shards of uneven tables across world
+"""Distributed checkpoints (pipelines.job.checkpoint): row-wise shards of uneven tables across world
 sizes, async saves, a resume from another world size equal to a run started there, refused crafted files, and the
 faults of a save or a resume (a full disk, a broken newest step) in one line each."""
 
@@ -15,7 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines.job import checkpoint, checkpoint_io, checkpoint_manifest, dcp, dcp_state
+from pipelines.job.checkpoint import checkpointer as checkpoint
+from pipelines.job.checkpoint import dcp, dcp_state
+from pipelines.job.checkpoint import manifest as checkpoint_manifest
+from pipelines.job.checkpoint import reading as checkpoint_io
 from tests.harness import doing, run_ranks
 
 

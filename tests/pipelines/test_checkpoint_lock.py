@@ -1,4 +1,4 @@
-"""One job per checkpoint folder (pipelines.job.checkpoint_lock): a second job is refused in one line naming the
+"""One job per checkpoint folder (pipelines.job.checkpoint.lock): a second job is refused in one line naming the
 folder and the holder, under `freescale train` before its ranks start and under torchrun at rank 0; a holder killed
 with SIGKILL leaves no lock behind."""
 
@@ -17,12 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipelines.job import checkpoint, checkpoint_lock
+from pipelines.job.checkpoint import checkpointer as checkpoint
+from pipelines.job.checkpoint import lock as checkpoint_lock
 from tests.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-_HOLD = "import sys, time\nfrom pipelines.job import checkpoint_lock\ncheckpoint_lock.hold(sys.argv[1], sys.argv[2])\n"
+_HOLD = (
+    "import sys, time\nfrom pipelines.job.checkpoint import lock as checkpoint_lock\n"
+    "checkpoint_lock.hold(sys.argv[1], sys.argv[2])\n"
+)
 
 
 def _holder(folder: Path, role: str) -> subprocess.Popen:

@@ -12,13 +12,13 @@ import textwrap
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.job import config as job_config
-from pipelines.job.config import SECTIONS, ConfigError, JobConfig, config_fields
-from pipelines.job.config_file import read_toml
-from pipelines.job.flags import FLAGS, config_from_args, flag
+from pipelines.job.config import sections as job_config
+from pipelines.job.config.flags import FLAGS, config_from_args, flag
+from pipelines.job.config.sections import SECTIONS, ConfigError, JobConfig, config_fields
+from pipelines.job.config.toml_file import read_toml
 
 # `freescale train`'s options; those from before the config's sections became its tables stay, as users' scripts
-# use them.
+# use them; a scheduling knob's flag names the table of the component it tunes.
 OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --unordered-timestamps --eval-data --model --num-items --dim --num-layers
@@ -29,10 +29,12 @@ OPTIONS = """
 --device --precision --deterministic
 --no-deterministic --eval-every --summary-json --metrics-jsonl --progress --no-progress --checkpoint-dir
 --checkpoint-every --resume --async-checkpoint --no-async-checkpoint --export --trace --comm-timeout-s --verbose
---no-verbose --log-dir --transport --tuning.attention-impl --tuning.pin-memory --tuning.no-pin-memory
---tuning.background-stages --tuning.no-background-stages --tuning.worker-start --tuning.stage-lookahead
---tuning.no-stage-lookahead --tuning.threads --tuning.gil-switch-ms --tuning.allreduce-start --tuning.bucket-mb
---tuning.early-start --tuning.exclusive-start --tuning.numa-binding --tuning.embedding-schedule
+--no-verbose --log-dir --transport
+--loader.pin-memory --loader.no-pin-memory --loader.background-stages --loader.no-background-stages
+--loader.worker-start --loader.stage-lookahead --loader.no-stage-lookahead
+--embeddings.early-start --embeddings.exclusive-start --embeddings.schedule
+--dense-sync.allreduce-start --dense-sync.bucket-mb --kernels.attention-impl
+--process.threads --process.gil-switch-ms --process.numa-binding
 """.split()
 
 
@@ -69,7 +71,7 @@ def test_the_flags_are_the_ones_users_scripts_know_and_each_field_has_exactly_on
     options = [option for action in _train_parser()._actions for option in action.option_strings]
     assert sorted(options) == sorted(OPTIONS)
     assert flag("checkpoint.dir") == "--checkpoint-dir" and flag("data.path") == "--data"
-    assert flag("tuning.gil_switch_ms") == "--tuning.gil-switch-ms" and flag("run.seed") == "--seed"
+    assert flag("process.gil_switch_ms") == "--process.gil-switch-ms" and flag("run.seed") == "--seed"
     config = _parse("--checkpoint-dir", "ck", "--data-seed", "3", "--seed", "4", "--embedding-lr", "0.5")
     assert (config.checkpoint.dir, config.data.seed, config.run.seed, config.embeddings.lr) == ("ck", 3, 4, 0.5)
 
@@ -99,8 +101,9 @@ def test_the_old_python_paths_are_gone():
     config = JobConfig()
     for section, old in (
         (config, "train"),
-        (config, "loader"),
+        (config, "tuning"),
         (config.data, "data"),
+        (config.data, "batch_size"),
         (config.data, "data_seed"),
         (config.data, "eval_data"),
         (config.model, "model"),
@@ -122,18 +125,18 @@ def test_validation_names_paths_in_python_and_flags_on_the_command_line():
         _parse("--checkpoint-every", "2")
     assert str(error.value) == "--checkpoint-every and --resume=latest need --checkpoint-dir"
     config = JobConfig()
-    config.tuning.bucket_mb = -1.0
-    with pytest.raises(ConfigError, match=r"^bucket_mb must be >= 0, got -1.0 \(tuning.bucket_mb\)$") as error:
+    config.dense_sync.bucket_mb = -1.0
+    with pytest.raises(ConfigError, match=r"^bucket_mb must be >= 0, got -1.0 \(dense_sync.bucket_mb\)$") as error:
         config.validate()
     again = pickle.loads(pickle.dumps(error.value))  # a rank's error crosses processes with its fields
-    assert str(again) == str(error.value) and again.fields == ("tuning.bucket_mb",)
-    with pytest.raises(ValueError, match=r"^bucket_mb must be >= 0, got -1.0 \(--tuning.bucket-mb\)$"):
-        _parse("--tuning.bucket-mb", "-1")
+    assert str(again) == str(error.value) and again.fields == ("dense_sync.bucket_mb",)
+    with pytest.raises(ValueError, match=r"^bucket_mb must be >= 0, got -1.0 \(--dense-sync.bucket-mb\)$"):
+        _parse("--dense-sync.bucket-mb", "-1")
 
 
 def test_the_loader_and_the_balancer_get_their_own_config_from_the_sections():
-    config = _parse("--batch-size", "5", "--tuning.no-stage-lookahead", "--partitioner", "kk", "--min-gain", "0.1")
-    loader = config.loader_config()
+    config = _parse("--batch-size", "5", "--loader.no-stage-lookahead", "--partitioner", "kk", "--min-gain", "0.1")
+    loader = config.loader  # fsdata's LoaderConfig itself: its fields are declared once, there
     assert (loader.batch_size, loader.prefetch_depth, loader.stage_lookahead) == (5, 2, False)
     assert config.balancer.partitioner == "kk" and config.balancer.min_gain == 0.1
     with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\), got 1.5"):

@@ -175,7 +175,7 @@ def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_
     from fsdata import LoaderConfig, ParquetSource, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
     from fsdata.schema import write_parquet
     from pipelines import evaluate, load_export
-    from pipelines.job.export import REFERENCE
+    from pipelines.job.checkpoint.export import REFERENCE
     from pipelines.models.reference import ModelConfig, SequenceModel
 
     write_parquet(
@@ -184,7 +184,7 @@ def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_
         row_group_size=16,
     )
     argv = ["--nproc", "2", "--steps", "4", "--batch-size", "8", "--num-samples", "256", "--device", "cpu"]
-    argv += ["--tuning.threads", "1"]  # the same intra-op threads as the comparison below, whatever the cores
+    argv += ["--process.threads", "1"]  # the same intra-op threads as the comparison below, whatever the cores
     files = ["--eval-data", "held.parquet", "--export", "out/model.pt", "--summary-json", "s.json"]
     proc = subprocess.run(
         [sys.executable, "-m", "pipelines.cli", "train", *argv, *files],

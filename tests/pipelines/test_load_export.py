@@ -1,4 +1,4 @@
-"""The export's description (pipelines.job.export): the reference model comes back from its file alone with the
+"""The export's description (pipelines.job.checkpoint.export): the reference model comes back from its file alone with
 same logits bit for bit; a user's model, a missing or foreign description and tensors of another shape are one
 line naming the file and what to do. The round trip through `freescale train --export` is in test_export.py."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from pipelines import load_export
-from pipelines.job.export import REFERENCE, description_path, save_export
+from pipelines.job.checkpoint.export import REFERENCE, description_path, save_export
 from pipelines.models.reference import ModelConfig, SequenceModel
 
 CONFIG = ModelConfig(num_items=300, dim=16, num_heads=2, num_labels=2, dense_dim=4, max_uih=32)

@@ -15,7 +15,7 @@ from fsdata.batch import Batch
 from fsdata.partition import BudgetSpec, MemoryModel, kept_tokens
 from pipelines.job import memory_probe
 from pipelines.job.builders import build_model_spec, build_source
-from pipelines.job.config import JobConfig
+from pipelines.job.config.sections import JobConfig
 from pipelines.models.hstu import HSTUModel
 from pipelines.models.reference import SequenceModel
 
@@ -104,7 +104,7 @@ def test_the_measured_figures_reach_the_balancer_as_a_budget_it_reads_back(monke
 
 def _trainer_with_auto_budget(rank, world_size):
     from fsdata.partition import budget
-    from pipelines.job import trainer as trainer_module
+    from pipelines.job import data as job_data
     from pipelines.job.trainer import Trainer
     from tests.harness import doing
     from tests.pipelines.tiny import tiny_config
@@ -123,8 +123,8 @@ def _trainer_with_auto_budget(rank, world_size):
     memory_probe.PEAK_BYTES["cpu"] = Peak()
     budget.device_free_bytes = lambda device=None: 2**30
     stages = []
-    balancer_stages = trainer_module.balancer_stages
-    trainer_module.balancer_stages = lambda config, *a, **k: stages.append(config) or balancer_stages(config, *a, **k)
+    balancer_stages = job_data.balancer_stages
+    job_data.balancer_stages = lambda config, *a, **k: stages.append(config) or balancer_stages(config, *a, **k)
     doing("train hstu with --memory-budget auto")
     cfg = tiny_config("freescale", 3)
     cfg.model.name, cfg.model.max_uih, cfg.balancer.memory_budget = "hstu", 48, "auto"

@@ -61,7 +61,7 @@ def test_a_kernel_that_is_not_reproducible_as_set_up_is_refused(restore_determin
 def test_the_deterministic_job_picks_flex_for_the_reference_model():
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
     from pipelines.job.builders import build_model_spec
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
     source = SyntheticSource(SyntheticConfig(num_samples=4))
     config = JobConfig()

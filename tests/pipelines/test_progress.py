@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from pipelines.job.progress import PlainProgress, paused, progress_bar
+from pipelines.job.run.progress import PlainProgress, paused, progress_bar
 
 
 def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
@@ -30,7 +30,7 @@ def test_plain_progress_prints_lines_every_n_steps_and_at_the_end():
 def test_the_rate_leaves_out_the_time_spent_evaluating(monkeypatch):
     """4 steps in 2 s of training and 6 s of held-out evaluation: 2 steps/s, not 0.5, and the line says so."""
     clock = [100.0]
-    monkeypatch.setattr("pipelines.job.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipelines.job.run.progress.time.monotonic", lambda: clock[0])
     out = io.StringIO()
     bar = PlainProgress(total=4, desc="train freescale (2 ranks)", stream=out, every=4, seconds=1e9)
     for step in range(4):
@@ -48,7 +48,7 @@ def test_paused_moves_tqdms_clocks_past_the_block(monkeypatch):
     bar = tqdm(total=4, file=io.StringIO())
     start, last = bar.start_t, bar.last_print_t
     clock = [0.0]
-    monkeypatch.setattr("pipelines.job.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pipelines.job.run.progress.time.monotonic", lambda: clock[0])
     with paused(bar):
         clock[0] += 6.0
     assert (bar.start_t, bar.last_print_t) == (start + 6.0, last + 6.0)

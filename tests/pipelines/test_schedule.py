@@ -1,4 +1,4 @@
-"""The embedding schedule probe (pipelines.job.schedule): which schedule each step runs, and the choice."""
+"""The embedding schedule probe (pipelines.job.run.schedule): which schedule each step runs, and the choice."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.job.schedule import ScheduleProbe, describe_choice
+from pipelines.job.run.schedule import ScheduleProbe, describe_choice
 
 
 def run(probe: ScheduleProbe, seconds, steps: int, first: int = 0) -> list[str]:
@@ -135,7 +135,7 @@ def _config(mode: str, schedule: str = "auto"):
 
     cfg = tiny_config(mode, STEPS)
     cfg.balancer.partitioner = "none"  # the same samples on every rank as in sync: losses equal bit for bit
-    cfg.tuning.embedding_schedule = schedule
+    cfg.embeddings.schedule = schedule
     return cfg.validate()
 
 
@@ -172,7 +172,7 @@ def _train(rank, world_size, name):
 
 @pytest.mark.multiprocess
 def test_the_trainer_switches_schedules_on_every_rank_alike_and_keeps_sync_losses():
-    from pipelines.job.schedule import PROBE_START
+    from pipelines.job.run.schedule import PROBE_START
     from tests.harness import run_ranks
 
     results = {name: run_ranks(_train, 2, args=(name,), timeout=120) for name in RUNS}

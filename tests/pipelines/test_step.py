@@ -391,7 +391,7 @@ def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path)
     config and its ModelSpec goes through the same wrap as the reference model."""
     from pipelines.cli import build_parser
     from pipelines.job.builders import build_model_spec, build_source
-    from pipelines.job.flags import config_from_args
+    from pipelines.job.config.flags import config_from_args
 
     (tmp_path / "my_model.py").write_text(
         "import torch\nfrom pipelines import ModelSpec\n\n"

@@ -3,7 +3,7 @@ read-ahead) are explained, and the embedding schedule's choice names the margin 
 
 from __future__ import annotations
 
-from pipelines.job.train import print_summary
+from pipelines.job.run.summary import print_summary
 
 
 def _summary(**changes) -> dict:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pipelines.cli import build_parser
-from pipelines.job.flags import config_from_args
+from pipelines.job.config.flags import config_from_args
 from tests.harness import doing, run_ranks
 
 STEPS = 4
@@ -90,7 +90,8 @@ def test_torchrec_modes_train_like_sync():
 
 
 def _nan_on_rank_1_at_step_2(rank, world_size):
-    from pipelines.job.trainer import NonFiniteLoss, Trainer
+    from pipelines.job.run.step_log import NonFiniteLoss
+    from pipelines.job.trainer import Trainer
 
     with Trainer(_config("torchrec"), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
         poison = lambda module, args, out: out * float("nan") if rank == 1 and trainer.step == 2 else out  # noqa: E731

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.cli import build_parser
-from pipelines.job.flags import config_from_args
+from pipelines.job.config.flags import config_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,15 +25,15 @@ def _parse(*argv):
 def test_precedence_cli_over_toml_over_defaults(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text(
-        '[data]\nbatch_size = 7\nprefetch_depth = 3\n[run]\nsteps = 5\n[balancer]\npartitioner = "fbs"\n'
-        "[tuning]\ngil_switch_ms = 2.5\nstage_lookahead = false\n"
+        "[loader]\nbatch_size = 7\nprefetch_depth = 3\nstage_lookahead = false\n[run]\nsteps = 5\n"
+        '[balancer]\npartitioner = "fbs"\n[process]\ngil_switch_ms = 2.5\n'
     )
     cfg = _parse("--config", str(toml), "--batch-size", "9")
-    assert cfg.data.batch_size == 9 and cfg.data.prefetch_depth == 3 and cfg.run.steps == 5
+    assert cfg.loader.batch_size == 9 and cfg.loader.prefetch_depth == 3 and cfg.run.steps == 5
     assert cfg.balancer.partitioner == "fbs" and cfg.run.lr == 1e-3
-    assert cfg.tuning.gil_switch_ms == 2.5 and cfg.tuning.stage_lookahead is False
-    cfg = _parse("--config", str(toml), "--tuning.gil-switch-ms", "3", "--tuning.stage-lookahead")
-    assert cfg.tuning.gil_switch_ms == 3.0 and cfg.tuning.stage_lookahead is True
+    assert cfg.process.gil_switch_ms == 2.5 and cfg.loader.stage_lookahead is False
+    cfg = _parse("--config", str(toml), "--process.gil-switch-ms", "3", "--loader.stage-lookahead")
+    assert cfg.process.gil_switch_ms == 3.0 and cfg.loader.stage_lookahead is True
 
 
 @pytest.mark.parametrize(
@@ -44,11 +44,11 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
         (["--data", "/no/such/file.parquet"], "does not exist"),
         (["--autotune", "--partitioner", "fbs"], "autotune"),
         (["--transport", "carrier-pigeon"], "transport"),
-        (["--tuning.gil-switch-ms", "0"], "gil_switch_ms"),
-        (["--tuning.worker-start", "forward"], "worker_start"),
-        (["--tuning.early-start", "later"], "early_start"),
-        (["--tuning.exclusive-start", "later"], "exclusive_start"),
-        (["--tuning.numa-binding", "everywhere"], "numa_binding"),
+        (["--process.gil-switch-ms", "0"], "gil_switch_ms"),
+        (["--loader.worker-start", "forward"], r"worker_start must be one of take, backward.*--loader.worker-start"),
+        (["--embeddings.early-start", "later"], "early_start"),
+        (["--embeddings.exclusive-start", "later"], "exclusive_start"),
+        (["--process.numa-binding", "everywhere"], "numa_binding"),
         (["--warmup-steps", "-2"], "warmup_steps"),
     ],
 )
@@ -61,59 +61,61 @@ def test_numa_binding_applies_to_gpu_ranks_only(capsys, monkeypatch):
     """torch's NUMA binding binds local rank r near GPU r: a CPU run, or ranks sharing GPUs, get none, and say so."""
     import torch
 
-    from pipelines.job.train import _numa_options
+    from pipelines.job.launch.launcher import numa_options
 
-    assert _numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
-    assert _numa_options(_parse("--device", "cpu", "--tuning.numa-binding", "exclusive")) is None
+    assert numa_options(_parse("--device", "cpu")) is None  # not asked for: silent
+    assert numa_options(_parse("--device", "cpu", "--process.numa-binding", "exclusive")) is None
     assert "ignored" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "node")) is None
+    assert numa_options(_parse("--device", "cuda", "--nproc", "2", "--process.numa-binding", "node")) is None
     assert "2 ranks share 1 GPU" in capsys.readouterr().out
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    options = _numa_options(_parse("--device", "cuda", "--nproc", "2", "--tuning.numa-binding", "exclusive"))
+    options = numa_options(_parse("--device", "cuda", "--nproc", "2", "--process.numa-binding", "exclusive"))
     assert options is not None and options.affinity_mode.value == "exclusive"
 
 
 def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypatch):
-    """`freescale train --help` lists the flags a user needs (at most 74 lines at 80 columns); the --tuning.NAME
-    knobs are listed by --help-tuning and each is explained in docs/tuning.md under that spelling."""
-    from pipelines.job.config import config_fields
-    from pipelines.job.flags import flag
+    """`freescale train --help` lists the flags a user needs, a group per table (at most 76 lines at 80 columns: the
+    [loader] table's group among them); the knobs' --TABLE.NAME flags are listed by --help-tuning and each is
+    explained in docs/tuning.md under that spelling."""
+    from pipelines.job.config.flags import flag, knobs
 
     monkeypatch.setenv("COLUMNS", "80")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = capsys.readouterr().out
-    assert len(text.splitlines()) <= 74, text
-    assert "--tuning." in text and "docs/tuning.md" in text
-    knobs = [path.split(".")[1] for path in config_fields() if path.startswith("tuning.")]
-    assert {
-        "gil_switch_ms",
-        "allreduce_start",
-        "bucket_mb",
-        "early_start",
-        "exclusive_start",
-        "worker_start",
-        "stage_lookahead",
-        "background_stages",
-        "threads",
-        "pin_memory",
-        "numa_binding",
-    } <= set(knobs)
-    assert not any(flag(f"tuning.{name}") in text for name in knobs)
+    assert len(text.splitlines()) <= 76, text
+    assert "--help-tuning" in text and "docs/tuning.md" in text
+    assert set(knobs()) == {  # each in the table of the component it tunes
+        "loader.pin_memory",
+        "loader.background_stages",
+        "loader.worker_start",
+        "loader.stage_lookahead",
+        "embeddings.early_start",
+        "embeddings.exclusive_start",
+        "embeddings.schedule",
+        "dense_sync.allreduce_start",
+        "dense_sync.bucket_mb",
+        "kernels.attention_impl",
+        "process.threads",
+        "process.gil_switch_ms",
+        "process.numa_binding",
+    }
+    assert not any(flag(path) in text for path in knobs())
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help-tuning"])
     listed = capsys.readouterr().out
     page = (ROOT / "docs" / "tuning.md").read_text()
-    for name in knobs:
-        knob = flag(f"tuning.{name}")
-        assert knob.replace("--tuning.", "--tuning.no-") in listed or knob in listed, name
-        assert f"`{knob}" in page, f"docs/tuning.md does not document {knob}"
+    for path in knobs():
+        table, key = path.split(".")
+        knob = flag(path)
+        assert knob.replace(".", ".no-", 1) in listed or knob in listed, path
+        assert f"`{knob}" in page and f"`[{table}] {key}`" in page, f"docs/tuning.md does not document {knob}"
 
 
 def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
-    from pipelines.job.config import JobConfig
+    from pipelines.job.config.sections import JobConfig
 
     config = JobConfig()
     config.run.mode = "fast"
@@ -122,11 +124,18 @@ def test_choices_are_checked_once_for_flags_toml_and_classes(tmp_path):
     with pytest.raises(ValueError, match=r"mode must be one of .*freescale.*got 'fast' \(--mode\)"):
         _parse("--mode", "fast")
     toml = tmp_path / "job.toml"
-    toml.write_text('[tuning]\nallreduce_start = "later"\n')
-    with pytest.raises(ValueError, match=r"allreduce_start must be one of backward, compute.*--tuning.allreduce-start"):
+    toml.write_text('[dense_sync]\nallreduce_start = "later"\n')
+    with pytest.raises(
+        ValueError, match=r"allreduce_start must be one of backward, compute.*--dense-sync.allreduce-start"
+    ):
         _parse("--config", str(toml))
     toml.write_text("[run]\ngil_switch_ms = 2.0\n")
-    with pytest.raises(ValueError, match=r"\[run\] has unknown key 'gil_switch_ms' \(it belongs in \[tuning\]\)"):
+    with pytest.raises(ValueError, match=r"\[run\] has unknown key 'gil_switch_ms' \(it belongs in \[process\]\)"):
+        _parse("--config", str(toml))
+    toml.write_text("[tuning]\nbucket_mb = 4.0\n")  # the knobs' table of before: each key is in its owner's now
+    with pytest.raises(
+        ValueError, match=r"^\S+job.toml: \[tuning\] has unknown key 'bucket_mb' \(it belongs in \[dense_sync\]\)$"
+    ):
         _parse("--config", str(toml))
 
 
@@ -189,7 +198,7 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     assert s["steps"] == 6 and s["world_size"] == 2 and s["samples"] == 6 * 2 * 16
     assert len(s["peak_memory_bytes_per_rank"]) == 2 and min(s["peak_memory_bytes_per_rank"]) > 0
     assert math.isfinite(s["loss"]) and math.isfinite(s["ne"]) and len(s["per_rank_compute_s"]) == 2
-    from pipelines.job.aggregates import per_step, read_metrics
+    from pipelines.job.run.aggregates import per_step, read_metrics
 
     lines = read_metrics(metrics)  # every step's record, and only there: the summary holds aggregates
     assert [r["step"] for r in lines] == list(range(6))
@@ -215,7 +224,7 @@ def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_l
     times) is None or left out, never 0."""
     import numpy as np
 
-    from pipelines.job.record import StepRecord
+    from pipelines.job.run.record import StepRecord
     from pipelines.models.step_result import StepResult
 
     slots = {"tokens": np.array([10.0, 30.0]), "samples": np.array([2.0, 4.0]), "sparsity": np.array([0.5, 0.25])}
@@ -246,7 +255,7 @@ def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_l
 def test_garbage_collection_pauses_are_timed():
     import gc
 
-    from pipelines.job.accounting import GcPauses
+    from pipelines.job.run.accounting import GcPauses
 
     pauses = GcPauses()
     try:
@@ -327,12 +336,12 @@ def test_checkpoint_resume_is_exact(tmp_path):
             "6",
             "--resume",
             str(step3),
-            "--tuning.worker-start",
+            "--loader.worker-start",
             "take",
-            "--tuning.no-stage-lookahead",
-            "--tuning.early-start",
+            "--loader.no-stage-lookahead",
+            "--embeddings.early-start",
             "forward",
-            "--tuning.exclusive-start",
+            "--embeddings.exclusive-start",
             "backward",
             "--metrics-jsonl",
             str(tmp_path / "b.jsonl"),
@@ -355,7 +364,7 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
             "6",
             "--checkpoint-every",
             "3",
-            "--tuning.embedding-schedule",
+            "--embeddings.schedule",
             "sdd",
             "--metrics-jsonl",
             str(tmp_path / "a.jsonl"),
@@ -370,9 +379,9 @@ def test_resume_across_embedding_schedules_is_exact(tmp_path):
             "6",
             "--resume",
             str(tmp_path / "ck" / "step_000003"),
-            "--tuning.embedding-schedule",
+            "--embeddings.schedule",
             "prioritized",
-            "--tuning.allreduce-start",
+            "--dense-sync.allreduce-start",
             "compute",
             "--metrics-jsonl",
             str(tmp_path / "b.jsonl"),
@@ -454,16 +463,17 @@ def test_killed_rank_is_named_and_a_restart_resumes_from_the_last_checkpoint(tmp
     assert json.loads((tmp_path / "s.json").read_text())["steps"] == 4  # steps 4..7 after the restart
 
 
-def _tiny_trainer(rank, world_size, mode, steps, **tuning):
-    """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``tuning``: [tuning] knobs set on its config."""
+def _tiny_trainer(rank, world_size, mode, steps, **dense_sync):
+    """A trainer of the tiny job (tests.pipelines.tiny) on CPU; ``dense_sync``: [dense_sync] knobs set on its
+    config."""
     import torch
 
     from pipelines.job.trainer import Trainer
     from tests.pipelines.tiny import tiny_config
 
     cfg = tiny_config(mode, steps)
-    for name, value in tuning.items():
-        setattr(cfg.tuning, name, value)
+    for name, value in dense_sync.items():
+        setattr(cfg.dense_sync, name, value)
     return Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu"))
 
 
@@ -564,3 +574,38 @@ def test_the_timers_bookkeeping_is_not_counted_as_data_wait():
     for rows in run_ranks(_slow_timer_bookkeeping, 2, timeout=120):
         for data_wait, step_time in rows:
             assert step_time >= 0.4 and data_wait < 0.2  # in the step (twice), not in the loader's time
+
+
+def _state_handed_over_whole(rank, world_size, directory):
+    import torch
+
+    from pipelines.job.checkpoint.job import LOADER, MODEL, OPTIMIZER, POSITION, STEP
+    from pipelines.job.trainer import Trainer
+    from tests.pipelines.tiny import tiny_config
+
+    cfg = tiny_config("freescale", 4)
+    cfg.checkpoint.dir, cfg.checkpoint.every = directory, 4
+    with Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as trainer:
+        trainer.train()
+        saved = trainer.state_dict()
+        assert saved[MODEL] is trainer.model and saved[OPTIMIZER] is trainer.optimizer
+        weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}  # the dense ones
+    cfg = tiny_config("freescale", 6)
+    cfg.checkpoint.dir, cfg.checkpoint.resume = directory, "latest"
+    with Trainer(cfg.validate(), rank=rank, world_size=world_size, device=torch.device("cpu")) as resumed:
+        state = resumed.state_dict()
+        same_weights = bool(weights) and all(torch.equal(weights[k], v) for k, v in resumed.model.named_parameters())
+        return saved[STEP], state[STEP], saved[POSITION], state[POSITION], state[LOADER] is not None, same_weights
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_takes_the_trainer_whole_and_gives_its_parts_back(tmp_path):
+    """The trainer is Stateful: its state_dict gathers the model, the optimizer, the steps done, the data position and
+    the loader's state; a checkpoint saves it whole, and a resumed trainer's state_dict gives the same parts back."""
+    from tests.harness import run_ranks
+
+    for saved_step, step, saved_position, position, has_loader, same_weights in run_ranks(
+        _state_handed_over_whole, 2, args=(str(tmp_path / "ck"),), timeout=180
+    ):
+        assert (saved_step, step) == (4, 4) and saved_position == position and position["cursor"] > 0
+        assert has_loader and same_weights

@@ -8,7 +8,7 @@ import pytest
 
 from fscomm.transport import BACKENDS, EXPERIMENTAL_BACKENDS, get_transport
 from pipelines.cli import main
-from pipelines.job.config import TRANSPORT_CHOICES
+from pipelines.job.config.sections import TRANSPORT_CHOICES
 
 
 def test_each_experimental_backend_lives_in_fscomm_experimental_and_apart_from_the_offered_ones():

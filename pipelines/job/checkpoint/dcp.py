@@ -13,18 +13,18 @@ DTensor's Shard(0) cannot express arbitrary boundaries and ShardedTensor's opera
 Reading is safe. DCP's stock reader unpickles ``.metadata`` with ``pickle.load``; :func:`read_metadata` uses an
 unpickler that resolves only DCP's metadata classes, torch dtypes/layouts/sizes and paths, and refuses any other
 name before anything is constructed. The stock load planner would ``torch.load(weights_only=False)`` a non-tensor
-item; FreeScale writes none (pipelines.job.dcp_state keeps them in each rank's own file), so :func:`check_metadata`
+item; FreeScale writes none (dcp_state.py keeps them in each rank's own file), so :func:`check_metadata`
 refuses a checkpoint that declares one, and the planner refuses one again should it be asked to read it. Tensor
 data is read by DCP with ``weights_only=True``.
 
 Opening is safe. The metadata names the data files: only plain names are accepted (a ``str`` without separators;
 a ``pathlib`` object, which the metadata may otherwise carry, is refused whatever its text says), and every file is
-opened through pipelines.job.checkpoint_io, which resolves it and accepts only a regular file inside the step folder,
+opened through reading.py, which resolves it and accepts only a regular file inside the step folder,
 before opening it, and times every read (a rank stuck on a hung mount ends in one line).
 
 Sums. The writer reads back each data file right after writing it, for its size and sha256 and each item's crc32,
 and the coordinator adds the ``.metadata`` it wrote: ``save(..., sums=)`` gets them for the step's COMPLETE marker
-(pipelines.job.checkpoint_manifest).
+(pipelines.job.checkpoint.manifest).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from pipelines.job import checkpoint_io
-from pipelines.job.checkpoint_io import FileSum, ItemSum
+from pipelines.job.checkpoint import reading
+from pipelines.job.checkpoint.reading import FileSum, ItemSum
 
 METADATA_FILE = ".metadata"
 
@@ -108,13 +108,13 @@ def read_metadata(path: str | Path, expect: Optional[FileSum] = None) -> Metadat
     if path.is_dir():
         path = path / METADATA_FILE
     try:
-        data = checkpoint_io.read_checked(path.parent, path.name)
+        data = reading.read_checked(path.parent, path.name)
     except FileNotFoundError:
         raise ValueError(f"{path}: missing (a DCP checkpoint's index, written last by DCP's coordinator)") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot be read: {e.strerror}") from None
     if expect is not None:
-        checkpoint_io.check_bytes(path, data, expect)
+        reading.check_bytes(path, data, expect)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
@@ -141,7 +141,7 @@ def check_storage(path: Path, metadata: Metadata) -> None:
             raise ValueError(
                 f"{path}: refused: item {item!r} has storage {type(info).__name__}, not DCP's _StorageInfo"
             )
-        checkpoint_io.plain_name(info.relative_path, f"{path}: item {item!r}")
+        reading.plain_name(info.relative_path, f"{path}: item {item!r}")
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
             raise ValueError(f"{path}: refused: item {item!r} has byte range {info.offset!r}+{info.length!r}")
         if info.transform_descriptors:  # FreeScale writes none; a transform would run code of DCP's extensions
@@ -162,7 +162,7 @@ def check_metadata(directory: str | Path, expect: Optional[FileSum] = None) -> M
             )
     for name, end in sorted(data_files(metadata).items()):
         try:
-            size = checkpoint_io.inside(directory, name).stat().st_size
+            size = reading.inside(directory, name).stat().st_size
         except FileNotFoundError:
             raise ValueError(f"checkpoint {directory} is incomplete: it lacks {name} (a DCP data file)") from None
         if size < end:
@@ -186,10 +186,10 @@ def check_items(directory: str | Path, name: str, metadata: Metadata) -> None:
         ((index, info) for index, info in (metadata.storage_data or {}).items() if info.relative_path == name),
         key=lambda pair: pair[1].offset,
     )
-    with checkpoint_io.open_checked(directory, name) as f:
+    with reading.open_checked(directory, name) as f:
         for index, info in items:
             offset = tuple(index.offset) if index.offset is not None else None
-            where = f"{directory / name}: {checkpoint_io.item_name(index.fqn, offset, info.offset, info.length)}"
+            where = f"{directory / name}: {reading.item_name(index.fqn, offset, info.offset, info.length)}"
             f.seek(info.offset)
             data = f.read(info.length)
             try:
@@ -225,7 +225,7 @@ def data_files(metadata: Metadata) -> dict[str, int]:
 
 class _CheckedFiles(FileSystem):
     """DCP's file system for reading, where a stream is a file of the step folder opened by
-    pipelines.job.checkpoint_io (checked first, every read timed) and nothing else."""
+    pipelines.job.checkpoint.reading (checked first, every read timed) and nothing else."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__()
@@ -236,7 +236,7 @@ class _CheckedFiles(FileSystem):
         path = Path(path)
         if mode != "rb" or path.parent != self.folder:
             raise ValueError(f"{self.folder}: refused: DCP asked to open {path} ({mode!r}) outside the checkpoint")
-        with checkpoint_io.open_checked(self.folder, path.name) as stream:
+        with reading.open_checked(self.folder, path.name) as stream:
             yield stream
 
 
@@ -291,7 +291,7 @@ class _Writer(FileSystemWriter):
         out = []
         for name, written in by_file.items():  # read back right after the write: the bytes are in the page cache
             items = [(*_key(r), r.storage_data.offset, r.storage_data.length) for r in written]
-            summed = checkpoint_io.sum_file(Path(self.path) / name, items)
+            summed = reading.sum_file(Path(self.path) / name, items)
             out += [
                 dataclasses.replace(r, storage_data=_Summed(r.storage_data, item.crc32, summed.size, summed.sha256))
                 for r, item in zip(written, summed.items)
@@ -312,7 +312,7 @@ class _Writer(FileSystemWriter):
             self.sums[s.info.relative_path] = FileSum(s.file_size, s.file_sha256)
         for name, listed in items.items():
             self.sums[name] = dataclasses.replace(self.sums[name], items=tuple(sorted(listed, key=lambda i: i.start)))
-        self.sums[METADATA_FILE] = checkpoint_io.sum_file(Path(self.path) / METADATA_FILE)
+        self.sums[METADATA_FILE] = reading.sum_file(Path(self.path) / METADATA_FILE)
 
 
 def _key(result: WriteResult) -> tuple[str, Optional[tuple[int, ...]]]:

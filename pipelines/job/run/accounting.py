@@ -121,7 +121,7 @@ class StepAccounting:
         self._blocked = loader_blocked_s(self.loader) - self._blocked
 
     def finish(self, record: Any) -> None:
-        """Adds the step's accounting to its record (pipelines.job.record.StepRecord; after the step's work)."""
+        """Adds the step's accounting to its record (pipelines.job.run.record.StepRecord; after the step's work)."""
         record.data_wait_s = self._data_wait
         record.data_blocked_s = self._blocked  # the part of data_wait that waited for the stage worker
         record.exposed_s = self.exposed_delta(self._before, record)

@@ -1,10 +1,20 @@
 """A step's record in `freescale train`: what its metrics line and the run summary say about it.
 
 Built from what the step returned (``StepRecord.of``: pipelines.models.step_result.StepResult, whichever kind of
-step ran), completed by the trainer's accounting (pipelines.job.accounting: data wait, exposed parts, wall time)
+step ran), completed by the trainer's accounting (pipelines.job.run.accounting: data wait, exposed parts, wall time)
 and, one step later, settled with every rank's compute time of that step (``settle``: straggler wait, the
 all-reduce's exposed part, bubbles), which the next step's bookkeeping block brings. ``as_dict`` is the line
 written per step and kept in the trainer's history.
+
+The block rides in the dense all-reduce's last bucket (pipelines.api.dense_sync), launched as soon as the backward
+is queued (unless ``--dense-sync.allreduce-start compute``): per-rank slots (each rank writes only its own) with
+tokens, samples, sparsity and the previous step's compute and wall times, so per-rank timings reach every rank with
+no extra collective; the last step's record is settled by one all-reduce after the loop.
+
+Straggler accounting. A rank that finishes forward+backward early idles at the all-reduce until the slowest rank
+arrives: wait_r = max_q(compute_q) - compute_r. straggler % = mean_r(wait_r) / step time, the paper's definition.
+Bubbles = exposed communication (IDs, embeddings, gradients, balancer waits, label count, the all-reduce itself net
+of straggler wait) + straggler wait.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The launcher's temporary log folders (``/tmp/freescale-*``), and those a killed launcher left.
 
 A launcher without ``--log-dir`` makes one for its ranks' pid files and failure reports, and removes it when the job
-ends (pipelines.job.train ``_tidy_log_dir``), unless it keeps a failed rank's log, which the job's line names. A
+ends (:func:`tidy`), unless it keeps a failed rank's log, which the job's line names. A
 launcher killed outright (its host lost, ``kill -9``) removes nothing: its folder stays. So each folder holds, while
 its launcher runs, a marker naming it (host, process id, the process's start time); the launcher takes the marker
 away when it tidies, and the next launcher on the host removes the folders whose marker names a launcher that is
@@ -68,3 +68,39 @@ def remove_stale(root: Optional[Path] = None) -> list[Path]:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+def tidy(log_dir: Path, made_here: bool, clean: bool) -> bool:
+    """The ranks' pid files are the launcher's to read while the job runs (segments, stopped ranks, the failure
+    line): after a clean run they go, and a temporary directory made here goes with them. After a failure or a
+    signal a temporary directory stays only if it holds a rank's log (then the line names it: returns True), with
+    the pid files beside it; a ``--log-dir`` of the user's keeps the logs and pid files the ranks wrote."""
+    if clean:
+        for path in log_dir.glob("rank*.pid"):
+            path.unlink(missing_ok=True)
+    if not made_here:
+        return False
+    if clean or next(log_dir.glob("rank*.log"), None) is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return False
+    unmark(log_dir)  # kept for the user, whom the line tells: no later launcher removes it
+    return True
+
+
+def rank_pids(log_dir: Path) -> dict[int, int]:
+    """The process id each rank left in ``log_dir`` (``rank<r>.pid``) when it started."""
+    pids = {}
+    for path in log_dir.glob("rank*.pid"):
+        try:
+            pids[int(path.stem[4:])] = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def remove_rank_segments(log_dir: Path) -> list[str]:
+    """Unlinks the shared-memory segments of the job's ranks (their names carry the owner's pid) once they have
+    exited: a rank that was killed, or ended by the launcher after a peer failed, ran no clean-up."""
+    from fscomm.shm import remove_segments_of
+
+    return remove_segments_of(list(rank_pids(log_dir).values()))

@@ -9,7 +9,7 @@ lookup and the embedding exchanges inside the step) is faster. Both give the syn
 bit (fsembed.prioritized.PrioritizedEmbeddingCollection.set_schedule), so the job can measure both and keep the
 faster, as cuDNN's benchmark mode picks a convolution algorithm.
 
-``--tuning.embedding-schedule auto`` (the default in mode freescale) probes, then commits:
+``--embeddings.schedule auto`` (the default in mode freescale) probes, then commits:
 
     steps [0, start)           prioritized, not measured (one-time costs: compilation, first pinned buffers)
     probe A                    prioritized, until ``steps`` step times are known
@@ -27,7 +27,7 @@ of the next step's dense all-reduce (pipelines.api.dense_sync), so every rank se
 the same step: no collective of its own. That lag costs a step at the end of each probe, so the choice runs
 from step ``start + 2 * steps + 3`` on; ``ScheduleProbe.length`` counts one step more, the choice's first (a
 transition again when it is prioritized). A resumed job probes again: measurements of another process (and
-maybe another world size) are not this one's. ``--tuning.embedding-schedule prioritized|sdd`` fixes the schedule.
+maybe another world size) are not this one's. ``--embeddings.schedule prioritized|sdd`` fixes the schedule.
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
 """The job's configuration: one small dataclass per TOML table, at the attribute path the table names.
 
-    [data]        config.data        JobDataSection        what the job reads, and how much per step
+    [data]        config.data        JobDataSection        what the job reads
     [model]       config.model       JobModelSection       the reference preset or the user's factory
+    [loader]      config.loader      fsdata.LoaderConfig   batches per rank, read-ahead, the stage worker
     [balancer]    config.balancer    fsdata.BalancerConfig the sequence load balancer (the library's own)
-    [embeddings]  config.embeddings  JobEmbeddingsSection  the sharded tables' optimizer and transport
+    [embeddings]  config.embeddings  JobEmbeddingsSection  the sharded tables: optimizer, transport, schedule
+    [dense_sync]  config.dense_sync  JobDenseSyncSection   the dense gradients' all-reduce
+    [kernels]     config.kernels     JobKernelsSection     which kernel runs the attention
+    [process]     config.process     JobProcessSection     each rank's threads and their placement
     [run]         config.run         JobRunSection         mode, ranks, steps, devices, outputs
     [checkpoint]  config.checkpoint  JobCheckpointSection  saving, resuming, exporting
-    [tuning]      config.tuning      JobTuningSection      scheduling knobs (docs/tuning.md)
 
-``[checkpoint] dir`` is ``config.checkpoint.dir``; every field is documented where it is declared. The library's
-own configs are built from these (:meth:`JobConfig.loader_config`; the balancer's section is its config), and each
-builder is given only the sections it reads. The command line (pipelines.job.flags) derives its flags from these
-fields; nothing here knows a flag.
+Each component owns its table: the loader and the balancer are configured by the library's own classes, declared
+once there; every other section is given to its component's builder alone. A scheduling knob (when and where work
+runs, never what a step computes: docs/tuning.md) lives in the table of the component it tunes. ``[checkpoint]
+dir`` is ``config.checkpoint.dir``; every field is documented where it is declared. The command line
+(pipelines.job.config.flags) derives its flags from these fields; nothing here knows a flag.
 
 A field's type is its annotation (``int``, ``float``, ``bool``, ``str``, each possibly ``Optional``), checked in
 one place (:func:`type_problem`) for a TOML value, a flag's text and a field set from Python: an integer field
@@ -19,13 +23,14 @@ takes no float and no bool (TOML's ``4.5`` or ``true`` would otherwise run as 5 
 bool and nothing non-finite. :meth:`JobConfig.validate` is the one validation: the types of every section, then
 each section's own ``validate()`` (its ranges and ``CHOICES``), then what spans sections. Its errors
 (:class:`ConfigError`) name each field by its path (``run.steps``); the command line names the flag instead. The
-TOML file is read in pipelines.job.config_file.
+TOML file is read in pipelines.job.config.toml_file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import numbers
@@ -35,13 +40,14 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from fsdata.balancer import BalancerConfig
-from fsdata.loader import WORKER_STARTS, LoaderConfig
+from fsdata.loader import LoaderConfig
 from fsdata.schema import ID_OVERFLOW_CHOICES
 from fsembed.prioritized import EARLY_STARTS, EXCLUSIVE_STARTS
 from pipelines.api.modes import BALANCING, MODES, SHARDED, TORCHREC_MODES
 from pipelines.api.numerics import PRECISIONS
+from pipelines.api.step import TrainStep
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
-from pipelines.job.schedule import SCHEDULE_CHOICES
+from pipelines.job.run.schedule import SCHEDULE_CHOICES
 from pipelines.models.hstu import HSTU_PRESETS
 from pipelines.models.reference import ATTENTION_IMPLS
 
@@ -50,6 +56,8 @@ TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
 DEVICES = ("cpu", "cuda", "auto")
 OPTIMIZER_CHOICES = ("sgd", "rowwise_adagrad", "adam")
 ALLREDUCE_STARTS = ("backward", "compute")
+# One default for the dense all-reduce's bucket, the public TrainStep's: a job and a user's own loop run alike.
+BUCKET_MB = inspect.signature(TrainStep).parameters["bucket_mb"].default
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 ATTENTIONS = ("jagged", "padded")
 #: How the HSTU model sees positions and time: ``rab`` (relative attention bias, inside the attention), ``embeddings``
@@ -94,8 +102,8 @@ def check_choices(table: str, section: Any) -> None:
 
 @dataclass
 class JobDataSection:
-    """The ``[data]`` table of the job config (``config.data``): the training and held-out data, and how much of
-    it each rank takes per step."""
+    """The ``[data]`` table of the job config (``config.data``): the training and held-out data. How much of it each
+    rank takes per step is the loader's (``[loader] batch_size``)."""
 
     TABLE: ClassVar[str] = "data"
     CHOICES: ClassVar[dict] = {"id_overflow": ID_OVERFLOW_CHOICES, "unordered_timestamps": ("sort", "drop")}
@@ -125,10 +133,6 @@ class JobDataSection:
     file, row group and sample; served and counted for any other."""
     eval_path: Optional[str] = None
     """Held-out Parquet data: NE and AUC at the end, and every ``run.eval_every`` steps."""
-    batch_size: int = 16
-    """Samples per rank per step: the local batch B (the global batch is B x ranks)."""
-    prefetch_depth: int = 2
-    """Local batches read ahead of the model, in a thread."""
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
@@ -144,8 +148,8 @@ class JobDataSection:
 
 @dataclass
 class JobModelSection:
-    """The ``[model]`` table of the job config (``config.model``): the model to train. The reference model's
-    attention kernel is a scheduling knob: ``tuning.attention_impl``."""
+    """The ``[model]`` table of the job config (``config.model``): the model to train. Which kernel runs its
+    attention is ``[kernels] attention_impl``."""
 
     TABLE: ClassVar[str] = "model"
     CHOICES: ClassVar[dict] = {"attention": ATTENTIONS, "positions": POSITIONS}
@@ -180,10 +184,17 @@ class JobModelSection:
 @dataclass
 class JobEmbeddingsSection:
     """The ``[embeddings]`` table of the job config (``config.embeddings``): the row-wise sharded tables of the
-    sharded modes (sync, sdd, semisync, freescale; optimizer and lr also torchrec's and torchrec-pec's)."""
+    sharded modes (sync, sdd, semisync, freescale; optimizer and lr also torchrec's and torchrec-pec's), and when
+    freescale's exchanges run."""
 
     TABLE: ClassVar[str] = "embeddings"
-    CHOICES: ClassVar[dict] = {"optimizer": OPTIMIZER_CHOICES, "transport": TRANSPORT_CHOICES}
+    CHOICES: ClassVar[dict] = {
+        "optimizer": OPTIMIZER_CHOICES,
+        "transport": TRANSPORT_CHOICES,
+        "early_start": EARLY_STARTS,
+        "exclusive_start": EXCLUSIVE_STARTS,
+        "schedule": SCHEDULE_CHOICES,
+    }
 
     optimizer: str = "sgd"
     """The tables' row-wise optimizer, fused into the backward: sgd, rowwise_adagrad or adam (fsembed)."""
@@ -193,9 +204,70 @@ class JobEmbeddingsSection:
     """What carries the embedding exchanges: ``host`` is SM-free (shared memory between ranks of one host, TCP
     across hosts), ``host-shm`` / ``host-tcp`` force one host path, ``rdma`` is the paper's SM-free ring over verbs
     (untested on real NICs), ``nccl`` NCCL's collectives. The loader's CPU-side exchanges always use host."""
+    early_start: str = EARLY_START
+    """freescale: when the next batch's fresh rows start."""
+    exclusive_start: str = EXCLUSIVE_START
+    """freescale: when deferred exclusive gradients leave."""
+    schedule: str = "auto"
+    """freescale's embedding schedule: prioritized, sdd, or auto (probes both, keeps the faster)."""
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
+
+
+@dataclass
+class JobDenseSyncSection:
+    """The ``[dense_sync]`` table of the job config (``config.dense_sync``): the dense gradients' all-reduce
+    (pipelines.api.dense_sync), in buckets that start while the backward runs."""
+
+    TABLE: ClassVar[str] = "dense_sync"
+    CHOICES: ClassVar[dict] = {"allreduce_start": ALLREDUCE_STARTS}
+
+    allreduce_start: str = "backward"
+    """When the last bucket (with the step's bookkeeping block) is launched: ``backward`` or ``compute``."""
+    bucket_mb: float = BUCKET_MB
+    """The bucket size in MiB (the API's TrainStep default); 0: one all-reduce after the backward."""
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        if not self.bucket_mb >= 0:
+            raise refuse("dense_sync.bucket_mb", f"must be >= 0, got {self.bucket_mb}")
+
+
+@dataclass
+class JobKernelsSection:
+    """The ``[kernels]`` table of the job config (``config.kernels``): which kernel runs where a model leaves the
+    choice to the job."""
+
+    TABLE: ClassVar[str] = "kernels"
+    CHOICES: ClassVar[dict] = {"attention_impl": ATTENTION_IMPLS}
+
+    attention_impl: Optional[str] = None
+    """The reference model's jagged attention kernel on CUDA; unset: varlen (flex with ``run.deterministic``)."""
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+
+
+@dataclass
+class JobProcessSection:
+    """The ``[process]`` table of the job config (``config.process``): each rank's process, its threads and where
+    they run."""
+
+    TABLE: ClassVar[str] = "process"
+    CHOICES: ClassVar[dict] = {"numa_binding": NUMA_BINDINGS}
+
+    threads: Optional[int] = None
+    """torch intra-op threads per rank; unset: cores / local ranks on CPU, at most 2 on GPU."""
+    gil_switch_ms: float = 1.0
+    """Python's thread switch interval per rank, in ms."""
+    numa_binding: Optional[str] = None
+    """GPU runs: bind each rank's threads near its GPU."""
+
+    def validate(self) -> None:
+        check_choices(self.TABLE, self)
+        if not self.gil_switch_ms > 0:
+            raise refuse("process.gil_switch_ms", f"must be > 0, got {self.gil_switch_ms}")
 
 
 @dataclass
@@ -317,67 +389,18 @@ class JobCheckpointSection:
             raise ConfigError("{} and {}=latest need {}", "checkpoint.every", "checkpoint.resume", "checkpoint.dir")
 
 
-@dataclass
-class JobTuningSection:
-    """The ``[tuning]`` table of the job config (``config.tuning``): when and where work runs, never what a step
-    computes. docs/tuning.md explains each knob and when to change it."""
-
-    TABLE: ClassVar[str] = "tuning"
-    CHOICES: ClassVar[dict] = {
-        "attention_impl": ATTENTION_IMPLS,
-        "worker_start": WORKER_STARTS,
-        "allreduce_start": ALLREDUCE_STARTS,
-        "early_start": EARLY_STARTS,
-        "exclusive_start": EXCLUSIVE_STARTS,
-        "numa_binding": NUMA_BINDINGS,
-        "embedding_schedule": SCHEDULE_CHOICES,
-    }
-
-    attention_impl: Optional[str] = None
-    """The reference model's jagged attention kernel on CUDA; unset: varlen (flex with ``run.deterministic``)."""
-    pin_memory: bool = False
-    """Pin the host memory of batches (forced on when the trainer trains on CUDA)."""
-    background_stages: bool = True
-    """Run the balancer and ID-prefetch stages one batch ahead in a worker thread."""
-    worker_start: Optional[str] = None
-    """When the stage worker starts the batch after next: ``take`` or ``backward``; unset: backward under the
-    trainer."""
-    stage_lookahead: bool = True
-    """Start each stage's exchange one batch early, even under the worker thread."""
-    threads: Optional[int] = None
-    """torch intra-op threads per rank; unset: cores / local ranks on CPU, at most 2 on GPU."""
-    gil_switch_ms: float = 1.0
-    """Python's thread switch interval per rank, in ms."""
-    allreduce_start: str = "backward"
-    """When the dense all-reduce's last bucket is launched: ``backward`` or ``compute``."""
-    bucket_mb: float = 1.0
-    """The dense all-reduce's bucket size in MiB; 0: one all-reduce after the backward."""
-    early_start: str = EARLY_START
-    """freescale: when the next batch's fresh rows start."""
-    exclusive_start: str = EXCLUSIVE_START
-    """freescale: when deferred exclusive gradients leave."""
-    numa_binding: Optional[str] = None
-    """GPU runs: bind each rank's threads near its GPU."""
-    embedding_schedule: str = "auto"
-    """freescale's embedding schedule: prioritized, sdd, or auto (probes both, keeps the faster)."""
-
-    def validate(self) -> None:
-        check_choices(self.TABLE, self)
-        if not self.gil_switch_ms > 0:
-            raise refuse("tuning.gil_switch_ms", f"must be > 0, got {self.gil_switch_ms}")
-        if not self.bucket_mb >= 0:
-            raise refuse("tuning.bucket_mb", f"must be >= 0, got {self.bucket_mb}")
-
-
 # The sections, in the order of the TOML tables (and of `freescale train --help`).
 SECTIONS = {
     "data": JobDataSection,
     "model": JobModelSection,
+    "loader": LoaderConfig,
     "balancer": BalancerConfig,
     "embeddings": JobEmbeddingsSection,
+    "dense_sync": JobDenseSyncSection,
+    "kernels": JobKernelsSection,
+    "process": JobProcessSection,
     "run": JobRunSection,
     "checkpoint": JobCheckpointSection,
-    "tuning": JobTuningSection,
 }
 TABLES = tuple(SECTIONS)
 
@@ -391,9 +414,9 @@ MODE_OPTIONS = {
     "embeddings.transport": SHARDED,
     "embeddings.lr": (*SHARDED, *TORCHREC_MODES),
     "embeddings.optimizer": (*SHARDED, *TORCHREC_MODES),
-    "tuning.early_start": ("freescale",),
-    "tuning.exclusive_start": ("freescale",),
-    "tuning.embedding_schedule": ("freescale",),
+    "embeddings.early_start": ("freescale",),
+    "embeddings.exclusive_start": ("freescale",),
+    "embeddings.schedule": ("freescale",),
     "checkpoint.export": ("replicated", *SHARDED),
 }
 
@@ -473,11 +496,14 @@ class JobConfig:
 
     data: JobDataSection = field(default_factory=JobDataSection)
     model: JobModelSection = field(default_factory=JobModelSection)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     embeddings: JobEmbeddingsSection = field(default_factory=JobEmbeddingsSection)
+    dense_sync: JobDenseSyncSection = field(default_factory=JobDenseSyncSection)
+    kernels: JobKernelsSection = field(default_factory=JobKernelsSection)
+    process: JobProcessSection = field(default_factory=JobProcessSection)
     run: JobRunSection = field(default_factory=JobRunSection)
     checkpoint: JobCheckpointSection = field(default_factory=JobCheckpointSection)
-    tuning: JobTuningSection = field(default_factory=JobTuningSection)
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "JobConfig":
@@ -492,8 +518,11 @@ class JobConfig:
         """The one validation: every section's types (:func:`type_problem`), each section's own ``validate()``,
         then what spans sections. Raises a one-line ValueError (ConfigError where it names fields)."""
         for table in SECTIONS:
-            check_types(table, getattr(self, table))
-            getattr(self, table).validate()
+            section = getattr(self, table)
+            check_types(table, section)
+            if not hasattr(section, "TABLE") and hasattr(section, "CHOICES"):  # the library's own (LoaderConfig)
+                check_choices(table, section)
+            section.validate()
         if self.run.eval_every and self.data.eval_path is None:
             raise ConfigError("{} needs {} (the held-out Parquet file)", "run.eval_every", "data.eval_path")
         if self.data.eval_path is not None and self.run.mode in TORCHREC_MODES:
@@ -506,7 +535,6 @@ class JobConfig:
             from fsdata.partition import get_partitioner
 
             get_partitioner(self.balancer.partitioner, alpha=self.balancer.alpha)
-        self.loader_config().validate()
         return self
 
     def _validate_torchrec(self) -> None:
@@ -534,19 +562,6 @@ class JobConfig:
             )
         if self.checkpoint.every or self.checkpoint.resume:
             raise ValueError(f"mode {mode} does not checkpoint or resume (it is a reference run, not a job)")
-
-    def loader_config(self) -> LoaderConfig:
-        """The loader's config (fsdata.build_loader): ``[data]`` batch_size and prefetch_depth, and the loader's
-        ``[tuning]`` knobs."""
-        t = self.tuning
-        return LoaderConfig(
-            batch_size=self.data.batch_size,
-            prefetch_depth=self.data.prefetch_depth,
-            pin_memory=t.pin_memory,
-            background_stages=t.background_stages,
-            worker_start=t.worker_start,
-            stage_lookahead=t.stage_lookahead,
-        )
 
     def ignored_options(self, explicit: set[str], name: Callable[[str], str] = lambda path: path) -> list[str]:
         """One warning per option set explicitly (``explicit``: paths) that the chosen mode ignores, naming the

@@ -207,9 +207,9 @@ class RunAggregates:
 
 def per_step(records: Iterable[dict]) -> dict[str, Any]:
     """Every step's series, from the step records of a ``--metrics-jsonl`` file (its evaluation lines skipped): step
-    times, bubbles, exposed parts and straggler waits, rank 0's clues to a stalled step (pipelines.job.accounting),
+    times, bubbles, exposed parts and straggler waits, rank 0's clues to a stalled step (pipelines.job.run.accounting),
     and the balance gate's predicted gains (None: no balancer)."""
-    from pipelines.job.accounting import stall_clues
+    from pipelines.job.run.accounting import stall_clues
 
     steps = [r for r in records if "eval" not in r]
     parts = steps[0]["exposed_s"] if steps else {}

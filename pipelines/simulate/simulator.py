@@ -9,7 +9,7 @@ pluggable step-time model, and all ranks meet at the gradient AllReduce:
     idle wait      idle_r = max busy - busy_r                (the bubble at the gradient synchronisation)
     straggler %    sum over steps of mean_r idle_r / sum over steps of T      (the paper's Figure 2 / 8 metric)
 
-Step-time models (``--model``): ``cost`` (here) is a per-sample cost model with jitter. Others plug in through
+Step-time models (``--step-model``): ``cost`` (here) is a per-sample cost model with jitter. Others plug in through
 :data:`STEP_TIME_MODELS`: any callable ``step_time(lengths: GatheredLengths, plan: Plan) -> busy seconds [W]``
 works, optionally with ``sample_costs(lengths) -> [G]`` (noise-free per-sample seconds, for the lower bound) and
 ``describe() -> str``. The replay harness (``python -m benchmarks replay`` in a source checkout: the real
@@ -224,10 +224,10 @@ STEP_TIME_MODELS: dict[str, Callable[[argparse.Namespace], StepTimeFn]] = {"cost
 
 
 def build_step_time(args: argparse.Namespace) -> StepTimeFn:
-    builder = STEP_TIME_MODELS.get(args.model)
+    builder = STEP_TIME_MODELS.get(args.step_model)
     if builder is None:
         raise ValueError(
-            f"unknown --model {args.model!r}; choose from {sorted(STEP_TIME_MODELS)}"
+            f"unknown --step-model {args.step_model!r}; choose from {sorted(STEP_TIME_MODELS)}"
             " (the measured one, replay, runs from a source checkout: python -m benchmarks replay)"
         )
     return builder(args)
@@ -375,7 +375,7 @@ def run_grid(args: argparse.Namespace, ranks: int, batch_size: int, max_uih: int
             step_time = build_step_time(args)  # fresh jitter stream per run: the same noise for each
             settings.memory_budget = spec
             record = simulate(name.strip(), source, step_time, settings)
-            record["model"] = args.model
+            record["step_model"] = args.step_model
             record["source"] = source.describe()
             record.update(getattr(step_time, "record", dict)())  # replay: how many fresh timings the figure rests on
             records.append(record)
@@ -468,7 +468,7 @@ def plot_sweeps(records: list[dict], out_dir: str) -> list[str]:
         left.legend(title="partitioner")
         first = rows[0]
         fixed = ", ".join(f"{k}={first[k]}" for k in labels if k != axis)
-        fig.suptitle(f"simulated ({first['model']} model, {first['steps']} steps): {fixed}")
+        fig.suptitle(f"simulated ({first['step_model']} model, {first['steps']} steps): {fixed}")
         fig.tight_layout()
         path = os.path.join(out_dir, f"balancer_vs_{axis}.png")
         fig.savefig(path, dpi=110)
@@ -480,7 +480,7 @@ def plot_sweeps(records: list[dict], out_dir: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model",
+        "--step-model",
         default="cost",
         help=f"step-time model: {' | '.join(STEP_TIME_MODELS)} (default cost)",
     )
@@ -518,7 +518,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    cost = parser.add_argument_group("cost model (--model cost; assumed values, see CostParams)")
+    cost = parser.add_argument_group("cost model (--step-model cost; assumed values, see CostParams)")
     defaults = CostParams()
     cost.add_argument("--kernel", choices=["jagged", "padded"], default=defaults.kernel)
     cost.add_argument("--jitter", type=float, default=defaults.jitter, help="relative noise per rank and step")

@@ -12,7 +12,7 @@ range and crc32, so that a damaged data file is named with the item it damages. 
 short, damaged) is a step that does not verify, never a KeyError later.
 
 The sums find damage and a mix of two jobs' files; they are no signature: whoever can write the step folder can
-rewrite COMPLETE too (loading stays safe for other reasons: pipelines.job.dcp).
+rewrite COMPLETE too (loading stays safe for other reasons: pipelines.job.checkpoint.dcp).
 
 Markers written before the sums (``W`` for one file per rank, ``W dcp``) still load, unverified, and say so:
 :attr:`Manifest.files` is None for them.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from pipelines.job.checkpoint_io import FileSum, ItemSum, plain_name, read_checked
+from pipelines.job.checkpoint.reading import FileSum, ItemSum, plain_name, read_checked
 
 MARKER = "COMPLETE"
 VERSION = 2
-METADATA = ".metadata"  # DCP's index of the step (pipelines.job.dcp.METADATA_FILE)
+METADATA = ".metadata"  # DCP's index of the step (pipelines.job.checkpoint.dcp.METADATA_FILE)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Iterator, Optional, TextIO
+from typing import Any, Iterator, Optional, TextIO
 
 
 class PlainProgress:
@@ -94,3 +94,23 @@ def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "step
 
         return tqdm(total=total, initial=initial, desc=desc, unit=unit)
     return PlainProgress(total, initial, desc)
+
+
+def use_thread_locks_for_progress_bars() -> None:
+    """tqdm's bars take a multiprocessing lock by default: a POSIX semaphore registered with the launcher's
+    resource tracker, released only by the process's clean-up at exit. A rank that ends without it (``os._exit``
+    after its error, a kill) leaves it registered, and the tracker then warns at the launcher's exit about a
+    "leaked semaphore" that the user cannot act on. A rank's bars are drawn by its own threads: a thread lock does."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
+def job_progress_bar(run: Any, rank: int, step: int, world_size: int):
+    """A job's bar (``run``: its ``[run]`` section), on rank 0 with ``run.progress`` only; from ``step`` to
+    ``run.steps``."""
+    if rank != 0 or not run.progress:
+        return None
+    return progress_bar(run.steps, step, f"train {run.mode} ({world_size} ranks)")

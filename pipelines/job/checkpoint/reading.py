@@ -10,13 +10,13 @@ path without following a link and without blocking, and checks that what it open
 swapped in between is refused too).
 
 Sums. :func:`digest` reads a file once, in chunks, for its size, its sha256 and a crc32 of each byte range asked for
-(the DCP items of a data file): the save records them right after writing (pipelines.job.checkpoint_manifest), a
+(the DCP items of a data file): the save records them right after writing (pipelines.job.checkpoint.manifest), a
 resume compares them and names the file, and for a data file the item (the metadata's item key) whose bytes differ.
 
 Stalls. A read from a hung network mount never returns, and no exception reaches the rank. While a rank reads a
 checkpoint (:func:`watching`), a watchdog thread ends the rank when one read call has not returned within its bound,
 half the communication timeout: the stuck rank's own line then comes before its peers' collectives give up on it.
-The watchdog writes the rank's failure report (pipelines.job.failure.report_failure, which the launcher prints; under
+The watchdog writes the rank's failure report (launch/failure.py's report_failure, which the launcher prints; under
 torchrun the rank prints it) and ends the process, since the stuck thread cannot be interrupted.
 ``FREESCALE_CHECKPOINT_FAULT=stall:RANK`` makes that rank's first checkpoint read stall (the test of the watchdog).
 """
@@ -265,7 +265,7 @@ class Watchdog:
                 self._end_rank(*stalled[0])
 
     def _end_rank(self, path: Path, waited: float) -> None:
-        from pipelines.job import failure  # the job's failure report, the one its launcher reads
+        from pipelines.job.launch import failure  # the job's failure report, the one its launcher reads
 
         stalled = CheckpointStalled(
             f"{path}: a read has not returned after {waited:.0f} s (the bound: half of --comm-timeout-s "

@@ -16,7 +16,7 @@ from fsdata.schema import CANDIDATE_LABELS, DENSE, SIDE_FEATURES
 
 if TYPE_CHECKING:
     from fsdata.source import SampleSource
-    from pipelines.job.config import JobDataSection
+    from pipelines.job.config.sections import JobDataSection
 
 
 class DataColumns(NamedTuple):

@@ -1,11 +1,11 @@
-"""The command line of `freescale train`: its flags, derived from the job config's fields (pipelines.job.config).
+"""The command line of `freescale train`: its flags, derived from the job config's fields (sections.py).
 
-A field's flag is ``--KEY`` with dashes (``--batch-size``), ``--tuning.KEY`` in the ``[tuning]`` table
-(``--tuning.gil-switch-ms``); a boolean's is a pair, ``--KEY`` / ``--no-KEY`` (``--tuning.no-stage-lookahead``).
-``FLAGS`` holds each field's help line, and the flag's own name where it keeps a spelling older than its key
-(``--checkpoint-dir`` sets ``[checkpoint] dir``, ``--data`` sets ``[data] path``): users' scripts run unchanged.
-The help sections of ``--help`` are the TOML tables; the ``[tuning]`` knobs are left out of it (``--help-tuning``
-lists them; docs/tuning.md explains them).
+A field's flag is ``--KEY`` with dashes (``--batch-size``); a scheduling knob's (``Flag.knob``) carries its table,
+``--TABLE.KEY`` (``--process.gil-switch-ms``, ``--dense-sync.bucket-mb``); a boolean's is a pair, ``--KEY`` /
+``--no-KEY`` (``--loader.no-stage-lookahead``). ``FLAGS`` holds each field's help line, and the flag's own name
+where it keeps a spelling older than its key (``--checkpoint-dir`` sets ``[checkpoint] dir``, ``--data`` sets
+``[data] path``): users' scripts run unchanged. The help sections of ``--help`` are the TOML tables; the knobs are
+left out of it (``--help-tuning`` lists them; docs/tuning.md explains them).
 
 Precedence: flags > the TOML file of ``--config`` > defaults. A flag's text is read as its field's type by the
 same check as a TOML value (config.type_problem); the validation's errors name the flags (config.ConfigError).
@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional
 
-from pipelines.job.config import (
+from pipelines.job.config.sections import (
     EXPECTED,
     SECTIONS,
     TABLES,
@@ -28,15 +28,18 @@ from pipelines.job.config import (
     shown,
     type_problem,
 )
-from pipelines.job.config_file import read_toml
-
-TUNING = "tuning"
+from pipelines.job.config.toml_file import read_toml
 
 
 class Flag(NamedTuple):
     help: str
-    name: Optional[str] = None  # where the flag is not --KEY (--tuning.KEY): a spelling older than the key
+    name: Optional[str] = None  # where the flag is not --KEY (--TABLE.KEY): a spelling older than the key
     metavar: Optional[str] = None  # else NAME for a field with choices, N for an int, X for a float, KEY for a str
+    knob: bool = False  # a scheduling knob: --TABLE.KEY, listed by --help-tuning rather than --help
+
+
+def _knob(help_text: str) -> Flag:
+    return Flag(help_text, knob=True)
 
 
 # Every field's flag, by the field's path; a test checks that every field has one and every entry a field.
@@ -51,8 +54,6 @@ FLAGS = {
     "data.drop_bad_samples": Flag("Parquet: skip and count samples with bad values"),
     "data.unordered_timestamps": Flag("histories out of time order", metavar="HOW"),
     "data.eval_path": Flag("held-out Parquet: NE and AUC at the end", "--eval-data", "PATH"),
-    "data.batch_size": Flag("local batch size per rank"),
-    "data.prefetch_depth": Flag("batches read ahead of the model"),
     "model.name": Flag("tiny|small|production|hstu|hstu-large|module:function", "--model", "MODEL"),
     "model.num_items": Flag("override the preset's item table rows"),
     "model.dim": Flag("override the preset's width d"),
@@ -60,6 +61,14 @@ FLAGS = {
     "model.max_uih": Flag("override the preset's longest UIH in the encoder"),
     "model.attention": Flag(""),
     "model.positions": Flag("HSTU positions"),
+    "loader.batch_size": Flag("local batch size per rank"),
+    "loader.prefetch_depth": Flag("batches read ahead of the model"),
+    "loader.pin_memory": _knob("pin host memory of batches (forced on when the trainer trains on CUDA)"),
+    "loader.background_stages": _knob("run the balancer / ID-prefetch stages one batch ahead in a worker thread"),
+    "loader.worker_start": _knob(
+        "when the stage worker starts the batch after next (default: backward under the trainer)"
+    ),
+    "loader.stage_lookahead": _knob("start each stage's exchange one batch early, even under the worker thread"),
     "balancer.partitioner": Flag("none|fbs|vbs|kk|module:function", metavar="NAME"),
     "balancer.alpha": Flag("cost exponent of L^alpha (fbs, vbs, kk)"),
     "balancer.autotune": Flag("vbs: tune per-rank budgets from step times"),
@@ -68,6 +77,17 @@ FLAGS = {
     "embeddings.optimizer": Flag("", "--embedding-optimizer"),
     "embeddings.lr": Flag("sharded tables' learning rate", "--embedding-lr"),
     "embeddings.transport": Flag(""),
+    "embeddings.early_start": _knob("freescale: when the next batch's fresh rows start"),
+    "embeddings.exclusive_start": _knob("freescale: when deferred exclusive gradients leave"),
+    "embeddings.schedule": _knob("freescale: auto probes both, keeps the faster"),
+    "dense_sync.allreduce_start": _knob("when the dense all-reduce's last bucket is launched"),
+    "dense_sync.bucket_mb": _knob("dense all-reduce bucket size in MiB (0: one all-reduce after the backward)"),
+    "kernels.attention_impl": _knob(
+        "attention kernel on CUDA (reference: varlen, flex with --deterministic; hstu: its Triton kernel)"
+    ),
+    "process.threads": _knob("torch intra-op threads per rank (default: cores / local ranks on CPU, at most 2 on GPU)"),
+    "process.gil_switch_ms": _knob("Python's thread switch interval per rank (ms)"),
+    "process.numa_binding": _knob("GPU runs: bind each rank's threads near its GPU"),
     "run.mode": Flag(""),
     "run.nproc": Flag("local ranks, not under torchrun"),
     "run.nnodes": Flag("hosts, each running freescale train"),
@@ -93,31 +113,19 @@ FLAGS = {
     "checkpoint.resume": Flag("'latest' or a step directory", metavar="STEP"),
     "checkpoint.async_save": Flag("save checkpoints in the background", "--async-checkpoint"),
     "checkpoint.export": Flag("the trained model's state_dict, and PATH.json", metavar="PATH"),
-    "tuning.attention_impl": Flag(
-        "attention kernel on CUDA (reference: varlen, flex with --deterministic; hstu: its Triton kernel)"
-    ),
-    "tuning.pin_memory": Flag("pin host memory of batches (forced on when the trainer trains on CUDA)"),
-    "tuning.background_stages": Flag("run the balancer / ID-prefetch stages one batch ahead in a worker thread"),
-    "tuning.worker_start": Flag(
-        "when the stage worker starts the batch after next (default: backward under the trainer)"
-    ),
-    "tuning.stage_lookahead": Flag("start each stage's exchange one batch early, even under the worker thread"),
-    "tuning.threads": Flag("torch intra-op threads per rank (default: cores / local ranks on CPU, at most 2 on GPU)"),
-    "tuning.gil_switch_ms": Flag("Python's thread switch interval per rank (ms)"),
-    "tuning.allreduce_start": Flag("when the dense all-reduce's last bucket is launched"),
-    "tuning.bucket_mb": Flag("dense all-reduce bucket size in MiB (0: one all-reduce after the backward)"),
-    "tuning.early_start": Flag("freescale: when the next batch's fresh rows start"),
-    "tuning.exclusive_start": Flag("freescale: when deferred exclusive gradients leave"),
-    "tuning.numa_binding": Flag("GPU runs: bind each rank's threads near its GPU"),
-    "tuning.embedding_schedule": Flag("freescale: auto probes both, keeps the faster"),
 }
 
 
 def flag(path: str) -> str:
-    """The command-line spelling of the field at ``path``: ``--batch-size``, ``--tuning.gil-switch-ms``,
+    """The command-line spelling of the field at ``path``: ``--batch-size``, ``--process.gil-switch-ms``,
     ``--checkpoint-dir`` (``checkpoint.dir``)."""
-    table, key = path.split(".")
-    return FLAGS[path].name or f"--{TUNING + '.' if table == TUNING else ''}{key.replace('_', '-')}"
+    table, key = (part.replace("_", "-") for part in path.split("."))
+    return FLAGS[path].name or (f"--{table}.{key}" if FLAGS[path].knob else f"--{key}")
+
+
+def knobs() -> list[str]:
+    """The scheduling knobs' paths, in the order of the tables and their fields."""
+    return [path for path in config_fields() if FLAGS[path].knob]
 
 
 def _choices(path: str) -> Optional[tuple]:
@@ -156,7 +164,7 @@ def _help(path: str) -> str:
 def _add(parser, path: str, show: bool) -> None:
     """One field's flag(s); ``dest`` is the field's path, default None: an unset flag never overrides the TOML."""
     kind, name = field_kind(path), flag(path)
-    if kind is bool:  # --NAME / --no-NAME (--tuning.no-NAME); help shows the one that changes the default
+    if kind is bool:  # --NAME / --no-NAME (--TABLE.no-NAME); help shows the one that changes the default
         default = config_fields()[path].default
         negative = name.replace(".", ".no-", 1) if "." in name else name.replace("--", "--no-", 1)
         for option, value in ((name, True), (negative, False)):
@@ -176,17 +184,18 @@ def _add(parser, path: str, show: bool) -> None:
 
 
 def add_tuning_arguments(parser: argparse.ArgumentParser, show: bool = True) -> None:
-    """The ``--tuning.NAME`` flags alone (also for the benchmarks that run jobs: ``python -m benchmarks e2e``)."""
-    for path in config_fields():
-        if path.startswith(f"{TUNING}."):
-            _add(parser, path, show)
+    """The knobs' ``--TABLE.NAME`` flags alone (also for the benchmarks that run jobs: ``python -m benchmarks
+    e2e``)."""
+    for path in knobs():
+        _add(parser, path, show)
 
 
 def apply_tuning(args: argparse.Namespace, config: JobConfig) -> None:
-    """Sets on ``config`` the tuning knobs given as ``--tuning.NAME`` flags (those left unset keep its values)."""
-    for path in config_fields():
-        if path.startswith(f"{TUNING}.") and getattr(args, path, None) is not None:
-            setattr(config.tuning, path.split(".")[1], getattr(args, path))
+    """Sets on ``config`` the knobs given as ``--TABLE.NAME`` flags (those left unset keep its values)."""
+    for path in knobs():
+        if getattr(args, path, None) is not None:
+            table, key = path.split(".")
+            setattr(getattr(config, table), key, getattr(args, path))
 
 
 class _HelpTuning(argparse.Action):
@@ -196,13 +205,17 @@ class _HelpTuning(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         tuning = argparse.ArgumentParser(
             prog=parser.prog,
-            usage="%(prog)s [--tuning.NAME VALUE ...]",
+            usage="%(prog)s [--TABLE.NAME VALUE ...]",
             add_help=False,
             formatter_class=parser.formatter_class,
-            description="Scheduling knobs ([tuning] table of --config); docs/tuning.md "
-            "explains each and when to change it.",
+            description="Scheduling knobs, each in the table of --config it names (--dense-sync.bucket-mb: "
+            "[dense_sync] bucket_mb); docs/tuning.md explains each and when to change it.",
         )
-        add_tuning_arguments(tuning.add_argument_group("tuning"))
+        for table in dict.fromkeys(path.split(".")[0] for path in knobs()):
+            group = tuning.add_argument_group(table)
+            for path in knobs():
+                if path.startswith(f"{table}."):
+                    _add(group, path, show=True)
         tuning.print_help()
         parser.exit()
 
@@ -212,14 +225,15 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of every section, in help groups that are the TOML tables; tuning flags hidden."""
+    """One flag per field of every section, in help groups that are the TOML tables; the knobs' flags hidden."""
     parser.usage = "%(prog)s [--config job.toml] [options]"
     parser.formatter_class = _formatter
-    parser.add_argument("--config", metavar="TOML", help="TOML: a table per group below, and [tuning]")
-    parser.add_argument("--help-tuning", action=_HelpTuning, help="the --tuning.NAME knobs (docs/tuning.md)")
-    groups = {table: parser.add_argument_group(table) for table in TABLES if table != TUNING}
+    parser.add_argument("--config", metavar="TOML", help="TOML: a table per group, and the knobs'")
+    parser.add_argument("--help-tuning", action=_HelpTuning, help="the --TABLE.NAME knobs (docs/tuning.md)")
+    shown_tables = [table for table in TABLES if any(p.startswith(f"{table}.") for p in FLAGS if not FLAGS[p].knob)]
+    groups = {table: parser.add_argument_group(table) for table in shown_tables}
     for path in config_fields():
-        if not path.startswith(f"{TUNING}."):
+        if not FLAGS[path].knob:
             _add(groups[path.split(".")[0]], path, show=True)
     add_tuning_arguments(parser, show=False)
 

@@ -1,4 +1,4 @@
-"""The job's state as DCP tensors plus a skeleton for each rank's own file (pipelines.job.checkpoint).
+"""The job's state as DCP tensors plus a skeleton for each rank's own file (pipelines.job.checkpoint.checkpointer).
 
 What DCP holds (tensors only, flat keys):
 
@@ -7,7 +7,7 @@ What DCP holds (tensors only, flat keys):
     tables.<module>.<table>.<s>   a sharded table's weight (``s`` = ``weight``) and each per-row optimizer state
                                   (``sum`` for row-wise Adagrad, ``m``/``v``/``step`` for Adam): one logical tensor
                                   of the table's full shape [num_rows, ...], one row-wise chunk per rank
-                                  (pipelines.job.dcp)
+                                  (pipelines.job.checkpoint.dcp)
 
 What stays out: everything that is not a tensor (param groups, other modules' extra state) and what only its rank
 can use (the prioritized collection's exchange in flight) go to the skeleton, in which each tensor leaf is
@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipelines.job.dcp import RowShard
+from pipelines.job.checkpoint.dcp import RowShard
 
 REF = "__dcp__"  # a skeleton's tensor leaf: {REF: its DCP key}
 
@@ -154,7 +154,7 @@ class Targets:
     state: dict[str, torch.Tensor]
     shards: dict[str, RowShard]
     local: dict[str, dict[str, dict[str, torch.Tensor]]]
-    metadata: Metadata  # the checked metadata the load reads by (pipelines.job.dcp.load)
+    metadata: Metadata  # the checked metadata the load reads by (pipelines.job.checkpoint.dcp.load)
 
 
 def targets(directory: str | Path, skeleton: dict, model: torch.nn.Module, metadata: Metadata) -> Targets:

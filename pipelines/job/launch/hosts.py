@@ -3,7 +3,7 @@
 torch's elastic agent on each host meets the others at ``--rdzv-endpoint`` (the c10d rendezvous) and runs the local
 ranks. When a host is lost, the ranks of the others only see their connections to it close: each rank's error names
 the ranks that did not take part, never the host, and a rank the agent stopped names nothing. So each launcher keeps
-a record on the rendezvous store (:class:`NodeBoard`): its host name, node rank, global ranks and a beat counter
+a record on the rendezvous store (:class:`HostBoard`): its host name, node rank, global ranks and a beat counter
 advanced every ``BEAT_S``, and, once its agent has returned, how it ended. A launcher whose own ranks failed only
 after their peers (no rank of its own is the root cause) reads the board: a host that posted a failure is named with
 its line; a host whose beat stopped for ``LOST_AFTER_S`` is lost, named with its ranks; the store not answering
@@ -121,7 +121,7 @@ class NodeRecord:
         return f"host {self.host} (node {self.node}{ranks})"
 
 
-class NodeBoard:
+class HostBoard:
     """This launcher's record on the rendezvous store, posted every ``BEAT_S`` by a thread, and the others' as read.
     The first post comes as the launcher starts, before any rank of the job does: every rank finds the records of
     the nodes before its own (rank_offset waits for them, at most the communication timeout).
@@ -144,7 +144,7 @@ class NodeBoard:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freescale-node-board", daemon=True)
 
-    def start(self) -> "NodeBoard":
+    def start(self) -> "HostBoard":
         self._thread.start()
         return self
 

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pipelines.job.config import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
+from pipelines.job.config.sections import SECTIONS, TABLES, config_fields, field_kind, shown, type_problem
 
 
 def _load_tables(path: Path) -> dict[str, Any]:
@@ -32,6 +32,11 @@ def _load_tables(path: Path) -> dict[str, Any]:
         if homes and name not in SECTIONS:
             raise ValueError(f"{path}: {name} = {shown(value)} is outside any table; it belongs in {homes}")
     unknown = set(tables) - set(SECTIONS)
+    for table in sorted(unknown):  # a key of a table that is gone, which now belongs in another (a knob's owner)
+        keys = tables[table] if isinstance(tables[table], dict) else {}
+        moved = next((key for key in keys if _homes(key)), None)
+        if moved is not None:
+            raise ValueError(f"{path}: [{table}] has unknown key {moved!r} (it belongs in {_homes(moved)})")
     if unknown:
         raise ValueError(f"{path}: unknown table(s) {sorted(unknown)}; expected {', '.join(TABLES)}")
     for table, keys in tables.items():
@@ -43,7 +48,7 @@ def _load_tables(path: Path) -> dict[str, Any]:
 
 
 def _homes(key: str) -> str:
-    """Where a key belongs: ``[tuning]``, ``[run] or [embeddings]``; "" if nowhere."""
+    """Where a key belongs: ``[process]``, ``[run] or [embeddings]``; "" if nowhere."""
     return " or ".join(f"[{path.split('.')[0]}]" for path in config_fields() if path.split(".")[1] == key)
 
 

@@ -1,15 +1,15 @@
 """Checkpoints: the dense model and optimizer, the sharded tables, each rank's loader state and the step.
 
-    <dir>/step_000040/__0_0.distcp ... .metadata   torch.distributed.checkpoint (DCP): every tensor (pipelines.job.dcp:
+    <dir>/step_000040/__0_0.distcp ... .metadata   torch.distributed.checkpoint (DCP): every tensor (dcp.py:
                                                     tables as row-wise chunks of whole tables, even for uneven
                                                     row_boundaries; the replicated dense state once)
     <dir>/step_000040/rank0.pt ... rank{W-1}.pt     each rank's own file: loader and balancer state, data cursor,
                                                     step, the non-tensor rest of model and optimizer state
     <dir>/step_000040/COMPLETE                      every file's size and sha256, each DCP item's crc32
-                                                    (pipelines.job.checkpoint_manifest); written last, by rank 0, once
+                                                    (pipelines.job.checkpoint.manifest); written last, by rank 0, once
                                                     DCP's coordinator has written .metadata (after every rank's data)
                                                     and every rank its file
-    <dir>/.freescale-*.lock                         one job per folder (pipelines.job.checkpoint_lock)
+    <dir>/.freescale-*.lock                         one job per folder (pipelines.job.checkpoint.lock)
 
 Every file is written under a temporary name and renamed (DCP's .metadata too), so a crash or a full disk never
 leaves a step that looks whole: without its COMPLETE marker a step is never resumed. Rewriting a step (a job rerun
@@ -33,13 +33,13 @@ rewritten, do not make bytes that load), the ranks gather their answers, and all
 a fault in; a step whose load still fails, for any reason, is passed over too (the next load replaces all it left).
 The steps skipped and why (the file, and in a DCP data file the item) are returned for the job to print; steps
 without COMPLETE (:func:`incomplete_steps`) are never tried. Loading ends in an agreement too: no rank reports a
-resume before every rank has loaded. Every file is opened only once pipelines.job.checkpoint_io has checked it (a
+resume before every rank has loaded. Every file is opened only once pipelines.job.checkpoint.reading has checked it (a
 regular file inside the step folder), and a read that does not return within half the communication timeout ends
 the rank in one line. Decoding an item holds it in memory twice (its bytes and its tensor), one item at a time.
 
 Loading is safe: rank files are read with ``torch.load(weights_only=True)`` (tensors, numbers, strings, plain
 containers), DCP's metadata with an unpickler that knows only DCP's metadata classes, and a DCP item that is not a
-tensor is refused (pipelines.job.dcp): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
+tensor is refused (dcp.py): a checkpoint from elsewhere cannot run code. The earlier format (``rankN.pt``
 holding everything, marker "W") still loads, resharded by fsembed.reshard on another world size; so does a DCP
 step whose marker predates the sums ("W dcp"), unverified, which ``Restored.unverified`` says.
 """
@@ -61,9 +61,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pipelines.job import checkpoint_io, checkpoint_lock, checkpoint_manifest, dcp, dcp_state
-from pipelines.job.checkpoint_io import FileSum
-from pipelines.job.checkpoint_manifest import METADATA, Manifest
+from pipelines.job.checkpoint import dcp, dcp_state, reading
+from pipelines.job.checkpoint import lock as checkpoint_lock
+from pipelines.job.checkpoint import manifest as checkpoint_manifest
+from pipelines.job.checkpoint.manifest import METADATA, Manifest
+from pipelines.job.checkpoint.reading import FileSum
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -72,7 +74,9 @@ STEP_KEY = "step"
 WORLD_SIZE_KEY = "world_size"
 CURSOR_KEY = "cursor"  # {epoch, cursor} of the global reader: the world-size independent position
 FORMAT_KEY = "format"
-STATE_KEY = "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.job.dcp_state.snapshot)
+STATE_KEY = (
+    "state"  # a DCP rank file's skeleton of model and optimizer state (pipelines.job.checkpoint.dcp_state.snapshot)
+)
 DCP_FORMAT = "dcp"
 COMPLETE_MARKER = checkpoint_manifest.MARKER
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -125,9 +129,9 @@ def latest(root: str | Path) -> Optional[Path]:
 
 
 def _size(directory: Path, name: str) -> Optional[int]:
-    """The size of file ``name`` of ``directory`` (None: missing), once checkpoint_io accepts its path."""
+    """The size of file ``name`` of ``directory`` (None: missing), once reading.py accepts its path."""
     try:
-        return checkpoint_io.inside(directory, name).stat().st_size
+        return reading.inside(directory, name).stat().st_size
     except FileNotFoundError:
         return None
 
@@ -184,13 +188,13 @@ def read_file(path: str | Path, manifest: Optional[Manifest] = None) -> dict[str
     path = Path(path)
     manifest = manifest if manifest is not None else checkpoint_manifest.read(path.parent)
     try:
-        data = checkpoint_io.read_checked(path.parent, path.name)
+        data = reading.read_checked(path.parent, path.name)
     except FileNotFoundError:
         raise ValueError(f"{path}: missing") from None
     if manifest.verified:
         if path.name not in manifest.files:
             raise ValueError(f"{path}: not listed in {path.parent / COMPLETE_MARKER}")
-        checkpoint_io.check_bytes(path, data, manifest.files[path.name])
+        reading.check_bytes(path, data, manifest.files[path.name])
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -239,12 +243,12 @@ def load(directory: str | Path, rank: int, world_size: int) -> tuple[dict[str, A
 def verify_share(directory: Path, manifest: Manifest, metadata: Optional[Metadata], rank: int, world_size: int) -> None:
     """Reads this rank's share of the step's files (every ``world_size``-th, so that the ranks together read each
     file once) and compares them with COMPLETE, then loads each item of its share of the DCP data files as the
-    load would (pipelines.job.dcp.check_items: sums that match do not make bytes that load); ValueError (one line)
+    load would (dcp.check_items: sums that match do not make bytes that load); ValueError (one line)
     naming the file and, in a DCP data file, the item. The marker and the metadata are verified wherever they are
     read."""
     names = sorted(set(manifest.files or ()) - {METADATA})
     for name in names[rank::world_size]:
-        checkpoint_io.verify_file(directory, name, manifest.files[name])
+        reading.verify_file(directory, name, manifest.files[name])
     data = sorted(dcp.data_files(metadata)) if metadata is not None else []
     for name in data[rank::world_size]:
         dcp.check_items(directory, name, metadata)
@@ -367,7 +371,7 @@ class Checkpointer:
     """Saves and restores a job's checkpoints under ``root`` (every rank makes one, collectively, at set-up).
 
     ``save`` and ``restore`` are collective over a process group of their own; ``wait`` completes an async save.
-    Rank 0 holds ``root``'s lock (pipelines.job.checkpoint_lock) from here until its process ends.
+    Rank 0 holds ``root``'s lock (pipelines.job.checkpoint.lock) from here until its process ends.
     """
 
     def __init__(self, root: Optional[str | Path], rank: int, world_size: int, async_save: bool = False) -> None:
@@ -467,7 +471,7 @@ class Checkpointer:
         except OSError as e:
             error = write_fault(directory / name, e, payload)
         # the rank files' sums, from the bytes written, for rank 0's marker; DCP's writer adds its files' sums
-        sums = dict(self._agree(error, f"checkpoint {directory}", (name, checkpoint_io.sum_bytes(data))))
+        sums = dict(self._agree(error, f"checkpoint {directory}", (name, reading.sum_bytes(data))))
         try:
             future = dcp.save(directory, tensors, shards, self.group, async_save=self.async_save, sums=sums)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -551,10 +555,10 @@ class Checkpointer:
     def restore(self, resume: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Optional[Restored]:
         """Loads ``resume`` (a step directory, or "latest": the newest step every rank can load) into model and
         optimizer; None when "latest" finds no checkpoint. Collective: returns on every rank once all have loaded.
-        Every read is bounded by half the communication timeout (pipelines.job.checkpoint_io.watching)."""
+        Every read is bounded by half the communication timeout (pipelines.job.checkpoint.reading.watching)."""
         from fscomm.groups import comm_timeout_s
 
-        with checkpoint_io.watching(comm_timeout_s(), self.rank):
+        with reading.watching(comm_timeout_s(), self.rank):
             if resume == "latest":
                 return self._latest(model, optimizer)
             directory = Path(resume)

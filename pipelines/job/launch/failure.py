@@ -1,0 +1,193 @@
+"""A rank's failure report, and the job's one failure line made from the reports.
+
+A failed rank writes its traceback to ``<log dir>/rank<r>.log`` and its one line to ``rank<r>.error``
+(:func:`report_failure`); the launcher reads them to print the job's one line (:func:`failure_line`,
+docs/reliability.md). Below the launcher and the trainer, so every part of a job that ends a rank (a stalled
+checkpoint read's watchdog among them) reports the same way."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from pipelines.job.launch.log_dirs import rank_pids
+
+if TYPE_CHECKING:
+    from pipelines.job.config import JobConfig
+
+LOG_DIR_ENV = "FREESCALE_LOG_DIR"  # set by `freescale train` for its ranks: where they leave their errors
+LAUNCHED_ENV = "FREESCALE_LAUNCHED"  # the ranks of `freescale train` (not torchrun's): the launcher prints the line
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's own message on one line. An error carried across a thread by torchdata holds the worker's
+    whole traceback in its text ("Original Traceback ..."): its last line is the original error."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        text = next((line for line in reversed(text.splitlines()) if line.strip()), text)
+        prefix = f"{type(exc).__name__}: "
+        text = text[len(prefix) :] if text.startswith(prefix) else text
+    text = " ".join(text.split())
+    return text if isinstance(exc, ValueError) and text else f"{type(exc).__name__}: {text}"
+
+
+def _is_root_cause(exc: BaseException) -> bool:
+    """False for errors that only follow another rank's (its loss was the non-finite one, it closed the
+    connection), so the launcher names the rank where the fault happened."""
+    if getattr(exc, "root", True) is False:
+        return False
+    text = str(exc)
+    return not any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def report_failure(exc: BaseException, rank: int, verbose: bool, log_dir: Optional[str]) -> str:
+    """Writes the rank's traceback to its log file and its one-line error beside it; returns the line.
+    (The benches' launcher reports its ranks' errors the same way.)"""
+    directory = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.mkdtemp(prefix="freescale-")).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    log = directory / f"rank{rank}.log"
+    full = "".join(traceback.format_exception(exc))
+    log.write_text(full)
+    line = f"rank {rank}: {_one_line(exc)} (traceback: {log})"
+    (directory / f"rank{rank}.error").write_text(json.dumps({"rank": rank, "line": line, "root": _is_root_cause(exc)}))
+    if verbose:
+        print(full, file=sys.stderr, flush=True)
+    return line
+
+
+class RankFailed(RuntimeError):
+    """A rank of `freescale train` failed; the message is the one line the user sees."""
+
+
+class CommTimeout(RuntimeError):
+    """A collective or a hand-over between ranks exceeded the communication timeout."""
+
+
+def is_timeout(exc: BaseException) -> bool:
+    while exc is not None:
+        text = str(exc).lower()
+        text = text.replace("group timeout", "")  # fscomm's errors name the group's timeout, whatever happened
+        if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def call_site(exc: BaseException) -> str:
+    """The innermost frame of FreeScale's own code in the traceback: the collective's call site."""
+    root = Path(__file__).resolve().parents[2]
+    site = None
+    while exc is not None:
+        for frame in traceback.extract_tb(exc.__traceback__):
+            path = Path(frame.filename).resolve()
+            parts = path.relative_to(root).parts if root in path.parents else ()
+            if parts and "tests" not in parts and "site-packages" not in parts:  # a venv may live in the tree
+                site = f"{frame.name} ({path.relative_to(root)}:{frame.lineno})"
+        exc = exc.__cause__
+    return site or "an unknown place"
+
+
+def rank_reports(log_dir: Path, kind: str) -> list[dict]:
+    """The ranks' reports of one kind (``rank<r>.error``, ``rank<r>.interrupted``) in ``log_dir``."""
+    reports = []
+    for path in sorted(log_dir.glob(f"rank*.{kind}")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return reports
+
+
+def job_failure(failure, log_dir: Path, board) -> RankFailed:
+    """The job's failure in one line. On several hosts, when the failure began elsewhere: the host lost (its ranks
+    ended this host's through their closed connections), else the failure line of the host where it began."""
+    reports = rank_reports(log_dir, "error")
+    local_root = any(r["root"] for r in reports)
+    lost, began_elsewhere = board.verdict() if board is not None else (None, None)
+    local = sorted(rank_pids(log_dir))
+    after = f"; this host's rank(s) {local} ended after it"
+    if lost:
+        return RankFailed(lost + after)
+    if began_elsewhere and not local_root:
+        return RankFailed(began_elsewhere + after)
+    failed = RankFailed(child_failure_line(failure, log_dir))
+    failed.root = local_root
+    return failed
+
+
+def rendezvous_line(error, config: JobConfig, log_dir: Path, board) -> str:
+    """The hosts did not meet at the endpoint: why, and how many of them did; or, once the ranks ran, the store's
+    host was lost (torch's agent finds its store gone before its ranks fail)."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+
+    run = config.run
+    local = sorted(rank_pids(log_dir))
+    if local and board is not None:
+        lost, _ = board.verdict()
+        if lost:
+            return f"{lost}; this host's rank(s) {local} ended after it"
+    where = f"at {run.rdzv_endpoint} (--rdzv-endpoint)"
+    joined = board.joined_line() if board is not None else "unknown how many joined"
+    if isinstance(error, RendezvousTimeoutError):
+        return f"the hosts did not meet {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): {joined}"
+    if isinstance(error, RendezvousClosedError) and not local:  # the host that timed out first closed it for all
+        return (
+            f"the hosts did not meet {where}: another host closed the rendezvous when its {run.comm_timeout_s:g} s "
+            f"(--comm-timeout-s) ran out; {joined}"
+        )
+    if isinstance(error, RendezvousConnectionError) and not local:
+        return (
+            f"no rendezvous answered {where} within {run.comm_timeout_s:g} s (--comm-timeout-s): node 0, which "
+            f"serves it, has not started or the address is not its own; {joined}"
+        )
+    said = " ".join(str(error).split())[:300]
+    return f"the rendezvous {where} failed: {type(error).__name__}: {said}; {joined}"
+
+
+def exitcodes(failure, log_dir: Path) -> dict[int, int]:
+    """The exit codes of the ranks torch's agent saw fail, by the job's rank: torch's agent numbers the ranks in its
+    own order of the hosts, the job by ``--node-rank`` (worker); the pid files say which process is which rank."""
+    ranks = {pid: rank for rank, pid in rank_pids(log_dir).items()}
+    return {ranks.get(f.pid, rank): f.exitcode for rank, f in failure.failures.items()}
+
+
+def child_failure_line(failure, log_dir: Path) -> str:
+    return failure_line(exitcodes(failure, log_dir), log_dir)
+
+
+def failure_line(exitcodes: dict[int, int], log_dir: Path) -> str:
+    """The one line naming the rank where the job failed and why, from the ranks' reports in ``log_dir`` and the
+    exit codes of the ranks the launcher saw fail (negative: the signal): a rank's own report of the fault, else a
+    rank that died without one (killed, out of memory), else the reports of ranks that failed because of another."""
+    reports = rank_reports(log_dir, "error")
+    reported = {r["rank"] for r in reports}
+    roots = [r for r in reports if r["root"]]
+    if roots:
+        first = min(roots, key=lambda r: r["rank"])
+        others = sorted(reported - {first["rank"]})
+        return first["line"] + (f"; rank(s) {others} failed after it" if others else "")
+    died = []
+    for rank, code in sorted(exitcodes.items()):
+        if rank in reported or code == -signal.SIGTERM:  # SIGTERM: the launcher stopping the others
+            continue
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        died.append(f"rank {rank} died ({how})")
+    if not died and reports:  # the launcher saw only the ranks that failed after it: find it by its missing report
+        started = {int(p.stem[4:]) for p in log_dir.glob("rank*.pid") if p.stem[4:].isdigit()}
+        died = [f"rank {rank} died" for rank in sorted(started - reported)]
+    if died:
+        line = "; ".join(died) + " without an error of its own (killed, out of memory, or a crash in native code)"
+        return line + (f"; rank(s) {sorted(reported)} failed after it" if reported else "")
+    if reports:
+        return min(reports, key=lambda r: r["rank"])["line"]
+    return "; ".join(f"rank {rank} ended with exit code {code}" for rank, code in sorted(exitcodes.items()))
