@@ -254,6 +254,11 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     # single ops by milliseconds.
     share = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(config.tuning.threads or (min(2, share) if use_cuda else share))
+    if not use_cuda:
+        # oneDNN JIT-compiles and caches (up to 1,024 entries) a GELU kernel per input shape, 0.1-1 MB resident
+        # each; jagged batches bring unseen shapes for as long as the job runs, so a CPU rank's resident memory
+        # kept growing. ATen's own CPU kernels keep nothing per shape and are as fast here.
+        torch.backends.mkldnn.enabled = False
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
     # thread. --tuning.gil-switch-ms bounds that wait.

@@ -124,11 +124,6 @@ class Trainer:
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         if config.run.deterministic:  # before the first cuBLAS call of this process (pipelines.api.numerics)
             enable_determinism()
-        if device.type == "cpu":
-            # oneDNN JIT-compiles and caches (up to 1,024 entries) a GELU kernel per input shape, 0.1-1 MB resident
-            # each; a jagged batch brings unseen shapes for as long as the job runs, so the ranks' resident memory
-            # grew by ~1 KB a step. ATen's own CPU kernels keep nothing per shape, and are as fast here.
-            torch.backends.mkldnn.enabled = False
         # The exposed parts' spans. On a GPU they are measured between events on the compute stream (fscomm.timing):
         # how long the GPU idled for a wait, not how long the host waited. A blocking exchange's host wait also
         # covers the compute queued before it (the gradients it sends are still being computed), which is not
