@@ -94,6 +94,8 @@ def _reading(launcher: int, counter: _StepCounter, started: float) -> dict:
 def growth(readings: list[dict], from_step: int) -> dict:
     """The job's resident memory from the first reading at or past ``from_step`` to the last reading."""
     later = [r for r in readings if r["step"] >= from_step]
+    # a reading taken while the ranks exit lacks them: only readings of the same processes compare
+    later = [r for r in later if set(r["rss_mib_per_process"]) == set(later[0]["rss_mib_per_process"])] if later else []
     if len(later) < 2:
         return {"from_step": from_step, "to_step": None, "mib": None, "bytes_per_step": None}
     first, last = later[0], later[-1]
