@@ -265,9 +265,10 @@ def _rank_job(config: JobConfig, stop: _StopOnSignal) -> Optional[dict]:
     sys.setswitchinterval(config.tuning.gil_switch_ms / 1e3)
     timeout_s = config.run.comm_timeout_s
     groups.set_comm_timeout(timeout_s)
-    # torch's flight recorder keeps a Python traceback per gloo collective, and its memory kept growing by ~100
-    # bytes a step past its 2,000 entries; the heartbeat names a stalled rank. Asking for it still turns it on.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    if backend == "gloo":
+        # torch's flight recorder keeps a Python traceback per gloo collective, and its memory kept growing by ~100
+        # bytes a step past its 2,000 entries; the heartbeat names a stalled rank. Asking for it still turns it on.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size, timeout_s)
     hosts: list = [None] * world_size  # each rank's host, for the summary (one small gather at set-up)
