@@ -5,8 +5,9 @@ A job that keeps something per step grows linearly however small the thing; over
 gigabytes. The bench launches the job, and every ``--interval-s`` seconds reads the resident set (``VmRSS`` of
 /proc) of the launcher and of every process under it (the ranks, and whatever they start), and the step the job
 has reached (the lines of its ``--metrics-jsonl``, written as each step settles). It prints one row per reading,
-then the growth between the first reading at or past ``--from-step`` and the last one (MiB in all, and bytes per
-step), and the size of the run summary; ``--json PATH`` writes the readings and those figures.
+then the growth between the first reading at or past ``--from-step`` and the last one (MiB in all, bytes per
+step, and each process's resident set at both readings), and the size of the run summary; ``--json PATH`` writes
+the readings and those figures.
 """
 
 from __future__ import annotations
@@ -93,16 +94,21 @@ def _reading(launcher: int, counter: _StepCounter, started: float) -> dict:
 def growth(readings: list[dict], from_step: int) -> dict:
     """The job's resident memory from the first reading at or past ``from_step`` to the last reading."""
     later = [r for r in readings if r["step"] >= from_step]
+    # a reading taken while the ranks exit lacks them: only readings of the same processes compare
+    later = [r for r in later if set(r["rss_mib_per_process"]) == set(later[0]["rss_mib_per_process"])] if later else []
     if len(later) < 2:
         return {"from_step": from_step, "to_step": None, "mib": None, "bytes_per_step": None}
     first, last = later[0], later[-1]
     mib = last["rss_mib_total"] - first["rss_mib_total"]
     steps = max(last["step"] - first["step"], 1)
+    per_first, per_last = first["rss_mib_per_process"], last["rss_mib_per_process"]
     return {
         "from_step": first["step"],
         "to_step": last["step"],
         "mib": round(mib, 1),
         "bytes_per_step": mib * 2**20 / steps,
+        # each process's resident set at both readings (MiB): the launcher and every rank apart
+        "per_process_mib": {p: [per_first[p], per_last[p]] for p in per_first if p in per_last},
     }
 
 
@@ -149,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
             f"growth from step {g['from_step']} to {g['to_step']}: {g['mib']:+.1f} MiB "
             f"({g['bytes_per_step']:+.0f} bytes per step); summary JSON {summary_bytes:,} bytes after {steps} steps"
         )
+        for pid, (a, b) in g["per_process_mib"].items():
+            print(f"  process {pid}: {a:.1f} -> {b:.1f} MiB ({b - a:+.1f})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({**result, "command": cmd[3:], "readings": readings}, indent=2))

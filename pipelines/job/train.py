@@ -148,6 +148,10 @@ def _rank_job(config: JobConfig, stop: StopOnSignal) -> Optional[dict]:
     configure_process(config.process, rank, device, local_world)
     timeout_s = config.run.comm_timeout_s
     groups.set_comm_timeout(timeout_s)
+    if backend == "gloo":
+        # torch's flight recorder keeps a Python traceback per gloo collective, and its memory kept growing by ~100
+        # bytes a step past its 2,000 entries; the heartbeat names a stalled rank. Asking for it still turns it on.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     if not dist.is_initialized():
         _init_process_group(backend, rank, world_size, timeout_s)
     hosts: list = [None] * world_size  # each rank's host, for the summary (one small gather at set-up)
@@ -194,6 +198,11 @@ def configure_process(section: JobProcessSection, rank: int, device: torch.devic
     # single ops by milliseconds.
     share = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(section.threads or (min(2, share) if cuda else share))
+    if not cuda:
+        # oneDNN JIT-compiles and caches (up to 1,024 entries) a GELU kernel per input shape, 0.1-1 MB resident
+        # each; jagged batches bring unseen shapes for as long as the job runs, so a CPU rank's resident memory
+        # kept growing. ATen's own CPU kernels keep nothing per shape and are as fast here.
+        torch.backends.mkldnn.enabled = False
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
     # thread. --process.gil-switch-ms bounds that wait.
