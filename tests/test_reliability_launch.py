@@ -410,6 +410,25 @@ def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "freescale data stats: interrupted (SIGINT)\n"
 
 
+def test_sigterm_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    """SIGTERM before the launcher takes the stop signals (the command still importing torch): one line and 143,
+    not a silent -15."""
+    import pipelines.cli as cli
+
+    def loading(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises inside the sleep
+        raise AssertionError("SIGTERM did not end the loading")
+
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(cli, "build_parser", loading)
+    try:
+        assert cli.main(["train", "--nproc", "2"]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err == "freescale train: interrupted (SIGTERM)\n"
+
+
 def _report(log_dir: Path, rank: int, sig: str, step) -> None:
     (log_dir / f"rank{rank}.interrupted").write_text(json.dumps({"rank": rank, "signal": sig, "step": step}))
 

@@ -55,14 +55,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM while the command loads (a BaseException, as KeyboardInterrupt is): its default action would end
+    the process silently with -15. A command that takes the stop signals itself (the launcher) replaces this."""
+
+
+def _terminate(signum: int, frame) -> None:
+    raise _Terminated
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return _run(argv)
     except KeyboardInterrupt:  # Ctrl-C while the command loads torch (seconds): one line, not the import's traceback
-        words = list(sys.argv[1:] if argv is None else argv)
-        command = [w for w in (words[:2] if words[:1] == ["data"] else words[:1]) if not w.startswith("-")]
-        print(f"{' '.join(['freescale', *command])}: interrupted (SIGINT)", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return _interrupted(argv, signal.SIGINT)
+    except _Terminated:
+        return _interrupted(argv, signal.SIGTERM)
+
+
+def _interrupted(argv: Optional[Sequence[str]], signum: signal.Signals) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = [w for w in (words[:2] if words[:1] == ["data"] else words[:1]) if not w.startswith("-")]
+    print(f"{' '.join(['freescale', *command])}: interrupted ({signum.name})", file=sys.stderr)
+    return 128 + signum
 
 
 def _run(argv: Optional[Sequence[str]]) -> int:
