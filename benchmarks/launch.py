@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from fscomm import groups
 from fscomm.shm import remove_segments_of
-from pipelines.job.launch.failure import LOG_DIR_ENV, failure_line, report_failure
+from pipelines.job.failure_report import LOG_DIR_ENV, report_failure
+from pipelines.job.launch.failure import failure_line
 from pipelines.job.run.progress import use_thread_locks_for_progress_bars
 
 RankMain = Callable[[Any, int, int], Optional[dict]]  # (args, rank, world_size) -> rank 0's result, else None

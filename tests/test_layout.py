@@ -65,6 +65,18 @@ def test_every_import_runs_down_the_layers():
     assert not wrong, "imports that run up the layers:\n" + "\n".join(sorted(set(wrong)))
 
 
+def test_the_checkpoints_import_nothing_of_the_launcher():
+    """The launcher checks and uses the checkpoints (preflight, signals), so the checkpoints reach what they share
+    with it (a rank's failure report) below both, never through it."""
+    up = [
+        f"{path.relative_to(ROOT)} imports {target}"
+        for path in _sources("pipelines/job/checkpoint")
+        for target in _imports(path)
+        if target.startswith("pipelines.job.launch")
+    ]
+    assert not up, "\n".join(sorted(set(up)))
+
+
 MAX_FUNCTION_LINES = 80
 
 

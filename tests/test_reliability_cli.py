@@ -79,7 +79,7 @@ def test_rank_error_is_one_line_naming_rank_and_cause_with_a_traceback_log(tmp_p
 
 def test_a_ranks_report_is_one_line_with_its_traceback_in_the_log_and_under_verbose(tmp_path, capsys):
     """What a failing rank leaves for the launcher (in process: a launch costs seconds)."""
-    from pipelines.job.launch.failure import report_failure
+    from pipelines.job.failure_report import report_failure
 
     try:
         raise ValueError("nan.parquet row group 1: sample_id 5 (row 1): non-finite value nan in column 'dense'")

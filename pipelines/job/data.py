@@ -1,16 +1,19 @@
-"""The job's data as its model reads it: the training and held-out sources, the model built on them, and the loader
-with the stages the job's mode composes (the balancer's, the ID prefetch, the attention plan)."""
+"""The job's data as its model reads it: the training and held-out sources, the model built on them, the loader
+with the stages the job's mode composes (the balancer's, the ID prefetch, the attention plan), and a batch fetched
+from it for the step's lookahead (:func:`fetch`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
 from fscomm.registry import host_transport
 from fsdata.balancer import BalancerConfig, balancer_stages
 from fsdata.id_overflow import IdRangeSource
+from fsdata.item import LoaderItem
 from fsdata.loader import LoaderConfig, build_loader
 from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.source import SampleSource
@@ -170,3 +173,24 @@ def build_job_loader(
     if state is not None:
         loader.load_state_dict(state)
     return loader
+
+
+@dataclass
+class Fetched:
+    """A loader item on the device, with where the job stood when it was fetched."""
+
+    item: LoaderItem
+    new_epoch: bool
+    loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
+
+
+def fetch(loader: Any, to_device: Callable[[LoaderItem], LoaderItem], items: Iterator) -> Fetched:
+    """The next item of ``items`` (``loader``'s), its batch and prefetched ids on the device (on a GPU the stage
+    worker copied the batch already: fsdata.nodes.device_copy); past the end of an epoch, the next epoch's first."""
+    new_epoch = False
+    loader_state = loader.state_dict()
+    try:
+        item = next(items)
+    except StopIteration:  # end of an epoch: every rank reaches it at the same step
+        item, new_epoch = next(iter(loader)), True
+    return Fetched(to_device(item), new_epoch, loader_state)

@@ -38,15 +38,8 @@ import torch.distributed as dist
 from pipelines.job.config import JobConfig
 from pipelines.job.config.flags import add_config_arguments, config_from_args, ignored_option_lines
 from pipelines.job.config.sections import JobProcessSection
-from pipelines.job.launch.failure import (
-    LAUNCHED_ENV,
-    LOG_DIR_ENV,
-    CommTimeout,
-    RankFailed,
-    call_site,
-    is_timeout,
-    report_failure,
-)
+from pipelines.job.failure_report import LAUNCHED_ENV, LOG_DIR_ENV, report_failure
+from pipelines.job.launch.failure import CommTimeout, RankFailed, call_site, is_timeout
 from pipelines.job.launch.launcher import launch
 from pipelines.job.launch.preflight import check_before_launch
 from pipelines.job.launch.signals import (

@@ -15,8 +15,8 @@ global mean loss's (pipelines.api.step).
 
 What is not the loop lives with its owner: the data, the model and the loader are built by pipelines.job.data, the
 checkpoints are pipelines.job.checkpoint.job's (the trainer is Stateful: ``state_dict`` gathers its parts, and a
-checkpoint takes the trainer whole), the held-out evaluation, the trace window, the step's log and the run summary
-are pipelines.job.run's.
+checkpoint takes the trainer whole) and the export pipelines.job.checkpoint.export's, the held-out evaluation, the
+trace window, the step's log, the run's totals and its summary are pipelines.job.run's; the trainer only says when.
 """
 
 from __future__ import annotations
@@ -24,51 +24,35 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from functools import partial
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from fscomm.registry import close_named_transports
 from fscomm.timing import Timer
-from fsdata.item import LoaderItem
 from fsdata.loader import release_loader, shutdown_loader
 from fsdata.nodes.gather_lengths import StepFeedback
-from pipelines.api.dense_sync import DenseSync, gather_per_rank
+from pipelines.api.dense_sync import DenseSync
 from pipelines.api.modes import MODES
 from pipelines.api.numerics import enable_determinism
-from pipelines.api.step import StepHooks, StepResult, unwrap_model
+from pipelines.api.step import StepHooks
 from pipelines.job import data
 from pipelines.job.builders import build_step, build_wrap
-from pipelines.job.checkpoint.export import save_export
+from pipelines.job.checkpoint.export import export_trained
 from pipelines.job.checkpoint.job import LOADER, MODEL, OPTIMIZER, POSITION, STEP, JobCheckpoints
 from pipelines.job.config import JobConfig
 from pipelines.job.run import summary
 from pipelines.job.run.accounting import StepAccounting
 from pipelines.job.run.aggregates import RunAggregates
 from pipelines.job.run.evaluation import HeldOut
-from pipelines.job.run.profiler import trace_window
-from pipelines.job.run.progress import job_progress_bar, paused
+from pipelines.job.run.progress import paused
 from pipelines.job.run.record import StepRecord
 from pipelines.job.run.schedule import ScheduleProbe
-from pipelines.job.run.step_log import check_finite, log_record, log_settled, rank_slot
+from pipelines.job.run.step_log import check_finite, log_record, log_settled, rank_slot, run_outputs, settle_last
 from pipelines.models.step_protocol import Lookahead
 
 RECENT_STEPS = 256  # the step records a trainer keeps (``history``); the summary's figures are running aggregates
-
-
-@dataclass
-class _Fetched:
-    """A loader item on the device, with where the job stood when it was fetched."""
-
-    item: LoaderItem
-    new_epoch: bool
-    loader_state: dict  # the loader's state from before this batch was fetched: where a resume restarts
-
-
-def _unnamed(name: str) -> contextlib.nullcontext:
-    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -103,7 +87,7 @@ class Trainer:
         )
         # The step's phases, named in a --trace. Only then: each record_function is two profiler ops, each of which
         # gives the GIL away, and the ones between the backward and the next forward sit where the GPU idles.
-        self._phase = torch.profiler.record_function if config.run.trace else _unnamed
+        self._phase = torch.profiler.record_function if config.run.trace else contextlib.nullcontext
         # The previous step's wall time and compute time, shared with the other ranks in the next step's block;
         # that step's record waits there (``_unsettled``) for the other ranks' compute times (StepRecord.settle).
         self._last_step_s = self._last_compute_s = 0.0
@@ -111,7 +95,7 @@ class Trainer:
         # The last step's batch, let go once this step's backward and last bucket are queued, while the host waits for
         # the device: freeing its tensors (on a GPU, an event per stream that used each, under the GIL) then sits
         # neither between two steps nor beside the backward's embedding hooks.
-        self._retired: Optional[_Fetched] = None
+        self._retired: Optional[data.Fetched] = None
         sections = (config.run, config.embeddings, config.dense_sync)
         self.step_fn = build_step(self.spec, self.wrap, *sections, self._hooks(), self.timer, device, rank, world_size)
         self.optimizer = self.step_fn.optimizer
@@ -165,7 +149,7 @@ class Trainer:
             shutdown_loader(self.loader)
         self.loader = self._build_loader(state.get(LOADER))
 
-    def save_checkpoint(self, upcoming: Optional[_Fetched]) -> None:
+    def save_checkpoint(self, upcoming: Optional[data.Fetched]) -> None:
         """``upcoming``: the batch already fetched for the next step (the lookahead): the saved loader state is
         from before it, so the resumed run fetches it again."""
         if self.wrap is not None:
@@ -186,7 +170,7 @@ class Trainer:
             phase=self._phase,
             before_backward=lambda: release_loader(self.loader),
             after_backward=self._after_backward,
-            per_rank=self._per_rank_slot,
+            per_rank=lambda item: rank_slot(item, self._last_compute_s, self._last_step_s),
             early_allreduce=self.config.dense_sync.allreduce_start == "backward",
         )
 
@@ -194,9 +178,6 @@ class Trainer:
         self._retired = None  # see __init__
         if self.device.type == "cuda":  # the compute stream only: not the buckets' all-reduces in flight
             torch.cuda.current_stream(self.device).synchronize()
-
-    def _per_rank_slot(self, item: LoaderItem) -> tuple[float, ...]:
-        return rank_slot(item, self._last_compute_s, self._last_step_s)
 
     # ------------------------------------------------------------------ ownership
     def close(self) -> None:
@@ -217,82 +198,73 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> Optional[dict]:
-        run, ckpt = self.config.run, self.config.checkpoint
-        progress = self._progress_bar()
-        if self.rank == 0 and run.metrics_jsonl:
-            Path(run.metrics_jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(run.metrics_jsonl, "w")
-        items = iter(self.loader)
-        profiler = self._profiler()
-        start = time.perf_counter()
-        # the step's one lookahead loop, fed by this job's fetch (epochs, loader state) within the steps left
-        fetched = Lookahead(self._fetch, self.lookahead, limit=run.steps - self.step)
-        fetched.fill(items)
-        current: Optional[_Fetched] = None
-        release_loader(self.loader)  # the first step's next batch need not wait for its backward
-        failed = True
-        try:
-            while self.step < run.steps:
-                self.accounting.begin()
-                self._retired = current
-                current, ahead = fetched.advance(items, fetching=self._fetching)
-                upcoming = ahead[0] if ahead else None
-                if self.schedule is not None:
-                    self.wrap.set_schedule(self.schedule.schedule_for(self.step))
-                record = self.train_step(current, ahead)
-                self.accounting.finish(record)
-                self._last_step_s = record.step_time_s
-                if self.schedule is not None:
-                    record.schedule = self.wrap.collection.schedule
-                record.balance = current.item.report
-                self.step += 1
-                if current.new_epoch:
-                    self.epoch, self.cursor = self.epoch + 1, 0
-                self.cursor += sum(record.samples_per_rank)  # a global step consumes exactly its samples
-                self._log_settled(record, progress)
-                if ckpt.every and self.step % ckpt.every == 0:
-                    self.save_checkpoint(upcoming)
-                if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
-                    with paused(progress):  # the progress rate is training's: evaluation time is left out
-                        self.evaluate(progress)
-                if profiler is not None:
-                    profiler.step()
-            if self._checkpointer is not None:  # an async save still in flight completes (and is checked) first
-                self._checkpointer.wait()
-            if self._unsettled is not None:  # the last step: no later block carries its compute times
-                last = gather_per_rank((self._last_compute_s,), self.rank, self.world_size, self.device)[:, 0]
-                self._log(self._unsettled.settle(last, self.rank), progress)
-                self._unsettled = None
-            if self.wrap is not None:
-                self.wrap.flush()  # deferred exclusive gradients land before the tables are read
-            self._data_counts = self._count_data_faults()
-            # every rank's peak memory (one tiny all-reduce): a plan may load one rank more than the others
-            peaks = gather_per_rank((float(self._peak_memory()),), self.rank, self.world_size, self.device)
-            self._peak_per_rank = [int(v) for v in peaks[:, 0]]
-            if self.eval_source is not None:
-                with paused(progress):
-                    self.evaluate(progress)
-            if ckpt.export:  # the user's own modules back, with the trained tables (not in mode torchrec: config.py)
-                if self.wrap is not None:
-                    unwrap_model(self.model, self.wrap, dst=0)
-                if self.rank == 0:  # the state dict, and PATH.json beside it: what built the model (load_export)
-                    save_export(self.model, ckpt.export, self.config.model.name)
-            failed = False
-        finally:
-            # the stage worker's item in flight completes on every rank; after a failure the rank ends, and waiting
-            # for it would add its collectives' timeout to the one that failed the step
-            shutdown_loader(self.loader, abandon=failed)
-            self.accounting.close()
-            if profiler is not None:
-                profiler.stop()
-            if progress is not None:
-                progress.close()
-            if self._metrics_file is not None:
-                self._metrics_file.close()
-        return self._summary(time.perf_counter() - start) if self.rank == 0 else None
+        """The steps from this process's first to ``--steps``, then the run's end (:meth:`_finish`); rank 0's run
+        summary (None on the other ranks)."""
+        run = self.config.run
+        outputs = run_outputs(run, self.rank, self.step, self.world_size, self.device)
+        with outputs as (progress, self._metrics_file, profiler):
+            items = iter(self.loader)
+            start = time.perf_counter()
+            # the step's one lookahead loop, fed by this job's fetch (epochs, loader state) within the steps left
+            fetch = partial(data.fetch, self.loader, self.step_fn.to_device)
+            fetched = Lookahead(fetch, self.lookahead, limit=run.steps - self.step)
+            fetched.fill(items)
+            release_loader(self.loader)  # the first step's next batch need not wait for its backward
+            failed = True
+            try:
+                self._loop(fetched, items, progress, profiler)
+                totals = self._finish(progress)
+                failed = False
+            finally:
+                # the stage worker's item in flight completes on every rank; after a failure the rank ends, and
+                # waiting for it would add its collectives' timeout to the one that failed the step
+                shutdown_loader(self.loader, abandon=failed)
+                self.accounting.close()
+        return summary.run_summary(self, time.perf_counter() - start, totals) if self.rank == 0 else None
 
-    def _log_settled(self, record: StepRecord, progress) -> None:
-        self._unsettled = log_settled(record, self._unsettled, self.rank, lambda settled: self._log(settled, progress))
+    def _loop(self, fetched: Lookahead, items: Iterator, progress, profiler) -> None:
+        run, ckpt = self.config.run, self.config.checkpoint
+        current: Optional[data.Fetched] = None
+        while self.step < run.steps:
+            self.accounting.begin()
+            self._retired = current
+            current, ahead = fetched.advance(items, fetching=self._fetching)
+            upcoming = ahead[0] if ahead else None
+            if self.schedule is not None:
+                self.wrap.set_schedule(self.schedule.schedule_for(self.step))
+            record = self.train_step(current, ahead)
+            self.accounting.finish(record)
+            self._last_step_s = record.step_time_s
+            if self.schedule is not None:
+                record.schedule = self.wrap.collection.schedule
+            record.balance = current.item.report
+            self.step += 1
+            if current.new_epoch:
+                self.epoch, self.cursor = self.epoch + 1, 0
+            self.cursor += sum(record.samples_per_rank)  # a global step consumes exactly its samples
+            self._unsettled = log_settled(record, self._unsettled, self.rank, self._logger(progress))
+            if ckpt.every and self.step % ckpt.every == 0:
+                self.save_checkpoint(upcoming)
+            if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
+                self.evaluate(progress)
+            if profiler is not None:
+                profiler.step()
+
+    def _finish(self, progress) -> dict:
+        """The run's end, on every rank in this order (each part's collectives meet the other ranks'); returns the
+        run's totals (pipelines.job.run.summary.run_totals)."""
+        self._checkpointer.wait()  # an async save still in flight completes (and is checked) first
+        settle_last(
+            self._unsettled, self._last_compute_s, self.rank, self.world_size, self.device, self._logger(progress)
+        )
+        self._unsettled = None
+        if self.wrap is not None:
+            self.wrap.flush()  # deferred exclusive gradients land before the tables are read
+        totals = summary.run_totals(self.source, self.rank, self.world_size, self.device)
+        if self.held_out is not None:
+            self.evaluate(progress)
+        export_trained(self.model, self.wrap, self.config.checkpoint.export, self.config.model.name, self.rank)
+        return totals
 
     @contextlib.contextmanager
     def _fetching(self) -> Iterator[None]:
@@ -300,19 +272,7 @@ class Trainer:
         with self._phase("freescale/data"), self.accounting.fetching():
             yield
 
-    def _fetch(self, items: Iterator) -> _Fetched:
-        """The next loader item, its batch and prefetched ids on the device (on a GPU the stage worker copied the
-        batch already: fsdata.nodes.device_copy)."""
-        new_epoch = False
-        loader_state = self.loader.state_dict()
-        try:
-            item = next(items)
-        except StopIteration:  # end of an epoch: every rank reaches it at the same step
-            item, new_epoch = next(iter(self.loader)), True
-        item = self.step_fn.to_device(item)
-        return _Fetched(item, new_epoch, loader_state)
-
-    def train_step(self, fetched: _Fetched, ahead: Sequence[_Fetched]) -> StepRecord:
+    def train_step(self, fetched: data.Fetched, ahead: Sequence[data.Fetched]) -> StepRecord:
         """The step's one call on ``fetched`` (``ahead``: the fetched batches after it, the step's lookahead), and
         its record. The record lacks what needs the other ranks' compute times of this step (straggler wait, the
         all-reduce's exposed part): they come in the next step's block (StepRecord.settle); its
@@ -323,33 +283,16 @@ class Trainer:
             self._last_compute_s = result.compute_s
         if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
             self.schedule.observe(self.step - 1, float(result.per_rank["last_step_s"].max()))
-        self._check_finite(result)
+        check_finite(result, self.step, self.rank)
         return StepRecord.of(self.step, result)
 
-    def _check_finite(self, result: StepResult) -> None:
-        check_finite(result, self.step, self.rank)
-
-    def _log(self, record: StepRecord, progress) -> None:
-        log_record(record, self.history, self.aggregates, self._metrics_file, progress)
-
-    # ------------------------------------------------------------------ what the loop calls on its owners
-    def _profiler(self):
-        run = self.config.run
-        return trace_window(run.trace, self.rank, run.steps, run.warmup_steps, self.device)
-
-    def _progress_bar(self):
-        return job_progress_bar(self.config.run, self.rank, self.step, self.world_size)
+    def _logger(self, progress) -> Callable[[StepRecord], None]:
+        """A settled record's way to the history, the aggregates, the metrics file and ``progress``."""
+        return lambda record: log_record(record, self.history, self.aggregates, self._metrics_file, progress)
 
     def evaluate(self, progress=None) -> dict:
-        """One pass over the held-out data (pipelines.job.run.evaluation)."""
+        """One pass over the held-out data (pipelines.job.run.evaluation); the progress rate is training's, so its
+        time is left out of ``progress``."""
         args = (self.step, self.model, self.wrap, self.spec.inputs, self.device, self.config.run.precision)
-        return self.held_out.evaluate(*args, self._metrics_file, progress, show=self.config.run.progress)
-
-    def _count_data_faults(self) -> dict[str, int]:
-        return summary.count_data_faults(self.source, self.world_size, self.device)
-
-    def _peak_memory(self) -> int:
-        return summary.peak_memory(self.device)
-
-    def _summary(self, wall: float) -> dict:
-        return summary.run_summary(self, wall)
+        with paused(progress):
+            return self.held_out.evaluate(*args, self._metrics_file, progress, show=self.config.run.progress)

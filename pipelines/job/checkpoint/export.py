@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from pipelines.api.step import unwrap_model
 from pipelines.models.hstu import HSTUConfig, HSTUModel
 from pipelines.models.reference import ModelConfig, SequenceModel
 
@@ -50,6 +51,18 @@ def describe(model: nn.Module, factory: str) -> dict[str, Any]:
         if type(model) is cls:
             return {"format": FORMAT, "version": VERSION, "model": name, "config": asdict(model.config)}
     return {"format": FORMAT, "version": VERSION, "model": factory, "config": None}
+
+
+def export_trained(model: nn.Module, wrap: Any, path: Optional[str], factory: str, rank: int) -> None:
+    """``--export PATH`` at the end of a run, on every rank (the tables are gathered to rank 0): the user's own
+    modules back with the trained tables (mode torchrec refuses --export: pipelines.job.config.sections),
+    written by rank 0 with PATH.json beside it (what built the model: load_export). Nothing without ``path``."""
+    if not path:
+        return
+    if wrap is not None:
+        unwrap_model(model, wrap, dst=0)
+    if rank == 0:
+        save_export(model, path, factory)
 
 
 def save_export(model: nn.Module, path: Union[str, Path], factory: str) -> Path:

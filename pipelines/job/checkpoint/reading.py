@@ -16,7 +16,7 @@ resume compares them and names the file, and for a data file the item (the metad
 Stalls. A read from a hung network mount never returns, and no exception reaches the rank. While a rank reads a
 checkpoint (:func:`watching`), a watchdog thread ends the rank when one read call has not returned within its bound,
 half the communication timeout: the stuck rank's own line then comes before its peers' collectives give up on it.
-The watchdog writes the rank's failure report (launch/failure.py's report_failure, which the launcher prints; under
+The watchdog writes the rank's failure report (pipelines.job.failure_report, which the launcher prints; under
 torchrun the rank prints it) and ends the process, since the stuck thread cannot be interrupted.
 ``FREESCALE_CHECKPOINT_FAULT=stall:RANK`` makes that rank's first checkpoint read stall (the test of the watchdog).
 """
@@ -35,6 +35,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator, Optional, Sequence
+
+from pipelines.job.failure_report import LOG_DIR_ENV, report_failure
 
 FAULT_ENV = "FREESCALE_CHECKPOINT_FAULT"
 _CHUNK = 4 << 20
@@ -265,14 +267,12 @@ class Watchdog:
                 self._end_rank(*stalled[0])
 
     def _end_rank(self, path: Path, waited: float) -> None:
-        from pipelines.job.launch import failure  # the job's failure report, the one its launcher reads
-
         stalled = CheckpointStalled(
             f"{path}: a read has not returned after {waited:.0f} s (the bound: half of --comm-timeout-s "
             f"{self.timeout_s:g}): its file system stopped answering (a hung network mount?); this rank ends here"
         )
-        line = failure.report_failure(stalled, self.rank, verbose=False, log_dir=None)
-        if not os.environ.get(failure.LOG_DIR_ENV):  # not a rank of `freescale train`: no launcher prints it
+        line = report_failure(stalled, self.rank, verbose=False, log_dir=None)
+        if not os.environ.get(LOG_DIR_ENV):  # not a rank of `freescale train`: no launcher prints it
             print(f"freescale train: error: {line}", file=sys.stderr, flush=True)
         os._exit(1)  # the stuck thread cannot be interrupted; its peers see the connection close
 

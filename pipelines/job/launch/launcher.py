@@ -19,14 +19,8 @@ from typing import Callable, Optional
 import torch
 
 from pipelines.job.config import JobConfig
-from pipelines.job.launch.failure import (
-    LAUNCHED_ENV,
-    LOG_DIR_ENV,
-    RankFailed,
-    exitcodes,
-    job_failure,
-    rendezvous_line,
-)
+from pipelines.job.failure_report import LAUNCHED_ENV, LOG_DIR_ENV
+from pipelines.job.launch.failure import RankFailed, exitcodes, job_failure, rendezvous_line
 from pipelines.job.launch.log_dirs import rank_pids, remove_rank_segments, tidy
 from pipelines.job.launch.signals import INTERRUPTED, STOP_SIGNALS, Interrupted, interruption, raise_signal
 

@@ -15,7 +15,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from pipelines.job.launch.failure import LAUNCHED_ENV, LOG_DIR_ENV, rank_reports
+from pipelines.job.failure_report import LAUNCHED_ENV, LOG_DIR_ENV
+from pipelines.job.launch.failure import rank_reports
 
 if TYPE_CHECKING:
     from pipelines.job.config import JobConfig

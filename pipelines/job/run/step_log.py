@@ -1,20 +1,26 @@
 """What a trainer does with each step beside the loop: this rank's slot of the step's bookkeeping block, the check
 that the global loss is finite, and a settled record's way to the history, the summary's aggregates, the metrics
-JSONL (``--metrics-jsonl``) and the progress bar."""
+JSONL (``--metrics-jsonl``) and the progress bar, opened and closed around the loop with the ``--trace`` window
+(:func:`run_outputs`); after the loop, the last step's record (:func:`settle_last`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import deque
-from typing import Any, Callable, Optional, TextIO
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 import numpy as np
+import torch
 
 from fsdata.balance_measures import sparsity
 from fsdata.item import LoaderItem
-from pipelines.api.dense_sync import PER_RANK_FIELDS
+from pipelines.api.dense_sync import PER_RANK_FIELDS, gather_per_rank
 from pipelines.api.step import StepResult
 from pipelines.job.run.aggregates import RunAggregates
+from pipelines.job.run.profiler import trace_window
+from pipelines.job.run.progress import job_progress_bar
 from pipelines.job.run.record import StepRecord
 
 
@@ -85,3 +91,47 @@ def log_settled(
     if unsettled is not None:
         log(unsettled.settle(record.last_compute_all_s, rank))
     return record
+
+
+def settle_last(
+    unsettled: Optional[StepRecord],
+    last_compute_s: float,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    log: Callable[[StepRecord], None],
+) -> None:
+    """Logs the last step's record, left waiting by :func:`log_settled`: no later block carries its compute times, so
+    they are gathered here (one tiny all-gather, on every rank alike)."""
+    if unsettled is None:
+        return
+    last = gather_per_rank((last_compute_s,), rank, world_size, device)[:, 0]
+    log(unsettled.settle(last, rank))
+
+
+@contextlib.contextmanager
+def run_outputs(run: Any, rank: int, step: int, world_size: int, device: torch.device) -> Iterator[tuple]:
+    """What a run writes beside its checkpoints, from ``step`` on (``run``: the job's ``[run]`` section): the progress
+    bar, rank 0's metrics file and the started ``--trace`` window (each None where not asked for), closed after the
+    loop however it ends."""
+    progress = job_progress_bar(run, rank, step, world_size)
+    metrics = open_metrics(run.metrics_jsonl, rank)
+    profiler = trace_window(run.trace, rank, run.steps, run.warmup_steps, device)
+    try:
+        yield progress, metrics, profiler
+    finally:
+        if profiler is not None:
+            profiler.stop()
+        if progress is not None:
+            progress.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def open_metrics(path: Optional[str], rank: int) -> Optional[TextIO]:
+    """Rank 0's ``--metrics-jsonl`` file, written anew by the run (its folder made first); None elsewhere or without
+    a path."""
+    if rank != 0 or not path:
+        return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "w")

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipelines.api.dense_sync import gather_per_rank
+
 
 def print_summary(summary: dict) -> None:
     print("\n=== FreeScale run summary ===")
@@ -122,9 +124,10 @@ def describe_paths(paths: dict[str, dict]) -> str:
 DATA_FAULTS = ("folded_ids", "dropped_bad_samples", "truncated_uih")  # the source's counts the summary always shows
 
 
-def run_summary(trainer: Any, wall: float) -> dict:
+def run_summary(trainer: Any, wall: float, totals: dict) -> dict:
     """Rank 0's run summary: the steps' running aggregates (pipelines.job.run.aggregates) and the run's own figures
-    from the trainer's parts; its size does not grow with the number of steps."""
+    from the trainer's parts and from ``totals`` (:func:`run_totals`); its size does not grow with the number of
+    steps."""
     steps = trainer.aggregates.summary()
     evaluations = trainer.held_out.evaluations if trainer.held_out is not None else []
     config = trainer.config
@@ -140,17 +143,25 @@ def run_summary(trainer: Any, wall: float) -> dict:
         "eval_ne": evaluations[-1]["ne"] if evaluations else None,
         "eval_auc": evaluations[-1]["auc"] if evaluations else None,
         "peak_memory_bytes": peak_memory(trainer.device),  # rank 0's
-        "peak_memory_bytes_per_rank": getattr(trainer, "_peak_per_rank", None),
+        "peak_memory_bytes_per_rank": totals["peak_memory_bytes_per_rank"],
         "kernel_variants": kernel_variants(trainer.device),
         "timing": trainer.timer.summary(),
         "loader_worker_timing": trainer.worker_timer.summary() if trainer.worker_timer is not trainer.timer else None,
         "source": trainer.source.describe(),
         # every rank's reads summed: samples read, folded ids, dropped samples, cut UIHs, ...
-        "data_counts": getattr(trainer, "_data_counts", None),
+        "data_counts": totals["data_counts"],
         "first_step": trainer.first_step,  # this process's first step: after a resume, the step it resumed at
         "last_step": trainer.step,
         "config": config.to_dict(),
     }
+
+
+def run_totals(source: Any, rank: int, world_size: int, device: torch.device) -> dict:
+    """The summary's figures summed or gathered over every rank after the loop (collectives: every rank calls it):
+    the source's read counts, and every rank's peak memory (a plan may load one rank more than the others)."""
+    counts = count_data_faults(source, world_size, device)
+    peaks = gather_per_rank((float(peak_memory(device)),), rank, world_size, device)
+    return {"data_counts": counts, "peak_memory_bytes_per_rank": [int(v) for v in peaks[:, 0]]}
 
 
 def count_data_faults(source: Any, world_size: int, device: torch.device) -> dict[str, int]:
