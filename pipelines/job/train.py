@@ -191,11 +191,12 @@ def configure_process(section: JobProcessSection, rank: int, device: torch.devic
     # single ops by milliseconds.
     share = max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(section.threads or (min(2, share) if cuda else share))
-    if not cuda:
-        # oneDNN JIT-compiles and caches (up to 1,024 entries) a GELU kernel per input shape, 0.1-1 MB resident
-        # each; jagged batches bring unseen shapes for as long as the job runs, so a CPU rank's resident memory
-        # kept growing. ATen's own CPU kernels keep nothing per shape and are as fast here.
-        torch.backends.mkldnn.enabled = False
+    # oneDNN JIT-compiles and caches a kernel per input shape (GELU's among them), up to 1,024, 0.1-1 MB resident
+    # each: jagged batches bring unseen shapes for as long as the job runs, so a rank's resident memory grew by up
+    # to a GiB. 16 keeps it flat. oneDNN itself stays: its kernels give the same bits whatever a rank's thread
+    # count, which keeps every layout of hosts and ranks on one loss curve. Read at oneDNN's first kernel, which no
+    # rank has run yet here; the environment may set another capacity.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
     # thread. --process.gil-switch-ms bounds that wait.
