@@ -5,6 +5,7 @@ computes none of them again."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -21,20 +22,25 @@ def _id_calls_body(rank, world_size):
     from pipelines.models.reference import ModelConfig, SequenceModel
 
     calls = {"all": 0, "in_forward": 0}
-    inside = {"forward": False}
+    # The loader's stage worker computes the next batch's ids while the training thread runs this batch's forward:
+    # a call counts as the forward's only in the thread that is inside it.
+    inside = threading.local()
     item_ids, forward = SequenceModel.item_ids, SequenceModel.forward
 
+    counting = threading.Lock()
+
     def counted_item_ids(self, *args, **kwargs):
-        calls["all"] += 1
-        calls["in_forward"] += inside["forward"]
+        with counting:
+            calls["all"] += 1
+            calls["in_forward"] += getattr(inside, "forward", False)
         return item_ids(self, *args, **kwargs)
 
     def flagged_forward(self, *args, **kwargs):
-        inside["forward"] = True
+        inside.forward = True
         try:
             return forward(self, *args, **kwargs)
         finally:
-            inside["forward"] = False
+            inside.forward = False
 
     SequenceModel.item_ids, SequenceModel.forward = counted_item_ids, flagged_forward
     out = {}
