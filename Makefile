@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup.sh $(VENV)
 
-# Main job on the embedded default: reference model, synthetic data, 2 local ranks on CPU.
+# Main job on the embedded default: the softmax model, synthetic data, 2 local ranks on CPU.
 demo: setup
 	$(VENV)/bin/freescale train --nproc 2 --steps 20 --summary-json out/demo-summary.json
 

@@ -22,7 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "embedding": ("benchmarks.embedding", "exposed embedding communication: sync vs prioritized"),
     "e2e": ("benchmarks.e2e", "every train mode on the same data, bubbles side by side"),
     "host": ("benchmarks.host", "host work per step that grows with the world size, at 8-1,024 ranks"),
-    "replay": ("benchmarks.replay", "freescale simulate on measured step times of the reference model"),
+    "replay": ("benchmarks.replay", "freescale simulate on measured step times of the softmax model"),
     "scaling": ("benchmarks.scaling", "the scaling table and the replay cross-check from e2e and replay JSON"),
     "soak": ("benchmarks.soak", "a long CPU run of the demo's job, its resident memory read at intervals"),
 }

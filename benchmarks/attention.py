@@ -8,7 +8,7 @@ The kernels (kernels.impl.Impl), each over the packed tokens [N, heads, dim]:
     varlen      PyTorch's varlen FlashAttention over int32 device offsets (CUDA; needs no plan)
     flex        FlexAttention with the block mask built from the offsets (CUDA; needs a plan: built before the
                 timing, as the loader builds it, see the plan row)
-    torch       one fused SDPA per sample (the CPU path and the reference)
+    torch       one fused SDPA per sample (the CPU path and the twin the others are checked against)
     padded      every sample padded to the batch's longest and one causal SDPA over [B, heads, L, dim] (fused
                 kernels, no mask), padding and unpadding included: what the padded model runs
     *-det       the same kernel with ``torch.use_deterministic_algorithms(True)`` (the ``--deterministic`` mode)
@@ -23,9 +23,9 @@ passes of the same inputs gave the same dq, dk and dv bit for bit.
 More rows: ``target`` (``--target-case B:cap:C``, default 128:21000:8), C candidates per sample attending over
 their sample's UIH (cross attention, no causality); ``equal`` (``--equal B:L``, default 16:4096), equal lengths
 against SDPA on [B, heads, L, dim] directly (what is left is a kernel's own efficiency); ``model``
-(``--model-case``, CUDA): one forward+backward of the replay's reference model (d=256, 2 layers, 4 heads, bf16
+(``--model-case``, CUDA): one forward+backward of the replay's softmax model (d=256, 2 layers, 4 heads, bf16
 autocast) on one B x cap batch, varlen against flex (its plan built before the timing); and ``plan``, the host
-cost of the reference model's attention plan (pipelines.models.reference.attention_plan) per batch at ``--plan-case``.
+cost of the softmax model's attention plan (pipelines.models.softmax.attention_plan) per batch at ``--plan-case``.
 The targets printed at the end are the gates of BENCHMARKS.md's attention table.
 """
 
@@ -209,7 +209,7 @@ def _kernel_rows(
     lengths: np.ndarray,
     kernels: list[str],
     call_for,
-    reference: Callable[[], torch.Tensor],
+    against: Callable[[], torch.Tensor],
     grad,
     tensors,
     b: int,
@@ -220,7 +220,7 @@ def _kernel_rows(
     """Times every kernel of ``kernels`` on one case; ``call_for(impl)`` gives that kernel's forward. The first
     kernel is the baseline of the speedups."""
     with torch.no_grad():
-        ref = reference().float()
+        ref = against().float()
     records = []
     for name in kernels:
         impl, det = _kernel(name)
@@ -278,7 +278,7 @@ def bench_case(args, b: int, cap: int, device: torch.device, dtype, kernels: lis
 
 
 def bench_target(args, b: int, cap: int, c: int, device: torch.device, dtype, kernels: list[str]) -> list[Record]:
-    """``c`` candidates per sample, each attending over its sample's UIH (the reference model's target attention)."""
+    """``c`` candidates per sample, each attending over its sample's UIH (the softmax model's target attention)."""
     rng = np.random.default_rng(args.seed + 11)
     lengths = uih_lengths(rng, b, args.uih_median, args.uih_mean, cap)
     kv_offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
@@ -356,11 +356,11 @@ def bench_equal(args, b: int, length: int, device: torch.device, dtype, kernels:
 
 
 def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
-    """One forward+backward of the replay's reference model on one batch, varlen against flex (plan built ahead)."""
+    """One forward+backward of the replay's softmax model on one batch, varlen against flex (plan built ahead)."""
     from benchmarks.replay import REPLAY_MODEL_PRESETS
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
     from pipelines.metrics import binary_cross_entropy_sum
-    from pipelines.models.reference import ModelConfig, SequenceModel
+    from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
     source = SyntheticSource(SyntheticConfig.from_preset("kuairand-1k", num_samples=b, seed=args.seed, uih_cap=cap))
     batch = source.read(0, 0, b).to(device)
@@ -371,8 +371,8 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
     for impl in ("flex", "varlen"):
         torch.manual_seed(args.seed)
         sizes = {**REPLAY_MODEL_PRESETS["replay"], "max_uih": cap}
-        model = SequenceModel(
-            ModelConfig(num_labels=batch.num_labels, dense_dim=batch.dense.shape[1], attention_impl=impl, **sizes)
+        model = SoftmaxModel(
+            SoftmaxConfig(num_labels=batch.num_labels, dense_dim=batch.dense.shape[1], attention_impl=impl, **sizes)
         ).to(device)
         plan = (
             model.plan_function()(batch.host_offsets("uih_offsets"), batch.host_offsets("candidate_offsets")).to(device)
@@ -410,7 +410,7 @@ def bench_model(args, b: int, cap: int, device: torch.device) -> list[Record]:
 
 
 def bench_plan(args, b: int, cap: int) -> Record:
-    from pipelines.models.reference import attention_plan
+    from pipelines.models.softmax import attention_plan
 
     rng = np.random.default_rng(args.seed + 7)
     lengths = uih_lengths(rng, b, args.uih_median, args.uih_mean, cap)

@@ -4,7 +4,7 @@ For each case (a workload) and each mode it launches the same job (`pipelines.jo
 prints one table: samples/s, step time, exposed communication by part, straggler %, bubbles, NE, peak memory, and the
 bubble reduction of freescale against sync (``bubble_reduction``, a fraction: 0.9 = 90% fewer bubbles; of the
 per-step means, and ``bubble_reduction_median`` of the per-step medians).
-``--modes ...,torchrec,torchrec-pec`` adds the real torchrec as an outside reference (CPU only): its synchronous
+``--modes ...,torchrec,torchrec-pec`` adds the real torchrec as an outside baseline (CPU only): its synchronous
 pipeline and its prioritized embedding communication (PEC); what they cannot measure shows as "n/m" (None in the
 JSON), never as 0. ``losses against sync`` gives, per run, every mode's largest per-step loss difference to sync's
 (``loss_max_diff_vs_sync`` in the JSON; 0 and "bit for bit" where every step's loss is sync's).
@@ -13,7 +13,7 @@ gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving 
 embedding schedule freescale kept after its probe (pipelines.job.run.schedule; prio or sdd); every mode's timings leave
 out the same warm-up steps, the probe's included.
 
-Every case runs the reference model with ``--attention`` (default jagged: no padding, so a rank's step costs
+Every case runs the softmax model with ``--attention`` (default jagged: no padding, so a rank's step costs
 what the sum of its samples' L^2 costs, the imbalance the balancer removes; ``padded`` for comparison), or with
 ``--model hstu`` / ``hstu-large`` the HSTU model (pipelines.models.hstu: each sample's kept UIH then its candidates
 in one jagged sequence, its own attention kernel; jagged only). Under the table, per case and run, ``straggler
@@ -53,13 +53,14 @@ from pipelines.job.config.sections import JobConfig
 from pipelines.job.run.schedule import PROBE_START, ScheduleProbe
 from pipelines.models.hstu import HSTU_PRESETS
 
-# every mode but the torchrec references (CPU only: --modes ...,torchrec,torchrec-pec adds them)
+# every mode but the torchrec baselines (CPU only: --modes ...,torchrec,torchrec-pec adds them)
 MODES = tuple(name for name in ALL_MODES if name not in TORCHREC_MODES)
 TORCHREC_NOTE = (
-    "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.models.torchrec_ref). n/m = not\n"
-    "  measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run inside\n"
-    "  progress(), which times none of its parts, so compute alone, straggler % and bubbles are unknown; step time,\n"
-    "  QPS, data, label count and NE are measured as in every mode (step time includes one bookkeeping all-reduce).\n"
+    "torchrec: the real DistributedModelParallel + TrainPipelineSparseDist (pipelines.models.torchrec_baseline).\n"
+    "  n/m = not measured: its ID AllToAll (input dist), embedding and gradient AllToAlls and DDP's all-reduce run\n"
+    "  inside progress(), which times none of its parts, so compute alone, straggler % and bubbles are unknown;\n"
+    "  step time, QPS, data, label count and NE are measured as in every mode (step time includes one bookkeeping\n"
+    "  all-reduce).\n"
     "  Same data, initial weights, loss scaling and optimizers as sync (dense Adam; table SGD / row-wise Adagrad in\n"
     "  fbgemm); the loss is multiplied by the world size to undo DDP's and torchrec's division of gradients by it;\n"
     "  losses match sync to float rounding (fbgemm and DDP sum in other orders), not bit for bit."
@@ -104,14 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="override every case's model preset but long's: the reference model's (tiny, small, ...) or the HSTU"
+        help="override every case's model preset but long's: the softmax model's (tiny, small, ...) or the HSTU"
         " model's (hstu, hstu-large)",
     )
     parser.add_argument(
         "--attention",
         choices=("jagged", "padded"),
         default="jagged",
-        help="the reference model's attention in every run (see --attention of train)",
+        help="the softmax model's attention in every run (see --attention of train)",
     )
     parser.add_argument(
         "--precision",
@@ -257,7 +258,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.model in HSTU_PRESETS and args.attention != "jagged":
         raise SystemExit(
-            f"--attention {args.attention} is the reference model's; --model {args.model} packs its sequences "
+            f"--attention {args.attention} is the softmax model's; --model {args.model} packs its sequences "
             "(jagged) always"
         )
     rows = []

@@ -31,7 +31,7 @@ MODES = ("torchrec", "torchrec_pec")
 def _collection(plan, init_tables: dict[str, torch.Tensor], lr: float):
     from torchrec import EmbeddingCollection, EmbeddingConfig
 
-    from pipelines.models.torchrec_ref import fuse_optimizer
+    from pipelines.models.torchrec_baseline import fuse_optimizer
 
     # Renamed: a table named "items" would shadow the ModuleDict method the collection keeps its tables in.
     configs = [

@@ -74,7 +74,7 @@ from kernels.hstu import hstu_attention
 from pipelines.api.numerics import autocast
 from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import truncate
+from pipelines.models.softmax import truncate
 
 LENGTHS = ("zipf", "full")
 PRECISIONS = ("autocast", "bf16", "fp32")

@@ -368,7 +368,7 @@ def main(args: argparse.Namespace) -> int:
         copy_gbps = 2 * src.numel() / copy_us / 1e3
         print(
             f"device-to-device copy of 1 GiB: {copy_us:.0f} us = {copy_gbps:.0f} GB/s read + write "
-            f"(reference for the bandwidth column: {H200_COPY_BANDWIDTH / 1e9:.0f} GB/s)"
+            f"(the bandwidth column's yardstick: {H200_COPY_BANDWIDTH / 1e9:.0f} GB/s)"
         )
         del src, dst
     print(HEADER, flush=True)

@@ -1,5 +1,5 @@
 """`python -m benchmarks replay`: ``freescale simulate`` on step times from the real forward+backward of the
-reference model or the HSTU model (``--step-model replay``, which importing this module adds to the simulator's
+softmax model or the HSTU model (``--step-model replay``, which importing this module adds to the simulator's
 STEP_TIME_MODELS).
 
 The cost model of ``pipelines/simulate/simulator.py`` assumes its coefficients; replay measures them. A virtual rank's
@@ -8,7 +8,7 @@ the actual device (``--device cpu|cuda``), one virtual rank after another, so th
 the max of real measured times. That brings the model's real kernel behaviour into the figures, which the cost
 model only approximates. The kernel (``--replay-kernel``) is the model's attention:
 
-* ``jagged``: the model as it trains by default (``ModelConfig.attention = "jagged"``): packed tokens, no padding,
+* ``jagged``: the model as it trains by default (``SoftmaxConfig.attention = "jagged"``): packed tokens, no padding,
   each sample's causal attention alone (FlexAttention on CUDA, per-sample SDPA on the CPU), so a local batch
   costs about its ``sum L`` tokens and ``sum L^2 / 2`` pairs.
 * ``padded``: the model with ``attention = "padded"``: every local batch right-padded to its longest UIH, so
@@ -16,10 +16,10 @@ model only approximates. The kernel (``--replay-kernel``) is the model's attenti
   linear in tokens) computes about ``count * max L^2 / 2`` pairs.
 
 Models (``--replay-model-preset``). ``tiny``, ``small``, ``production`` and ``replay`` are
-:class:`pipelines.models.reference.SequenceModel`'s, with either kernel; ``hstu`` and ``hstu-large`` are
+:class:`pipelines.models.softmax.SoftmaxModel`'s, with either kernel; ``hstu`` and ``hstu-large`` are
 :class:`pipelines.models.hstu.HSTUModel`'s (the job's ``--model hstu``), whose attention is jagged only (kernels.hstu:
 Triton on CUDA, its PyTorch twin on the CPU). L, in every feature and record (``sequence``), is what the model's
-layers run over (:data:`SEQUENCES`): for the reference model a sample's kept UIH; for the HSTU model its kept UIH
+layers run over (:data:`SEQUENCES`): for the softmax model a sample's kept UIH; for the HSTU model its kept UIH
 then its candidates, its targets, in one packed sequence. Its step is then ``sum L`` (linear layers) plus its
 attention pairs, ``L_u (L_u + 1) / 2`` of the history and ``C (L_u + 1)`` of the C targets, each seeing the history
 and itself: ``L^2 / 2 + L / 2 - C (C - 1) / 2``, which the jagged regressors express up to the last term (C is at
@@ -116,19 +116,19 @@ from fsdata.partition import GatheredLengths, Plan, RuntimeInfo, get_partitioner
 from pipelines.job.memory_probe import equal_length, line_through
 from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_ATTENTION_IMPLS, HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import ATTENTION_IMPLS, MODEL_PRESETS, ModelConfig, SequenceModel
+from pipelines.models.softmax import ATTENTION_IMPLS, SOFTMAX_PRESETS, SoftmaxConfig, SoftmaxModel
 from pipelines.simulate import simulator
 
 REPLAY_MODEL_PRESETS: dict[str, dict] = {
-    **MODEL_PRESETS,
+    **SOFTMAX_PRESETS,
     # The production width is 512 x 4 layers; half of each keeps a few hundred 21,000-token timings within minutes.
     "replay": dict(num_items=1_000_000, dim=256, num_layers=2, num_heads=4),
 }
-#: The models replay times, by preset: the reference model (its own presets and ``replay``) and the HSTU model.
-REPLAY_MODELS = {**{name: "reference" for name in REPLAY_MODEL_PRESETS}, **{name: "hstu" for name in HSTU_PRESETS}}
+#: The models replay times, by preset: the softmax model (its own presets and ``replay``) and the HSTU model.
+REPLAY_MODELS = {**{name: "softmax" for name in REPLAY_MODEL_PRESETS}, **{name: "hstu" for name in HSTU_PRESETS}}
 #: What L of a timed batch's sample is, per model (module docstring, "Models").
 SEQUENCES = {
-    "uih": "each sample's kept UIH (the reference model's encoder; its candidates attend from the head)",
+    "uih": "each sample's kept UIH (the softmax model's encoder; its candidates attend from the head)",
     "uih+candidates": "each sample's kept UIH then its candidates, the HSTU model's packed sequence",
 }
 FEATURES = ("const", "count", "sum_L", "sum_L2", "max_L", "count_x_max_L", "count_x_max_L2")
@@ -303,7 +303,7 @@ class Timer:
     """Times forward + BCE loss + backward of the model on one local batch, device-synchronised around each
     call. ``calls`` counts every forward+backward it ran (warm-ups and memory probes included)."""
 
-    def __init__(self, model: Union[SequenceModel, HSTUModel, None], device: torch.device, dtype: str) -> None:
+    def __init__(self, model: Union[SoftmaxModel, HSTUModel, None], device: torch.device, dtype: str) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.sequence = sequence_of(model)
         self.calls = 0
@@ -633,22 +633,22 @@ def _sizes(args: argparse.Namespace) -> dict:
     return sizes
 
 
-def _config(args: argparse.Namespace, shape: dict) -> Union[ModelConfig, HSTUConfig]:
-    """The timed model's config: the reference model's (its attention ``--replay-kernel``) or, for an HSTU preset,
+def _config(args: argparse.Namespace, shape: dict) -> Union[SoftmaxConfig, HSTUConfig]:
+    """The timed model's config: the softmax model's (its attention ``--replay-kernel``) or, for an HSTU preset,
     the HSTU model's; ``shape``: the data's label and dense widths. max_uih follows the simulation: a model preset's
     shorter cap would hide the long-UIH stragglers."""
     values = {**_sizes(args), **shape, "max_uih": args.max_uih}
     impl = getattr(args, "replay_attention_impl", None)
     if REPLAY_MODELS[args.replay_model_preset] == "hstu":
         return HSTUConfig(**values, attention_impl=impl)
-    return ModelConfig(**values, attention=args.replay_kernel, attention_impl=impl)
+    return SoftmaxConfig(**values, attention=args.replay_kernel, attention_impl=impl)
 
 
-def _model(args: argparse.Namespace, source, device: torch.device) -> Union[SequenceModel, HSTUModel]:
+def _model(args: argparse.Namespace, source, device: torch.device) -> Union[SoftmaxModel, HSTUModel]:
     """The timed model (:func:`_config`), shaped by the source's labels and dense width."""
     config = _config(args, {"num_labels": source.config.num_labels, "dense_dim": source.config.dense_dim})
     torch.manual_seed(args.seed)
-    return (HSTUModel if isinstance(config, HSTUConfig) else SequenceModel)(config).to(device)
+    return (HSTUModel if isinstance(config, HSTUConfig) else SoftmaxModel)(config).to(device)
 
 
 def _dtype(args: argparse.Namespace) -> str:
@@ -1000,7 +1000,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _check_model(args: argparse.Namespace) -> None:
     """The model flags: a known preset, and what the chosen model has (the HSTU model: jagged only, its own kernels
-    and head width; the reference model: its kernels, head width d / heads)."""
+    and head width; the softmax model: its kernels, head width d / heads)."""
     preset = args.replay_model_preset
     if preset not in REPLAY_MODELS:
         raise ValueError(f"--replay-model-preset {preset!r}: choose from {sorted(REPLAY_MODELS)}")
@@ -1019,7 +1019,7 @@ def _check_model(args: argparse.Namespace) -> None:
                 f"--replay-head-dim is the HSTU model's; --replay-model-preset {preset}'s head width is d / heads"
             )
         if impl not in (None, *ATTENTION_IMPLS):
-            raise ValueError(f"--replay-attention-impl {impl}: the reference model's are {', '.join(ATTENTION_IMPLS)}")
+            raise ValueError(f"--replay-attention-impl {impl}: the softmax model's are {', '.join(ATTENTION_IMPLS)}")
     _config(args, {})  # the sizes' own checks
 
 
@@ -1100,7 +1100,7 @@ def summary(records: list[dict], kernels: list[str], jitters: list[str], ranks_l
         if not group:
             continue
         f = group[0]
-        model = f"{f.get('replay_model', 'reference')} model, L = {f.get('sequence', 'uih')}"
+        model = f"{f.get('replay_model', 'softmax')} model, L = {f.get('sequence', 'uih')}"
         if f.get("replay_mode") == "fit":
             lines.append(
                 f"{kernel} kernel ({model}), {f['device']} {f['dtype']}: {f['n_batches_timed']} whole local batches "
@@ -1199,7 +1199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replay-attention-impl",
         default=None,
         choices=tuple(dict.fromkeys(ATTENTION_IMPLS + HSTU_ATTENTION_IMPLS)),
-        help="the jagged attention's kernel on CUDA: the reference model's "
+        help="the jagged attention's kernel on CUDA: the softmax model's "
         f"{'|'.join(ATTENTION_IMPLS)} (default varlen), the HSTU model's {'|'.join(HSTU_ATTENTION_IMPLS)} (default"
         " triton)",
     )
@@ -1218,7 +1218,7 @@ def _add_replay_model_arguments(parser: argparse.ArgumentParser) -> None:
     replay.add_argument(
         "--replay-model-preset",
         default="replay",
-        help="the reference model's tiny|small|production|replay (default replay: d=256, 2 layers, 4 heads) or the"
+        help="the softmax model's tiny|small|production|replay (default replay: d=256, 2 layers, 4 heads) or the"
         " HSTU model's hstu|hstu-large; max_uih always follows --max-uih",
     )
     replay.add_argument("--replay-dim", type=int, default=None, help="override the preset's width d")

@@ -1,4 +1,4 @@
-"""`python -m benchmarks soak`: a long run of `freescale train` (the demo's job: the reference model on synthetic
+"""`python -m benchmarks soak`: a long run of `freescale train` (the demo's job: the softmax model on synthetic
 data, 2 local CPU ranks) with the job's resident memory read at intervals.
 
 A job that keeps something per step grows linearly however small the thing; over a million steps that is

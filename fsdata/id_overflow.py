@@ -5,7 +5,7 @@ table, or a corrupt id near 2^62) would otherwise be folded onto rows silently, 
 So a source is wrapped in :class:`IdRangeSource`, which checks every batch it serves:
 
     error   (the default) ValueError naming the first such sample and its largest id
-    modulo  id -> id % num_rows (the fold the reference model has always applied), counted
+    modulo  id -> id % num_rows (the fold the softmax model has always applied), counted
     hash    id -> a 64-bit mix of the id, % num_rows: neighbouring large ids spread over the table, counted
 
 The policy comes from the job (``--id-overflow``), else from the dataset (Parquet metadata

@@ -164,7 +164,7 @@ class SyntheticConfig:
     dense_weight: float = 1.0
     id_overflow: Optional[str] = None
     """How ids beyond a model's item table map to rows (fsdata.id_overflow): presets whose vocabulary is larger
-    than the reference models' tables declare ``modulo``; None leaves it to the job (an error by default)."""
+    than the built-in models' tables declare ``modulo``; None leaves it to the job (an error by default)."""
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "SyntheticConfig":

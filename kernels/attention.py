@@ -13,7 +13,7 @@ sample's UIH). A query whose sample has no keys gets zeros. Implementations (:cl
   (:mod:`kernels.flex.block_mask`). Bitwise reproducible as it is: the default of the deterministic mode
   (``resolve_impl(None, device, deterministic=True)``). FlexAttention has no CPU backward.
 - ``TORCH``: one fused SDPA per sample (:mod:`kernels.pytorch.pt_jagged_attention`), the same numbers: the
-  default on CPU, and the reference the FlexAttention path is tested against.
+  default on CPU, and the twin the FlexAttention path is tested against.
 - ``PADDED``: every sample padded to the batch's longest, one SDPA: the baseline the jagged paths are measured
   against, never the default.
 

@@ -20,7 +20,7 @@ Implementations (:class:`kernels.impl.Impl`):
   weights' gradients by per-program sums: the same bits on every run. A torch operator (``freescale::
   hstu_attention``) with its own autograd formula, so torch.compile traces a layer through it. The default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
-  default on CPU and the reference.
+  default on CPU and the twin the kernel is tested against.
 - ``PADDED``: the batch padded to its longest sample, one [B, H, L, L] score tensor: the baseline.
 
 A model runs the attention in every layer over one batch: :func:`hstu_sequences` checks the batch's offsets,

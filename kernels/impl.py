@@ -12,7 +12,7 @@ from typing import Collection, Union
 
 class Impl(enum.Enum):
     TRITON = "triton"  # the Triton kernel (kernels/triton/)
-    TORCH = "torch"  # the PyTorch twin (kernels/pytorch/): the reference, and the CPU path
+    TORCH = "torch"  # the PyTorch twin (kernels/pytorch/): what the kernels are tested against, and the CPU path
     EAGER = "eager"  # the naive per-sample loop (kernels/pytorch/pt_eager.py): a benchmark baseline only
     VARLEN = "varlen"  # PyTorch's variable-length FlashAttention (kernels/varlen/)
     FLEX = "flex"  # FlexAttention over block masks (kernels/flex/)

@@ -4,7 +4,7 @@ Every op validates its inputs once, here, then runs one implementation chosen by
 
 - ``Impl.TRITON``: the Triton kernel (default for CUDA tensors; on CPU only under ``TRITON_INTERPRET=1``,
   which is how the tests run it).
-- ``Impl.TORCH``: the vectorized PyTorch twin (default for CPU tensors; the reference in tests).
+- ``Impl.TORCH``: the vectorized PyTorch twin (default for CPU tensors; what the tests check the kernels against).
 - ``Impl.EAGER``: the naive per-sample loop (kernels/pytorch/pt_eager.py); the benchmark's baseline, never the
   training path.
 

@@ -3,8 +3,8 @@
     api/       the training API a user's script calls: wrap_model (and the EmbeddingWrap it returns), TrainStep,
                ModelSpec, unwrap_model, predict, evaluate
     job/       what `freescale train` runs around the API's step, in rooms: config/, checkpoint/, launch/, run/
-    models/    the reference models (a softmax transformer, and HSTU), and torchrec's TrainPipelineSparseDist and PEC
-               around the first as outside references
+    models/    the built-in models (a softmax transformer, and HSTU), and torchrec's TrainPipelineSparseDist and PEC
+               around the first as outside baselines
     cli/       the `freescale` command and its data commands
     simulate/  the step-time simulator: `freescale simulate`, the straggler effect of N ranks without N devices
 

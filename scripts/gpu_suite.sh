@@ -23,7 +23,7 @@
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, eager/compiled,
 #                                        # input embeddings: TFLOP/s, MFU, kernel time by part (< 10 min)
-#   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, reference and HSTU models (~6 min)
+#   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, softmax and HSTU models (~6 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
@@ -134,7 +134,7 @@ PY
   hstu)
     echo "== GPU tests: the Triton HSTU attention against its twin (bf16/fp32, dims 64-256, rab, targets, window), repro"
     FREESCALE_HSTU_AUTOTUNE=0 timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/kernels/test_hstu_attention_gpu.py 2>&1 | tail -12
-    echo "== generative-recommenders' Triton HSTU attention (the outside reference), shapes a, b, c at dim 64"
+    echo "== generative-recommenders' Triton HSTU attention (the outside baseline), shapes a, b, c at dim 64"
     REF=${HSTU_REFERENCE:-.ref/genrec_hstu}
     if [ -f "$REF/bench_hstu.py" ]; then
       OUT_ABS=$(cd "$OUT" && pwd)
@@ -179,7 +179,7 @@ PY
     tail -4 "$OUT/train_hstu_auto.log"
     ;;
   deterministic)
-    echo "== the deterministic mode end to end, reference and HSTU models: freescale = sync bit for bit without the balancer, and run to run"
+    echo "== the deterministic mode end to end, softmax and HSTU models: freescale = sync bit for bit without the balancer, and run to run"
     timeout 540 python3 -m pytest -q -p no:cacheprovider tests/pipelines/test_deterministic_gpu.py 2>&1 | tail -8
     ;;
   long)
@@ -193,7 +193,7 @@ PY
     echo "== bench transport: a GPU rank and a CPU peer, host-tcp against host-shm, beside the copy floor (D2H + H2D)"
     timeout 150 python3 -m benchmarks transport --device cuda --nproc 2 --sizes 4194304,33554432 --backends host-tcp,host-shm \
       --reps 10 --pairs 7 --timeout 60 --json "$OUT/transport_gpu.json" 2>&1 | grep -v "^\[bench" | tail -30
-    echo "== the reference model (jagged attention, plans from the loader) trains on the GPU: 2 ranks sharing it"
+    echo "== the softmax model (jagged attention, plans from the loader) trains on the GPU: 2 ranks sharing it"
     timeout 150 python3 -m pipelines.cli train --device cuda --nproc 2 --steps 12 --model small --uih-cap 4096 --batch-size 16 \
       --no-progress --summary-json "$OUT/train_gpu.json" 2>&1 | tail -12
     ;;

@@ -36,8 +36,8 @@ def assert_items_equal(got: list, expected: list, what: str) -> None:
 
 
 def run_test_save_load_state(make_loader: Callable[[], Any], midpoint: int) -> None:
-    reference = make_loader()
-    epoch0, epoch1 = list(reference), list(reference)
+    first = make_loader()
+    epoch0, epoch1 = list(first), list(first)
     assert 0 < midpoint < len(epoch0), f"midpoint {midpoint} must lie inside an epoch of {len(epoch0)} items"
 
     # 1. Midpoint of the first epoch; the resumed loader then continues into the next epoch.

@@ -1,7 +1,10 @@
 """Names renamed so that each word has one meaning are gone, not aliased: the packages' old names raise
-AttributeError, and TrainStep, predict, evaluate and unwrap_model refuse the old ``stage=`` keyword."""
+AttributeError, the old modules do not import, the modules' old names are not there, and TrainStep, predict,
+evaluate and unwrap_model refuse the old ``stage=`` keyword."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -18,6 +21,33 @@ OLD_NAMES = [
     (fsembed, "stage_transports"),
     (fsembed, "EmbeddingHub"),
 ]
+
+
+OLD_MODULES = [
+    "pipelines.models.reference",
+    "pipelines.models.torchrec_ref",
+]
+
+OLD_MODULE_NAMES = [
+    ("pipelines.models.softmax", "SequenceModel"),
+    ("pipelines.models.softmax", "ModelConfig"),
+    ("pipelines.models.softmax", "MODEL_PRESETS"),
+    ("pipelines.models.torchrec_baseline", "TorchrecReference"),
+    ("pipelines.models.torchrec_baseline", "_TorchrecSequenceModel"),
+    ("pipelines.models.torchrec_pec", "reference_target"),
+    ("pipelines.job.checkpoint.export", "REFERENCE"),
+]
+
+
+@pytest.mark.parametrize("old", OLD_MODULES)
+def test_an_old_module_is_gone(old):
+    with pytest.raises(ModuleNotFoundError, match=f"No module named '{old}'"):
+        importlib.import_module(old)
+
+
+@pytest.mark.parametrize("module,old", OLD_MODULE_NAMES, ids=[f"{module}.{old}" for module, old in OLD_MODULE_NAMES])
+def test_an_old_module_name_is_gone(module, old):
+    assert not hasattr(importlib.import_module(module), old)
 
 
 @pytest.mark.parametrize("package,old", OLD_NAMES, ids=[old for _, old in OLD_NAMES])

@@ -386,7 +386,7 @@ def test_data_stats_counts_timestamps_going_backwards_in_a_line_and_its_json(tmp
 
 @pytest.mark.multiprocess
 def test_timestamps_going_backwards_reach_the_run_summary_and_a_model_reading_time_gaps_refuses_them(tmp_path):
-    """The reference model reads no time gap: served and counted, as distinct samples (both are in step 0 of every
+    """The softmax model reads no time gap: served and counted, as distinct samples (both are in step 0 of every
     epoch: 10 steps of 8 read them twice). HSTU reads them: refused in one line, or sorted on request."""
     import json
 

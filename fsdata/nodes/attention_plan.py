@@ -6,10 +6,10 @@ balancer's and ID prefetch's stages, under the stage worker (fsdata.nodes.backgr
 batch ahead while the current step computes, so the training thread never builds a mask.
 
 fsdata does not import the model: the stage runs the function it is given, ``plan_fn(uih_offsets,
-candidate_offsets)`` (host int64 tensors), for instance ``SequenceModel.plan_function()``, and sets
+candidate_offsets)`` (host int64 tensors), for instance ``SoftmaxModel.plan_function()``, and sets
 ``item.attention_plan`` to what it returns. The result travels to the device with the batch: the device-copy stage
 pins it and copies it on its copy stream when it has ``pin_memory()`` and ``to(device, non_blocking)`` (the
-reference model's ``AttentionPlan`` is a dataclass of tensors that has both, and ``record_stream``).
+softmax model's ``AttentionPlan`` is a dataclass of tensors that has both, and ``record_stream``).
 
 State. The stage keeps none: a plan is a pure function of its batch, so the source's state passes through
 unchanged (not nested under a key) and a resumed loader builds the same plans.

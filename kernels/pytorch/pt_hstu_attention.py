@@ -1,8 +1,9 @@
-"""Twins of the jagged HSTU attention: per-sample dense (the CPU path and the reference) and the padded baseline.
+"""Twins of the jagged HSTU attention: per-sample dense (the CPU path, and what the kernel is tested against) and
+the padded baseline.
 
 Both materialize each sample's (or the padded batch's) L x L scores, which is what the Triton kernel never does;
 autograd gives their backward. Every quantity is computed in fp32 and cast back to the inputs' dtype at the end,
-so the twin is the accuracy reference for the kernel's bf16 path.
+so the twin is the accuracy yardstick for the kernel's bf16 path.
 
 The bucket functions here are the definition the kernel mirrors bit for bit (integer and float-exponent
 arithmetic only, no transcendental whose rounding could differ between the two).

@@ -1,7 +1,8 @@
-"""Twins of the jagged attention: per-sample SDPA (the CPU path and the reference) and the padded baseline.
+"""Twins of the jagged attention: per-sample SDPA (the CPU path, and what the kernels are tested against) and the
+padded baseline.
 
 The twin runs one fused ``scaled_dot_product_attention`` per sample: the exact jagged computation, with no
-padding and no N^2 mask (a masked whole-batch reference would hold N^2 scores). It is the one per-sample loop
+padding and no N^2 mask (a masked whole-batch twin would hold N^2 scores). It is the one per-sample loop
 among the twins: a sample's attention is already one whole-tensor op.
 """
 

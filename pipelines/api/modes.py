@@ -9,7 +9,7 @@ none, and says whether the job composes the balancer's stages.
     freescale   balancer + prioritized embedding updates, switching to sdd's schedule at run time where that is
                 faster (pipelines.job.run.schedule's probe; exact either way)
     torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
-                reference (pipelines.models.torchrec_ref)
+                baseline (pipelines.models.torchrec_baseline)
     torchrec-pec  torchrec's Prioritized Embedding Communication (PEC) driven as upstream's TrainPipelinePEC,
                 CPU only: the outside counterpart of freescale's prioritized updates (pipelines.models.torchrec_pec)
 """
@@ -51,7 +51,7 @@ MODES: dict[str, Mode] = {
 }
 #: The modes whose tables FreeScale shards (wrap_model's modes).
 SHARDED = tuple(name for name, m in MODES.items() if m.schedule is not None)
-#: The modes that train through torchrec itself (CPU references, no checkpoints).
+#: The modes that train through torchrec itself (CPU baselines, no checkpoints).
 TORCHREC_MODES = ("torchrec", "torchrec-pec")
 #: The modes in which `freescale train` balances.
 BALANCING = tuple(name for name, m in MODES.items() if m.balances)

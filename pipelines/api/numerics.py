@@ -9,7 +9,7 @@ Deterministic mode. FreeScale promises synchronous training's numbers; a run com
 kernel is reproducible. :func:`enable_determinism` switches the process to torch's deterministic algorithms and
 sets cuBLAS's workspace (``CUBLAS_WORKSPACE_CONFIG``, read when cuBLAS starts: call it before the first matmul on
 the GPU, in every rank); :func:`check_determinism` then refuses a model whose attention kernel would not be
-reproducible as set up. The reference model picks FlexAttention in this mode (reproducible as it is, and faster
+reproducible as set up. The softmax model picks FlexAttention in this mode (reproducible as it is, and faster
 than FlashAttention's deterministic backward); what the mode costs is in BENCHMARKS.md.
 """
 

@@ -17,7 +17,7 @@ AllToAll in the loader, one batch ahead. ``TrainStep.progress(items)``, in the s
 ``TrainPipeline.progress(iterator)``, keeps the one batch of lookahead that prioritized updates need (batch i+1's
 ids go to step i's forward: pipelines.models.step_protocol.Lookahead), runs forward and backward, all-reduces the
 dense gradients (pipelines.api.dense_sync) and steps the dense optimizer. TrainStep implements the Step protocol
-(pipelines.models.step_protocol), as torchrec's reference steps do.
+(pipelines.models.step_protocol), as torchrec's baseline steps do.
 
 Loss semantics. ``loss(outputs, batch)`` returns the SUM of the per-label losses of the local batch; the step
 divides it by the global number of labels (every rank's ``batch.candidate_labels.numel()``), so the gradient is
@@ -60,7 +60,7 @@ Loss = Callable[[Any, Batch], torch.Tensor]  # (model outputs, batch) -> sum of 
 
 def bce_loss(outputs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """The default loss: BCE of per-candidate logits [C_total, T] against ``batch.candidate_labels``, summed
-    (pipelines.metrics.binary_cross_entropy_sum, the reference model's)."""
+    (pipelines.metrics.binary_cross_entropy_sum, the softmax model's)."""
     return binary_cross_entropy_sum(outputs, batch.candidate_labels)
 
 
@@ -171,7 +171,7 @@ class ModelSpec:
     the factory is called with the job's config, pipelines.job.config.JobConfig, on every rank, and must build the same
     initial weights everywhere, e.g. after ``torch.manual_seed(config.run.seed)``).
 
-    Only ``model`` is required; the rest defaults to the reference model's conventions."""
+    Only ``model`` is required; the rest defaults to the softmax model's conventions."""
 
     model: nn.Module
     #: batch -> the model's arguments (default: the batch itself)
@@ -188,7 +188,7 @@ class ModelSpec:
     source: Optional[Callable[[Any], Any]] = None
     #: (uih_offsets, candidate_offsets) -> an attention plan (host int64 offsets in; e.g. block masks out): run by the
     #: loader's attention-plan stage for a batch ahead when training on CUDA, and handed to the model as its
-    #: ``attention_plan`` keyword (the reference model's ``plan_function()``; default: none)
+    #: ``attention_plan`` keyword (the softmax model's ``plan_function()``; default: none)
     plan: Optional[Callable[[Any, Any], Any]] = None
 
 

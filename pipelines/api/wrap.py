@@ -28,7 +28,7 @@ lookahead and passes step i's lookup batch i's context with batch i+1's in it (f
 extra batch. Without a loader stage the step builds the context itself (``context_of``: the features function, or
 the KeyedJaggedTensor among the model's arguments, so the user's ``inputs`` runs once per step).
 
-Built through the public ``pipelines.api.step.wrap_model`` (the reference model too).
+Built through the public ``pipelines.api.step.wrap_model`` (the softmax model too).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (
         ("train",),
         "pipelines.job.train",
-        "train the reference model, HSTU or yours (--model) on local ranks or hosts",
+        "train the softmax model, HSTU or yours (--model) on local ranks or hosts",
     ),
     (("data", "synth"), "pipelines.cli.data_synth", "write synthetic heavy-tailed UIH data to Parquet"),
     (("data", "convert"), "pipelines.cli.data_convert", "convert MovieLens / Amazon / KuaiRand raw logs to Parquet"),

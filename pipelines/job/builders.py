@@ -20,7 +20,7 @@ from pipelines.job.config.sections import (
     JobRunSection,
 )
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import MODEL_PRESETS, ModelConfig, SequenceModel
+from pipelines.models.softmax import SOFTMAX_PRESETS, SoftmaxConfig, SoftmaxModel
 
 
 def build_source(config: JobDataSection, global_batch_size: int) -> SampleSource:
@@ -58,7 +58,7 @@ def is_factory(name: str) -> bool:
 def build_model_spec(config: JobConfig, source: SampleSource) -> ModelSpec:
     """The model to train and how to train it: a user's factory (``--model module:function`` or
     ``path/file.py:function``, called with the job's config; it returns a ModelSpec, or just the model), or the
-    model of a preset (the reference model, or the HSTU model of an HSTU preset), described the same way (its item
+    model of a preset (the softmax model, or the HSTU model of an HSTU preset), described the same way (its item
     table swapped by name, its features the ids of its one lookup)."""
     if is_factory(config.model.name):
         from fsdata.resolve import load_callable
@@ -96,13 +96,13 @@ def build_model(
     seed: int,
     deterministic: bool = False,
     attention_impl: Optional[str] = None,
-) -> Union[SequenceModel, HSTUModel]:
-    """The model of a preset: the reference model (MODEL_PRESETS) or the HSTU model (pipelines.models.hstu's
+) -> Union[SoftmaxModel, HSTUModel]:
+    """The model of a preset: the softmax model (SOFTMAX_PRESETS) or the HSTU model (pipelines.models.hstu's
     HSTU_PRESETS), shaped by the data's label and dense widths; identical initial weights on every rank.
-    ``deterministic`` picks the attention kernel that is reproducible as it is (the reference model's FlexAttention,
+    ``deterministic`` picks the attention kernel that is reproducible as it is (the softmax model's FlexAttention,
     the HSTU Triton kernel's deterministic backward) where ``attention_impl`` (the job's ``kernels.attention_impl``)
     is unset."""
-    presets = {**MODEL_PRESETS, **HSTU_PRESETS}
+    presets = {**SOFTMAX_PRESETS, **HSTU_PRESETS}
     if config.name not in presets:
         raise ValueError(
             f"unknown model preset {config.name!r}; choose from {sorted(presets)} or name a "
@@ -125,19 +125,19 @@ def build_model(
     impl = attention_impl
     if impl is None and deterministic:
         impl = resolve_impl(None, torch.device("cuda"), deterministic=True).value
-    model_config = ModelConfig(attention=config.attention, attention_impl=impl, **shape, **sizes)
+    model_config = SoftmaxConfig(attention=config.attention, attention_impl=impl, **shape, **sizes)
     torch.manual_seed(seed)
-    return SequenceModel(model_config)
+    return SoftmaxModel(model_config)
 
 
 def _hstu_config(
     config: JobModelSection, sizes: dict, shape: dict, deterministic: bool, attention_impl: Optional[str]
 ) -> HSTUConfig:
-    """The HSTU model's config of preset ``config.name``; the reference model's attention options are refused in
+    """The HSTU model's config of preset ``config.name``; the softmax model's attention options are refused in
     one line (HSTU has its own kernel, kernels.hstu)."""
     if config.attention != "jagged":
         raise ValueError(
-            f"--attention {config.attention} is the reference model's; --model {config.name} packs its sequences "
+            f"--attention {config.attention} is the softmax model's; --model {config.name} packs its sequences "
             "(jagged) always"
         )
     if attention_impl not in (None, "torch"):
@@ -200,15 +200,15 @@ def build_step(
 ):
     """The job's step, chosen once here: the public API's TrainStep around ``spec.model`` (its embedding wrap
     ``wrap``, dense Adam at ``run.lr``), or in mode ``torchrec`` torchrec's own DistributedModelParallel +
-    TrainPipelineSparseDist (the outside reference), which implements the same interface (``lookahead``,
+    TrainPipelineSparseDist (the outside baseline), which implements the same interface (``lookahead``,
     ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``). ``hooks``: what the job adds around the step."""
     if run.mode == "torchrec-pec":
         return _torchrec_pec_step(spec, run, embeddings, hooks, timer, device)
     if run.mode == "torchrec":
         from pipelines.api.step import count_labels
-        from pipelines.models.torchrec_ref import TorchrecReference
+        from pipelines.models.torchrec_baseline import TorchrecBaseline
 
-        return TorchrecReference(
+        return TorchrecBaseline(
             spec.model,
             optimizer_name=embeddings.optimizer,
             embedding_lr=embeddings.lr,
@@ -240,16 +240,16 @@ def build_step(
 def _torchrec_pec_step(
     spec: ModelSpec, run: JobRunSection, embeddings: JobEmbeddingsSection, hooks: StepHooks, timer, device
 ):
-    """Mode ``torchrec-pec``: torchrec's PEC (pipelines.models.torchrec_pec) on the reference model's item table, or
+    """Mode ``torchrec-pec``: torchrec's PEC (pipelines.models.torchrec_pec) on the softmax model's item table, or
     on the one EmbeddingCollection of a ``--model`` factory's model."""
     from pipelines.api.step import count_labels
-    from pipelines.models.torchrec_pec import TorchrecPEC, reference_target, user_target
-    from pipelines.models.torchrec_ref import check_device_and_optimizer, require_torchrec
+    from pipelines.models.torchrec_baseline import check_device_and_optimizer, require_torchrec
+    from pipelines.models.torchrec_pec import TorchrecPEC, softmax_target, user_target
 
     require_torchrec()
     check_device_and_optimizer(run.mode, device, embeddings.optimizer)
-    if isinstance(spec.model, SequenceModel) and spec.inputs is None:
-        target = reference_target(spec.model, embeddings.optimizer, embeddings.lr, device)
+    if isinstance(spec.model, SoftmaxModel) and spec.inputs is None:
+        target = softmax_target(spec.model, embeddings.optimizer, embeddings.lr, device)
     else:
         target = user_target(spec, embeddings.optimizer, embeddings.lr)
     return TorchrecPEC(

@@ -38,7 +38,7 @@ class JobData(NamedTuple):
 
 
 def build_data_and_model(config: JobConfig, world_size: int, device: torch.device) -> JobData:
-    """The training source, the model spec (the reference model, or a user's --model factory), the held-out source,
+    """The training source, the model spec (the softmax model, or a user's --model factory), the held-out source,
     and the model on its device."""
     source = build_source(config.data, config.loader.batch_size * world_size)
     spec = build_model_spec(config, source)
@@ -48,7 +48,7 @@ def build_data_and_model(config: JobConfig, world_size: int, device: torch.devic
     # a model declaring SequenceRecommender (the presets') names its item table's rows; a user's may not
     num_items = spec.model.num_items if isinstance(spec.model, SequenceRecommender) else None
     if num_items is not None:
-        # Ids past the reference model's item table are an error unless the job or the dataset declares a fold
+        # Ids past the softmax model's item table are an error unless the job or the dataset declares a fold
         # (fsdata.id_overflow).
         source = IdRangeSource(source, num_items, config.data.id_overflow)
     model = spec.model.to(device)

@@ -20,7 +20,7 @@ class DataDims(NamedTuple):
 
 def data_dims(config: "JobConfig") -> DataDims:
     """The dense width and label count of the job's source (``config.data``: synthetic preset or Parquet), read
-    from its first sample, as the reference model is shaped (pipelines.job.builders.build_model). The same on every
+    from its first sample, as the softmax model is shaped (pipelines.job.builders.build_model). The same on every
     rank; a source without samples gives (0, 1)."""
     from pipelines.job.builders import build_source
 

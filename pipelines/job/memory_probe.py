@@ -1,9 +1,9 @@
-"""``--memory-budget auto``'s memory model, measured on the job's own model (the reference model, the HSTU model or a
+"""``--memory-budget auto``'s memory model, measured on the job's own model (the softmax model, the HSTU model or a
 user's factory's) on its own device, instead of figures measured once on another model.
 
 The balancer's budget (fsdata.partition.budget) caps each rank's kept tokens, ``min(L, max_uih) + candidates`` per
 sample, through a line ``peak bytes = fixed_bytes + bytes_per_token * kept tokens`` (``MemoryModel``). Its default
-figures are the reference model's (the replay's probe of its preset ``replay``); a model of another width, depth or
+figures are the softmax model's (the replay's probe of its preset ``replay``); a model of another width, depth or
 layout needs its own: the HSTU model, for one, puts its candidates into the sequence and holds u, v, q and k of every
 token for the backward.
 

@@ -1,6 +1,6 @@
 """The Trainer: reads top-down like a plain training loop.
 
-    train():       fetch batch i+1 (the step's lookahead: one batch; two for the torchrec reference) ->
+    train():       fetch batch i+1 (the step's lookahead: one batch; two for the torchrec baseline) ->
                    train_step(batch i) -> log -> checkpoint
     train_step():  the step's one call, ``train_on`` (pipelines.api.step.TrainStep, or in modes torchrec and
                    torchrec-pec torchrec's own behind the same interface, chosen once by

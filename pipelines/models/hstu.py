@@ -1,9 +1,9 @@
-"""The HSTU reference model (Hierarchical Sequential Transduction Units, "Actions Speak Louder than Words"):
+"""The HSTU model (Hierarchical Sequential Transduction Units, "Actions Speak Louder than Words"):
 each sample's kept UIH followed by its candidates, as one jagged sequence through pointwise-attention layers.
 
     tokens    = [history..., candidates...] per sample      (packed [N_uih + C_total, d], no padding)
     history   = item embedding + action embedding           (the most recent ``max_uih`` events)
-    candidate = sum of its content-id embeddings            (as the reference model's)
+    candidate = sum of its content-id embeddings            (as the softmax model's)
     layer     = x + Linear(u * LayerNorm(hstu_attention(q, k, v)))   u, v, q, k = SiLU(Linear(LayerNorm(x)))
     head      = MLP(LayerNorm(candidate's output token), dense) -> one logit per label column; BCE loss
 
@@ -17,7 +17,7 @@ The attention kernel is kernels.hstu's: the Triton kernel on CUDA, its PyTorch t
 batch's offsets alone, so the model asks the loader for no plan (:meth:`HSTUModel.needs_plan` is False).
 
 The embedding tables are ``nn.Embedding`` modules named ``item_embedding`` and ``action_embedding``, looked up
-once per forward (:meth:`HSTUModel.item_ids`), exactly as in the reference model: FreeScale's wrap swaps them by
+once per forward (:meth:`HSTUModel.item_ids`), exactly as in the softmax model: FreeScale's wrap swaps them by
 name and the loader prefetches :meth:`HSTUModel.embedding_ids`, so the job trains either model the same way.
 """
 
@@ -36,7 +36,7 @@ from kernels.attention import PackedOffsets
 from kernels.hstu import HSTUSequences, hstu_attention, hstu_sequences, position_bucket, time_bucket
 from kernels.hstu import resolve_impl as resolve_hstu_impl
 from kernels.impl import Impl
-from pipelines.models.reference import Kept, truncate
+from pipelines.models.softmax import Kept, truncate
 
 #: How the attention weights are normalized: ``max`` by one constant, the longest sequence the model is sized
 #: for (``max_uih + max_candidates``); ``sample`` by each sample's own length.
@@ -185,7 +185,7 @@ class HSTULayer(nn.Module):
 
 
 class HSTUModel(nn.Module):
-    """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels] (the reference model's contract:
+    """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels] (the softmax model's contract:
     its default loss is pipelines.metrics.binary_cross_entropy_sum)."""
 
     # Its relative bias and age embeddings read the gaps between events' times: the job's loader refuses histories
@@ -216,7 +216,7 @@ class HSTUModel(nn.Module):
     # ---------------------------------------------------------------- what the job and the wrap call
     def item_ids(self, batch: Batch, kept: Optional[Kept] = None) -> torch.Tensor:
         """Every item-table id one forward looks up, in one tensor: the kept UIH items, then the content ids (the
-        reference model's order, so a sharded table exchanges the whole step's ids at once)."""
+        softmax model's order, so a sharded table exchanges the whole step's ids at once)."""
         flat = (kept if kept is not None else truncate(batch, self.config.max_uih)).flat
         return torch.cat([batch.uih_item_ids[flat], batch.content_ids]) % self.config.num_items
 

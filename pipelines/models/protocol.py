@@ -1,4 +1,4 @@
-"""What the job asks of a model beyond ``forward``: the protocol the reference model and HSTU implement, and any
+"""What the job asks of a model beyond ``forward``: the protocol the softmax model and HSTU implement, and any
 model that declares it.
 
     SequenceRecommender

@@ -1,7 +1,7 @@
 """The step contract: what `freescale train`'s trainer asks of a step, and the one lookahead loop that feeds it.
 
     Step         the protocol every step implements (the API's TrainStep, pipelines.api.step; the torchrec
-                 reference's and PEC's, pipelines.models.torchrec_ref and torchrec_pec): ``lookahead`` items it
+                 baseline's and PEC's, pipelines.models.torchrec_baseline and torchrec_pec): ``lookahead`` items it
                  takes beyond the current one, ``to_device(item)``, ``train_on(item, upcoming) -> StepResult``
     Lookahead    the loop of current item and the ``lookahead`` items after it: TrainStep.progress runs it, and the
                  trainer drives it with its own fetch and a context around each fetch (its timings)

@@ -1,5 +1,5 @@
 """What one training step returns, whichever kind of step ran it: the public API's TrainStep
-(pipelines.api.step) or the torchrec reference (pipelines.models.torchrec_ref), so that `freescale train`'s trainer
+(pipelines.api.step) or the torchrec baseline (pipelines.models.torchrec_baseline), so that `freescale train`'s trainer
 drives either through one interface and builds its step record from this alone. It lives below both (the
 layout's one rule: a package imports only the ones below it)."""
 
@@ -33,5 +33,5 @@ class StepResult:
     per_rank: dict[str, np.ndarray] = field(default_factory=dict)
     #: exposed-time parts this step cannot time (reported as None, never as 0)
     unmeasured: tuple[str, ...] = ()
-    #: what this kind of step adds to a job's record (the torchrec reference: progress_s, bookkeeping_s)
+    #: what this kind of step adds to a job's record (the torchrec baseline: progress_s, bookkeeping_s)
     extras: dict[str, Any] = field(default_factory=dict)

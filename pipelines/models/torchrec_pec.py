@@ -1,5 +1,5 @@
 """Mode ``torchrec-pec``: torchrec's own Prioritized Embedding Communication (PEC), beside FreeScale's prioritized
-updates and the ``torchrec`` reference.
+updates and the ``torchrec`` baseline.
 
 torchrec 1.8.0 ships PEC's sharded module (torchrec.modules.pec_embedding_modules.PECEmbeddingCollection, sharded
 row-wise by torchrec.distributed.pec_embedding.PECEmbeddingCollectionSharder into a ShardedPECEmbeddingCollection)
@@ -32,13 +32,13 @@ PEC's AllToAll: the table gets the summed gradient of the global mean loss, as i
 power-of-two world size).
 
 Features. torchrec 1.8.0's PEC applies a gradient to the wrong rows when its sharding group holds more than one
-feature (tests/pipelines/test_torchrec_pec_grad_order.py names the cause). The reference model's table is read
+feature (tests/pipelines/test_torchrec_pec_grad_order.py names the cause). The softmax model's table is read
 by one feature here (``item_ids``: the kept UIH ids, then the candidates' content ids, as ``model.item_ids``), so
 it trains mode torchrec's numbers (to float rounding: fbgemm may sum a row's repeated gradients in another
 order); a model of the user's (``--model``, one torchrec EmbeddingCollection among its modules, one
 KeyedJaggedTensor among ``inputs(batch)``) runs as it is, and with several features it shows that fault.
 
-What else is as in mode ``torchrec`` (pipelines.models.torchrec_ref): CPU only, table optimizers ``sgd`` and
+What else is as in mode ``torchrec`` (pipelines.models.torchrec_baseline): CPU only, table optimizers ``sgd`` and
 ``rowwise_adagrad`` fused by fbgemm, no checkpoints, no evaluation, no balancing, every local batch non-empty;
 the step's wall time is reported (``progress_s``) and its exchanges as not measured.
 """
@@ -57,16 +57,16 @@ from torch import nn
 from fsdata.batch import Batch, offsets_to_lengths
 from fsdata.item import LoaderItem
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.reference import SequenceModel
+from pipelines.models.softmax import SoftmaxModel
 from pipelines.models.step_result import StepResult
-from pipelines.models.torchrec_ref import (
+from pipelines.models.torchrec_baseline import (
     LookedUpRows,
     fuse_optimizer,
     item_collection,
     step_result,
 )
 
-ITEM_IDS_KEY = "item_ids"  # the reference model's one feature: every id it looks up in its item table
+ITEM_IDS_KEY = "item_ids"  # the softmax model's one feature: every id it looks up in its item table
 
 
 class _LookedUpCollection(nn.Module):
@@ -99,8 +99,8 @@ class PECTarget:
     loss: Callable[[Any, Batch], torch.Tensor]  # (outputs, batch) -> the sum of the local per-label losses
 
 
-def reference_target(model: SequenceModel, optimizer_name: str, embedding_lr: float, device) -> PECTarget:
-    """The reference model, its ``item_embedding`` read by PEC as one feature (module docstring: Features)."""
+def softmax_target(model: SoftmaxModel, optimizer_name: str, embedding_lr: float, device) -> PECTarget:
+    """The softmax model, its ``item_embedding`` read by PEC as one feature (module docstring: Features)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     weight = model.item_embedding.weight.detach()
@@ -288,7 +288,7 @@ class PECDriver:
 
 class TorchrecPEC:
     """Trains ``target`` with torchrec's PEC (module docstring), one ``train_on`` per step; the interface of
-    TorchrecReference (``lookahead``, ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``)."""
+    TorchrecBaseline (``lookahead``, ``to_device``, ``train_on``, ``optimizer``, ``dense_sync``)."""
 
     lookahead = 1  # batch i+1's ids are split by overlap with batch i's before step i's forward
     dense_sync = None  # DDP all-reduces the dense gradients in the backward
@@ -315,7 +315,7 @@ class TorchrecPEC:
         self.step = 0
 
     def to_device(self, item: LoaderItem) -> LoaderItem:
-        """The item as it is: a CPU reference, its batches are where the model is."""
+        """The item as it is: a CPU baseline, its batches are where the model is."""
         return item
 
     def _prepare(self, step: int, batch: Batch) -> tuple:

@@ -13,7 +13,7 @@ Step-time models (``--step-model``): ``cost`` (here) is a per-sample cost model 
 :data:`STEP_TIME_MODELS`: any callable ``step_time(lengths: GatheredLengths, plan: Plan) -> busy seconds [W]``
 works, optionally with ``sample_costs(lengths) -> [G]`` (noise-free per-sample seconds, for the lower bound) and
 ``describe() -> str``. The replay harness (``python -m benchmarks replay`` in a source checkout: the real
-forward+backward of the reference model, one virtual rank after another) adds ``replay`` this way.
+forward+backward of the softmax model, one virtual rank after another) adds ``replay`` this way.
 
 ``--sweep DIR`` runs the three sweeps of the paper's Figures 2 and 8 (max UIH, batch size, ranks), writes their
 records and PNG plots into DIR.

@@ -25,8 +25,8 @@ def test_every_case_but_long_trains_the_hstu_model_at_its_own_sizes():
     assert long.model.name == "small"  # the long case keeps its model (module docstring)
 
 
-def test_the_reference_models_padded_attention_is_refused_for_hstu_before_any_run():
-    with pytest.raises(SystemExit, match="--attention padded is the reference model's; --model hstu packs"):
+def test_the_softmax_models_padded_attention_is_refused_for_hstu_before_any_run():
+    with pytest.raises(SystemExit, match="--attention padded is the softmax model's; --model hstu packs"):
         e2e.main(parse("--model", "hstu", "--attention", "padded"))
 
 

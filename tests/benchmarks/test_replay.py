@@ -15,7 +15,7 @@ import pytest
 from benchmarks import replay
 from fsdata.partition import GatheredLengths, Plan
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
-from pipelines.models.reference import ModelConfig
+from pipelines.models.softmax import SoftmaxConfig
 from pipelines.simulate import simulator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -425,4 +425,4 @@ def test_the_replay_path_imports_without_torchdata_or_torchrec():
 
 def test_importing_the_harness_offers_replay_to_the_simulator_with_the_models_own_attention():
     assert simulator.STEP_TIME_MODELS["replay"] is replay.build_step_time
-    assert parse().replay_kernel == ModelConfig().attention == "jagged"
+    assert parse().replay_kernel == SoftmaxConfig().attention == "jagged"

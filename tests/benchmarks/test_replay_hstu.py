@@ -96,7 +96,7 @@ def test_the_step_time_and_the_bound_read_the_candidates_of_an_hstu_fit():
     np.testing.assert_allclose(replay.ReplayStepTime(fit, seed=0)(lengths, plan), fit.predict(replay.features(seq)))
     costs = replay.ReplayStepTime(fit, seed=0).sample_costs(lengths)
     np.testing.assert_allclose(costs, [1e-6 * s + 1e-9 * s * s for s in (102, 203, 305)])
-    uih_only = replay.ReplayStepTime(replay.Fit(coef, residuals=np.zeros(1)), seed=0)  # the reference model's L
+    uih_only = replay.ReplayStepTime(replay.Fit(coef, residuals=np.zeros(1)), seed=0)  # the softmax model's L
     np.testing.assert_allclose(uih_only(lengths, plan), fit.predict(replay.features([[100, 200], [300]])))
 
 
@@ -131,7 +131,7 @@ def test_direct_mode_times_every_rank_of_the_hstu_model():
         (("--replay-kernel", "padded"), "--replay-kernel padded: --replay-model-preset hstu packs its sequences"),
         (("--replay-attention-impl", "varlen"), "--replay-attention-impl varlen: the HSTU model's are triton, torch"),
         (("--replay-model-preset", "replay", "--replay-head-dim", "8"), "--replay-head-dim is the HSTU model's"),
-        (("--replay-model-preset", "tiny", "--replay-attention-impl", "triton"), "the reference model's are varlen"),
+        (("--replay-model-preset", "tiny", "--replay-attention-impl", "triton"), "the softmax model's are varlen"),
         (("--replay-model-preset", "hstu-small"), r"choose from \[.*'hstu', 'hstu-large'"),
         (("--replay-head-dim", "0"), "HSTUConfig: head_dim must be >= 1"),
     ],

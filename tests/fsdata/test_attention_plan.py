@@ -12,7 +12,7 @@ from fsdata.nodes.attention_plan import AttentionPlanStage
 from fsdata.nodes.background import Background
 from fsdata.nodes.reader import GlobalBatchReader
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
-from pipelines.models.reference import attention_plan
+from pipelines.models.softmax import attention_plan
 from tests.stateful import run_test_save_load_state
 
 

@@ -296,7 +296,7 @@ def test_measurements_join_the_ranks_reports_across_items_and_resume():
     assert m.add(s(6, 6, 6), t(1, 1, 1))[0][0] == 6 and m.partial == {}  # another world size: old reports dropped
 
 
-def _reference_stats(values, offsets):
+def _expected_stats(values, offsets):
     """Per rank: token sum and Eq. 1 sparsity, one segment at a time (fsdata.balance_measures.sparsity)."""
     from fsdata.balance_measures import sparsity
 
@@ -314,7 +314,7 @@ def test_per_rank_stats_match_the_per_segment_definition(segments):
     values = [v for seg in segments for v in seg]
     offsets = np.cumsum([0] + [len(seg) for seg in segments])
     tokens, sparse = _per_rank_stats(np.asarray(values, dtype=np.int64), offsets)
-    want_tokens, want_sparse = _reference_stats(values, offsets.tolist())
+    want_tokens, want_sparse = _expected_stats(values, offsets.tolist())
     assert tokens == want_tokens
     assert sparse == pytest.approx(want_sparse, abs=1e-12)
 

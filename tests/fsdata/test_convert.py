@@ -1,4 +1,4 @@
-"""Converters: small fixture logs written here -> Parquet, checked against a plain-Python reference."""
+"""Converters: small fixture logs written here -> Parquet, checked against a plain-Python cut of the events."""
 
 import gzip
 import json
@@ -25,7 +25,7 @@ EVENTS = [
 ]
 
 
-def reference(events, k, samples_per_user, min_history=1):
+def plain_cut(events, k, samples_per_user, min_history=1):
     """Per user (first-appearance order): time-sorted events cut into windows of k candidates from the end."""
     users, items = {}, {}
     for u, i, *_ in events:
@@ -62,7 +62,7 @@ def check(path, events, k, samples_per_user, labels_of=None):
         )
         assert np.all(np.diff(s.uih_timestamps) >= 0)
         assert s.dense[0] == pytest.approx(np.log1p(len(s.uih_item_ids)))
-    assert got == reference(events, k, samples_per_user)
+    assert got == plain_cut(events, k, samples_per_user)
     assert batch.sample_ids.tolist() == list(range(batch.batch_size))
 
 
@@ -189,7 +189,7 @@ def test_cli_convert(tmp_path, capsys):
 @pytest.mark.parametrize("held", [1, 2])
 def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path, held):
     """Leave-last-out: a user with more than min_history + held events gets one evaluation sample of its last
-    ``held`` events (UIH: every event before them); its training samples are the reference's cut of the events
+    ``held`` events (UIH: every event before them); its training samples are the plain cut of the events
     before them; other users train on all their events."""
     src = tmp_path / "ratings.dat"
     src.write_text("".join(f"{u}::{i}::{int(r) if r.is_integer() else r}::{t}\n" for u, i, r, t in EVENTS))
@@ -210,9 +210,9 @@ def test_held_out_split_is_each_users_last_events_and_never_trained_on(tmp_path,
     )
     item_id = {i: n for n, i in enumerate(dict.fromkeys(e[1] for e in EVENTS))}  # ids in order of first appearance
     user_id = {u: n for n, u in enumerate(dict.fromkeys(e[0] for e in EVENTS))}
-    want = [(s[0], s[2], s[3]) for s in reference(kept, 2, 0)]
+    want = [(s[0], s[2], s[3]) for s in plain_cut(kept, 2, 0)]
     got = [(int(s.user_id), s.uih_item_ids.tolist(), [int(c[0]) for c in s.content_ids]) for s in train.to_samples()]
-    # The reference numbers items by first appearance in its own events: map both to the raw keys.
+    # The plain cut numbers items by first appearance in its own events: map both to the raw keys.
     raw = {v: k for k, v in item_id.items()}
     ref_items = {n: i for n, i in enumerate(dict.fromkeys(e[1] for e in kept))}
     assert [(u, [raw[i] for i in h], [raw[i] for i in c]) for u, h, c in got] == [
@@ -260,7 +260,7 @@ def test_positive_rate_is_over_the_training_candidates_labels(tmp_path, k, sampl
     report = convert(
         "movielens", [src], tmp_path / "ml.parquet", progress=False, candidates=k, samples_per_user=samples_per_user
     )
-    labels = [label for sample in reference(EVENTS, k, samples_per_user) for label in sample[-1]]
+    labels = [label for sample in plain_cut(EVENTS, k, samples_per_user) for label in sample[-1]]
     assert report.positive_rate == [pytest.approx(sum(labels) / len(labels), abs=1e-12)]
     assert report.eval_positive_rate is None
     if (k, samples_per_user) == (1, 1):

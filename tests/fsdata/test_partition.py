@@ -104,7 +104,7 @@ def test_identity_keeps_every_sample_on_its_source_rank():
 
 
 # ---------------------------------------------------------------------------------------------- FBS
-def reference_zigzag(num_positions: int, world: int) -> list[int]:
+def expected_zigzag(num_positions: int, world: int) -> list[int]:
     """Spec as written: rank i takes positions i, 2n-1-i, 2n+i, 4n-1-i, ... (one loop per rank)."""
     rank_of = [-1] * num_positions
     for i in range(world):
@@ -122,7 +122,7 @@ def reference_zigzag(num_positions: int, world: int) -> list[int]:
 @given(num_positions=st.integers(0, 300), world=st.integers(1, 40))
 @settings(max_examples=200, deadline=None)
 def test_fbs_zigzag_matches_the_written_rule(num_positions, world):
-    assert zigzag_ranks(num_positions, world).tolist() == reference_zigzag(num_positions, world)
+    assert zigzag_ranks(num_positions, world).tolist() == expected_zigzag(num_positions, world)
 
 
 @SETTINGS

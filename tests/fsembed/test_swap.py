@@ -94,7 +94,7 @@ def _body(rank, world_size):
 
 def test_swap_matches_unsharded_model_and_prioritized_matches_sync():
     results = run_ranks(_body, 2, timeout=90)
-    # Unsharded reference: one model, every rank's batch, the loss summed over ranks (sparse SGD semantics).
+    # Unsharded model to compare with: one model, every rank's batch, the loss summed over ranks (sparse SGD semantics).
     ref = UserModel()
     opt = torch.optim.SGD([ref.towers.item_emb.weight, ref.user_emb.weight], lr=LR)
     ref_losses = []

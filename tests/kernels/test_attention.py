@@ -19,7 +19,7 @@ def _offsets(lengths) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
 
 
-def _reference_mask(q_offsets, kv_offsets, causal, block):
+def _expected_mask(q_offsets, kv_offsets, causal, block):
     from torch.nn.attention.flex_attention import create_block_mask
 
     q_sample = torch.repeat_interleave(torch.arange(q_offsets.numel() - 1), q_offsets.diff())
@@ -66,7 +66,7 @@ def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths,
     if sum(q_lengths) == 0:
         return
     qo, ko = _offsets(q_lengths), _offsets(kv_lengths)
-    expected = _reference_mask(qo, ko, causal, block)
+    expected = _expected_mask(qo, ko, causal, block)
     got = build_block_mask(qo, None if causal else ko, causal=causal, block_size=block, separate_full_blocks=separate)
     if separate:
         for name in ("kv", "full_kv", "q", "full_q"):
@@ -85,7 +85,7 @@ def test_block_mask_from_offsets_equals_create_block_mask(q_lengths, kv_lengths,
 def test_cross_block_mask_with_empty_samples_lists_every_needed_block():
     """Samples without queries or keys may leave masked blocks in a partial list, never drop a needed one."""
     qo, ko = _offsets([3, 0, 5, 2, 0]), _offsets([0, 7, 4, 0, 9])
-    expected = _reference_mask(qo, ko, False, 2)
+    expected = _expected_mask(qo, ko, False, 2)
     got = build_block_mask(qo, ko, causal=False, block_size=2, separate_full_blocks=True)
     for name in ("kv", "q"):
         want = _rows(getattr(expected, f"{name}_num_blocks"), getattr(expected, f"{name}_indices"))

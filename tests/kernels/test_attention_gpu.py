@@ -21,14 +21,14 @@ def _qkv(rows_q: int, rows_kv: int, heads=2, dim=16, dtype=torch.float32, device
     return make(rows_q), make(rows_kv), make(rows_kv)
 
 
-def _compare(q_lengths, kv_lengths, causal, impl, reference="padded", device="cpu", dtype=torch.float32, tol=TOL):
-    """Output and q/k/v gradients of ``impl`` against ``reference`` on random inputs."""
+def _compare(q_lengths, kv_lengths, causal, impl, against="padded", device="cpu", dtype=torch.float32, tol=TOL):
+    """Output and q/k/v gradients of ``impl`` against ``against`` on random inputs."""
     qo = _offsets(q_lengths)
     ko = qo if causal else _offsets(kv_lengths)
     q, k, v = _qkv(int(qo[-1]), int(ko[-1]), dtype=dtype, device=device)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
     results = []
-    for which in (impl, reference):
+    for which in (impl, against):
         for t in (q, k, v):
             t.grad = None
         out = jagged_attention(q, k, v, qo, None if causal else ko, causal=causal, impl=which)
@@ -45,8 +45,8 @@ def _compare(q_lengths, kv_lengths, causal, impl, reference="padded", device="cp
 )
 def test_flex_equals_the_twin_on_cuda(dtype, tol):
     for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
-        _compare(lengths, None, True, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
-    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "flex", reference="torch", device="cuda", dtype=dtype, tol=tol)
+        _compare(lengths, None, True, "flex", against="torch", device="cuda", dtype=dtype, tol=tol)
+    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "flex", against="torch", device="cuda", dtype=dtype, tol=tol)
 
 
 @pytest.mark.gpu
@@ -58,8 +58,8 @@ def test_varlen_equals_the_twin_on_cuda(dtype, tol):
     """fp32 inputs run the kernel in bf16 (kernels.varlen): both precisions hold bf16's tolerance against the
     per-sample twin in the inputs' dtype."""
     for lengths in ([1], [300], [5, 700, 1, 0, 129, 128, 256]):
-        _compare(lengths, None, True, "varlen", reference="torch", device="cuda", dtype=dtype, tol=tol)
-    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "varlen", reference="torch", device="cuda", dtype=dtype, tol=tol)
+        _compare(lengths, None, True, "varlen", against="torch", device="cuda", dtype=dtype, tol=tol)
+    _compare([3, 0, 200, 1], [500, 7, 129, 0], False, "varlen", against="torch", device="cuda", dtype=dtype, tol=tol)
 
 
 @pytest.mark.gpu

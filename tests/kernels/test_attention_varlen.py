@@ -1,6 +1,6 @@
 """The VARLEN path of kernels.attention on CPU, with torch's varlen FlashAttention (CUDA only) replaced by a twin
 of its contract: the dispatch hands it int32 offsets, the longest lengths, the causal window and bf16 inputs,
-casts back, and zeroes queries without keys; PackedOffsets are read as given, with no host work; the reference
+casts back, and zeroes queries without keys; PackedOffsets are read as given, with no host work; the softmax
 model picks a kernel and asks for a plan only where the kernel takes block masks. The real kernel against the
 per-sample twin: test_attention_gpu.py."""
 
@@ -108,16 +108,16 @@ def test_defaults_and_which_kernels_need_a_plan():
     assert NEEDS_BLOCK_MASK == {Impl.FLEX}
 
 
-def test_the_reference_model_asks_for_a_plan_only_for_flex():
-    from pipelines.models.reference import ModelConfig, SequenceModel
+def test_the_softmax_model_asks_for_a_plan_only_for_flex():
+    from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
     cuda = torch.device("cuda")
-    default = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=16))
-    flex = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=16, attention_impl="flex"))
-    narrow = SequenceModel(ModelConfig(num_items=10, dim=12, num_heads=2, max_uih=16))  # head dim 6: no flash kernel
+    default = SoftmaxModel(SoftmaxConfig(num_items=10, dim=32, num_heads=2, max_uih=16))
+    flex = SoftmaxModel(SoftmaxConfig(num_items=10, dim=32, num_heads=2, max_uih=16, attention_impl="flex"))
+    narrow = SoftmaxModel(SoftmaxConfig(num_items=10, dim=12, num_heads=2, max_uih=16))  # head dim 6: no flash kernel
     assert default.attention_impl(cuda) is Impl.VARLEN and not default.needs_plan(cuda)
     assert flex.attention_impl(cuda) is Impl.FLEX and flex.needs_plan(cuda)
     assert narrow.attention_impl(cuda) is Impl.TORCH and not narrow.needs_plan(cuda)
     assert default.attention_impl(torch.device("cpu")) is Impl.TORCH
     with pytest.raises(ValueError, match="attention_impl must be one of"):
-        ModelConfig(attention_impl="sdpa")
+        SoftmaxConfig(attention_impl="sdpa")

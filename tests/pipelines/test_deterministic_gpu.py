@@ -1,4 +1,4 @@
-"""The deterministic mode on CUDA, end to end through `freescale train` (2 ranks sharing GPU 0), on the reference
+"""The deterministic mode on CUDA, end to end through `freescale train` (2 ranks sharing GPU 0), on the softmax
 model and on the HSTU model (its Triton attention): the loss curve of freescale's prioritized updates equals sync's
 bit for bit without the balancer, and a second run of the same job gives the same bits. Plain torch + the project
 only (the GPU machine lacks hypothesis' extras)."""

@@ -18,7 +18,7 @@ import torch
 from fsdata.batch import Batch, Sample
 from pipelines import predict
 from pipelines.api.evaluate import evaluate
-from pipelines.models.reference import ModelConfig, SequenceModel
+from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
 
 def _sample(i: int, length: int, rng) -> Sample:
@@ -58,7 +58,7 @@ def test_ne_and_auc_equal_an_independent_computation():
         for b in range(4)
     ]
     torch.manual_seed(0)
-    model = SequenceModel(ModelConfig(num_items=500, dim=16, num_heads=2, num_labels=2, max_uih=32)).train()
+    model = SoftmaxModel(SoftmaxConfig(num_items=500, dim=16, num_heads=2, num_labels=2, max_uih=32)).train()
     result = evaluate(model, batches, world_size=1)
     assert model.training  # left as it was
     with torch.no_grad():
@@ -84,7 +84,7 @@ def _batches(count: int = 4) -> list[Batch]:
 def test_predict_gives_the_logits_a_forward_hook_sees():
     batches = _batches()
     torch.manual_seed(0)
-    model = SequenceModel(ModelConfig(num_items=500, dim=16, num_heads=2, num_labels=2, max_uih=32)).train()
+    model = SoftmaxModel(SoftmaxConfig(num_items=500, dim=16, num_heads=2, num_labels=2, max_uih=32)).train()
     seen = []
     model.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
     rows = predict(model, batches)

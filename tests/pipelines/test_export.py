@@ -1,7 +1,7 @@
 """Export: after training, unwrap_model puts the user's own modules back with the trained tables, gathered to one
 rank, and a fresh instance of the user's class loads the saved state_dict and gives the trained model's logits
 bit for bit (CPU): a torchrec EmbeddingCollection model (the BYO example's) and a model of nn.Embedding tables.
-`freescale train --export` of the reference model comes back through `pipelines.load_export` alone, giving the
+`freescale train --export` of the softmax model comes back through `pipelines.load_export` alone, giving the
 job's own held-out NE and AUC bit for bit."""
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_
     from fsdata import LoaderConfig, ParquetSource, SyntheticConfig, SyntheticSource, build_loader, shutdown_loader
     from fsdata.schema import write_parquet
     from pipelines import evaluate, load_export
-    from pipelines.job.checkpoint.export import REFERENCE
-    from pipelines.models.reference import ModelConfig, SequenceModel
+    from pipelines.job.checkpoint.export import SOFTMAX_MODEL
+    from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
     write_parquet(
         SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=40, seed=7)).read(0, 0, 40),
@@ -196,11 +196,11 @@ def test_load_export_of_freescale_train_gives_the_jobs_held_out_figures_bit_for_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "samples read were not trained on: the loader reads batches ahead of the step" in proc.stdout
     described = json.loads((tmp_path / "out/model.pt.json").read_text())
-    assert described["model"] == REFERENCE and described["config"]["num_items"] == 20_000
+    assert described["model"] == SOFTMAX_MODEL and described["config"]["num_items"] == 20_000
     model = load_export(tmp_path / "out/model.pt")
-    assert isinstance(model, SequenceModel) and not model.training
+    assert isinstance(model, SoftmaxModel) and not model.training
     torch.manual_seed(0)  # the job's seed: the initial weights, which training changed
-    assert not torch.equal(SequenceModel(ModelConfig(**described["config"])).head[0].weight, model.head[0].weight)
+    assert not torch.equal(SoftmaxModel(SoftmaxConfig(**described["config"])).head[0].weight, model.head[0].weight)
     held = ParquetSource(tmp_path / "held.parquet")
     loaders = [build_loader(held, LoaderConfig(batch_size=8), rank, 2) for rank in (0, 1)]
     threads = torch.get_num_threads()

@@ -19,7 +19,7 @@ import torch
 from fsdata.batch import Batch, Sample
 from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
-from pipelines.models.reference import truncate
+from pipelines.models.softmax import truncate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -222,7 +222,7 @@ def test_the_job_builds_the_hstu_preset_with_its_overrides_positions_and_no_plan
         config = build_model_spec(cfg, build_source(cfg.data, 16)).model.config
         assert (config.rab, config.position_embeddings) == expected, positions
     cfg.model.attention = "padded"
-    with pytest.raises(ValueError, match="--attention padded is the reference model's"):
+    with pytest.raises(ValueError, match="--attention padded is the softmax model's"):
         build_model_spec(cfg, build_source(cfg.data, 16))
     cfg.model.name, cfg.model.attention = "tiny", "jagged"
     with pytest.raises(ValueError, match=r"positions is the HSTU presets' \(hstu, hstu-large\), not tiny's"):

@@ -1,4 +1,4 @@
-"""The export's description (pipelines.job.checkpoint.export): the reference model comes back from its file alone with
+"""The export's description (pipelines.job.checkpoint.export): the softmax model comes back from its file alone with
 same logits bit for bit; a user's model, a missing or foreign description and tensors of another shape are one
 line naming the file and what to do. The round trip through `freescale train --export` is in test_export.py."""
 
@@ -12,29 +12,29 @@ from torch import nn
 
 from fsdata.synthetic import SyntheticConfig, SyntheticSource
 from pipelines import load_export
-from pipelines.job.checkpoint.export import REFERENCE, description_path, save_export
-from pipelines.models.reference import ModelConfig, SequenceModel
+from pipelines.job.checkpoint.export import SOFTMAX_MODEL, description_path, save_export
+from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
-CONFIG = ModelConfig(num_items=300, dim=16, num_heads=2, num_labels=2, dense_dim=4, max_uih=32)
+CONFIG = SoftmaxConfig(num_items=300, dim=16, num_heads=2, num_labels=2, dense_dim=4, max_uih=32)
 
 
 def _probe():
     return SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=12, num_labels=2, uih_max=32)).read(0, 0, 12)
 
 
-def _trained(seed: int = 3) -> SequenceModel:
+def _trained(seed: int = 3) -> SoftmaxModel:
     torch.manual_seed(seed)
-    return SequenceModel(CONFIG).eval()
+    return SoftmaxModel(CONFIG).eval()
 
 
-def test_the_reference_model_comes_back_from_its_file_alone(tmp_path):
+def test_the_softmax_model_comes_back_from_its_file_alone(tmp_path):
     model = _trained()
     described = save_export(model, tmp_path / "model.pt", "tiny")
     assert described == tmp_path / "model.pt.json" == description_path(tmp_path / "model.pt")
     assert json.loads(described.read_text()) == {
         "format": "freescale-export",
         "version": 1,
-        "model": REFERENCE,
+        "model": SOFTMAX_MODEL,
         "config": {**CONFIG.__dict__},
     }
     loaded = load_export(tmp_path / "model.pt")
@@ -107,7 +107,7 @@ def test_a_foreign_description_or_tensors_of_another_shape_are_one_line(tmp_path
     assert str(e.value).startswith(f"{path}: its tensors do not fit the model model.pt.json describes (missing [], ")
     assert "shapes ['item_embedding.weight (300, 16) for (300, 32)'" in str(e.value) and "\n" not in str(e.value)
     described.write_text(json.dumps({**good, "config": {**good["config"], "heads": 2}}))
-    with pytest.raises(ValueError, match="model.pt.json: its config does not describe a SequenceModel: .*heads"):
+    with pytest.raises(ValueError, match="model.pt.json: its config does not describe a SoftmaxModel: .*heads"):
         load_export(path)
     described.write_text(json.dumps(good))
     path.write_bytes(path.read_bytes()[:100])

@@ -17,7 +17,7 @@ from pipelines.job import memory_probe
 from pipelines.job.builders import build_model_spec, build_source
 from pipelines.job.config.sections import JobConfig
 from pipelines.models.hstu import HSTUModel
-from pipelines.models.reference import SequenceModel
+from pipelines.models.softmax import SoftmaxModel
 
 PER_TOKEN, FIXED = 5000.0, 1e6  # the stand-in device's memory: FIXED + PER_TOKEN per kept token
 
@@ -42,7 +42,7 @@ class StandIn:
         return FIXED + PER_TOKEN * int(kept_tokens(self.batches[-1], self.max_uih).sum())
 
 
-@pytest.mark.parametrize("name, kind", [("hstu", HSTUModel), ("tiny", SequenceModel)])
+@pytest.mark.parametrize("name, kind", [("hstu", HSTUModel), ("tiny", SoftmaxModel)])
 def test_the_probe_runs_the_jobs_own_model_on_its_kept_tokens(name, kind):
     cfg = job(name)
     source = build_source(cfg.data, 16)

@@ -1,4 +1,4 @@
-"""The reference model: padding invariance, truncation to the most recent events, empty batches, the jagged
+"""The softmax model: padding invariance, truncation to the most recent events, empty batches, the jagged
 attention against the padded one (fp32, rtol 1e-4 / atol 1e-5 on CPU)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from fsdata.batch import Batch, Sample
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.reference import ModelConfig, SequenceModel
+from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
 
 def _sample(i: int, length: int, rng) -> Sample:
@@ -25,10 +25,10 @@ def _sample(i: int, length: int, rng) -> Sample:
     )
 
 
-def _model(max_uih=64) -> SequenceModel:
+def _model(max_uih=64) -> SoftmaxModel:
     torch.manual_seed(0)
-    return SequenceModel(
-        ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)
+    return SoftmaxModel(
+        SoftmaxConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih)
     ).eval()  # head dim 16: FlexAttention's least
 
 
@@ -120,7 +120,7 @@ def test_a_forward_truncates_its_batch_once_and_keeps_nothing_of_it(monkeypatch,
 
     rng = np.random.default_rng(3)
     torch.manual_seed(0)
-    model = SequenceModel(ModelConfig(num_items=500, dim=32, num_heads=2, max_uih=8, attention=attention)).eval()
+    model = SoftmaxModel(SoftmaxConfig(num_items=500, dim=32, num_heads=2, max_uih=8, attention=attention)).eval()
     calls = []
     real = model._truncate
     monkeypatch.setattr(model, "_truncate", lambda b: calls.append(b) or real(b))
@@ -137,17 +137,17 @@ def test_a_forward_truncates_its_batch_once_and_keeps_nothing_of_it(monkeypatch,
     torch.save(model, io.BytesIO())  # nothing unpicklable left on the model
 
 
-def _pair(max_uih=64, **kw) -> tuple[SequenceModel, SequenceModel]:
+def _pair(max_uih=64, **kw) -> tuple[SoftmaxModel, SoftmaxModel]:
     """The jagged and the padded model with the same weights."""
     torch.manual_seed(0)
-    config = ModelConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih, **kw)
-    jagged = SequenceModel(config)
-    padded = SequenceModel(ModelConfig(**{**config.__dict__, "attention": "padded"}))
+    config = SoftmaxConfig(num_items=500, dim=32, num_layers=2, num_heads=2, max_uih=max_uih, **kw)
+    jagged = SoftmaxModel(config)
+    padded = SoftmaxModel(SoftmaxConfig(**{**config.__dict__, "attention": "padded"}))
     padded.load_state_dict(jagged.state_dict())
     return jagged, padded
 
 
-def _logits_and_grads(model: SequenceModel, batch: Batch, **kw):
+def _logits_and_grads(model: SoftmaxModel, batch: Batch, **kw):
     model.zero_grad(set_to_none=True)
     logits = model(batch, **kw)
     binary_cross_entropy_sum(logits, batch.candidate_labels).backward()
@@ -174,7 +174,7 @@ def test_the_jagged_model_has_the_padded_models_numbers(lengths):
 
 def test_an_unknown_attention_is_refused():
     with pytest.raises(ValueError, match="attention must be one of jagged, padded"):
-        ModelConfig(attention="dense")
+        SoftmaxConfig(attention="dense")
 
 
 def test_the_plan_function_is_pure_and_picklable():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines.api import numerics
-from pipelines.models.reference import ModelConfig, SequenceModel
+from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -29,7 +29,7 @@ def restore_determinism(monkeypatch):
 
 
 def test_the_deterministic_mode_sets_the_flag_and_the_cublas_workspace(restore_determinism, monkeypatch):
-    model = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=8))
+    model = SoftmaxModel(SoftmaxConfig(num_items=10, dim=32, num_heads=2, max_uih=8))
     with pytest.raises(ValueError, match="deterministic algorithms are off"):
         numerics.check_determinism(model, CPU)
     numerics.enable_determinism()
@@ -48,7 +48,7 @@ def test_a_kernel_that_is_not_reproducible_as_set_up_is_refused(restore_determin
     from kernels.attention import is_deterministic
     from kernels.impl import Impl
 
-    varlen = SequenceModel(ModelConfig(num_items=10, dim=32, num_heads=2, max_uih=8, attention_impl="varlen"))
+    varlen = SoftmaxModel(SoftmaxConfig(num_items=10, dim=32, num_heads=2, max_uih=8, attention_impl="varlen"))
     assert is_deterministic(Impl.FLEX, CUDA) and is_deterministic(Impl.TORCH, CPU)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", numerics.CUBLAS_WORKSPACES[0])
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
@@ -58,7 +58,7 @@ def test_a_kernel_that_is_not_reproducible_as_set_up_is_refused(restore_determin
         numerics.check_determinism(varlen, CUDA)
 
 
-def test_the_deterministic_job_picks_flex_for_the_reference_model():
+def test_the_deterministic_job_picks_flex_for_the_softmax_model():
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
     from pipelines.job.builders import build_model_spec
     from pipelines.job.config.sections import JobConfig

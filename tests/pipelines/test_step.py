@@ -388,7 +388,7 @@ def test_wrap_model_needs_features_or_a_kjt_input():
 
 def test_model_and_partitioner_factories_in_toml_build_the_users_model(tmp_path):
     """`[model] name` and `[balancer] partitioner` take the same two forms as the flags; a factory gets the job's
-    config and its ModelSpec goes through the same wrap as the reference model."""
+    config and its ModelSpec goes through the same wrap as the softmax model."""
     from pipelines.cli import build_parser
     from pipelines.job.builders import build_model_spec, build_source
     from pipelines.job.config.flags import config_from_args

@@ -1,5 +1,5 @@
 """One step, one context: a batch's ids are computed once, by the loader's ID prefetch or, where none runs, by the
-step's ``to_device``; they travel in one frozen StepContext to the lookup, and the reference model's forward
+step's ``to_device``; they travel in one frozen StepContext to the lookup, and the softmax model's forward
 computes none of them again."""
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from tests.harness import doing, run_ranks
 
 
 def _id_calls_body(rank, world_size):
-    """Counts SequenceModel.item_ids calls, in all and inside the model's forward, while TrainStep trains the
-    reference model over every batch of a small source, with and without the loader's ID prefetch."""
+    """Counts SoftmaxModel.item_ids calls, in all and inside the model's forward, while TrainStep trains the
+    softmax model over every batch of a small source, with and without the loader's ID prefetch."""
     from fsdata import LoaderConfig, build_loader, shutdown_loader
     from fsdata.synthetic import SyntheticConfig, SyntheticSource
     from pipelines.api.step import TrainStep, wrap_model
-    from pipelines.models.reference import ModelConfig, SequenceModel
+    from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
     calls = {"all": 0, "in_forward": 0}
     # The loader's stage worker computes the next batch's ids while the training thread runs this batch's forward:
     # a call counts as the forward's only in the thread that is inside it.
     inside = threading.local()
-    item_ids, forward = SequenceModel.item_ids, SequenceModel.forward
+    item_ids, forward = SoftmaxModel.item_ids, SoftmaxModel.forward
 
     counting = threading.Lock()
 
@@ -42,7 +42,7 @@ def _id_calls_body(rank, world_size):
         finally:
             inside.forward = False
 
-    SequenceModel.item_ids, SequenceModel.forward = counted_item_ids, flagged_forward
+    SoftmaxModel.item_ids, SoftmaxModel.forward = counted_item_ids, flagged_forward
     out = {}
     try:
         for mode in ("sync", "sdd", "freescale"):
@@ -51,7 +51,7 @@ def _id_calls_body(rank, world_size):
             source = SyntheticSource(SyntheticConfig.from_preset("tiny", num_samples=48, seed=1, uih_max=16))
             probe = source.read(0, 0, 1)
             torch.manual_seed(0)
-            config = ModelConfig(
+            config = SoftmaxConfig(
                 num_items=20_000,
                 dim=16,
                 num_heads=2,
@@ -59,7 +59,7 @@ def _id_calls_body(rank, world_size):
                 num_labels=probe.num_labels,
                 dense_dim=probe.dense.shape[1],
             )
-            model = SequenceModel(config)
+            model = SoftmaxModel(config)
             wrap = wrap_model(model, embeddings=["item_embedding"], mode=mode, features=model.embedding_ids)
             loader = build_loader(source, LoaderConfig(batch_size=4), rank, world_size, wrap.loader_stages(rank))
             step = TrainStep(model, None, torch.optim.SGD(model.parameters(), lr=0.01), wrap=wrap)
@@ -74,7 +74,7 @@ def _id_calls_body(rank, world_size):
                 outside = str(e)
             out[mode] = (len(losses), dict(calls), losses, outside)
     finally:
-        SequenceModel.item_ids, SequenceModel.forward = item_ids, forward
+        SoftmaxModel.item_ids, SoftmaxModel.forward = item_ids, forward
     return out
 
 

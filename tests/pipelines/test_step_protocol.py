@@ -10,10 +10,10 @@ from torch import nn
 
 from pipelines.api.step import TrainStep
 from pipelines.models.step_protocol import Lookahead, Step
+from pipelines.models.torchrec_baseline import TorchrecBaseline
 from pipelines.models.torchrec_pec import TorchrecPEC
-from pipelines.models.torchrec_ref import TorchrecReference
 
-STEPS = (TrainStep, TorchrecReference, TorchrecPEC)
+STEPS = (TrainStep, TorchrecBaseline, TorchrecPEC)
 
 
 def test_every_step_declares_the_protocols_members_with_its_signature():

@@ -33,7 +33,7 @@ def test_samples_read_beyond_those_trained_on_are_explained(capsys):
     assert "  samples          4791" in lines
     assert (
         "  read ahead       258 of the 5049 samples read were not trained on: the loader reads batches ahead of the "
-        "step (--prefetch-depth, lookahead), and the reference model reads one sample per rank for its widths"
+        "step (--prefetch-depth, lookahead), and the softmax model reads one sample per rank for its widths"
     ) in lines
     print_summary(_summary(data_counts={"samples_read": 4791}))  # nothing read ahead: nothing to explain
     assert "read ahead" not in capsys.readouterr().out

@@ -3,10 +3,10 @@
 PATH holds the trained model's own ``state_dict`` (``torch.save``, after ``unwrap_model``: the user's modules
 with the trained tables, the keys of the model's class). Beside it, ``PATH.json`` says what built the model:
 
-    {"format": "freescale-export", "version": 1, "model": "pipelines.models.reference:SequenceModel",
+    {"format": "freescale-export", "version": 1, "model": "pipelines.models.softmax:SoftmaxModel",
      "config": {"num_items": 20000, "dim": 32, ...}}
 
-For the built-in models (the reference model, the HSTU model) ``config`` is the model's whole config dataclass,
+For the built-in models (the softmax model, the HSTU model) ``config`` is the model's whole config dataclass,
 so ``load_export(PATH)`` rebuilds it and loads the weights, with no job config and no data. For a model of a
 user's factory (``--model module:function``) ``model`` names the factory and ``config`` is null: the factory's
 arguments are the whole job, so the model comes back through the user's own class,
@@ -26,14 +26,14 @@ from torch import nn
 
 from pipelines.api.step import unwrap_model
 from pipelines.models.hstu import HSTUConfig, HSTUModel
-from pipelines.models.reference import ModelConfig, SequenceModel
+from pipelines.models.softmax import SoftmaxConfig, SoftmaxModel
 
 FORMAT = "freescale-export"
 VERSION = 1
-REFERENCE = "pipelines.models.reference:SequenceModel"
+SOFTMAX_MODEL = "pipelines.models.softmax:SoftmaxModel"
 #: The models load_export rebuilds from their config alone: description name -> (class, config class).
 BUILT_IN: dict[str, tuple[type, type]] = {
-    REFERENCE: (SequenceModel, ModelConfig),
+    SOFTMAX_MODEL: (SoftmaxModel, SoftmaxConfig),
     "pipelines.models.hstu:HSTUModel": (HSTUModel, HSTUConfig),
 }
 DESCRIPTION_SUFFIX = ".json"
@@ -114,7 +114,7 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_export(path: Union[str, Path]) -> nn.Module:
-    """The model a ``freescale train --export PATH`` of a built-in model (reference or HSTU) saved, rebuilt from
+    """The model a ``freescale train --export PATH`` of a built-in model (softmax or HSTU) saved, rebuilt from
     ``PATH.json`` with the trained weights, on the CPU and in eval mode (``.to(device)``, ``.train()`` as
     needed). A user's own model comes back through its class instead (the error says so)."""
     path = Path(path)

@@ -83,7 +83,7 @@ FLAGS = {
     "dense_sync.allreduce_start": _knob("when the dense all-reduce's last bucket is launched"),
     "dense_sync.bucket_mb": _knob("dense all-reduce bucket size in MiB (0: one all-reduce after the backward)"),
     "kernels.attention_impl": _knob(
-        "attention kernel on CUDA (reference: varlen, flex with --deterministic; hstu: its Triton kernel)"
+        "attention kernel on CUDA (softmax model: varlen, flex with --deterministic; hstu: its Triton kernel)"
     ),
     "process.threads": _knob("torch intra-op threads per rank (default: cores / local ranks on CPU, at most 2 on GPU)"),
     "process.gil_switch_ms": _knob("Python's thread switch interval per rank (ms)"),

@@ -1,7 +1,7 @@
 """The job's configuration: one small dataclass per TOML table, at the attribute path the table names.
 
     [data]        config.data        JobDataSection        what the job reads
-    [model]       config.model       JobModelSection       the reference preset or the user's factory
+    [model]       config.model       JobModelSection       the softmax model's preset or the user's factory
     [loader]      config.loader      fsdata.LoaderConfig   batches per rank, read-ahead, the stage worker
     [balancer]    config.balancer    fsdata.BalancerConfig the sequence load balancer (the library's own)
     [embeddings]  config.embeddings  JobEmbeddingsSection  the sharded tables: optimizer, transport, schedule
@@ -49,7 +49,7 @@ from pipelines.api.step import TrainStep
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.run.schedule import SCHEDULE_CHOICES
 from pipelines.models.hstu import HSTU_PRESETS
-from pipelines.models.reference import ATTENTION_IMPLS
+from pipelines.models.softmax import ATTENTION_IMPLS
 
 # nccl-ce and peer (fscomm/experimental/) are not offered until they have run on the hardware they are written for
 TRANSPORT_CHOICES = ("host", "host-shm", "host-tcp", "nccl", "rdma")
@@ -155,7 +155,7 @@ class JobModelSection:
     CHOICES: ClassVar[dict] = {"attention": ATTENTIONS, "positions": POSITIONS}
 
     name: str = "tiny"
-    """A built-in preset (the reference model's tiny, small, production; HSTU's hstu, hstu-large), or a factory of
+    """A built-in preset (the softmax model's tiny, small, production; HSTU's hstu, hstu-large), or a factory of
     your own model: ``module:function`` (on sys.path, the current directory first) or ``path/to/file.py:function``;
     it gets this job's config and returns a ``pipelines.ModelSpec`` (docs/api.md)."""
     num_items: Optional[int] = None
@@ -243,7 +243,7 @@ class JobKernelsSection:
     CHOICES: ClassVar[dict] = {"attention_impl": ATTENTION_IMPLS}
 
     attention_impl: Optional[str] = None
-    """The reference model's jagged attention kernel on CUDA; unset: varlen (flex with ``run.deterministic``)."""
+    """The softmax model's jagged attention kernel on CUDA; unset: varlen (flex with ``run.deterministic``)."""
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
@@ -279,7 +279,7 @@ class JobRunSection:
 
     mode: str = "freescale"
     """How the embeddings train (pipelines.job.trainer): replicated, sync, sdd, semisync, freescale, torchrec (the
-    real torchrec on CPU: the outside reference) or torchrec-pec (torchrec's prioritized embedding communication)."""
+    real torchrec on CPU: the outside baseline) or torchrec-pec (torchrec's prioritized embedding communication)."""
     nproc: int = 2
     """Local ranks that `freescale train` launches (torchrun launches its own); per host with ``nnodes`` > 1."""
     nnodes: int = 1
@@ -527,7 +527,7 @@ class JobConfig:
             raise ConfigError("{} needs {} (the held-out Parquet file)", "run.eval_every", "data.eval_path")
         if self.data.eval_path is not None and self.run.mode in TORCHREC_MODES:
             raise ConfigError(
-                f"{{}}: mode {self.run.mode} (an outside reference) has no held-out evaluation", "data.eval_path"
+                f"{{}}: mode {self.run.mode} (an outside baseline) has no held-out evaluation", "data.eval_path"
             )
         if self.run.mode in TORCHREC_MODES:
             self._validate_torchrec()
@@ -538,9 +538,9 @@ class JobConfig:
         return self
 
     def _validate_torchrec(self) -> None:
-        """Modes torchrec and torchrec-pec: the reference model (torchrec-pec: or a factory's model with one torchrec
+        """Modes torchrec and torchrec-pec: the softmax model (torchrec-pec: or a factory's model with one torchrec
         EmbeddingCollection), on CPU, with an optimizer torchrec fuses there, no checkpoints."""
-        from pipelines.models.torchrec_ref import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
+        from pipelines.models.torchrec_baseline import EMBEDDING_OPTIMIZERS, missing_packages, unavailable_message
 
         mode = self.run.mode
         missing = missing_packages()
@@ -548,12 +548,12 @@ class JobConfig:
             raise ValueError(unavailable_message(missing))
         if mode == "torchrec" and ":" in self.model.name:
             raise ConfigError(
-                f"mode torchrec runs the reference model only, not {{}} {_literal(repr(self.model.name))}", "model.name"
+                f"mode torchrec runs the softmax model only, not {{}} {_literal(repr(self.model.name))}", "model.name"
             )
         if mode == "torchrec-pec" and self.model.name in HSTU_PRESETS:
             raise ConfigError(f"mode {mode} does not run the HSTU model: {{}} {self.model.name}", "model.name")
         if self.run.device == "cuda":
-            raise ConfigError(f"mode {mode} is a CPU reference only: use {{}} cpu", "run.device")
+            raise ConfigError(f"mode {mode} is a CPU baseline only: use {{}} cpu", "run.device")
         if self.embeddings.optimizer not in EMBEDDING_OPTIMIZERS:
             raise ConfigError(
                 f"mode {mode} supports {{}} {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
@@ -561,7 +561,7 @@ class JobConfig:
                 "embeddings.optimizer",
             )
         if self.checkpoint.every or self.checkpoint.resume:
-            raise ValueError(f"mode {mode} does not checkpoint or resume (it is a reference run, not a job)")
+            raise ValueError(f"mode {mode} does not checkpoint or resume (it is a baseline run, not a job)")
 
     def ignored_options(self, explicit: set[str], name: Callable[[str], str] = lambda path: path) -> list[str]:
         """One warning per option set explicitly (``explicit``: paths) that the chosen mode ignores, naming the

@@ -2,7 +2,7 @@
 
 The model is shaped by the training data (pipelines.job.builders.build_model: its dense layer takes the training
 data's dense width, its head gives one logit per label column) and reads the side features the training data
-has (the reference model adds ``uih_action_types`` to its tokens when a batch carries them). Held-out data of
+has (the softmax model adds ``uih_action_types`` to its tokens when a batch carries them). Held-out data of
 another width would fail at the first evaluation, on every rank, as a matrix-shape error naming no file; held-out
 data without a side feature the model was trained with (or with one it never saw) would be evaluated silently
 on other inputs than it trained on. Both are one line here, naming both sources and the column.

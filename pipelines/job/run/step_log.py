@@ -82,7 +82,7 @@ def log_settled(
     record: StepRecord, unsettled: Optional[StepRecord], rank: int, log: Callable[[StepRecord], None]
 ) -> Optional[StepRecord]:
     """Logs the step whose record is complete, and returns the record left waiting for the next step's block: this
-    one is complete where the step's block carries no compute times (the torchrec reference's: nothing to wait
+    one is complete where the step's block carries no compute times (the torchrec baseline's: nothing to wait
     for); else the previous one (``unsettled``) is, which this step's block completed with every rank's compute
     time, and this one waits."""
     if record.last_compute_all_s is None:

@@ -51,7 +51,7 @@ def print_summary(summary: dict) -> None:
         if ahead > 0:
             print(
                 f"  read ahead       {ahead} of the {counts['samples_read']} samples read were not trained on: the "
-                "loader reads batches ahead of the step (--prefetch-depth, lookahead), and the reference model reads "
+                "loader reads batches ahead of the step (--prefetch-depth, lookahead), and the softmax model reads "
                 "one sample per rank for its widths"
             )
     for rank, t in enumerate(summary.get("per_rank_compute_s", [])):

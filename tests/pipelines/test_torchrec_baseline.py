@@ -65,7 +65,7 @@ def test_torchrec_modes_train_like_sync():
     pytest.importorskip("torchrec")
     for rank_out in run_ranks(_train_every_mode, 2, timeout=180):
         sync, ref, pec = rank_out["sync"], rank_out["torchrec"], rank_out["torchrec-pec"]
-        # Prioritized updates change when rows move, never the numbers; PEC is exact on the reference model's table
+        # Prioritized updates change when rows move, never the numbers; PEC is exact on the softmax model's table
         # (one feature: tests/pipelines/test_torchrec_pec_grad_order.py) and applies torchrec's update rules.
         assert [r["loss"] for r in rank_out["freescale"]] == [r["loss"] for r in sync]
         assert [r["loss"] for r in pec] == [r["loss"] for r in ref]
@@ -105,7 +105,7 @@ def _nan_on_rank_1_at_step_2(rank, world_size):
 
 @pytest.mark.multiprocess
 def test_a_non_finite_loss_stops_mode_torchrec_at_that_step_too():
-    """The check is the trainer's, on what any step returns: the torchrec reference's steps are checked as the
+    """The check is the trainer's, on what any step returns: the torchrec baseline's steps are checked as the
     API's are (the same line, the same step, the rank named)."""
     pytest.importorskip("torchrec")
     (msg0, root0, logged0), (msg1, root1, logged1) = run_ranks(_nan_on_rank_1_at_step_2, 2, timeout=120)
@@ -119,12 +119,12 @@ def _parse(*argv):
 
 
 def test_without_torchrec_the_error_names_the_package(monkeypatch):
-    from pipelines.models.torchrec_ref import require_torchrec
+    from pipelines.models.torchrec_baseline import require_torchrec
 
     monkeypatch.setitem(sys.modules, "torchrec", None)  # as where torchrec is not installed
-    with pytest.raises(ValueError, match=r"torchrec.*not importable here: it is a CPU reference only"):
+    with pytest.raises(ValueError, match=r"torchrec.*not importable here: it is a CPU baseline only"):
         _parse("--mode", "torchrec")
-    with pytest.raises(ImportError, match=r"torchrec.*CPU reference only"):
+    with pytest.raises(ImportError, match=r"torchrec.*CPU baseline only"):
         require_torchrec()
 
 
@@ -133,7 +133,7 @@ def test_without_torchrec_the_error_names_the_package(monkeypatch):
     "argv,match",
     [
         (["--embedding-optimizer", "adam"], "fused Adam fails on CPU"),
-        (["--device", "cuda"], "CPU reference only"),
+        (["--device", "cuda"], "CPU baseline only"),
         (["--checkpoint-every", "2", "--checkpoint-dir", "ck"], "does not checkpoint"),
         (["--eval-data", "eval.parquet"], "has no held-out evaluation"),
     ],
@@ -147,7 +147,7 @@ def test_torchrec_modes_refuse_what_they_cannot_match(mode, argv, match):
 def test_only_torchrec_pec_takes_a_model_factory_and_neither_the_hstu_model():
     pytest.importorskip("torchrec")
     factory = "examples/bring_your_own_model.py:build_model"
-    with pytest.raises(ValueError, match="mode torchrec runs the reference model only"):
+    with pytest.raises(ValueError, match="mode torchrec runs the softmax model only"):
         _parse("--mode", "torchrec", "--model", factory)
     assert _parse("--mode", "torchrec-pec", "--model", factory).run.mode == "torchrec-pec"
     with pytest.raises(ValueError, match="mode torchrec-pec does not run the HSTU model: --model hstu"):

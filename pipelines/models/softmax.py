@@ -1,4 +1,4 @@
-"""The reference sequence model: a causal transformer over the jagged UIH, candidates scored by target attention.
+"""The softmax model: a causal transformer over the jagged UIH, candidates scored by target attention.
 
     UIH tokens  = item embedding + action embedding         (jagged, [N_uih, d])
     encoder     = num_layers pre-norm transformer blocks     (causal softmax attention over each sample's UIH)
@@ -6,16 +6,16 @@
     target attn = each candidate attends over its sample's encoded UIH
     head        = MLP(candidate, attended UIH, dense) -> one logit per label column (loss and NE: pipelines.metrics)
 
-Attention (``ModelConfig.attention``):
+Attention (``SoftmaxConfig.attention``):
 
 * ``jagged`` (default): no padding. Tokens stay packed [N, heads, dim] and each sample attends only within itself
   (kernels.attention). A step then costs what its samples' sum of L^2 costs, which is what the balancer balances.
-  The kernel is ``ModelConfig.attention_impl``: on CUDA by default PyTorch's varlen FlashAttention, which reads
+  The kernel is ``SoftmaxConfig.attention_impl``: on CUDA by default PyTorch's varlen FlashAttention, which reads
   the kept offsets as int32 on the device (computed there from the batch's lengths, no sync) and their longest
   length (from the batch's host offsets, once per batch): no plan, no host work per attention call. ``flex``
   (FlexAttention, the deterministic mode's choice) needs block masks: :func:`attention_plan` is the pure
   function of a batch's host offsets that a loader stage (fsdata.nodes.attention_plan) runs for a batch ahead
-  when :meth:`SequenceModel.needs_plan` says so, and ``forward(batch, attention_plan)`` takes its result;
+  when :meth:`SoftmaxModel.needs_plan` says so, and ``forward(batch, attention_plan)`` takes its result;
   without one the forward builds it. On CPU, one fused SDPA per sample.
 * ``padded``: torch's scaled_dot_product_attention over batches padded to their longest sample. The UIH encoder
   is causal with padding at the end, so it needs no mask and gets the fused kernels; the target attention masks
@@ -48,8 +48,8 @@ ATTENTION_IMPLS = ("varlen", "flex", "torch")
 
 
 @dataclass
-class ModelConfig:
-    """Sizes of the reference model. Presets: :data:`MODEL_PRESETS`."""
+class SoftmaxConfig:
+    """Sizes of the softmax model. Presets: :data:`SOFTMAX_PRESETS`."""
 
     num_items: int = 20_000
     """Rows of the item table (ids are taken modulo this)."""
@@ -122,7 +122,7 @@ def attention_plan(uih_offsets: torch.Tensor, candidate_offsets: torch.Tensor, *
     )
 
 
-MODEL_PRESETS: dict[str, dict] = {
+SOFTMAX_PRESETS: dict[str, dict] = {
     "tiny": dict(num_items=20_000, dim=32, num_layers=1, num_heads=2, max_uih=512),
     "small": dict(num_items=200_000, dim=64, num_layers=2, num_heads=4, max_uih=4_096),
     "production": dict(num_items=10_000_000, dim=512, num_layers=4, num_heads=8, max_uih=21_000),
@@ -145,7 +145,7 @@ def _pad(values: torch.Tensor, offsets: torch.Tensor, max_len: int) -> tuple[tor
 
 
 class Kept(NamedTuple):
-    """A batch's UIH after the model's truncation to ``max_uih`` (see ``SequenceModel._truncate``)."""
+    """A batch's UIH after the model's truncation to ``max_uih`` (see ``SoftmaxModel._truncate``)."""
 
     offsets: torch.Tensor  # kept offsets, int64 on the batch's device
     flat: torch.Tensor  # flat index of each kept token in the batch's UIH
@@ -202,10 +202,10 @@ def _padded_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     ).transpose(1, 2)
 
 
-class SequenceModel(nn.Module):
+class SoftmaxModel(nn.Module):
     """Takes a :class:`Batch`, returns per-candidate logits [C_total, num_labels]."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: SoftmaxConfig) -> None:
         super().__init__()
         self.config = config
         d = config.dim

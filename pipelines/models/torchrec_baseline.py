@@ -1,7 +1,7 @@
-"""Mode ``torchrec``: the real torchrec DistributedModelParallel + TrainPipelineSparseDist, as an outside reference.
+"""Mode ``torchrec``: the real torchrec DistributedModelParallel + TrainPipelineSparseDist, as an outside baseline.
 
 The trainer's other baselines (``sync``, ``sdd``, ``semisync``) imitate torchrec's patterns with FreeScale's own
-sharded tables. This mode trains the same reference model with torchrec itself (CPU, gloo), so their figures can
+sharded tables. This mode trains the same softmax model with torchrec itself (CPU, gloo), so their figures can
 be checked against the real thing:
 
     item_embedding  -> a torchrec EmbeddingCollection (one table named ``item_embedding``, two features: the kept
@@ -58,7 +58,7 @@ from fsdata.balance_measures import sparsity
 from fsdata.batch import CONTENT_KEY, UIH_ITEM_KEY, Batch, offsets_to_lengths
 from fsdata.item import LoaderItem
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.reference import SequenceModel
+from pipelines.models.softmax import SoftmaxModel
 from pipelines.models.step_result import StepResult
 
 TORCHREC_PACKAGES = ("torchrec", "fbgemm_gpu")
@@ -78,7 +78,7 @@ def missing_packages() -> list[str]:
 
 def unavailable_message(missing: Sequence[str]) -> str:
     return (
-        f"mode torchrec needs the package(s) {', '.join(missing)}, not importable here: it is a CPU reference only "
+        f"mode torchrec needs the package(s) {', '.join(missing)}, not importable here: it is a CPU baseline only "
         "(torchrec==1.8.0 installed with --no-deps beside fbgemm-gpu-cpu==1.8.0, as scripts/setup.sh does)"
     )
 
@@ -94,7 +94,7 @@ def require_torchrec() -> None:
         raise ImportError(f"{unavailable_message(['torchrec'])}: {error}") from error
 
 
-def item_ids_kjt(model: SequenceModel, batch: Batch):
+def item_ids_kjt(model: SoftmaxModel, batch: Batch):
     """The ids the model looks up in ``item_embedding``, as a KeyedJaggedTensor with per-sample lengths.
 
     The same ids as ``model.item_ids(batch)``, in the same order (kept UIH items, then content ids, modulo the
@@ -148,7 +148,7 @@ class LookedUpRows(nn.Module):
 class _DenseStep(nn.Module):
     """The model after its embedding lookup, and the loss: (scaled loss, [labels, BCE sum, positives])."""
 
-    def __init__(self, model: SequenceModel, world_size: int) -> None:
+    def __init__(self, model: SoftmaxModel, world_size: int) -> None:
         super().__init__()
         self.model, self.world_size = model, world_size
 
@@ -163,7 +163,7 @@ class _DenseStep(nn.Module):
         return scaled, stats.double()
 
 
-class _TorchrecSequenceModel(nn.Module):
+class _TorchrecSoftmaxModel(nn.Module):
     """What DMP shards and TrainPipelineSparseDist traces: the collection reads only a field of the input, so torchrec's
     tracer finds it at the top level and pipelines its input dist; ``dense`` holds no sharded module, so the
     tracer keeps it whole (a leaf)."""
@@ -220,7 +220,7 @@ def fuse_optimizer(collection: nn.Module, optimizer_name: str, embedding_lr: flo
 def check_device_and_optimizer(mode: str, device: torch.device, optimizer_name: str) -> None:
     """What the torchrec modes can run here: CPU, and an embedding optimizer torchrec's CPU build fuses."""
     if device.type != "cpu":
-        raise ValueError(f"mode {mode} is a CPU reference only (got device {device}); pass --device cpu")
+        raise ValueError(f"mode {mode} is a CPU baseline only (got device {device}); pass --device cpu")
     if optimizer_name not in EMBEDDING_OPTIMIZERS:
         raise ValueError(
             f"mode {mode} supports --embedding-optimizer {' or '.join(EMBEDDING_OPTIMIZERS)}, not "
@@ -255,7 +255,7 @@ def step_result(stats: torch.Tensor, progress_s: float, batch: Batch, rank: int,
     )
 
 
-class TorchrecReference:
+class TorchrecBaseline:
     """Trains ``model`` (whose ``item_embedding`` it swaps) through torchrec: DMP + TrainPipelineSparseDist, one
     ``train_on`` per step. ``global_labels(batch)``: the global batch's label count (the trainer's timed
     all-reduce); ``phase(name)``: a context named around progress() (the trainer's, in a trace)."""
@@ -265,7 +265,7 @@ class TorchrecReference:
 
     def __init__(
         self,
-        model: SequenceModel,
+        model: SoftmaxModel,
         *,
         optimizer_name: str,
         embedding_lr: float,
@@ -302,7 +302,7 @@ class TorchrecReference:
             device_type=device.type,
         )
         self.dmp = DistributedModelParallel(
-            _TorchrecSequenceModel(collection, _DenseStep(model, self.world_size)),
+            _TorchrecSoftmaxModel(collection, _DenseStep(model, self.world_size)),
             env=ShardingEnv.from_process_group(dist.group.WORLD),
             plan=ShardingPlan({"item_collection": plan}),
             device=device,
@@ -328,7 +328,7 @@ class TorchrecReference:
             yield self._feed.popleft()
 
     def to_device(self, item: LoaderItem) -> LoaderItem:
-        """The item as it is: a CPU reference, its batches are where the model is."""
+        """The item as it is: a CPU baseline, its batches are where the model is."""
         return item
 
     def _feed_new(self, batches: list[Batch]) -> None:
