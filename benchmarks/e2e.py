@@ -10,8 +10,8 @@ JSON), never as 0. ``losses against sync`` gives, per run, every mode's largest 
 (``loss_max_diff_vs_sync`` in the JSON; 0 and "bit for bit" where every step's loss is sync's).
 ``moved``: the steps whose samples the balancer moved; the balance
 gate (``--min-gain``, fsdata.partition.gate) keeps the others local when moving would not pay. ``emb``: the
-embedding schedule freescale kept after its probe (pipelines.job.run.schedule; prio or sdd); every mode's timings leave
-out the same warm-up steps, the probe's included.
+embedding schedule freescale kept after its probe (pipelines.job.run.schedule_probe; prio or sdd); every mode's
+timings leave out the same warm-up steps, the probe's included.
 
 Every case runs the softmax model with ``--attention`` (default jagged: no padding, so a rank's step costs
 what the sum of its samples' L^2 costs, the imbalance the balancer removes; ``padded`` for comparison), or with
@@ -50,7 +50,7 @@ from pipelines.api.modes import MODES as ALL_MODES
 from pipelines.api.modes import TORCHREC_MODES
 from pipelines.job.config.flags import add_tuning_arguments, apply_tuning
 from pipelines.job.config.sections import JobConfig
-from pipelines.job.run.schedule import PROBE_START, ScheduleProbe
+from pipelines.job.run.schedule_probe import PROBE_START, ScheduleProbe
 from pipelines.models.hstu import HSTU_PRESETS
 
 # every mode but the torchrec baselines (CPU only: --modes ...,torchrec,torchrec-pec adds them)
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="override the balance gate's threshold (0: the balancer moves samples every step)",
     )
-    # every scheduling knob of `freescale train` (--TABLE.NAME; default: the train default)
+    # every tuning knob of `freescale train` (--TABLE.NAME; default: the train default)
     add_tuning_arguments(parser, show=True)
     parser.add_argument(
         "--repeats",

@@ -1,7 +1,7 @@
 """The RDMA transport: the paper's SM-free ring (Figure 6) over RC queue pairs, with pyverbs.
 
 Each exchange: device-to-host copy into a pinned buffer (copy stream), the ring between host buffers over
-RDMA send/receive (fscomm/ring.py: the schedule), host-to-device copy back. Pinned pool blocks are registered
+RDMA send/receive (fscomm/ring.py: the send order), host-to-device copy back. Pinned pool blocks are registered
 as memory regions once and reused. Queue-pair details (LID, GID, QP numbers, PSNs) are exchanged through the
 torch.distributed store. The ring code runs against ``RingLink``; ``VerbsRingLink`` is the real one, and the
 tests drive the whole transport through an in-memory fake queue pair (tests/fscomm/fake_qp.py). It has not run on

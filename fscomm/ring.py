@@ -2,7 +2,7 @@
 
 Every rank talks only to its two ring neighbours: it sends to rank+1 and receives from rank-1 (one RC queue
 pair each way in the RDMA backend). The ring works on byte views of host buffers and on a ``RingLink``, so the
-schedule and the buffer handling are the same code whether the link is real verbs queue pairs or the
+send order and the buffer handling are the same code whether the link is real verbs queue pairs or the
 in-memory fake of the tests.
 
 AllGather: chunk c starts at rank c. At step s (0..W-2) rank r sends chunk (r-s) mod W, which it owns or got at

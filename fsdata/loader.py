@@ -59,7 +59,7 @@ WORKER_STARTS = ("take", "backward")
 @dataclass
 class LoaderConfig:
     """The loader's config (``build_loader``), and the ``[loader]`` table of `freescale train`'s config: the fields
-    past ``prefetch_depth`` are scheduling knobs (docs/tuning.md)."""
+    past ``prefetch_depth`` are tuning knobs (docs/tuning.md)."""
 
     CHOICES: ClassVar[dict] = {"worker_start": WORKER_STARTS}
 

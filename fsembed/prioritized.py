@@ -316,8 +316,8 @@ class PrioritizedEmbeddingCollection(ShardedEmbeddingCollection):
         """``"prioritized"`` (Algorithm 2, the default) or ``"sdd"``: every training step looks its rows up and
         exchanges them inside the step, as the synchronous collection does (its ids still come prefetched).
         Both give the synchronous path's numbers bit for bit, so a job may switch between them at any step
-        boundary (pipelines.job.run.schedule chooses from measured step times). Leaving the prioritized schedule flushes
-        (deferred gradients applied, exchanges in flight collected) and drops the context: the next step's rows
+        boundary (pipelines.job.run.schedule_probe chooses from measured step times). Leaving the prioritized schedule
+        flushes (deferred gradients applied, exchanges in flight collected) and drops the context: the next step's rows
         prefetched in it are looked up again, from the same table values. Coming back, the first step looks its
         rows up synchronously, as a job's first step does."""
         if schedule not in RUNTIME_SCHEDULES:

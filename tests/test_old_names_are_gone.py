@@ -26,6 +26,7 @@ OLD_NAMES = [
 OLD_MODULES = [
     "pipelines.models.reference",
     "pipelines.models.torchrec_ref",
+    "pipelines.job.run.schedule",
 ]
 
 OLD_MODULE_NAMES = [

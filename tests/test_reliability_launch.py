@@ -263,7 +263,7 @@ def _train(tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     "sig, to, checkpoints",
     [
-        (signal.SIGTERM, "launcher", True),  # a scheduler's stop
+        (signal.SIGTERM, "launcher", True),  # a job manager's stop
         (signal.SIGINT, "group", True),  # Ctrl-C: every process of the group gets it at once
         (signal.SIGINT, "launcher", False),
         (signal.SIGTERM, "group", False),

@@ -7,7 +7,7 @@ none, and says whether the job composes the balancer's stages.
     sdd         sync, with the next batch's ID AllToAll overlapped (TorchRec's TrainPipelineSparseDist)
     semisync    the next batch's embeddings prefetched before this step's update: stale rows (TrainPipelineSemiSync)
     freescale   balancer + prioritized embedding updates, switching to sdd's schedule at run time where that is
-                faster (pipelines.job.run.schedule's probe; exact either way)
+                faster (pipelines.job.run.schedule_probe's probe; exact either way)
     torchrec    the real torchrec DistributedModelParallel + TrainPipelineSparseDist, CPU only: the outside
                 baseline (pipelines.models.torchrec_baseline)
     torchrec-pec  torchrec's Prioritized Embedding Communication (PEC) driven as upstream's TrainPipelinePEC,
@@ -29,7 +29,7 @@ class Mode:
     schedule: Optional[str]
     #: `freescale train` composes the balancer's stages (the Python API balances in any mode it is given them)
     balances: bool
-    #: the schedules it may switch between at run time (pipelines.job.run.schedule); empty: it keeps ``schedule``
+    #: the schedules it may switch between at run time (pipelines.job.run.schedule_probe); empty: it keeps ``schedule``
     switches: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

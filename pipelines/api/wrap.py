@@ -9,7 +9,7 @@ modules are named). FreeScale installs itself around it:
   mode's embedding schedule (fsembed.schedules: sync, sdd, semisync, prioritized; pipelines.api.modes names which
   mode runs which) picks what of it the collection takes, and the collection's exchanges run. Where the step is
   bound by the host, not by the exchanges, freescale may run sdd's schedule instead (``set_schedule``, chosen from
-  measured step times by pipelines.job.run.schedule; exact either way);
+  measured step times by pipelines.job.run.schedule_probe; exact either way);
 * as the forward returns, the lookup lets go of its rows and starts the side work of the next batch's embedding
   exchanges that the forward issued (``early_start="backward"``, the default: freescale's lines 6-7 and 12 then
   run in the collection's bulk chain beside the backward, where the training thread waits without the GIL);
@@ -200,7 +200,7 @@ class EmbeddingWrap:
     def set_schedule(self, schedule: str) -> None:
         """freescale's embedding schedule from the next step on, one of its ``switches`` (pipelines.api.modes):
         ``prioritized`` or ``sdd`` (bit-exact either way, see PrioritizedEmbeddingCollection.set_schedule and
-        pipelines.job.run.schedule)."""
+        pipelines.job.run.schedule_probe)."""
         if schedule not in self.mode.switches:
             raise ValueError(
                 f"the embedding schedule of mode {self.mode.name} is {self.mode.schedule}; it switches "

@@ -48,7 +48,7 @@ from pipelines.job.run.aggregates import RunAggregates
 from pipelines.job.run.evaluation import HeldOut
 from pipelines.job.run.progress import paused
 from pipelines.job.run.record import StepRecord
-from pipelines.job.run.schedule import ScheduleProbe
+from pipelines.job.run.schedule_probe import ScheduleProbe
 from pipelines.job.run.step_log import check_finite, log_record, log_settled, rank_slot, run_outputs, settle_last
 from pipelines.models.step_protocol import Lookahead
 
@@ -110,8 +110,9 @@ class Trainer:
         if not self._checkpointer.resume(self):
             self.loader = self._build_loader(None)
         self.first_step = self.step
-        # freescale's embedding schedule per step (pipelines.job.run.schedule): probed anew from this process's 1st step
-        self.schedule = (
+        # freescale's embedding schedule per step (pipelines.job.run.schedule_probe): probed anew from this process's
+        # 1st step
+        self.schedule_probe = (
             ScheduleProbe(config.embeddings.schedule, first_step=self.step) if MODES[config.run.mode].switches else None
         )
         self.accounting = StepAccounting(self.timer, self.loader, self.wrap, device)
@@ -230,12 +231,12 @@ class Trainer:
             self._retired = current
             current, ahead = fetched.advance(items, fetching=self._fetching)
             upcoming = ahead[0] if ahead else None
-            if self.schedule is not None:
-                self.wrap.set_schedule(self.schedule.schedule_for(self.step))
+            if self.schedule_probe is not None:
+                self.wrap.set_schedule(self.schedule_probe.schedule_for(self.step))
             record = self.train_step(current, ahead)
             self.accounting.finish(record)
             self._last_step_s = record.step_time_s
-            if self.schedule is not None:
+            if self.schedule_probe is not None:
                 record.schedule = self.wrap.collection.schedule
             record.balance = current.item.report
             self.step += 1
@@ -281,8 +282,8 @@ class Trainer:
         if result.compute_s is not None:
             self.feedback.report(self.step, result.compute_s)  # read by the balancer's Stage I (autotune, cost fit)
             self._last_compute_s = result.compute_s
-        if self.schedule is not None:  # the previous step's time on the slowest rank: the same on every rank
-            self.schedule.observe(self.step - 1, float(result.per_rank["last_step_s"].max()))
+        if self.schedule_probe is not None:  # the previous step's time on the slowest rank: the same on every rank
+            self.schedule_probe.observe(self.step - 1, float(result.per_rank["last_step_s"].max()))
         check_finite(result, self.step, self.rank)
         return StepRecord.of(self.step, result)
 

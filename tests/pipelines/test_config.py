@@ -18,7 +18,7 @@ from pipelines.job.config.sections import SECTIONS, ConfigError, JobConfig, conf
 from pipelines.job.config.toml_file import read_toml
 
 # `freescale train`'s options; those from before the config's sections became its tables stay, as users' scripts
-# use them; a scheduling knob's flag names the table of the component it tunes.
+# use them; a tuning knob's flag names the table of the component it tunes.
 OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --unordered-timestamps --eval-data --model --num-items --dim --num-layers

@@ -318,7 +318,7 @@ def _losses(metrics_jsonl):
 @pytest.mark.multiprocess
 def test_checkpoint_resume_is_exact(tmp_path):
     """freescale mode (balancer + prioritized embeddings in flight): 6 steps straight == 3 + resume 3. The resumed
-    run schedules its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
+    run times its helpers otherwise than the default: the stage worker starts when a batch is taken (not at
     the backward) and finishes each exchange at once (no stage lookahead), the bulk chain starts with the forward,
     and the deferred exclusive gradients leave at the backward (not with the next forward). When they run must not
     change a number."""

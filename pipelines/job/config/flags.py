@@ -1,6 +1,6 @@
 """The command line of `freescale train`: its flags, derived from the job config's fields (sections.py).
 
-A field's flag is ``--KEY`` with dashes (``--batch-size``); a scheduling knob's (``Flag.knob``) carries its table,
+A field's flag is ``--KEY`` with dashes (``--batch-size``); a tuning knob's (``Flag.knob``) carries its table,
 ``--TABLE.KEY`` (``--process.gil-switch-ms``, ``--dense-sync.bucket-mb``); a boolean's is a pair, ``--KEY`` /
 ``--no-KEY`` (``--loader.no-stage-lookahead``). ``FLAGS`` holds each field's help line, and the flag's own name
 where it keeps a spelling older than its key (``--checkpoint-dir`` sets ``[checkpoint] dir``, ``--data`` sets
@@ -35,7 +35,7 @@ class Flag(NamedTuple):
     help: str
     name: Optional[str] = None  # where the flag is not --KEY (--TABLE.KEY): a spelling older than the key
     metavar: Optional[str] = None  # else NAME for a field with choices, N for an int, X for a float, KEY for a str
-    knob: bool = False  # a scheduling knob: --TABLE.KEY, listed by --help-tuning rather than --help
+    knob: bool = False  # a tuning knob: --TABLE.KEY, listed by --help-tuning rather than --help
 
 
 def _knob(help_text: str) -> Flag:
@@ -124,7 +124,7 @@ def flag(path: str) -> str:
 
 
 def knobs() -> list[str]:
-    """The scheduling knobs' paths, in the order of the tables and their fields."""
+    """The tuning knobs' paths, in the order of the tables and their fields."""
     return [path for path in config_fields() if FLAGS[path].knob]
 
 
@@ -208,7 +208,7 @@ class _HelpTuning(argparse.Action):
             usage="%(prog)s [--TABLE.NAME VALUE ...]",
             add_help=False,
             formatter_class=parser.formatter_class,
-            description="Scheduling knobs, each in the table of --config it names (--dense-sync.bucket-mb: "
+            description="Tuning knobs, each in the table of --config it names (--dense-sync.bucket-mb: "
             "[dense_sync] bucket_mb); docs/tuning.md explains each and when to change it.",
         )
         for table in dict.fromkeys(path.split(".")[0] for path in knobs()):

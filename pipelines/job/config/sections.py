@@ -12,7 +12,7 @@
     [checkpoint]  config.checkpoint  JobCheckpointSection  saving, resuming, exporting
 
 Each component owns its table: the loader and the balancer are configured by the library's own classes, declared
-once there; every other section is given to its component's builder alone. A scheduling knob (when and where work
+once there; every other section is given to its component's builder alone. A tuning knob (when and where work
 runs, never what a step computes: docs/tuning.md) lives in the table of the component it tunes. ``[checkpoint]
 dir`` is ``config.checkpoint.dir``; every field is documented where it is declared. The command line
 (pipelines.job.config.flags) derives its flags from these fields; nothing here knows a flag.
@@ -47,7 +47,7 @@ from pipelines.api.modes import BALANCING, MODES, SHARDED, TORCHREC_MODES
 from pipelines.api.numerics import PRECISIONS
 from pipelines.api.step import TrainStep
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
-from pipelines.job.run.schedule import SCHEDULE_CHOICES
+from pipelines.job.run.schedule_probe import SCHEDULE_CHOICES
 from pipelines.models.hstu import HSTU_PRESETS
 from pipelines.models.softmax import ATTENTION_IMPLS
 

@@ -1,4 +1,4 @@
-"""How a job ends on a stop signal: SIGTERM (a scheduler), SIGINT (Ctrl-C, which reaches every process of the group)
+"""How a job ends on a stop signal: SIGTERM (a job manager), SIGINT (Ctrl-C, which reaches every process of the group)
 and SIGHUP (a closed terminal) end it in one line naming the step the ranks had reached and the newest complete
 checkpoint, exit status 128 + the signal. Each rank reports its step and ends at once (:class:`StopOnSignal`), and the
 launcher prints the line from the ranks' reports (:func:`interruption`; under torchrun each rank prints its own). So
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pipelines.job.config import JobConfig
 
 
-# What ends a job from outside: a scheduler's SIGTERM, Ctrl-C's SIGINT, a closed terminal's SIGHUP. The launcher
+# What ends a job from outside: a job manager's SIGTERM, Ctrl-C's SIGINT, a closed terminal's SIGHUP. The launcher
 # (torch's elastic agent) forwards the signal it gets to the ranks.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -14,7 +14,8 @@ def trace_window(path: Optional[str], rank: int, steps: int, warmup_steps: int, 
     ``path``. Rank r writes ``PATH.rank{r}.json``."""
     if not path:
         return None
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import schedule as profiled_steps
 
     target = Path(f"{path}.rank{rank}.json")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -23,7 +24,7 @@ def trace_window(path: Optional[str], rank: int, steps: int, warmup_steps: int, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiler = profile(
         activities=activities,
-        schedule=schedule(wait=skip, warmup=1, active=active, repeat=1),
+        schedule=profiled_steps(wait=skip, warmup=1, active=active, repeat=1),  # torch's name for its step window
         on_trace_ready=lambda p: p.export_chrome_trace(str(target)),
     )
     profiler.start()

@@ -66,7 +66,7 @@ def print_summary(summary: dict) -> None:
         print(f"  pairs            {describe_pairs(summary['transport']['pairs'])}")
     schedule = summary.get("embedding_schedule")
     if schedule and schedule["mode"] == "auto":
-        from pipelines.job.run.schedule import describe_choice
+        from pipelines.job.run.schedule_probe import describe_choice
 
         print(f"  embedding        {describe_choice(schedule)}")  # with the margin that decided
     print(

@@ -1,4 +1,4 @@
-"""The embedding schedule probe (pipelines.job.run.schedule): which schedule each step runs, and the choice."""
+"""The embedding schedule probe (pipelines.job.run.schedule_probe): which schedule each step runs, and the choice."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.job.run.schedule import ScheduleProbe, describe_choice
+from pipelines.job.run.schedule_probe import ScheduleProbe, describe_choice
 
 
 def run(probe: ScheduleProbe, seconds, steps: int, first: int = 0) -> list[str]:
@@ -157,10 +157,10 @@ def _train(rank, world_size, name):
     mode, schedule, faster = RUNS[name]
     trainer = Trainer(_config(mode, schedule), rank=rank, world_size=world_size, device=torch.device("cpu"))
     if faster is not None:  # the probe's times replaced: the named schedule wins, on every rank alike
-        probe, observe = trainer.schedule, trainer.schedule.observe
+        probe, observe = trainer.schedule_probe, trainer.schedule_probe.observe
         probe.observe = lambda step, s: observe(step, 1.0 if probe._ran.get(step) == faster else 2.0)
     trainer.train()
-    probe = trainer.schedule
+    probe = trainer.schedule_probe
     return {
         "losses": [r["loss"] for r in trainer.history],
         "ran": [r.get("schedule") for r in trainer.history],
@@ -172,7 +172,7 @@ def _train(rank, world_size, name):
 
 @pytest.mark.multiprocess
 def test_the_trainer_switches_schedules_on_every_rank_alike_and_keeps_sync_losses():
-    from pipelines.job.run.schedule import PROBE_START
+    from pipelines.job.run.schedule_probe import PROBE_START
     from tests.harness import run_ranks
 
     results = {name: run_ranks(_train, 2, args=(name,), timeout=120) for name in RUNS}
