@@ -137,7 +137,7 @@ def run_summary(trainer: Any, wall: float, totals: dict) -> dict:
         "world_size": trainer.world_size,
         "wall_s": wall,
         **steps,
-        "embedding_schedule": trainer.schedule.summary() if trainer.schedule is not None else None,
+        "embedding_schedule": trainer.schedule_probe.summary() if trainer.schedule_probe is not None else None,
         # held-out evaluations (--eval-data): one per --eval-every steps and one at the end, the last here too
         "eval": evaluations,
         "eval_ne": evaluations[-1]["ne"] if evaluations else None,
