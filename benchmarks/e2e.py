@@ -432,7 +432,7 @@ def stalled_steps(rows: list[dict], factor: float = 5.0, floor_ms: float = 5.0) 
             found = [f"gc {1e3 * clues['gc_s'][i]:.1f} ms"] if clues.get("gc_s") else []
             found += [
                 f"{k.replace('_', ' ')} {clues[k][i]}"
-                for k in ("new_staging_blocks", "new_pinned_blocks")
+                for k in ("new_relay_blocks", "new_pinned_blocks")
                 if clues.get(k) is not None
             ]
             lines.append(

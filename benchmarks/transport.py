@@ -372,7 +372,7 @@ def bench_contention(ctx: Ctx) -> list[dict]:
                 rows.append({"kernel": kname, "traffic": kind, "skipped": next(e for e in errs if e)})
                 continue
             # calibrate: how long one unit of traffic takes alone (slowest rank), after a warm-up (kernel
-            # compilation, staging pool)
+            # compilation, relay pool)
             if traffic is not None:
                 traffic.start(2).join(None)
                 traffic.start(4).join(None)

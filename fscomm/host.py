@@ -8,7 +8,7 @@ ranks of a host, gloo point-to-point between hosts); no two ranks on one host, g
 ``active_path`` ("shm", "shm+tcp", "tcp") and ``pairs`` say which, and ``host_paths()`` for every live transport
 (the run summary's ``transport``). "host-shm" and "host-tcp" force one path (a benchmark compares both).
 
-On CUDA tensors an exchange is: a device-to-host copy into a pinned staging buffer on a dedicated copy stream
+On CUDA tensors an exchange is: a device-to-host copy into a pinned relay buffer on a dedicated copy stream
 (the copy engines do it, no SM), the exchange between hosts on the CPU over gloo in fscomm's worker thread,
 and a host-to-device copy back on the copy stream. No GPU kernel is launched, so compute that the exchange
 overlaps keeps every SM (paper section 3.3: NCCL's channels each occupy an SM and slowed the overlapped
@@ -108,7 +108,7 @@ class HostTransport(TransportBase):
             self.shm.close()
 
     def pool_stats(self) -> dict[str, int]:
-        """The pinned staging pool's counters (``allocations`` stays flat after warm-up). On the shared-memory
+        """The pinned relay pool's counters (``allocations`` stays flat after warm-up). On the shared-memory
         path, ``allocations`` counts this rank's data segments instead (each growth maps, and on a GPU rank
         pins, a new one: a stall like a pinned allocation's) and ``shm_bytes`` is the current one's size."""
         stats = self.relay.pool.stats()

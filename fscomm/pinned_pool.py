@@ -1,4 +1,4 @@
-"""Pinned host staging buffers, reused across exchanges.
+"""Pinned host buffers of the host relay, reused across exchanges.
 
 Every exchange through the host relay (fscomm.host_relay) needs a host buffer for what leaves the GPU and one
 for what comes back. Pinned (page-locked) memory lets the copy engines move it asynchronously, but allocating it
@@ -24,7 +24,7 @@ def _size_class(nbytes: int) -> int:
     return n
 
 
-class StagingBuffer:
+class PinnedBuffer:
     """A block of the pool; ``view`` is its first ``nbytes`` bytes (uint8)."""
 
     __slots__ = ("block", "view")
@@ -45,7 +45,7 @@ class PinnedPool:
         self._acquires = 0
         self._peak_in_use = 0
 
-    def acquire(self, nbytes: int) -> StagingBuffer:
+    def acquire(self, nbytes: int) -> PinnedBuffer:
         size = _size_class(max(int(nbytes), 1))
         with self._lock:
             self._acquires += 1
@@ -58,7 +58,7 @@ class PinnedPool:
             self._peak_in_use = max(self._peak_in_use, self._bytes_in_use)
         if block is None:  # allocate outside the lock: pinning is slow
             block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        return StagingBuffer(block, int(nbytes))
+        return PinnedBuffer(block, int(nbytes))
 
     def reserve(self, nbytes: int, count: int) -> None:
         """Makes ``count`` blocks of ``nbytes``' class free in the pool now (at set-up), so that up to
@@ -67,7 +67,7 @@ class PinnedPool:
         for buf in held:
             self.release(buf)
 
-    def release(self, buf: StagingBuffer) -> None:
+    def release(self, buf: PinnedBuffer) -> None:
         size = buf.block.numel()
         with self._lock:
             self._free[size].append(buf.block)

@@ -4,7 +4,7 @@ Split by locality: when a group's ranks are on several hosts and some host holds
 with ``split``), each exchange goes through shared memory between the ranks of each host (``local``) and over gloo
 point-to-point (the group's TCP pairs) between ranks of different hosts (``remote``), in one exchange: a rank
 publishes its blocks for its host's peers, posts its sends to and receives from the other hosts' ranks, reads its
-peers' blocks while those travel, then waits for them. On a GPU rank the blocks to other hosts are staged in its own
+peers' blocks while those travel, then waits for them. On a GPU rank the blocks to other hosts are copied into its own
 (pinned) segment and those from other hosts land in a receiving area of it, so gloo only ever touches host memory.
 The ranks of each host are told apart by host name and boot id, gathered once when the transport is made.
 
@@ -461,7 +461,7 @@ class ShmExchange:
                 plan.send(d, block, cuda)
             elif d != me or host_copy:
                 plan.table[d] = (plan.publish_nbytes, send_b[d])
-                plan.stage(block)
+                plan.put(block)
         if not host_copy:
             plan.local.append((xb[s_off[me] : s_off[me + 1]], ob[r_off[me] : r_off[me + 1]]))
         plan.reads = [(o, ob[r_off[o] : r_off[o + 1]]) for o in self.local if o != me or host_copy]
@@ -473,11 +473,11 @@ class ShmExchange:
         """``pieces[r]``: rank r's bytes in ``out``'s bytes."""
         xb, ob = as_bytes(x), as_bytes(out)
         plan = _Plan(table=[(0, xb.numel())] * self.world_size)
-        plan.stage(xb)
+        plan.put(xb)
         plan.local = [(xb, ob[pieces[self.rank]])]
         plan.reads = [(o, ob[pieces[o]]) for o in self._peers]
         for o in self.remote:
-            plan.sends.append((o, (0, xb.numel()) if x.is_cuda else xb))  # on a GPU rank: from the staged copy
+            plan.sends.append((o, (0, xb.numel()) if x.is_cuda else xb))  # on a GPU rank: from its copy in the segment
             plan.receive(o, ob[pieces[o]], x.is_cuda)
         return self._submit(op, seq, x, out, plan)
 
@@ -736,7 +736,7 @@ class _Plan:
     recvs: list = field(default_factory=list)
     recv_nbytes: int = 0
 
-    def stage(self, block: torch.Tensor) -> int:
+    def put(self, block: torch.Tensor) -> int:
         """``block`` copied into the segment at the next offset; returns it."""
         off = self.publish_nbytes
         self.publish.append((block, off))
@@ -744,7 +744,7 @@ class _Plan:
         return off
 
     def send(self, rank: int, block: torch.Tensor, cuda: bool) -> None:
-        self.sends.append((rank, (self.stage(block), block.numel()) if cuda else block))
+        self.sends.append((rank, (self.put(block), block.numel()) if cuda else block))
 
     def receive(self, rank: int, dst: torch.Tensor, cuda: bool) -> None:
         self.recvs.append((rank, dst, self.recv_nbytes if cuda else None))

@@ -111,7 +111,7 @@ class Transport(Protocol):
         ...
 
     def pool_stats(self) -> dict[str, int]:
-        """Counters of its pinned staging memory; ``allocations`` stays flat after warm-up (0 without a pool)."""
+        """Counters of its pinned relay memory; ``allocations`` stays flat after warm-up (0 without a pool)."""
         ...
 
     def close(self) -> None:
@@ -133,7 +133,7 @@ class Transport(Protocol):
 
 
 class TransportBase:
-    """The defaults of the :class:`Transport` methods a backend may not need: available anywhere, no staging pool,
+    """The defaults of the :class:`Transport` methods a backend may not need: available anywhere, no relay pool,
     nothing to release, no choice of path."""
 
     active_path: Optional[str] = None  # where a backend picks its path per group (host: "shm", "shm+tcp", "tcp")

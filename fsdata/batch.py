@@ -1,4 +1,4 @@
-"""The sample and the jagged batch: the one data type every FreeScale stage passes along.
+"""The sample and the jagged batch: the one data type every loader stage and step passes along.
 
 Schema (one training sample, a user's interaction history (UIH) plus the candidates to score):
 

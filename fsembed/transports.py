@@ -43,8 +43,8 @@ class EmbeddingTransports:
     # the collision rows' new values, from the collision chain's thread; None: the next forward sends them itself
     collision: object = None
 
-    def staging_allocations(self) -> int:
-        """Pinned staging blocks ever allocated by these transports' pools (host-relayed ones; 0 for the others).
+    def relay_allocations(self) -> int:
+        """Pinned relay blocks ever allocated by these transports' pools (host-relayed ones; 0 for the others).
         Flat after warm-up, unless an exchange outgrows every block so far: then the allocation (cudaHostAlloc,
         which synchronises the device) stalls the step it falls in."""
         unique = {id(t): t for t in (self.forward, self.backward, self.bulk, self.collision) if t is not None}

@@ -1,4 +1,4 @@
-"""kernels: the jagged ops every stage uses, laid out per implementation (triton/, pytorch/, varlen/, flex/), with
+"""kernels: the jagged ops the models use, laid out per implementation (triton/, pytorch/, varlen/, flex/), with
 one dispatch point per op family that validates inputs once and picks an implementation by one vocabulary,
 :class:`kernels.impl.Impl`:
 

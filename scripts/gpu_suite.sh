@@ -114,7 +114,7 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 clues = _stall_clues(rows)
 for i, r in enumerate(rows):
     if i and r["bubble_s"] > 5e-3:
-        grew = {k: clues[k][i] for k in ("new_staging_blocks", "new_pinned_blocks") if clues[k] is not None}
+        grew = {k: clues[k][i] for k in ("new_relay_blocks", "new_pinned_blocks") if clues[k] is not None}
         print(f"  step {r['step']:>2} {r.get('schedule')}: bubbles {1e3 * r['bubble_s']:.1f} ms, gc {1e3 * r['gc_s']:.1f} ms, "
               f"new pinned blocks {grew}, exposed " + str({k: round(1e3 * v, 1) for k, v in r["exposed_s"].items() if v and v > 1e-3}))
 PY

@@ -1,4 +1,4 @@
-"""The naive per-sample PyTorch loops: what a stage looks like written the obvious way, one sample at a time
+"""The naive per-sample PyTorch loops: what an op looks like written the obvious way, one sample at a time
 (and, where ids go to row-wise shards, one shard at a time within the sample).
 
 Kept only as the benchmark's baseline (paper section 4.2, Figure 7: its cost grows with the number of segments

@@ -3,7 +3,7 @@ updates and the ``torchrec`` baseline.
 
 torchrec 1.8.0 ships PEC's sharded module (torchrec.modules.pec_embedding_modules.PECEmbeddingCollection, sharded
 row-wise by torchrec.distributed.pec_embedding.PECEmbeddingCollectionSharder into a ShardedPECEmbeddingCollection)
-but no pipeline that drives it; this step drives its stages in the order of upstream's later TrainPipelinePEC. In
+but no pipeline that drives it; this step drives its phases in the order of upstream's later TrainPipelinePEC. In
 step i, with batch i+1 at hand (one batch of lookahead):
 
     input_dist(i+1)                       the ID AllToAll of batch i+1
@@ -200,7 +200,7 @@ class _PECModule(nn.Module):
 
 @dataclass
 class _InFlight:
-    """One batch in PEC's stages: what each stage left for the next."""
+    """One batch in PEC's phases: what each phase left for the next."""
 
     ctx: Any  # PECEmbeddingCollectionContext
     dist_input: Any  # KJTList after the input dist
@@ -221,7 +221,7 @@ class PECDriver:
 
     def __init__(self, pec, span: Callable[[str], ContextManager] = _untimed) -> None:
         self.pec, self._span = pec, span
-        self._current: Optional[_InFlight] = None  # this step's batch, its stages begun in the previous step
+        self._current: Optional[_InFlight] = None  # this step's batch, its phases begun in the previous step
         self._late: Optional[_InFlight] = None  # the previous batch, its non-overlapped gradient applied this step
 
     def _input_dist(self, features) -> _InFlight:

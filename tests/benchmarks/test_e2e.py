@@ -56,12 +56,12 @@ def test_the_spread_counts_the_schedules_freescale_kept():
 
 
 def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
-    """Steps 2-6 are timed (2 of warm-up, the drain left out). Step 4 stalls in the gradient wait while a staging
+    """Steps 2-6 are timed (2 of warm-up, the drain left out). Step 4 stalls in the gradient wait while a relay
     block is allocated; the warm-up's and the drain's slow steps are not reported, nor is one under the floor."""
-    history = [{"gc_s": 0.0, "staging_allocations": n, "pinned_allocations": 3} for n in (4, 6, 6, 6, 7, 7, 7, 7)]
+    history = [{"gc_s": 0.0, "relay_allocations": n, "pinned_allocations": 3} for n in (4, 6, 6, 6, 7, 7, 7, 7)]
     history[4]["gc_s"] = 0.002
     clues = _stall_clues(history)
-    assert clues["new_staging_blocks"] == [4, 2, 0, 0, 1, 0, 0, 0] and clues["new_pinned_blocks"] == [3] + [0] * 7
+    assert clues["new_relay_blocks"] == [4, 2, 0, 0, 1, 0, 0, 0] and clues["new_pinned_blocks"] == [3] + [0] * 7
     bubbles = [40.0, 30.0, 1.0, 1.2, 41.0, 1.1, 4.0, 30.0]
     grad = [0.0, 0.0, 0.5, 0.6, 39.0, 0.5, 3.0, 0.0]
     row = {
@@ -78,7 +78,7 @@ def test_a_stalled_step_is_named_with_the_part_that_absorbed_it_and_its_clues():
     (line,) = stalled_steps([row])
     assert line == (
         "stalled step: heavy freescale run 2 step 4: bubbles 41.0 ms (run median 1.15), most in grad_a2a; "
-        "rank 0: gc 2.0 ms, new staging blocks 1, new pinned blocks 0"
+        "rank 0: gc 2.0 ms, new relay blocks 1, new pinned blocks 0"
     )
     assert _stall_clues([{"gc_s": 0.0}])["new_pinned_blocks"] is None  # not recorded off a GPU
     assert stalled_steps([dict(row, bubble_median_ms=None)]) == []  # a run without timings (torchrec) says nothing

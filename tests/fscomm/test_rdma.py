@@ -1,4 +1,4 @@
-"""The RDMA transport end to end (RdmaTransport's all_to_all and all_gather, staging and handles included) on the
+"""The RDMA transport end to end (RdmaTransport's all_to_all and all_gather, the host relay and handles included) on the
 in-memory fake queue pair, and the parts of the verbs link that run without a device."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_rdma_transport_end_to_end_on_the_fake_link(world_size):
             assert torch.equal(host, a2a)
             assert torch.equal(g1, torch.stack([x[:2] for x in xs]))
             assert torch.equal(g2, torch.cat([x[: s % 2 + 1] for s, x in enumerate(xs)]))
-        assert stats["bytes_in_use"] == 0  # every staging block went back to the pool
+        assert stats["bytes_in_use"] == 0  # every relay block went back to the pool
 
 
 def test_world_sizes_beyond_the_devices_queues_are_refused_and_others_sized_to_fit():

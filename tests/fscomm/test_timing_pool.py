@@ -1,4 +1,4 @@
-"""Timer spans and the staging pool's reuse (single process, no ranks)."""
+"""Timer spans and the relay pool's reuse (single process, no ranks)."""
 
 from __future__ import annotations
 

@@ -166,7 +166,7 @@ def _train(rank, world_size, name):
         "ran": [r.get("schedule") for r in trainer.history],
         "choice": None if probe is None else probe.choice,
         "decided_at": None if probe is None else probe.decided_at,
-        "allocations": [r["staging_allocations"] for r in trainer.history],
+        "allocations": [r["relay_allocations"] for r in trainer.history],
     }
 
 

@@ -1,5 +1,5 @@
 """torchrec 1.8.0's PEC applies a step's embedding gradient to the wrong rows when a sharding group holds more than
-one feature: the minimal reproduction, on 2 gloo ranks, with torchrec's PEC stages alone.
+one feature: the minimal reproduction, on 2 gloo ranks, with torchrec's PEC phases alone.
 
 One step of ``ShardedPECEmbeddingCollection`` (row-wise, exact SGD at lr 1), in the order of a last batch (every
 id overlapped, so the whole gradient goes through the overlapped gradient AllToAll), with a loss whose gradient

@@ -214,8 +214,8 @@ def test_freescale_train_two_ranks_with_balancing(tmp_path):
     parts, waits = series["exposed_per_step_s"], series["straggler_per_step_s"]  # what a stalled step waited for
     assert len(waits) == 6 and all(len(v) == 6 for v in parts.values()) and "dense_allreduce" in parts
     assert series["bubbles_s"] == pytest.approx([sum(v[i] for v in parts.values()) + waits[i] for i in range(6)])
-    clues = series["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no staging pool, no pinned memory
-    assert len(clues["gc_s"]) == 6 and clues["new_staging_blocks"] is None and clues["new_pinned_blocks"] is None
+    clues = series["stall_clues_per_step"]  # replicated mode on CPU: gc pauses only, no relay pool, no pinned memory
+    assert len(clues["gc_s"]) == 6 and clues["new_relay_blocks"] is None and clues["new_pinned_blocks"] is None
 
 
 def test_a_step_record_is_built_from_what_the_step_returned_and_settled_a_step_later():

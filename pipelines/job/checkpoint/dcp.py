@@ -273,14 +273,14 @@ class _Summed:
 
 
 class _Writer(FileSystemWriter):
-    """The state handed to it is already this rank's own CPU copy (see ``snapshot``): staging it again for an async
-    save would only copy it a second time. ``sums``: filled on the coordinator with every file's sums."""
+    """The state handed to it is already this rank's own CPU copy (see ``snapshot``): torch's ``stage`` (the copy
+    an async save makes first) hands it on as it is. ``sums``: filled on the coordinator with every file's sums."""
 
     def __init__(self, path: str, sums: Optional[dict[str, FileSum]], **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.sums = sums
 
-    def stage(self, state_dict):
+    def stage(self, state_dict):  # torch's name (AsyncStager): no second copy
         return state_dict
 
     def write_data(self, plan, planner) -> torch.futures.Future:

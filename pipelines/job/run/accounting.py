@@ -3,7 +3,7 @@
 Per step: how long the training thread waited for the loader (``data_wait_s``) and the part of it that waited for
 a late stage worker (``data_blocked_s``); the exposed communication by part, from the timer's spans
 (``exposed_s``); the step's wall time; this process's garbage-collection pauses (``gc_s``); and, as clues to a
-stalled step, the pinned blocks newly allocated by the embedding exchanges' staging pool and by torch's host
+stalled step, the pinned blocks newly allocated by the embedding exchanges' relay pool and by torch's host
 allocator. The trainer calls ``begin`` / ``fetching`` / ``finish`` around each step and reads nothing else here.
 """
 
@@ -76,7 +76,7 @@ def pinned_allocations() -> Optional[int]:
 
 def stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
     """Per step, on this rank, what can stall a step besides a late peer: its garbage-collection pauses and the
-    pinned blocks newly allocated by the embedding exchanges' staging pool and by torch's host allocator
+    pinned blocks newly allocated by the embedding exchanges' relay pool and by torch's host allocator
     (cudaHostAlloc takes milliseconds). Step 0's counts are those since set-up; None where not recorded (no
     embedding wrap, not on a GPU)."""
 
@@ -88,14 +88,14 @@ def stall_clues(history: list[dict]) -> dict[str, Optional[list]]:
 
     return {
         "gc_s": [r["gc_s"] for r in history],
-        "new_staging_blocks": grown("staging_allocations"),
+        "new_relay_blocks": grown("relay_allocations"),
         "new_pinned_blocks": grown("pinned_allocations"),
     }
 
 
 class StepAccounting:
     """One per trainer. ``timer``: the trainer's (exposed spans); ``loader``: for the stage worker's lateness;
-    ``wrap``: the embedding wrap (its staging pool), or None; ``device``: pinned blocks are counted on CUDA."""
+    ``wrap``: the embedding wrap (its relay pool), or None; ``device``: pinned blocks are counted on CUDA."""
 
     def __init__(self, timer: Any, loader: Any, wrap: Any, device: torch.device) -> None:
         self.timer, self.loader, self.wrap, self.device = timer, loader, wrap, device
@@ -128,7 +128,7 @@ class StepAccounting:
         record.step_time_s = time.perf_counter() - self._t0
         record.gc_s = self.gc.take()
         if self.wrap is not None:  # cumulative: a step where it grows paid a pinned allocation
-            record.staging_allocations = self.wrap.collection.transports.staging_allocations()
+            record.relay_allocations = self.wrap.collection.transports.relay_allocations()
         if self.device.type == "cuda":  # torch's pinned blocks (the stage worker pins every batch)
             record.pinned_allocations = pinned_allocations()
         self.timer.add("data_wait", self._data_wait)

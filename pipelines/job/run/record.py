@@ -27,7 +27,7 @@ import numpy as np
 from pipelines.models.step_result import StepResult
 
 # Fields that a step of some kind or on some device has not: left out of its line rather than written as null.
-_ABSENT_WHEN_NONE = ("compute_local_s", "staging_allocations", "pinned_allocations", "schedule", "balance")
+_ABSENT_WHEN_NONE = ("compute_local_s", "relay_allocations", "pinned_allocations", "schedule", "balance")
 
 
 def total(values: list[Optional[float]]) -> Optional[float]:
@@ -58,7 +58,7 @@ class StepRecord:
     exposed_s: dict[str, Optional[float]] = field(default_factory=dict)
     step_time_s: float = 0.0
     gc_s: float = 0.0
-    staging_allocations: Optional[int] = None
+    relay_allocations: Optional[int] = None
     pinned_allocations: Optional[int] = None
     schedule: Optional[str] = None
     balance: Optional[dict] = None
