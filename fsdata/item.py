@@ -2,7 +2,7 @@
 
     LoaderItem(batch)                                   the reader's local batch
       .report          the balancer's per-step report (Stage III): imbalance before/after, plan measures
-      .context         the step's context, built by the ID-prefetch stage (fsembed.context.StepContext: the ids,
+      .context         the step's context, built by the ID-prefetch stages (fsembed.context.StepContext: the ids,
                        their exchange in flight, the model's arguments)
       .attention_plan  what the model's attention needs for this batch, built by the attention-plan stage
       .extras          anything a user's own stage attaches, by name

@@ -1,13 +1,15 @@
 """One step's context: a batch's ids, computed once, and what travels with them, in the role of torchrec's
 ``TrainPipelineContext``.
 
-    StepContext(ids, exchange, args, upcoming)        frozen: nothing writes into it once built
+    StepContext(ids, exchange, args, upcoming, sizes)  frozen: nothing writes into it once built
       .ids       this batch's ids per feature (flat, batch-major, every call of a module in call order)
       .exchange  their ID AllToAll, started by the loader (fsembed.id_prefetch.PrefetchedIds); None: exchanged in
                  the step
       .args      the model's arguments the ids were read from (a KeyedJaggedTensor model's), None: the step builds
                  them (the user's ``inputs()`` runs once per step either way)
       .upcoming  the next batch's context, for prioritized updates; None otherwise
+      .sizes     between the ID prefetch's two loader stages only: per key, the ids' size exchange in flight
+                 (fsembed.id_prefetch.SizedIds), from which the second stage posts ``exchange``; None after
 
 The loader's ID-prefetch stage builds it (fsembed.id_prefetch), or the step where no such stage ran; it rides the
 loader item (``LoaderItem.context``: the later stages complete, pin, move and compare it through the methods
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 import torch
 
 if TYPE_CHECKING:
-    from fsembed.id_prefetch import PrefetchedIds
+    from fsembed.id_prefetch import PrefetchedIds, SizedIds
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class StepContext:
     exchange: Optional["PrefetchedIds"] = None
     args: Optional[tuple] = None
     upcoming: Optional["StepContext"] = None
+    sizes: Optional[Mapping[str, "SizedIds"]] = None
 
     @property
     def lookup_ids(self) -> Union["PrefetchedIds", Mapping[str, torch.Tensor]]:

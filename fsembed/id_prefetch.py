@@ -316,21 +316,13 @@ if BaseNode is not None:
                 raise ValueError(f"IdPrefetch: boundaries of key {k!r} must be sorted 1-D int64 [W+1], got {b}")
         return dict(boundaries)
 
-    SIZES_KEY = "id_prefetch_sizes"  # LoaderItem.extras: the size exchange between the two stages
-
-    @dataclass
-    class _SizedBatch:
-        """What the first stage hands the second: the batch's ids, and per key its size exchange in flight."""
-
-        features: dict[str, torch.Tensor]
-        sized: dict[str, SizedIds]
-        args: Optional[tuple] = None
-
     class IdSizeExchange(AsyncStage):
         """First half of the ID prefetch: computes each batch's ids (``features``, once: they travel on with the
         item), groups them by shard and starts the size exchange.
 
-        Yields the item with ``extras[SIZES_KEY]`` set; the size exchange was started one ``next()`` earlier.
+        Yields the item with its ``context`` begun: the ids and the model's arguments, and per key the size
+        exchange in flight (``StepContext.sizes``), started one ``next()`` earlier; :class:`IdPrefetch` posts the
+        ids' exchange from it.
         """
 
         span_name = "id_sizes_wait"
@@ -354,7 +346,7 @@ if BaseNode is not None:
             derived = got if isinstance(got, Derived) else Derived(got)
             ids = flat_features(derived.features)
             sized = start_sizes(self.plan.stack_ids(ids), self.boundaries, self.transport, self.rank)
-            return replace(item, extras={**item.extras, SIZES_KEY: _SizedBatch(ids, sized, derived.args)})
+            return replace(item, context=StepContext(ids, args=derived.args, sizes=sized))
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started
@@ -375,12 +367,11 @@ if BaseNode is not None:
         span_name = "id_prefetch_wait"
 
         def start(self, item: LoaderItem) -> LoaderItem:
-            if not isinstance(item, LoaderItem) or SIZES_KEY not in item.extras:
+            context = item.context if isinstance(item, LoaderItem) else None
+            if not isinstance(context, StepContext) or context.sizes is None:
                 raise ValueError("IdPrefetch: compose it right after IdSizeExchange (use id_prefetch_stages)")
-            extras = dict(item.extras)
-            sized = extras.pop(SIZES_KEY)
-            exchange = PrefetchedIds({k: s.post() for k, s in sized.sized.items()})
-            return replace(item, context=StepContext(sized.features, exchange, sized.args), extras=extras)
+            exchange = PrefetchedIds({k: s.post() for k, s in context.sizes.items()})
+            return replace(item, context=replace(context, exchange=exchange, sizes=None))
 
         def finish(self, started: LoaderItem) -> LoaderItem:
             return started  # the ids are waited for by the embedding exchanges, where they are needed

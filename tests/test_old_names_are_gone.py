@@ -40,6 +40,8 @@ OLD_MODULE_NAMES = [
     ("fscomm.pinned_pool", "StagingBuffer"),
     ("fscomm.shm", "_Plan.stage"),
     ("fsembed.transports", "EmbeddingTransports.staging_allocations"),
+    ("fsembed.id_prefetch", "_SizedBatch"),
+    ("fsembed.id_prefetch", "SIZES_KEY"),
     ("pipelines.job.run.record", "StepRecord.staging_allocations"),
 ]
 
