@@ -269,7 +269,7 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
 #: embedding lookups, inductor's fused kernels).
 PARTS = ("attention", "matmul", "optimizer", "other")
 _ATTENTION_KERNELS = ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel")
-_MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")
+_MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_")  # tem: inductor's templates
 
 
 def kernel_part(name: str) -> str:
