@@ -331,18 +331,21 @@ class RowShard:
         return ChunkStorageMetadata(offsets=torch.Size([self.row_offset, *[0] * (local.dim() - 1)]), sizes=local.size())
 
 
-class _SavePlanner(DefaultSavePlanner):
-    """The default planner, with each row shard written as a chunk of its whole tensor."""
+class _RowShards:
+    """What both planners share: the row-sharded tensors set aside (``local``) from the rest, which torch's default
+    planner handles."""
 
     def __init__(self, shards: Mapping[str, RowShard]) -> None:
         super().__init__()
         self.shards = dict(shards)
 
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+    def set_up_planner(self, state_dict, *args: Any, **kwargs: Any) -> None:
         self.local = {k: v for k, v in state_dict.items() if k in self.shards}
-        super().set_up_planner(
-            {k: v for k, v in state_dict.items() if k not in self.shards}, storage_meta, is_coordinator
-        )
+        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.shards}, *args, **kwargs)
+
+
+class _SavePlanner(_RowShards, DefaultSavePlanner):
+    """The default planner, with each row shard written as a chunk of its whole tensor."""
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -371,16 +374,8 @@ class _SavePlanner(DefaultSavePlanner):
         return local if local is not None else super().lookup_object(index)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
+class _LoadPlanner(_RowShards, DefaultLoadPlanner):
     """The default planner, with row shards read from the saved chunks that overlap them, and no unpickling."""
-
-    def __init__(self, shards: Mapping[str, RowShard]) -> None:
-        super().__init__()
-        self.shards = dict(shards)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.local = {k: v for k, v in state_dict.items() if k in self.shards}
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.shards}, metadata, is_coordinator)
 
     def create_local_plan(self):
         plan = super().create_local_plan()
