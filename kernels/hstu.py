@@ -34,7 +34,7 @@ the HSTU model takes to be seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -54,9 +54,11 @@ def resolve_impl(impl: Union[Impl, str, None], device: torch.device) -> Impl:
     return resolve(impl, op="hstu", supported=SUPPORTED, default=Impl.TRITON if device.type == "cuda" else Impl.TORCH)
 
 
-def _require(cond: bool, message: str) -> None:
+def _require(cond: bool, message: Union[str, Callable[[], str]]) -> None:
+    """Refuses in one line. ``message`` may be a function, called only on failure: a message that formats a size
+    must not be built on the way, since under torch.compile a symbolic size in an f-string breaks the graph."""
     if not cond:
-        raise ValueError(f"kernels.hstu.hstu_attention: {message}")
+        raise ValueError(f"kernels.hstu.hstu_attention: {message() if callable(message) else message}")
 
 
 @dataclass(frozen=True)
@@ -195,20 +197,29 @@ def hstu_attention(
 
 def _validate(q, k, v, seqs: HSTUSequences, window, seq_norm, position_weights, time_weights) -> None:
     """Shapes, devices and options, each refused in one line naming the argument (no tensor values read: this
-    runs in every layer, under torch.compile too)."""
+    runs in every layer, under torch.compile too, where it must trace into the layer's one graph: the messages
+    that format sizes are built only on failure)."""
     _require(
         q.dim() == 3 and k.shape == q.shape and v.dim() == 3 and v.shape[:2] == q.shape[:2],
-        f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, {tuple(k.shape)}, "
-        f"{tuple(v.shape)}",
+        lambda: (
+            f"q and k must be [N, heads, dim] alike and v [N, heads, dim_v], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        ),
     )
-    _require(q.shape[0] == seqs.num_tokens, f"q has {q.shape[0]} rows, the offsets {seqs.num_tokens}")
-    _require(q.device == k.device == v.device, f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    _require(window >= 0, f"window must be >= 0 (0: no window), got {window}")
-    _require(seq_norm is None or seq_norm > 0, f"seq_norm must be positive or None, got {seq_norm}")
+    _require(q.shape[0] == seqs.num_tokens, lambda: f"q has {q.shape[0]} rows, the offsets {seqs.num_tokens}")
+    _require(
+        q.device == k.device == v.device,
+        lambda: f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}",
+    )
+    _require(window >= 0, lambda: f"window must be >= 0 (0: no window), got {window}")
+    _require(seq_norm is None or seq_norm > 0, lambda: f"seq_norm must be positive or None, got {seq_norm}")
     heads = q.shape[1]
     for name, w in (("position_weights", position_weights), ("time_weights", time_weights)):
         _require(
             w is None or (w.dim() == 2 and w.shape[0] == heads and w.shape[1] >= 1),
-            f"{name} must be [heads={heads}, buckets], got {None if w is None else tuple(w.shape)}",
+            lambda: f"{name} must be [heads={heads}, buckets], got {None if w is None else tuple(w.shape)}",
         )
-    _require(time_weights is None or seqs.timestamps is not None, f"time_weights need timestamps [N={seqs.num_tokens}]")
+    _require(
+        time_weights is None or seqs.timestamps is not None,
+        lambda: f"time_weights need timestamps [N={seqs.num_tokens}]",
+    )
