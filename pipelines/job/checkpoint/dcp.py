@@ -333,19 +333,22 @@ class RowShard:
 
 class _RowShards:
     """What both planners share: the row-sharded tensors set aside (``local``) from the rest, which torch's default
-    planner handles."""
+    planner handles. Each planner keeps its own ``set_up_planner`` signature: torch reads its parameters' names."""
 
     def __init__(self, shards: Mapping[str, RowShard]) -> None:
         super().__init__()
         self.shards = dict(shards)
 
-    def set_up_planner(self, state_dict, *args: Any, **kwargs: Any) -> None:
+    def _set_aside(self, state_dict) -> dict:
         self.local = {k: v for k, v in state_dict.items() if k in self.shards}
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in self.shards}, *args, **kwargs)
+        return {k: v for k, v in state_dict.items() if k not in self.shards}
 
 
 class _SavePlanner(_RowShards, DefaultSavePlanner):
     """The default planner, with each row shard written as a chunk of its whole tensor."""
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(self._set_aside(state_dict), storage_meta, is_coordinator)
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -376,6 +379,9 @@ class _SavePlanner(_RowShards, DefaultSavePlanner):
 
 class _LoadPlanner(_RowShards, DefaultLoadPlanner):
     """The default planner, with row shards read from the saved chunks that overlap them, and no unpickling."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(self._set_aside(state_dict), metadata, is_coordinator)
 
     def create_local_plan(self):
         plan = super().create_local_plan()
