@@ -12,6 +12,9 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
 
     triton          the Triton kernel, no rab
     triton-rab      with rab: position and time-gap bucket weights [heads, 64] each, ordered timestamps
+    triton-recompute, triton-rab-recompute
+                    the same, the backward's dQ pass recomputing the scores instead of reading the dS the dK/dV
+                    pass kept (the backward's path for a batch over kernels.hstu's ``score_grad_budget``)
     padded          the padded twin (one [B, H, L, L] score tensor); skipped where its scores would exceed
                     ``--padded-max-gib``
     torch           the per-sample twin (CPU)
@@ -49,7 +52,7 @@ SHAPES = {
     "c": dict(batch=32, cap=4096, equal=True),
     "tiny": dict(batch=4, cap=64, equal=False),
 }
-VARIANTS = ("triton", "triton-rab", "padded", "torch")
+VARIANTS = ("triton", "triton-rab", "triton-recompute", "triton-rab-recompute", "padded", "torch")
 BUCKETS = 64
 SPEEDUP_GATE = 1.5  # fwd+bwd over generative-recommenders' Triton kernel at dim 64
 FORWARD_GATE = 1.0
@@ -141,13 +144,16 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     base["max_len"] = int(lengths.max())
     if variant == "padded" and _padded_gib(lengths, args.heads, dtype) > args.padded_max_gib:
         return skipped(shape, dim, variant, args.seed, f"{_padded_gib(lengths, args.heads, dtype):.0f} GiB of scores")
-    rab = variant == "triton-rab"
+    rab = variant.startswith("triton-rab")
     data = _inputs(lengths, args.heads, dim, device, dtype, rab)
     host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
     impl = "triton" if variant.startswith("triton") else variant
     offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)
     # Built once, as a model does for all its layers: the offsets, targets and timestamps checked and on the device.
-    seqs = hstu_sequences(offsets, timestamps=data.get("timestamps"), impl=impl, device=device)
+    budget = 0 if variant.endswith("-recompute") else None
+    seqs = hstu_sequences(
+        offsets, timestamps=data.get("timestamps"), impl=impl, device=device, score_grad_budget=budget
+    )
     extra = {key: data[key] for key in ("position_weights", "time_weights") if key in data}
     leaves = [data[key] for key in ("q", "k", "v", "position_weights", "time_weights") if key in data]
 
@@ -220,11 +226,11 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 
 def table(records: list[Record]) -> str:
-    head = "shape dim variant          tokens  fwd ms  f+b ms  fwd TF/s  f+b TF/s  ref fwd  ref f+b  x fwd  x f+b"
+    head = "shape dim variant               tokens  fwd ms  f+b ms  fwd TF/s  f+b TF/s  ref fwd  ref f+b  x fwd  x f+b"
     lines = [head]
     for r in records:
         if r.skipped:
-            lines.append(f"{r.shape:<5} {r.dim:>3} {r.variant:<15} {r.tokens:>8}  skipped: {r.skipped}")
+            lines.append(f"{r.shape:<5} {r.dim:>3} {r.variant:<20} {r.tokens:>8}  skipped: {r.skipped}")
             continue
         cells = [
             _fmt(r.fwd_ms, "7.3f"),
@@ -236,7 +242,7 @@ def table(records: list[Record]) -> str:
             _fmt(r.speedup_fwd, "6.2f"),
             _fmt(r.speedup_fwd_bwd, "6.2f"),
         ]
-        lines.append(f"{r.shape:<5} {r.dim:>3} {r.variant:<15} {r.tokens:>8} " + " ".join(cells))
+        lines.append(f"{r.shape:<5} {r.dim:>3} {r.variant:<20} {r.tokens:>8} " + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ import torch
 from benchmarks.hstu import BUCKETS, SHAPES, event_times, lengths_of
 from kernels.pytorch.pt_hstu_attention import position_bucket, time_bucket
 
-KERNELS = ("fwd", "dkdv", "dq")
+KERNELS = ("fwd", "dkdv", "dq", "dq-kept")
 #: rab's parts per variant: (position, time).
 VARIANTS = {"off": (False, False), "pos": (True, False), "time": (False, True), "rab": (True, True)}
 #: (query block, key block): the forward's and dQ's 128 x 64 and 64 x 64, the dK/dV pass's 64 x 128.
@@ -106,7 +106,7 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
             return "constexpr"
         if name in ("OFFSETS", "ORDER", "TARGETS"):
             return "*i32"
-        if name == "TS":
+        if name in ("TS", "SCORE_BASE"):
             return "*i64"
         if name in ("RAB", "DPW", "DTW"):
             return "*fp32"
@@ -114,6 +114,7 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
             return "fp32"
         return "*bf16" if name.isupper() else "i32"
 
+    constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
     source = ASTSource(kernel, {name: kind(name) for name in kernel.arg_names}, constexprs=constants)
     compiled = triton.compile(
         source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages}
@@ -181,8 +182,18 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
 
     block_d = max(16, 1 << (args.dim - 1).bit_length())
     width = min((w for w in hstu._FWD_CONFIGS if w >= block_d), default=max(hstu._FWD_CONFIGS))
-    tables = {"fwd": hstu._FWD_CONFIGS, "dkdv": hstu._DKDV_CONFIGS, "dq": hstu._DQ_CONFIGS}
-    functions = {"fwd": hstu._fwd_kernel, "dkdv": hstu._dkdv_kernel, "dq": hstu._dq_kernel}
+    tables = {
+        "fwd": hstu._FWD_CONFIGS,
+        "dkdv": hstu._DKDV_CONFIGS,
+        "dq": hstu._DQ_CONFIGS,
+        "dq-kept": hstu._DQ_KEPT_CONFIGS,
+    }
+    functions = {
+        "fwd": hstu._fwd_kernel,
+        "dkdv": hstu._dkdv_kernel,
+        "dq": hstu._dq_kernel,
+        "dq-kept": hstu._dq_kept_kernel,
+    }
     base = dict(
         H=args.heads,
         D=args.dim,
@@ -204,7 +215,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             for variant, (pos, time) in VARIANTS.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
                 if name == "dkdv":
-                    constants.update(PB=BUCKETS, TB=BUCKETS)
+                    constants.update(PB=BUCKETS, TB=BUCKETS, KEEP_DS=True)
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)
                 registers, stack = resource_usage(cubin)
                 loop, inner = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))

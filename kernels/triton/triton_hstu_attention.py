@@ -19,11 +19,14 @@ span less than 2**31 (in seconds, 68 years: every tile of real data) takes its g
 earliest time, any other in int64, so every gap's bucket is exact.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
-order), a second over query blocks recomputes the scores and accumulates dQ; no atomics, no locks. The dQ pass
-repeats two of the five matmuls (q k^T and dO v^T): 7 instead of 5, the price of no atomics. The bucket weights'
-gradient is the sum of dS over each bucket: each program of the first pass sums its tiles' buckets in registers
-(a loop over the buckets a tile holds, few away from the diagonal) and writes one row, reduced by torch in a fixed
-order.
+order), and no atomics or locks anywhere. dQ needs each tile's dS once more, which a fixed-order pass can have two
+ways. Kept (the default where it fits kernels.hstu's budget): the dK/dV pass writes dS (the inputs' dtype, the
+dtype the dQ matmul reads it in) for the causal lower triangle of each sample and head, heads x sum L (L + 1) / 2
+values, and the dQ pass is one matmul per tile over it: no scores, bias or sigmoid again. Recomputed (a batch
+whose dS would not fit): the dQ pass repeats two of the five matmuls (q k^T and dO v^T) and the per-element work:
+7 matmuls instead of 5. The bucket weights' gradient is the sum of dS over each bucket: each program of the first
+pass sums its tiles' buckets in registers (a loop over the buckets a tile holds, few away from the diagonal) and
+writes one row, reduced by torch in a fixed order.
 
 The forward and the backward are torch operators (``freescale::hstu_attention`` and its backward) with an autograd
 formula, so torch.compile traces a layer through the attention as one opaque node.
@@ -151,6 +154,17 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
     cols = tl.arange(0, BLOCK_D)
     ptrs = X + (start + rows.to(tl.int64))[:, None] * (H * DIM) + h * DIM + cols[None, :]
     tl.store(ptrs, tile.to(X.dtype.element_ty), mask=(rows < length)[:, None] & (cols < DIM)[None, :])
+
+
+@triton.jit
+def _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q):
+    """Each query row's first kept dS, where the dK/dV pass keeps them for the dQ pass: per head, each sample's
+    lower triangle row by row, row r's keys 0..r padded to a multiple of 8 so that every row starts 16-byte aligned
+    and a tile's rows load and store as vectors (:func:`score_grad_layout`)."""
+    first = tl.load(SCORE_BASE + tl.load(ORDER + tl.program_id(1))) + h.to(tl.int64) * total_pairs
+    r = rows_q.to(tl.int64)
+    groups = r // 8  # rows 8g .. 8g + 7 each hold 8 (g + 1) entries
+    return DS + tl.multiple_of(first + 8 * (groups + 1) * (r - 4 * groups), 8)
 
 
 @triton.jit
@@ -301,6 +315,9 @@ def _dkdv_kernel(
     RAB,
     DPW,
     DTW,
+    DS,
+    SCORE_BASE,
+    total_pairs,
     alpha,
     inv_norm,
     window,
@@ -330,6 +347,7 @@ def _dkdv_kernel(
     T_SUB: tl.constexpr,
     PB: tl.constexpr,
     TB: tl.constexpr,
+    KEEP_DS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -400,6 +418,15 @@ def _dkdv_kernel(
             valid = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
             a = tl.where(valid, a, 0.0)
             ds = tl.where(valid, ds, 0.0)
+        if KEEP_DS:  # a full tile stores as vectors; elsewhere only the pairs that attend, which the dQ pass reads
+            ptrs = _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q)[None, :] + rows_k[:, None]
+            if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+                tl.store(ptrs, ds.to(DS.dtype.element_ty))
+            else:
+                valid = _valid(
+                    rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW
+                )
+                tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=valid)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
         if HAS_POS:
@@ -512,6 +539,58 @@ def _dq_kernel(
     _store_rows(DQ, dq * alpha, start, rows_q, h, length, H, D, BLOCK_D)
 
 
+@triton.jit
+def _dq_kept_kernel(
+    K,
+    DQ,
+    OFFSETS,
+    ORDER,
+    TARGETS,
+    DS,
+    SCORE_BASE,
+    total_pairs,
+    alpha,
+    window,
+    stride_k,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One query block's dQ = alpha dS K from the dS the dK/dV pass kept: one matmul per tile, no scores, bias or
+    sigmoid recomputed."""
+    pid = tl.program_id(0)
+    h = pid % H
+    m0 = (tl.num_programs(0) // H - 1 - pid // H) * BLOCK_M
+    start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
+    if m0 >= length:
+        return
+    rows_q = m0 + tl.arange(0, BLOCK_M)
+    pos_q = tl.minimum(rows_q, history)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(m0 + BLOCK_M, length)
+    row_ptrs = _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q)
+    for n0 in range(lo, hi, BLOCK_N):
+        rows_k = n0 + tl.arange(0, BLOCK_N)
+        ptrs = row_ptrs[:, None] + rows_k[None, :]
+        if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+            ds = tl.load(ptrs)
+        else:  # the pairs that attend (every one the dK/dV pass wrote); the others, unwritten, read as 0
+            pos_k = tl.minimum(rows_k, history)
+            valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
+            ds = tl.load(ptrs, mask=valid, other=0.0)
+        k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
+        dq += tl.dot(ds, k, input_precision=PRECISION)
+    _store_rows(DQ, dq * alpha, start, rows_q, h, length, H, D, BLOCK_D)
+
+
 # Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
 # [(BLOCK_M, BLOCK_N, warps, stages)]}. The forward and the dQ pass hold a query block and stream keys, the dK/dV
 # pass the reverse. Wider heads need smaller blocks to stay within shared memory and registers; FALLBACK fits every
@@ -531,13 +610,25 @@ _DQ_CONFIGS = {
     128: [(64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 8, 2)],
     256: [(128, 32, 8, 2), (64, 32, 4, 2), (32, 16, 8, 1)],
 }
+#: The dQ pass from the kept dS: a streaming matmul, its tiles those of a matmul with a [BLOCK_N, dim] right side.
+_DQ_KEPT_CONFIGS = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+    256: [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+}
 _FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
-    for table in (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS, _INTERPRETED if _INTERPRET else {0: [_FALLBACK]})
+    for table in (
+        _FWD_CONFIGS,
+        _DKDV_CONFIGS,
+        _DQ_CONFIGS,
+        _DQ_KEPT_CONFIGS,
+        _INTERPRETED if _INTERPRET else {0: [_FALLBACK]},
+    )
     for rows in table.values()
     for m, n, _, _ in rows
 )
@@ -558,12 +649,12 @@ def _tuned(kernel, table: dict[int, list[tuple[int, int, int, int]]], fixed: boo
 
     def prune(candidates, named_args, **kwargs):
         args = {**named_args, **kwargs}
-        head = max(args["BLOCK_D"], args["BLOCK_DV"])
+        head = max(args["BLOCK_D"], args.get("BLOCK_DV", 0))
         fits = min((width for width in table if width >= head), default=max(table))
         kept = [c for c in candidates if width_class[id(c)] == fits]
         fallback = [c for c in candidates if width_class[id(c)] == 1 << 30 and c not in kept]
         if fixed:
-            return kept[:1] if args["FAST"] or _INTERPRET else fallback[:1]
+            return kept[:1] if args["PRECISION"] != "ieee" or _INTERPRET else fallback[:1]
         if os.environ.get("FREESCALE_HSTU_AUTOTUNE") == "0":
             kept = kept[:1]
         return kept + fallback
@@ -576,6 +667,10 @@ _KEY = ["D", "DV", "H", "HAS_POS", "HAS_TIME", "HAS_TARGETS", "HAS_WINDOW", "FAS
 _FWD = [_tuned(_fwd_kernel, _FWD_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
 _DKDV = [_tuned(_dkdv_kernel, _DKDV_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
 _DQ = [_tuned(_dq_kernel, _DQ_CONFIGS, fixed, key=_KEY) for fixed in (False, True)]
+_DQ_KEPT = [
+    _tuned(_dq_kept_kernel, _DQ_KEPT_CONFIGS, fixed, key=["D", "H", "HAS_TARGETS", "HAS_WINDOW", "PRECISION"])
+    for fixed in (False, True)
+]
 
 _BUCKET_CONSTANTS = dict(
     P_LINEAR=POSITION_LINEAR,
@@ -593,6 +688,16 @@ def dense_heads(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
         return x
     return x.contiguous()
+
+
+def score_grad_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Where each sample starts in the dS the dK/dV pass keeps for the dQ pass, within one head's share (each
+    sample's lower triangle, row by row, each row padded to a multiple of 8), and a head's share: int64 [B], and
+    about sum(L (L + 1) / 2) (at most 8 L more per sample)."""
+    lengths = lengths.to(torch.int64)
+    groups = lengths // 8  # each row padded to a multiple of 8 entries (_score_grad_rows)
+    pairs = 8 * (groups + 1) * (lengths - 4 * groups)
+    return torch.cumsum(pairs, 0) - pairs, int(pairs.sum())
 
 
 def sample_order(offsets: torch.Tensor) -> torch.Tensor:
@@ -675,11 +780,13 @@ def _attention_op(
     timestamps: Optional[torch.Tensor],
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
+    score_base: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
+    score_pairs: int,
 ) -> torch.Tensor:
     pw, tw = position_weights, time_weights
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
@@ -709,13 +816,17 @@ def _attention_backward_op(
     timestamps: Optional[torch.Tensor],
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
+    score_base: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
+    score_pairs: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent)."""
+    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent). With ``score_base``
+    (:func:`score_grad_layout`) the dK/dV pass keeps dS, ``score_pairs`` per head, and dQ is one matmul over it;
+    without, the dQ pass recomputes the scores."""
     pw, tw = position_weights, time_weights
     q, k, v, dout = dense_heads(q), dense_heads(k), dense_heads(v), dense_heads(dout)
     launch = _Launch(q, k, v, offsets, order, num_targets, timestamps, pw, tw, max_len, alpha, seq_norm, window)
@@ -723,11 +834,20 @@ def _attention_backward_op(
     dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
         strides = dict(launch.scalars, stride_do=dout.stride(0))
+        keep = score_base is not None and score_pairs > 0
+        ds = q.new_empty(score_pairs * launch.heads) if keep else launch.unused
+        kept = dict(DS=ds, SCORE_BASE=score_base if keep else launch.unused, total_pairs=score_pairs if keep else 0)
         _DKDV[fixed][launch.grid("BLOCK_N")](
-            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **strides, **launch.flags,
-            PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1,
+            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
+            PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
         )  # fmt: skip
-        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
+        if keep:
+            flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
+            tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS")}
+            scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
+            _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
+        else:
+            _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
 
@@ -751,7 +871,7 @@ def _(dout, q, k, v, offsets, order, num_targets, timestamps, position_weights, 
     return _rows_like(q), _rows_like(k), _rows_like(v), *weight_grads
 
 
-_TENSOR_INPUTS = 9  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights
+_TENSOR_INPUTS = 10  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, score_base
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -764,7 +884,7 @@ def _backward(ctx, dout):
     dq, dk, dv, dpw, dtw = _attention_backward_op(dout, *saved, *ctx.scalars)
     pw, tw = saved[7], saved[8]
     weight_grads = (dpw if pw is not None else None, dtw if tw is not None else None)
-    return dq, dk, dv, None, None, None, None, *weight_grads, *(None for _ in ctx.scalars)
+    return dq, dk, dv, None, None, None, None, *weight_grads, None, *(None for _ in ctx.scalars)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -786,15 +906,20 @@ def hstu_attention(
     timestamps: Optional[torch.Tensor],
     order: Optional[torch.Tensor] = None,
     fixed: bool = False,
+    score_grads: Optional[tuple[torch.Tensor, int]] = None,
 ) -> torch.Tensor:
     """The kernel's entry (kernels.hstu validates): ``offsets`` int32 on the tokens' device, ``max_len`` the
     longest sample (host), ``num_targets`` int32 and ``timestamps`` int64 on the device, ``order``
     (:func:`sample_order`) made here when not given. A backward gives the same bits on every run (it has no
-    atomics); ``fixed`` also in every process (one launch configuration, not the autotuner's pick)."""
+    atomics); ``fixed`` also in every process (one launch configuration, not the autotuner's pick).
+    ``score_grads``: :func:`score_grad_layout` of the samples' lengths, its first on the device: the backward then
+    keeps dS (heads x its second elements of q's dtype) and takes dQ from it; None: the dQ pass recomputes."""
     order = sample_order(offsets) if order is None else order
     pw = position_weights.float().contiguous() if position_weights is not None else None
     tw = time_weights.float().contiguous() if time_weights is not None else None
     ts = timestamps if time_weights is not None else None
+    base, pairs = score_grads if score_grads is not None else (None, 0)
     return _attention_op(
-        q, k, v, offsets, order, num_targets, ts, pw, tw, max_len, float(alpha), seq_norm or 0, int(window), fixed
-    )
+        q, k, v, offsets, order, num_targets, ts, pw, tw, base, max_len, float(alpha), seq_norm or 0, int(window),
+        fixed, pairs,
+    )  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from kernels.hstu import hstu_attention
+from kernels.hstu import hstu_attention, hstu_sequences
 
 #: Largest |kernel - twin| over the twin's largest magnitude, per dtype: fp32 runs IEEE matmuls; bf16 rounds the
 #: inputs of every matmul (the twin computes in fp32 from the same bf16 inputs).
@@ -30,6 +30,7 @@ class Case:
     seq_norm: Optional[int] = 64
     dtype: torch.dtype = torch.float32
     deterministic: bool = False  # the Triton kernels at their fixed launch configuration
+    recompute: bool = False  # the Triton dQ pass recomputes the scores instead of reading the kept dS
     seed: int = 0
 
 
@@ -61,15 +62,20 @@ def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
     weights = {}
     if case.rab:
         weights = {name: data[name].detach().clone().requires_grad_() for name in ("position_weights", "time_weights")}
-    out = hstu_attention(
-        *leaves,
+    seqs = hstu_sequences(
         data["offsets"],
-        alpha=0.4,
-        seq_norm=case.seq_norm,
         num_targets=data["num_targets"],
-        window=case.window,
         timestamps=data["timestamps"],
         impl=impl,
+        device=leaves[0].device,
+        score_grad_budget=0 if case.recompute else 1 << 40,
+    )
+    out = hstu_attention(
+        *leaves,
+        seqs,
+        alpha=0.4,
+        seq_norm=case.seq_norm,
+        window=case.window,
         deterministic=case.deterministic,
         **weights,
     )

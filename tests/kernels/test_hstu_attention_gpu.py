@@ -42,9 +42,18 @@ def test_unordered_timestamps():
     assert_matches_twin(Case(LENGTHS, dim=64, dim_v=64, rab=True, ordered_times=False), "cuda")
 
 
-def test_backward_is_reproducible():
-    """No atomics anywhere in the backward: every gradient, the bucket weights' included, bit for bit."""
-    case = Case(LENGTHS, dim=64, dim_v=64, targets=TARGETS, rab=True, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dim", [64, 256])
+def test_the_backward_recomputing_the_scores_matches_the_twin(dim):
+    """The dQ pass that recomputes the scores (a batch whose dS would not fit the budget), windows and targets."""
+    case = Case(LENGTHS, dim=dim, dim_v=dim, targets=TARGETS, window=300, rab=True, dtype=torch.bfloat16)
+    assert_matches_twin(Case(**{**case.__dict__, "recompute": True}), "cuda")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_is_reproducible(recompute):
+    """No atomics anywhere in the backward: every gradient, the bucket weights' included, bit for bit, with the
+    dQ pass reading the kept dS and recomputing it."""
+    case = Case(LENGTHS, dim=64, dim_v=64, targets=TARGETS, rab=True, dtype=torch.bfloat16, recompute=recompute)
     data = inputs(case, "cuda")
     first, second = run(case, data, "triton"), run(case, data, "triton")
     for i, (a, b) in enumerate(zip(first, second)):

@@ -46,6 +46,7 @@ def cases(draw) -> Case:
         rab=draw(st.booleans()),
         ordered_times=draw(st.booleans()),
         seq_norm=draw(st.sampled_from([None, 64])),
+        recompute=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -58,8 +59,23 @@ def test_the_kernel_matches_its_twin_on_random_jagged_batches(case):
 
 def test_a_target_block_beyond_one_key_block_and_a_window_inside_it():
     """Lengths over two blocks (16 under the interpreter) with many targets and a window shorter than a block:
-    every masked-tile path of the three kernels at once."""
-    assert_matches_twin(Case(lengths=[45, 3], targets=[20, 1], window=5, rab=True), "cpu")
+    every masked-tile path of the kernels at once, with the dQ pass reading the kept dS and recomputing it."""
+    for recompute in (False, True):
+        assert_matches_twin(Case(lengths=[45, 3], targets=[20, 1], window=5, rab=True, recompute=recompute), "cpu")
+
+
+def test_the_kept_score_gradients_give_the_recomputed_ones():
+    """dQ from the dS the dK/dV pass kept against dQ from recomputed scores: one formula, summed alike, so equal
+    to float rounding (the two passes' matmuls tile the scores in transposed orders); every other output equal."""
+    case = Case(lengths=[37, 0, 1, 50], targets=[3, 0, 1, 50], window=20, rab=True)
+    data = inputs(case, "cpu")
+    kept = run(case, data, "triton")
+    recomputed = run(Case(**{**case.__dict__, "recompute": True}), data, "triton")
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d_position_weights", "d_time_weights"), kept, recomputed):
+        if name == "dq":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 @triton.jit
@@ -119,7 +135,9 @@ def constants_of(part: str) -> dict:
     return {k: v for k, v in hstu._BUCKET_CONSTANTS.items() if k.startswith(part + "_")}
 
 
-def _op_args(lengths: list[int], heads: int = 2, dim: int = 16, rab: bool = True, seed: int = 0) -> tuple:
+def _op_args(
+    lengths: list[int], heads: int = 2, dim: int = 16, rab: bool = True, keep: bool = True, seed: int = 0
+) -> tuple:
     gen = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     offsets = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
@@ -128,14 +146,17 @@ def _op_args(lengths: list[int], heads: int = 2, dim: int = 16, rab: bool = True
     times = 1_700_000_000_000 + torch.randint(0, 10**9, (n,), generator=gen).cumsum(0)  # milliseconds: int64
     targets = torch.tensor([min(2, n) for n in lengths], dtype=torch.int32)
     order = hstu.sample_order(offsets)
-    return (q, k, v, offsets, order, targets, times if rab else None, *weights, max(lengths), 0.3, 64, 0, False)
+    base, pairs = hstu.score_grad_layout(offsets[1:] - offsets[:-1]) if keep else (None, 0)
+    tensors = (q, k, v, offsets, order, targets, times if rab else None, *weights, base)
+    return (*tensors, max(lengths), 0.3, 64, 0, False, pairs)
 
 
 def test_the_attention_is_a_torch_operator_with_its_fake_and_autograd():
     """torch.library's own check: the schema, the fake (meta) function's shapes and strides against the real
-    ones, the autograd formula, and tracing by AOTAutograd with static and dynamic shapes."""
-    for rab in (True, False):
-        torch.library.opcheck(torch.ops.freescale.hstu_attention.default, _op_args([5, 0, 18], rab=rab))
+    ones, the autograd formula, and tracing by AOTAutograd with static and dynamic shapes; with and without the
+    kept score gradients."""
+    for rab, keep in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(torch.ops.freescale.hstu_attention.default, _op_args([5, 0, 18], rab=rab, keep=keep))
 
 
 def test_q_k_v_as_views_of_one_projection_are_read_in_place():
@@ -155,13 +176,13 @@ def test_q_k_v_as_views_of_one_projection_are_read_in_place():
 def test_a_function_around_the_operator_compiles_once_for_every_token_count():
     """torch.compile with dynamic shapes (AOTAutograd's trace, no code generation) through the operator and its
     backward: the compiled function's output and gradients equal eager's, and a second batch of other lengths
-    (another token count and longest sample) reuses the first graph."""
+    (another token count, longest sample and kept score gradients' size) reuses the first graph."""
     import torch._dynamo
 
-    def layer(x, w, offsets, order, targets, max_len):
+    def layer(x, w, offsets, order, targets, max_len, base, pairs):
         q, k, v = (x @ w).chunk(3, dim=-1)
         heads = lambda t: t.reshape(t.shape[0], 2, 8)  # noqa: E731
-        args = (offsets, order, targets, None, None, None, max_len, 0.3, 0, 0, False)
+        args = (offsets, order, targets, None, None, None, base, max_len, 0.3, 0, 0, False, pairs)
         return torch.ops.freescale.hstu_attention(heads(q), heads(k), heads(v), *args).flatten(1).relu().sum()
 
     torch._dynamo.reset()
@@ -174,7 +195,7 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
         grads = []
         for fn in (layer, compiled):
             w = torch.randn(8, 48, generator=torch.Generator().manual_seed(1)).requires_grad_()
-            out = fn(x, w, offsets, order, targets, max(lengths))
+            out = fn(x, w, offsets, order, targets, max(lengths), *hstu.score_grad_layout(offsets[1:] - offsets[:-1]))
             out.backward()
             grads.append((out.detach(), w.grad))
         assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
