@@ -14,7 +14,7 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
     triton-rab      with rab: position and time-gap bucket weights [heads, 64] each, ordered timestamps
     triton-recompute, triton-rab-recompute
                     the same, the backward's dQ pass recomputing the scores instead of reading the dS the dK/dV
-                    pass kept (the backward's path for a batch over kernels.hstu's ``score_grad_budget``)
+                    pass kept (the backward's path for a batch over kernels.hstu's ``pair_budget``)
     padded          the padded twin (one [B, H, L, L] score tensor); skipped where its scores would exceed
                     ``--padded-max-gib``
     torch           the per-sample twin (CPU)
@@ -151,9 +151,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)
     # Built once, as a model does for all its layers: the offsets, targets and timestamps checked and on the device.
     budget = 0 if variant.endswith("-recompute") else None
-    seqs = hstu_sequences(
-        offsets, timestamps=data.get("timestamps"), impl=impl, device=device, score_grad_budget=budget
-    )
+    seqs = hstu_sequences(offsets, timestamps=data.get("timestamps"), impl=impl, device=device, pair_budget=budget)
     extra = {key: data[key] for key in ("position_weights", "time_weights") if key in data}
     leaves = [data[key] for key in ("q", "k", "v", "position_weights", "time_weights") if key in data]
 

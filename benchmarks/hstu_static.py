@@ -106,7 +106,7 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
             return "constexpr"
         if name in ("OFFSETS", "ORDER", "TARGETS"):
             return "*i32"
-        if name in ("TS", "SCORE_BASE"):
+        if name in ("TS", "PAIR_BASE"):
             return "*i64"
         if name in ("RAB", "DPW", "DTW"):
             return "*fp32"

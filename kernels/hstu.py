@@ -17,7 +17,7 @@ Implementations (:class:`kernels.impl.Impl`):
 
 - ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab computed inside from positions and
   timestamps, never an L x L tensor in the forward; backward in two passes (keys, then queries) with no atomics,
-  the second reading the score gradients the first kept where they fit ``score_grad_budget`` (else recomputing
+  the second reading the score gradients the first kept where they fit ``pair_budget`` (else recomputing
   them), the bucket weights' gradients by per-program sums: the same bits on every run. A torch operator (``freescale::
   hstu_attention``) with its own autograd formula, so torch.compile traces a layer through it. The default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
@@ -75,9 +75,9 @@ class HSTUSequences:
     timestamps: Optional[torch.Tensor]  # [N] int64 on the tokens' device
     order: Optional[torch.Tensor]  # TRITON: the samples longest first (int32, device)
     # TRITON: where each sample's dS sits in the backward's kept dS (int64 [B], device) and one head's share of it
-    # (:func:`kernels.triton.triton_hstu_attention.score_grad_layout`), and the bytes it may take (0: never kept).
-    score_grads: Optional[tuple[torch.Tensor, int]] = None
-    score_grad_budget: int = 0
+    # (:func:`kernels.triton.triton_hstu_attention.pair_layout`), and the bytes it may take (0: never kept).
+    pair_layout: Optional[tuple[torch.Tensor, int]] = None
+    pair_budget: int = 0
 
 
 def hstu_sequences(
@@ -87,11 +87,11 @@ def hstu_sequences(
     timestamps: Optional[torch.Tensor] = None,
     impl: Union[Impl, str, None] = None,
     device: Union[torch.device, str],
-    score_grad_budget: Optional[int] = None,
+    pair_budget: Optional[int] = None,
 ) -> HSTUSequences:
     """``offsets`` (host, or :class:`PackedOffsets`), ``num_targets`` [B] and ``timestamps`` [N] checked and put in
     the form ``impl`` reads on ``device``. ``num_targets`` on the host costs no sync (on a device it is copied back
-    once to be checked). ``score_grad_budget``: the bytes the Triton backward may keep its score gradients in
+    once to be checked). ``pair_budget``: the bytes the Triton backward may keep its score gradients in
     (heads x sum L (L + 1) / 2 of the inputs' dtype), so that the dQ pass is one matmul instead of recomputing the
     scores; a batch over it recomputes. None: an eighth of the device's memory (the host's for the CPU, where
     Triton's interpreter runs the kernel); 0: always recompute."""
@@ -131,13 +131,13 @@ def hstu_sequences(
     if num_targets is not None:
         num_targets = num_targets.to(device=device, dtype=torch.int32, non_blocking=True)
     order = triton_hstu_attention.sample_order(dev)
-    if score_grad_budget is None:
-        score_grad_budget = _device_memory(device) // 8
-    _require(score_grad_budget >= 0, lambda: f"score_grad_budget must be >= 0 bytes, got {score_grad_budget}")
-    base, pairs = triton_hstu_attention.score_grad_layout(host[1:] - host[:-1])
-    score_grads = (base.to(device, non_blocking=True), pairs)
+    if pair_budget is None:
+        pair_budget = _device_memory(device) // 8
+    _require(pair_budget >= 0, lambda: f"pair_budget must be >= 0 bytes, got {pair_budget}")
+    base, pairs = triton_hstu_attention.pair_layout(host[1:] - host[:-1])
+    pair_layout = (base.to(device, non_blocking=True), pairs)
     offsets = PackedOffsets(host, dev, packed.max_len)
-    return HSTUSequences(kind, offsets, tokens, num_targets, timestamps, order, score_grads, score_grad_budget)
+    return HSTUSequences(kind, offsets, tokens, num_targets, timestamps, order, pair_layout, pair_budget)
 
 
 def hstu_attention(
@@ -194,7 +194,7 @@ def hstu_attention(
             timestamps=seqs.timestamps if timed else None,
             order=seqs.order,
             fixed=deterministic,
-            score_grads=_kept_score_grads(seqs, q),
+            keep_ds=_kept_score_grads(seqs, q),
         )
     twin = pt_hstu_attention.hstu_attention if seqs.impl is Impl.TORCH else pt_hstu_attention.padded_hstu_attention
     return twin(
@@ -220,10 +220,10 @@ def _device_memory(device: torch.device) -> int:
 
 def _kept_score_grads(seqs: HSTUSequences, q: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
     """The layout of the backward's kept dS where it fits the sequences' budget, else None (recompute)."""
-    if seqs.score_grads is None:
+    if seqs.pair_layout is None:
         return None
-    kept_bytes = seqs.score_grads[1] * q.shape[1] * q.element_size()
-    return seqs.score_grads if 0 < kept_bytes <= seqs.score_grad_budget else None
+    kept_bytes = seqs.pair_layout[1] * q.shape[1] * q.element_size()
+    return seqs.pair_layout if 0 < kept_bytes <= seqs.pair_budget else None
 
 
 def _validate(q, k, v, seqs: HSTUSequences, window, seq_norm, position_weights, time_weights) -> None:

@@ -157,11 +157,11 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 
 @triton.jit
-def _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q):
+def _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q):
     """Each query row's first kept dS, where the dK/dV pass keeps them for the dQ pass: per head, each sample's
     lower triangle row by row, row r's keys 0..r padded to a multiple of 8 so that every row starts 16-byte aligned
-    and a tile's rows load and store as vectors (:func:`score_grad_layout`)."""
-    first = tl.load(SCORE_BASE + tl.load(ORDER + tl.program_id(1))) + h.to(tl.int64) * total_pairs
+    and a tile's rows load and store as vectors (:func:`pair_layout`)."""
+    first = tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + h.to(tl.int64) * total_pairs
     r = rows_q.to(tl.int64)
     groups = r // 8  # rows 8g .. 8g + 7 each hold 8 (g + 1) entries
     return DS + tl.multiple_of(first + 8 * (groups + 1) * (r - 4 * groups), 8)
@@ -316,7 +316,7 @@ def _dkdv_kernel(
     DPW,
     DTW,
     DS,
-    SCORE_BASE,
+    PAIR_BASE,
     total_pairs,
     alpha,
     inv_norm,
@@ -419,7 +419,7 @@ def _dkdv_kernel(
             a = tl.where(valid, a, 0.0)
             ds = tl.where(valid, ds, 0.0)
         if KEEP_DS:  # a full tile stores as vectors; elsewhere only the pairs that attend, which the dQ pass reads
-            ptrs = _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q)[None, :] + rows_k[:, None]
+            ptrs = _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q)[None, :] + rows_k[:, None]
             if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
                 tl.store(ptrs, ds.to(DS.dtype.element_ty))
             else:
@@ -547,7 +547,7 @@ def _dq_kept_kernel(
     ORDER,
     TARGETS,
     DS,
-    SCORE_BASE,
+    PAIR_BASE,
     total_pairs,
     alpha,
     window,
@@ -576,7 +576,7 @@ def _dq_kept_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, length)
-    row_ptrs = _score_grad_rows(DS, SCORE_BASE, ORDER, total_pairs, h, rows_q)
+    row_ptrs = _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         ptrs = row_ptrs[:, None] + rows_k[None, :]
@@ -690,12 +690,12 @@ def dense_heads(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def score_grad_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
+def pair_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Where each sample starts in the dS the dK/dV pass keeps for the dQ pass, within one head's share (each
     sample's lower triangle, row by row, each row padded to a multiple of 8), and a head's share: int64 [B], and
     about sum(L (L + 1) / 2) (at most 8 L more per sample)."""
     lengths = lengths.to(torch.int64)
-    groups = lengths // 8  # each row padded to a multiple of 8 entries (_score_grad_rows)
+    groups = lengths // 8  # each row padded to a multiple of 8 entries (_pair_rows)
     pairs = 8 * (groups + 1) * (lengths - 4 * groups)
     return torch.cumsum(pairs, 0) - pairs, int(pairs.sum())
 
@@ -780,13 +780,13 @@ def _attention_op(
     timestamps: Optional[torch.Tensor],
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
-    score_base: Optional[torch.Tensor],
+    pair_base: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
-    score_pairs: int,
+    pair_count: int,
 ) -> torch.Tensor:
     pw, tw = position_weights, time_weights
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
@@ -816,16 +816,16 @@ def _attention_backward_op(
     timestamps: Optional[torch.Tensor],
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
-    score_base: Optional[torch.Tensor],
+    pair_base: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
-    score_pairs: int,
+    pair_count: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent). With ``score_base``
-    (:func:`score_grad_layout`) the dK/dV pass keeps dS, ``score_pairs`` per head, and dQ is one matmul over it;
+    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent). With ``pair_base``
+    (:func:`pair_layout`) the dK/dV pass keeps dS, ``pair_count`` per head, and dQ is one matmul over it;
     without, the dQ pass recomputes the scores."""
     pw, tw = position_weights, time_weights
     q, k, v, dout = dense_heads(q), dense_heads(k), dense_heads(v), dense_heads(dout)
@@ -834,9 +834,9 @@ def _attention_backward_op(
     dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
         strides = dict(launch.scalars, stride_do=dout.stride(0))
-        keep = score_base is not None and score_pairs > 0
-        ds = q.new_empty(score_pairs * launch.heads) if keep else launch.unused
-        kept = dict(DS=ds, SCORE_BASE=score_base if keep else launch.unused, total_pairs=score_pairs if keep else 0)
+        keep = pair_base is not None and pair_count > 0
+        ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
+        kept = dict(DS=ds, PAIR_BASE=pair_base if keep else launch.unused, total_pairs=pair_count if keep else 0)
         _DKDV[fixed][launch.grid("BLOCK_N")](
             q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
             PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
@@ -871,7 +871,7 @@ def _(dout, q, k, v, offsets, order, num_targets, timestamps, position_weights, 
     return _rows_like(q), _rows_like(k), _rows_like(v), *weight_grads
 
 
-_TENSOR_INPUTS = 10  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, score_base
+_TENSOR_INPUTS = 10  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, pair_base
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -906,19 +906,19 @@ def hstu_attention(
     timestamps: Optional[torch.Tensor],
     order: Optional[torch.Tensor] = None,
     fixed: bool = False,
-    score_grads: Optional[tuple[torch.Tensor, int]] = None,
+    keep_ds: Optional[tuple[torch.Tensor, int]] = None,
 ) -> torch.Tensor:
     """The kernel's entry (kernels.hstu validates): ``offsets`` int32 on the tokens' device, ``max_len`` the
     longest sample (host), ``num_targets`` int32 and ``timestamps`` int64 on the device, ``order``
     (:func:`sample_order`) made here when not given. A backward gives the same bits on every run (it has no
     atomics); ``fixed`` also in every process (one launch configuration, not the autotuner's pick).
-    ``score_grads``: :func:`score_grad_layout` of the samples' lengths, its first on the device: the backward then
+    ``keep_ds``: :func:`pair_layout` of the samples' lengths, its first on the device: the backward then
     keeps dS (heads x its second elements of q's dtype) and takes dQ from it; None: the dQ pass recomputes."""
     order = sample_order(offsets) if order is None else order
     pw = position_weights.float().contiguous() if position_weights is not None else None
     tw = time_weights.float().contiguous() if time_weights is not None else None
     ts = timestamps if time_weights is not None else None
-    base, pairs = score_grads if score_grads is not None else (None, 0)
+    base, pairs = keep_ds if keep_ds is not None else (None, 0)
     return _attention_op(
         q, k, v, offsets, order, num_targets, ts, pw, tw, base, max_len, float(alpha), seq_norm or 0, int(window),
         fixed, pairs,

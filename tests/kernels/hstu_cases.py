@@ -68,7 +68,7 @@ def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
         timestamps=data["timestamps"],
         impl=impl,
         device=leaves[0].device,
-        score_grad_budget=0 if case.recompute else 1 << 40,
+        pair_budget=0 if case.recompute else 1 << 40,
     )
     out = hstu_attention(
         *leaves,

@@ -146,7 +146,7 @@ def _op_args(
     times = 1_700_000_000_000 + torch.randint(0, 10**9, (n,), generator=gen).cumsum(0)  # milliseconds: int64
     targets = torch.tensor([min(2, n) for n in lengths], dtype=torch.int32)
     order = hstu.sample_order(offsets)
-    base, pairs = hstu.score_grad_layout(offsets[1:] - offsets[:-1]) if keep else (None, 0)
+    base, pairs = hstu.pair_layout(offsets[1:] - offsets[:-1]) if keep else (None, 0)
     tensors = (q, k, v, offsets, order, targets, times if rab else None, *weights, base)
     return (*tensors, max(lengths), 0.3, 64, 0, False, pairs)
 
@@ -195,7 +195,7 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
         grads = []
         for fn in (layer, compiled):
             w = torch.randn(8, 48, generator=torch.Generator().manual_seed(1)).requires_grad_()
-            out = fn(x, w, offsets, order, targets, max(lengths), *hstu.score_grad_layout(offsets[1:] - offsets[:-1]))
+            out = fn(x, w, offsets, order, targets, max(lengths), *hstu.pair_layout(offsets[1:] - offsets[:-1]))
             out.backward()
             grads.append((out.detach(), w.grad))
         assert torch.allclose(grads[0][0], grads[1][0]) and torch.allclose(grads[0][1], grads[1][1])
