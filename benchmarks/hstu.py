@@ -13,8 +13,9 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
     triton          the Triton kernel, no rab
     triton-rab      with rab: position and time-gap bucket weights [heads, 64] each, ordered timestamps
     triton-recompute, triton-rab-recompute
-                    the same, the backward's dQ pass recomputing the scores instead of reading the dS the dK/dV
-                    pass kept (the backward's path for a batch over kernels.hstu's ``pair_budget``)
+                    the same with nothing kept per pair (a batch over kernels.hstu's ``pair_budget``): the
+                    backward's dQ pass recomputes the scores instead of reading the dS the dK/dV pass kept, and
+                    every pass computes the pairs' buckets instead of reading the batch's
     padded          the padded twin (one [B, H, L, L] score tensor); skipped where its scores would exceed
                     ``--padded-max-gib``
     torch           the per-sample twin (CPU)
@@ -151,7 +152,10 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)
     # Built once, as a model does for all its layers: the offsets, targets and timestamps checked and on the device.
     budget = 0 if variant.endswith("-recompute") else None
-    seqs = hstu_sequences(offsets, timestamps=data.get("timestamps"), impl=impl, device=device, pair_budget=budget)
+    buckets = (BUCKETS, BUCKETS) if rab else None
+    seqs = hstu_sequences(
+        offsets, timestamps=data.get("timestamps"), impl=impl, device=device, pair_budget=budget, rab_buckets=buckets
+    )
     extra = {key: data[key] for key in ("position_weights", "time_weights") if key in data}
     leaves = [data[key] for key in ("q", "k", "v", "position_weights", "time_weights") if key in data]
 

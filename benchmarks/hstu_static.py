@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of {', '.join(KERNELS)}; '' none")
     parser.add_argument("--configs", choices=("first", "all"), default="first")
     parser.add_argument("--shapes", default="a,b,c", help=f"tile shares at these shapes ({', '.join(SHAPES)}); '' none")
+    parser.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="compile the passes that compute each pair's rab buckets (a batch over the pair budget), not the ones "
+        "that read the batch's precomputed buckets and keep dS",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH")
 
@@ -108,6 +114,8 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
             return "*i32"
         if name in ("TS", "PAIR_BASE"):
             return "*i64"
+        if name == "PAIRS":
+            return "*i16"
         if name in ("RAB", "DPW", "DTW"):
             return "*fp32"
         if name in ("alpha", "inv_norm"):
@@ -205,6 +213,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
         HAS_WINDOW=False,
         PRECISION="tf32",
         FAST=True,
+        PAIRED=not args.unpaired,
         **hstu._BUCKET_CONSTANTS,
     )
     rows = []
@@ -215,7 +224,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             for variant, (pos, time) in VARIANTS.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
                 if name == "dkdv":
-                    constants.update(PB=BUCKETS, TB=BUCKETS, KEEP_DS=True)
+                    constants.update(PB=BUCKETS, TB=BUCKETS, KEEP_DS=not args.unpaired)
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)
                 registers, stack = resource_usage(cubin)
                 loop, inner = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))

@@ -74,10 +74,13 @@ class HSTUSequences:
     num_targets: Optional[torch.Tensor]  # [B]: int32 on the device for TRITON, host int64 otherwise
     timestamps: Optional[torch.Tensor]  # [N] int64 on the tokens' device
     order: Optional[torch.Tensor]  # TRITON: the samples longest first (int32, device)
-    # TRITON: where each sample's dS sits in the backward's kept dS (int64 [B], device) and one head's share of it
-    # (:func:`kernels.triton.triton_hstu_attention.pair_layout`), and the bytes it may take (0: never kept).
+    # TRITON: where each sample's causal pairs start in a per-pair tensor (int64 [B], device) and their count
+    # (:func:`kernels.triton.triton_hstu_attention.pair_layout`); the bytes per-pair tensors may take
+    # (``pair_budget``); the pairs' rab buckets for tables of ``rab_buckets`` sizes where computed once.
     pair_layout: Optional[tuple[torch.Tensor, int]] = None
     pair_budget: int = 0
+    pair_buckets: Optional[torch.Tensor] = None
+    rab_buckets: Optional[tuple[int, int]] = None
 
 
 def hstu_sequences(
@@ -88,13 +91,17 @@ def hstu_sequences(
     impl: Union[Impl, str, None] = None,
     device: Union[torch.device, str],
     pair_budget: Optional[int] = None,
+    rab_buckets: Optional[tuple[int, int]] = None,
 ) -> HSTUSequences:
     """``offsets`` (host, or :class:`PackedOffsets`), ``num_targets`` [B] and ``timestamps`` [N] checked and put in
     the form ``impl`` reads on ``device``. ``num_targets`` on the host costs no sync (on a device it is copied back
-    once to be checked). ``pair_budget``: the bytes the Triton backward may keep its score gradients in
-    (heads x sum L (L + 1) / 2 of the inputs' dtype), so that the dQ pass is one matmul instead of recomputing the
-    scores; a batch over it recomputes. None: an eighth of the device's memory (the host's for the CPU, where
-    Triton's interpreter runs the kernel); 0: always recompute."""
+    once to be checked). For the Triton kernel, ``pair_budget`` bounds the bytes of each tensor kept per causal pair
+    of tokens (sum L (L + 1) / 2 pairs): the backward's score gradients (heads x 2 or 4 bytes a pair), so that its
+    dQ pass is one matmul instead of recomputing the scores, and, with ``rab_buckets`` (the sizes of the position
+    and time weight tables every layer passes, each at most 256), the pairs' buckets (2 bytes a pair), computed
+    once for all layers and heads instead of in every pass; a batch over it computes them where they are needed.
+    None: an eighth of the device's memory (the host's for the CPU, where Triton's interpreter runs the kernel);
+    0: nothing kept."""
     device = torch.device(device)
     kind = resolve_impl(impl, device)
     host = offsets.host if isinstance(offsets, PackedOffsets) else offsets.cpu()
@@ -135,9 +142,17 @@ def hstu_sequences(
         pair_budget = _device_memory(device) // 8
     _require(pair_budget >= 0, lambda: f"pair_budget must be >= 0 bytes, got {pair_budget}")
     base, pairs = triton_hstu_attention.pair_layout(host[1:] - host[:-1])
-    pair_layout = (base.to(device, non_blocking=True), pairs)
+    layout = (base.to(device, non_blocking=True), pairs)
+    buckets = None
+    paired = rab_buckets is not None and max(rab_buckets) <= triton_hstu_attention.PAIRED_BUCKETS
+    if paired and 0 < 2 * pairs <= pair_budget:
+        buckets = triton_hstu_attention.pair_buckets(
+            dev, order, packed.max_len, layout, num_targets, timestamps, rab_buckets
+        )
     offsets = PackedOffsets(host, dev, packed.max_len)
-    return HSTUSequences(kind, offsets, tokens, num_targets, timestamps, order, pair_layout, pair_budget)
+    return HSTUSequences(
+        kind, offsets, tokens, num_targets, timestamps, order, layout, pair_budget, buckets, rab_buckets
+    )
 
 
 def hstu_attention(
@@ -194,7 +209,9 @@ def hstu_attention(
             timestamps=seqs.timestamps if timed else None,
             order=seqs.order,
             fixed=deterministic,
-            keep_ds=_kept_score_grads(seqs, q),
+            layout=seqs.pair_layout,
+            keep_ds=_keeps_score_grads(seqs, q),
+            pair_buckets=_pair_buckets(seqs, position_weights, time_weights),
         )
     twin = pt_hstu_attention.hstu_attention if seqs.impl is Impl.TORCH else pt_hstu_attention.padded_hstu_attention
     return twin(
@@ -218,12 +235,21 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _kept_score_grads(seqs: HSTUSequences, q: torch.Tensor) -> Optional[tuple[torch.Tensor, int]]:
-    """The layout of the backward's kept dS where it fits the sequences' budget, else None (recompute)."""
+def _keeps_score_grads(seqs: HSTUSequences, q: torch.Tensor) -> bool:
+    """Whether the backward's kept dS fits the sequences' budget (else its dQ pass recomputes the scores)."""
     if seqs.pair_layout is None:
+        return False
+    return 0 < seqs.pair_layout[1] * q.shape[1] * q.element_size() <= seqs.pair_budget
+
+
+def _pair_buckets(seqs: HSTUSequences, position_weights, time_weights) -> Optional[torch.Tensor]:
+    """The batch's precomputed pair buckets where they were computed for tables of these sizes, else None."""
+    if seqs.pair_buckets is None:
         return None
-    kept_bytes = seqs.pair_layout[1] * q.shape[1] * q.element_size()
-    return seqs.pair_layout if 0 < kept_bytes <= seqs.pair_budget else None
+    sizes = seqs.rab_buckets
+    fits = position_weights is None or position_weights.shape[1] == sizes[0]
+    fits = fits and (time_weights is None or (seqs.timestamps is not None and time_weights.shape[1] == sizes[1]))
+    return seqs.pair_buckets if fits else None
 
 
 def _validate(q, k, v, seqs: HSTUSequences, window, seq_norm, position_weights, time_weights) -> None:

@@ -157,14 +157,26 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 
 @triton.jit
-def _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q):
-    """Each query row's first kept dS, where the dK/dV pass keeps them for the dQ pass: per head, each sample's
-    lower triangle row by row, row r's keys 0..r padded to a multiple of 8 so that every row starts 16-byte aligned
-    and a tile's rows load and store as vectors (:func:`pair_layout`)."""
-    first = tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + h.to(tl.int64) * total_pairs
+def _pair_rows(X, PAIR_BASE, ORDER, first, rows_q):
+    """Each query row's first entry in a per-pair tensor (:func:`pair_layout`): each sample's lower triangle row by
+    row from PAIR_BASE's entry for it plus ``first`` (a head's share in the kept dS), row r's keys 0..r padded to a
+    multiple of 8 so that every row starts 16-byte aligned and a tile's rows load and store as vectors."""
+    first = tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + first
     r = rows_q.to(tl.int64)
     groups = r // 8  # rows 8g .. 8g + 7 each hold 8 (g + 1) entries
-    return DS + tl.multiple_of(first + 8 * (groups + 1) * (r - 4 * groups), 8)
+    return X + tl.multiple_of(first + 8 * (groups + 1) * (r - 4 * groups), 8)
+
+
+@triton.jit
+def _paired_buckets(ptrs, full, causal):
+    """A tile's position and time buckets from the batch's precomputed pairs (one int16 each: position bucket
+    in the low byte, time bucket in the high one); a tile that is not full reads only its lower triangle."""
+    if full:
+        packed = tl.load(ptrs)
+    else:
+        packed = tl.load(ptrs, mask=causal, other=0)
+    packed = packed.to(tl.int32) & 0xFFFF
+    return packed & 0xFF, packed >> 8
 
 
 @triton.jit
@@ -203,6 +215,8 @@ def _fwd_kernel(
     TARGETS,
     TS,
     RAB,
+    PAIRS,
+    PAIR_BASE,
     alpha,
     inv_norm,
     window,
@@ -230,6 +244,7 @@ def _fwd_kernel(
     T_LINEAR: tl.constexpr,
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -249,6 +264,8 @@ def _fwd_kernel(
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    if PAIRED:
+        pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -260,26 +277,31 @@ def _fwd_kernel(
         k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
         v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            ts_k = _times(TS, start, rows_k, length, HAS_TIME)
-            pb, tb = _buckets(
-                pos_q[:, None] - pos_k[None, :],
-                ts_q,
-                ts_k,
-                num_pb,
-                num_tb,
-                HAS_POS,
-                HAS_TIME,
-                P_LINEAR,
-                P_LOG2,
-                P_SUB,
-                T_LINEAR,
-                T_LOG2,
-                T_SUB,
-            )
+            if PAIRED:
+                causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+                pb, tb = _paired_buckets(pair_rows[:, None] + rows_k[None, :], full, causal)
+            else:
+                ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+                pb, tb = _buckets(
+                    pos_q[:, None] - pos_k[None, :],
+                    ts_q,
+                    ts_k,
+                    num_pb,
+                    num_tb,
+                    HAS_POS,
+                    HAS_TIME,
+                    P_LINEAR,
+                    P_LOG2,
+                    P_SUB,
+                    T_LINEAR,
+                    T_LOG2,
+                    T_SUB,
+                )
             s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
         a = s * _sigmoid(s, FAST) * inv_norm
-        if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+        if not full:
             valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
             a = tl.where(valid, a, 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PRECISION)
@@ -316,6 +338,7 @@ def _dkdv_kernel(
     DPW,
     DTW,
     DS,
+    PAIRS,
     PAIR_BASE,
     total_pairs,
     alpha,
@@ -348,6 +371,7 @@ def _dkdv_kernel(
     PB: tl.constexpr,
     TB: tl.constexpr,
     KEEP_DS: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -392,41 +416,47 @@ def _dkdv_kernel(
         q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
         do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
+        full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            ts_q = _times(TS, start, rows_q, length, HAS_TIME)
-            pb, tb = _buckets(
-                pos_q[None, :] - pos_k[:, None],
-                ts_k,
-                ts_q,
-                num_pb,
-                num_tb,
-                HAS_POS,
-                HAS_TIME,
-                P_LINEAR,
-                P_LOG2,
-                P_SUB,
-                T_LINEAR,
-                T_LOG2,
-                T_SUB,
-            )
+            if PAIRED:
+                causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
+                pair_ptrs = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)[None, :] + rows_k[:, None]
+                pb, tb = _paired_buckets(pair_ptrs, full, causal)
+            else:
+                ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+                pb, tb = _buckets(
+                    pos_q[None, :] - pos_k[:, None],
+                    ts_k,
+                    ts_q,
+                    num_pb,
+                    num_tb,
+                    HAS_POS,
+                    HAS_TIME,
+                    P_LINEAR,
+                    P_LOG2,
+                    P_SUB,
+                    T_LINEAR,
+                    T_LOG2,
+                    T_SUB,
+                )
             s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
         sig = _sigmoid(s, FAST)
         a = s * sig * inv_norm
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds = dp * (sig * (1.0 + s * (1.0 - sig)) * inv_norm)
-        if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+        if not full:
             valid = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
             a = tl.where(valid, a, 0.0)
             ds = tl.where(valid, ds, 0.0)
         if KEEP_DS:  # a full tile stores as vectors; elsewhere only the pairs that attend, which the dQ pass reads
-            ptrs = _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q)[None, :] + rows_k[:, None]
-            if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+            ptrs = _pair_rows(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_q)[None, :] + rows_k[:, None]
+            if full:
                 tl.store(ptrs, ds.to(DS.dtype.element_ty))
             else:
-                valid = _valid(
+                attends = _valid(
                     rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW
                 )
-                tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=valid)
+                tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=attends)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
         if HAS_POS:
@@ -453,6 +483,8 @@ def _dq_kernel(
     TARGETS,
     TS,
     RAB,
+    PAIRS,
+    PAIR_BASE,
     alpha,
     inv_norm,
     window,
@@ -480,6 +512,7 @@ def _dq_kernel(
     T_LINEAR: tl.constexpr,
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -500,6 +533,8 @@ def _dq_kernel(
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    if PAIRED:
+        pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -511,28 +546,33 @@ def _dq_kernel(
         k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
         v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
+        full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            ts_k = _times(TS, start, rows_k, length, HAS_TIME)
-            pb, tb = _buckets(
-                pos_q[:, None] - pos_k[None, :],
-                ts_q,
-                ts_k,
-                num_pb,
-                num_tb,
-                HAS_POS,
-                HAS_TIME,
-                P_LINEAR,
-                P_LOG2,
-                P_SUB,
-                T_LINEAR,
-                T_LOG2,
-                T_SUB,
-            )
+            if PAIRED:
+                causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+                pb, tb = _paired_buckets(pair_rows[:, None] + rows_k[None, :], full, causal)
+            else:
+                ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+                pb, tb = _buckets(
+                    pos_q[:, None] - pos_k[None, :],
+                    ts_q,
+                    ts_k,
+                    num_pb,
+                    num_tb,
+                    HAS_POS,
+                    HAS_TIME,
+                    P_LINEAR,
+                    P_LOG2,
+                    P_SUB,
+                    T_LINEAR,
+                    T_LOG2,
+                    T_SUB,
+                )
             s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
         sig = _sigmoid(s, FAST)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = dp * (sig * (1.0 + s * (1.0 - sig)) * inv_norm)
-        if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+        if not full:
             valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
             ds = tl.where(valid, ds, 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -576,7 +616,7 @@ def _dq_kept_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, length)
-    row_ptrs = _pair_rows(DS, PAIR_BASE, ORDER, total_pairs, h, rows_q)
+    row_ptrs = _pair_rows(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_q)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         ptrs = row_ptrs[:, None] + rows_k[None, :]
@@ -589,6 +629,58 @@ def _dq_kept_kernel(
         k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
         dq += tl.dot(ds, k, input_precision=PRECISION)
     _store_rows(DQ, dq * alpha, start, rows_q, h, length, H, D, BLOCK_D)
+
+
+@triton.jit
+def _pair_buckets_kernel(
+    OFFSETS,
+    ORDER,
+    TARGETS,
+    TS,
+    PAIR_BASE,
+    PAIRS,
+    num_pb,
+    num_tb,
+    HAS_TARGETS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    P_LINEAR: tl.constexpr,
+    P_LOG2: tl.constexpr,
+    P_SUB: tl.constexpr,
+    T_LINEAR: tl.constexpr,
+    T_LOG2: tl.constexpr,
+    T_SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One query block's position and time buckets against every earlier key, packed one int16 a pair (position
+    low byte, time high byte) into the batch's per-pair layout: the same for every head and layer."""
+    m0 = tl.program_id(0) * BLOCK_M
+    start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
+    if m0 >= length:
+        return
+    rows_q = m0 + tl.arange(0, BLOCK_M)
+    pos_q = tl.minimum(rows_q, history)
+    ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
+    for n0 in range(0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
+        rows_k = n0 + tl.arange(0, BLOCK_N)
+        pb, tb = _buckets(
+            pos_q[:, None] - tl.minimum(rows_k, history)[None, :],
+            ts_q,
+            _times(TS, start, rows_k, length, HAS_TIME),
+            num_pb,
+            num_tb,
+            True,
+            HAS_TIME,
+            P_LINEAR,
+            P_LOG2,
+            P_SUB,
+            T_LINEAR,
+            T_LOG2,
+            T_SUB,
+        )
+        causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+        tl.store(pair_rows[:, None] + rows_k[None, :], (pb | (tb << 8)).to(tl.int16), mask=causal)
 
 
 # Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
@@ -700,6 +792,35 @@ def pair_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
     return torch.cumsum(pairs, 0) - pairs, int(pairs.sum())
 
 
+#: The most buckets a table may have for the batch's pairs to hold them (one byte each).
+PAIRED_BUCKETS = 256
+
+
+def pair_buckets(
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    max_len: int,
+    layout: tuple[torch.Tensor, int],
+    num_targets: Optional[torch.Tensor],
+    timestamps: Optional[torch.Tensor],
+    buckets: tuple[int, int],
+) -> torch.Tensor:
+    """Every causal pair's position and time buckets (``buckets``: the tables' sizes, each at most
+    :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 in :func:`pair_layout`, computed once for a batch
+    so that the attention of every layer and head reads them instead of computing them."""
+    pairs = torch.empty(layout[1], dtype=torch.int16, device=offsets.device)
+    batch = offsets.numel() - 1
+    if batch and max_len:
+        block = 16 if _INTERPRET else 64
+        _pair_buckets_kernel[(cdiv(max_len, block), batch)](
+            offsets, order, num_targets if num_targets is not None else offsets,
+            timestamps if timestamps is not None else offsets, layout[0], pairs, *buckets,
+            HAS_TARGETS=num_targets is not None, HAS_TIME=timestamps is not None, **_BUCKET_CONSTANTS,
+            BLOCK_M=block, BLOCK_N=block, num_warps=4,
+        )  # fmt: skip
+    return pairs
+
+
 def sample_order(offsets: torch.Tensor) -> torch.Tensor:
     """The samples longest first (int32, on the offsets' device, no sync): the grid's second axis, so that the
     heaviest programs start first and the short ones fill the tail."""
@@ -709,7 +830,9 @@ def sample_order(offsets: torch.Tensor) -> torch.Tensor:
 class _Launch:
     """What the three kernels share for one call: tensors, flags and the grid (blocks of the longest sample)."""
 
-    def __init__(self, q, k, v, offsets, order, targets, timestamps, pw, tw, max_len, alpha, seq_norm, window):
+    def __init__(
+        self, q, k, v, offsets, order, targets, timestamps, pw, tw, pair_base, pairs, max_len, alpha, seq_norm, window
+    ):
         self.batch, self.heads, self.max_len = offsets.numel() - 1, q.shape[1], max_len
         self.pw, self.tw = pw, tw
         # A valid pointer for the absent optional tensors (never read or written: their flags are off).
@@ -723,6 +846,8 @@ class _Launch:
             TARGETS=targets if targets is not None else offsets,
             TS=timestamps if timestamps is not None else offsets,
             RAB=rab if pw is not None or tw is not None else self.unused,
+            PAIRS=pairs if pairs is not None else self.unused,
+            PAIR_BASE=pair_base if pair_base is not None else self.unused,
         )
         self.scalars = dict(
             alpha=float(alpha),
@@ -747,6 +872,7 @@ class _Launch:
             HAS_TIME=tw is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             FAST=q.dtype != torch.float32 and not _INTERPRET,
+            PAIRED=pairs is not None,
             **_BUCKET_CONSTANTS,
         )
 
@@ -781,16 +907,21 @@ def _attention_op(
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
     pair_base: Optional[torch.Tensor],
+    pair_buckets: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
     pair_count: int,
+    keep_ds: bool,
 ) -> torch.Tensor:
     pw, tw = position_weights, time_weights
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
-    launch = _Launch(q, k, v, offsets, order, num_targets, timestamps, pw, tw, max_len, alpha, seq_norm, window)
+    launch = _Launch(
+        q, k, v, offsets, order, num_targets, timestamps, pw, tw, pair_base, pair_buckets, max_len, alpha, seq_norm,
+        window,
+    )  # fmt: skip
     out = _rows_like(v)
     if q.shape[0] and launch.batch:
         _FWD[fixed][launch.grid("BLOCK_M")](
@@ -817,33 +948,38 @@ def _attention_backward_op(
     position_weights: Optional[torch.Tensor],
     time_weights: Optional[torch.Tensor],
     pair_base: Optional[torch.Tensor],
+    pair_buckets: Optional[torch.Tensor],
     max_len: int,
     alpha: float,
     seq_norm: int,
     window: int,
     fixed: bool,
     pair_count: int,
+    keep_ds: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent). With ``pair_base``
-    (:func:`pair_layout`) the dK/dV pass keeps dS, ``pair_count`` per head, and dQ is one matmul over it;
-    without, the dQ pass recomputes the scores."""
+    """dq, dk, dv and the two weight tables' gradients (empty for a table that is absent). With ``keep_ds`` the
+    dK/dV pass keeps dS in :func:`pair_layout` (``pair_base``, ``pair_count`` per head) and dQ is one matmul over
+    it; without, the dQ pass recomputes the scores."""
     pw, tw = position_weights, time_weights
     q, k, v, dout = dense_heads(q), dense_heads(k), dense_heads(v), dense_heads(dout)
-    launch = _Launch(q, k, v, offsets, order, num_targets, timestamps, pw, tw, max_len, alpha, seq_norm, window)
+    launch = _Launch(
+        q, k, v, offsets, order, num_targets, timestamps, pw, tw, pair_base, pair_buckets, max_len, alpha, seq_norm,
+        window,
+    )  # fmt: skip
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
     if q.shape[0] and launch.batch:
         strides = dict(launch.scalars, stride_do=dout.stride(0))
-        keep = pair_base is not None and pair_count > 0
+        keep = keep_ds and pair_base is not None and pair_count > 0
         ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
-        kept = dict(DS=ds, PAIR_BASE=pair_base if keep else launch.unused, total_pairs=pair_count if keep else 0)
+        kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
         _DKDV[fixed][launch.grid("BLOCK_N")](
             q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
             PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
         )  # fmt: skip
         if keep:
             flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
-            tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS")}
+            tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
             scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
             _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
         else:
@@ -871,7 +1007,8 @@ def _(dout, q, k, v, offsets, order, num_targets, timestamps, position_weights, 
     return _rows_like(q), _rows_like(k), _rows_like(v), *weight_grads
 
 
-_TENSOR_INPUTS = 10  # q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, pair_base
+# q, k, v, offsets, order, num_targets, timestamps, position_weights, time_weights, pair_base, pair_buckets
+_TENSOR_INPUTS = 11
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -884,7 +1021,7 @@ def _backward(ctx, dout):
     dq, dk, dv, dpw, dtw = _attention_backward_op(dout, *saved, *ctx.scalars)
     pw, tw = saved[7], saved[8]
     weight_grads = (dpw if pw is not None else None, dtw if tw is not None else None)
-    return dq, dk, dv, None, None, None, None, *weight_grads, None, *(None for _ in ctx.scalars)
+    return dq, dk, dv, None, None, None, None, *weight_grads, None, None, *(None for _ in ctx.scalars)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -906,20 +1043,24 @@ def hstu_attention(
     timestamps: Optional[torch.Tensor],
     order: Optional[torch.Tensor] = None,
     fixed: bool = False,
-    keep_ds: Optional[tuple[torch.Tensor, int]] = None,
+    layout: Optional[tuple[torch.Tensor, int]] = None,
+    keep_ds: bool = False,
+    pair_buckets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The kernel's entry (kernels.hstu validates): ``offsets`` int32 on the tokens' device, ``max_len`` the
     longest sample (host), ``num_targets`` int32 and ``timestamps`` int64 on the device, ``order``
     (:func:`sample_order`) made here when not given. A backward gives the same bits on every run (it has no
     atomics); ``fixed`` also in every process (one launch configuration, not the autotuner's pick).
-    ``keep_ds``: :func:`pair_layout` of the samples' lengths, its first on the device: the backward then
-    keeps dS (heads x its second elements of q's dtype) and takes dQ from it; None: the dQ pass recomputes."""
+    ``layout``: :func:`pair_layout` of the samples' lengths, its first on the device, for what follows.
+    ``keep_ds``: the backward keeps dS (heads x the layout's second, of q's dtype) and takes dQ from it, instead
+    of recomputing the scores. ``pair_buckets``: the batch's :func:`pair_buckets` for these tables' sizes, read
+    instead of computing each pair's buckets."""
     order = sample_order(offsets) if order is None else order
     pw = position_weights.float().contiguous() if position_weights is not None else None
     tw = time_weights.float().contiguous() if time_weights is not None else None
     ts = timestamps if time_weights is not None else None
-    base, pairs = keep_ds if keep_ds is not None else (None, 0)
+    base, pairs = layout if layout is not None else (None, 0)
     return _attention_op(
-        q, k, v, offsets, order, num_targets, ts, pw, tw, base, max_len, float(alpha), seq_norm or 0, int(window),
-        fixed, pairs,
+        q, k, v, offsets, order, num_targets, ts, pw, tw, base, pair_buckets if base is not None else None, max_len,
+        float(alpha), seq_norm or 0, int(window), fixed, pairs, keep_ds,
     )  # fmt: skip

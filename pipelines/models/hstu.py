@@ -298,6 +298,7 @@ class HSTUModel(nn.Module):
             timestamps=timestamps if self.config.rab else None,
             impl=self.attention_impl(device),
             device=device,
+            rab_buckets=(self.config.position_buckets, self.config.time_buckets) if self.config.rab else None,
         )
         return Packing(packed, attention, timestamps, recency, age, source, candidate_slot, sample_of_candidate)
 

@@ -9,10 +9,12 @@ from typing import Optional
 import torch
 
 from kernels.hstu import hstu_attention, hstu_sequences
+from kernels.triton.triton_hstu_attention import pair_layout
 
 #: Largest |kernel - twin| over the twin's largest magnitude, per dtype: fp32 runs IEEE matmuls; bf16 rounds the
 #: inputs of every matmul (the twin computes in fp32 from the same bf16 inputs).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+POSITION_BUCKETS = 40
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     deterministic: bool = False  # the Triton kernels at their fixed launch configuration
     recompute: bool = False  # the Triton dQ pass recomputes the scores instead of reading the kept dS
+    paired: bool = True  # with rab, the Triton kernels read the batch's precomputed pair buckets
     seed: int = 0
 
 
@@ -49,11 +52,21 @@ def inputs(case: Case, device) -> dict:
         k=rand(n, case.heads, case.dim).to(case.dtype),
         v=rand(n, case.heads, case.dim_v).to(case.dtype),
         grad=rand(n, case.heads, case.dim_v, scale=1.0).to(case.dtype),
-        position_weights=rand(case.heads, 40) if case.rab else None,
+        position_weights=rand(case.heads, POSITION_BUCKETS) if case.rab else None,
         time_weights=rand(case.heads, case.time_buckets) if case.rab else None,
         timestamps=times.to(device) if case.rab else None,
         num_targets=torch.tensor(case.targets) if case.targets is not None else None,
     )
+
+
+def _pair_budget(case: Case, offsets: torch.Tensor) -> int:
+    """Room for every per-pair tensor, or, for ``recompute``, for the pair buckets (2 bytes a pair) and not the
+    score gradients (heads x 2 or 4 bytes a pair)."""
+    if not case.recompute:
+        return 1 << 40
+    pairs = pair_layout(offsets[1:] - offsets[:-1])[1]
+    assert case.heads * torch.finfo(case.dtype).bits // 8 > 2, "a recompute case needs dS larger than its buckets"
+    return 2 * pairs if case.paired else 0
 
 
 def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
@@ -68,7 +81,8 @@ def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
         timestamps=data["timestamps"],
         impl=impl,
         device=leaves[0].device,
-        pair_budget=0 if case.recompute else 1 << 40,
+        pair_budget=_pair_budget(case, data["offsets"]),
+        rab_buckets=(POSITION_BUCKETS, case.time_buckets) if case.paired else None,
     )
     out = hstu_attention(
         *leaves,

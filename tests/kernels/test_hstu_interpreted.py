@@ -47,6 +47,7 @@ def cases(draw) -> Case:
         ordered_times=draw(st.booleans()),
         seq_norm=draw(st.sampled_from([None, 64])),
         recompute=draw(st.booleans()),
+        paired=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -60,8 +61,29 @@ def test_the_kernel_matches_its_twin_on_random_jagged_batches(case):
 def test_a_target_block_beyond_one_key_block_and_a_window_inside_it():
     """Lengths over two blocks (16 under the interpreter) with many targets and a window shorter than a block:
     every masked-tile path of the kernels at once, with the dQ pass reading the kept dS and recomputing it."""
-    for recompute in (False, True):
-        assert_matches_twin(Case(lengths=[45, 3], targets=[20, 1], window=5, rab=True, recompute=recompute), "cpu")
+    for recompute, paired in ((False, True), (True, False), (True, True)):
+        case = Case(lengths=[45, 3], targets=[20, 1], window=5, rab=True, recompute=recompute, paired=paired)
+        assert_matches_twin(case, "cpu")
+
+
+def test_the_kernels_read_the_batchs_pair_buckets(monkeypatch):
+    """The precomputed pair buckets are what the kernels read: the twin's numbers with them (above), and other
+    numbers with every pair's buckets zeroed."""
+    import dataclasses
+
+    import tests.kernels.hstu_cases as cases_module
+
+    case = Case(lengths=[30, 7], targets=[4, 0], rab=True)
+    data = inputs(case, "cpu")
+    right = run(case, data, "triton")
+    real = cases_module.hstu_sequences
+
+    def zeroed(*args, **kwargs):
+        seqs = real(*args, **kwargs)
+        return dataclasses.replace(seqs, pair_buckets=torch.zeros_like(seqs.pair_buckets))
+
+    monkeypatch.setattr(cases_module, "hstu_sequences", zeroed)
+    assert not torch.allclose(run(case, data, "triton")[0], right[0])
 
 
 def test_the_kept_score_gradients_give_the_recomputed_ones():
@@ -146,15 +168,18 @@ def _op_args(
     times = 1_700_000_000_000 + torch.randint(0, 10**9, (n,), generator=gen).cumsum(0)  # milliseconds: int64
     targets = torch.tensor([min(2, n) for n in lengths], dtype=torch.int32)
     order = hstu.sample_order(offsets)
-    base, pairs = hstu.pair_layout(offsets[1:] - offsets[:-1]) if keep else (None, 0)
-    tensors = (q, k, v, offsets, order, targets, times if rab else None, *weights, base)
-    return (*tensors, max(lengths), 0.3, 64, 0, False, pairs)
+    layout = hstu.pair_layout(offsets[1:] - offsets[:-1]) if keep else (None, 0)
+    buckets = None
+    if keep and rab:  # the pairs' buckets, read in place of computing them
+        buckets = hstu.pair_buckets(offsets, order, max(lengths), layout, targets, times, (40, 24))
+    tensors = (q, k, v, offsets, order, targets, times if rab else None, *weights, layout[0], buckets)
+    return (*tensors, max(lengths), 0.3, 64, 0, False, layout[1], keep)
 
 
 def test_the_attention_is_a_torch_operator_with_its_fake_and_autograd():
     """torch.library's own check: the schema, the fake (meta) function's shapes and strides against the real
     ones, the autograd formula, and tracing by AOTAutograd with static and dynamic shapes; with and without the
-    kept score gradients."""
+    kept score gradients and the precomputed pair buckets."""
     for rab, keep in ((True, True), (False, True), (True, False)):
         torch.library.opcheck(torch.ops.freescale.hstu_attention.default, _op_args([5, 0, 18], rab=rab, keep=keep))
 
@@ -182,7 +207,7 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
     def layer(x, w, offsets, order, targets, max_len, base, pairs):
         q, k, v = (x @ w).chunk(3, dim=-1)
         heads = lambda t: t.reshape(t.shape[0], 2, 8)  # noqa: E731
-        args = (offsets, order, targets, None, None, None, base, max_len, 0.3, 0, 0, False, pairs)
+        args = (offsets, order, targets, None, None, None, base, None, max_len, 0.3, 0, 0, False, pairs, True)
         return torch.ops.freescale.hstu_attention(heads(q), heads(k), heads(v), *args).flatten(1).relu().sum()
 
     torch._dynamo.reset()
