@@ -157,20 +157,22 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 
 @triton.jit
-def _pair_rows(X, PAIR_BASE, ORDER, first, rows_q):
-    """Each query row's first entry in a per-pair tensor (:func:`pair_layout`): each sample's lower triangle row by
-    row from PAIR_BASE's entry for it plus ``first`` (a head's share in the kept dS), row r's keys 0..r padded to a
-    multiple of 8 so that every row starts 16-byte aligned and a tile's rows load and store as vectors."""
+def _pair_cols(X, PAIR_BASE, ORDER, first, rows_k, length):
+    """Where each key's column starts in a per-pair tensor (:func:`pair_layout`), so that the pair (query r, key c)
+    is at ``_pair_cols(...)[c] + r``: each sample's causal pairs key by key from PAIR_BASE's entry for it plus
+    ``first`` (a head's share in the kept dS), key c's column holding queries 8 (c // 8) .. L - 1 padded to a
+    multiple of 8, so that every column is 16-byte aligned and a tile loads and stores as vectors along queries."""
     first = tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + first
-    r = rows_q.to(tl.int64)
-    groups = r // 8  # rows 8g .. 8g + 7 each hold 8 (g + 1) entries
-    return X + tl.multiple_of(first + 8 * (groups + 1) * (r - 4 * groups), 8)
+    padded = ((length + 7) // 8 * 8).to(tl.int64)
+    c = rows_k.to(tl.int64)
+    g = c // 8  # columns 8g .. 8g + 7 each hold queries 8g .. padded - 1
+    return X + tl.multiple_of(first + 8 * g * padded - 32 * g * (g - 1) + (c - 8 * g) * (padded - 8 * g) - 8 * g, 8)
 
 
 @triton.jit
 def _paired_buckets(ptrs, full, causal):
     """A tile's position and time buckets from the batch's precomputed pairs (one int16 each: position bucket
-    in the low byte, time bucket in the high one); a tile that is not full reads only its lower triangle."""
+    in the low byte, time bucket in the high one); a tile that is not full reads only its causal pairs."""
     if full:
         packed = tl.load(ptrs)
     else:
@@ -264,8 +266,6 @@ def _fwd_kernel(
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
-    if PAIRED:
-        pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -281,7 +281,8 @@ def _fwd_kernel(
         if HAS_POS or HAS_TIME:
             if PAIRED:
                 causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pb, tb = _paired_buckets(pair_rows[:, None] + rows_k[None, :], full, causal)
+                pair_ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+                pb, tb = _paired_buckets(pair_ptrs, full, causal)
             else:
                 ts_k = _times(TS, start, rows_k, length, HAS_TIME)
                 pb, tb = _buckets(
@@ -400,6 +401,10 @@ def _dkdv_kernel(
     k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
     v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
     ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+    if PAIRED:
+        pair_cols = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)
+    if KEEP_DS:
+        ds_cols = _pair_cols(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_k, length)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
@@ -420,7 +425,7 @@ def _dkdv_kernel(
         if HAS_POS or HAS_TIME:
             if PAIRED:
                 causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
-                pair_ptrs = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)[None, :] + rows_k[:, None]
+                pair_ptrs = pair_cols[:, None] + rows_q[None, :]
                 pb, tb = _paired_buckets(pair_ptrs, full, causal)
             else:
                 ts_q = _times(TS, start, rows_q, length, HAS_TIME)
@@ -449,7 +454,7 @@ def _dkdv_kernel(
             a = tl.where(valid, a, 0.0)
             ds = tl.where(valid, ds, 0.0)
         if KEEP_DS:  # a full tile stores as vectors; elsewhere only the pairs that attend, which the dQ pass reads
-            ptrs = _pair_rows(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_q)[None, :] + rows_k[:, None]
+            ptrs = ds_cols[:, None] + rows_q[None, :]
             if full:
                 tl.store(ptrs, ds.to(DS.dtype.element_ty))
             else:
@@ -533,8 +538,6 @@ def _dq_kernel(
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
-    if PAIRED:
-        pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -550,7 +553,8 @@ def _dq_kernel(
         if HAS_POS or HAS_TIME:
             if PAIRED:
                 causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pb, tb = _paired_buckets(pair_rows[:, None] + rows_k[None, :], full, causal)
+                pair_ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+                pb, tb = _paired_buckets(pair_ptrs, full, causal)
             else:
                 ts_k = _times(TS, start, rows_k, length, HAS_TIME)
                 pb, tb = _buckets(
@@ -616,10 +620,9 @@ def _dq_kept_kernel(
     if HAS_WINDOW:
         lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, length)
-    row_ptrs = _pair_rows(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_q)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
-        ptrs = row_ptrs[:, None] + rows_k[None, :]
+        ptrs = _pair_cols(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_k, length)[None, :] + rows_q[:, None]
         if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
             ds = tl.load(ptrs)
         else:  # the pairs that attend (every one the dK/dV pass wrote); the others, unwritten, read as 0
@@ -661,7 +664,6 @@ def _pair_buckets_kernel(
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
-    pair_rows = _pair_rows(PAIRS, PAIR_BASE, ORDER, 0, rows_q)
     for n0 in range(0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         pb, tb = _buckets(
@@ -680,7 +682,8 @@ def _pair_buckets_kernel(
             T_SUB,
         )
         causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-        tl.store(pair_rows[:, None] + rows_k[None, :], (pb | (tb << 8)).to(tl.int16), mask=causal)
+        ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+        tl.store(ptrs, (pb | (tb << 8)).to(tl.int16), mask=causal)
 
 
 # Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
@@ -783,12 +786,14 @@ def dense_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def pair_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Where each sample starts in the dS the dK/dV pass keeps for the dQ pass, within one head's share (each
-    sample's lower triangle, row by row, each row padded to a multiple of 8), and a head's share: int64 [B], and
-    about sum(L (L + 1) / 2) (at most 8 L more per sample)."""
+    """The layout of a tensor with one entry per causal (query, key) pair of a batch, such as the dS the dK/dV pass
+    keeps for the dQ pass (one share per head) and the pairs' rab buckets: each sample's pairs key by key, key c's
+    column holding queries 8 (c // 8) onward, padded to a multiple of 8 (:func:`_pair_cols`). Returns where each
+    sample starts (int64 [B]) and the entries of one share: about sum L (L + 1) / 2, at most 8 L more a sample."""
     lengths = lengths.to(torch.int64)
-    groups = lengths // 8  # each row padded to a multiple of 8 entries (_pair_rows)
-    pairs = 8 * (groups + 1) * (lengths - 4 * groups)
+    padded = (lengths + 7) // 8 * 8  # key c's column: queries 8 (c // 8) .. padded - 1 (_pair_cols)
+    g, j = lengths // 8, lengths % 8
+    pairs = 8 * g * padded - 32 * g * (g - 1) + j * (padded - 8 * g)
     return torch.cumsum(pairs, 0) - pairs, int(pairs.sum())
 
 
