@@ -157,12 +157,18 @@ def _store_rows(X, tile, start, rows, h, length, H: tl.constexpr, DIM: tl.conste
 
 
 @triton.jit
-def _pair_cols(X, PAIR_BASE, ORDER, first, rows_k, length):
-    """Where each key's column starts in a per-pair tensor (:func:`pair_layout`), so that the pair (query r, key c)
-    is at ``_pair_cols(...)[c] + r``: each sample's causal pairs key by key from PAIR_BASE's entry for it plus
-    ``first`` (a head's share in the kept dS), key c's column holding queries 8 (c // 8) .. L - 1 padded to a
-    multiple of 8, so that every column is 16-byte aligned and a tile loads and stores as vectors along queries."""
-    first = tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + first
+def _pair_first(PAIR_BASE, ORDER, share):
+    """This program's sample's first entry in a per-pair tensor (:func:`pair_layout`), plus ``share`` (a head's in
+    the kept dS): loaded once, outside the loops, so that the loops' loads stay ones Triton can pipeline."""
+    return tl.load(PAIR_BASE + tl.load(ORDER + tl.program_id(1))) + share
+
+
+@triton.jit
+def _pair_cols(X, first, rows_k, length):
+    """Where each key's column starts in a per-pair tensor, so that the pair (query r, key c) is at
+    ``_pair_cols(...)[c] + r``: a sample's causal pairs key by key from ``first`` (:func:`_pair_first`), key c's
+    column holding queries 8 (c // 8) .. L - 1 padded to a multiple of 8, so that every column is 16-byte aligned
+    and a tile loads and stores as vectors along queries."""
     padded = ((length + 7) // 8 * 8).to(tl.int64)
     c = rows_k.to(tl.int64)
     g = c // 8  # columns 8g .. 8g + 7 each hold queries 8g .. padded - 1
@@ -266,6 +272,8 @@ def _fwd_kernel(
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    if PAIRED:
+        pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -281,7 +289,7 @@ def _fwd_kernel(
         if HAS_POS or HAS_TIME:
             if PAIRED:
                 causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pair_ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+                pair_ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[None, :] + rows_q[:, None]
                 pb, tb = _paired_buckets(pair_ptrs, full, causal)
             else:
                 ts_k = _times(TS, start, rows_k, length, HAS_TIME)
@@ -402,9 +410,9 @@ def _dkdv_kernel(
     v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
     ts_k = _times(TS, start, rows_k, length, HAS_TIME)
     if PAIRED:
-        pair_cols = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)
+        pair_cols = _pair_cols(PAIRS, _pair_first(PAIR_BASE, ORDER, 0), rows_k, length)
     if KEEP_DS:
-        ds_cols = _pair_cols(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_k, length)
+        ds_cols = _pair_cols(DS, _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs), rows_k, length)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
@@ -538,6 +546,8 @@ def _dq_kernel(
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    if PAIRED:
+        pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -553,7 +563,7 @@ def _dq_kernel(
         if HAS_POS or HAS_TIME:
             if PAIRED:
                 causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pair_ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+                pair_ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[None, :] + rows_q[:, None]
                 pb, tb = _paired_buckets(pair_ptrs, full, causal)
             else:
                 ts_k = _times(TS, start, rows_k, length, HAS_TIME)
@@ -616,13 +626,14 @@ def _dq_kept_kernel(
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    ds_first = _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, length)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
-        ptrs = _pair_cols(DS, PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs, rows_k, length)[None, :] + rows_q[:, None]
+        ptrs = _pair_cols(DS, ds_first, rows_k, length)[None, :] + rows_q[:, None]
         if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
             ds = tl.load(ptrs)
         else:  # the pairs that attend (every one the dK/dV pass wrote); the others, unwritten, read as 0
@@ -664,6 +675,7 @@ def _pair_buckets_kernel(
     rows_q = m0 + tl.arange(0, BLOCK_M)
     pos_q = tl.minimum(rows_q, history)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    first = _pair_first(PAIR_BASE, ORDER, 0)
     for n0 in range(0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         pb, tb = _buckets(
@@ -682,7 +694,7 @@ def _pair_buckets_kernel(
             T_SUB,
         )
         causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-        ptrs = _pair_cols(PAIRS, PAIR_BASE, ORDER, 0, rows_k, length)[None, :] + rows_q[:, None]
+        ptrs = _pair_cols(PAIRS, first, rows_k, length)[None, :] + rows_q[:, None]
         tl.store(ptrs, (pb | (tb << 8)).to(tl.int16), mask=causal)
 
 
