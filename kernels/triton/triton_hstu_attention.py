@@ -16,7 +16,9 @@ position buckets x time buckets] table (the two weight tables summed, built per 
 kernels.pytorch.pt_hstu_attention, read from the same float32 exponent and mantissa bits, so the twin and the
 kernel agree on every bucket (a test sweeps the int32 range). Timestamps are the int64 ones: a tile whose times
 span less than 2**31 (in seconds, 68 years: every tile of real data) takes its gaps in int32 from the tile's
-earliest time, any other in int64, so every gap's bucket is exact.
+earliest time, any other in int64, so every gap's bucket is exact. A batch's buckets are the same for every layer
+and head: given the batch's :func:`pair_buckets` (one int16 a causal pair, :func:`pair_layout`), each pass reads
+them instead of computing them.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), and no atomics or locks anywhere. dQ needs each tile's dS once more, which a fixed-order pass can have two
