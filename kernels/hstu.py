@@ -16,10 +16,11 @@ and ``time_bucket`` (exact below 16 positions / 1 s, then log-spaced). Either we
 Implementations (:class:`kernels.impl.Impl`):
 
 - ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab computed inside from positions and
-  timestamps, never an L x L tensor in the forward; backward in two passes (keys, then queries) with no atomics,
-  the second reading the score gradients the first kept where they fit ``pair_budget`` (else recomputing
-  them), the bucket weights' gradients by per-program sums: the same bits on every run. A torch operator (``freescale::
-  hstu_attention``) with its own autograd formula, so torch.compile traces a layer through it. The default on CUDA.
+  timestamps (or read from the batch's pair buckets), never an L x L score tensor in the forward; backward in two
+  passes (keys, then queries) with no atomics, the second reading the score gradients the first kept where they fit
+  ``pair_budget`` (else recomputing them), the bucket weights' gradients by per-program sums: the same bits on every
+  run. A torch operator (``freescale::hstu_attention``) with its own autograd formula, so torch.compile traces a
+  layer through it. The default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
   default on CPU and the twin the kernel is tested against.
 - ``PADDED``: the batch padded to its longest sample, one [B, H, L, L] score tensor: the baseline.
