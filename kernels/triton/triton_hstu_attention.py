@@ -143,6 +143,59 @@ def _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME: tl.constexpr):
 
 
 @triton.jit
+def _biased(
+    s,
+    RAB,
+    PAIRS,
+    pair_first,
+    TS,
+    start,
+    h,
+    rows_q,
+    rows_k,
+    pos_q,
+    pos_k,
+    ts_held,
+    length,
+    full,
+    num_pb,
+    num_tb,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    PAIRED: tl.constexpr,
+    KEY_ROWS: tl.constexpr,
+    P_LINEAR: tl.constexpr,
+    P_LOG2: tl.constexpr,
+    P_SUB: tl.constexpr,
+    T_LINEAR: tl.constexpr,
+    T_LOG2: tl.constexpr,
+    T_SUB: tl.constexpr,
+):
+    """A tile's scores ``s`` plus each pair's rab, and the pairs' position and time buckets: read from the batch's
+    pair buckets (PAIRED) or computed. Queries along the tile's rows, or keys with KEY_ROWS (the dK/dV pass);
+    ``ts_held`` the timestamps of the block the program holds (its queries, or its keys with KEY_ROWS)."""
+    if PAIRED:
+        cols = _pair_cols(PAIRS, pair_first, rows_k, length)
+        if KEY_ROWS:
+            causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
+            pb, tb = _paired_buckets(cols[:, None] + rows_q[None, :], full, causal)
+        else:
+            causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+            pb, tb = _paired_buckets(cols[None, :] + rows_q[:, None], full, causal)
+    else:
+        if KEY_ROWS:
+            dist = pos_q[None, :] - pos_k[:, None]
+            ts_rows, ts_cols = ts_held, _times(TS, start, rows_q, length, HAS_TIME)
+        else:
+            dist = pos_q[:, None] - pos_k[None, :]
+            ts_rows, ts_cols = ts_held, _times(TS, start, rows_k, length, HAS_TIME)
+        pb, tb = _buckets(
+            dist, ts_rows, ts_cols, num_pb, num_tb, HAS_POS, HAS_TIME, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB
+        )
+    return s + _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME), pb, tb
+
+
+@triton.jit
 def _rows(X, stride, start, rows, h, length, DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """A [len(rows), BLOCK_D] tile of head ``h`` of packed [N, H, DIM] rows ``stride`` elements apart (zeros past the
     sample's end): q, k and v may be views of one projection's output."""
@@ -274,6 +327,7 @@ def _fwd_kernel(
     pos_q = tl.minimum(rows_q, history)
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    pair_first = 0
     if PAIRED:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -289,28 +343,11 @@ def _fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            if PAIRED:
-                causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pair_ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[None, :] + rows_q[:, None]
-                pb, tb = _paired_buckets(pair_ptrs, full, causal)
-            else:
-                ts_k = _times(TS, start, rows_k, length, HAS_TIME)
-                pb, tb = _buckets(
-                    pos_q[:, None] - pos_k[None, :],
-                    ts_q,
-                    ts_k,
-                    num_pb,
-                    num_tb,
-                    HAS_POS,
-                    HAS_TIME,
-                    P_LINEAR,
-                    P_LOG2,
-                    P_SUB,
-                    T_LINEAR,
-                    T_LOG2,
-                    T_SUB,
-                )
-            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+            s, pb, tb = _biased(
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
+                *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
+                *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
+            )
         a = s * _sigmoid(s, FAST) * inv_norm
         if not full:
             valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
@@ -411,8 +448,9 @@ def _dkdv_kernel(
     k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
     v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
     ts_k = _times(TS, start, rows_k, length, HAS_TIME)
+    pair_first = 0
     if PAIRED:
-        pair_cols = _pair_cols(PAIRS, _pair_first(PAIR_BASE, ORDER, 0), rows_k, length)
+        pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     if KEEP_DS:
         ds_cols = _pair_cols(DS, _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs), rows_k, length)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -433,28 +471,11 @@ def _dkdv_kernel(
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            if PAIRED:
-                causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
-                pair_ptrs = pair_cols[:, None] + rows_q[None, :]
-                pb, tb = _paired_buckets(pair_ptrs, full, causal)
-            else:
-                ts_q = _times(TS, start, rows_q, length, HAS_TIME)
-                pb, tb = _buckets(
-                    pos_q[None, :] - pos_k[:, None],
-                    ts_k,
-                    ts_q,
-                    num_pb,
-                    num_tb,
-                    HAS_POS,
-                    HAS_TIME,
-                    P_LINEAR,
-                    P_LOG2,
-                    P_SUB,
-                    T_LINEAR,
-                    T_LOG2,
-                    T_SUB,
-                )
-            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+            s, pb, tb = _biased(
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_k, length, full),
+                *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, True),
+                *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
+            )
         sig = _sigmoid(s, FAST)
         a = s * sig * inv_norm
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -548,6 +569,7 @@ def _dq_kernel(
     q = _rows(Q, stride_q, start, rows_q, h, length, D, BLOCK_D)
     do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
     ts_q = _times(TS, start, rows_q, length, HAS_TIME)
+    pair_first = 0
     if PAIRED:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -563,28 +585,11 @@ def _dq_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
-            if PAIRED:
-                causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-                pair_ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[None, :] + rows_q[:, None]
-                pb, tb = _paired_buckets(pair_ptrs, full, causal)
-            else:
-                ts_k = _times(TS, start, rows_k, length, HAS_TIME)
-                pb, tb = _buckets(
-                    pos_q[:, None] - pos_k[None, :],
-                    ts_q,
-                    ts_k,
-                    num_pb,
-                    num_tb,
-                    HAS_POS,
-                    HAS_TIME,
-                    P_LINEAR,
-                    P_LOG2,
-                    P_SUB,
-                    T_LINEAR,
-                    T_LOG2,
-                    T_SUB,
-                )
-            s += _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME)
+            s, pb, tb = _biased(
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
+                *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
+                *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
+            )
         sig = _sigmoid(s, FAST)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = dp * (sig * (1.0 + s * (1.0 - sig)) * inv_norm)
