@@ -111,3 +111,33 @@ def test_the_forward_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert 0 < off["registers"] <= 255 and off["loop_instructions"] > 0 and off["x_off"] == 1.0
     assert rab["per_score"] > off["per_score"] and off["inner_per_score"] == 0.0
     assert "fwd    rab" in done.stdout
+
+
+def test_the_compile_aligns_pointers_and_row_strides_as_a_launch_does(monkeypatch):
+    """A launch specializes 16-byte-aligned pointers and strides (torch's allocations, the rows' strides), and
+    Triton vectorizes and pipelines the loads only with that hint: without it the counts are those of scalar loads."""
+    triton = pytest.importorskip("triton")
+    from kernels.triton import triton_hstu_attention as hstu
+
+    seen = {}
+
+    def capture(source, **_):
+        seen["source"] = source
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(triton, "compile", capture)
+    with pytest.raises(RuntimeError, match="captured"):
+        hstu_static.compile_cubin(
+            hstu._dq_kept_kernel,
+            dict(H=2, D=16, BLOCK_D=16, BLOCK_M=16, BLOCK_N=16, HAS_TARGETS=False, HAS_WINDOW=False, PRECISION="tf32"),
+            4,
+            1,
+            90,
+        )
+    source = seen["source"]
+    aligned = {
+        hstu._dq_kept_kernel.arg_names[i] for (i,), attrs in source.attrs.items() if ["tt.divisibility", 16] in attrs
+    }
+    pointers = {name for name, kind in source.signature.items() if kind.startswith("*")}
+    assert pointers == {"K", "DQ", "OFFSETS", "ORDER", "TARGETS", "DS", "PAIR_BASE"}
+    assert aligned == pointers | {"stride_k"}
