@@ -142,11 +142,12 @@ def hstu_sequences(
     if pair_budget is None:
         pair_budget = _device_memory(device) // 8
     _require(pair_budget >= 0, lambda: f"pair_budget must be >= 0 bytes, got {pair_budget}")
-    base, pairs = triton_hstu_attention.pair_layout(host[1:] - host[:-1])
-    layout = (base.to(device, non_blocking=True), pairs)
-    buckets = None
+    layout = buckets = None
+    if pair_budget:  # nothing per pair is kept without a budget: no layout to build
+        base, pairs = triton_hstu_attention.pair_layout(host[1:] - host[:-1])
+        layout = (base.to(device, non_blocking=True), pairs)
     paired = rab_buckets is not None and max(rab_buckets) <= triton_hstu_attention.PAIRED_BUCKETS
-    if paired and 0 < 2 * pairs <= pair_budget:
+    if layout is not None and paired and 0 < 2 * layout[1] <= pair_budget:
         buckets = triton_hstu_attention.pair_buckets(
             dev, order, packed.max_len, layout, num_targets, timestamps, rab_buckets
         )

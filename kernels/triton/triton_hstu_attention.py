@@ -183,16 +183,46 @@ def _biased(
             causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
             pb, tb = _paired_buckets(cols[None, :] + rows_q[:, None], full, causal)
     else:
-        if KEY_ROWS:
-            dist = pos_q[None, :] - pos_k[:, None]
-            ts_rows, ts_cols = ts_held, _times(TS, start, rows_q, length, HAS_TIME)
-        else:
-            dist = pos_q[:, None] - pos_k[None, :]
-            ts_rows, ts_cols = ts_held, _times(TS, start, rows_k, length, HAS_TIME)
-        pb, tb = _buckets(
-            dist, ts_rows, ts_cols, num_pb, num_tb, HAS_POS, HAS_TIME, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB
+        pb, tb = _tile_buckets(
+            *(TS, start, rows_q, rows_k, pos_q, pos_k, ts_held, length, num_pb, num_tb, HAS_POS, HAS_TIME, KEY_ROWS),
+            *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
         )
     return s + _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME), pb, tb
+
+
+@triton.jit
+def _tile_buckets(
+    TS,
+    start,
+    rows_q,
+    rows_k,
+    pos_q,
+    pos_k,
+    ts_held,
+    length,
+    num_pb,
+    num_tb,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    KEY_ROWS: tl.constexpr,
+    P_LINEAR: tl.constexpr,
+    P_LOG2: tl.constexpr,
+    P_SUB: tl.constexpr,
+    T_LINEAR: tl.constexpr,
+    T_LOG2: tl.constexpr,
+    T_SUB: tl.constexpr,
+):
+    """A tile's position and time buckets computed from positions and timestamps (queries along its rows, or keys
+    with KEY_ROWS; ``ts_held`` the timestamps of the rows' block)."""
+    if KEY_ROWS:
+        dist = pos_q[None, :] - pos_k[:, None]
+        ts_cols = _times(TS, start, rows_q, length, HAS_TIME)
+    else:
+        dist = pos_q[:, None] - pos_k[None, :]
+        ts_cols = _times(TS, start, rows_k, length, HAS_TIME)
+    return _buckets(
+        dist, ts_held, ts_cols, num_pb, num_tb, HAS_POS, HAS_TIME, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB
+    )
 
 
 @triton.jit
@@ -449,10 +479,10 @@ def _dkdv_kernel(
     v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
     ts_k = _times(TS, start, rows_k, length, HAS_TIME)
     pair_first = 0
-    if PAIRED:
+    if PAIRED or KEEP_DS:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     if KEEP_DS:
-        ds_cols = _pair_cols(DS, _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs), rows_k, length)
+        ds_cols = _pair_cols(DS, pair_first + h.to(tl.int64) * total_pairs, rows_k, length)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
@@ -685,20 +715,9 @@ def _pair_buckets_kernel(
     first = _pair_first(PAIR_BASE, ORDER, 0)
     for n0 in range(0, tl.minimum(m0 + BLOCK_M, length), BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
-        pb, tb = _buckets(
-            pos_q[:, None] - tl.minimum(rows_k, history)[None, :],
-            ts_q,
-            _times(TS, start, rows_k, length, HAS_TIME),
-            num_pb,
-            num_tb,
-            True,
-            HAS_TIME,
-            P_LINEAR,
-            P_LOG2,
-            P_SUB,
-            T_LINEAR,
-            T_LOG2,
-            T_SUB,
+        pb, tb = _tile_buckets(
+            *(TS, start, rows_q, rows_k, pos_q, tl.minimum(rows_k, history), ts_q, length, num_pb, num_tb, True),
+            *(HAS_TIME, False, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
         )
         causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
         ptrs = _pair_cols(PAIRS, first, rows_k, length)[None, :] + rows_q[:, None]
