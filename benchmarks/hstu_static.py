@@ -5,9 +5,9 @@ Machine code. Each kernel (kernels.triton.triton_hstu_attention: ``fwd``, ``dkdv
 pass from the kept dS) is compiled for ``--arch`` (default sm_90, the H100/H200) by the installed Triton and its
 bundled ptxas, at the first launch configuration of its head-dim class (the one ``FREESCALE_HSTU_AUTOTUNE=0`` runs;
 ``--configs all`` for every one), bf16, no targets, no window, pointers and row strides 16-byte aligned as a launch
-specializes them, with rab off, its position part, its time part, and both; the passes read the batch's pair
-buckets and the dK/dV pass keeps dS (the defaults where they fit), or with ``--unpaired`` neither. Per variant: registers and
-stack bytes per thread (spills land on the stack), and the SASS instructions of one pass of the tile loop over a
+specializes them, with rab off, its position part, its time part, and both; the passes read the batch's pair buckets
+and the dK/dV pass keeps dS (the defaults where they fit), or with ``--unpaired`` neither. Per variant: registers
+and stack bytes per thread (spills land on the stack), and the SASS instructions of one pass of the tile loop over a
 full tile (the masking branch taken past), per thread and per score (``instructions x threads / tile scores``);
 ``+inner``: one pass of each loop inside it, per score (the dK/dV pass sums dS per bucket: each bucket a tile's
 pairs span costs one pass of its part's loop).
