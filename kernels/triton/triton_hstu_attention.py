@@ -466,7 +466,7 @@ def _dkdv_kernel(
     # other block sizes are overwritten, and only this launch's rows are summed.
     program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
     if n0 >= length:
-        if HAS_POS:
+        if HAS_POS and not KEEP_DS:
             tl.store(DPW + program * PB + tl.arange(0, PB), tl.zeros([PB], dtype=tl.float32))
         if HAS_TIME:
             tl.store(DTW + program * TB + tl.arange(0, TB), tl.zeros([TB], dtype=tl.float32))
@@ -525,13 +525,13 @@ def _dkdv_kernel(
                 tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=attends)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-        if HAS_POS:
+        if HAS_POS and not KEEP_DS:  # else summed from the kept dS (_position_grads_kernel)
             dpw = _bucket_sums(dpw, pb, ds, PB)
         if HAS_TIME:
             dtw = _bucket_sums(dtw, tb, ds, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
-    if HAS_POS:
+    if HAS_POS and not KEEP_DS:
         tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
     if HAS_TIME:
         tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
@@ -683,6 +683,69 @@ def _dq_kept_kernel(
 
 
 @triton.jit
+def _position_grads_kernel(
+    DS,
+    DPW,
+    OFFSETS,
+    ORDER,
+    TARGETS,
+    PAIR_BASE,
+    total_pairs,
+    window,
+    num_pb,
+    H: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    P_LINEAR: tl.constexpr,
+    P_LOG2: tl.constexpr,
+    P_SUB: tl.constexpr,
+    PB: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One block of position distances' share of the position weights' gradient, from the dS the dK/dV pass kept:
+    a pair's bucket is its distance's, so the sum over a bucket is a sum over distances of the sums along the
+    diagonals of dS, which is one load and one add a pair, whatever the buckets. A history query r sees key c at
+    distance r - c; a target (at position ``history``) sees key c < history at history - c and itself at 0."""
+    pid = tl.program_id(0)
+    h = pid % H
+    d0 = (pid // H) * BLOCK_D
+    start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
+    program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
+    d = d0 + tl.arange(0, BLOCK_D)
+    sums = tl.zeros([BLOCK_D], dtype=tl.float32)
+    top = history  # the largest distance: a target's to key 0
+    if HAS_WINDOW:
+        top = tl.minimum(top, window)
+    if d0 <= top and length > 0:
+        first = _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs)
+        seen = d <= top
+        # History queries: the pairs (c + d, c) for every key c with c + d < history, the diagonals of a block.
+        for c0 in range(0, history - d0, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            rows = c[:, None] + d[None, :]
+            ptrs = _pair_cols(DS, first, c, length)[:, None] + rows
+            sums += tl.sum(tl.load(ptrs, mask=(rows < history) & seen[None, :], other=0.0).to(tl.float32), axis=0)
+        # Target queries: key history - d (d >= 1) for the distance d, and each target itself for 0.
+        key = history - d
+        for t0 in range(history, length, BLOCK_C):
+            t = t0 + tl.arange(0, BLOCK_C)
+            ptrs = _pair_cols(DS, first, tl.where(d > 0, key, t0), length)[None, :] + t[:, None]
+            mask = (t < length)[:, None] & (seen & (d > 0) & (key >= 0))[None, :]
+            sums += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
+            if d0 == 0:
+                own = _pair_cols(DS, first, t, length) + t
+                sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
+    # The distances' sums gathered into their buckets: a loop over the few buckets a block of distances spans.
+    buckets = _position_bucket(d, num_pb, P_LINEAR, P_LOG2, P_SUB)
+    ids = tl.arange(0, PB)
+    row = tl.zeros([PB], dtype=tl.float32)
+    for b in range(tl.min(buckets, axis=0), tl.max(buckets, axis=0) + 1):
+        row = tl.where(ids == b, row + tl.sum(tl.where(buckets == b, sums, 0.0), axis=0), row)
+    tl.store(DPW + program * PB + ids, row)
+
+
+@triton.jit
 def _pair_buckets_kernel(
     OFFSETS,
     ORDER,
@@ -752,6 +815,8 @@ _DQ_KEPT_CONFIGS = {
 _FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
+#: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
+_DISTANCE_BLOCK = 16 if _INTERPRET else 64
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
@@ -922,6 +987,15 @@ class _Launch:
     def grid(self, block: str):
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
 
+    def distance_blocks(self) -> int:
+        """Blocks of position distance per sample and head (0 .. the longest length)."""
+        return self.max_len // _DISTANCE_BLOCK + 1
+
+    def position_rows(self, weights: torch.Tensor) -> torch.Tensor:
+        """The rows of :func:`_position_grads_kernel`: one per program (distance block, head, sample)."""
+        rows = self.batch * self.distance_blocks() * self.heads
+        return torch.empty(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
+
     def bucket_rows(self, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """The dK/dV pass's per-program rows of a weight table's gradient: room for one per program at its
         smallest key block (a multiple of ``heads`` per sample); every program of a launch writes its own."""
@@ -1010,37 +1084,45 @@ def _attention_backward_op(
         window,
     )  # fmt: skip
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
-    dpw, dtw = launch.bucket_rows(pw), launch.bucket_rows(tw)
-    if q.shape[0] and launch.batch:
-        strides = dict(launch.scalars, stride_do=dout.stride(0))
-        keep = keep_ds and pair_base is not None and pair_count > 0
-        ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
-        kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
-        _DKDV[fixed][launch.grid("BLOCK_N")](
-            q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
-            PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
-        )  # fmt: skip
-        if keep:
-            flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
-            tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
-            scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
-            _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
-        else:
-            _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
+    if not (q.shape[0] and launch.batch):
+        empty = lambda w: q.new_empty(0, dtype=torch.float32) if w is None else torch.zeros_like(w)  # noqa: E731
+        return dq.zero_(), dk.zero_(), dv.zero_(), empty(pw), empty(tw)
+    keep = keep_ds and pair_base is not None and pair_count > 0
+    # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
+    # dK/dV pass's per-bucket sums, as the time weights' always does.
+    dpw = launch.position_rows(pw) if keep and pw is not None else launch.bucket_rows(pw)
+    dtw = launch.bucket_rows(tw)
+    strides = dict(launch.scalars, stride_do=dout.stride(0))
+    ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
+    kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
+    _DKDV[fixed][launch.grid("BLOCK_N")](
+        q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
+        PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
+    )  # fmt: skip
+    if keep:
+        flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
+        tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
+        if pw is not None:
+            _position_grads_kernel[(launch.distance_blocks() * launch.heads, launch.batch)](
+                **kept, DPW=dpw, **tensors, window=launch.scalars["window"], num_pb=pw.shape[1],
+                **{key: flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW")}, **_BUCKET_CONSTANTS,
+                PB=dpw.shape[1], BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
+            )  # fmt: skip
+        scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
+        _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
     else:
-        dq.zero_(), dk.zero_(), dv.zero_()
+        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
 
-    def total(rows, weights):  # this launch's per-program rows summed in a fixed order: the same bits every run
+    key_blocks = cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
+
+    def total(rows, weights, blocks):  # the launch's per-program rows summed in a fixed order: the same bits every run
         if weights is None:
             return q.new_empty(0, dtype=torch.float32)
-        if not (q.shape[0] and launch.batch):
-            return torch.zeros_like(weights)
-        programs = (
-            launch.batch * cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"]) * launch.heads
-        )
+        programs = launch.batch * blocks * launch.heads
         return rows[:programs].view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
-    return dq, dk, dv, total(dpw, pw), total(dtw, tw)
+    position_blocks = launch.distance_blocks() if keep else key_blocks
+    return dq, dk, dv, total(dpw, pw, position_blocks), total(dtw, tw, key_blocks)
 
 
 @_attention_backward_op.register_fake
