@@ -254,10 +254,18 @@ def _pair_cols(X, first, rows_k, length):
     ``_pair_cols(...)[c] + r``: a sample's causal pairs key by key from ``first`` (:func:`_pair_first`), key c's
     column holding queries 8 (c // 8) .. L - 1 padded to a multiple of 8, so that every column is 16-byte aligned
     and a tile loads and stores as vectors along queries."""
-    padded = ((length + 7) // 8 * 8).to(tl.int64)
+    return X + _pair_col_offsets(first, rows_k, length)
+
+
+@triton.jit
+def _pair_col_offsets(first, rows_k, length):
+    """:func:`_pair_cols` as int64 offsets: a quadratic in c // 8 for each residue of c mod 8. Written as 8 times
+    an integer (``first``, every sample's and head's start, is a multiple of 8), which tells Triton the alignment
+    through any arithmetic that follows, where a ``tl.multiple_of`` hint on the sum did not survive compiling."""
+    groups = ((length + 7) // 8).to(tl.int64)  # the padded column's groups of 8 queries
     c = rows_k.to(tl.int64)
-    g = c // 8  # columns 8g .. 8g + 7 each hold queries 8g .. padded - 1
-    return X + tl.multiple_of(first + 8 * g * padded - 32 * g * (g - 1) + (c - 8 * g) * (padded - 8 * g) - 8 * g, 8)
+    g = c // 8  # columns 8g .. 8g + 7 each hold queries 8g .. 8 groups - 1
+    return 8 * (first // 8 + 8 * g * groups - 4 * g * (g - 1) + (c - 8 * g) * (groups - g) - g)
 
 
 @triton.jit
@@ -395,7 +403,7 @@ def _bucket_sums(acc, buckets, ds, BUCKETS: tl.constexpr):
     lo = tl.min(tl.where(live, buckets, BUCKETS))
     hi = tl.max(tl.where(live, buckets, -1))
     for b in range(lo, hi + 1):
-        total = tl.sum(tl.sum(tl.where(buckets == b, ds, 0.0), axis=1), axis=0)
+        total = tl.sum(tl.where(buckets == b, ds, 0.0))  # all axes at once: each thread's share, then across
         acc = tl.where(ids == b, acc + total, acc)
     return acc
 
@@ -525,7 +533,7 @@ def _dkdv_kernel(
                 tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=attends)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-        if HAS_POS and not KEEP_DS:  # else summed from the kept dS (_position_grads_kernel)
+        if HAS_POS and not KEEP_DS:  # else summed along the kept dS's diagonals (_position_grads_kernel)
             dpw = _bucket_sums(dpw, pb, ds, PB)
         if HAS_TIME:
             dtw = _bucket_sums(dtw, tb, ds, TB)
@@ -705,28 +713,52 @@ def _position_grads_kernel(
 ):
     """One block of position distances' share of the position weights' gradient, from the dS the dK/dV pass kept:
     a pair's bucket is its distance's, so the sum over a bucket is a sum over distances of the sums along the
-    diagonals of dS, which is one load and one add a pair, whatever the buckets. A history query r sees key c at
-    distance r - c; a target (at position ``history``) sees key c < history at history - c and itself at 0."""
+    diagonals of dS, a load and an add a pair, whatever the buckets. A history query r sees key c at distance r - c;
+    a target (at position ``history``) sees key c < history at history - c and itself at 0.
+
+    Key c's entries start 16-byte aligned at query 8 (c // 8) (:func:`_pair_cols`), so the program reads each key
+    from query 8 (c // 8) + d0 on, as vectors: those are the distances d0 - c % 8 onward, and each of the eight
+    residues of c mod 8 covers its own shifted block of distances, which the programs of the other blocks do not."""
     pid = tl.program_id(0)
     h = pid % H
     d0 = (pid // H) * BLOCK_D
     start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
     program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
-    d = d0 + tl.arange(0, BLOCK_D)
+    j = tl.arange(0, BLOCK_D)
+    d = d0 + j  # the targets' distances (unshifted)
+    shift = tl.arange(0, 8)
+    shifted = d0 + j[None, :] - shift[:, None]  # [8, BLOCK_D]: the history's distances, by key residue
     sums = tl.zeros([BLOCK_D], dtype=tl.float32)
+    per_residue = tl.zeros([8, BLOCK_D], dtype=tl.float32)
     top = history  # the largest distance: a target's to key 0
     if HAS_WINDOW:
         top = tl.minimum(top, window)
-    if d0 <= top and length > 0:
+    if d0 <= top + 7 and length > 0:
         first = _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs)
-        seen = d <= top
-        # History queries: the pairs (c + d, c) for every key c with c + d < history, the diagonals of a block.
-        for c0 in range(0, history - d0, BLOCK_C):
-            c = c0 + tl.arange(0, BLOCK_C)
-            rows = c[:, None] + d[None, :]
-            ptrs = _pair_cols(DS, first, c, length)[:, None] + rows
-            sums += tl.sum(tl.load(ptrs, mask=(rows < history) & seen[None, :], other=0.0).to(tl.float32), axis=0)
+        # History queries: tiles of BLOCK_C keys (a multiple of 8, so a tile's row i holds residue i % 8 in every
+        # tile) added up, then reduced across the keys of each residue once.
+        diagonals = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+        k = tl.arange(0, BLOCK_C) % 8
+        dist = d0 + j[None, :] - k[:, None]
+        inside = (d0 >= 8) & (d0 + BLOCK_D - 1 <= top)
+        # Each row's first entry (query 8 (c // 8) + d0), advanced tile by tile as the quadratic's differences: the
+        # layout's closed form costs tens of 64-bit instructions a row.
+        c = tl.arange(0, BLOCK_C)
+        entry = _pair_col_offsets(first, c, length) + (c // 8 * 8 + d0)
+        step = _pair_col_offsets(first, c + BLOCK_C, length) + ((c + BLOCK_C) // 8 * 8 + d0) - entry
+        for c0 in range(0, history - d0 + 8, BLOCK_C):
+            ptrs = DS + entry[:, None] + j[None, :]
+            if inside and c0 + BLOCK_C - 8 + d0 + BLOCK_D <= history:
+                diagonals += tl.load(ptrs).to(tl.float32)
+            else:
+                rows = ((c0 + c) // 8 * 8 + d0)[:, None] + j[None, :]
+                mask = (rows < history) & (dist >= 0) & (dist <= top)
+                diagonals += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            entry += step
+            step -= 64 * (BLOCK_C // 8) * (BLOCK_C // 8)
+        per_residue = tl.sum(tl.reshape(diagonals, [BLOCK_C // 8, 8, BLOCK_D]), axis=0)
         # Target queries: key history - d (d >= 1) for the distance d, and each target itself for 0.
+        seen = d <= top
         key = history - d
         for t0 in range(history, length, BLOCK_C):
             t = t0 + tl.arange(0, BLOCK_C)
@@ -738,10 +770,15 @@ def _position_grads_kernel(
                 sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
     # The distances' sums gathered into their buckets: a loop over the few buckets a block of distances spans.
     buckets = _position_bucket(d, num_pb, P_LINEAR, P_LOG2, P_SUB)
+    shifted_buckets = _position_bucket(shifted, num_pb, P_LINEAR, P_LOG2, P_SUB)
+    lo = tl.minimum(tl.min(buckets, axis=0), tl.min(tl.min(shifted_buckets, axis=1), axis=0))
+    hi = tl.maximum(tl.max(buckets, axis=0), tl.max(tl.max(shifted_buckets, axis=1), axis=0))
     ids = tl.arange(0, PB)
     row = tl.zeros([PB], dtype=tl.float32)
-    for b in range(tl.min(buckets, axis=0), tl.max(buckets, axis=0) + 1):
-        row = tl.where(ids == b, row + tl.sum(tl.where(buckets == b, sums, 0.0), axis=0), row)
+    for b in range(lo, hi + 1):
+        total = tl.sum(tl.where(buckets == b, sums, 0.0), axis=0)
+        total += tl.sum(tl.sum(tl.where(shifted_buckets == b, per_residue, 0.0), axis=1), axis=0)
+        row = tl.where(ids == b, row + total, row)
     tl.store(DPW + program * PB + ids, row)
 
 
@@ -988,8 +1025,9 @@ class _Launch:
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
 
     def distance_blocks(self) -> int:
-        """Blocks of position distance per sample and head (0 .. the longest length)."""
-        return self.max_len // _DISTANCE_BLOCK + 1
+        """Blocks of position distance per sample and head (0 .. the longest length, and the blocks' shift by up
+        to 7 in :func:`_position_grads_kernel`)."""
+        return (self.max_len + 7) // _DISTANCE_BLOCK + 1
 
     def position_rows(self, weights: torch.Tensor) -> torch.Tensor:
         """The rows of :func:`_position_grads_kernel`: one per program (distance block, head, sample)."""
