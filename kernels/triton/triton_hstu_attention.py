@@ -26,9 +26,11 @@ ways. Kept (the default where it fits kernels.hstu's budget): the dK/dV pass wri
 dtype the dQ matmul reads it in) for the causal lower triangle of each sample and head, heads x sum L (L + 1) / 2
 values, and the dQ pass is one matmul per tile over it: no scores, bias or sigmoid again. Recomputed (a batch
 whose dS would not fit): the dQ pass repeats two of the five matmuls (q k^T and dO v^T) and the per-element work:
-7 matmuls instead of 5. The bucket weights' gradient is the sum of dS over each bucket: each program of the first
-pass sums its tiles' buckets in registers (a loop over the buckets a tile holds, few away from the diagonal) and
-writes one row, reduced by torch in a fixed order.
+7 matmuls instead of 5. The bucket weights' gradient is the sum of dS over each bucket, one row per program,
+reduced by torch in a fixed order. The time table's: each program of the dK/dV pass sums its tiles' buckets in
+registers (a loop over the buckets a tile holds, few away from the diagonal). The position table's, where dS is
+kept: a pass of its own sums the kept dS along its diagonals (a pair's position bucket is its distance's), a load
+and an add a pair whatever the buckets; else the dK/dV pass's loop.
 
 The forward and the backward are torch operators (``freescale::hstu_attention`` and its backward) with an autograd
 formula, so torch.compile traces a layer through the attention as one opaque node.
@@ -691,6 +693,24 @@ def _dq_kept_kernel(
 
 
 @triton.jit
+def _target_distance_sums(DS, first, d, top, history, length, BLOCK_C: tl.constexpr):
+    """The kept dS of the targets' pairs summed by distance ``d`` (a block of them): a target sees key history - d
+    at distance d >= 1, and itself at 0."""
+    sums = tl.zeros(d.shape, dtype=tl.float32)
+    seen = d <= top
+    key = history - d
+    for t0 in range(history, length, BLOCK_C):
+        t = t0 + tl.arange(0, BLOCK_C)
+        ptrs = _pair_cols(DS, first, tl.where(d > 0, key, t0), length)[None, :] + t[:, None]
+        mask = (t < length)[:, None] & (seen & (d > 0) & (key >= 0))[None, :]
+        sums += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
+        if tl.min(d, axis=0) == 0:
+            own = _pair_cols(DS, first, t, length) + t
+            sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
+    return sums
+
+
+@triton.jit
 def _position_grads_kernel(
     DS,
     DPW,
@@ -757,17 +777,7 @@ def _position_grads_kernel(
             entry += step
             step -= 64 * (BLOCK_C // 8) * (BLOCK_C // 8)
         per_residue = tl.sum(tl.reshape(diagonals, [BLOCK_C // 8, 8, BLOCK_D]), axis=0)
-        # Target queries: key history - d (d >= 1) for the distance d, and each target itself for 0.
-        seen = d <= top
-        key = history - d
-        for t0 in range(history, length, BLOCK_C):
-            t = t0 + tl.arange(0, BLOCK_C)
-            ptrs = _pair_cols(DS, first, tl.where(d > 0, key, t0), length)[None, :] + t[:, None]
-            mask = (t < length)[:, None] & (seen & (d > 0) & (key >= 0))[None, :]
-            sums += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
-            if d0 == 0:
-                own = _pair_cols(DS, first, t, length) + t
-                sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
+        sums = _target_distance_sums(DS, first, d, top, history, length, BLOCK_C)
     # The distances' sums gathered into their buckets: a loop over the few buckets a block of distances spans.
     buckets = _position_bucket(d, num_pb, P_LINEAR, P_LOG2, P_SUB)
     shifted_buckets = _position_bucket(shifted, num_pb, P_LINEAR, P_LOG2, P_SUB)
