@@ -138,10 +138,9 @@ def _buckets(
 
 
 @triton.jit
-def _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME: tl.constexpr):
-    """The joint table's entry of each (position, time) bucket pair: [H, num_pb * num_tb] (num_tb 1 without time)."""
-    width = num_tb if HAS_TIME else 1
-    return tl.load(RAB + h * (num_pb * width) + pb * width + tb)
+def _bias(RAB, h, index, num_tb, width):
+    """The joint table's entry at ``index`` (time bucket x ``width`` + position bucket): [H, num_tb, width]."""
+    return tl.load(RAB + h * (num_tb * width) + index)
 
 
 @triton.jit
@@ -180,16 +179,20 @@ def _biased(
         cols = _pair_cols(PAIRS, pair_first, rows_k, length)
         if KEY_ROWS:
             causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
-            pb, tb = _paired_buckets(cols[:, None] + rows_q[None, :], full, causal)
+            packed = _paired_buckets(cols[:, None] + rows_q[None, :], full, causal)
         else:
             causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-            pb, tb = _paired_buckets(cols[None, :] + rows_q[:, None], full, causal)
+            packed = _paired_buckets(cols[None, :] + rows_q[:, None], full, causal)
+        pb, tb = packed & 0xFF, packed >> 8
+        # The packed pair is the joint table's index as it is (its rows PAIRED_BUCKETS wide), time bucket and all.
+        bias = _bias(RAB, h, packed if HAS_TIME else pb, num_tb, PAIRED_WIDTH)
     else:
         pb, tb = _tile_buckets(
             *(TS, start, rows_q, rows_k, pos_q, pos_k, ts_held, length, num_pb, num_tb, HAS_POS, HAS_TIME, KEY_ROWS),
             *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
         )
-    return s + _bias(RAB, h, pb, tb, num_pb, num_tb, HAS_TIME), pb, tb
+        bias = _bias(RAB, h, tb * num_pb + pb, num_tb, num_pb)
+    return s + bias, pb, tb
 
 
 @triton.jit
@@ -272,14 +275,13 @@ def _pair_col_offsets(first, rows_k, length):
 
 @triton.jit
 def _paired_buckets(ptrs, full, causal):
-    """A tile's position and time buckets from the batch's precomputed pairs (one int16 each: position bucket
+    """A tile's packed position and time buckets from the batch's precomputed pairs (one int16 each: position bucket
     in the low byte, time bucket in the high one); a tile that is not full reads only its causal pairs."""
     if full:
         packed = tl.load(ptrs)
     else:
         packed = tl.load(ptrs, mask=causal, other=0)
-    packed = packed.to(tl.int32) & 0xFFFF
-    return packed & 0xFF, packed >> 8
+    return packed.to(tl.int32) & 0xFFFF
 
 
 @triton.jit
@@ -397,13 +399,18 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bucket_sums(acc, buckets, ds, BUCKETS: tl.constexpr):
-    """``acc`` [BUCKETS] plus the sum of ``ds`` over each bucket of the tile, by a loop over the buckets the
-    tile's nonzero entries hold (deterministic: no atomics)."""
+def _bucket_sums(acc, buckets, ds, full, BUCKETS: tl.constexpr):
+    """``acc`` [BUCKETS] plus the sum of ``ds`` over each bucket of the tile, by a loop over the buckets the tile
+    holds (deterministic: no atomics): all of a full tile's, a masked tile's nonzero entries' (its masked pairs'
+    buckets are not theirs)."""
     ids = tl.arange(0, BUCKETS)
-    live = ds != 0.0
-    lo = tl.min(tl.where(live, buckets, BUCKETS))
-    hi = tl.max(tl.where(live, buckets, -1))
+    if full:
+        lo = tl.min(buckets)
+        hi = tl.max(buckets)
+    else:
+        live = ds != 0.0
+        lo = tl.min(tl.where(live, buckets, BUCKETS))
+        hi = tl.max(tl.where(live, buckets, -1))
     for b in range(lo, hi + 1):
         total = tl.sum(tl.where(buckets == b, ds, 0.0))  # all axes at once: each thread's share, then across
         acc = tl.where(ids == b, acc + total, acc)
@@ -536,9 +543,9 @@ def _dkdv_kernel(
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
         if HAS_POS and not KEEP_DS:  # else summed along the kept dS's diagonals (_position_grads_kernel)
-            dpw = _bucket_sums(dpw, pb, ds, PB)
+            dpw = _bucket_sums(dpw, pb, ds, full, PB)
         if HAS_TIME:
-            dtw = _bucket_sums(dtw, tb, ds, TB)
+            dtw = _bucket_sums(dtw, tb, ds, full, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
     if HAS_POS and not KEEP_DS:
@@ -949,6 +956,8 @@ def pair_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 #: The most buckets a table may have for the batch's pairs to hold them (one byte each).
 PAIRED_BUCKETS = 256
+#: A row of the joint bias table where the kernels read the packed pair buckets: their position byte's range.
+PAIRED_WIDTH = tl.constexpr(PAIRED_BUCKETS)
 
 
 def pair_buckets(
@@ -993,8 +1002,15 @@ class _Launch:
         # A valid pointer for the absent optional tensors (never read or written: their flags are off).
         self.unused = torch.zeros(1, dtype=torch.float32, device=q.device)
         if pw is not None or tw is not None:  # the joint table: position weight + time weight per bucket pair
-            joint = (pw[:, :, None] if pw is not None else 0.0) + (tw[:, None, :] if tw is not None else 0.0)
-            rab = joint.detach().reshape(q.shape[1], -1).contiguous()
+            # [H, time buckets, width]: a row as wide as the packed pair buckets' position byte where the kernels
+            # read those (the packed pair is then the index), else the position table's.
+            width = PAIRED_WIDTH if pairs is not None else (pw.shape[1] if pw is not None else 1)
+            joint = torch.zeros(q.shape[1], tw.shape[1] if tw is not None else 1, width, device=q.device)
+            if tw is not None:
+                joint += tw.detach()[:, :, None]
+            if pw is not None:
+                joint[:, :, : pw.shape[1]] += pw.detach()[:, None, :]
+            rab = joint.reshape(q.shape[1], -1)
         self.tensors = dict(
             OFFSETS=offsets,
             ORDER=order,
