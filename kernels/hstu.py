@@ -97,10 +97,11 @@ def hstu_sequences(
     """``offsets`` (host, or :class:`PackedOffsets`), ``num_targets`` [B] and ``timestamps`` [N] checked and put in
     the form ``impl`` reads on ``device``. ``num_targets`` on the host costs no sync (on a device it is copied back
     once to be checked). For the Triton kernel, ``pair_budget`` bounds the bytes of each tensor kept per causal pair
-    of tokens (sum L (L + 1) / 2 pairs): the backward's score gradients (heads x 2 or 4 bytes a pair), so that its
-    dQ pass is one matmul instead of recomputing the scores, and, with ``rab_buckets`` (the sizes of the position
-    and time weight tables every layer passes, each at most 256), the pairs' buckets (2 bytes a pair), computed
-    once for all layers and heads instead of in every pass; a batch over it computes them where they are needed.
+    of tokens (sum L (L + 1) / 2 pairs): the backward's score gradients (heads x 2 or 4 bytes a pair; kept with rab
+    or a head dim above 64, where they pay), so that its dQ pass is one matmul instead of recomputing the scores,
+    and, with ``rab_buckets`` (the sizes of the position and time weight tables every layer passes, each at most
+    256), the pairs' buckets (2 bytes a pair), computed once for all layers and heads instead of in every pass; a
+    batch over it computes them where they are needed.
     None: an eighth of the device's memory (the host's for the CPU, where Triton's interpreter runs the kernel);
     0: nothing kept."""
     device = torch.device(device)
@@ -212,7 +213,7 @@ def hstu_attention(
             order=seqs.order,
             fixed=deterministic,
             layout=seqs.pair_layout,
-            keep_ds=_keeps_score_grads(seqs, q),
+            keep_ds=_keeps_score_grads(seqs, q, position_weights is not None or time_weights is not None),
             pair_buckets=_pair_buckets(seqs, position_weights, time_weights),
         )
     twin = pt_hstu_attention.hstu_attention if seqs.impl is Impl.TORCH else pt_hstu_attention.padded_hstu_attention
@@ -237,9 +238,11 @@ def _device_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _keeps_score_grads(seqs: HSTUSequences, q: torch.Tensor) -> bool:
-    """Whether the backward's kept dS fits the sequences' budget (else its dQ pass recomputes the scores)."""
-    if seqs.pair_layout is None:
+def _keeps_score_grads(seqs: HSTUSequences, q: torch.Tensor, rab: bool) -> bool:
+    """Whether the backward keeps dS: where it fits the sequences' budget, and pays. With rab it saves the dQ pass
+    the bias and its two matmuls, and a head dim above 64 makes those matmuls the larger cost; at 64 without rab,
+    the store and the reads of dS cost more than the recomputed scores they replace (BENCHMARKS.md)."""
+    if seqs.pair_layout is None or not (rab or q.shape[2] > 64):
         return False
     return 0 < seqs.pair_layout[1] * q.shape[1] * q.element_size() <= seqs.pair_budget
 

@@ -863,7 +863,9 @@ _DQ_CONFIGS = {
 #: The dQ pass from the kept dS: a streaming matmul, its tiles those of a matmul with a [BLOCK_N, dim] right side.
 _DQ_KEPT_CONFIGS = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-    128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+    # Not 128 x 64 with 8 warps and 3 stages at this width: that build gave a wrong dQ (Triton 3.6, H100), where
+    # one stage, or 64 x 64 with 4 warps, gave the twin's.
+    128: [(64, 64, 4, 3), (128, 64, 8, 1)],
     256: [(128, 64, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
 }
 _FALLBACK = (32, 32, 4, 1)
@@ -1169,7 +1171,7 @@ def _attention_backward_op(
         if pw is not None:
             _position_grads_kernel[(launch.distance_blocks() * launch.heads, launch.batch)](
                 **kept, DPW=dpw, **tensors, window=launch.scalars["window"], num_pb=pw.shape[1],
-                **{key: flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW")}, **_BUCKET_CONSTANTS,
+                **{key: launch.flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW", "P_LINEAR", "P_LOG2", "P_SUB")},
                 PB=dpw.shape[1], BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
             )  # fmt: skip
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}

@@ -79,3 +79,30 @@ def test_the_deterministic_modes_fixed_configuration_matches_the_twin(dtype, dim
     """One launch configuration per head width and dtype, picked by no timing: the twin's numbers."""
     case = Case(LENGTHS, dim=dim, dim_v=dim, targets=TARGETS, rab=True, dtype=dtype, deterministic=True)
     assert_matches_twin(case, "cuda")
+
+
+def _backward_configurations():
+    from kernels.triton import triton_hstu_attention as hstu
+
+    for table_name in ("_DKDV_CONFIGS", "_DQ_KEPT_CONFIGS"):
+        for width, rows in getattr(hstu, table_name).items():
+            for config in rows:
+                yield pytest.param(table_name, width, config, id=f"{table_name[1:-8].lower()}-{width}-{config}")
+
+
+@pytest.mark.parametrize("table_name, width, config", list(_backward_configurations()))
+def test_every_launch_configuration_of_the_kept_backward_matches_the_twin(monkeypatch, table_name, width, config):
+    """Each configuration the autotuner may pick for the passes that write and read the kept dS, one at a time
+    (the deterministic mode's kernels rebuilt on it): a build that is wrong at one configuration only, as a
+    pipelined one once was, shows here and not in the tests that run the autotuner's pick."""
+    from kernels.triton import triton_hstu_attention as hstu
+
+    kernel, slot = {
+        "_DKDV_CONFIGS": (hstu._dkdv_kernel, "_DKDV"),
+        "_DQ_KEPT_CONFIGS": (hstu._dq_kept_kernel, "_DQ_KEPT"),
+    }[table_name]
+    tuned = getattr(hstu, slot)
+    rebuilt = hstu._tuned(kernel, {width: [config]}, True, key=list(tuned[1].keys))
+    monkeypatch.setattr(hstu, slot, [tuned[0], rebuilt])
+    case = Case(LENGTHS, dim=width, dim_v=width, targets=TARGETS, rab=True, dtype=torch.bfloat16, deterministic=True)
+    assert_matches_twin(case, "cuda")
