@@ -1006,7 +1006,7 @@ class _Launch:
         if pw is not None or tw is not None:  # the joint table: position weight + time weight per bucket pair
             # [H, time buckets, width]: a row as wide as the packed pair buckets' position byte where the kernels
             # read those (the packed pair is then the index), else the position table's.
-            width = PAIRED_WIDTH if pairs is not None else (pw.shape[1] if pw is not None else 1)
+            width = PAIRED_BUCKETS if pairs is not None else (pw.shape[1] if pw is not None else 1)
             joint = torch.zeros(q.shape[1], tw.shape[1] if tw is not None else 1, width, device=q.device)
             if tw is not None:
                 joint += tw.detach()[:, :, None]
