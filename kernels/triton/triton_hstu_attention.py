@@ -706,12 +706,13 @@ def _target_distance_sums(DS, first, d, top, history, length, BLOCK_C: tl.conste
     sums = tl.zeros(d.shape, dtype=tl.float32)
     seen = d <= top
     key = history - d
+    own_too = tl.min(d, axis=0) == 0  # the block of distance 0 also sums each target's pair with itself
     for t0 in range(history, length, BLOCK_C):
         t = t0 + tl.arange(0, BLOCK_C)
         ptrs = _pair_cols(DS, first, tl.where(d > 0, key, t0), length)[None, :] + t[:, None]
         mask = (t < length)[:, None] & (seen & (d > 0) & (key >= 0))[None, :]
         sums += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
-        if tl.min(d, axis=0) == 0:
+        if own_too:
             own = _pair_cols(DS, first, t, length) + t
             sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
     return sums
@@ -1057,17 +1058,17 @@ class _Launch:
         to 7 in :func:`_position_grads_kernel`)."""
         return (self.max_len + 7) // _DISTANCE_BLOCK + 1
 
-    def position_rows(self, weights: torch.Tensor) -> torch.Tensor:
-        """The rows of :func:`_position_grads_kernel`: one per program (distance block, head, sample)."""
-        rows = self.batch * self.distance_blocks() * self.heads
-        return torch.empty(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
+    def key_block_room(self) -> int:
+        """Key blocks per sample and head at the smallest key block any launch configuration has."""
+        return cdiv(max(self.max_len, 1), _SMALLEST_BLOCK)
 
-    def bucket_rows(self, weights: Optional[torch.Tensor]) -> torch.Tensor:
-        """The dK/dV pass's per-program rows of a weight table's gradient: room for one per program at its
-        smallest key block (a multiple of ``heads`` per sample); every program of a launch writes its own."""
+    def bucket_rows(self, weights: Optional[torch.Tensor], blocks: int) -> torch.Tensor:
+        """Per-program rows of a weight table's gradient, room for ``blocks`` programs per sample and head (the
+        dK/dV pass's key blocks, :meth:`key_block_room`, or the position pass's :meth:`distance_blocks`); every
+        program of a launch writes its own."""
         if weights is None:
             return self.unused
-        rows = self.batch * cdiv(max(self.max_len, 1), _SMALLEST_BLOCK) * self.heads
+        rows = self.batch * blocks * self.heads
         return torch.empty(rows, next_power_of_2(weights.shape[1]), dtype=torch.float32, device=weights.device)
 
 
@@ -1156,8 +1157,8 @@ def _attention_backward_op(
     keep = keep_ds and pair_base is not None and pair_count > 0
     # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
     # dK/dV pass's per-bucket sums, as the time weights' always does.
-    dpw = launch.position_rows(pw) if keep and pw is not None else launch.bucket_rows(pw)
-    dtw = launch.bucket_rows(tw)
+    dpw = launch.bucket_rows(pw, launch.distance_blocks() if keep else launch.key_block_room())
+    dtw = launch.bucket_rows(tw, launch.key_block_room())
     strides = dict(launch.scalars, stride_do=dout.stride(0))
     ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
     kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
