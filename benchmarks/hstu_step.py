@@ -274,7 +274,7 @@ _ATTENTION_KERNELS = (
     "_dkdv_kernel",
     "_dq_kernel",
     "_dq_kept_kernel",
-    "_position_grads_kernel",
+    "_weight_grads_kernel",
     "_pair_buckets_kernel",
 )
 _MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_")  # tem: inductor's templates
