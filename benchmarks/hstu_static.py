@@ -208,7 +208,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
         "dq": hstu._DQ_CONFIGS,
         "dq-kept": hstu._DQ_KEPT_CONFIGS,
     }
-    tables["weight-grads"] = {width: [(hstu._RUN_BLOCK, hstu._RUN_BLOCK, 4, 1)]}
+    tables["weight-grads"] = {width: [(hstu._RUN_KEYS, hstu._RUN_QUERIES, 4, 1)]}
     functions = {
         "fwd": hstu._fwd_kernel,
         "dkdv": hstu._dkdv_kernel,

@@ -1053,8 +1053,8 @@ _DQ_KEPT_CONFIGS = {
 _FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
-#: Keys and queries per tile of :func:`_weight_grads_kernel` (a memory-bound pass: one size).
-_RUN_BLOCK = 16 if _INTERPRET else 64
+#: Keys and queries per tile of :func:`_weight_grads_kernel` (a memory-bound pass: one size; 64 x 64 spills).
+_RUN_KEYS, _RUN_QUERIES = (16, 16) if _INTERPRET else (32, 64)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
@@ -1333,7 +1333,7 @@ def _attention_backward_op(
     keep = keep_ds and pair_base is not None and pair_count > 0
     # With dS kept, the weights' gradients come from prefix sums over it (_weight_grads_kernel), else from the dK/dV
     # pass's per-bucket sums.
-    run_blocks = cdiv(max(launch.max_len, 1), _RUN_BLOCK)
+    run_blocks = cdiv(max(launch.max_len, 1), _RUN_KEYS)
     blocks = run_blocks if keep else launch.key_block_room()
     dpw, dtw = launch.bucket_rows(pw, blocks), launch.bucket_rows(tw, blocks)
     widths = dict(PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1)
@@ -1355,7 +1355,7 @@ def _attention_backward_op(
                 **kept, PAIRS=launch.tensors["PAIRS"], TS=launch.tensors["TS"], DPW=dpw, DTW=dtw, STARTS=starts,
                 **tensors, window=launch.scalars["window"], num_pb=launch.scalars["num_pb"],
                 num_tb=launch.scalars["num_tb"], **{key: launch.flags[key] for key in named}, **widths,
-                BLOCK_K=_RUN_BLOCK, BLOCK_Q=_RUN_BLOCK, num_warps=4,
+                BLOCK_K=_RUN_KEYS, BLOCK_Q=_RUN_QUERIES, num_warps=4,
             )  # fmt: skip
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
         _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
