@@ -1053,8 +1053,9 @@ _DQ_KEPT_CONFIGS = {
 _FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
-#: Keys and queries per tile of :func:`_weight_grads_kernel` (a memory-bound pass: one size; 64 x 64 spills).
-_RUN_KEYS, _RUN_QUERIES = (16, 16) if _INTERPRET else (32, 64)
+#: Keys and queries per tile of :func:`_weight_grads_kernel`: a memory-bound pass, so small tiles (80 registers a
+#: thread at 16 x 32, where 64 x 64 spilled), for the many warps that hide its loads' latency.
+_RUN_KEYS, _RUN_QUERIES = (16, 16) if _INTERPRET else (16, 32)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
