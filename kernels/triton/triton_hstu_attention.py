@@ -778,6 +778,17 @@ def _segment_sums(cells, live, totals, buckets, BUCKETS: tl.constexpr):
 
 
 @triton.jit
+def _run_scores(ptrs, rows_q, rows_k, pos_k, length, history, padded, window, HAS_WINDOW: tl.constexpr):
+    """A [keys, queries] tile of the kept dS in float32, zero where a pair does not attend, and which of its columns
+    lie inside the keys' columns: read as whole vectors there (``padded``, the columns' end, is a multiple of 8),
+    the pairs outside the runs (or not attending) then dropped."""
+    inside = (rows_q < padded)[None, :]
+    pos_q = tl.minimum(rows_q, history)
+    attends = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
+    return tl.where(attends, tl.load(ptrs, mask=inside, other=0.0).to(tl.float32), 0.0), inside
+
+
+@triton.jit
 def _run_tile(
     DS,
     ds_cols,
@@ -823,12 +834,8 @@ def _run_tile(
         inside = (rows_q >= 0)[None, :]  # not read
         ds = tl.load(ptrs).to(tl.float32)
     else:
-        # Whole vectors in the keys' columns, the pairs outside the runs (or not attending) then dropped.
-        inside = (rows_q < padded)[None, :]
         run = (rows_q[None, :] >= rows_k[:, None]) & (rows_q < length)[None, :]
-        pos_q = tl.minimum(rows_q, history)
-        attends = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
-        ds = tl.where(attends, tl.load(ptrs, mask=inside, other=0.0).to(tl.float32), 0.0)
+        ds, inside = _run_scores(ptrs, rows_q, rows_k, pos_k, length, history, padded, window, HAS_WINDOW)
     prefix = carry[:, None] + tl.cumsum(ds, axis=1)
     before = prefix - ds
     packed = _run_buckets(
@@ -963,13 +970,10 @@ def _weight_grads_kernel(
             else:
                 for q0 in range(k0, length, BLOCK_Q):
                     rows_q = q0 + cols
-                    inside = (rows_q < padded)[None, :]
-                    pos_q = tl.minimum(rows_q, history)
-                    attends = _valid(
-                        rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW
+                    ds, inside = _run_scores(
+                        *(DS + (ds_cols[:, None] + rows_q[None, :]), rows_q, rows_k, pos_k, length, history, padded),
+                        *(window, HAS_WINDOW),
                     )
-                    ds = tl.load(DS + (ds_cols[:, None] + rows_q[None, :]), mask=inside, other=0.0).to(tl.float32)
-                    ds = tl.where(attends, ds, 0.0)
                     packed = _run_buckets(
                         *(PAIRS + pair_cols, TS, start, rows_q, rows_k, ts_k, length, history, inside, num_pb, num_tb),
                         *(HAS_POS, HAS_TIME, PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, True),
