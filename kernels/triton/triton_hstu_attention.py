@@ -835,6 +835,7 @@ def _run_tile(
         ds = tl.load(ptrs).to(tl.float32)
     else:
         run = (rows_q[None, :] >= rows_k[:, None]) & (rows_q < length)[None, :]
+        opens = rows_q[None, :] == rows_k[:, None]  # a run's first pair starts its segments whatever precedes it
         ds, inside = _run_scores(ptrs, rows_q, rows_k, pos_k, length, history, padded, window, HAS_WINDOW)
     prefix = carry[:, None] + tl.cumsum(ds, axis=1)
     before = prefix - ds
@@ -849,16 +850,14 @@ def _run_tile(
     if HAS_POS:
         fresh = pb != pb_prev
         if not FULL:
-            fresh = run & (fresh | (rows_q[None, :] == rows_k[:, None]))
+            fresh = run & (fresh | opens)
         tl.store(STARTS + (cells[:, None] + pb), before, mask=fresh)
     if HAS_TIME:
-        if FULL:
-            tl.store(STARTS + (cells[:, None] + PB + tb), before, mask=tb != tb_prev)
-            falls = falls | (tb < tb_prev)
-        else:
-            opens = rows_q[None, :] == rows_k[:, None]
-            tl.store(STARTS + (cells[:, None] + PB + tb), before, mask=run & (opens | (tb != tb_prev)))
-            falls = falls | (run & ~opens & (tb < tb_prev))
+        fresh, fell = tb != tb_prev, tb < tb_prev
+        if not FULL:
+            fresh, fell = run & (fresh | opens), run & ~opens & fell
+        tl.store(STARTS + (cells[:, None] + PB + tb), before, mask=fresh)
+        falls = falls | fell
     carry = tl.sum(tl.where(last, prefix, 0.0), axis=1)  # exactly the last column's prefix
     carried = tl.sum(tl.where(last, packed, 0), axis=1)
     return carry, carried, falls
@@ -937,30 +936,26 @@ def _weight_grads_kernel(
         falls = tl.zeros([BLOCK_K, BLOCK_Q], dtype=tl.int1)
         cols = tl.arange(0, BLOCK_Q)
         # The tiles whose every pair attends (:func:`_is_full`) lie between those the keys' diagonal crosses and
-        # those past the history's end or the window: three loops, so that the full ones run with no mask at all.
+        # those past the history's end or the window: three loops (one per phase: a helper under a runtime branch
+        # does not compile), so that the full ones run with no mask at all.
         full_lo = k0 + tl.cdiv(BLOCK_K - 1, BLOCK_Q) * BLOCK_Q
         last_full = history - BLOCK_Q  # the last query block that ends inside the history
         if HAS_WINDOW:
             last_full = tl.minimum(last_full, k0 + window - BLOCK_Q + 1)
         full_hi = tl.maximum(full_lo, full_lo + (last_full - full_lo + BLOCK_Q) // BLOCK_Q * BLOCK_Q)
-        for q0 in range(k0, tl.minimum(full_lo, length), BLOCK_Q):
-            carry, carried, falls = _run_tile(
-                *(DS, ds_cols, PAIRS, pair_cols, TS, STARTS, cells, start, q0 + cols, rows_k, pos_k, ts_k, length),
-                *(history, padded, window, num_pb, num_tb, carry, carried, falls, HAS_WINDOW, HAS_POS, HAS_TIME),
-                *(PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, PB, False),
-            )
-        for q0 in range(full_lo, full_hi, BLOCK_Q):
-            carry, carried, falls = _run_tile(
-                *(DS, ds_cols, PAIRS, pair_cols, TS, STARTS, cells, start, q0 + cols, rows_k, pos_k, ts_k, length),
-                *(history, padded, window, num_pb, num_tb, carry, carried, falls, HAS_WINDOW, HAS_POS, HAS_TIME),
-                *(PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, PB, True),
-            )
-        for q0 in range(full_hi, length, BLOCK_Q):
-            carry, carried, falls = _run_tile(
-                *(DS, ds_cols, PAIRS, pair_cols, TS, STARTS, cells, start, q0 + cols, rows_k, pos_k, ts_k, length),
-                *(history, padded, window, num_pb, num_tb, carry, carried, falls, HAS_WINDOW, HAS_POS, HAS_TIME),
-                *(PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, PB, False),
-            )
+        for phase in tl.static_range(3):  # the diagonal's tiles, the full ones (FULL), the rest
+            if phase == 0:
+                lo, hi = k0, tl.minimum(full_lo, length)
+            elif phase == 1:
+                lo, hi = full_lo, full_hi
+            else:
+                lo, hi = full_hi, length
+            for q0 in range(lo, hi, BLOCK_Q):
+                carry, carried, falls = _run_tile(
+                    *(DS, ds_cols, PAIRS, pair_cols, TS, STARTS, cells, start, q0 + cols, rows_k, pos_k, ts_k),
+                    *(length, history, padded, window, num_pb, num_tb, carry, carried, falls, HAS_WINDOW, HAS_POS),
+                    *(HAS_TIME, PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, PB, phase == 1),
+                )
         tl.debug_barrier()  # every prefix stored before any is read
         if HAS_POS:
             dpw = _segment_sums(STARTS + cells, live, carry, num_pb, PB)
@@ -1339,8 +1334,8 @@ def _attention_backward_op(
     # With dS kept, the weights' gradients come from prefix sums over it (_weight_grads_kernel), else from the dK/dV
     # pass's per-bucket sums.
     run_blocks = cdiv(max(launch.max_len, 1), _RUN_KEYS)
-    blocks = run_blocks if keep else launch.key_block_room()
-    dpw, dtw = launch.bucket_rows(pw, blocks), launch.bucket_rows(tw, blocks)
+    room = run_blocks if keep else launch.key_block_room()
+    dpw, dtw = launch.bucket_rows(pw, room), launch.bucket_rows(tw, room)
     widths = dict(PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1)
     strides = dict(launch.scalars, stride_do=dout.stride(0))
     ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
@@ -1366,8 +1361,7 @@ def _attention_backward_op(
         _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
     else:
         _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
-    if not keep:
-        blocks = cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
+    blocks = run_blocks if keep else cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
 
     def total(rows, weights):  # the launch's per-program rows summed in a fixed order: the same bits every run
         if weights is None:
