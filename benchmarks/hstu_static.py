@@ -38,9 +38,9 @@ import torch
 from benchmarks.hstu import BUCKETS, SHAPES, event_times, lengths_of
 from kernels.pytorch.pt_hstu_attention import position_bucket, time_bucket
 
-KERNELS = ("fwd", "dkdv", "dq", "dq-kept", "weight-grads")
+KERNELS = ("fwd", "dkdv", "dq", "dq-kept", "pos-grads")
 #: The passes that sum the kept dS into the weights' gradients: one variant (rab), one launch configuration.
-AFTER_PASSES = ("weight-grads",)
+AFTER_PASSES = ("pos-grads",)
 #: rab's parts per variant: (position, time).
 VARIANTS = {"off": (False, False), "pos": (True, False), "time": (False, True), "rab": (True, True)}
 #: (query block, key block): the forward's and dQ's 128 x 64 and 64 x 64, the dK/dV pass's 64 x 128.
@@ -120,7 +120,7 @@ def compile_cubin(kernel, constants: dict, warps: int, stages: int, arch: int) -
             return "*i64"
         if name == "PAIRS":
             return "*i16"
-        if name in ("RAB", "DPW", "DTW", "STARTS"):
+        if name in ("RAB", "DPW", "DTW"):
             return "*fp32"
         if name in ("alpha", "inv_norm"):
             return "fp32"
@@ -208,13 +208,13 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
         "dq": hstu._DQ_CONFIGS,
         "dq-kept": hstu._DQ_KEPT_CONFIGS,
     }
-    tables["weight-grads"] = {width: [(hstu._RUN_KEYS, hstu._RUN_QUERIES, 4, 1)]}
+    tables["pos-grads"] = {width: [(hstu._DISTANCE_BLOCK, hstu._DISTANCE_BLOCK, 4, 1)]}
     functions = {
         "fwd": hstu._fwd_kernel,
         "dkdv": hstu._dkdv_kernel,
         "dq": hstu._dq_kernel,
         "dq-kept": hstu._dq_kept_kernel,
-        "weight-grads": hstu._weight_grads_kernel,
+        "pos-grads": hstu._position_grads_kernel,
     }
     base = dict(
         H=args.heads,
@@ -239,8 +239,8 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             for variant, (pos, time) in variants.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
                 constants.update(PB=BUCKETS, TB=BUCKETS)
-                if name == "weight-grads":  # blocks of keys and of queries, not of head dims
-                    constants.update(BLOCK_K=block_m, BLOCK_Q=block_n)
+                if name == "pos-grads":  # blocks of distances and of keys, not of head dims
+                    constants.update(BLOCK_D=block_m, BLOCK_C=block_n)
                 if name == "dkdv":
                     constants.update(KEEP_DS=not args.unpaired)
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)

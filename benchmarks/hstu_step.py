@@ -265,7 +265,7 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
 
 # ---------------------------------------------------------------- where a step's time goes
 #: The parts of a step's kernel time: the HSTU attention's kernels (its three passes, the dQ pass from the kept dS,
-#: the weight tables' pass and the batch's pair buckets), the matmuls (cuBLAS / CUTLASS), the
+#: the position weights' pass and the batch's pair buckets), the matmuls (cuBLAS / CUTLASS), the
 #: optimizer's update, and everything else: the memory-bound glue (norms, activations, casts, copies, the
 #: embedding lookups, inductor's fused kernels).
 PARTS = ("attention", "matmul", "optimizer", "other")
@@ -274,7 +274,7 @@ _ATTENTION_KERNELS = (
     "_dkdv_kernel",
     "_dq_kernel",
     "_dq_kept_kernel",
-    "_weight_grads_kernel",
+    "_position_grads_kernel",
     "_pair_buckets_kernel",
 )
 _MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_")  # tem: inductor's templates

@@ -27,12 +27,10 @@ dtype the dQ matmul reads it in) for the causal lower triangle of each sample an
 values, and the dQ pass is one matmul per tile over it: no scores, bias or sigmoid again. Recomputed (a batch
 whose dS would not fit): the dQ pass repeats two of the five matmuls (q k^T and dO v^T) and the per-element work:
 7 matmuls instead of 5. The bucket weights' gradient is the sum of dS over each bucket, one row per program,
-reduced by torch in a fixed order. Where dS is kept, a memory-bound pass of its own reads it key by key: along a
-key's queries the position distance never decreases, nor the time gap where a sample's times do, so each bucket is
-one contiguous segment of the key's run, and its sum a difference of the run's prefix sums
-(:func:`_weight_grads_kernel`; a key block whose time buckets fall takes a loop over the buckets its tiles hold).
-Else each program of the dK/dV pass sums its tiles' buckets in registers (that loop, with the tiles' few buckets
-away from the diagonal).
+reduced by torch in a fixed order. The time table's: each program of the dK/dV pass sums its tiles' buckets in
+registers (a loop over the buckets a tile holds, few away from the diagonal). The position table's, where dS is
+kept: a pass of its own sums the kept dS along its diagonals (a pair's position bucket is its distance's), a load
+and an add a pair whatever the buckets; else the dK/dV pass's loop.
 
 The forward and the backward are torch operators (``freescale::hstu_attention`` and its backward) with an autograd
 formula, so torch.compile traces a layer through the attention as one opaque node.
@@ -487,7 +485,7 @@ def _dkdv_kernel(
     if n0 >= length:
         if HAS_POS and not KEEP_DS:
             tl.store(DPW + program * PB + tl.arange(0, PB), tl.zeros([PB], dtype=tl.float32))
-        if HAS_TIME and not KEEP_DS:
+        if HAS_TIME:
             tl.store(DTW + program * TB + tl.arange(0, TB), tl.zeros([TB], dtype=tl.float32))
         return
     if PER_SAMPLE_NORM:
@@ -544,16 +542,15 @@ def _dkdv_kernel(
                 tl.store(ptrs, ds.to(DS.dtype.element_ty), mask=attends)
         dv += tl.dot(a.to(do.dtype), do, input_precision=PRECISION)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
-        if not KEEP_DS:  # else by prefix sums over the kept dS (_weight_grads_kernel)
-            if HAS_POS:
-                dpw = _bucket_sums(dpw, pb, ds, full, PB)
-            if HAS_TIME:
-                dtw = _bucket_sums(dtw, tb, ds, full, TB)
+        if HAS_POS and not KEEP_DS:  # else summed along the kept dS's diagonals (_position_grads_kernel)
+            dpw = _bucket_sums(dpw, pb, ds, full, PB)
+        if HAS_TIME:
+            dtw = _bucket_sums(dtw, tb, ds, full, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
     if HAS_POS and not KEEP_DS:
         tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
-    if HAS_TIME and not KEEP_DS:
+    if HAS_TIME:
         tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
 
 
@@ -703,174 +700,28 @@ def _dq_kept_kernel(
 
 
 @triton.jit
-def _run_buckets(
-    pair_cols,
-    TS,
-    start,
-    rows_q,
-    rows_k,
-    ts_k,
-    length,
-    history,
-    inside,
-    num_pb,
-    num_tb,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    PAIRED: tl.constexpr,
-    P_LINEAR: tl.constexpr,
-    P_LOG2: tl.constexpr,
-    P_SUB: tl.constexpr,
-    T_LINEAR: tl.constexpr,
-    T_LOG2: tl.constexpr,
-    T_SUB: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """A [keys, queries] tile's position and time buckets packed in one int32 (the time bucket from bit 8 where
-    read, 16 where computed): the batch's pair buckets as read (with MASKED, only ``inside`` the keys' columns;
-    what lies outside a key's run is not its), or computed."""
-    if PAIRED:
-        ptrs = pair_cols[:, None] + rows_q[None, :]
-        if not MASKED:
-            packed = tl.load(ptrs).to(tl.int32) & 0xFFFF
-        else:
-            packed = tl.load(ptrs, mask=inside, other=0).to(tl.int32) & 0xFFFF
-    else:
-        pb, tb = _tile_buckets(
-            *(TS, start, rows_q, rows_k, tl.minimum(rows_q, history), tl.minimum(rows_k, history), ts_k, length),
-            *(num_pb, num_tb, HAS_POS, HAS_TIME, True, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
-        )
-        packed = pb | (tb << 16)
-    return packed
-
-
-@triton.jit
-def _unpacked(packed, PAIRED: tl.constexpr):
-    """(position, time) buckets of :func:`_run_buckets`' packed ones."""
-    if PAIRED:
-        return packed & 0xFF, packed >> 8
-    else:
-        return packed & 0xFFFF, packed >> 16
-
-
-@triton.jit
-def _previous(a_before, a_last, b_before, b_last):
-    """Combines two spans' (element before the last, last element) pairs, -1 for none: the scan that gives each
-    element its predecessor along the axis."""
-    return tl.where(b_before == -1, a_last, b_before), b_last
-
-
-@triton.jit
-def _segment_sums(cells, live, totals, buckets, BUCKETS: tl.constexpr):
-    """[BUCKETS] sums over a block of keys of each bucket's segment of every key's run: the run's prefix where the
-    next present bucket's segment starts (or the run's total) less the prefix where this one's does (``cells``: each
-    key's entries by bucket, NaN where its run has no such bucket)."""
-    ids = tl.arange(0, BUCKETS)
-    sums = tl.zeros([BUCKETS], dtype=tl.float32)
-    after = totals
-    for i in range(0, buckets):
-        b = buckets - 1 - i
-        begin = tl.load(cells + b, mask=live, other=float("nan"))
-        present = begin == begin
-        sums = tl.where(ids == b, tl.sum(tl.where(present, after - begin, 0.0), axis=0), sums)
-        after = tl.where(present, begin, after)
+def _target_distance_sums(DS, first, d, top, history, length, BLOCK_C: tl.constexpr):
+    """The kept dS of the targets' pairs summed by distance ``d`` (a block of them): a target sees key history - d
+    at distance d >= 1, and itself at 0."""
+    sums = tl.zeros(d.shape, dtype=tl.float32)
+    seen = d <= top
+    key = history - d
+    own_too = tl.min(d, axis=0) == 0  # the block of distance 0 also sums each target's pair with itself
+    for t0 in range(history, length, BLOCK_C):
+        t = t0 + tl.arange(0, BLOCK_C)
+        ptrs = _pair_cols(DS, first, tl.where(d > 0, key, t0), length)[None, :] + t[:, None]
+        mask = (t < length)[:, None] & (seen & (d > 0) & (key >= 0))[None, :]
+        sums += tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
+        if own_too:
+            own = _pair_cols(DS, first, t, length) + t
+            sums += tl.where(d == 0, tl.sum(tl.load(own, mask=t < length, other=0.0).to(tl.float32), axis=0), 0.0)
     return sums
 
 
 @triton.jit
-def _run_scores(ptrs, rows_q, rows_k, pos_k, length, history, padded, window, HAS_WINDOW: tl.constexpr):
-    """A [keys, queries] tile of the kept dS in float32, zero where a pair does not attend, and which of its columns
-    lie inside the keys' columns: read as whole vectors there (``padded``, the columns' end, is a multiple of 8),
-    the pairs outside the runs (or not attending) then dropped."""
-    inside = (rows_q < padded)[None, :]
-    pos_q = tl.minimum(rows_q, history)
-    attends = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
-    return tl.where(attends, tl.load(ptrs, mask=inside, other=0.0).to(tl.float32), 0.0), inside
-
-
-@triton.jit
-def _run_tile(
+def _position_grads_kernel(
     DS,
-    ds_cols,
-    PAIRS,
-    pair_cols,
-    TS,
-    STARTS,
-    cells,
-    start,
-    rows_q,
-    rows_k,
-    pos_k,
-    ts_k,
-    length,
-    history,
-    padded,
-    window,
-    num_pb,
-    num_tb,
-    carry,
-    carried,
-    falls,
-    HAS_WINDOW: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    PAIRED: tl.constexpr,
-    P_LINEAR: tl.constexpr,
-    P_LOG2: tl.constexpr,
-    P_SUB: tl.constexpr,
-    T_LINEAR: tl.constexpr,
-    T_LOG2: tl.constexpr,
-    T_SUB: tl.constexpr,
-    PB: tl.constexpr,
-    FULL: tl.constexpr,
-):
-    """One [keys, queries] tile of :func:`_weight_grads_kernel`: its dS added to the keys' run prefixes
-    (``carry``), the prefix before each segment's first pair stored, and whether a key's time buckets fell; FULL: a
-    tile whose every pair is in its key's run and attends (no mask anywhere)."""
-    cols = tl.arange(0, rows_q.shape[0])
-    last = (cols == rows_q.shape[0] - 1)[None, :]
-    ptrs = DS + (ds_cols[:, None] + rows_q[None, :])
-    if FULL:
-        inside = (rows_q >= 0)[None, :]  # not read
-        ds = tl.load(ptrs).to(tl.float32)
-    else:
-        run = (rows_q[None, :] >= rows_k[:, None]) & (rows_q < length)[None, :]
-        opens = rows_q[None, :] == rows_k[:, None]  # a run's first pair starts its segments whatever precedes it
-        ds, inside = _run_scores(ptrs, rows_q, rows_k, pos_k, length, history, padded, window, HAS_WINDOW)
-    prefix = carry[:, None] + tl.cumsum(ds, axis=1)
-    before = prefix - ds
-    packed = _run_buckets(
-        *(PAIRS + pair_cols, TS, start, rows_q, rows_k, ts_k, length, history, inside, num_pb, num_tb),
-        *(HAS_POS, HAS_TIME, PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, not FULL),
-    )
-    prev, _ = tl.associative_scan((tl.full(packed.shape, -1, tl.int32), packed), 1, _previous)
-    prev = tl.where((cols == 0)[None, :], carried[:, None], prev)
-    pb, tb = _unpacked(packed, PAIRED)
-    pb_prev, tb_prev = _unpacked(prev, PAIRED)
-    if HAS_POS:
-        fresh = pb != pb_prev
-        if not FULL:
-            fresh = run & (fresh | opens)
-        tl.store(STARTS + (cells[:, None] + pb), before, mask=fresh)
-    if HAS_TIME:
-        fresh, fell = tb != tb_prev, tb < tb_prev
-        if not FULL:
-            fresh, fell = run & (fresh | opens), run & ~opens & fell
-        tl.store(STARTS + (cells[:, None] + PB + tb), before, mask=fresh)
-        falls = falls | fell
-    carry = tl.sum(tl.where(last, prefix, 0.0), axis=1)  # exactly the last column's prefix
-    carried = tl.sum(tl.where(last, packed, 0), axis=1)
-    return carry, carried, falls
-
-
-@triton.jit
-def _weight_grads_kernel(
-    DS,
-    PAIRS,
-    TS,
     DPW,
-    DTW,
-    STARTS,
     OFFSETS,
     ORDER,
     TARGETS,
@@ -878,106 +729,75 @@ def _weight_grads_kernel(
     total_pairs,
     window,
     num_pb,
-    num_tb,
     H: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    HAS_TIME: tl.constexpr,
-    PAIRED: tl.constexpr,
     P_LINEAR: tl.constexpr,
     P_LOG2: tl.constexpr,
     P_SUB: tl.constexpr,
-    T_LINEAR: tl.constexpr,
-    T_LOG2: tl.constexpr,
-    T_SUB: tl.constexpr,
     PB: tl.constexpr,
-    TB: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One block of keys' share of the bucket weights' gradients from the dS the dK/dV pass kept, by prefix sums
-    along each key's run of queries instead of a loop over buckets.
+    """One block of position distances' share of the position weights' gradient, from the dS the dK/dV pass kept:
+    a pair's bucket is its distance's, so the sum over a bucket is a sum over distances of the sums along the
+    diagonals of dS, a load and an add a pair, whatever the buckets. A history query r sees key c at distance r - c;
+    a target (at position ``history``) sees key c < history at history - c and itself at 0.
 
-    Along key c's queries r = c, c + 1, ... a pair's position distance never decreases, nor does its time gap
-    where the times do, so each bucket of the run is one contiguous segment, whose sum is the run's prefix where
-    the next segment starts less the prefix where it starts. Each pair adds to the run's prefix and, where a
-    segment starts (its buckets differ from its predecessor's), stores the prefix before it at its key's and
-    bucket's entry of ``STARTS`` (one writer per entry); a loop over the buckets then differences them. A key
-    block with a run whose time buckets fall (unordered times) sums those again with a loop over the buckets each
-    tile holds. No atomics: the same bits on every run.
-
-    One function on purpose: a Triton kernel's body is its program; the per-element helpers it calls are split out.
-    """
+    Key c's entries start 16-byte aligned at query 8 (c // 8) (:func:`_pair_cols`), so the program reads each key
+    from query 8 (c // 8) + d0 on, as vectors: those are the distances d0 - c % 8 onward, and each of the eight
+    residues of c mod 8 covers its own shifted block of distances, which the programs of the other blocks do not."""
     pid = tl.program_id(0)
     h = pid % H
-    k0 = (pid // H) * BLOCK_K
+    d0 = (pid // H) * BLOCK_D
     start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
     program = (tl.program_id(1) * tl.num_programs(0) + pid).to(tl.int64)
-    dpw = tl.zeros([PB], dtype=tl.float32)
-    dtw = tl.zeros([TB], dtype=tl.float32)
-    if k0 < length:
-        rows_k = k0 + tl.arange(0, BLOCK_K)
-        pos_k = tl.minimum(rows_k, history)
-        live = rows_k < length
-        padded = (length + 7) // 8 * 8  # a key's column ends here: a bound each 8-query vector is all in or out of
-        ts_k = _times(TS, start, rows_k, length, HAS_TIME and not PAIRED)
-        first = _pair_first(PAIR_BASE, ORDER, 0)
-        ds_cols = _pair_col_offsets(first + h.to(tl.int64) * total_pairs, rows_k, length)
-        pair_cols = _pair_col_offsets(first, rows_k, length)
-        cells = ((start + rows_k) * H + h) * (PB + TB)  # each key's entries: position, then time buckets
-        if HAS_POS:
-            tl.store(STARTS + cells[:, None] + tl.arange(0, PB)[None, :], float("nan"), mask=live[:, None])
-        if HAS_TIME:
-            tl.store(STARTS + cells[:, None] + PB + tl.arange(0, TB)[None, :], float("nan"), mask=live[:, None])
-        tl.debug_barrier()  # the NaNs land before any prefix does
-        carry = tl.zeros([BLOCK_K], dtype=tl.float32)
-        carried = tl.full([BLOCK_K], -1, dtype=tl.int32)
-        falls = tl.zeros([BLOCK_K, BLOCK_Q], dtype=tl.int1)
-        cols = tl.arange(0, BLOCK_Q)
-        # The tiles whose every pair attends (:func:`_is_full`) lie between those the keys' diagonal crosses and
-        # those past the history's end or the window: three loops (one per phase: a helper under a runtime branch
-        # does not compile), so that the full ones run with no mask at all.
-        full_lo = k0 + tl.cdiv(BLOCK_K - 1, BLOCK_Q) * BLOCK_Q
-        last_full = history - BLOCK_Q  # the last query block that ends inside the history
-        if HAS_WINDOW:
-            last_full = tl.minimum(last_full, k0 + window - BLOCK_Q + 1)
-        full_hi = tl.maximum(full_lo, full_lo + (last_full - full_lo + BLOCK_Q) // BLOCK_Q * BLOCK_Q)
-        for phase in tl.static_range(3):  # the diagonal's tiles, the full ones (FULL), the rest
-            if phase == 0:
-                lo, hi = k0, tl.minimum(full_lo, length)
-            elif phase == 1:
-                lo, hi = full_lo, full_hi
+    j = tl.arange(0, BLOCK_D)
+    d = d0 + j  # the targets' distances (unshifted)
+    shift = tl.arange(0, 8)
+    shifted = d0 + j[None, :] - shift[:, None]  # [8, BLOCK_D]: the history's distances, by key residue
+    sums = tl.zeros([BLOCK_D], dtype=tl.float32)
+    per_residue = tl.zeros([8, BLOCK_D], dtype=tl.float32)
+    top = history  # the largest distance: a target's to key 0
+    if HAS_WINDOW:
+        top = tl.minimum(top, window)
+    if d0 <= top + 7 and length > 0:
+        first = _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs)
+        # History queries: tiles of BLOCK_C keys (a multiple of 8, so a tile's row i holds residue i % 8 in every
+        # tile) added up, then reduced across the keys of each residue once.
+        diagonals = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+        k = tl.arange(0, BLOCK_C) % 8
+        dist = d0 + j[None, :] - k[:, None]
+        inside = (d0 >= 8) & (d0 + BLOCK_D - 1 <= top)
+        # Each row's first entry (query 8 (c // 8) + d0), advanced tile by tile as the quadratic's differences: the
+        # layout's closed form costs tens of 64-bit instructions a row.
+        c = tl.arange(0, BLOCK_C)
+        entry = _pair_col_offsets(first, c, length) + (c // 8 * 8 + d0)
+        step = _pair_col_offsets(first, c + BLOCK_C, length) + ((c + BLOCK_C) // 8 * 8 + d0) - entry
+        for c0 in range(0, history - d0 + 8, BLOCK_C):
+            ptrs = DS + entry[:, None] + j[None, :]
+            if inside and c0 + BLOCK_C - 8 + d0 + BLOCK_D <= history:
+                diagonals += tl.load(ptrs).to(tl.float32)
             else:
-                lo, hi = full_hi, length
-            for q0 in range(lo, hi, BLOCK_Q):
-                carry, carried, falls = _run_tile(
-                    *(DS, ds_cols, PAIRS, pair_cols, TS, STARTS, cells, start, q0 + cols, rows_k, pos_k, ts_k),
-                    *(length, history, padded, window, num_pb, num_tb, carry, carried, falls, HAS_WINDOW, HAS_POS),
-                    *(HAS_TIME, PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, PB, phase == 1),
-                )
-        tl.debug_barrier()  # every prefix stored before any is read
-        if HAS_POS:
-            dpw = _segment_sums(STARTS + cells, live, carry, num_pb, PB)
-        if HAS_TIME:
-            if tl.max(tl.max(falls.to(tl.int32), axis=1), axis=0) == 0:
-                dtw = _segment_sums(STARTS + cells + PB, live, carry, num_tb, TB)
-            else:
-                for q0 in range(k0, length, BLOCK_Q):
-                    rows_q = q0 + cols
-                    ds, inside = _run_scores(
-                        *(DS + (ds_cols[:, None] + rows_q[None, :]), rows_q, rows_k, pos_k, length, history, padded),
-                        *(window, HAS_WINDOW),
-                    )
-                    packed = _run_buckets(
-                        *(PAIRS + pair_cols, TS, start, rows_q, rows_k, ts_k, length, history, inside, num_pb, num_tb),
-                        *(HAS_POS, HAS_TIME, PAIRED, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB, True),
-                    )
-                    dtw = _bucket_sums(dtw, _unpacked(packed, PAIRED)[1], ds, False, TB)
-    if HAS_POS:
-        tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
-    if HAS_TIME:
-        tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
+                rows = ((c0 + c) // 8 * 8 + d0)[:, None] + j[None, :]
+                mask = (rows < history) & (dist >= 0) & (dist <= top)
+                diagonals += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            entry += step
+            step -= 64 * (BLOCK_C // 8) * (BLOCK_C // 8)
+        per_residue = tl.sum(tl.reshape(diagonals, [BLOCK_C // 8, 8, BLOCK_D]), axis=0)
+        sums = _target_distance_sums(DS, first, d, top, history, length, BLOCK_C)
+    # The distances' sums gathered into their buckets: a loop over the few buckets a block of distances spans.
+    buckets = _position_bucket(d, num_pb, P_LINEAR, P_LOG2, P_SUB)
+    shifted_buckets = _position_bucket(shifted, num_pb, P_LINEAR, P_LOG2, P_SUB)
+    lo = tl.minimum(tl.min(buckets, axis=0), tl.min(tl.min(shifted_buckets, axis=1), axis=0))
+    hi = tl.maximum(tl.max(buckets, axis=0), tl.max(tl.max(shifted_buckets, axis=1), axis=0))
+    ids = tl.arange(0, PB)
+    row = tl.zeros([PB], dtype=tl.float32)
+    for b in range(lo, hi + 1):
+        total = tl.sum(tl.where(buckets == b, sums, 0.0), axis=0)
+        total += tl.sum(tl.sum(tl.where(shifted_buckets == b, per_residue, 0.0), axis=1), axis=0)
+        row = tl.where(ids == b, row + total, row)
+    tl.store(DPW + program * PB + ids, row)
 
 
 @triton.jit
@@ -1052,9 +872,8 @@ _DQ_KEPT_CONFIGS = {
 _FALLBACK = (32, 32, 4, 1)
 #: Under the interpreter one small block, so that a short sample still spans several blocks.
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
-#: Keys and queries per tile of :func:`_weight_grads_kernel`: a memory-bound pass, so small tiles (80 registers a
-#: thread at 16 x 32, where 64 x 64 spilled), for the many warps that hide its loads' latency.
-_RUN_KEYS, _RUN_QUERIES = (16, 16) if _INTERPRET else (16, 32)
+#: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
+_DISTANCE_BLOCK = 16 if _INTERPRET else 64
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
@@ -1234,13 +1053,18 @@ class _Launch:
     def grid(self, block: str):
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
 
+    def distance_blocks(self) -> int:
+        """Blocks of position distance per sample and head (0 .. the longest length, and the blocks' shift by up
+        to 7 in :func:`_position_grads_kernel`)."""
+        return (self.max_len + 7) // _DISTANCE_BLOCK + 1
+
     def key_block_room(self) -> int:
         """Key blocks per sample and head at the smallest key block any launch configuration has."""
         return cdiv(max(self.max_len, 1), _SMALLEST_BLOCK)
 
     def bucket_rows(self, weights: Optional[torch.Tensor], blocks: int) -> torch.Tensor:
         """Per-program rows of a weight table's gradient, room for ``blocks`` programs per sample and head (the
-        dK/dV pass's key blocks, :meth:`key_block_room`, or those of :func:`_weight_grads_kernel`); every
+        dK/dV pass's key blocks, :meth:`key_block_room`, or the position pass's :meth:`distance_blocks`); every
         program of a launch writes its own."""
         if weights is None:
             return self.unused
@@ -1331,45 +1155,41 @@ def _attention_backward_op(
         empty = lambda w: q.new_empty(0, dtype=torch.float32) if w is None else torch.zeros_like(w)  # noqa: E731
         return dq.zero_(), dk.zero_(), dv.zero_(), empty(pw), empty(tw)
     keep = keep_ds and pair_base is not None and pair_count > 0
-    # With dS kept, the weights' gradients come from prefix sums over it (_weight_grads_kernel), else from the dK/dV
-    # pass's per-bucket sums.
-    run_blocks = cdiv(max(launch.max_len, 1), _RUN_KEYS)
-    room = run_blocks if keep else launch.key_block_room()
-    dpw, dtw = launch.bucket_rows(pw, room), launch.bucket_rows(tw, room)
-    widths = dict(PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1)
+    # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
+    # dK/dV pass's per-bucket sums, as the time weights' always does.
+    dpw = launch.bucket_rows(pw, launch.distance_blocks() if keep else launch.key_block_room())
+    dtw = launch.bucket_rows(tw, launch.key_block_room())
     strides = dict(launch.scalars, stride_do=dout.stride(0))
     ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
     kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
     _DKDV[fixed][launch.grid("BLOCK_N")](
-        q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags, **widths,
-        KEEP_DS=keep,
+        q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
+        PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
     )  # fmt: skip
     if keep:
         flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
         tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
-        if pw is not None or tw is not None:
-            # Each key's and head's prefix where its segments start, position buckets then time buckets.
-            starts = torch.empty(q.shape[0] * launch.heads * (widths["PB"] + widths["TB"]), device=q.device)
-            named = ("H", "HAS_TARGETS", "HAS_WINDOW", "HAS_POS", "HAS_TIME", "PAIRED", *_BUCKET_CONSTANTS)
-            _weight_grads_kernel[(run_blocks * launch.heads, launch.batch)](
-                **kept, PAIRS=launch.tensors["PAIRS"], TS=launch.tensors["TS"], DPW=dpw, DTW=dtw, STARTS=starts,
-                **tensors, window=launch.scalars["window"], num_pb=launch.scalars["num_pb"],
-                num_tb=launch.scalars["num_tb"], **{key: launch.flags[key] for key in named}, **widths,
-                BLOCK_K=_RUN_KEYS, BLOCK_Q=_RUN_QUERIES, num_warps=4,
+        if pw is not None:
+            _position_grads_kernel[(launch.distance_blocks() * launch.heads, launch.batch)](
+                **kept, DPW=dpw, **tensors, window=launch.scalars["window"], num_pb=pw.shape[1],
+                **{key: launch.flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW", "P_LINEAR", "P_LOG2", "P_SUB")},
+                PB=dpw.shape[1], BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
             )  # fmt: skip
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
         _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
     else:
         _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
-    blocks = run_blocks if keep else cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
 
-    def total(rows, weights):  # the launch's per-program rows summed in a fixed order: the same bits every run
+    key_blocks = cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
+
+    def total(rows, weights, blocks):  # the launch's per-program rows summed in a fixed order: the same bits every run
         if weights is None:
             return q.new_empty(0, dtype=torch.float32)
         programs = launch.batch * blocks * launch.heads
         return rows[:programs].view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
-    return dq, dk, dv, total(dpw, pw), total(dtw, tw)
+    position_blocks = launch.distance_blocks() if keep else key_blocks
+    return dq, dk, dv, total(dpw, pw, position_blocks), total(dtw, tw, key_blocks)
 
 
 @_attention_backward_op.register_fake
