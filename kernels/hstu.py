@@ -100,8 +100,9 @@ def hstu_sequences(
     of tokens (sum L (L + 1) / 2 pairs): the backward's score gradients (heads x 2 or 4 bytes a pair; kept with rab
     or a head dim above 64, where they pay), so that its dQ pass is one matmul instead of recomputing the scores,
     and, with ``rab_buckets`` (the sizes of the position and time weight tables every layer passes, each at most
-    256), the pairs' buckets (2 bytes a pair), computed once for all layers and heads instead of in every pass; a
-    batch over it computes them where they are needed.
+    256), the pairs' buckets (4 bytes a pair: a key-major and a query-major copy, each pass reading the one that
+    runs along its tiles), computed once for all layers and heads instead of in every pass; a batch over it
+    computes them where they are needed.
     None: an eighth of the device's memory (the host's for the CPU, where Triton's interpreter runs the kernel);
     0: nothing kept."""
     device = torch.device(device)
@@ -148,7 +149,7 @@ def hstu_sequences(
         base, pairs = triton_hstu_attention.pair_layout(host[1:] - host[:-1])
         layout = (base.to(device, non_blocking=True), pairs)
     paired = rab_buckets is not None and max(rab_buckets) <= triton_hstu_attention.PAIRED_BUCKETS
-    if layout is not None and paired and 0 < 2 * layout[1] <= pair_budget:
+    if layout is not None and paired and 0 < 4 * layout[1] <= pair_budget:
         buckets = triton_hstu_attention.pair_buckets(
             dev, order, packed.max_len, layout, num_targets, timestamps, rab_buckets
         )

@@ -18,7 +18,8 @@ kernel agree on every bucket (a test sweeps the int32 range). Timestamps are the
 span less than 2**31 (in seconds, 68 years: every tile of real data) takes its gaps in int32 from the tile's
 earliest time, any other in int64, so every gap's bucket is exact. A batch's buckets are the same for every layer
 and head: given the batch's :func:`pair_buckets` (one int16 a causal pair, :func:`pair_layout`), each pass reads
-them instead of computing them.
+them instead of computing them: a key-major copy for the dK/dV pass, whose tiles hold a key a row, and a
+query-major one for the forward and the dQ pass, so that each reads its tile's neighbours from neighbouring bytes.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), and no atomics or locks anywhere. dQ needs each tile's dS once more, which a fixed-order pass can have two
@@ -176,13 +177,15 @@ def _biased(
     pair buckets (PAIRED) or computed. Queries along the tile's rows, or keys with KEY_ROWS (the dK/dV pass);
     ``ts_held`` the timestamps of the block the program holds (its queries, or its keys with KEY_ROWS)."""
     if PAIRED:
-        cols = _pair_cols(PAIRS, pair_first, rows_k, length)
+        # Each pass reads the copy laid out along its tile's rows' partner, so that a thread's neighbouring
+        # scores are neighbours in memory: the key-major one with keys along the rows, else the query-major one.
         if KEY_ROWS:
             causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
+            cols = _pair_cols(PAIRS, pair_first, rows_k, length)
             packed = _paired_buckets(cols[:, None] + rows_q[None, :], full, causal)
         else:
             causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-            packed = _paired_buckets(cols[None, :] + rows_q[:, None], full, causal)
+            packed = _paired_buckets(_pair_rows(PAIRS, pair_first, rows_q)[:, None] + rows_k[None, :], full, causal)
         pb, tb = packed & 0xFF, packed >> 8
         # The packed pair is the joint table's index as it is (its rows PAIRED_BUCKETS wide), time bucket and all.
         bias = _bias(RAB, h, packed if HAS_TIME else pb, num_tb, PAIRED_WIDTH)
@@ -271,6 +274,19 @@ def _pair_col_offsets(first, rows_k, length):
     c = rows_k.to(tl.int64)
     g = c // 8  # columns 8g .. 8g + 7 each hold queries 8g .. 8 groups - 1
     return 8 * (first // 8 + 8 * g * groups - 4 * g * (g - 1) + (c - 8 * g) * (groups - g) - g)
+
+
+@triton.jit
+def _pair_rows(X, first, rows_q):
+    """Where each query's row starts in the query-major copy of a per-pair tensor, so that the pair (query r, key c)
+    is at ``_pair_rows(...)[r] + c``: a sample's pairs query by query from ``first``, query r's row holding keys
+    0 .. r padded to a multiple of 8. Rows 8g .. 8g + 7 each hold 8 (g + 1) keys, so row r starts at
+    8 (g + 1) (r - 4 g) with g = r // 8: as 8 times an integer, so that Triton keeps the 16-byte alignment. The rows
+    take no more room than :func:`pair_layout`'s columns (as many for a length that is a multiple of 8, fewer
+    otherwise), so both copies share its sample starts."""
+    r = rows_q.to(tl.int64)
+    g = r // 8
+    return X + 8 * (first // 8 + (g + 1) * (r - 4 * g))
 
 
 @triton.jit
@@ -808,6 +824,7 @@ def _pair_buckets_kernel(
     TS,
     PAIR_BASE,
     PAIRS,
+    PAIRS_Q,
     num_pb,
     num_tb,
     HAS_TARGETS: tl.constexpr,
@@ -822,7 +839,8 @@ def _pair_buckets_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """One query block's position and time buckets against every earlier key, packed one int16 a pair (position
-    low byte, time high byte) into the batch's per-pair layout: the same for every head and layer."""
+    low byte, time high byte) into the batch's per-pair layout and its query-major copy: the same for every head
+    and layer."""
     m0 = tl.program_id(0) * BLOCK_M
     start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
     if m0 >= length:
@@ -838,8 +856,9 @@ def _pair_buckets_kernel(
             *(HAS_TIME, False, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
         )
         causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-        ptrs = _pair_cols(PAIRS, first, rows_k, length)[None, :] + rows_q[:, None]
-        tl.store(ptrs, (pb | (tb << 8)).to(tl.int16), mask=causal)
+        packed = (pb | (tb << 8)).to(tl.int16)
+        tl.store(_pair_cols(PAIRS, first, rows_k, length)[None, :] + rows_q[:, None], packed, mask=causal)
+        tl.store(_pair_rows(PAIRS_Q, first, rows_q)[:, None] + rows_k[None, :], packed, mask=causal)
 
 
 # Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
@@ -973,15 +992,16 @@ def pair_buckets(
     buckets: tuple[int, int],
 ) -> torch.Tensor:
     """Every causal pair's position and time buckets (``buckets``: the tables' sizes, each at most
-    :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 in :func:`pair_layout`, computed once for a batch
-    so that the attention of every layer and head reads them instead of computing them."""
-    pairs = torch.empty(layout[1], dtype=torch.int16, device=offsets.device)
+    :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 [2, pairs]: in :func:`pair_layout` (key-major)
+    and query-major (:func:`_pair_rows`), computed once for a batch so that the attention of every layer and head
+    reads them instead of computing them."""
+    pairs = torch.empty(2, layout[1], dtype=torch.int16, device=offsets.device)
     batch = offsets.numel() - 1
     if batch and max_len:
         block = 16 if _INTERPRET else 64
         _pair_buckets_kernel[(cdiv(max_len, block), batch)](
             offsets, order, num_targets if num_targets is not None else offsets,
-            timestamps if timestamps is not None else offsets, layout[0], pairs, *buckets,
+            timestamps if timestamps is not None else offsets, layout[0], pairs[0], pairs[1], *buckets,
             HAS_TARGETS=num_targets is not None, HAS_TIME=timestamps is not None, **_BUCKET_CONSTANTS,
             BLOCK_M=block, BLOCK_N=block, num_warps=4,
         )  # fmt: skip
@@ -1020,9 +1040,11 @@ class _Launch:
             TARGETS=targets if targets is not None else offsets,
             TS=timestamps if timestamps is not None else offsets,
             RAB=rab if pw is not None or tw is not None else self.unused,
-            PAIRS=pairs if pairs is not None else self.unused,
+            PAIRS=pairs[0] if pairs is not None else self.unused,  # key-major: the dK/dV pass's
             PAIR_BASE=pair_base if pair_base is not None else self.unused,
         )
+        # The forward's and the dQ pass's: the pairs' query-major copy.
+        self.query_tensors = {**self.tensors, "PAIRS": pairs[1] if pairs is not None else self.unused}
         self.scalars = dict(
             alpha=float(alpha),
             inv_norm=1.0 / seq_norm if seq_norm else 1.0,
@@ -1109,7 +1131,7 @@ def _attention_op(
     out = _rows_like(v)
     if q.shape[0] and launch.batch:
         _FWD[fixed][launch.grid("BLOCK_M")](
-            q, k, v, out, **launch.tensors, **launch.scalars, stride_do=0, **launch.flags
+            q, k, v, out, **launch.query_tensors, **launch.scalars, stride_do=0, **launch.flags
         )
     return out
 
@@ -1178,7 +1200,7 @@ def _attention_backward_op(
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
         _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
     else:
-        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.tensors, **strides, **launch.flags)
+        _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.query_tensors, **strides, **launch.flags)
 
     key_blocks = cdiv(max(launch.max_len, 1), _DKDV[fixed].best_config.kwargs["BLOCK_N"])
 

@@ -86,6 +86,34 @@ def test_the_kernels_read_the_batchs_pair_buckets(monkeypatch):
     assert not torch.allclose(run(case, data, "triton")[0], right[0])
 
 
+def test_both_copies_of_the_pair_buckets_hold_every_pair_and_the_twins_buckets():
+    """The key-major copy (the dK/dV pass's) and the query-major one (the forward's and the dQ pass's) give every
+    causal pair of every sample the twin's position and time buckets, at the offsets of their layouts' formulas;
+    the query-major rows fit in the key-major columns' room (one sample start for both)."""
+    lengths, num_pb, num_tb = [1, 0, 8, 9, 23, 40], 40, 24
+    offsets = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    times = torch.randint(0, 10**6, (sum(lengths),), generator=torch.Generator().manual_seed(3)).cumsum(0)
+    targets = torch.tensor([min(3, n) for n in lengths], dtype=torch.int32)
+    layout = hstu.pair_layout(offsets[1:] - offsets[:-1])
+    pairs = hstu.pair_buckets(
+        offsets, hstu.sample_order(offsets), max(lengths), layout, targets, times, (num_pb, num_tb)
+    )
+    room = [*(layout[0][1:] - layout[0][:-1]).tolist(), layout[1] - int(layout[0][-1])]
+    for s, n in enumerate(lengths):
+        base, start, history, groups = int(layout[0][s]), int(offsets[s]), n - int(targets[s]), (n + 7) // 8
+        assert 8 * (n // 8 + 1) * (n - 4 * (n // 8)) <= room[s] or n == 0  # where row n would start: the rows' end
+        for r in range(n):
+            g = r // 8
+            for c in range(r + 1):
+                cg = c // 8
+                key_major = 8 * (8 * cg * groups - 4 * cg * (cg - 1) + (c - 8 * cg) * (groups - cg) - cg) + r
+                query_major = 8 * (g + 1) * (r - 4 * g) + c
+                want = int(position_bucket(torch.tensor(min(r, history) - min(c, history)), num_pb))
+                want |= int(time_bucket(times[start + r] - times[start + c], num_tb)) << 8
+                assert int(pairs[0, base + key_major]) == want, (s, r, c)
+                assert int(pairs[1, base + query_major]) == want, (s, r, c)
+
+
 @pytest.mark.parametrize("ordered, window", [(True, 20), (False, 20), (True, 0)])
 def test_the_kept_score_gradients_give_the_recomputed_ones(ordered, window):
     """dQ from the dS the dK/dV pass kept against dQ from recomputed scores, and the position weights' gradient
