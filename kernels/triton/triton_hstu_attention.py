@@ -177,8 +177,8 @@ def _biased(
     pair buckets (PAIRED) or computed. Queries along the tile's rows, or keys with KEY_ROWS (the dK/dV pass);
     ``ts_held`` the timestamps of the block the program holds (its queries, or its keys with KEY_ROWS)."""
     if PAIRED:
-        # Each pass reads the copy laid out along its tile's rows' partner, so that a thread's neighbouring
-        # scores are neighbours in memory: the key-major one with keys along the rows, else the query-major one.
+        # PAIRS is the copy that runs along the tile's columns (key-major where keys are the rows, query-major
+        # where queries are), so that a thread's neighbouring scores' buckets are neighbouring bytes.
         if KEY_ROWS:
             causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
             cols = _pair_cols(PAIRS, pair_first, rows_k, length)
