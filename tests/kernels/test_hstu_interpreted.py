@@ -101,7 +101,7 @@ def test_both_copies_of_the_pair_buckets_hold_every_pair_and_the_twins_buckets()
     room = [*(layout[0][1:] - layout[0][:-1]).tolist(), layout[1] - int(layout[0][-1])]
     for s, n in enumerate(lengths):
         base, start, history, groups = int(layout[0][s]), int(offsets[s]), n - int(targets[s]), (n + 7) // 8
-        assert 8 * (n // 8 + 1) * (n - 4 * (n // 8)) <= room[s] or n == 0  # where row n would start: the rows' end
+        assert 8 * (n // 8 + 1) * (n - 4 * (n // 8)) <= room[s]  # where row n would start: the rows' end
         for r in range(n):
             g = r // 8
             for c in range(r + 1):
