@@ -6,7 +6,8 @@ pass from the kept dS) is compiled for ``--arch`` (default sm_90, the H100/H200)
 bundled ptxas, at the first launch configuration of its head-dim class (the one ``FREESCALE_HSTU_AUTOTUNE=0`` runs;
 ``--configs all`` for every one), bf16, no targets, no window, pointers and row strides 16-byte aligned as a launch
 specializes them, with rab off, its position part, its time part, and both; the passes read the batch's pair buckets
-and the dK/dV pass keeps dS (the defaults where they fit), or with ``--unpaired`` neither. Per variant: registers
+and the dK/dV pass keeps dS, the forward reading the layer's per-pair bias (the defaults where they fit), or with
+``--gathered`` gathering it per score at the read buckets, or with ``--unpaired`` none of them. Per variant: registers
 and stack bytes per thread (spills land on the stack), and the SASS instructions of one pass of the tile loop over a
 full tile (the masking branch taken past), per thread and per score (``instructions x threads / tile scores``);
 ``+inner``: one pass of each loop inside it, per score (the dK/dV pass sums dS per bucket: each bucket a tile's
@@ -89,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the passes that compute each pair's rab buckets (a batch over the pair budget), not the ones "
         "that read the batch's precomputed buckets and keep dS",
+    )
+    parser.add_argument(
+        "--gathered",
+        action="store_true",
+        help="with the pair buckets read, compile the forward that gathers each score's bias from the joint table "
+        "at its pair's buckets, not the one that reads the layer's per-pair bias",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH")
@@ -228,6 +235,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
         PRECISION="tf32",
         FAST=True,
         PAIRED=not args.unpaired,
+        PAIR_BIAS=not (args.unpaired or args.gathered),
         **hstu._BUCKET_CONSTANTS,
     )
     rows = []

@@ -265,9 +265,9 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
 
 # ---------------------------------------------------------------- where a step's time goes
 #: The parts of a step's kernel time: the HSTU attention's kernels (its three passes, the dQ pass from the kept dS,
-#: the position weights' pass and the batch's pair buckets), the matmuls (cuBLAS / CUTLASS), the
-#: optimizer's update, and everything else: the memory-bound glue (norms, activations, casts, copies, the
-#: embedding lookups, inductor's fused kernels).
+#: the position weights' pass, the batch's pair buckets and each layer's per-pair bias), the matmuls (cuBLAS /
+#: CUTLASS), the optimizer's update, and everything else: the memory-bound glue (norms, activations, casts,
+#: copies, the embedding lookups, inductor's fused kernels).
 PARTS = ("attention", "matmul", "optimizer", "other")
 _ATTENTION_KERNELS = (
     "_fwd_kernel",
@@ -276,6 +276,7 @@ _ATTENTION_KERNELS = (
     "_dq_kept_kernel",
     "_position_grads_kernel",
     "_pair_buckets_kernel",
+    "_pair_bias_kernel",
 )
 _MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_")  # tem: inductor's templates
 

@@ -15,8 +15,9 @@ and ``time_bucket`` (exact below 16 positions / 1 s, then log-spaced). Either we
 
 Implementations (:class:`kernels.impl.Impl`):
 
-- ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab computed inside from positions and
-  timestamps (or read from the batch's pair buckets), never an L x L score tensor in the forward; backward in two
+- ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab read from the batch's pair buckets
+  where they fit ``pair_budget`` (and where dS fits too, from a per-pair bias one pass gathers for each layer's
+  forward), else computed inside from positions and timestamps; no dense score tensor; backward in two
   passes (keys, then queries) with no atomics, the second reading the score gradients the first kept where they fit
   ``pair_budget`` (else recomputing them), the bucket weights' gradients by per-program sums: the same bits on every
   run. A torch operator (``freescale::hstu_attention``) with its own autograd formula, so torch.compile traces a
@@ -102,7 +103,8 @@ def hstu_sequences(
     and, with ``rab_buckets`` (the sizes of the position and time weight tables every layer passes, each at most
     256), the pairs' buckets (4 bytes a pair: a key-major and a query-major copy, each pass reading the one that
     runs along its tiles), computed once for all layers and heads instead of in every pass; a batch over it
-    computes them where they are needed.
+    computes them where they are needed. With both, each layer's forward also reads its per-pair bias (as large as
+    dS, made by one pass over the pairs) instead of gathering the bias per score.
     None: an eighth of the device's memory (the host's for the CPU, where Triton's interpreter runs the kernel);
     0: nothing kept."""
     device = torch.device(device)

@@ -182,10 +182,11 @@ def _biased(
         if KEY_ROWS:
             causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
             cols = _pair_cols(PAIRS, pair_first, rows_k, length)
-            packed = _paired_buckets(cols[:, None] + rows_q[None, :], full, causal)
+            packed = _paired(cols[:, None] + rows_q[None, :], full, causal)
         else:
-            causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
-            packed = _paired_buckets(_pair_rows(PAIRS, pair_first, rows_q)[:, None] + rows_k[None, :], full, causal)
+            causal = _causal(rows_q, rows_k, length)
+            packed = _paired(PAIRS + _pair_row_offsets(pair_first, rows_q)[:, None] + rows_k[None, :], full, causal)
+        packed = packed.to(tl.int32) & 0xFFFF
         pb, tb = packed & 0xFF, packed >> 8
         # The packed pair is the joint table's index as it is (its rows PAIRED_BUCKETS wide), time bucket and all.
         bias = _bias(RAB, h, packed if HAS_TIME else pb, num_tb, PAIRED_WIDTH)
@@ -277,27 +278,33 @@ def _pair_col_offsets(first, rows_k, length):
 
 
 @triton.jit
-def _pair_rows(X, first, rows_q):
+def _pair_row_offsets(first, rows_q):
     """Where each query's row starts in the query-major copy of a per-pair tensor, so that the pair (query r, key c)
-    is at ``_pair_rows(...)[r] + c``: a sample's pairs query by query from ``first``, query r's row holding keys
-    0 .. r padded to a multiple of 8. Rows 8g .. 8g + 7 each hold 8 (g + 1) keys, so row r starts at
+    is at ``_pair_row_offsets(...)[r] + c``: a sample's pairs query by query from ``first``, query r's row holding
+    keys 0 .. r padded to a multiple of 8. Rows 8g .. 8g + 7 each hold 8 (g + 1) keys, so row r starts at
     8 (g + 1) (r - 4 g) with g = r // 8: as 8 times an integer, so that Triton keeps the 16-byte alignment. The rows
     take no more room than :func:`pair_layout`'s columns (as many for a length that is a multiple of 8, fewer
     otherwise), so both copies share its sample starts."""
     r = rows_q.to(tl.int64)
     g = r // 8
-    return X + 8 * (first // 8 + (g + 1) * (r - 4 * g))
+    return 8 * (first // 8 + (g + 1) * (r - 4 * g))
 
 
 @triton.jit
-def _paired_buckets(ptrs, full, causal):
-    """A tile's packed position and time buckets from the batch's precomputed pairs (one int16 each: position bucket
-    in the low byte, time bucket in the high one); a tile that is not full reads only its causal pairs."""
+def _causal(rows_q, rows_k, length):
+    """A tile's causal pairs, queries along its rows: the entries a per-pair tensor holds."""
+    return (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+
+
+@triton.jit
+def _paired(ptrs, full, causal):
+    """A tile of a per-pair tensor: all of a full tile, only the causal pairs of one that is not (zeros elsewhere:
+    the padding between a sample's columns or rows holds no pair)."""
     if full:
-        packed = tl.load(ptrs)
+        tile = tl.load(ptrs)
     else:
-        packed = tl.load(ptrs, mask=causal, other=0)
-    return packed.to(tl.int32) & 0xFFFF
+        tile = tl.load(ptrs, mask=causal, other=0)
+    return tile
 
 
 @triton.jit
@@ -338,6 +345,8 @@ def _fwd_kernel(
     RAB,
     PAIRS,
     PAIR_BASE,
+    BIAS,
+    total_pairs,
     alpha,
     inv_norm,
     window,
@@ -366,6 +375,7 @@ def _fwd_kernel(
     T_LOG2: tl.constexpr,
     T_SUB: tl.constexpr,
     PAIRED: tl.constexpr,
+    PAIR_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -388,6 +398,8 @@ def _fwd_kernel(
     pair_first = 0
     if PAIRED:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
+    if PAIR_BIAS:  # this head's share of the layer's per-pair bias: its rows' starts, once
+        bias_rows = BIAS + _pair_row_offsets(pair_first + h.to(tl.int64) * total_pairs, rows_q)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     lo = 0
     if HAS_WINDOW:
@@ -400,7 +412,9 @@ def _fwd_kernel(
         v = _rows(V, stride_v, start, rows_k, h, length, DV, BLOCK_DV)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
-        if HAS_POS or HAS_TIME:
+        if PAIR_BIAS:
+            s += _paired(bias_rows[:, None] + rows_k[None, :], full, _causal(rows_q, rows_k, length)).to(tl.float32)
+        elif HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
                 *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
@@ -855,10 +869,24 @@ def _pair_buckets_kernel(
             *(TS, start, rows_q, rows_k, pos_q, tl.minimum(rows_k, history), ts_q, length, num_pb, num_tb, True),
             *(HAS_TIME, False, P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
         )
-        causal = (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+        causal = _causal(rows_q, rows_k, length)
         packed = (pb | (tb << 8)).to(tl.int16)
         tl.store(_pair_cols(PAIRS, first, rows_k, length)[None, :] + rows_q[:, None], packed, mask=causal)
-        tl.store(_pair_rows(PAIRS_Q, first, rows_q)[:, None] + rows_k[None, :], packed, mask=causal)
+        tl.store(PAIRS_Q + _pair_row_offsets(first, rows_q)[:, None] + rows_k[None, :], packed, mask=causal)
+
+
+@triton.jit
+def _pair_bias_kernel(PAIRS, BIAS, RAB, total_pairs, table, H: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of the pair buckets' query-major copy turned into every head's bias (:meth:`_Launch.pair_bias`):
+    the joint table's entry at each packed pair, gathered here at full occupancy instead of once a score in the
+    forward, where each gather waits on its pair's load."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < total_pairs
+    # The padding between a sample's rows holds no pair, and the forward reads no bias there: any entry will do.
+    index = tl.minimum(tl.load(PAIRS + i, mask=inside, other=0).to(tl.int32) & 0xFFFF, table - 1)
+    for h in tl.static_range(H):
+        bias = tl.load(RAB + h * table + index, mask=inside, other=0.0)
+        tl.store(BIAS + h * total_pairs + i, bias.to(BIAS.dtype.element_ty), mask=inside)
 
 
 # Launch configurations, tried by Triton's autotuner once per (head dims, rab, mode), per head-width class: {class:
@@ -993,7 +1021,7 @@ def pair_buckets(
 ) -> torch.Tensor:
     """Every causal pair's position and time buckets (``buckets``: the tables' sizes, each at most
     :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 [2, pairs]: in :func:`pair_layout` (key-major)
-    and query-major (:func:`_pair_rows`), computed once for a batch so that the attention of every layer and head
+    and query-major (:func:`_pair_row_offsets`), computed once for a batch so that the attention of every layer and head
     reads them instead of computing them."""
     pairs = torch.empty(2, layout[1], dtype=torch.int16, device=offsets.device)
     batch = offsets.numel() - 1
@@ -1018,10 +1046,14 @@ class _Launch:
     """What the three kernels share for one call: tensors, flags and the grid (blocks of the longest sample)."""
 
     def __init__(
-        self, q, k, v, offsets, order, targets, timestamps, pw, tw, pair_base, pairs, max_len, alpha, seq_norm, window
-    ):
+        self, q, k, v, offsets, order, targets, timestamps, pw, tw, pair_base, pairs, max_len, alpha, seq_norm, window,
+        pair_count, keep_ds,
+    ):  # fmt: skip
         self.batch, self.heads, self.max_len = offsets.numel() - 1, q.shape[1], max_len
-        self.pw, self.tw = pw, tw
+        self.pw, self.tw, self.pairs, self.pair_count, self.dtype = pw, tw, pairs, pair_count, q.dtype
+        # dS kept where the batch's budget holds it (heads x q's dtype a pair); the forward's per-pair bias is as
+        # large, so it is read where dS is kept.
+        self.keep = keep_ds and pair_base is not None and pair_count > 0
         # A valid pointer for the absent optional tensors (never read or written: their flags are off).
         self.unused = torch.zeros(1, dtype=torch.float32, device=q.device)
         if pw is not None or tw is not None:  # the joint table: position weight + time weight per bucket pair
@@ -1071,6 +1103,20 @@ class _Launch:
             PAIRED=pairs is not None,
             **_BUCKET_CONSTANTS,
         )
+
+    def pair_bias(self) -> dict:
+        """The forward's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's
+        bias of this layer's tables, query-major (heads shares of the layout's entries, in q's dtype), gathered by
+        one pass over the pairs; else the joint table is gathered per score, or the buckets computed."""
+        if not (self.keep and self.pairs is not None and (self.pw is not None or self.tw is not None)):
+            return dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False)
+        rab = self.tensors["RAB"]
+        bias = torch.empty(self.heads * self.pair_count, dtype=self.dtype, device=rab.device)
+        block = 1024
+        _pair_bias_kernel[(cdiv(self.pair_count, block),)](
+            self.pairs[1], bias, rab, self.pair_count, rab.shape[1], H=self.heads, BLOCK=block, num_warps=4
+        )
+        return dict(BIAS=bias, total_pairs=self.pair_count, PAIR_BIAS=True)
 
     def grid(self, block: str):
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
@@ -1126,12 +1172,12 @@ def _attention_op(
     q, k, v = dense_heads(q), dense_heads(k), dense_heads(v)
     launch = _Launch(
         q, k, v, offsets, order, num_targets, timestamps, pw, tw, pair_base, pair_buckets, max_len, alpha, seq_norm,
-        window,
+        window, pair_count, keep_ds,
     )  # fmt: skip
     out = _rows_like(v)
     if q.shape[0] and launch.batch:
         _FWD[fixed][launch.grid("BLOCK_M")](
-            q, k, v, out, **launch.query_tensors, **launch.scalars, stride_do=0, **launch.flags
+            q, k, v, out, **launch.query_tensors, **launch.pair_bias(), **launch.scalars, stride_do=0, **launch.flags
         )
     return out
 
@@ -1170,13 +1216,13 @@ def _attention_backward_op(
     q, k, v, dout = dense_heads(q), dense_heads(k), dense_heads(v), dense_heads(dout)
     launch = _Launch(
         q, k, v, offsets, order, num_targets, timestamps, pw, tw, pair_base, pair_buckets, max_len, alpha, seq_norm,
-        window,
+        window, pair_count, keep_ds,
     )  # fmt: skip
     dq, dk, dv = _rows_like(q), _rows_like(k), _rows_like(v)
     if not (q.shape[0] and launch.batch):
         empty = lambda w: q.new_empty(0, dtype=torch.float32) if w is None else torch.zeros_like(w)  # noqa: E731
         return dq.zero_(), dk.zero_(), dv.zero_(), empty(pw), empty(tw)
-    keep = keep_ds and pair_base is not None and pair_count > 0
+    keep = launch.keep
     # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
     # dK/dV pass's per-bucket sums, as the time weights' always does.
     dpw = launch.bucket_rows(pw, launch.distance_blocks() if keep else launch.key_block_room())

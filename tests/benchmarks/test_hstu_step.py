@@ -97,6 +97,7 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
         "_dq_kept_kernel": "attention",
         "_position_grads_kernel": "attention",
         "_pair_buckets_kernel": "attention",
+        "_pair_bias_kernel": "attention",
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",

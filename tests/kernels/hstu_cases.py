@@ -60,13 +60,14 @@ def inputs(case: Case, device) -> dict:
 
 
 def _pair_budget(case: Case, offsets: torch.Tensor) -> int:
-    """Room for every per-pair tensor, or, for ``recompute``, for the pair buckets (2 bytes a pair) and not the
-    score gradients (heads x 2 or 4 bytes a pair)."""
+    """Room for every per-pair tensor, or, for ``recompute``, for the pair buckets (4 bytes a pair: two copies) and
+    not the score gradients (heads x 2 or 4 bytes a pair) or the per-pair bias (as large); where those are no
+    larger than the buckets, for none of them."""
     if not case.recompute:
         return 1 << 40
     pairs = pair_layout(offsets[1:] - offsets[:-1])[1]
-    assert case.heads * torch.finfo(case.dtype).bits // 8 > 2, "a recompute case needs dS larger than its buckets"
-    return 2 * pairs if case.paired else 0
+    paired = case.paired and case.heads * torch.finfo(case.dtype).bits // 8 > 4
+    return 4 * pairs if paired else 0
 
 
 def run(case: Case, data: dict, impl: str) -> list[torch.Tensor]:
