@@ -246,6 +246,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             variants = {"rab": VARIANTS["rab"]} if name in AFTER_PASSES else VARIANTS
             for variant, (pos, time) in variants.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
+                constants.update(PAIR_BIAS=base["PAIR_BIAS"] and (pos or time))  # a launch's: no bias without rab
                 constants.update(PB=BUCKETS, TB=BUCKETS)
                 if name == "pos-grads":  # blocks of distances and of keys, not of head dims
                     constants.update(BLOCK_D=block_m, BLOCK_C=block_n)
