@@ -39,9 +39,9 @@ import torch
 from benchmarks.hstu import BUCKETS, SHAPES, event_times, lengths_of
 from kernels.pytorch.pt_hstu_attention import position_bucket, time_bucket
 
-KERNELS = ("fwd", "dkdv", "dq", "dq-kept", "pos-grads")
+KERNELS = ("fwd", "dkdv", "dq", "dq-kept", "pos-grads", "time-grads")
 #: The passes that sum the kept dS into the weights' gradients: one variant (rab), one launch configuration.
-AFTER_PASSES = ("pos-grads",)
+AFTER_PASSES = ("pos-grads", "time-grads")
 #: rab's parts per variant: (position, time).
 VARIANTS = {"off": (False, False), "pos": (True, False), "time": (False, True), "rab": (True, True)}
 #: (query block, key block): the forward's and dQ's 128 x 64 and 64 x 64, the dK/dV pass's 64 x 128.
@@ -216,12 +216,14 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
         "dq-kept": hstu._DQ_KEPT_CONFIGS,
     }
     tables["pos-grads"] = {width: [(hstu._DISTANCE_BLOCK, hstu._DISTANCE_BLOCK, 4, 1)]}
+    tables["time-grads"] = {width: [(hstu._TIME_QUERIES, hstu._TIME_KEYS, 4, 1)]}
     functions = {
         "fwd": hstu._fwd_kernel,
         "dkdv": hstu._dkdv_kernel,
         "dq": hstu._dq_kernel,
         "dq-kept": hstu._dq_kept_kernel,
         "pos-grads": hstu._position_grads_kernel,
+        "time-grads": hstu._time_grads_kernel,
     }
     base = dict(
         H=args.heads,
@@ -250,8 +252,11 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
                 constants.update(PB=BUCKETS, TB=BUCKETS)
                 if name == "pos-grads":  # blocks of distances and of keys, not of head dims
                     constants.update(BLOCK_D=block_m, BLOCK_C=block_n)
-                if name == "dkdv":
-                    constants.update(KEEP_DS=not args.unpaired)
+                if name == "dkdv":  # the time sums are the time-grads pass's where a launch runs it
+                    time_pass = not args.unpaired and block_d <= 64
+                    constants.update(KEEP_DS=not args.unpaired, TIME_SUMS=time and not time_pass)
+                if name == "time-grads":
+                    constants.update(HP=1 << (args.heads - 1).bit_length())
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)
                 registers, stack = resource_usage(cubin)
                 loop, inner = loop_instructions(_run_tool("nvdisasm", ["-c"], cubin))

@@ -496,6 +496,7 @@ def _dkdv_kernel(
     PB: tl.constexpr,
     TB: tl.constexpr,
     KEEP_DS: tl.constexpr,
+    TIME_SUMS: tl.constexpr,
     PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -515,7 +516,7 @@ def _dkdv_kernel(
     if n0 >= length:
         if HAS_POS and not KEEP_DS:
             tl.store(DPW + program * PB + tl.arange(0, PB), tl.zeros([PB], dtype=tl.float32))
-        if HAS_TIME:
+        if TIME_SUMS:
             tl.store(DTW + program * TB + tl.arange(0, TB), tl.zeros([TB], dtype=tl.float32))
         return
     if PER_SAMPLE_NORM:
@@ -574,13 +575,13 @@ def _dkdv_kernel(
         dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
         if HAS_POS and not KEEP_DS:  # else summed along the kept dS's diagonals (_position_grads_kernel)
             dpw = _bucket_sums(dpw, pb, ds, full, PB)
-        if HAS_TIME:
+        if TIME_SUMS:  # else summed over the kept dS by _time_grads_kernel
             dtw = _bucket_sums(dtw, tb, ds, full, TB)
     _store_rows(DK, dk * alpha, start, rows_k, h, length, H, D, BLOCK_D)
     _store_rows(DV_OUT, dv, start, rows_k, h, length, H, DV, BLOCK_DV)
     if HAS_POS and not KEEP_DS:
         tl.store(DPW + program * PB + tl.arange(0, PB), dpw)
-    if HAS_TIME:
+    if TIME_SUMS:
         tl.store(DTW + program * TB + tl.arange(0, TB), dtw)
 
 
@@ -831,6 +832,62 @@ def _position_grads_kernel(
 
 
 @triton.jit
+def _time_grads_kernel(
+    DS,
+    PAIRS,
+    DTW,
+    OFFSETS,
+    ORDER,
+    TARGETS,
+    PAIR_BASE,
+    share8,
+    window,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    TB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One key block's share of the time weights' gradient, every head's, from the dS the dK/dV pass kept and the
+    pairs' key-major buckets (one row a head and program; no atomics). The heads share a pair's bucket, so each
+    tile's buckets are loaded and compared once for all of them, then a select and an add a score and bucket,
+    where the dK/dV pass's loop compared them once a head beside its matmuls. ``share8``: a head's share of dS in
+    units of 8 entries, so that Triton knows every head's tile 16-byte aligned."""
+    n0 = tl.program_id(0) * BLOCK_N
+    start, length, history = _sample(OFFSETS, ORDER, TARGETS, HAS_TARGETS)
+    program = (tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64)
+    heads = tl.arange(0, HP)
+    ids = tl.arange(0, TB)
+    sums = tl.zeros([HP, TB], dtype=tl.float32)
+    if n0 < length:
+        rows_k = n0 + tl.arange(0, BLOCK_N)
+        pos_k = tl.minimum(rows_k, history)
+        cols = _pair_col_offsets(_pair_first(PAIR_BASE, ORDER, 0), rows_k, length)
+        shares = heads.to(tl.int64) * (8 * share8.to(tl.int64))
+        hi = length
+        if HAS_WINDOW:  # as in the dK/dV pass
+            if n0 + BLOCK_N - 1 < history - window:
+                hi = tl.minimum(length, n0 + BLOCK_N + window)
+        for m0 in range(n0 // BLOCK_M * BLOCK_M, hi, BLOCK_M):
+            rows_q = m0 + tl.arange(0, BLOCK_M)
+            pos_q = tl.minimum(rows_q, history)
+            at = cols[:, None] + rows_q[None, :]
+            # The pairs the dK/dV pass wrote dS for; the others' entries are unwritten.
+            valid = _valid(rows_q[None, :], rows_k[:, None], pos_q[None, :], pos_k[:, None], length, window, HAS_WINDOW)
+            tb = (tl.load(PAIRS + at, mask=valid, other=0).to(tl.int32) & 0xFFFF) >> 8
+            live = valid[None, :, :] & (heads < H)[:, None, None]
+            ds = tl.load(DS + shares[:, None, None] + at[None, :, :], mask=live, other=0.0).to(tl.float32)
+            for b in range(tl.min(tl.where(valid, tb, TB)), tl.max(tl.where(valid, tb, -1)) + 1):
+                inside = (tb == b)[None, :, :]  # a pair without dS has 0 there
+                total = tl.sum(tl.sum(tl.where(inside, ds, 0.0), axis=2), axis=1)  # [HP]: each head's
+                sums = tl.where(ids[None, :] == b, sums + total[:, None], sums)
+    rows = program * H + heads
+    tl.store(DTW + rows[:, None] * TB + ids[None, :], sums, mask=(heads < H)[:, None])
+
+
+@triton.jit
 def _pair_buckets_kernel(
     OFFSETS,
     ORDER,
@@ -921,6 +978,8 @@ _FALLBACK = (32, 32, 4, 1)
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
 _DISTANCE_BLOCK = 16 if _INTERPRET else 64
+#: Keys and queries per tile of :func:`_time_grads_kernel` (every head's dS of a tile in registers at once).
+_TIME_KEYS, _TIME_QUERIES = (16, 16) if _INTERPRET else (32, 64)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
 _SMALLEST_BLOCK = min(
     min(m, n)
@@ -1224,15 +1283,20 @@ def _attention_backward_op(
         return dq.zero_(), dk.zero_(), dv.zero_(), empty(pw), empty(tw)
     keep = launch.keep
     # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
-    # dK/dV pass's per-bucket sums, as the time weights' always does.
+    # dK/dV pass's per-bucket sums; the time weights' from a pass over the kept dS and the pair buckets
+    # (_time_grads_kernel) where it paid: at head dims up to 64, where the dK/dV pass's loop costs most beside its
+    # small matmuls, and not at 256, where the pass's second read of dS cost more than the loop (BENCHMARKS.md).
+    time_pass = keep and pair_buckets is not None and tw is not None and launch.flags["BLOCK_D"] <= 64
+    time_blocks = cdiv(max(launch.max_len, 1), _TIME_KEYS) if time_pass else launch.key_block_room()
     dpw = launch.bucket_rows(pw, launch.distance_blocks() if keep else launch.key_block_room())
-    dtw = launch.bucket_rows(tw, launch.key_block_room())
+    dtw = launch.bucket_rows(tw, time_blocks)
     strides = dict(launch.scalars, stride_do=dout.stride(0))
     ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
     kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
     _DKDV[fixed][launch.grid("BLOCK_N")](
         q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
         PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
+        TIME_SUMS=tw is not None and not time_pass,
     )  # fmt: skip
     if keep:
         flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
@@ -1242,6 +1306,13 @@ def _attention_backward_op(
                 **kept, DPW=dpw, **tensors, window=launch.scalars["window"], num_pb=pw.shape[1],
                 **{key: launch.flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW", "P_LINEAR", "P_LOG2", "P_SUB")},
                 PB=dpw.shape[1], BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
+            )  # fmt: skip
+        if time_pass:
+            _time_grads_kernel[(time_blocks, launch.batch)](
+                ds, pair_buckets[0], dtw, **tensors, share8=pair_count // 8, window=launch.scalars["window"],
+                H=launch.heads, HP=next_power_of_2(launch.heads), HAS_TARGETS=launch.flags["HAS_TARGETS"],
+                HAS_WINDOW=launch.flags["HAS_WINDOW"], TB=dtw.shape[1], BLOCK_M=_TIME_QUERIES, BLOCK_N=_TIME_KEYS,
+                num_warps=4,
             )  # fmt: skip
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
         _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
@@ -1257,7 +1328,7 @@ def _attention_backward_op(
         return rows[:programs].view(-1, launch.heads, rows.shape[1]).sum(0)[:, : weights.shape[1]].to(weights.dtype)
 
     position_blocks = launch.distance_blocks() if keep else key_blocks
-    return dq, dk, dv, total(dpw, pw, position_blocks), total(dtw, tw, key_blocks)
+    return dq, dk, dv, total(dpw, pw, position_blocks), total(dtw, tw, time_blocks if time_pass else key_blocks)
 
 
 @_attention_backward_op.register_fake

@@ -116,15 +116,16 @@ def test_both_copies_of_the_pair_buckets_hold_every_pair_and_the_twins_buckets()
 
 @pytest.mark.parametrize("ordered, window", [(True, 20), (False, 20), (True, 0)])
 def test_the_kept_score_gradients_give_the_recomputed_ones(ordered, window):
-    """dQ from the dS the dK/dV pass kept against dQ from recomputed scores, and the position weights' gradient
-    from the kept dS's diagonals against the dK/dV pass's per-bucket sums: one formula each, summed in other orders,
-    so equal to float rounding; every other output equal, with times in order or not, with a window or without."""
+    """dQ from the dS the dK/dV pass kept against dQ from recomputed scores, the position weights' gradient from
+    the kept dS's diagonals and the time weights' from a pass over the kept dS and the pair buckets against the
+    dK/dV pass's per-bucket sums: one formula each, summed in other orders, so equal to float rounding; every other
+    output equal, with times in order or not, with a window or without."""
     case = Case(lengths=[37, 0, 1, 50, 70], targets=[3, 0, 1, 50, 0], window=window, rab=True, ordered_times=ordered)
     data = inputs(case, "cpu")
     kept = run(case, data, "triton")
     recomputed = run(Case(**{**case.__dict__, "recompute": True}), data, "triton")
     for name, a, b in zip(("out", "dq", "dk", "dv", "d_position_weights", "d_time_weights"), kept, recomputed):
-        if name in ("dq", "d_position_weights"):
+        if name in ("dq", "d_position_weights", "d_time_weights"):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
         else:
             assert torch.equal(a, b), name
