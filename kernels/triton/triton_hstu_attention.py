@@ -1162,6 +1162,10 @@ class _Launch:
             PAIRED=pairs is not None,
             **_BUCKET_CONSTANTS,
         )
+        # The time weights' gradient from a pass over the kept dS and the pair buckets (_time_grads_kernel) where it
+        # paid: at head dims up to 64, where the dK/dV pass's per-bucket loop costs most beside its small matmuls;
+        # at 256 the pass's second read of dS cost more than the loop (BENCHMARKS.md).
+        self.time_pass = self.keep and pairs is not None and tw is not None and self.flags["BLOCK_D"] <= 64
 
     def pair_bias(self) -> dict:
         """The forward's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's
@@ -1176,6 +1180,10 @@ class _Launch:
             self.pairs[1], bias, rab, self.pair_count, rab.shape[1], H=self.heads, BLOCK=block, num_warps=4
         )
         return dict(BIAS=bias, total_pairs=self.pair_count, PAIR_BIAS=True)
+
+    def sample_tensors(self) -> dict:
+        """The tensors that say where each sample is: what the passes over the kept dS take."""
+        return {key: self.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
 
     def grid(self, block: str):
         return lambda meta: (cdiv(max(self.max_len, 1), meta[block]) * self.heads, self.batch)
@@ -1281,12 +1289,7 @@ def _attention_backward_op(
     if not (q.shape[0] and launch.batch):
         empty = lambda w: q.new_empty(0, dtype=torch.float32) if w is None else torch.zeros_like(w)  # noqa: E731
         return dq.zero_(), dk.zero_(), dv.zero_(), empty(pw), empty(tw)
-    keep = launch.keep
-    # With dS kept, the position weights' gradient comes from its diagonals (_position_grads_kernel), else from the
-    # dK/dV pass's per-bucket sums; the time weights' from a pass over the kept dS and the pair buckets
-    # (_time_grads_kernel) where it paid: at head dims up to 64, where the dK/dV pass's loop costs most beside its
-    # small matmuls, and not at 256, where the pass's second read of dS cost more than the loop (BENCHMARKS.md).
-    time_pass = keep and pair_buckets is not None and tw is not None and launch.flags["BLOCK_D"] <= 64
+    keep, time_pass = launch.keep, launch.time_pass
     time_blocks = cdiv(max(launch.max_len, 1), _TIME_KEYS) if time_pass else launch.key_block_room()
     dpw = launch.bucket_rows(pw, launch.distance_blocks() if keep else launch.key_block_room())
     dtw = launch.bucket_rows(tw, time_blocks)
@@ -1299,23 +1302,10 @@ def _attention_backward_op(
         TIME_SUMS=tw is not None and not time_pass,
     )  # fmt: skip
     if keep:
+        _weight_grads_from_kept(launch, ds, dpw, dtw, time_blocks)
         flags = {key: launch.flags[key] for key in ("H", "D", "BLOCK_D", "HAS_TARGETS", "HAS_WINDOW", "PRECISION")}
-        tensors = {key: launch.tensors[key] for key in ("OFFSETS", "ORDER", "TARGETS", "PAIR_BASE")}
-        if pw is not None:
-            _position_grads_kernel[(launch.distance_blocks() * launch.heads, launch.batch)](
-                **kept, DPW=dpw, **tensors, window=launch.scalars["window"], num_pb=pw.shape[1],
-                **{key: launch.flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW", "P_LINEAR", "P_LOG2", "P_SUB")},
-                PB=dpw.shape[1], BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
-            )  # fmt: skip
-        if time_pass:
-            _time_grads_kernel[(time_blocks, launch.batch)](
-                ds, pair_buckets[0], dtw, **tensors, share8=pair_count // 8, window=launch.scalars["window"],
-                H=launch.heads, HP=next_power_of_2(launch.heads), HAS_TARGETS=launch.flags["HAS_TARGETS"],
-                HAS_WINDOW=launch.flags["HAS_WINDOW"], TB=dtw.shape[1], BLOCK_M=_TIME_QUERIES, BLOCK_N=_TIME_KEYS,
-                num_warps=4,
-            )  # fmt: skip
         scalars = {key: launch.scalars[key] for key in ("alpha", "window", "stride_k")}
-        _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **tensors, **kept, **scalars, **flags)
+        _DQ_KEPT[fixed][launch.grid("BLOCK_M")](k, dq, **launch.sample_tensors(), **kept, **scalars, **flags)
     else:
         _DQ[fixed][launch.grid("BLOCK_M")](q, k, v, dout, dq, **launch.query_tensors, **strides, **launch.flags)
 
@@ -1329,6 +1319,24 @@ def _attention_backward_op(
 
     position_blocks = launch.distance_blocks() if keep else key_blocks
     return dq, dk, dv, total(dpw, pw, position_blocks), total(dtw, tw, time_blocks if time_pass else key_blocks)
+
+
+def _weight_grads_from_kept(launch: _Launch, ds, dpw, dtw, time_blocks: int) -> None:
+    """Per-program rows of the weight tables' gradients from the dS the dK/dV pass kept: the position table's along
+    its diagonals, and the time table's (where ``launch.time_pass``) over it and the pair buckets."""
+    tensors, window = launch.sample_tensors(), launch.scalars["window"]
+    flags = {key: launch.flags[key] for key in ("H", "HAS_TARGETS", "HAS_WINDOW")}
+    if launch.pw is not None:
+        _position_grads_kernel[(launch.distance_blocks() * launch.heads, launch.batch)](
+            ds, dpw, **tensors, total_pairs=launch.pair_count, window=window, num_pb=launch.pw.shape[1], **flags,
+            **{key: launch.flags[key] for key in ("P_LINEAR", "P_LOG2", "P_SUB")}, PB=dpw.shape[1],
+            BLOCK_C=_DISTANCE_BLOCK, BLOCK_D=_DISTANCE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    if launch.time_pass:
+        _time_grads_kernel[(time_blocks, launch.batch)](
+            ds, launch.pairs[0], dtw, **tensors, share8=launch.pair_count // 8, window=window, **flags,
+            HP=next_power_of_2(launch.heads), TB=dtw.shape[1], BLOCK_M=_TIME_QUERIES, BLOCK_N=_TIME_KEYS, num_warps=4,
+        )  # fmt: skip
 
 
 @_attention_backward_op.register_fake
