@@ -253,7 +253,7 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
                 if name == "pos-grads":  # blocks of distances and of keys, not of head dims
                     constants.update(BLOCK_D=block_m, BLOCK_C=block_n)
                 if name == "dkdv":  # the time sums are the time-grads pass's where a launch runs it
-                    time_pass = not args.unpaired and block_d <= 64
+                    time_pass = not args.unpaired and block_d <= hstu.TIME_PASS_DIM
                     constants.update(KEEP_DS=not args.unpaired, TIME_SUMS=time and not time_pass)
                 if name == "time-grads":
                     constants.update(HP=1 << (args.heads - 1).bit_length())

@@ -978,6 +978,8 @@ _FALLBACK = (32, 32, 4, 1)
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
 _DISTANCE_BLOCK = 16 if _INTERPRET else 64
+#: The widest head (BLOCK_D) whose time weights' gradient comes from :func:`_time_grads_kernel` (:class:`_Launch`).
+TIME_PASS_DIM = 64
 #: Keys and queries per tile of :func:`_time_grads_kernel` (every head's dS of a tile in registers at once).
 _TIME_KEYS, _TIME_QUERIES = (16, 16) if _INTERPRET else (32, 64)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
@@ -1165,7 +1167,7 @@ class _Launch:
         # The time weights' gradient from a pass over the kept dS and the pair buckets (_time_grads_kernel) where it
         # paid: at head dims up to 64, where the dK/dV pass's per-bucket loop costs most beside its small matmuls;
         # at 256 the pass's second read of dS cost more than the loop (BENCHMARKS.md).
-        self.time_pass = self.keep and pairs is not None and tw is not None and self.flags["BLOCK_D"] <= 64
+        self.time_pass = self.keep and pairs is not None and tw is not None and self.flags["BLOCK_D"] <= TIME_PASS_DIM
 
     def pair_bias(self) -> dict:
         """The forward's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's
