@@ -91,6 +91,17 @@ def _valid(rows_q, rows_k, pos_q, pos_k, length, window, HAS_WINDOW: tl.constexp
 
 
 @triton.jit
+def _queries_end(n0, BLOCK_N: tl.constexpr, length, history, window, HAS_WINDOW: tl.constexpr):
+    """The end of the queries that see the key block at ``n0``: rows of the history see keys at most ``window``
+    back; the targets (all at ``history``) see keys from ``history - window`` on: past both, no query sees it."""
+    hi = length
+    if HAS_WINDOW:
+        if n0 + BLOCK_N - 1 < history - window:
+            hi = tl.minimum(length, n0 + BLOCK_N + window)
+    return hi
+
+
+@triton.jit
 def _is_full(q0, q_rows, k0, k_rows, length, history, window, HAS_WINDOW: tl.constexpr):
     """Whether every pair of a query block [q0, q0 + q_rows) and key block [k0, k0 + k_rows) attends (no mask)."""
     full = (k0 + k_rows - 1 <= q0) & (k0 + k_rows <= history) & (q0 + q_rows <= length)
@@ -535,12 +546,7 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
     dtw = tl.zeros([TB], dtype=tl.float32)
-    hi = length
-    if HAS_WINDOW:
-        # Rows of the history see keys at most ``window`` back; the targets (all at ``history``) see keys from
-        # ``history - window`` on: past both, no query of the sample sees this key block.
-        if n0 + BLOCK_N - 1 < history - window:
-            hi = tl.minimum(length, n0 + BLOCK_N + window)
+    hi = _queries_end(n0, BLOCK_N, length, history, window, HAS_WINDOW)
     for m0 in range(n0 // BLOCK_M * BLOCK_M, hi, BLOCK_M):
         rows_q = m0 + tl.arange(0, BLOCK_M)
         pos_q = tl.minimum(rows_q, history)
@@ -866,10 +872,7 @@ def _time_grads_kernel(
         pos_k = tl.minimum(rows_k, history)
         cols = _pair_col_offsets(_pair_first(PAIR_BASE, ORDER, 0), rows_k, length)
         shares = heads.to(tl.int64) * (8 * share8.to(tl.int64))
-        hi = length
-        if HAS_WINDOW:  # as in the dK/dV pass
-            if n0 + BLOCK_N - 1 < history - window:
-                hi = tl.minimum(length, n0 + BLOCK_N + window)
+        hi = _queries_end(n0, BLOCK_N, length, history, window, HAS_WINDOW)
         for m0 in range(n0 // BLOCK_M * BLOCK_M, hi, BLOCK_M):
             rows_q = m0 + tl.arange(0, BLOCK_M)
             pos_q = tl.minimum(rows_q, history)
