@@ -153,7 +153,10 @@ def test_hosts_train_bit_for_bit_as_one_host_of_as_many_ranks(emulated_hosts, tm
     nodes run on the hosts in the reverse of their names' order, which torch's rendezvous sorts by: the ranks
     follow --node-rank all the same (node 0 holds rank 0 and prints the summary)."""
     world = nnodes * nproc
-    common = ("--mode", mode, "--steps", "6", "--comm-timeout-s", "120")
+    # the same intra-op threads per rank in both layouts: the default (cores / ranks on the host) gives a rank of a
+    # 1-rank host more threads than one of 3 sharing the host, and ATen's CPU reductions split by thread (LayerNorm's
+    # weight/bias gradients, softmax's backward) give other bits for another thread count
+    common = ("--mode", mode, "--steps", "6", "--comm-timeout-s", "120", "--process.threads", "1")
     one = subprocess.run(
         [*TRAIN, "--nproc", str(world), *common, "--summary-json", "one.json", "--metrics-jsonl", "one.jsonl"],
         cwd=tmp_path,

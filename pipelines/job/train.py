@@ -194,8 +194,10 @@ def configure_process(section: JobProcessSection, rank: int, device: torch.devic
     # oneDNN JIT-compiles and caches a kernel per input shape (GELU's among them), up to 1,024, 0.1-1 MB resident
     # each: jagged batches bring unseen shapes for as long as the job runs, so a rank's resident memory grew by up
     # to a GiB. 16 keeps it flat. oneDNN itself stays: its kernels give the same bits whatever a rank's thread
-    # count, which keeps every layout of hosts and ranks on one loss curve. Read at oneDNN's first kernel, which no
-    # rank has run yet here; the environment may set another capacity.
+    # count. ATen's own CPU kernels do not (LayerNorm's weight/bias gradients, softmax's backward sum per-thread
+    # parts), so two layouts of hosts and ranks share one loss curve only at the same threads per rank (the share
+    # above differs between a host of 1 rank and one of 3: pass --process.threads). Read at oneDNN's first kernel,
+    # which no rank has run yet here; the environment may set another capacity.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
     # Several Python threads per rank (loader stages, exchange workers, the embedding chains): a thread that
     # needs the GIL waits up to the switch interval for it (Python's default is 5 ms), a gap in the model
