@@ -66,9 +66,12 @@ def test_torchrec_modes_train_like_sync():
     for rank_out in run_ranks(_train_every_mode, 2, timeout=180):
         sync, ref, pec = rank_out["sync"], rank_out["torchrec"], rank_out["torchrec-pec"]
         # Prioritized updates change when rows move, never the numbers; PEC is exact on the softmax model's table
-        # (one feature: tests/pipelines/test_torchrec_pec_grad_order.py) and applies torchrec's update rules.
+        # (one feature: tests/pipelines/test_torchrec_pec_grad_order.py) and applies torchrec's update rules, to
+        # float rounding: its path and torchrec's sum in orders that agree under torch's AVX2 CPU kernels and not
+        # under its AVX-512 ones (the losses then differ in the eighth digit).
         assert [r["loss"] for r in rank_out["freescale"]] == [r["loss"] for r in sync]
-        assert [r["loss"] for r in pec] == [r["loss"] for r in ref]
+        pec_losses, ref_losses = ([r["loss"] for r in run] for run in (pec, ref))
+        torch.testing.assert_close(pec_losses, ref_losses, rtol=1e-6, atol=0.0)
         assert rank_out["pec_local_rows"] == rank_out["num_items"] // 2
         assert pec[1]["compute_s"] is None and pec[1]["exposed_s"]["emb_a2a"] is None
         assert [r["step"] for r in ref] == list(range(STEPS))
