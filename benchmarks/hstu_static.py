@@ -248,13 +248,14 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             variants = {"rab": VARIANTS["rab"]} if name in AFTER_PASSES else VARIANTS
             for variant, (pos, time) in variants.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
-                constants.update(PAIR_BIAS=base["PAIR_BIAS"] and (pos or time))  # a launch's: no bias without rab
+                # a launch's: no bias without rab, and the dK/dV pass's only above KEY_BIAS_DIM
+                key_bias = name != "dkdv" or block_d > hstu.KEY_BIAS_DIM
+                constants.update(PAIR_BIAS=base["PAIR_BIAS"] and (pos or time) and key_bias)
                 constants.update(PB=BUCKETS, TB=BUCKETS)
                 if name == "pos-grads":  # blocks of distances and of keys, not of head dims
                     constants.update(BLOCK_D=block_m, BLOCK_C=block_n)
-                if name == "dkdv":  # the time sums are the time-grads pass's where a launch runs it
-                    time_pass = not args.unpaired and block_d <= hstu.TIME_PASS_DIM
-                    constants.update(KEEP_DS=not args.unpaired, TIME_SUMS=time and not time_pass)
+                if name == "dkdv":  # the time sums are the time-grads pass's where dS is kept
+                    constants.update(KEEP_DS=not args.unpaired, TIME_SUMS=time and args.unpaired)
                 if name == "time-grads":
                     constants.update(HP=1 << (args.heads - 1).bit_length())
                 cubin, shared = compile_cubin(functions[name], constants, warps, stages, args.arch)

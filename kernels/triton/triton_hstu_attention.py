@@ -20,6 +20,10 @@ earliest time, any other in int64, so every gap's bucket is exact. A batch's buc
 and head: given the batch's :func:`pair_buckets` (one int16 a causal pair, :func:`pair_layout`), each pass reads
 them instead of computing them: a key-major copy for the dK/dV pass, whose tiles hold a key a row, and a
 query-major one for the forward and the dQ pass, so that each reads its tile's neighbours from neighbouring bytes.
+Where dS is kept (below), one pass a layer gathers the joint table at every pair of a copy into a per-pair bias in
+the inputs' dtype, which the forward (query-major) and the dK/dV pass (key-major) load as tiles instead of gathering
+per score. Every per-pair load is one load whose mask is the layout's room (multiples of 8 entries), not the causal
+mask, so that Triton pipelines it beside q, k and v.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), and no atomics or locks anywhere. dQ needs each tile's dS once more, which a fixed-order pass can have two
@@ -28,10 +32,11 @@ dtype the dQ matmul reads it in) for the causal lower triangle of each sample an
 values, and the dQ pass is one matmul per tile over it: no scores, bias or sigmoid again. Recomputed (a batch
 whose dS would not fit): the dQ pass repeats two of the five matmuls (q k^T and dO v^T) and the per-element work:
 7 matmuls instead of 5. The bucket weights' gradient is the sum of dS over each bucket, one row per program,
-reduced by torch in a fixed order. The time table's: each program of the dK/dV pass sums its tiles' buckets in
-registers (a loop over the buckets a tile holds, few away from the diagonal). The position table's, where dS is
-kept: a pass of its own sums the kept dS along its diagonals (a pair's position bucket is its distance's), a load
-and an add a pair whatever the buckets; else the dK/dV pass's loop.
+reduced by torch in a fixed order. Where dS is kept, passes of their own over it: the position table's sums dS
+along its diagonals (a pair's position bucket is its distance's), a load and an add a pair whatever the buckets; the
+time table's loads a tile's key-major buckets once for every head. Else each program of the dK/dV pass sums its
+tiles' buckets in registers (a loop over the buckets a tile holds, few away from the diagonal), which leaves that
+pass's loads synchronous (Triton pipelines no loop that holds another).
 
 The forward and the backward are torch operators (``freescale::hstu_attention`` and its backward) with an autograd
 formula, so torch.compile traces a layer through the attention as one opaque node.
@@ -99,6 +104,15 @@ def _queries_end(n0, BLOCK_N: tl.constexpr, length, history, window, HAS_WINDOW:
         if n0 + BLOCK_N - 1 < history - window:
             hi = tl.minimum(length, n0 + BLOCK_N + window)
     return hi
+
+
+@triton.jit
+def _keys_start(m0, BLOCK_N: tl.constexpr, history, window, HAS_WINDOW: tl.constexpr):
+    """The first key block any query of the block at ``m0`` sees: ``window`` back from its first position."""
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
+    return lo
 
 
 @triton.jit
@@ -170,7 +184,6 @@ def _biased(
     pos_k,
     ts_held,
     length,
-    full,
     num_pb,
     num_tb,
     HAS_POS: tl.constexpr,
@@ -190,13 +203,13 @@ def _biased(
     if PAIRED:
         # PAIRS is the copy that runs along the tile's columns (key-major where keys are the rows, query-major
         # where queries are), so that a thread's neighbouring scores' buckets are neighbouring bytes.
+        # One load bounded by the layout's room (its padding holds zeros, a valid index: pair_buckets).
         if KEY_ROWS:
-            causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
-            cols = _pair_cols(PAIRS, pair_first, rows_k, length)
-            packed = _paired(cols[:, None] + rows_q[None, :], full, causal)
+            ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[:, None] + rows_q[None, :]
+            packed = tl.load(ptrs, mask=_in_column(rows_q[None, :], rows_k[:, None], length), other=0)
         else:
-            causal = _causal(rows_q, rows_k, length)
-            packed = _paired(PAIRS + _pair_row_offsets(pair_first, rows_q)[:, None] + rows_k[None, :], full, causal)
+            ptrs = PAIRS + _pair_row_offsets(pair_first, rows_q)[:, None] + rows_k[None, :]
+            packed = tl.load(ptrs, mask=_in_row(rows_q[:, None], rows_k[None, :], length), other=0)
         packed = packed.to(tl.int32) & 0xFFFF
         pb, tb = packed & 0xFF, packed >> 8
         # The packed pair is the joint table's index as it is (its rows PAIRED_BUCKETS wide), time bucket and all.
@@ -302,20 +315,26 @@ def _pair_row_offsets(first, rows_q):
 
 
 @triton.jit
-def _causal(rows_q, rows_k, length):
-    """A tile's causal pairs, queries along its rows: the entries a per-pair tensor holds."""
-    return (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
+def _in_row(rows_q, rows_k, length):
+    """Which entries of a tile the query-major copy of a per-pair tensor holds room for (``rows_q`` [M, 1], ``rows_k``
+    [1, N]): query r's row, keys 0 .. r padded to a multiple of 8 (:func:`_pair_row_offsets`). A mask bounded in
+    multiples of 8 along the keys keeps the load one Triton vectorizes and pipelines (cp.async), where the causal
+    mask, 2 bytes wide, and a branch between it and an unmasked load each leave it synchronous; the entries it
+    reads beyond the causal pairs are padding, which the tiles that are not full zero after the scores."""
+    return (rows_k < (rows_q // 8 + 1) * 8) & (rows_q < length)
 
 
 @triton.jit
-def _paired(ptrs, full, causal):
-    """A tile of a per-pair tensor: all of a full tile, only the causal pairs of one that is not (zeros elsewhere:
-    the padding between a sample's columns or rows holds no pair)."""
-    if full:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=causal, other=0)
-    return tile
+def _in_column(rows_q, rows_k, length):
+    """:func:`_in_row` for the key-major layout (:func:`_pair_cols`, any shapes that broadcast): key c's column,
+    queries 8 (c // 8) .. the sample's length padded to a multiple of 8."""
+    return (rows_q >= rows_k // 8 * 8) & (rows_q < (length + 7) // 8 * 8) & (rows_k < length)
+
+
+@triton.jit
+def _causal(rows_q, rows_k, length):
+    """A tile's causal pairs, queries along its rows: the entries a per-pair tensor holds."""
+    return (rows_k[None, :] <= rows_q[:, None]) & (rows_q < length)[:, None]
 
 
 @triton.jit
@@ -412,9 +431,7 @@ def _fwd_kernel(
     if PAIR_BIAS:  # this head's share of the layer's per-pair bias: its rows' starts, once
         bias_rows = BIAS + _pair_row_offsets(pair_first + h.to(tl.int64) * total_pairs, rows_q)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
+    lo = _keys_start(m0, BLOCK_N, history, window, HAS_WINDOW)
     hi = tl.minimum(m0 + BLOCK_M, length)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
@@ -424,10 +441,11 @@ def _fwd_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if PAIR_BIAS:
-            s += _paired(bias_rows[:, None] + rows_k[None, :], full, _causal(rows_q, rows_k, length)).to(tl.float32)
+            room = _in_row(rows_q[:, None], rows_k[None, :], length)
+            s += tl.load(bias_rows[:, None] + rows_k[None, :], mask=room, other=0.0).to(tl.float32)
         elif HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -476,6 +494,7 @@ def _dkdv_kernel(
     DS,
     PAIRS,
     PAIR_BASE,
+    BIAS,
     total_pairs,
     alpha,
     inv_norm,
@@ -509,6 +528,7 @@ def _dkdv_kernel(
     KEEP_DS: tl.constexpr,
     TIME_SUMS: tl.constexpr,
     PAIRED: tl.constexpr,
+    PAIR_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -540,8 +560,11 @@ def _dkdv_kernel(
     pair_first = 0
     if PAIRED or KEEP_DS:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
-    if KEEP_DS:
-        ds_cols = _pair_cols(DS, pair_first + h.to(tl.int64) * total_pairs, rows_k, length)
+    if KEEP_DS:  # this head's share of the kept dS (and of the layer's key-major per-pair bias): its keys' columns
+        cols = _pair_col_offsets(pair_first + h.to(tl.int64) * total_pairs, rows_k, length)
+        ds_cols = DS + cols
+        if PAIR_BIAS:
+            bias_cols = BIAS + cols
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     dpw = tl.zeros([PB], dtype=tl.float32)
@@ -554,9 +577,12 @@ def _dkdv_kernel(
         do = _rows(DO, stride_do, start, rows_q, h, length, DV, BLOCK_DV)
         s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * alpha
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
-        if HAS_POS or HAS_TIME:
+        if PAIR_BIAS:  # no bucket sums here then: the passes over the kept dS take both weights' gradients
+            room = _in_column(rows_q[None, :], rows_k[:, None], length)
+            s += tl.load(bias_cols[:, None] + rows_q[None, :], mask=room, other=0.0).to(tl.float32)
+        elif HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_k, length, full),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_k, length),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, True),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -657,9 +683,7 @@ def _dq_kernel(
     if PAIRED:
         pair_first = _pair_first(PAIR_BASE, ORDER, 0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
+    lo = _keys_start(m0, BLOCK_N, history, window, HAS_WINDOW)
     hi = tl.minimum(m0 + BLOCK_M, length)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
@@ -670,7 +694,7 @@ def _dq_kernel(
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -718,19 +742,17 @@ def _dq_kept_kernel(
     pos_q = tl.minimum(rows_q, history)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     ds_first = _pair_first(PAIR_BASE, ORDER, h.to(tl.int64) * total_pairs)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(tl.minimum(m0, history) - window, 0) // BLOCK_N * BLOCK_N
+    lo = _keys_start(m0, BLOCK_N, history, window, HAS_WINDOW)
     hi = tl.minimum(m0 + BLOCK_M, length)
     for n0 in range(lo, hi, BLOCK_N):
         rows_k = n0 + tl.arange(0, BLOCK_N)
         ptrs = _pair_cols(DS, ds_first, rows_k, length)[None, :] + rows_q[:, None]
-        if _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
-            ds = tl.load(ptrs)
-        else:  # the pairs that attend (every one the dK/dV pass wrote); the others, unwritten, read as 0
+        ds = tl.load(ptrs, mask=_in_column(rows_q[:, None], rows_k[None, :], length), other=0.0)
+        if not _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW):
+            # the pairs that attend (every one the dK/dV pass wrote); the others' entries are unwritten
             pos_k = tl.minimum(rows_k, history)
             valid = _valid(rows_q[:, None], rows_k[None, :], pos_q[:, None], pos_k[None, :], length, window, HAS_WINDOW)
-            ds = tl.load(ptrs, mask=valid, other=0.0)
+            ds = tl.where(valid, ds, 0.0)
         k = _rows(K, stride_k, start, rows_k, h, length, D, BLOCK_D)
         dq += tl.dot(ds, k, input_precision=PRECISION)
     _store_rows(DQ, dq * alpha, start, rows_q, h, length, H, D, BLOCK_D)
@@ -937,12 +959,13 @@ def _pair_buckets_kernel(
 
 @triton.jit
 def _pair_bias_kernel(PAIRS, BIAS, RAB, total_pairs, table, H: tl.constexpr, BLOCK: tl.constexpr):
-    """One block of the pair buckets' query-major copy turned into every head's bias (:meth:`_Launch.pair_bias`):
-    the joint table's entry at each packed pair, gathered here at full occupancy instead of once a score in the
-    forward, where each gather waits on its pair's load."""
+    """One block of a copy of the pair buckets turned into every head's bias (:meth:`_Launch.pair_bias`): the joint
+    table's entry at each packed pair, gathered here at full occupancy instead of once a score in the attention's
+    passes, where each gather waits on its pair's load."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < total_pairs
-    # The padding between a sample's rows holds no pair, and the forward reads no bias there: any entry will do.
+    # The padding between a sample's rows or columns holds no pair, and its bias meets only scores that are masked:
+    # any entry of the table will do (a finite one).
     index = tl.minimum(tl.load(PAIRS + i, mask=inside, other=0).to(tl.int32) & 0xFFFF, table - 1)
     for h in tl.static_range(H):
         bias = tl.load(RAB + h * table + index, mask=inside, other=0.0)
@@ -981,8 +1004,10 @@ _FALLBACK = (32, 32, 4, 1)
 _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
 _DISTANCE_BLOCK = 16 if _INTERPRET else 64
-#: The widest head (BLOCK_D) whose time weights' gradient comes from :func:`_time_grads_kernel` (:class:`_Launch`).
-TIME_PASS_DIM = 64
+#: The widest head (BLOCK_D) whose dK/dV pass gathers its bias per score instead of reading a key-major per-pair
+#: bias (:meth:`_Launch.pair_bias`): at 64 the second bias pass a layer cost more than the loads it saved; above,
+#: the bias read as a tile was 1.36x faster (BENCHMARKS.md).
+KEY_BIAS_DIM = 64
 #: Keys and queries per tile of :func:`_time_grads_kernel` (every head's dS of a tile in registers at once).
 _TIME_KEYS, _TIME_QUERIES = (16, 16) if _INTERPRET else (32, 64)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
@@ -1087,7 +1112,8 @@ def pair_buckets(
     :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 [2, pairs]: in :func:`pair_layout` (key-major)
     and query-major (:func:`_pair_row_offsets`), computed once for a batch so that the attention of every layer and head
     reads them instead of computing them."""
-    pairs = torch.empty(2, layout[1], dtype=torch.int16, device=offsets.device)
+    # Zeros in the padding between a sample's rows or columns, which the passes' loads read (a valid index).
+    pairs = torch.zeros(2, layout[1], dtype=torch.int16, device=offsets.device)
     batch = offsets.numel() - 1
     if batch and max_len:
         block = 16 if _INTERPRET else 64
@@ -1167,22 +1193,25 @@ class _Launch:
             PAIRED=pairs is not None,
             **_BUCKET_CONSTANTS,
         )
-        # The time weights' gradient from a pass over the kept dS and the pair buckets (_time_grads_kernel) where it
-        # paid: at head dims up to 64, where the dK/dV pass's per-bucket loop costs most beside its small matmuls;
-        # at 256 the pass's second read of dS cost more than the loop (BENCHMARKS.md).
-        self.time_pass = self.keep and pairs is not None and tw is not None and self.flags["BLOCK_D"] <= TIME_PASS_DIM
+        # With the pair buckets and dS kept, the weights' gradients come from passes over the kept dS, the time
+        # table's from one over it and the buckets (_time_grads_kernel), so that the dK/dV pass has no per-bucket
+        # loop: a loop inside its loop leaves every load of that pass synchronous (Triton pipelines no loop that
+        # holds another).
+        self.time_pass = self.keep and pairs is not None and tw is not None
 
-    def pair_bias(self) -> dict:
-        """The forward's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's
-        bias of this layer's tables, query-major (heads shares of the layout's entries, in q's dtype), gathered by
-        one pass over the pairs; else the joint table is gathered per score, or the buckets computed."""
-        if not (self.keep and self.pairs is not None and (self.pw is not None or self.tw is not None)):
+    def pair_bias(self, copy: int) -> dict:
+        """A pass's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's bias of
+        this layer's tables in the pair buckets' ``copy`` (0 key-major: the dK/dV pass's, at head dims above
+        :data:`KEY_BIAS_DIM`; 1 query-major: the forward's), heads shares of the layout's entries in q's dtype,
+        gathered by one pass over the pairs; else the joint table is gathered per score, or the buckets computed."""
+        rab = self.pw is not None or self.tw is not None
+        if not (self.keep and self.pairs is not None and rab) or (copy == 0 and self.flags["BLOCK_D"] <= KEY_BIAS_DIM):
             return dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False)
         rab = self.tensors["RAB"]
         bias = torch.empty(self.heads * self.pair_count, dtype=self.dtype, device=rab.device)
         block = 1024
         _pair_bias_kernel[(cdiv(self.pair_count, block),)](
-            self.pairs[1], bias, rab, self.pair_count, rab.shape[1], H=self.heads, BLOCK=block, num_warps=4
+            self.pairs[copy], bias, rab, self.pair_count, rab.shape[1], H=self.heads, BLOCK=block, num_warps=4
         )
         return dict(BIAS=bias, total_pairs=self.pair_count, PAIR_BIAS=True)
 
@@ -1249,7 +1278,7 @@ def _attention_op(
     out = _rows_like(v)
     if q.shape[0] and launch.batch:
         _FWD[fixed][launch.grid("BLOCK_M")](
-            q, k, v, out, **launch.query_tensors, **launch.pair_bias(), **launch.scalars, stride_do=0, **launch.flags
+            q, k, v, out, **launch.query_tensors, **launch.pair_bias(1), **launch.scalars, stride_do=0, **launch.flags
         )
     return out
 
@@ -1301,8 +1330,10 @@ def _attention_backward_op(
     strides = dict(launch.scalars, stride_do=dout.stride(0))
     ds = q.new_empty(pair_count * launch.heads) if keep else launch.unused
     kept = dict(DS=ds, total_pairs=pair_count if keep else 0)
+    bias = launch.pair_bias(0)
     _DKDV[fixed][launch.grid("BLOCK_N")](
-        q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, **strides, **launch.flags,
+        q, k, v, dout, dk, dv, **launch.tensors, DPW=dpw, DTW=dtw, **kept, BIAS=bias["BIAS"],
+        PAIR_BIAS=bias["PAIR_BIAS"], **strides, **launch.flags,
         PB=dpw.shape[1] if pw is not None else 1, TB=dtw.shape[1] if tw is not None else 1, KEEP_DS=keep,
         TIME_SUMS=tw is not None and not time_pass,
     )  # fmt: skip

@@ -131,23 +131,27 @@ def test_the_kept_score_gradients_give_the_recomputed_ones(ordered, window):
             assert torch.equal(a, b), name
 
 
-def test_the_forwards_per_pair_bias_adds_the_bits_of_the_gathered_one(monkeypatch):
-    """With dS kept and the pair buckets read, the forward reads the layer's per-pair bias (the joint table gathered
-    by one pass over the pairs, in q's dtype) instead of gathering it per score: in fp32 the same value is added,
-    so the output and every gradient have the gathering forward's bits."""
+def test_the_per_pair_bias_adds_the_bits_of_the_gathered_one(monkeypatch):
+    """With dS kept and the pair buckets read, the forward and the dK/dV pass read the layer's per-pair bias (the
+    joint table gathered by one pass over the pairs, in q's dtype, query-major and key-major) instead of gathering
+    it per score: in fp32 the same value is added, so the output and every gradient have the gathering passes'
+    bits."""
     case = Case(lengths=[37, 0, 1, 50, 9], targets=[3, 0, 1, 5, 0], window=20, rab=True, ordered_times=False)
     data = inputs(case, "cpu")
+    monkeypatch.setattr(hstu, "KEY_BIAS_DIM", 0)  # the dK/dV pass's bias too, at the interpreter's head dims
     reads, used = hstu._Launch.pair_bias, []
 
-    def spied(self):
-        kernel_args = reads(self)
-        used.append(kernel_args["PAIR_BIAS"])
+    def spied(self, copy):
+        kernel_args = reads(self, copy)
+        used.append((copy, kernel_args["PAIR_BIAS"]))
         return kernel_args
 
     monkeypatch.setattr(hstu._Launch, "pair_bias", spied)
     read = run(case, data, "triton")
-    assert used == [True]
-    monkeypatch.setattr(hstu._Launch, "pair_bias", lambda self: dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False))
+    assert used == [(1, True), (0, True)]  # the forward's, query-major, and the dK/dV pass's, key-major
+    monkeypatch.setattr(
+        hstu._Launch, "pair_bias", lambda self, copy: dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False)
+    )
     gathered = run(case, data, "triton")
     for name, a, b in zip(("out", "dq", "dk", "dv", "d_position_weights", "d_time_weights"), read, gathered):
         assert torch.equal(a, b), name
