@@ -1005,8 +1005,8 @@ _INTERPRETED = {1 << 30: [(16, 16, 1, 1)]}
 #: Position distances and keys per program of :func:`_position_grads_kernel` (a memory-bound pass: one size).
 _DISTANCE_BLOCK = 16 if _INTERPRET else 64
 #: The widest head (BLOCK_D) whose dK/dV pass gathers its bias per score instead of reading a key-major per-pair
-#: bias (:meth:`_Launch.pair_bias`): at 64 the second bias pass a layer cost more than the loads it saved; above,
-#: the bias read as a tile was 1.36x faster (BENCHMARKS.md).
+#: bias (:meth:`_Launch.pair_bias`): at 64 the second bias pass a layer cost more than the loads it saved; at 256
+#: the bias read as a tile took rab on 1.36x faster (BENCHMARKS.md).
 KEY_BIAS_DIM = 64
 #: Keys and queries per tile of :func:`_time_grads_kernel` (every head's dS of a tile in registers at once).
 _TIME_KEYS, _TIME_QUERIES = (16, 16) if _INTERPRET else (32, 64)
@@ -1204,8 +1204,9 @@ class _Launch:
         this layer's tables in the pair buckets' ``copy`` (0 key-major: the dK/dV pass's, at head dims above
         :data:`KEY_BIAS_DIM`; 1 query-major: the forward's), heads shares of the layout's entries in q's dtype,
         gathered by one pass over the pairs; else the joint table is gathered per score, or the buckets computed."""
-        rab = self.pw is not None or self.tw is not None
-        if not (self.keep and self.pairs is not None and rab) or (copy == 0 and self.flags["BLOCK_D"] <= KEY_BIAS_DIM):
+        has_rab = self.pw is not None or self.tw is not None
+        gathers = copy == 0 and self.flags["BLOCK_D"] <= KEY_BIAS_DIM
+        if not (self.keep and self.pairs is not None and has_rab) or gathers:
             return dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False)
         rab = self.tensors["RAB"]
         bias = torch.empty(self.heads * self.pair_count, dtype=self.dtype, device=rab.device)
