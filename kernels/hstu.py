@@ -17,11 +17,12 @@ Implementations (:class:`kernels.impl.Impl`):
 
 - ``TRITON``: the fused kernel (:mod:`kernels.triton.triton_hstu_attention`): rab read from the batch's pair buckets
   where they fit ``pair_budget`` (and where dS fits too, from a per-pair bias one pass gathers for each layer's
-  forward and another for its dK/dV pass), else computed inside from positions and timestamps; no dense score
-  tensor; backward in two passes (keys, then queries) with no atomics, the second reading the score gradients the
-  first kept where they fit ``pair_budget`` (else recomputing them), the bucket weights' gradients by per-program
-  sums: the same bits on every run. A torch operator (``freescale::hstu_attention``) with its own autograd
-  formula, so torch.compile traces a layer through it. The default on CUDA.
+  forward and, above head dim 64, another for its dK/dV pass), else computed inside from positions and
+  timestamps; no dense score tensor; backward in two passes (keys, then queries) with no atomics, the second
+  reading the score gradients the first kept where they fit ``pair_budget`` (else recomputing them), the bucket
+  weights' gradients by per-program sums: the same bits on every run. A torch operator
+  (``freescale::hstu_attention``) with its own autograd formula, so torch.compile traces a layer through it. The
+  default on CUDA.
 - ``TORCH``: per-sample dense twin (:mod:`kernels.pytorch.pt_hstu_attention`), autograd for the backward: the
   default on CPU and the twin the kernel is tested against.
 - ``PADDED``: the batch padded to its longest sample, one [B, H, L, L] score tensor: the baseline.
