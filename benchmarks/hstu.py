@@ -23,6 +23,8 @@ Per shape and head dim (``--dims``), ``--heads`` heads, bf16 on CUDA (fp32 on CP
 Timing: CUDA events around each call, median of ``--reps`` after ``--warmup`` (the first calls autotune and
 compile); forward+backward clears the gradients before each call. FLOPs as generative-recommenders counts them:
 forward 2 * heads * dim * sum(L^2) (two matmuls over the causal half), forward+backward 3.5 times that.
+``--kernels`` also profiles each row's forward+backward (torch.profiler, 3 calls) and prints its GPU time by
+kernel: which of the passes a variant's time goes to.
 
 ``--reference FILE.json`` (repeatable): rows of generative-recommenders' own benchmark (bench_hstu.py's
 ``--out``), run on the same machine in the same command; each of our rows then shows its speed-up over theirs at
@@ -43,7 +45,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from benchmarks.timing import call_times_ms
+from benchmarks.timing import call_times_ms, kernel_times_ms
 from kernels.attention import PackedOffsets
 from kernels.hstu import hstu_attention, hstu_sequences
 
@@ -77,6 +79,7 @@ class Record:
     speedup_fwd: Optional[float] = None
     speedup_fwd_bwd: Optional[float] = None
     skipped: Optional[str] = None
+    kernels_ms: Optional[dict[str, float]] = None  # forward+backward's GPU time by kernel (--kernels)
 
     def _skip(self, reason: str) -> "Record":
         self.skipped = reason
@@ -94,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="numpy seed of the lengths (generative-recommenders': 0)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="profile each row's forward+backward: GPU time by kernel (CUDA)"
+    )
     parser.add_argument("--padded-max-gib", type=float, default=24.0)
     parser.add_argument("--reference", action="append", default=[], metavar="FILE.json")
     parser.add_argument("--json", default=None, metavar="PATH")
@@ -179,6 +185,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
     with torch.no_grad():
         fwd_ms = statistics.median(call_times_ms(device, forward, args.reps, args.warmup))
     fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))
+    kernels = kernel_times_ms(forward_backward) if args.kernels and device.type == "cuda" else None
     flops = fwd_flops(lengths, args.heads, dim)
     return Record(
         **base,
@@ -186,6 +193,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
         fwd_bwd_ms=fwd_bwd_ms,
         fwd_tflops=flops / fwd_ms / 1e9,
         fwd_bwd_tflops=3.5 * flops / fwd_bwd_ms / 1e9,
+        kernels_ms=kernels,
     )
 
 
@@ -293,6 +301,12 @@ def main(args: argparse.Namespace) -> int:
                 records.append(_with_reference(record, reference))
                 print(table(records[-1:]).splitlines()[1], flush=True)
     print(table(records))
+    for r in records:
+        if r.kernels_ms:
+            print(
+                f"{r.shape}/{r.dim} {r.variant}, forward+backward by kernel (ms): "
+                + ", ".join(f"{name.split('(')[0]} {ms:.3f}" for name, ms in r.kernels_ms.items())
+            )
     for line in gates(records):
         print(line)
     if args.json:

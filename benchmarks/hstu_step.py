@@ -68,7 +68,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from benchmarks.timing import call_times_ms
+from benchmarks.timing import call_times_ms, kernel_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
 from pipelines.api.numerics import autocast
@@ -296,22 +296,13 @@ def kernel_part(name: str) -> str:
 def kernel_breakdown(step: Callable[[], None], steps: int = 3, top: int = 12) -> tuple[dict[str, float], dict]:
     """Per step, the ms of GPU kernel time in each of :data:`PARTS`, and of the ``top`` costliest kernels of
     ``other`` by name, from torch.profiler over ``steps`` steps."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
     totals, other = dict.fromkeys(PARTS, 0.0), {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            ms, part = event.time_range.elapsed_us() / 1e3 / steps, kernel_part(event.name)
-            totals[part] += ms
-            if part == "other":
-                other[event.name] = other.get(event.name, 0.0) + ms
-    return totals, dict(sorted(other.items(), key=lambda kv: -kv[1])[:top])
+    for name, ms in kernel_times_ms(step, steps).items():
+        part = kernel_part(name)
+        totals[part] += ms
+        if part == "other" and len(other) < top:
+            other[name] = ms
+    return totals, other
 
 
 # ---------------------------------------------------------------- one row

@@ -35,3 +35,21 @@ def call_times_ms(
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def kernel_times_ms(fn: Callable[[], None], calls: int = 3) -> dict[str, float]:
+    """Per call of ``fn``, the milliseconds of GPU kernel time under each kernel name, costliest first, from
+    torch.profiler over ``calls`` calls (a name launched several times a call sums its launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
