@@ -248,9 +248,9 @@ def kernel_resources(args: argparse.Namespace) -> list[Resources]:
             variants = {"rab": VARIANTS["rab"]} if name in AFTER_PASSES else VARIANTS
             for variant, (pos, time) in variants.items():
                 constants = dict(base, HAS_POS=pos, HAS_TIME=time, BLOCK_M=block_m, BLOCK_N=block_n)
-                # a launch's: no bias without rab, and the dK/dV pass's only above KEY_BIAS_DIM
-                key_bias = name != "dkdv" or block_d > hstu.KEY_BIAS_DIM
-                constants.update(PAIR_BIAS=base["PAIR_BIAS"] and (pos or time) and key_bias)
+                # a launch's: no bias without rab, and the dK/dV pass's (copy 0) by the launch's rule
+                reads = hstu.reads_pair_bias(0 if name == "dkdv" else 1, block_d)
+                constants.update(PAIR_BIAS=base["PAIR_BIAS"] and (pos or time) and reads)
                 constants.update(PB=BUCKETS, TB=BUCKETS)
                 if name == "pos-grads":  # blocks of distances and of keys, not of head dims
                     constants.update(BLOCK_D=block_m, BLOCK_C=block_n)

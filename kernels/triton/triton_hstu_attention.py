@@ -1008,6 +1008,14 @@ _DISTANCE_BLOCK = 16 if _INTERPRET else 64
 #: bias (:meth:`_Launch.pair_bias`): at 64 the second bias pass a layer cost more than the loads it saved; at 256
 #: the bias read as a tile took rab on 1.36x faster (BENCHMARKS.md).
 KEY_BIAS_DIM = 64
+
+
+def reads_pair_bias(copy: int, block_d: int) -> bool:
+    """Whether the passes reading the pair buckets' ``copy`` (0 key-major: dK/dV; 1 query-major: the forward) read
+    a per-pair bias, where one is made, at head width ``block_d``; else they gather the joint table per score."""
+    return copy == 1 or block_d > KEY_BIAS_DIM
+
+
 #: Keys and queries per tile of :func:`_time_grads_kernel` (every head's dS of a tile in registers at once).
 _TIME_KEYS, _TIME_QUERIES = (16, 16) if _INTERPRET else (32, 64)
 #: The smallest query or key block of any launch configuration: the per-program buffers are sized by it.
@@ -1193,11 +1201,12 @@ class _Launch:
             PAIRED=pairs is not None,
             **_BUCKET_CONSTANTS,
         )
-        # With the pair buckets and dS kept, the weights' gradients come from passes over the kept dS, the time
-        # table's from one over it and the buckets (_time_grads_kernel), so that the dK/dV pass has no per-bucket
-        # loop: a loop inside its loop leaves every load of that pass synchronous (Triton pipelines no loop that
-        # holds another).
-        self.time_pass = self.keep and pairs is not None and tw is not None
+        # The pair buckets and dS both kept: the passes over them run.
+        self.per_pair = self.keep and pairs is not None
+        # With both kept, the weights' gradients come from passes over the kept dS, the time table's from one over
+        # it and the buckets (_time_grads_kernel), so that the dK/dV pass has no per-bucket loop: a loop inside its
+        # loop leaves every load of that pass synchronous (Triton pipelines no loop that holds another).
+        self.time_pass = self.per_pair and tw is not None
 
     def pair_bias(self, copy: int) -> dict:
         """A pass's BIAS, ``total_pairs`` and PAIR_BIAS: with the pair buckets, rab and dS kept, every pair's bias of
@@ -1205,8 +1214,7 @@ class _Launch:
         :data:`KEY_BIAS_DIM`; 1 query-major: the forward's), heads shares of the layout's entries in q's dtype,
         gathered by one pass over the pairs; else the joint table is gathered per score, or the buckets computed."""
         has_rab = self.pw is not None or self.tw is not None
-        gathers = copy == 0 and self.flags["BLOCK_D"] <= KEY_BIAS_DIM
-        if not (self.keep and self.pairs is not None and has_rab) or gathers:
+        if not (self.per_pair and has_rab and reads_pair_bias(copy, self.flags["BLOCK_D"])):
             return dict(BIAS=self.unused, total_pairs=0, PAIR_BIAS=False)
         rab = self.tensors["RAB"]
         bias = torch.empty(self.heads * self.pair_count, dtype=self.dtype, device=rab.device)
