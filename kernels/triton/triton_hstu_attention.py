@@ -184,6 +184,7 @@ def _biased(
     pos_k,
     ts_held,
     length,
+    full,
     num_pb,
     num_tb,
     HAS_POS: tl.constexpr,
@@ -203,14 +204,13 @@ def _biased(
     if PAIRED:
         # PAIRS is the copy that runs along the tile's columns (key-major where keys are the rows, query-major
         # where queries are), so that a thread's neighbouring scores' buckets are neighbouring bytes.
-        # One load bounded by the layout's room (its padding holds zeros, a valid index: pair_buckets).
         if KEY_ROWS:
+            causal = (rows_k[:, None] <= rows_q[None, :]) & (rows_q < length)[None, :]
             ptrs = _pair_cols(PAIRS, pair_first, rows_k, length)[:, None] + rows_q[None, :]
-            packed = tl.load(ptrs, mask=_in_column(rows_q[None, :], rows_k[:, None], length), other=0)
         else:
+            causal = _causal(rows_q, rows_k, length)
             ptrs = PAIRS + _pair_row_offsets(pair_first, rows_q)[:, None] + rows_k[None, :]
-            packed = tl.load(ptrs, mask=_in_row(rows_q[:, None], rows_k[None, :], length), other=0)
-        packed = packed.to(tl.int32) & 0xFFFF
+        packed = _paired(ptrs, full, causal).to(tl.int32) & 0xFFFF
         pb, tb = packed & 0xFF, packed >> 8
         # The packed pair is the joint table's index as it is (its rows PAIRED_BUCKETS wide), time bucket and all.
         bias = _bias(RAB, h, packed if HAS_TIME else pb, num_tb, PAIRED_WIDTH)
@@ -312,6 +312,19 @@ def _pair_row_offsets(first, rows_q):
     r = rows_q.to(tl.int64)
     g = r // 8
     return 8 * (first // 8 + (g + 1) * (r - 4 * g))
+
+
+@triton.jit
+def _paired(ptrs, full, causal):
+    """A tile of the pair buckets for a per-score gather: all of a full tile, only the causal pairs of one that is
+    not. Not the room-masked load of the per-pair bias and dS (:func:`_in_row`): the gather waits on this load
+    either way, and pipelined (cp.async through shared memory) the load and its gather timed 1.6x slower in the
+    dK/dV pass at head dim 64 (BENCHMARKS.md)."""
+    if full:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=causal, other=0)
+    return tile
 
 
 @triton.jit
@@ -445,7 +458,7 @@ def _fwd_kernel(
             s += tl.load(bias_rows[:, None] + rows_k[None, :], mask=room, other=0.0).to(tl.float32)
         elif HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -582,7 +595,7 @@ def _dkdv_kernel(
             s += tl.load(bias_cols[:, None] + rows_q[None, :], mask=room, other=0.0).to(tl.float32)
         elif HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_k, length),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_k, length, full),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, True),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -694,7 +707,7 @@ def _dq_kernel(
         full = _is_full(m0, BLOCK_M, n0, BLOCK_N, length, history, window, HAS_WINDOW)
         if HAS_POS or HAS_TIME:
             s, pb, tb = _biased(
-                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length),
+                *(s, RAB, PAIRS, pair_first, TS, start, h, rows_q, rows_k, pos_q, pos_k, ts_q, length, full),
                 *(num_pb, num_tb, HAS_POS, HAS_TIME, PAIRED, False),
                 *(P_LINEAR, P_LOG2, P_SUB, T_LINEAR, T_LOG2, T_SUB),
             )
@@ -1120,7 +1133,7 @@ def pair_buckets(
     :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 [2, pairs]: in :func:`pair_layout` (key-major)
     and query-major (:func:`_pair_row_offsets`), computed once for a batch so that the attention of every layer and head
     reads them instead of computing them."""
-    # Zeros in the padding between a sample's rows or columns, which the passes' loads read (a valid index).
+    # Zeros in the padding between a sample's rows or columns, which _pair_bias_kernel reads (a valid index).
     pairs = torch.zeros(2, layout[1], dtype=torch.int16, device=offsets.device)
     batch = offsets.numel() - 1
     if batch and max_len:
