@@ -71,6 +71,7 @@ import torch
 from benchmarks.timing import call_times_ms, kernel_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
+from kernels.triton import triton_hstu_attention as hstu_kernels
 from pipelines.api.numerics import autocast
 from pipelines.metrics import binary_cross_entropy_sum
 from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
@@ -264,20 +265,12 @@ def time_attention(model: HSTUModel, batch: Batch, precision: str, device: torch
 
 
 # ---------------------------------------------------------------- where a step's time goes
-#: The parts of a step's kernel time: the HSTU attention's kernels (its three passes, the dQ pass from the kept dS,
-#: the position weights' pass, the batch's pair buckets and each layer's per-pair bias), the matmuls (cuBLAS /
-#: CUTLASS), the optimizer's update, and everything else: the memory-bound glue (norms, activations, casts,
-#: copies, the embedding lookups, inductor's fused kernels).
+#: The parts of a step's kernel time: the HSTU attention's kernels (every Triton kernel of its module: the three
+#: passes, the dQ pass from the kept dS, the weights' passes, the batch's pair buckets and each layer's per-pair
+#: bias), the matmuls (cuBLAS / CUTLASS), the optimizer's update, and everything else: the memory-bound glue (norms,
+#: activations, casts, copies, the embedding lookups, inductor's fused kernels).
 PARTS = ("attention", "matmul", "optimizer", "other")
-_ATTENTION_KERNELS = (
-    "_fwd_kernel",
-    "_dkdv_kernel",
-    "_dq_kernel",
-    "_dq_kept_kernel",
-    "_position_grads_kernel",
-    "_pair_buckets_kernel",
-    "_pair_bias_kernel",
-)
+_ATTENTION_KERNELS = tuple(name for name in vars(hstu_kernels) if name.endswith("_kernel"))
 _MATMUL_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "triton_tem_")  # tem: inductor's templates
 
 

@@ -96,6 +96,7 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
         "_dkdv_kernel_0d1d": "attention",
         "_dq_kept_kernel": "attention",
         "_position_grads_kernel": "attention",
+        "_time_grads_kernel": "attention",
         "_pair_buckets_kernel": "attention",
         "_pair_bias_kernel": "attention",
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
