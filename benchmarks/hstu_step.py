@@ -44,9 +44,12 @@ projection is the whole matmul (recsys-examples' count has 2 N H d for it, witho
 small matmuls per candidate, not per token), the embedding lookups, norms, SiLU and Adam.
 
 Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (the first steps autotune the Triton
-attention and warm the allocator). The attention alone: its forward + backward at the step's shapes and inputs
-(q, k, v of one layer, the model's rab weights, targets and timestamps), timed the same way and multiplied by the
-layers; its share of the step is an estimate (it runs alone, without the step's other kernels around it).
+attention and warm the allocator). Each step then waits for the device, so host work the device waits on (launches,
+the batch's packing) counts in it; ``b2b``: the same ``--reps`` steps launched back to back, as a training loop runs
+them, where the host's work for a step overlaps the device's for the one before, unless the step syncs. The
+attention alone: its forward + backward at the step's shapes and inputs (q, k, v of one layer, the model's rab
+weights, targets and timestamps), timed the same way and multiplied by the layers; its share of the step is an
+estimate (it runs alone, without the step's other kernels around it).
 
 MFU: TFLOP/s over ``--peak-tflops`` (default 989, the H200's and H100 SXM's dense bf16 tensor-core peak). The gates
 (CUDA rows): rab off >= 340 TFLOP/s (NVIDIA recsys-examples' best per GPU on this configuration, fixed lengths; aim
@@ -109,6 +112,8 @@ class Record:
     step_ms_reps: list[float]
     seq_lengths: list[int]  # each sample's packed tokens (kept UIH + candidates), what the FLOPs count
     first_step_s: Optional[float] = None  # the first step's wall time: torch.compile's and the autotuner's work
+    # A step's mean over --reps steps launched without waiting for the device between them, as a training loop runs
+    back_to_back_ms: Optional[float] = None
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
     skipped: Optional[str] = None
@@ -341,6 +346,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
+        back_to_back = call_times_ms(device, lambda: [step() for _ in range(args.reps)], 1, 0)[0] / args.reps
         if args.breakdown and device.type == "cuda":
             breakdown, other_kernels = kernel_breakdown(step)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
@@ -370,6 +376,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         mfu=tflops / args.peak_tflops,
         step_ms_reps=times,
         first_step_s=first_step_s,
+        back_to_back_ms=back_to_back,
         breakdown_ms=breakdown,
         other_kernels_ms=other_kernels,
     )
@@ -387,7 +394,7 @@ def _on(flag: bool) -> str:
 def table(records: list[Record]) -> str:
     head = (
         "preset      lengths rab emb comp prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
-        "  TFLOP/s  MFU %  1st s"
+        "  TFLOP/s  MFU %  1st s  b2b ms  b2b TFLOP/s"
     )
     lines = [head]
     for r in records:
@@ -406,6 +413,8 @@ def table(records: list[Record]) -> str:
             _fmt(r.tflops, "7.1f"),
             _fmt(None if r.mfu is None else 100 * r.mfu, "5.1f"),
             _fmt(r.first_step_s, "5.1f"),
+            _fmt(r.back_to_back_ms, "6.2f"),
+            _fmt(None if r.back_to_back_ms is None else r.tflop * 1e3 / r.back_to_back_ms, "11.1f"),
         ]
         lines.append(f"{left} " + "  ".join(cells))
     return "\n".join(lines)

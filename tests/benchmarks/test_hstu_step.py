@@ -58,7 +58,7 @@ def test_bench_runs_on_cpu_prints_the_table_and_writes_json(tmp_path, capsys):
     args = parser.parse_args([*flags.split(), "--json", str(path)])
     assert bench.main(args) == 0
     out = capsys.readouterr().out
-    assert "step ms" in out and "TFLOP/s" in out and "MFU %" in out
+    assert "step ms" in out and "TFLOP/s" in out and "MFU %" in out and "b2b ms" in out
     assert "gate: CUDA rows only (this run is on cpu)" in out
     result = json.loads(path.read_text())
     assert result["setup"]["precision"] == "fp32" and result["setup"]["peak_tflops"] == bench.PEAK_TFLOPS
@@ -68,7 +68,7 @@ def test_bench_runs_on_cpu_prints_the_table_and_writes_json(tmp_path, capsys):
     config = HSTUConfig(**HSTU_PRESETS["hstu"])
     for r in records:
         assert keys <= set(r) and r["skipped"] is None and r["batch"] == 3
-        assert r["step_ms"] > 0 and r["attention_ms"] > 0 and len(r["step_ms_reps"]) == 1
+        assert r["step_ms"] > 0 and r["attention_ms"] > 0 and len(r["step_ms_reps"]) == 1 and r["back_to_back_ms"] > 0
         assert r["tokens"] == sum(r["seq_lengths"]) and r["max_len"] == max(r["seq_lengths"])
         flops = bench.step_flops(
             np.array(r["seq_lengths"]), config.dim, config.num_layers, config.num_heads, config.head_dim
