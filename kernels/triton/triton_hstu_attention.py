@@ -22,8 +22,9 @@ them instead of computing them: a key-major copy for the dK/dV pass, whose tiles
 query-major one for the forward and the dQ pass, so that each reads its tile's neighbours from neighbouring bytes.
 Where dS is kept (below), one pass a layer gathers the joint table at every pair of a copy into a per-pair bias in
 the inputs' dtype, which the forward (query-major) and, above head dim 64 (:data:`KEY_BIAS_DIM`), the dK/dV pass
-(key-major) load as tiles instead of gathering per score. Every per-pair load is one load whose mask is the
-layout's room (multiples of 8 entries), not the causal mask, so that Triton pipelines it beside q, k and v.
+(key-major) load as tiles instead of gathering per score. Those tiles and the kept dS load with the layout's room
+as their mask (multiples of 8 entries), not the causal mask, so that Triton pipelines them beside q, k and v; the
+pair buckets a pass gathers by load as before (:func:`_paired`), as the gather waits on them either way.
 
 Backward, deterministic as it is: one pass over key blocks accumulates dK and dV in registers (FlashAttention 2's
 order), and no atomics or locks anywhere. dQ needs each tile's dS once more, which a fixed-order pass can have two
