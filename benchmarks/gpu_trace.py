@@ -1,5 +1,6 @@
-"""What a piece of code does on the GPU, read from a torch.profiler trace: kernels, copies, their streams, and
-how much of the copies' time overlaps kernels of other streams.
+"""What a piece of code does on the GPU, read from a torch.profiler trace: kernels, copies, their streams, how
+much of the copies' time overlaps kernels of other streams, and the spans where no kernel runs with what the host
+was doing when it launched the kernel that ended each.
 
 This is how the claims of the host backend are checked (benchmark and GPU test): it launches no kernel, its
 copies run on a stream of their own, and they overlap the compute they hide under.
@@ -16,8 +17,10 @@ from typing import Callable
 
 @dataclass
 class GpuActivity:
-    kernels: list[dict] = field(default_factory=list)  # {"name", "stream", "ts", "dur"} (microseconds)
+    kernels: list[dict] = field(default_factory=list)  # {"name", "stream", "ts", "dur", "correlation"} (microseconds)
     memcpys: list[dict] = field(default_factory=list)
+    launches: dict[int, dict] = field(default_factory=dict)  # correlation -> the runtime call's {"tid", "ts"}
+    host_ops: list[dict] = field(default_factory=list)  # torch operators: {"name", "tid", "ts", "dur"}
 
     def kernel_names(self) -> list[str]:
         return sorted({k["name"] for k in self.kernels})
@@ -51,6 +54,36 @@ class GpuActivity:
             "copy_overlap_with_kernels": round(self.copy_overlap(), 3),
         }
 
+    def idle_gaps(self, top: int = 8) -> list[dict]:
+        """The ``top`` longest spans with no kernel running, longest first: each one's ms, the kernel that ended it,
+        and the torch operators the host was in when it launched that kernel (outermost first): where the device
+        waited on the host."""
+        longest = sorted(self._gaps(), key=lambda g: -g[0])[:top]
+        return [{"ms": gap / 1e3, "kernel": k["name"], "host": self._host_ops_at(k)} for gap, k in longest]
+
+    def idle_ms(self) -> float:
+        """Milliseconds with no kernel running between the first kernel's start and the last one's end."""
+        return sum(gap for gap, _ in self._gaps()) / 1e3
+
+    def _gaps(self) -> list[tuple[float, dict]]:
+        gaps, end = [], None
+        for k in sorted(self.kernels, key=lambda k: k["ts"]):
+            if end is not None and k["ts"] > end:
+                gaps.append((k["ts"] - end, k))
+            end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+        return gaps
+
+    def _host_ops_at(self, kernel: dict) -> list[str]:
+        launch = self.launches.get(kernel.get("correlation", -1))
+        if launch is None:
+            return []
+        around = [
+            op
+            for op in self.host_ops
+            if op["tid"] == launch["tid"] and op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]
+        ]
+        return [op["name"] for op in sorted(around, key=lambda op: (op["ts"], -op["dur"]))]
+
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
@@ -78,16 +111,21 @@ def trace(fn: Callable[[], None]) -> GpuActivity:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
+    return activity(events)
+
+
+def activity(events: list[dict]) -> GpuActivity:
+    """A chrome trace's events (torch.profiler's ``traceEvents``) as :class:`GpuActivity`."""
     act = GpuActivity()
     for e in events:
-        cat = e.get("cat", "")
-        if cat not in ("kernel", "gpu_memcpy"):
-            continue
-        item = {
-            "name": e.get("name", ""),
-            "stream": int(e.get("args", {}).get("stream", -1)),
-            "ts": float(e.get("ts", 0.0)),
-            "dur": float(e.get("dur", 0.0)),
-        }
-        (act.kernels if cat == "kernel" else act.memcpys).append(item)
+        cat, args = e.get("cat", ""), e.get("args", {})
+        span = {"ts": float(e.get("ts", 0.0)), "dur": float(e.get("dur", 0.0))}
+        if cat in ("kernel", "gpu_memcpy"):
+            item = {"name": e.get("name", ""), "stream": int(args.get("stream", -1)), **span}
+            item["correlation"] = int(args.get("correlation", -1))
+            (act.kernels if cat == "kernel" else act.memcpys).append(item)
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            act.launches[int(args["correlation"])] = {"tid": e.get("tid"), "ts": span["ts"]}
+        elif cat == "cpu_op":
+            act.host_ops.append({"name": e.get("name", ""), "tid": e.get("tid"), **span})
     return act

@@ -71,6 +71,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from benchmarks.gpu_trace import trace
 from benchmarks.timing import call_times_ms, kernel_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
@@ -116,6 +117,7 @@ class Record:
     back_to_back_ms: Optional[float] = None
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
+    idle_gaps: Optional[list[dict]] = None  # --gaps: the longest spans without a kernel over 2 steps back to back
     skipped: Optional[str] = None
 
 
@@ -139,6 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile", default=None, help="comma list of on, off: the layers under torch.compile (default on,off on CUDA)"
     )
     parser.add_argument("--breakdown", action="store_true", help="profile each row's steps: kernel time by part")
+    parser.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="trace 2 steps back to back (CUDA): the N longest spans without a kernel and the host's ops then",
+    )
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default autocast on CUDA, fp32 on CPU")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -341,7 +350,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = other_kernels = None
+    breakdown = other_kernels = gaps = None
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
@@ -349,6 +358,8 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         back_to_back = call_times_ms(device, lambda: [step() for _ in range(args.reps)], 1, 0)[0] / args.reps
         if args.breakdown and device.type == "cuda":
             breakdown, other_kernels = kernel_breakdown(step)
+        if args.gaps and device.type == "cuda":
+            gaps = trace(lambda: [step() for _ in range(2)]).idle_gaps(args.gaps)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
@@ -379,6 +390,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         back_to_back_ms=back_to_back,
         breakdown_ms=breakdown,
         other_kernels_ms=other_kernels,
+        idle_gaps=gaps,
     )
 
 
@@ -494,6 +506,10 @@ def main(args: argparse.Namespace) -> int:
                 print(f"costliest 'other' kernels, rab {_on(r.rab)} compile {_on(r.compiled)} (ms per step):")
                 for name, ms in r.other_kernels_ms.items():
                     print(f"  {ms:7.3f}  {name[:110]}")
+    for r in records:
+        for gap in r.idle_gaps or []:
+            host = " > ".join(gap["host"][:2] + ["..."] + gap["host"][-3:] if len(gap["host"]) > 5 else gap["host"])
+            print(f"idle, rab {_on(r.rab)}: {gap['ms']:6.3f} ms before {gap['kernel'][:50]}; host: {host[:160]}")
     for line in gates(records, device):
         print(line)
     if args.json:
