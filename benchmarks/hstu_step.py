@@ -46,7 +46,8 @@ small matmuls per candidate, not per token), the embedding lookups, norms, SiLU 
 Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (the first steps autotune the Triton
 attention and warm the allocator). Each step then waits for the device, so host work the device waits on (launches,
 the batch's packing) counts in it; ``b2b``: the same ``--reps`` steps launched back to back, as a training loop runs
-them, where the host's work for a step overlaps the device's for the one before, unless the step syncs. The
+them, where the host's work for a step overlaps the device's for the one before, unless the step syncs;
+``--gaps N`` traces two steps back to back and prints where the device waited on the host. The
 attention alone: its forward + backward at the step's shapes and inputs (q, k, v of one layer, the model's rab
 weights, targets and timestamps), timed the same way and multiplied by the layers; its share of the step is an
 estimate (it runs alone, without the step's other kernels around it).
