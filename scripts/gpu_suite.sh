@@ -152,7 +152,7 @@ PY
   hstu-step)
     echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab off/on, eager/compiled layers, where the time goes"
     timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off,on \
-      --compile off,on --breakdown --gaps 8 --reps 6 --warmup 2 --json "$OUT/hstu_step.json" 2>&1 | grep -v Warn | tail -40
+      --compile off,on --breakdown --gaps 8 --reps 6 --warmup 2 --json "$OUT/hstu_step.json" 2>&1 | grep -v Warn | tail -80
     echo "== the same, recsys-examples' configuration: rab off, input position embeddings"
     timeout 200 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off \
       --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | tail -4
