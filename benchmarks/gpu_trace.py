@@ -85,6 +85,14 @@ class GpuActivity:
         return [op["name"] for op in sorted(around, key=lambda op: (op["ts"], -op["dur"]))]
 
 
+def describe_gap(gap: dict) -> str:
+    """One line for an entry of :meth:`GpuActivity.idle_gaps`: its ms, the kernel after it, and the host's ops then
+    (the outermost two and the innermost three)."""
+    ops = gap["host"]
+    host = " > ".join(ops[:2] + ["..."] + ops[-3:] if len(ops) > 5 else ops)
+    return f"{gap['ms']:6.3f} ms idle before {gap['kernel'][:50]}; host: {host[:160]}"
+
+
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[list[float]] = []
     for a, b in sorted(spans):

@@ -24,7 +24,8 @@ Timing: CUDA events around each call, median of ``--reps`` after ``--warmup`` (t
 compile); forward+backward clears the gradients before each call. FLOPs as generative-recommenders counts them:
 forward 2 * heads * dim * sum(L^2) (two matmuls over the causal half), forward+backward 3.5 times that.
 ``--kernels`` also profiles each row's forward+backward (torch.profiler, 3 calls) and prints its GPU time by
-kernel: which of the passes a variant's time goes to.
+kernel: which of the passes a variant's time goes to; ``--gaps N`` traces one forward+backward and prints its N
+longest spans without a kernel, with the host's torch ops when it launched the kernel that ended each.
 
 ``--reference FILE.json`` (repeatable): rows of generative-recommenders' own benchmark (bench_hstu.py's
 ``--out``), run on the same machine in the same command; each of our rows then shows its speed-up over theirs at
@@ -45,6 +46,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from benchmarks.gpu_trace import describe_gap, trace
 from benchmarks.timing import call_times_ms, kernel_times_ms
 from kernels.attention import PackedOffsets
 from kernels.hstu import hstu_attention, hstu_sequences
@@ -80,6 +82,7 @@ class Record:
     speedup_fwd_bwd: Optional[float] = None
     skipped: Optional[str] = None
     kernels_ms: Optional[dict[str, float]] = None  # forward+backward's GPU time by kernel (--kernels)
+    idle_gaps: Optional[list[dict]] = None  # --gaps: forward+backward's longest spans without a kernel
 
     def _skip(self, reason: str) -> "Record":
         self.skipped = reason
@@ -99,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="numpy seed of the lengths (generative-recommenders': 0)")
     parser.add_argument(
         "--kernels", action="store_true", help="profile each row's forward+backward: GPU time by kernel (CUDA)"
+    )
+    parser.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="trace each row's forward+backward (CUDA): the N longest spans without a kernel and the host's ops then",
     )
     parser.add_argument("--padded-max-gib", type=float, default=24.0)
     parser.add_argument("--reference", action="append", default=[], metavar="FILE.json")
@@ -186,6 +196,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
         fwd_ms = statistics.median(call_times_ms(device, forward, args.reps, args.warmup))
     fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))
     kernels = kernel_times_ms(forward_backward) if args.kernels and device.type == "cuda" else None
+    gaps = trace(forward_backward).idle_gaps(args.gaps) if args.gaps and device.type == "cuda" else None
     flops = fwd_flops(lengths, args.heads, dim)
     return Record(
         **base,
@@ -194,6 +205,7 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
         fwd_tflops=flops / fwd_ms / 1e9,
         fwd_bwd_tflops=3.5 * flops / fwd_bwd_ms / 1e9,
         kernels_ms=kernels,
+        idle_gaps=gaps,
     )
 
 
@@ -307,6 +319,8 @@ def main(args: argparse.Namespace) -> int:
                 f"{r.shape}/{r.dim} {r.variant}, forward+backward by kernel (ms): "
                 + ", ".join(f"{name.split('(')[0]} {ms:.3f}" for name, ms in r.kernels_ms.items())
             )
+        for gap in r.idle_gaps or []:
+            print(f"{r.shape}/{r.dim} {r.variant}: {describe_gap(gap)}")
     for line in gates(records):
         print(line)
     if args.json:

@@ -72,7 +72,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from benchmarks.gpu_trace import trace
+from benchmarks.gpu_trace import describe_gap, trace
 from benchmarks.timing import call_times_ms, kernel_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from kernels.hstu import hstu_attention
@@ -509,8 +509,7 @@ def main(args: argparse.Namespace) -> int:
                     print(f"  {ms:7.3f}  {name[:110]}")
     for r in records:
         for gap in r.idle_gaps or []:
-            host = " > ".join(gap["host"][:2] + ["..."] + gap["host"][-3:] if len(gap["host"]) > 5 else gap["host"])
-            print(f"idle, rab {_on(r.rab)}: {gap['ms']:6.3f} ms before {gap['kernel'][:50]}; host: {host[:160]}")
+            print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: {describe_gap(gap)}")
     for line in gates(records, device):
         print(line)
     if args.json:

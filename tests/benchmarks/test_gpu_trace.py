@@ -1,7 +1,7 @@
 """benchmarks.gpu_trace on a hand-made chrome trace: the spans without a kernel, and the host operators around the
 launch of the kernel that ended each."""
 
-from benchmarks.gpu_trace import activity
+from benchmarks.gpu_trace import activity, describe_gap
 
 
 def _kernel(name, ts, dur, correlation):
@@ -44,3 +44,10 @@ def test_idle_gaps_are_the_spans_without_a_kernel_with_the_host_ops_that_launche
 def test_a_kernel_whose_launch_is_not_in_the_trace_has_no_host_ops():
     act = activity([_kernel("a", 0, 10, 1), _kernel("b", 30, 10, 2)])
     assert act.idle_gaps() == [{"ms": 0.02, "kernel": "b", "host": []}]
+
+
+def test_a_gap_reads_as_one_line_with_the_outer_and_inner_host_ops():
+    ops = ["step", "forward", "layer", "attention", "launch", "copy"]
+    line = describe_gap({"ms": 1.5, "kernel": "k", "host": ops})
+    assert line == " 1.500 ms idle before k; host: step > forward > ... > attention > launch > copy"
+    assert describe_gap({"ms": 0.25, "kernel": "k", "host": []}).endswith("host: ")
