@@ -1134,8 +1134,9 @@ def pair_buckets(
     :data:`PAIRED_BUCKETS`; time 0 without ``timestamps``), int16 [2, pairs]: in :func:`pair_layout` (key-major)
     and query-major (:func:`_pair_row_offsets`), computed once for a batch so that the attention of every layer and head
     reads them instead of computing them."""
-    # Zeros in the padding between a sample's rows or columns, which _pair_bias_kernel reads (a valid index).
-    pairs = torch.zeros(2, layout[1], dtype=torch.int16, device=offsets.device)
+    # The padding between a sample's rows or columns stays unwritten: only _pair_bias_kernel reads it, clamping
+    # the index into its table, and the bias there meets only scores that are masked.
+    pairs = torch.empty(2, layout[1], dtype=torch.int16, device=offsets.device)
     batch = offsets.numel() - 1
     if batch and max_len:
         block = 16 if _INTERPRET else 64
