@@ -47,7 +47,8 @@ Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (t
 attention and warm the allocator). Each step then waits for the device, so host work the device waits on (launches,
 the batch's packing) counts in it; ``b2b``: the same ``--reps`` steps launched back to back, as a training loop runs
 them, where the host's work for a step overlaps the device's for the one before, unless the step syncs;
-``--gaps N`` traces two steps back to back and prints where the device waited on the host. The
+``--gaps N`` traces two steps back to back and prints where the device waited on the host; on CUDA each row also
+counts the caching allocator's cudaMalloc, cudaFree and retries per b2b step (a cudaFree waits for the device). The
 attention alone: its forward + backward at the step's shapes and inputs (q, k, v of one layer, the model's rab
 weights, targets and timestamps), timed the same way and multiplied by the layers; its share of the step is an
 estimate (it runs alone, without the step's other kernels around it).
@@ -119,6 +120,10 @@ class Record:
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
     idle_gaps: Optional[list[dict]] = None  # --gaps: the longest spans without a kernel over 2 steps back to back
+    # Per step over the b2b steps (CUDA): the caching allocator's cudaMalloc and cudaFree calls and its retries
+    # (a retry frees cached blocks first); each cudaFree waits for the device, which then idles until the host
+    # catches up: what steady-state steps should show as 0.
+    allocator: Optional[dict[str, float]] = None
     skipped: Optional[str] = None
 
 
@@ -316,6 +321,14 @@ def kernel_breakdown(step: Callable[[], None], steps: int = 3, top: int = 12) ->
     return totals, other
 
 
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's counts of cudaMalloc, cudaFree and alloc retries so far ({} off CUDA)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(f"num_{key}", 0) for key in ("device_alloc", "device_free", "alloc_retries")}
+
+
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: str, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
@@ -355,12 +368,15 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: str, host_batch
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = other_kernels = gaps = None
+    breakdown = other_kernels = gaps = allocator = None
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
+        before = allocator_counts(device)
         back_to_back = call_times_ms(device, lambda: [step() for _ in range(args.reps)], 1, 0)[0] / args.reps
+        after = allocator_counts(device)
+        allocator = {key: (after[key] - before[key]) / args.reps for key in after} if after else None
         if args.breakdown and device.type == "cuda":
             breakdown, other_kernels = kernel_breakdown(step)
         if args.gaps and device.type == "cuda":
@@ -396,6 +412,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: str, host_batch
         breakdown_ms=breakdown,
         other_kernels_ms=other_kernels,
         idle_gaps=gaps,
+        allocator=allocator,
     )
 
 
@@ -516,6 +533,9 @@ def main(args: argparse.Namespace) -> int:
                 for name, ms in r.other_kernels_ms.items():
                     print(f"  {ms:7.3f}  {name[:110]}")
     for r in records:
+        if r.allocator:
+            counts = ", ".join(f"{key} {value:.1f}" for key, value in r.allocator.items())
+            print(f"rab {_on(r.rab)} compile {r.compiled}: allocator calls per b2b step: {counts}")
         for gap in r.idle_gaps or []:
             print(f"rab {_on(r.rab)} compile {r.compiled}: {describe_gap(gap)}")
     for line in gates(records, device):

@@ -69,6 +69,7 @@ def test_bench_runs_on_cpu_prints_the_table_and_writes_json(tmp_path, capsys):
     for r in records:
         assert keys <= set(r) and r["skipped"] is None and r["batch"] == 3
         assert r["step_ms"] > 0 and r["attention_ms"] > 0 and len(r["step_ms_reps"]) == 1 and r["back_to_back_ms"] > 0
+        assert r["allocator"] is None  # the CUDA caching allocator's counts: CUDA rows only
         assert r["tokens"] == sum(r["seq_lengths"]) and r["max_len"] == max(r["seq_lengths"])
         flops = bench.step_flops(
             np.array(r["seq_lengths"]), config.dim, config.num_layers, config.num_heads, config.head_dim
