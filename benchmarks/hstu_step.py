@@ -80,7 +80,7 @@ from kernels.hstu import hstu_attention
 from kernels.triton import triton_hstu_attention as hstu_kernels
 from pipelines.api.numerics import autocast
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.hstu import COMPILE_SCOPES, HSTU_PRESETS, HSTUConfig, HSTUModel
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.softmax import truncate
 
 LENGTHS = ("zipf", "full")
@@ -98,7 +98,7 @@ class Record:
     lengths: str
     rab: bool
     position_embeddings: bool
-    compiled: str  # off, or the torch.compile scope (HSTUConfig.compile_scope)
+    compiled: bool
     precision: str
     batch: int
     tokens: int
@@ -144,10 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="every row with the config's input position embeddings (with --rab off: recsys-examples' configuration)",
     )
     parser.add_argument(
-        "--compile",
-        default=None,
-        help="comma list of off and the scopes of torch.compile: layer, stack; on: the model's default scope "
-        "(default on,off on CUDA)",
+        "--compile", default=None, help="comma list of on, off: the layers under torch.compile (default on,off on CUDA)"
     )
     parser.add_argument("--breakdown", action="store_true", help="profile each row's steps: kernel time by part")
     parser.add_argument(
@@ -330,7 +327,7 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- one row
-def bench_one(args, preset: str, kind: str, rab: bool, compiled: str, host_batch: Batch, precision: str) -> Record:
+def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
     embeddings = args.position_embeddings
     config = HSTUConfig(
@@ -339,8 +336,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: str, host_batch
             "num_items": args.num_items,
             "rab": rab,
             "position_embeddings": embeddings,
-            "compile": compiled != "off",
-            **({"compile_scope": compiled} if compiled != "off" else {}),
+            "compile": compiled,
         }
     )
     lengths = sequence_lengths(host_batch, config.max_uih)
@@ -427,13 +423,13 @@ def _on(flag: bool) -> str:
 
 def table(records: list[Record]) -> str:
     head = (
-        "preset      lengths rab emb comp  prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
+        "preset      lengths rab emb comp prec         B  tokens max_len  step ms  attn ms  attn %  TFLOP/step"
         "  TFLOP/s  MFU %  1st s  b2b ms  b2b TFLOP/s"
     )
     lines = [head]
     for r in records:
         left = (
-            f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {r.compiled:<5} "
+            f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {_on(r.compiled):<4} "
             f"{r.precision:<8} {r.batch:>5} {r.tokens:>7} {r.max_len:>7}"
         )
         if r.skipped:
@@ -457,13 +453,13 @@ def table(records: list[Record]) -> str:
 def breakdown_table(records: list[Record]) -> str:
     """Each profiled row's kernel time per step by part, in ms and as a share of the step (CUDA events' median):
     ``other`` is the glue; ``idle`` the step's time with no kernel running (launch gaps, host work)."""
-    lines = ["preset      lengths rab emb comp  " + "".join(f"{p:>16}" for p in (*PARTS, "idle"))]
+    lines = ["preset      lengths rab emb comp " + "".join(f"{p:>16}" for p in (*PARTS, "idle"))]
     for r in records:
         if not r.breakdown_ms or not r.step_ms:
             continue
         parts = dict(r.breakdown_ms, idle=max(r.step_ms - sum(r.breakdown_ms.values()), 0.0))
         cells = "".join(f"{parts[p]:>8.2f} ({100 * parts[p] / r.step_ms:4.1f}%)" for p in (*PARTS, "idle"))
-        left = f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {r.compiled:<5}"
+        left = f"{r.preset:<11} {r.lengths:<7} {_on(r.rab):<3} {_on(r.position_embeddings):<3} {_on(r.compiled):<4}"
         lines.append(f"{left} {cells}")
     return "\n".join(lines)
 
@@ -478,7 +474,7 @@ def gates(records: list[Record], device: torch.device) -> list[str]:
         gate, aim = GATES_TFLOPS[r.rab]
         verdict = "met" if r.tflops >= gate else "NOT met"
         out.append(
-            f"gate {r.preset} {r.lengths} rab {_on(r.rab)} compile {r.compiled}"
+            f"gate {r.preset} {r.lengths} rab {_on(r.rab)} compile {_on(r.compiled)}"
             f"{', input position embeddings' if r.position_embeddings else ''}: step {r.tflops:.1f} TFLOP/s >= "
             f"{gate:.0f} (aim {aim:.0f}): {verdict}{'; aim met' if r.tflops >= aim else ''}"
         )
@@ -506,11 +502,7 @@ def main(args: argparse.Namespace) -> int:
     precision = args.precision or ("autocast" if cuda else "fp32")
     kinds = _choices("--lengths", args.lengths, LENGTHS)
     rabs = [x == "on" for x in _choices("--rab", args.rab, ("on", "off"))]
-    scope = HSTUConfig.compile_scope
-    compiles = [
-        scope if x == "on" else x
-        for x in _choices("--compile", args.compile or ("on,off" if cuda else "off"), ("on", "off", *COMPILE_SCOPES))
-    ]
+    compiles = [x == "on" for x in _choices("--compile", args.compile or ("on,off" if cuda else "off"), ("on", "off"))]
     lo, hi = parse_candidates(args.candidates)
     if args.batch_size < 1 or args.reps < 1 or args.warmup < 0:
         raise ValueError("--batch-size and --reps must be >= 1, --warmup >= 0")
@@ -529,15 +521,15 @@ def main(args: argparse.Namespace) -> int:
         print(breakdown_table(records))
         for r in records:
             if r.other_kernels_ms:
-                print(f"costliest 'other' kernels, rab {_on(r.rab)} compile {r.compiled} (ms per step):")
+                print(f"costliest 'other' kernels, rab {_on(r.rab)} compile {_on(r.compiled)} (ms per step):")
                 for name, ms in r.other_kernels_ms.items():
                     print(f"  {ms:7.3f}  {name[:110]}")
     for r in records:
         if r.allocator:
             counts = ", ".join(f"{key} {value:.1f}" for key, value in r.allocator.items())
-            print(f"rab {_on(r.rab)} compile {r.compiled}: allocator calls per b2b step: {counts}")
+            print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: allocator calls per b2b step: {counts}")
         for gap in r.idle_gaps or []:
-            print(f"rab {_on(r.rab)} compile {r.compiled}: {describe_gap(gap)}")
+            print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: {describe_gap(gap)}")
     for line in gates(records, device):
         print(line)
     if args.json:

@@ -41,8 +41,6 @@ from pipelines.models.softmax import Kept, truncate
 #: How the attention weights are normalized: ``max`` by one constant, the longest sequence the model is sized
 #: for (``max_uih + max_candidates``); ``sample`` by each sample's own length.
 SEQ_NORMS = ("max", "sample")
-#: :attr:`HSTUConfig.compile_scope` values.
-COMPILE_SCOPES = ("layer", "stack")
 #: The HSTU attention kernels a config may name (kernels.impl.Impl); None: the device's default.
 HSTU_ATTENTION_IMPLS = ("triton", "torch")
 
@@ -108,10 +106,6 @@ class HSTUConfig:
     """Each layer under torch.compile (inductor, dynamic shapes: one compile for every token count), the attention
     one opaque operator inside it, so that its memory-bound work (norms, SiLU, casts, the split, the gating and the
     residual) fuses into few kernels. None: on CUDA with the Triton attention; the eager layer is the twin."""
-    compile_scope: str = "layer"
-    """What one torch.compile region holds: ``layer`` (each layer its own, compiled once for all of them) or
-    ``stack`` (all layers in one graph, so one layer's residual sum fuses with the next one's norm, forward and
-    backward, at the price of a compile that grows with the layers)."""
 
     def __post_init__(self) -> None:
         for name in ("num_items", "num_actions", "dim", "num_layers", "num_heads", "head_dim", "num_labels"):
@@ -122,10 +116,6 @@ class HSTUConfig:
         _check(self.seq_norm in SEQ_NORMS, f"seq_norm must be one of {', '.join(SEQ_NORMS)}, got {self.seq_norm!r}")
         for name in ("position_buckets", "time_buckets"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        _check(
-            self.compile_scope in COMPILE_SCOPES,
-            f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}",
-        )
         _check(0.0 <= self.dropout < 1.0, f"dropout must lie in [0, 1), got {self.dropout}")
         _check(
             self.attention_impl is None or self.attention_impl in HSTU_ATTENTION_IMPLS,
@@ -261,16 +251,8 @@ class HSTUModel(nn.Module):
         if not self.compiles(device):
             return list(self.layers)
         if self._compiled is None:  # compiled wrappers, not submodules: the state dict is the eager layers'
-            if self.config.compile_scope == "stack":
-                self._compiled = [torch.compile(self._stack, dynamic=True)]
-            else:
-                self._compiled = [torch.compile(layer, dynamic=True) for layer in self.layers]
+            self._compiled = [torch.compile(layer, dynamic=True) for layer in self.layers]
         return self._compiled
-
-    def _stack(self, x: torch.Tensor, seq: Packing) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, seq)
-        return x
 
     def needs_plan(self, device: torch.device) -> bool:
         """False: the HSTU kernels read the batch's offsets alone, no host-built plan."""

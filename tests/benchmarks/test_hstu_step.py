@@ -88,7 +88,7 @@ def test_position_embeddings_flag_reaches_the_model_of_every_row(tmp_path, capsy
     assert bench.main(parser.parse_args([*flags.split(), "--position-embeddings", "--json", str(path)])) == 0
     (record,) = json.loads(path.read_text())["records"]
     assert (record["rab"], record["position_embeddings"]) == (False, True) and record["step_ms"] > 0
-    assert "zipf    off on  off   fp32" in capsys.readouterr().out
+    assert "zipf    off on  off  fp32" in capsys.readouterr().out
 
 
 def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():

@@ -18,7 +18,7 @@ import torch
 
 from fsdata.batch import Batch, Sample
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.hstu import COMPILE_SCOPES, HSTU_PRESETS, HSTUConfig, HSTUModel
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
 from pipelines.models.softmax import truncate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,17 +160,16 @@ def test_the_model_on_the_triton_kernel_has_the_twins_numbers():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("scope", COMPILE_SCOPES)
-def test_the_compiled_layers_have_the_eager_layers_numbers_and_compile_once(scope):
+def test_the_compiled_layers_have_the_eager_layers_numbers_and_compile_once():
     """On CUDA the layers run under torch.compile by default: logits and every gradient equal the eager layers'
     (compile=False, the same Triton attention) within bf16's rounding under autocast, and batches of other token
-    counts and longest samples reuse the graphs of the first (no recompiling per batch), in either scope."""
+    counts and longest samples reuse the one graph per layer (no recompiling per batch)."""
     import torch._dynamo
 
     from pipelines.api.numerics import autocast
 
     torch._dynamo.reset()
-    models = {compiled: _model(compile=compiled, compile_scope=scope).train().cuda() for compiled in (False, True)}
+    models = {compiled: _model(compile=compiled).train().cuda() for compiled in (False, True)}
     graphs = []
     for samples in (_samples(0), _samples(1)[:2], _samples(0) + _samples(2)):  # three token counts
         batch = Batch.from_samples(samples).to("cuda")
@@ -200,7 +199,6 @@ def test_the_configs_errors_are_one_line_and_the_presets_are_valid():
         (dict(seq_norm="mean"), "HSTUConfig: seq_norm must be one of max, sample, got 'mean'"),
         (dict(attention_impl="varlen"), "HSTUConfig: attention_impl must be one of triton, torch or None"),
         (dict(dropout=1.0), r"HSTUConfig: dropout must lie in \[0, 1\), got 1.0"),
-        (dict(compile_scope="model"), "HSTUConfig: compile_scope must be one of layer, stack, got 'model'"),
     ):
         with pytest.raises(ValueError, match=match):
             HSTUConfig(**bad)
