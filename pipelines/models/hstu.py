@@ -105,7 +105,8 @@ class HSTUConfig:
     compile: Optional[bool] = None
     """Each layer under torch.compile (inductor, dynamic shapes: one compile for every token count), the attention
     one opaque operator inside it, so that its memory-bound work (norms, SiLU, casts, the split, the gating and the
-    residual) fuses into few kernels. None: on CUDA with the Triton attention; the eager layer is the twin."""
+    residual) fuses into few kernels. None: on CUDA with the Triton attention; the eager layer is the twin. True
+    where the torch twin runs (CPU) is refused (:meth:`HSTUModel.compiles`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_items", "num_actions", "dim", "num_layers", "num_heads", "head_dim", "num_labels"):
