@@ -4,6 +4,7 @@ and the synthetic batch, and a run that prints the table and writes the JSON the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -129,3 +130,8 @@ def test_the_gates_read_each_rows_rab_and_its_glue():
     lines = bench.gates([record(False, 350.0, 5.0), record(True, 150.0, 12.0)], torch.device("cuda"))
     assert lines[0].endswith(">= 340 (aim 400): met") and lines[1] == "  glue 10% of the step (<= 15%): met"
     assert lines[2].endswith(">= 200 (aim 300): NOT met") and lines[3] == "  glue 24% of the step (<= 15%): NOT met"
+    # Back to back, the same gate on the steps' mean when launched without waiting (2 TFLOP in 8 ms: 250 TFLOP/s).
+    lines = bench.gates([dataclasses.replace(record(False, 300.0, 5.0), back_to_back_ms=8.0)], torch.device("cuda"))
+    assert lines[1] == "  back to back 250.0 TFLOP/s: NOT met"
+    lines = bench.gates([dataclasses.replace(record(True, 150.0, 5.0), back_to_back_ms=8.0)], torch.device("cuda"))
+    assert lines[0].endswith(": NOT met") and lines[1] == "  back to back 250.0 TFLOP/s: met"
