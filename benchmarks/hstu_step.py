@@ -326,6 +326,15 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {key: stats.get(f"num_{key}", 0) for key in ("device_alloc", "device_free", "alloc_retries")}
 
 
+def time_back_to_back(device: torch.device, step: Callable[[], None], reps: int) -> tuple[float, Optional[dict]]:
+    """The mean ms of ``reps`` steps launched without waiting between them, and the allocator's counts per step
+    over them (:func:`allocator_counts`; None off CUDA)."""
+    before = allocator_counts(device)
+    ms = call_times_ms(device, lambda: [step() for _ in range(reps)], 1, 0)[0] / reps
+    after = allocator_counts(device)
+    return ms, ({key: (after[key] - before[key]) / reps for key in after} if after else None)
+
+
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
@@ -364,15 +373,12 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = other_kernels = gaps = allocator = None
+    breakdown = other_kernels = gaps = None
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
-        before = allocator_counts(device)
-        back_to_back = call_times_ms(device, lambda: [step() for _ in range(args.reps)], 1, 0)[0] / args.reps
-        after = allocator_counts(device)
-        allocator = {key: (after[key] - before[key]) / args.reps for key in after} if after else None
+        back_to_back, allocator = time_back_to_back(device, step, args.reps)
         if args.breakdown and device.type == "cuda":
             breakdown, other_kernels = kernel_breakdown(step)
         if args.gaps and device.type == "cuda":
