@@ -126,6 +126,10 @@ class Record:
     allocator: Optional[dict[str, float]] = None
     skipped: Optional[str] = None
 
+    @property
+    def back_to_back_tflops(self) -> Optional[float]:
+        return None if self.back_to_back_ms is None else self.tflop * 1e3 / self.back_to_back_ms
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -450,7 +454,7 @@ def table(records: list[Record]) -> str:
             _fmt(None if r.mfu is None else 100 * r.mfu, "5.1f"),
             _fmt(r.first_step_s, "5.1f"),
             _fmt(r.back_to_back_ms, "6.2f"),
-            _fmt(None if r.back_to_back_ms is None else r.tflop * 1e3 / r.back_to_back_ms, "11.1f"),
+            _fmt(r.back_to_back_tflops, "11.1f"),
         ]
         lines.append(f"{left} " + "  ".join(cells))
     return "\n".join(lines)
@@ -485,7 +489,7 @@ def gates(records: list[Record], device: torch.device) -> list[str]:
             f"{gate:.0f} (aim {aim:.0f}): {verdict}{'; aim met' if r.tflops >= aim else ''}"
         )
         if r.back_to_back_ms:  # the same gate as a training loop runs the steps, the host's work overlapped
-            b2b = r.tflop * 1e3 / r.back_to_back_ms
+            b2b = r.back_to_back_tflops
             out.append(f"  back to back {b2b:.1f} TFLOP/s: {'met' if b2b >= gate else 'NOT met'}")
         if r.breakdown_ms and r.step_ms:
             glue = r.breakdown_ms["other"] / r.step_ms
