@@ -1,30 +1,104 @@
 """Device-time sweep of the Triton kernels' launch constants on the bench workload (GPU only).
 
     PYTHONPATH=. python3 scripts/tune_kernels.py --world-sizes 32,512   # one line per setting, median of 10 calls
+    PYTHONPATH=. python3 scripts/tune_kernels.py --hstu-dim 256 --hstu-shapes c,a   # the HSTU attention's tiles
 
-(PYTHONPATH=.: the workload is benchmarks/kernels.py's, which a source checkout holds and the wheel does not.)
+(PYTHONPATH=.: the workloads are benchmarks/kernels.py's and benchmarks/hstu.py's, which a source checkout holds
+and the wheel does not.)
 
 What it varies: ranged_dispatch's block and warps; the jagged gather's elements per program and warps
-(indexed_permute/global). The defaults in kernels/triton/ come from this sweep.
+(indexed_permute/global); with ``--hstu-dim``, each launch configuration of the HSTU attention's forward and dK/dV
+passes at that head dim (rab off, bf16; every other pass at its first configuration), timed alone as the
+deterministic mode runs it, and its output and gradients against the first one's. The defaults in kernels/triton/
+come from this sweep.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import statistics
 
+import numpy as np
 import torch
 
+from benchmarks import hstu as hstu_bench
 from benchmarks import kernels as bench
+from benchmarks.timing import call_times_ms
 from kernels import ops
+from kernels.attention import PackedOffsets
+from kernels.hstu import hstu_attention, hstu_sequences
 from kernels.impl import Impl
-from kernels.triton import triton_jagged_gather, triton_ranged
+from kernels.triton import triton_hstu_attention, triton_jagged_gather, triton_ranged
+
+
+def hstu_tiles(dim: int, shapes: list[str], heads: int = 4, device: torch.device = torch.device("cuda")) -> None:
+    """One line per launch configuration of the forward and the dK/dV pass at head dim ``dim``: forward and
+    forward+backward ms and TFLOP/s at each shape, and the largest difference from the first configuration's output
+    and gradients (relative to their largest magnitude)."""
+    module = triton_hstu_attention
+    width = min(w for w in module._FWD_CONFIGS if w >= dim)
+    runs = {}
+    for shape in shapes:
+        lengths = hstu_bench.lengths_of(shape, 0)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        data = hstu_bench._inputs(lengths, heads, dim, device, dtype, False)
+        host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+        seqs = hstu_sequences(PackedOffsets.from_host(host, device), device=device)
+        runs[shape] = (hstu_bench.fwd_flops(lengths, heads, dim), data, seqs, hstu_bench.SHAPES[shape]["cap"])
+    reference = {}
+    for table, name in ((module._FWD_CONFIGS, "_FWD"), (module._DKDV_CONFIGS, "_DKDV")):
+        kept = getattr(module, name)
+        for config in table[width]:
+            tuned = module._tuned(getattr(module, name.lower() + "_kernel"), {width: [config]}, True, key=module._KEY)
+            setattr(module, name, [tuned, tuned])
+            cells = [f"{name[1:].lower()} {config}"]
+            for shape, (flops, data, seqs, cap) in runs.items():
+                timing = _hstu_timing(device, data, seqs, cap, dim, flops, reference.setdefault(shape, []))
+                cells.append(f"{shape}: {timing}")
+            print(" | ".join(cells), flush=True)
+        setattr(module, name, kept)
+
+
+def _hstu_timing(device, data: dict, seqs, cap: int, dim: int, flops: float, reference: list) -> str:
+    leaves = [data[key] for key in ("q", "k", "v")]
+
+    def forward():
+        return hstu_attention(*leaves, seqs, alpha=1 / math.sqrt(dim), seq_norm=cap, deterministic=True)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        forward().backward(data["grad"])
+
+    try:
+        with torch.no_grad():
+            fwd = statistics.median(call_times_ms(device, forward, 10, 2))
+            out = forward().float()
+        forward_backward()
+        grads = [out] + [t.grad.float() for t in leaves]
+        both = statistics.median(call_times_ms(device, forward_backward, 8, 1))
+    except Exception as error:  # noqa: BLE001
+        # a configuration the device cannot run (its shared memory) is a result of the sweep, not its end
+        return f"fails: {type(error).__name__}: {str(error)[:100]}"
+    reference.extend(grads if not reference else [])
+    err = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-9) for g, r in zip(grads, reference))
+    return (
+        f"fwd {fwd:.3f} ms {flops / fwd / 1e9:.0f} TFLOP/s, f+b {both:.3f} ms {3.5 * flops / both / 1e9:.0f} "
+        f"TFLOP/s, off the first {err:.1e}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
+    parser.add_argument("--hstu-dim", type=int, default=0, help="the HSTU attention's tiles at this head dim only")
+    parser.add_argument("--hstu-shapes", default="c,a", help="benchmarks/hstu.py's shapes to time them at")
     args = parser.parse_args()
+    if args.hstu_dim:
+        hstu_tiles(args.hstu_dim, args.hstu_shapes.split(","))
+        return
     device = torch.device("cuda")
     timer = bench.Timer(device)
     for w in [int(x) for x in args.world_sizes.split(",")]:
