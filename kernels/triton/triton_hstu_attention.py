@@ -993,8 +993,8 @@ def _pair_bias_kernel(PAIRS, BIAS, RAB, total_pairs, table, H: tl.constexpr, BLO
 _FWD_CONFIGS = {
     64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
     128: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
-    # 128 x 64 with 8 warps first: two warpgroups on a query block, and key tiles wide enough for the tensor cores:
-    # 1.33x the forward at 64 x 32 (bench-notes, *The forward's tiles at head dim 256*).
+    # 128 x 64 with 8 warps first: two warpgroups on a query block, and key tiles wide enough for the tensor cores
+    # (bench-notes, *The forward's tiles at head dim 256*).
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 _DKDV_CONFIGS = {
