@@ -41,7 +41,7 @@ import math
 import platform
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -154,15 +154,20 @@ def _padded_gib(lengths: np.ndarray, heads: int, dtype: torch.dtype) -> float:
     return len(lengths) * heads * longest * longest * torch.finfo(dtype).bits / 8 / 2**30
 
 
-def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dtype: torch.dtype) -> Record:
-    lengths = lengths_of(shape, args.seed)
-    cap = SHAPES[shape]["cap"]
-    base = dict(shape=shape, dim=dim, variant=variant, batch=len(lengths), tokens=int(lengths.sum()))
-    base["max_len"] = int(lengths.max())
-    if variant == "padded" and _padded_gib(lengths, args.heads, dtype) > args.padded_max_gib:
-        return skipped(shape, dim, variant, args.seed, f"{_padded_gib(lengths, args.heads, dtype):.0f} GiB of scores")
+def attention_calls(
+    lengths: np.ndarray,
+    heads: int,
+    dim: int,
+    variant: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_norm: int,
+    deterministic: bool = False,
+) -> tuple[dict, Callable[[], torch.Tensor], Callable[[], None]]:
+    """One row's workload: its inputs (:func:`_inputs`), and the attention's forward and its forward+backward (the
+    gradients cleared first) as calls to time, built as a model builds them for all its layers."""
     rab = variant.startswith("triton-rab")
-    data = _inputs(lengths, args.heads, dim, device, dtype, rab)
+    data = _inputs(lengths, heads, dim, device, dtype, rab)
     host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
     impl = "triton" if variant.startswith("triton") else variant
     offsets = PackedOffsets.from_host(host, device if device.type == "cuda" else None)
@@ -182,8 +187,9 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
             data["v"],
             seqs,
             alpha=1.0 / math.sqrt(dim),
-            seq_norm=cap,
+            seq_norm=seq_norm,
             impl=impl,
+            deterministic=deterministic,
             **extra,
         )
 
@@ -192,6 +198,17 @@ def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dt
             t.grad = None
         forward().backward(data["grad"])
 
+    return data, forward, forward_backward
+
+
+def bench_one(args, shape: str, dim: int, variant: str, device: torch.device, dtype: torch.dtype) -> Record:
+    lengths = lengths_of(shape, args.seed)
+    cap = SHAPES[shape]["cap"]
+    base = dict(shape=shape, dim=dim, variant=variant, batch=len(lengths), tokens=int(lengths.sum()))
+    base["max_len"] = int(lengths.max())
+    if variant == "padded" and _padded_gib(lengths, args.heads, dtype) > args.padded_max_gib:
+        return skipped(shape, dim, variant, args.seed, f"{_padded_gib(lengths, args.heads, dtype):.0f} GiB of scores")
+    _, forward, forward_backward = attention_calls(lengths, args.heads, dim, variant, device, dtype, cap)
     with torch.no_grad():
         fwd_ms = statistics.median(call_times_ms(device, forward, args.reps, args.warmup))
     fwd_bwd_ms = statistics.median(call_times_ms(device, forward_backward, args.reps, args.warmup))

@@ -17,73 +17,60 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import statistics
 
-import numpy as np
 import torch
 
 from benchmarks import hstu as hstu_bench
 from benchmarks import kernels as bench
 from benchmarks.timing import call_times_ms
 from kernels import ops
-from kernels.attention import PackedOffsets
-from kernels.hstu import hstu_attention, hstu_sequences
 from kernels.impl import Impl
 from kernels.triton import triton_hstu_attention, triton_jagged_gather, triton_ranged
 
 
 def hstu_tiles(dim: int, shapes: list[str], heads: int = 4, device: torch.device = torch.device("cuda")) -> None:
     """One line per launch configuration of the forward and the dK/dV pass at head dim ``dim``: forward and
-    forward+backward ms and TFLOP/s at each shape, and the largest difference from the first configuration's output
-    and gradients (relative to their largest magnitude)."""
+    forward+backward ms and TFLOP/s at each shape (benchmarks/hstu.py's workload, rab off), and the largest
+    difference from the first configuration's output and gradients (relative to their largest magnitude)."""
     module = triton_hstu_attention
-    width = min(w for w in module._FWD_CONFIGS if w >= dim)
+    width = min(w for w in module._FWD_CONFIGS if w >= dim)  # the head-width class the kernels' autotuner takes
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     runs = {}
     for shape in shapes:
         lengths = hstu_bench.lengths_of(shape, 0)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        data = hstu_bench._inputs(lengths, heads, dim, device, dtype, False)
-        host = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-        seqs = hstu_sequences(PackedOffsets.from_host(host, device), device=device)
-        runs[shape] = (hstu_bench.fwd_flops(lengths, heads, dim), data, seqs, hstu_bench.SHAPES[shape]["cap"])
-    reference = {}
-    for table, name in ((module._FWD_CONFIGS, "_FWD"), (module._DKDV_CONFIGS, "_DKDV")):
+        calls = hstu_bench.attention_calls(
+            lengths, heads, dim, "triton", device, dtype, hstu_bench.SHAPES[shape]["cap"], deterministic=True
+        )
+        runs[shape] = (hstu_bench.fwd_flops(lengths, heads, dim), *calls)
+    reference: dict[str, list] = {}
+    passes = (("_FWD", module._fwd_kernel, module._FWD_CONFIGS), ("_DKDV", module._dkdv_kernel, module._DKDV_CONFIGS))
+    for name, kernel, table in passes:
         kept = getattr(module, name)
         for config in table[width]:
-            tuned = module._tuned(getattr(module, name.lower() + "_kernel"), {width: [config]}, True, key=module._KEY)
-            setattr(module, name, [tuned, tuned])
+            tuned = module._tuned(kernel, {width: [config]}, True, key=module._KEY)
+            setattr(module, name, [tuned, tuned])  # both modes: the deterministic one's is what the calls launch
             cells = [f"{name[1:].lower()} {config}"]
-            for shape, (flops, data, seqs, cap) in runs.items():
-                timing = _hstu_timing(device, data, seqs, cap, dim, flops, reference.setdefault(shape, []))
-                cells.append(f"{shape}: {timing}")
+            for shape, run in runs.items():
+                cells.append(f"{shape}: {_hstu_timing(device, *run, reference.setdefault(shape, []))}")
             print(" | ".join(cells), flush=True)
         setattr(module, name, kept)
 
 
-def _hstu_timing(device, data: dict, seqs, cap: int, dim: int, flops: float, reference: list) -> str:
-    leaves = [data[key] for key in ("q", "k", "v")]
-
-    def forward():
-        return hstu_attention(*leaves, seqs, alpha=1 / math.sqrt(dim), seq_norm=cap, deterministic=True)
-
-    def forward_backward():
-        for t in leaves:
-            t.grad = None
-        forward().backward(data["grad"])
-
+def _hstu_timing(device, flops: float, data: dict, forward, forward_backward, reference: list) -> str:
     try:
         with torch.no_grad():
             fwd = statistics.median(call_times_ms(device, forward, 10, 2))
             out = forward().float()
         forward_backward()
-        grads = [out] + [t.grad.float() for t in leaves]
+        results = [out] + [data[key].grad.float() for key in ("q", "k", "v")]
         both = statistics.median(call_times_ms(device, forward_backward, 8, 1))
     except Exception as error:  # noqa: BLE001
         # a configuration the device cannot run (its shared memory) is a result of the sweep, not its end
         return f"fails: {type(error).__name__}: {str(error)[:100]}"
-    reference.extend(grads if not reference else [])
-    err = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-9) for g, r in zip(grads, reference))
+    if not reference:
+        reference.extend(results)
+    err = max((g - r).abs().max().item() / max(r.abs().max().item(), 1e-9) for g, r in zip(results, reference))
     return (
         f"fwd {fwd:.3f} ms {flops / fwd / 1e9:.0f} TFLOP/s, f+b {both:.3f} ms {3.5 * flops / both / 1e9:.0f} "
         f"TFLOP/s, off the first {err:.1e}"
