@@ -23,11 +23,13 @@
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, eager/compiled,
 #                                        # input embeddings: TFLOP/s, MFU, kernel time by part (< 10 min)
+#   bash scripts/gpu_suite.sh hstu-tiles # the attention's launch configurations at head dim 256, shape c, rab off with
+#                                        # dK/dV candidates beyond the table, then rab on (~6 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, softmax and HSTU models (~6 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|hstu-step|hstu-replay|hstu-e2e|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|hstu-step|hstu-tiles|hstu-replay|hstu-e2e|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -157,6 +159,13 @@ PY
     timeout 200 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off \
       --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | tail -4
     ;;
+  hstu-tiles)
+    echo "== the forward's and the dK/dV pass's launch configurations at head dim 256, shape c, rab off, deterministic mode"
+    timeout 300 python3 scripts/tune_kernels.py --hstu-dim 256 --hstu-shapes c --hstu-try dkdv:32x64x8x3 \
+      --hstu-try dkdv:64x64x4x2 --hstu-try dkdv:128x64x8x1 --hstu-try dkdv:16x64x4x3 2>&1 | grep -v Warn
+    echo "== the same, rab on"
+    timeout 200 python3 scripts/tune_kernels.py --hstu-dim 256 --hstu-shapes c --hstu-variant triton-rab 2>&1 | grep -v Warn
+    ;;
   hstu-replay)
     echo "== GPU test: --memory-budget auto's probe on the HSTU model predicts a 16-copy batch's peak"
     FREESCALE_HSTU_AUTOTUNE=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/pipelines/test_memory_probe.py 2>&1 | tail -3
@@ -198,6 +207,6 @@ PY
       --no-progress --summary-json "$OUT/train_gpu.json" 2>&1 | tail -12
     ;;
   *)
-    echo "unknown part $PART: choose check, hstu, hstu-dims, hstu-step, hstu-replay, hstu-e2e, e2e, replay, trace, pairs, allreduce, stalls, exclusive, attention, deterministic, long or transport" >&2; exit 2
+    echo "unknown part $PART: choose check, hstu, hstu-dims, hstu-step, hstu-tiles, hstu-replay, hstu-e2e, e2e, replay, trace, pairs, allreduce, stalls, exclusive, attention, deterministic, long or transport" >&2; exit 2
     ;;
 esac

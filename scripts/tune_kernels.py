@@ -2,15 +2,16 @@
 
     PYTHONPATH=. python3 scripts/tune_kernels.py --world-sizes 32,512   # one line per setting, median of 10 calls
     PYTHONPATH=. python3 scripts/tune_kernels.py --hstu-dim 256 --hstu-shapes c,a   # the HSTU attention's tiles
+    PYTHONPATH=. python3 scripts/tune_kernels.py --hstu-dim 256 --hstu-try dkdv:32x64x8x3   # and a candidate
 
 (PYTHONPATH=.: the workloads are benchmarks/kernels.py's and benchmarks/hstu.py's, which a source checkout holds
 and the wheel does not.)
 
 What it varies: ranged_dispatch's block and warps; the jagged gather's elements per program and warps
 (indexed_permute/global); with ``--hstu-dim``, each launch configuration of the HSTU attention's forward and dK/dV
-passes at that head dim (rab off, bf16; every other pass at its first configuration), timed alone as the
-deterministic mode runs it, and its output and gradients against the first one's. The defaults in kernels/triton/
-come from this sweep.
+passes at that head dim (bf16, ``--hstu-variant``: rab off or on; every other pass at its first configuration), and
+each ``--hstu-try`` candidate after them, timed alone as the deterministic mode runs it, and its output and
+gradients against the first one's. The defaults in kernels/triton/ come from this sweep.
 """
 
 from __future__ import annotations
@@ -29,10 +30,18 @@ from kernels.impl import Impl
 from kernels.triton import triton_hstu_attention, triton_jagged_gather, triton_ranged
 
 
-def hstu_tiles(dim: int, shapes: list[str], heads: int = 4, device: torch.device = torch.device("cuda")) -> None:
-    """One line per launch configuration of the forward and the dK/dV pass at head dim ``dim``: forward and
-    forward+backward ms and TFLOP/s at each shape (benchmarks/hstu.py's workload, rab off), and the largest
-    difference from the first configuration's output and gradients (relative to their largest magnitude)."""
+def hstu_tiles(
+    dim: int,
+    shapes: list[str],
+    variant: str = "triton",
+    tries: dict[str, list[tuple[int, int, int, int]]] | None = None,
+    heads: int = 4,
+    device: torch.device = torch.device("cuda"),
+) -> None:
+    """One line per launch configuration of the forward and the dK/dV pass at head dim ``dim`` (the table's, then
+    ``tries``' for that pass): forward and forward+backward ms and TFLOP/s at each shape (benchmarks/hstu.py's
+    workload, ``variant``), and the largest difference from the first configuration's output and gradients
+    (relative to their largest magnitude)."""
     module = triton_hstu_attention
     width = min(w for w in module._FWD_CONFIGS if w >= dim)  # the head-width class the kernels' autotuner takes
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -40,14 +49,14 @@ def hstu_tiles(dim: int, shapes: list[str], heads: int = 4, device: torch.device
     for shape in shapes:
         lengths = hstu_bench.lengths_of(shape, 0)
         calls = hstu_bench.attention_calls(
-            lengths, heads, dim, "triton", device, dtype, hstu_bench.SHAPES[shape]["cap"], deterministic=True
+            lengths, heads, dim, variant, device, dtype, hstu_bench.SHAPES[shape]["cap"], deterministic=True
         )
         runs[shape] = (hstu_bench.fwd_flops(lengths, heads, dim), *calls)
     reference: dict[str, list] = {}
     passes = (("_FWD", module._fwd_kernel, module._FWD_CONFIGS), ("_DKDV", module._dkdv_kernel, module._DKDV_CONFIGS))
     for name, kernel, table in passes:
         kept = getattr(module, name)
-        for config in table[width]:
+        for config in table[width] + (tries or {}).get(name[1:].lower(), []):
             tuned = module._tuned(kernel, {width: [config]}, True, key=module._KEY)
             setattr(module, name, [tuned, tuned])  # both modes: the deterministic one's is what the calls launch
             cells = [f"{name[1:].lower()} {config}"]
@@ -77,14 +86,35 @@ def _hstu_timing(device, flops: float, data: dict, forward, forward_backward, re
     )
 
 
+def _candidate(text: str) -> tuple[str, tuple[int, int, int, int]]:
+    """``--hstu-try``'s ``PASS:MxNxWxS`` as (pass, config)."""
+    name, _, config = text.partition(":")
+    numbers = config.split("x")
+    if name not in ("fwd", "dkdv") or len(numbers) != 4 or not all(n.isdigit() for n in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r}: want fwd or dkdv, then BLOCK_M x BLOCK_N x warps x stages")
+    return name, tuple(int(n) for n in numbers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     parser.add_argument("--hstu-dim", type=int, default=0, help="the HSTU attention's tiles at this head dim only")
     parser.add_argument("--hstu-shapes", default="c,a", help="benchmarks/hstu.py's shapes to time them at")
+    parser.add_argument("--hstu-variant", default="triton", choices=("triton", "triton-rab"), help="rab off or on")
+    parser.add_argument(
+        "--hstu-try",
+        action="append",
+        default=[],
+        type=_candidate,
+        metavar="PASS:MxNxWxS",
+        help="a launch configuration to time after the table's: fwd or dkdv, BLOCK_M x BLOCK_N x warps x stages",
+    )
     args = parser.parse_args()
     if args.hstu_dim:
-        hstu_tiles(args.hstu_dim, args.hstu_shapes.split(","))
+        tries: dict[str, list[tuple[int, int, int, int]]] = {}
+        for name, config in args.hstu_try:
+            tries.setdefault(name, []).append(config)
+        hstu_tiles(args.hstu_dim, args.hstu_shapes.split(","), args.hstu_variant, tries)
         return
     device = torch.device("cuda")
     timer = bench.Timer(device)
