@@ -47,7 +47,8 @@ Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (t
 attention and warm the allocator). Each step then waits for the device, so host work the device waits on (launches,
 the batch's packing) counts in it; ``b2b``: the same ``--reps`` steps launched back to back, as a training loop runs
 them, where the host's work for a step overlaps the device's for the one before, unless the step syncs;
-``--gaps N`` traces two steps back to back and prints where the device waited on the host; on CUDA each row also
+``--gaps N`` traces two steps back to back and prints where the device waited on the host, and the Python lines
+of one step's synchronizing CUDA calls (where the device's queue drains); on CUDA each row also
 counts the caching allocator's cudaMalloc, cudaFree and retries per b2b step (a cudaFree waits for the device). The
 attention alone: its forward + backward at the step's shapes and inputs (q, k, v of one layer, the model's rab
 weights, targets and timestamps), timed the same way and multiplied by the layers; its share of the step is an
@@ -62,11 +63,14 @@ matmul, attention nor optimizer) <= 15% of the step.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -120,6 +124,8 @@ class Record:
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
     idle_gaps: Optional[list[dict]] = None  # --gaps: the longest spans without a kernel over 2 steps back to back
+    # --gaps: one step's synchronizing CUDA calls by the Python line that made them (host_syncs)
+    host_syncs: Optional[dict[str, int]] = None
     # Per step over the b2b steps (CUDA): the caching allocator's cudaMalloc and cudaFree calls and its retries
     # (a retry frees cached blocks first); each cudaFree waits for the device, which then idles until the host
     # catches up: what steady-state steps should show as 0.
@@ -330,6 +336,22 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {key: stats.get(f"num_{key}", 0) for key in ("device_alloc", "device_free", "alloc_retries")}
 
 
+def host_syncs(step: Callable[[], None]) -> dict[str, int]:
+    """One step's synchronizing CUDA calls (torch.cuda.set_sync_debug_mode), counted by the Python line each came
+    from (``file:line``): at each the host waits for the device's queue to drain, and the device then idles until
+    the host launches again, which back-to-back steps cannot overlap."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    lines = (f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
+    return dict(collections.Counter(lines))
+
+
 def time_back_to_back(device: torch.device, step: Callable[[], None], reps: int) -> tuple[float, Optional[dict]]:
     """The mean ms of ``reps`` steps launched without waiting between them, and the allocator's counts per step
     over them (:func:`allocator_counts`; None off CUDA)."""
@@ -377,7 +399,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = other_kernels = gaps = None
+    breakdown = other_kernels = gaps = syncs = None
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
@@ -387,6 +409,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
             breakdown, other_kernels = kernel_breakdown(step)
         if args.gaps and device.type == "cuda":
             gaps = trace(lambda: [step() for _ in range(2)]).idle_gaps(args.gaps)
+            syncs = host_syncs(step)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
@@ -418,6 +441,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         breakdown_ms=breakdown,
         other_kernels_ms=other_kernels,
         idle_gaps=gaps,
+        host_syncs=syncs,
         allocator=allocator,
     )
 
@@ -543,6 +567,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: allocator calls per b2b step: {counts}")
         for gap in r.idle_gaps or []:
             print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: {describe_gap(gap)}")
+        if r.host_syncs is not None:
+            where = ", ".join(f"{line} x{n}" for line, n in r.host_syncs.items()) or "none"
+            print(f"rab {_on(r.rab)} compile {_on(r.compiled)}: synchronizing CUDA calls in one step: {where}")
     for line in gates(records, device):
         print(line)
     if args.json:
