@@ -361,6 +361,15 @@ def time_back_to_back(device: torch.device, step: Callable[[], None], reps: int)
     return ms, ({key: (after[key] - before[key]) / reps for key in after} if after else None)
 
 
+def where_time_goes(step: Callable[[], None], breakdown: bool, gaps: int) -> tuple:
+    """A CUDA row's diagnostics, each None where not asked for: with ``breakdown``, :func:`kernel_breakdown`'s
+    two dicts; with ``gaps``, the ``gaps`` longest idle spans of two steps back to back and :func:`host_syncs`."""
+    parts, other = kernel_breakdown(step) if breakdown else (None, None)
+    if not gaps:
+        return parts, other, None, None
+    return parts, other, trace(lambda: [step() for _ in range(2)]).idle_gaps(gaps), host_syncs(step)
+
+
 # ---------------------------------------------------------------- one row
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
@@ -399,17 +408,14 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
     model = HSTUModel(config).to(device).train()
     if precision == "bf16":
         model = model.to(torch.bfloat16)
-    breakdown = other_kernels = gaps = syncs = None
+    breakdown = other_kernels = gaps = syncs = None  # filled on CUDA only
     try:
         step = build_step(model, batch, precision, device)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
         back_to_back, allocator = time_back_to_back(device, step, args.reps)
-        if args.breakdown and device.type == "cuda":
-            breakdown, other_kernels = kernel_breakdown(step)
-        if args.gaps and device.type == "cuda":
-            gaps = trace(lambda: [step() for _ in range(2)]).idle_gaps(args.gaps)
-            syncs = host_syncs(step)
+        if device.type == "cuda":
+            breakdown, other_kernels, gaps, syncs = where_time_goes(step, args.breakdown, args.gaps)
         attention = time_attention(model, batch, precision, device, args.reps, args.warmup) * config.num_layers
     except torch.OutOfMemoryError:
         return Record(
