@@ -59,7 +59,10 @@ class GpuActivity:
         and the torch operators the host was in when it launched that kernel (outermost first): where the device
         waited on the host."""
         longest = sorted(self._gaps(), key=lambda g: -g[0])[:top]
-        return [{"ms": gap / 1e3, "kernel": k["name"], "host": self._host_ops_at(k)} for gap, k in longest]
+        return [
+            {"ms": gap / 1e3, "kernel": k["name"], "host": self._host_ops_at(k), "busy": self._busy(k["ts"] - gap, k)}
+            for gap, k in longest
+        ]
 
     def idle_ms(self) -> float:
         """Milliseconds with no kernel running between the first kernel's start and the last one's end."""
@@ -72,6 +75,15 @@ class GpuActivity:
                 gaps.append((k["ts"] - end, k))
             end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
         return gaps
+
+    def _busy(self, start: float, kernel: dict, most: int = 3) -> list[str]:
+        """What kept the host from launching ``kernel`` sooner: the innermost torch operators (any thread) that ran
+        through at least half of the span from ``start`` (the device idle) to the kernel's launch, shortest first."""
+        launch = self.launches.get(kernel.get("correlation", -1))
+        end = launch["ts"] if launch is not None else kernel["ts"]
+        span = max(end - start, 1e-9)
+        held = [op for op in self.host_ops if min(end, op["ts"] + op["dur"]) - max(start, op["ts"]) >= span / 2]
+        return [f"{op['name']} {op['dur'] / 1e3:.2f} ms" for op in sorted(held, key=lambda op: op["dur"])[:most]]
 
     def _host_ops_at(self, kernel: dict) -> list[str]:
         launch = self.launches.get(kernel.get("correlation", -1))
@@ -90,7 +102,8 @@ def describe_gap(gap: dict) -> str:
     (the outermost two and the innermost three)."""
     ops = gap["host"]
     host = " > ".join(ops[:2] + ["..."] + ops[-3:] if len(ops) > 5 else ops)
-    return f"{gap['ms']:6.3f} ms idle before {gap['kernel'][:50]}; host: {host[:160]}"
+    busy = f"; host busy in: {', '.join(gap['busy'])[:200]}" if gap.get("busy") else ""
+    return f"{gap['ms']:6.3f} ms idle before {gap['kernel'][:50]}; host: {host[:160]}{busy}"
 
 
 def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

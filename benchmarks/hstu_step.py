@@ -70,6 +70,7 @@ import math
 import os
 import platform
 import statistics
+import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -336,20 +337,27 @@ def allocator_counts(device: torch.device) -> dict[str, int]:
     return {key: stats.get(f"num_{key}", 0) for key in ("device_alloc", "device_free", "alloc_retries")}
 
 
-def host_syncs(step: Callable[[], None]) -> dict[str, int]:
-    """One step's synchronizing CUDA calls (torch.cuda.set_sync_debug_mode), counted by the Python line each came
-    from (``file:line``): at each the host waits for the device's queue to drain, and the device then idles until
-    the host launches again, which back-to-back steps cannot overlap."""
+def host_syncs(step: Callable[[], None], depth: int = 4) -> dict[str, int]:
+    """One step's synchronizing CUDA calls (torch.cuda.set_sync_debug_mode), counted by where each came from: the
+    innermost ``depth`` Python frames (``file:line < caller:line``). At each the host waits for the device's queue
+    to drain, and the device then idles until the host launches again, which back-to-back steps cannot overlap."""
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    stacks: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            stacks[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:depth])] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    lines = (f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught if "synchronizing" in str(w.message))
-    return dict(collections.Counter(lines))
+    return dict(stacks)
 
 
 def time_back_to_back(device: torch.device, step: Callable[[], None], reps: int) -> tuple[float, Optional[dict]]:

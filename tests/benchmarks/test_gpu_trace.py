@@ -1,5 +1,5 @@
-"""benchmarks.gpu_trace on a hand-made chrome trace: the spans without a kernel, and the host operators around the
-launch of the kernel that ended each."""
+"""benchmarks.gpu_trace on a hand-made chrome trace: the spans without a kernel, the host operators around the
+launch of the kernel that ended each, and those the host spent the span in."""
 
 from benchmarks.gpu_trace import activity, describe_gap
 
@@ -36,6 +36,7 @@ def test_idle_gaps_are_the_spans_without_a_kernel_with_the_host_ops_that_launche
     act = activity(events)
     assert [k["name"] for k in act.kernels] == ["a", "b", "c", "d"] and len(act.memcpys) == 1
     gaps = act.idle_gaps(top=1)
+    assert gaps[0].pop("busy") == ["aten::copy_ 0.19 ms", "step 0.50 ms"]  # through half the 230 us before c's launch
     assert gaps == [{"ms": 0.25, "kernel": "c", "host": ["step", "aten::copy_", "my_kernel_op"]}]
     assert [g["kernel"] for g in act.idle_gaps(top=5)] == ["c", "d"]
     assert act.idle_ms() == 0.26
@@ -43,7 +44,7 @@ def test_idle_gaps_are_the_spans_without_a_kernel_with_the_host_ops_that_launche
 
 def test_a_kernel_whose_launch_is_not_in_the_trace_has_no_host_ops():
     act = activity([_kernel("a", 0, 10, 1), _kernel("b", 30, 10, 2)])
-    assert act.idle_gaps() == [{"ms": 0.02, "kernel": "b", "host": []}]
+    assert act.idle_gaps() == [{"ms": 0.02, "kernel": "b", "host": [], "busy": []}]
 
 
 def test_a_gap_reads_as_one_line_with_the_outer_and_inner_host_ops():
@@ -51,3 +52,5 @@ def test_a_gap_reads_as_one_line_with_the_outer_and_inner_host_ops():
     line = describe_gap({"ms": 1.5, "kernel": "k", "host": ops})
     assert line == " 1.500 ms idle before k; host: step > forward > ... > attention > launch > copy"
     assert describe_gap({"ms": 0.25, "kernel": "k", "host": []}).endswith("host: ")
+    busy = describe_gap({"ms": 0.25, "kernel": "k", "host": [], "busy": ["aten::copy_ 0.19 ms"]})
+    assert busy.endswith("host: ; host busy in: aten::copy_ 0.19 ms")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -135,3 +136,23 @@ def test_the_gates_read_each_rows_rab_and_its_glue():
     assert lines[1] == "  back to back 250.0 TFLOP/s: NOT met"
     lines = bench.gates([dataclasses.replace(record(True, 150.0, 5.0), back_to_back_ms=8.0)], torch.device("cuda"))
     assert lines[0].endswith(": NOT met") and lines[1] == "  back to back 250.0 TFLOP/s: met"
+
+
+def test_host_syncs_counts_each_synchronizing_call_by_its_stack(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def syncing():  # what torch's sync debug mode raises at a synchronizing call
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def step():
+        for _ in range(2):  # one place: one stack, counted twice
+            syncing()
+        warnings.warn("some other warning")
+
+    syncs = bench.host_syncs(step, depth=2)
+    assert list(syncs.values()) == [2]
+    inner, caller = next(iter(syncs)).split(" < ")
+    assert inner.startswith("test_hstu_step.py:") and caller.startswith("test_hstu_step.py:")
+    assert modes == ["warn", 0]  # the mode is restored after the step
