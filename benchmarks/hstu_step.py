@@ -2,10 +2,12 @@
 TFLOP/s and MFU.
 
 The step is what the job's step does around the model, without the loader: forward, BCE loss, backward,
-optimizer step (Adam, fused on CUDA), gradients cleared. The item table is a plain local ``nn.Embedding`` of
-``--num-items`` rows (default 100,000): the job shards its table across ranks, so this step times the dense part
-plus a local lookup, and the dense Adam update of that small table (at width 1024 about 0.1 G parameters, a
-memory-bound pass the FLOP count leaves out).
+optimizer step (Adam, fused on CUDA, on the dense parameters), gradients cleared. The item table is a local
+``nn.Embedding`` of ``--num-items`` rows (default 100,000) that the job would shard across ranks. ``--table-update``:
+``rows`` (the default) updates it as the job's sharded table is updated, the looked-up rows only, by fsembed's
+row-wise (lazy) Adam from the lookup's sparse gradient; ``dense`` by torch's fused Adam over the whole table with
+the dense parameters (at width 1024 about 0.1 G parameters read and written every step, a memory-bound pass no
+recommender makes over its tables). The FLOP count leaves both out.
 
 Precision (``--precision``): ``autocast`` (the default on CUDA) is how the job trains (pipelines.api.numerics):
 fp32 master weights and Adam states, the forward and the loss under bf16 autocast (matmuls and the attention in
@@ -81,6 +83,7 @@ import torch
 from benchmarks.gpu_trace import describe_gap, trace
 from benchmarks.timing import call_times_ms, kernel_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
+from fsembed import optim as fsembed_optim
 from kernels.hstu import hstu_attention
 from kernels.triton import triton_hstu_attention as hstu_kernels
 from pipelines.api.numerics import autocast
@@ -95,6 +98,7 @@ PEAK_TFLOPS = 989.0  # H200 / H100 SXM dense bf16 tensor cores
 GATES_TFLOPS = {False: (340.0, 400.0), True: (200.0, 300.0)}
 GLUE_GATE = 0.15
 CONTENT_IDS = (1, 3)  # content ids per candidate, inclusive
+TABLE_UPDATES = ("rows", "dense")
 
 
 @dataclass
@@ -132,6 +136,7 @@ class Record:
     # catches up: what steady-state steps should show as 0.
     allocator: Optional[dict[str, float]] = None
     skipped: Optional[str] = None
+    table_update: str = "rows"  # --table-update
 
     @property
     def back_to_back_tflops(self) -> Optional[float]:
@@ -156,6 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile", default=None, help="comma list of on, off: the layers under torch.compile (default on,off on CUDA)"
+    )
+    parser.add_argument(
+        "--table-update",
+        choices=TABLE_UPDATES,
+        default="rows",
+        help="the item table's update: its looked-up rows (fsembed's row-wise Adam, as the job) or dense Adam",
     )
     parser.add_argument("--breakdown", action="store_true", help="profile each row's steps: kernel time by part")
     parser.add_argument(
@@ -242,10 +253,18 @@ def step_flops(lengths: np.ndarray, dim: int, num_layers: int, num_heads: int, h
     return dict(linear=linear, attention=attention, total=linear + attention)
 
 
-def build_step(model: HSTUModel, batch: Batch, precision: str, device: torch.device) -> Callable[[], None]:
+def build_step(
+    model: HSTUModel, batch: Batch, precision: str, device: torch.device, table_update: str = "rows"
+) -> Callable[[], None]:
     """The training step on ``batch``: forward and loss (under bf16 autocast for ``autocast``), backward, Adam
-    (fused on CUDA), gradients cleared."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    (fused on CUDA), gradients cleared; the item table updated by ``table_update`` (module docstring)."""
+    table = model.item_embedding
+    rows = table_update == "rows"
+    table.sparse = rows  # the lookup's gradient: its rows and ids, as a sharded table's backward hands them over
+    dense = [p for p in model.parameters() if not (rows and p is table.weight)]
+    optimizer = torch.optim.Adam(dense, lr=1e-3, fused=device.type == "cuda")
+    row_adam = fsembed_optim.Adam(lr=1e-3)
+    state = row_adam.init_state(table.weight) if rows else {}
     dtype = torch.bfloat16 if precision == "autocast" else None  # bf16 and fp32: the parameters' own dtype
 
     def step() -> None:
@@ -253,6 +272,10 @@ def build_step(model: HSTUModel, batch: Batch, precision: str, device: torch.dev
             loss = binary_cross_entropy_sum(model(batch).float(), batch.candidate_labels)
         loss.backward()
         optimizer.step()
+        if rows:
+            grad, table.weight.grad = table.weight.grad, None
+            with torch.no_grad():
+                row_adam.apply(table.weight, state, grad._indices()[0], grad._values())
         optimizer.zero_grad(set_to_none=True)
 
     return step
@@ -408,6 +431,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         attention_tflop=flops["attention"] / 1e12,
         tflop=flops["total"] / 1e12,
         seq_lengths=lengths.tolist(),
+        table_update=args.table_update,
     )
     if precision == "bf16":  # the dense features meet bf16 weights
         host_batch = dataclasses.replace(host_batch, dense=host_batch.dense.to(torch.bfloat16))
@@ -418,7 +442,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         model = model.to(torch.bfloat16)
     breakdown = other_kernels = gaps = syncs = None  # filled on CUDA only
     try:
-        step = build_step(model, batch, precision, device)
+        step = build_step(model, batch, precision, device, args.table_update)
         first_step_s = call_times_ms(device, step, 1, 0, wall=True)[0] / 1e3
         times = call_times_ms(device, step, args.reps, args.warmup)
         back_to_back, allocator = time_back_to_back(device, step, args.reps)
@@ -567,6 +591,7 @@ def main(args: argparse.Namespace) -> int:
             for compiled in compiles:
                 records.append(bench_one(args, preset, kind, rab, compiled, host_batch, precision))
                 print(table(records[-1:]).splitlines()[1], flush=True)
+    print(f"the item table's update: {args.table_update} (--table-update)")
     print(table(records))
     if any(r.breakdown_ms for r in records):
         print(breakdown_table(records))
@@ -594,6 +619,7 @@ def main(args: argparse.Namespace) -> int:
             preset=preset,
             config={k: v for k, v in asdict(config).items() if k not in ("rab", "position_embeddings")},  # per record
             precision=precision,
+            table_update=args.table_update,
             batch_size=args.batch_size,
             zipf_alpha=args.zipf_alpha,
             candidates=[lo, hi],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import hstu_step as bench
-from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig
+from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
 
 
 def test_step_flops_is_the_hand_count():
@@ -156,3 +156,24 @@ def test_host_syncs_counts_each_synchronizing_call_by_its_stack(monkeypatch):
     inner, caller = next(iter(syncs)).split(" < ")
     assert inner.startswith("test_hstu_step.py:") and caller.startswith("test_hstu_step.py:")
     assert modes == ["warn", 0]  # the mode is restored after the step
+
+
+def test_the_tables_row_update_is_dense_adams_first_step_on_the_looked_up_rows_alone():
+    config = HSTUConfig(**{**HSTU_PRESETS["hstu"], "num_items": 500})
+    rng = np.random.default_rng(3)
+    batch = bench.synthetic_batch(np.array([7, 2, 5]), np.array([2, 1, 1]), config, rng)
+    table, weights = "item_embedding.weight", {}
+    for update in bench.TABLE_UPDATES:
+        torch.manual_seed(0)
+        model = HSTUModel(config).train()
+        before = model.item_embedding.weight.detach().clone()
+        bench.build_step(model, batch, "fp32", torch.device("cpu"), update)()
+        weights[update] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        moved = (weights[update][table] != before).any(1).nonzero().squeeze(1)
+        assert torch.equal(moved, torch.unique(model.item_ids(batch)))  # the rows the step read, and no other
+        assert model.item_embedding.weight.grad is None
+    # a first step: lazy Adam's moments are dense Adam's on those rows (to rounding), the dense parameters' alike
+    torch.testing.assert_close(weights["rows"][table], weights["dense"][table])
+    for name, value in weights["rows"].items():
+        if name != table:
+            torch.testing.assert_close(value, weights["dense"][name], rtol=0, atol=0)
