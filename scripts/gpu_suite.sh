@@ -21,8 +21,8 @@
 #                                          # on whole local batches of the HSTU model (hstu-large), with the noise floor (~6 min)
 #   bash scripts/gpu_suite.sh hstu-e2e   # bench e2e heavy (twice: NE run to run) and light on the HSTU model (hstu-large), sync
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
-#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, eager/compiled,
-#                                        # input embeddings: TFLOP/s, MFU, kernel time by part (< 10 min)
+#   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, the item table
+#                                        # by rows and dense, input embeddings: TFLOP/s, MFU, time by part (~8 min)
 #   bash scripts/gpu_suite.sh hstu-tiles # the attention's launch configurations at head dim 256, shape c, rab off with
 #                                        # dK/dV candidates beyond the table, then rab on (~6 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, softmax and HSTU models (~6 min)
@@ -152,12 +152,13 @@ PY
     timeout 420 python3 -m benchmarks hstu --dims 128,256 --variants triton,triton-rab --json "$OUT/hstu_dims.json" 2>&1 | tail -20
     ;;
   hstu-step)
-    echo "== bench hstu-step: the HSTU model's step (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab off/on, eager/compiled layers, where the time goes"
-    timeout 390 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off,on \
-      --compile off,on --breakdown --gaps 8 --reps 6 --warmup 2 --json "$OUT/hstu_step.json" 2>&1 | grep -v Warn | tail -80
-    echo "== the same, recsys-examples' configuration: rab off, input position embeddings"
-    timeout 200 python3 -m benchmarks hstu-step --device cuda --preset hstu-large --batch-size 32 --rab off \
-      --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | tail -4
+    echo "== bench hstu-step: BENCHMARKS.md's table (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab off/on, where the time goes"
+    FLAGS="hstu-step --device cuda --preset hstu-large --batch-size 32 --compile on --reps 6 --warmup 2"
+    timeout 250 python3 -m benchmarks $FLAGS --rab off,on --breakdown --gaps 6 --json "$OUT/hstu_step_default.json" 2>&1 | grep -v Warn | tail -70
+    echo "== the same step, rab off, the whole item table under dense Adam (--table-update dense)"
+    timeout 120 python3 -m benchmarks $FLAGS --rab off --breakdown --table-update dense --json "$OUT/hstu_step_dense_table.json" 2>&1 | grep -v Warn | tail -24
+    echo "== recsys-examples' configuration: rab off, input position embeddings"
+    timeout 120 python3 -m benchmarks $FLAGS --rab off --position-embeddings --json "$OUT/hstu_step_embeddings.json" 2>&1 | grep -v Warn | tail -4
     ;;
   hstu-tiles)
     echo "== the forward's and the dK/dV pass's launch configurations at head dim 256, shape c, rab off, deterministic mode"
