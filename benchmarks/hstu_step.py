@@ -49,8 +49,8 @@ Timing: CUDA events around each step, median of ``--reps`` after ``--warmup`` (t
 attention and warm the allocator). Each step then waits for the device, so host work the device waits on (launches,
 the batch's packing) counts in it; ``b2b``: the same ``--reps`` steps launched back to back, as a training loop runs
 them, where the host's work for a step overlaps the device's for the one before, unless the step syncs;
-``--gaps N`` traces two steps back to back and prints where the device waited on the host, and the Python lines
-of one step's synchronizing CUDA calls (where the device's queue drains); on CUDA each row also
+``--gaps N`` traces two steps back to back and prints where the device waited on the host and what the host was busy
+in then, and the innermost Python frames of one step's synchronizing CUDA calls; on CUDA each row also
 counts the caching allocator's cudaMalloc, cudaFree and retries per b2b step (a cudaFree waits for the device). The
 attention alone: its forward + backward at the step's shapes and inputs (q, k, v of one layer, the model's rab
 weights, targets and timestamps), timed the same way and multiplied by the layers; its share of the step is an
@@ -129,7 +129,7 @@ class Record:
     breakdown_ms: Optional[dict[str, float]] = None  # per step, kernel time by PARTS (--breakdown)
     other_kernels_ms: Optional[dict[str, float]] = None  # per step, the costliest kernels of "other" by name
     idle_gaps: Optional[list[dict]] = None  # --gaps: the longest spans without a kernel over 2 steps back to back
-    # --gaps: one step's synchronizing CUDA calls by the Python line that made them (host_syncs)
+    # --gaps: one step's synchronizing CUDA calls by their innermost Python frames (host_syncs)
     host_syncs: Optional[dict[str, int]] = None
     # Per step over the b2b steps (CUDA): the caching allocator's cudaMalloc and cudaFree calls and its retries
     # (a retry frees cached blocks first); each cudaFree waits for the device, which then idles until the host
@@ -264,7 +264,7 @@ def build_step(
     dense = [p for p in model.parameters() if not (rows and p is table.weight)]
     optimizer = torch.optim.Adam(dense, lr=1e-3, fused=device.type == "cuda")
     row_adam = fsembed_optim.Adam(lr=1e-3)
-    state = row_adam.init_state(table.weight) if rows else {}
+    state = row_adam.init_state(table.weight) if rows else {}  # the job's table keeps its state beside its rows
     dtype = torch.bfloat16 if precision == "autocast" else None  # bf16 and fp32: the parameters' own dtype
 
     def step() -> None:
@@ -272,7 +272,7 @@ def build_step(
             loss = binary_cross_entropy_sum(model(batch).float(), batch.candidate_labels)
         loss.backward()
         optimizer.step()
-        if rows:
+        if rows and table.weight.grad is not None:  # None: the batch looked nothing up
             grad, table.weight.grad = table.weight.grad, None
             with torch.no_grad():
                 row_adam.apply(table.weight, state, grad._indices()[0], grad._values())
