@@ -7,6 +7,7 @@ TRITON_INTERPRET is set before the kernel module is (re)imported, as in test_tri
 from __future__ import annotations
 
 import importlib
+import operator
 import os
 import sys
 
@@ -318,6 +319,50 @@ def test_the_models_layer_compiles_into_one_graph_through_the_operator():
         assert not sums, f"the input's gradient summed outside the graph: {sums}"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_compiled_layers_backward_keeps_q_k_and_vs_silu_for_the_attention():
+    """Inductor's partitioner (min-cut, as torch.compile's default backend runs it) saves the SiLU of q, k and v
+    that the attention's backward reads, instead of computing it again from the projection in the backward: two
+    memory-bound passes over [N, 3 H Dh] a layer (docs/bench-notes.md, *What the partitioner recomputes*). Read
+    from the partitioned backward graph: every tensor input of the attention's backward is a saved one."""
+    import numpy as np
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from benchmarks.hstu_step import synthetic_batch, uih_lengths
+    from kernels.impl import Impl
+    from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel, truncate
+
+    graphs = {}
+
+    def backend(gm, example_inputs):
+        def keep(name):
+            return lambda graph, inputs: graphs.setdefault(name, graph).forward
+
+        return aot_module_simplified(
+            gm, example_inputs, keep("forward"), keep("backward"), partition_fn=min_cut_rematerialization_partition
+        )
+
+    config = HSTUConfig(**{**HSTU_PRESETS["hstu"], "num_items": 100, "head_dim": 16, "compile": False})
+    model = HSTUModel(config).train()
+    model.attention_impl = lambda device: Impl.TRITON
+    torch._dynamo.reset()
+    rng = np.random.default_rng(0)
+    batch = synthetic_batch(uih_lengths("zipf", 3, 40, 1.2, rng), rng.integers(1, 3, 3), config, rng)
+    seq = model._pack(batch, truncate(batch, config.max_uih))
+    x = torch.randn(seq.attention.num_tokens, config.dim, requires_grad=True)
+    torch.compile(model.layers[0], dynamic=True, backend=backend)(x, seq).sum().backward()
+
+    def source(node):  # through views and getitems to the node that made the tensor
+        while node.op == "call_function" and (node.target is operator.getitem or "view" in str(node.target)):
+            node = node.args[0]
+        return node
+
+    (attention,) = [n for n in graphs["backward"].graph.nodes if "hstu_attention_backward" in str(n.target)]
+    q, k, v = attention.args[1:4]  # after the output's gradient
+    assert [source(t).op for t in (q, k, v)] == ["placeholder"] * 3, [source(t).target for t in (q, k, v)]
 
 
 def test_bad_inputs_at_the_kernels_edge_end_in_one_line_naming_them():
