@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 from benchmarks.gpu_trace import describe_gap, trace
-from benchmarks.timing import call_times_ms, kernel_times_ms, range_kernel_times_ms
+from benchmarks.timing import call_times_ms, kernel_and_range_times_ms
 from fsdata.batch import Batch, lengths_to_offsets
 from fsembed import optim as fsembed_optim
 from kernels.hstu import hstu_attention
@@ -347,8 +347,8 @@ def kernel_breakdown(step: Callable[[], None], steps: int = 3, top: int = 12) ->
     ``other`` by name, from torch.profiler over ``steps`` steps. The item table's row update
     (:data:`TABLE_UPDATE_RANGE`) is the optimizer's, whatever its kernels' names (gathers, sorts, copies)."""
     totals, other = dict.fromkeys(PARTS, 0.0), {}
-    table = range_kernel_times_ms(step, TABLE_UPDATE_RANGE, steps)
-    for name, ms in kernel_times_ms(step, steps).items():
+    kernels, table = kernel_and_range_times_ms(step, steps, TABLE_UPDATE_RANGE)
+    for name, ms in kernels.items():
         moved = min(ms, table.get(name, 0.0))
         part = kernel_part(name)
         totals[part] += ms - moved

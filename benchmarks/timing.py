@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -40,38 +40,35 @@ def call_times_ms(
 def kernel_times_ms(fn: Callable[[], None], calls: int = 3) -> dict[str, float]:
     """Per call of ``fn``, the milliseconds of GPU kernel time under each kernel name, costliest first, from
     torch.profiler over ``calls`` calls (a name launched several times a call sums its launches)."""
+    return kernel_and_range_times_ms(fn, calls)[0]
+
+
+def kernel_and_range_times_ms(
+    fn: Callable[[], None], calls: int = 3, within: Optional[str] = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`kernel_times_ms`'s per-name milliseconds, and from the same profile the part of them launched inside
+    ``torch.profiler.record_function(within)`` ranges (and the ops under them): a part of a call that its kernels'
+    names alone do not tell apart. Without ``within`` the second is empty and the host side goes unprofiled."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if within else [])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    inside: dict[str, float] = {}
+    stack = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-
-
-def range_kernel_times_ms(fn: Callable[[], None], name: str, calls: int = 3) -> dict[str, float]:
-    """Per call of ``fn``, the milliseconds of GPU kernel time under each kernel name, of the kernels launched
-    inside ``torch.profiler.record_function(name)`` ranges (and the ops under them), from torch.profiler over
-    ``calls`` calls: a part of a step that its kernels' names alone do not tell apart."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    stack = [e for e in prof.events() if e.name == name and e.device_type == DeviceType.CPU]
+        elif within and event.name == within:
+            stack.append(event)
     while stack:
         event = stack.pop()
         for kernel in event.kernels:
-            totals[kernel.name] = totals.get(kernel.name, 0.0) + kernel.duration / 1e3 / calls
+            inside[kernel.name] = inside.get(kernel.name, 0.0) + kernel.duration / 1e3 / calls
         stack.extend(event.cpu_children)
-    return totals
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])), inside

@@ -123,9 +123,10 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
 def test_the_table_updates_kernels_count_as_the_optimizers_whatever_their_names(monkeypatch):
     kernels = {"nvjet_gemm": 3.0, "index_copy_kernel": 0.5, "sort_kernel": 0.2, "_fwd_kernel": 4.0}
     inside = {"index_copy_kernel": 0.4, "sort_kernel": 0.2}  # the other 0.1 ms of index_copy: the layers' own
-    monkeypatch.setattr(bench, "kernel_times_ms", lambda step, steps: kernels)
     monkeypatch.setattr(
-        bench, "range_kernel_times_ms", lambda step, name, steps: inside if name == bench.TABLE_UPDATE_RANGE else {}
+        bench,
+        "kernel_and_range_times_ms",
+        lambda step, steps, within: (kernels, inside if within == bench.TABLE_UPDATE_RANGE else {}),
     )
     totals, other = bench.kernel_breakdown(lambda: None)
     assert totals == pytest.approx(dict(attention=4.0, matmul=3.0, optimizer=0.6, other=0.1))
