@@ -139,6 +139,7 @@ class Record:
     allocator: Optional[dict[str, float]] = None
     skipped: Optional[str] = None
     table_update: str = "rows"  # --table-update
+    residual: str = "fp32"  # --residual
 
     @property
     def back_to_back_tflops(self) -> Optional[float]:
@@ -177,6 +178,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="trace 2 steps back to back (CUDA): the N longest spans without a kernel and the host's ops then",
+    )
+    parser.add_argument(
+        "--residual",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="under autocast, the residual stream between the layers (HSTUConfig.fp32_residual)",
     )
     parser.add_argument("--precision", choices=PRECISIONS, default=None, help="default autocast on CUDA, fp32 on CPU")
     parser.add_argument("--reps", type=int, default=20)
@@ -418,6 +425,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
             "rab": rab,
             "position_embeddings": embeddings,
             "compile": compiled,
+            "fp32_residual": args.residual == "fp32",
         }
     )
     lengths = sequence_lengths(host_batch, config.max_uih)
@@ -438,6 +446,7 @@ def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batc
         tflop=flops["total"] / 1e12,
         seq_lengths=lengths.tolist(),
         table_update=args.table_update,
+        residual=args.residual,
     )
     if precision == "bf16":  # the dense features meet bf16 weights
         host_batch = dataclasses.replace(host_batch, dense=host_batch.dense.to(torch.bfloat16))
@@ -597,7 +606,7 @@ def main(args: argparse.Namespace) -> int:
             for compiled in compiles:
                 records.append(bench_one(args, preset, kind, rab, compiled, host_batch, precision))
                 print(table(records[-1:]).splitlines()[1], flush=True)
-    print(f"the item table's update: {args.table_update} (--table-update)")
+    print(f"the item table's update: {args.table_update} (--table-update); the residual stream: {args.residual}")
     print(table(records))
     if any(r.breakdown_ms for r in records):
         print(breakdown_table(records))
@@ -626,6 +635,7 @@ def main(args: argparse.Namespace) -> int:
             config={k: v for k, v in asdict(config).items() if k not in ("rab", "position_embeddings")},  # per record
             precision=precision,
             table_update=args.table_update,
+            residual=args.residual,
             batch_size=args.batch_size,
             zipf_alpha=args.zipf_alpha,
             candidates=[lo, hi],

@@ -102,6 +102,10 @@ class HSTUConfig:
     """The Triton attention runs one fixed launch configuration instead of the autotuner's timed pick, so that two
     processes (two jobs to compare) sum in the same order and get the same bits; every run's backward already gives
     the same bits in one process."""
+    fp32_residual: bool = True
+    """Under autocast, the residual stream (each layer's input and output, and their gradients) in fp32. False: in
+    autocast's dtype, as Megatron-based trainers run it by default: every pass over the stream moves half the bytes,
+    and each layer's sum is rounded to bf16 (LayerNorm still computes in fp32). No effect without autocast."""
     compile: Optional[bool] = None
     """Each layer under torch.compile (inductor, dynamic shapes: one compile for every token count), the attention
     one opaque operator inside it, so that its memory-bound work (norms, SiLU, casts, the split, the gating and the
@@ -338,6 +342,8 @@ class HSTUModel(nn.Module):
             x = x + self.position_embedding(position_bucket(seq.recency, self.config.position_buckets))
             if seq.age is not None:
                 x = x + self.time_embedding(time_bucket(seq.age, self.config.time_buckets))
+        if not self.config.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self._layer_calls(x.device):
             x = layer(x, seq)
         out = self.norm(x)[seq.candidate_slot]

@@ -115,6 +115,26 @@ def test_gradients_reach_every_parameter_and_an_empty_batch_the_table():
     assert model.item_embedding.weight.grad is not None
 
 
+def test_the_residual_stream_is_bf16_under_autocast_only_when_asked():
+    """fp32_residual=False: every layer reads and writes autocast's dtype, and the logits stay within bf16's
+    rounding of the fp32 stream's; without autocast the switch changes nothing."""
+    batch = Batch.from_samples(_samples())
+    logits, dtypes = {}, {}
+    for fp32 in (True, False):
+        model = _model(fp32_residual=fp32)
+        seen = dtypes[fp32] = []
+        for layer in model.layers:
+            layer.register_forward_hook(lambda _, args, out, seen=seen: seen.append((args[0].dtype, out.dtype)))
+        with torch.no_grad():
+            assert torch.equal(model(batch), _model()(batch))  # no autocast: the same numbers either way
+            seen.clear()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits[fp32] = model(batch).float()
+    assert dtypes[True] == [(torch.float32, torch.float32)] * 2
+    assert dtypes[False] == [(torch.bfloat16, torch.bfloat16)] * 2
+    torch.testing.assert_close(logits[False], logits[True], atol=0.05, rtol=0.05)
+
+
 def test_recency_and_age_count_back_from_the_samples_last_event():
     rng = np.random.default_rng(0)
     samples = [_sample(0, 3, rng, 2), _sample(1, 0, rng, 1), _sample(2, 12, rng, 1)]
