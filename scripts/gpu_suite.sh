@@ -24,15 +24,13 @@
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, the residual
 #                                        # stream in fp32 and bf16, the item table by rows and dense: TFLOP/s, MFU,
 #                                        # time by part (~9 min)
-#   bash scripts/gpu_suite.sh hstu-precision  # the same step with the residual stream in fp32 and in bf16 under autocast,
-#                                        # rab off and on, then the bf16 parameters, rab off (~8 min)
 #   bash scripts/gpu_suite.sh hstu-tiles # the attention's launch configurations at head dim 256, shape c, rab off with
 #                                        # dK/dV candidates beyond the table, then rab on (~6 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, softmax and HSTU models (~6 min)
 #   bash scripts/gpu_suite.sh long       # bench e2e on long histories (cap 16,384), sync vs freescale, paired (~5 min)
 # Everything is written under $OUT (default ./out/gpu).
 set -u -o pipefail
-PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|hstu-step|hstu-precision|hstu-tiles|hstu-replay|hstu-e2e|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
+PART=${1:?usage: bash scripts/gpu_suite.sh check|hstu|hstu-dims|hstu-step|hstu-tiles|hstu-replay|hstu-e2e|e2e|replay|trace|pairs|allreduce|stalls|exclusive|attention|deterministic|long|transport}
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -162,15 +160,6 @@ PY
     timeout 200 python3 -m benchmarks $FLAGS --rab off,on --breakdown --residual bf16 --json "$OUT/hstu_step_residual_bf16.json" 2>&1 | grep -v Warn | tail -40
     echo "== the same step, rab off, the whole item table under dense Adam (--table-update dense)"
     timeout 100 python3 -m benchmarks $FLAGS --rab off --table-update dense --json "$OUT/hstu_step_dense_table.json" 2>&1 | grep -v Warn | tail -4
-    ;;
-  hstu-precision)
-    echo "== bench hstu-step, rab off: the residual stream in fp32 (the default) and in bf16 under autocast, then the bf16 parameters"
-    FLAGS="hstu-step --device cuda --preset hstu-large --batch-size 32 --compile on --reps 6 --warmup 2 --breakdown"
-    for rab in off on; do
-      timeout 120 python3 -m benchmarks $FLAGS --rab $rab --json "$OUT/hstu_step_residual_fp32_rab_$rab.json" 2>&1 | grep -v Warn | tail -9
-      timeout 120 python3 -m benchmarks $FLAGS --rab $rab --residual bf16 --json "$OUT/hstu_step_residual_bf16_rab_$rab.json" 2>&1 | grep -v Warn | tail -22
-    done
-    timeout 120 python3 -m benchmarks $FLAGS --rab off --precision bf16 --json "$OUT/hstu_step_bf16_params.json" 2>&1 | grep -v Warn | tail -22
     ;;
   hstu-tiles)
     echo "== the forward's and the dK/dV pass's launch configurations at head dim 256, shape c, rab off, deterministic mode"
