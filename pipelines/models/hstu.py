@@ -170,11 +170,8 @@ class HSTULayer(nn.Module):
     def forward(self, x: torch.Tensor, seq: Packing) -> torch.Tensor:
         c = self.config
         heads = lambda t: t.view(t.shape[0], c.num_heads, c.head_dim)  # noqa: E731
-        # SiLU of each quarter of one projection, not of the whole: compiled, the backward then keeps q, k and v's
-        # SiLU for the attention's backward instead of computing it again from the projection (AOTAutograd's
-        # partitioner sees the attention behind a quarter's SiLU, not behind split's outputs; bench-notes, *What
-        # the partitioner recomputes*). u's is computed again where its product's backward fuses it.
-        u, v, q, k = (F.silu(t) for t in self.uvqk(self.norm(x)).chunk(4, dim=-1))
+        # Views of one projection's output: the Triton attention reads q, k and v in place.
+        u, v, q, k = F.silu(self.uvqk(self.norm(x))).chunk(4, dim=-1)
         timed = seq.timestamps is not None and self.time_weights is not None
         attended = hstu_attention(
             heads(q),

@@ -7,7 +7,6 @@ TRITON_INTERPRET is set before the kernel module is (re)imported, as in test_tri
 from __future__ import annotations
 
 import importlib
-import operator
 import os
 import sys
 
@@ -327,39 +326,6 @@ def test_the_models_layer_compiles_into_one_graph_through_the_operator():
         assert not sums, f"the input's gradient summed outside the graph: {sums}"
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-
-def test_the_compiled_layers_backward_keeps_q_k_and_vs_silu_for_the_attention():
-    """Inductor's partitioner (min-cut, as torch.compile's default backend runs it) saves the SiLU of q, k and v
-    that the attention's backward reads, instead of computing it again from the projection in the backward: two
-    memory-bound passes over [N, 3 H Dh] a layer (docs/bench-notes.md, *What the partitioner recomputes*). Read
-    from the partitioned backward graph: every tensor input of the attention's backward is a saved one."""
-    import torch._dynamo
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    graphs = {}
-
-    def backend(gm, example_inputs):
-        def keep(name):
-            return lambda graph, inputs: graphs.setdefault(name, graph).forward
-
-        return aot_module_simplified(
-            gm, example_inputs, keep("forward"), keep("backward"), partition_fn=min_cut_rematerialization_partition
-        )
-
-    model, seq, x = _triton_model_and_batch()
-    torch._dynamo.reset()
-    torch.compile(model.layers[0], dynamic=True, backend=backend)(x, seq).sum().backward()
-
-    def source(node):  # through views and getitems to the node that made the tensor
-        while node.op == "call_function" and (node.target is operator.getitem or "view" in str(node.target)):
-            node = node.args[0]
-        return node
-
-    (attention,) = [n for n in graphs["backward"].graph.nodes if "hstu_attention_backward" in str(n.target)]
-    q, k, v = attention.args[1:4]  # after the output's gradient
-    assert [source(t).op for t in (q, k, v)] == ["placeholder"] * 3, [source(t).target for t in (q, k, v)]
 
 
 def test_bad_inputs_at_the_kernels_edge_end_in_one_line_naming_them():
