@@ -379,9 +379,10 @@ def host_syncs(step: Callable[[], None], depth: int = 4) -> dict[str, int]:
     to drain, and the device then idles until the host launches again, which back-to-back steps cannot overlap."""
     previous = torch.cuda.get_sync_debug_mode()
     stacks: collections.Counter = collections.Counter()
+    stepping = False  # what switching the mode itself warns of is not the step's
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:
-        if "synchronizing" in str(message):
+        if stepping and "synchronizing" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
             stacks[" < ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in frames[::-1][:depth])] += 1
 
@@ -390,8 +391,10 @@ def host_syncs(step: Callable[[], None], depth: int = 4) -> dict[str, int]:
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
+            stepping = True
             step()
         finally:
+            stepping = False
             torch.cuda.set_sync_debug_mode(previous)
     return dict(stacks)
 

@@ -62,7 +62,8 @@ def kernel_and_range_times_ms(
     inside: dict[str, float] = {}
     stack = []
     for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
+        # A record_function range shows on the device's timeline too, spanning its kernels: not a kernel itself.
+        if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
         elif within and event.name == within:
             stack.append(event)

@@ -133,6 +133,46 @@ def test_the_table_updates_kernels_count_as_the_optimizers_whatever_their_names(
     assert other == pytest.approx({"index_copy_kernel": 0.1})
 
 
+def test_a_ranges_span_on_the_devices_timeline_is_no_kernel(monkeypatch):
+    """torch.profiler puts a record_function range on the device's timeline too (a user annotation spanning its
+    kernels): counted as a kernel, the table update's range once added its whole span to the glue."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks import timing
+
+    def event(name, us, device=DeviceType.CUDA, annotation=False, kernels=()):
+        span = SimpleNamespace(elapsed_us=lambda: us)
+        return SimpleNamespace(
+            name=name, device_type=device, is_user_annotation=annotation, time_range=span, kernels=list(kernels),
+            cpu_children=[],
+        )  # fmt: skip
+
+    sort = SimpleNamespace(name="sort_kernel", duration=200.0)
+    events = [
+        event("sort_kernel", 200.0),
+        event("_fwd_kernel", 4000.0),
+        event(bench.TABLE_UPDATE_RANGE, 3500.0, annotation=True),
+        event(bench.TABLE_UPDATE_RANGE, 3600.0, device=DeviceType.CPU, kernels=[sort]),
+    ]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    class Profile:
+        def __init__(self, activities):
+            self.events = lambda: events
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    totals, inside = timing.kernel_and_range_times_ms(lambda: None, calls=1, within=bench.TABLE_UPDATE_RANGE)
+    assert totals == {"_fwd_kernel": 4.0, "sort_kernel": 0.2} and inside == {"sort_kernel": 0.2}
+
+
 def test_the_gates_read_each_rows_rab_and_its_glue():
     def record(rab, tflops, other_ms):
         return bench.Record(
@@ -154,7 +194,12 @@ def test_the_gates_read_each_rows_rab_and_its_glue():
 def test_host_syncs_counts_each_synchronizing_call_by_its_stack(monkeypatch):
     modes = []
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def set_mode(mode):  # torch warned of a sync while switching the mode on, before any step ran
+        modes.append(mode)
+        warnings.warn("called a synchronizing CUDA operation")
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
 
     def syncing():  # what torch's sync debug mode raises at a synchronizing call
         warnings.warn("called a synchronizing CUDA operation")
