@@ -19,10 +19,25 @@ look up are not touched (no decay of their state, no weight decay).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
 from kernels import ops
+from kernels.impl import Impl, resolve
+
+
+def duplicate_segments(local_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted ids [M], order [M], offsets [M + 1]) of ids [M] on the device, with no device-to-host sync: the ids
+    stably sorted (each row's entries stay in arrival order), ``order`` their entries' positions, and segment k,
+    entries ``offsets[k]:offsets[k+1]`` of the sorted ids, the k-th unique row's; the segments past the U unique
+    rows are empty (offsets M)."""
+    sorted_ids, order = torch.sort(local_ids, stable=True)
+    m = local_ids.numel()
+    first = torch.ones(m, dtype=torch.bool, device=local_ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    starts = torch.nonzero_static(first, size=m, fill_value=m).squeeze(1)  # U segment starts, then m
+    return sorted_ids, order, torch.cat([starts, starts.new_full((1,), m)])
 
 
 def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,22 +48,19 @@ def sum_duplicate_rows(local_ids: torch.Tensor, grads: torch.Tensor) -> tuple[to
     repeat real rows (entry k is row k mod U, with that row's sum), so that every write of a row carries the
     same values and the number of unique rows never has to reach the host. On the CPU, where reading U costs
     nothing, only the U unique rows come back (the same sums: the same segments, summed by the same op)."""
-    sorted_ids, order = torch.sort(local_ids, stable=True)
     if not local_ids.is_cuda:
+        sorted_ids, order = torch.sort(local_ids, stable=True)
         rows, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64)
         torch.cumsum(counts, 0, out=offsets[1:])
         return rows, ops.segment_sum(grads.index_select(0, order), offsets)
     m = local_ids.numel()
-    first = torch.ones(m, dtype=torch.bool, device=local_ids.device)
-    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    starts = torch.nonzero_static(first, size=m, fill_value=m).squeeze(1)  # U segment starts, then m
-    offsets = torch.cat([starts, starts.new_full((1,), m)])
+    sorted_ids, order, offsets = duplicate_segments(local_ids)
     sums = ops.segment_sum(grads.index_select(0, order), offsets)  # [M, D]; segments U.. are empty
     k = torch.arange(m, device=local_ids.device)
-    unique = first.sum()
+    unique = (offsets[:-1] < m).sum()
     pick = torch.where(k < unique, k, k % unique)
-    return sorted_ids.index_select(0, starts.index_select(0, pick)), sums.index_select(0, pick)
+    return sorted_ids.index_select(0, offsets.index_select(0, pick)), sums.index_select(0, pick)
 
 
 class RowWiseOptimizer:
@@ -68,13 +80,36 @@ class RowWiseOptimizer:
         raise NotImplementedError
 
     def apply(
-        self, weight: torch.Tensor, state: dict[str, torch.Tensor], local_ids: torch.Tensor, grads: torch.Tensor
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        local_ids: torch.Tensor,
+        grads: torch.Tensor,
+        impl: Union[Impl, str, None] = None,
     ) -> None:
-        """Sums duplicates of shard-major (local_ids, grads) and updates those rows in place."""
+        """Sums duplicates of shard-major (local_ids, grads) and updates those rows in place. ``impl``: Triton (the
+        default for CUDA tensors) sums and updates in one kernel (kernels.triton.triton_rowwise), torch (the
+        default elsewhere) by :func:`sum_duplicate_rows` and :meth:`update_rows`: the same arithmetic, each row's
+        sum fixed by its entries in arrival order either way, equal up to fp32 rounding. A subclass's own
+        ``update_rows`` always runs the torch way."""
         if local_ids.numel() == 0:
+            return
+        default = Impl.TRITON if weight.is_cuda else Impl.TORCH
+        kind = resolve(impl, op="fsembed.optim", supported=(Impl.TRITON, Impl.TORCH), default=default)
+        if kind is Impl.TRITON and _FUSED.get(type(self).update_rows) == self.name:
+            from kernels.triton import triton_rowwise
+
+            sorted_ids, order, offsets = duplicate_segments(local_ids)
+            triton_rowwise.rowwise_update(
+                self.name, weight, state, sorted_ids, order, offsets, grads, **self.hyperparameters()
+            )
             return
         rows, summed = sum_duplicate_rows(local_ids, grads)
         self.update_rows(weight, state, rows, summed)
+
+    def hyperparameters(self) -> dict[str, float]:
+        """The fused kernel's scalars (kernels.triton.triton_rowwise.rowwise_update)."""
+        return {key: getattr(self, key) for key in ("lr", "beta1", "beta2", "eps") if hasattr(self, key)}
 
 
 @dataclass
@@ -139,6 +174,10 @@ class Adam(RowWiseOptimizer):
         v_hat = v / (1 - self.beta2**step).unsqueeze(1)
         w = weight.index_select(0, rows).float()
         weight.index_copy_(0, rows, (w - self.lr * m_hat / (v_hat.sqrt() + self.eps)).to(weight.dtype))
+
+
+#: The update_rows that the fused kernel computes, by the kernel's kind.
+_FUSED = {SGD.update_rows: "sgd", RowWiseAdagrad.update_rows: "rowwise_adagrad", Adam.update_rows: "adam"}
 
 
 def get_optimizer(name: str, **kwargs) -> RowWiseOptimizer:

@@ -59,6 +59,7 @@ case "$PART" in
   check)
     echo "== GPU tests (prioritized vs sync on CUDA under the stream sanitizer; the host transport on CUDA)"
     TORCH_CUDA_SANITIZER=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/fsembed/test_prioritized_gpu.py tests/fsdata/test_device_copy_gpu.py 2>&1 | tail -15
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/fsembed/test_optim.py 2>&1 | tail -3
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests/fscomm/test_host_gpu.py 2>&1 | tail -5
     echo "== no device sync in the model's forward nor in the embedding hub's id check; the dense block through pinned memory"
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/pipelines/test_model.py tests/fsembed/test_swap.py tests/pipelines/test_dense_sync.py 2>&1 | tail -3
