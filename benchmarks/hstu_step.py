@@ -421,16 +421,8 @@ def where_time_goes(step: Callable[[], None], breakdown: bool, gaps: int) -> tup
 def bench_one(args, preset: str, kind: str, rab: bool, compiled: bool, host_batch: Batch, precision: str) -> Record:
     device = torch.device(args.device)
     embeddings = args.position_embeddings
-    config = HSTUConfig(
-        **{
-            **HSTU_PRESETS[preset],
-            "num_items": args.num_items,
-            "rab": rab,
-            "position_embeddings": embeddings,
-            "compile": compiled,
-            "fp32_residual": args.residual == "fp32",
-        }
-    )
+    switches = dict(rab=rab, position_embeddings=embeddings, compile=compiled, fp32_residual=args.residual == "fp32")
+    config = HSTUConfig(**{**HSTU_PRESETS[preset], "num_items": args.num_items, **switches})
     lengths = sequence_lengths(host_batch, config.max_uih)
     flops = step_flops(lengths, config.dim, config.num_layers, config.num_heads, config.head_dim)
     base = dict(
