@@ -344,7 +344,8 @@ def kernel_part(name: str) -> str:
         return "attention"
     if any(k in lowered for k in _MATMUL_KERNELS):
         return "matmul"
-    if "adam" in lowered or "multi_tensor" in lowered:
+    # The row update's fused kernel by its name too: a Triton launch outside any aten op can miss its range.
+    if "adam" in lowered or "multi_tensor" in lowered or "rowwise_update" in lowered:
         return "optimizer"
     return "other"
 

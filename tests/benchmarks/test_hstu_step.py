@@ -105,6 +105,7 @@ def test_kernels_fall_in_their_parts_and_the_breakdown_table_adds_up():
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "_rowwise_update_kernel": "optimizer",
         "triton_per_fused__to_copy_native_layer_norm_0": "other",
         "void at::native::vectorized_elementwise_kernel<4, silu>": "other",
     }
