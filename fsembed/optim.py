@@ -95,8 +95,8 @@ class RowWiseOptimizer:
         if local_ids.numel() == 0:
             return
         default = Impl.TRITON if weight.is_cuda else Impl.TORCH
-        kind = resolve(impl, op="fsembed.optim", supported=(Impl.TRITON, Impl.TORCH), default=default)
-        if kind is Impl.TRITON and _FUSED.get(type(self).update_rows) == self.name:
+        chosen = resolve(impl, op="fsembed.optim", supported=(Impl.TRITON, Impl.TORCH), default=default)
+        if chosen is Impl.TRITON and _FUSED.get(type(self).update_rows) == self.name:
             from kernels.triton import triton_rowwise
 
             sorted_ids, order, offsets = duplicate_segments(local_ids)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.common import fixed_code, next_power_of_2
+from kernels.triton.common import next_power_of_2
 
 KINDS = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
 ROW_BLOCK_D = 256  # columns per step of a program's walk along its row
@@ -48,10 +48,10 @@ def _correction(step, beta):
     return 1.0 - tl.exp(step.to(tl.float64) * tl.log(b)).to(tl.float32)
 
 
-@triton.jit(**fixed_code("num_entries"))
+@triton.jit
 def _rowwise_update_kernel(
     sorted_ids, order, offsets, grads, weight, m_state, v_state, row_state,
-    num_entries, width, stride_g, stride_w, lr, beta1, beta2, eps,
+    width, stride_g, stride_w, lr, beta1, beta2, eps,
     KIND: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     seg = tl.program_id(0)
@@ -120,6 +120,6 @@ def rowwise_update(
     row_state = state.get("sum", state.get("step", unused))
     _rowwise_update_kernel[(entries,)](
         sorted_ids, order, offsets, grads, weight, state.get("m", unused), state.get("v", unused), row_state,
-        entries, width, grads.stride(0), weight.stride(0), float(lr), float(beta1), float(beta2), float(eps),
+        width, grads.stride(0), weight.stride(0), float(lr), float(beta1), float(beta2), float(eps),
         KIND=KINDS[kind], BLOCK_E=ROW_BLOCK_E, BLOCK_D=min(ROW_BLOCK_D, next_power_of_2(width)),
     )  # fmt: skip
