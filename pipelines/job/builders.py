@@ -151,6 +151,7 @@ def _hstu_config(
         deterministic=deterministic,
         rab=positions in ("rab", "both"),
         position_embeddings=positions in ("embeddings", "both"),
+        fp32_residual=config.residual != "bf16",
         **shape,
         **sizes,
     )

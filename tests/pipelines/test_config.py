@@ -23,7 +23,7 @@ OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --unordered-timestamps --eval-data --model --num-items --dim --num-layers
 --max-uih --attention
---positions
+--positions --residual
 --batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
 --embedding-optimizer --embedding-lr --nproc --nnodes --node-rank --rdzv-endpoint --steps --warmup-steps --lr --seed
 --device --precision --deterministic

@@ -244,12 +244,20 @@ def test_the_job_builds_the_hstu_preset_with_its_overrides_positions_and_no_plan
         cfg.model.positions = positions
         config = build_model_spec(cfg, build_source(cfg.data, 16)).model.config
         assert (config.rab, config.position_embeddings) == expected, positions
+    assert config.fp32_residual
+    cfg.model.residual = "bf16"
+    assert not build_model_spec(cfg, build_source(cfg.data, 16)).model.config.fp32_residual
+    cfg.model.residual = None
     cfg.model.attention = "padded"
     with pytest.raises(ValueError, match="--attention padded is the softmax model's"):
         build_model_spec(cfg, build_source(cfg.data, 16))
     cfg.model.name, cfg.model.attention = "tiny", "jagged"
     with pytest.raises(ValueError, match=r"positions is the HSTU presets' \(hstu, hstu-large\), not tiny's"):
         cfg.validate()
+    cfg.model.positions, cfg.model.residual = None, "bf16"
+    with pytest.raises(ValueError, match=r"residual is the HSTU presets'"):
+        cfg.validate()
+    cfg.model.residual = None
     cfg.model.name, cfg.model.positions = "hstu", "relative"
     with pytest.raises(ValueError, match="model.positions"):
         cfg.validate()

@@ -63,6 +63,7 @@ ATTENTIONS = ("jagged", "padded")
 #: How the HSTU model sees positions and time: ``rab`` (relative attention bias, inside the attention), ``embeddings``
 #: (learned input embeddings: recsys-examples' and generative-recommenders' preprocessors), ``both``, ``none``.
 POSITIONS = ("rab", "embeddings", "both", "none")
+RESIDUALS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -152,7 +153,7 @@ class JobModelSection:
     attention is ``[kernels] attention_impl``."""
 
     TABLE: ClassVar[str] = "model"
-    CHOICES: ClassVar[dict] = {"attention": ATTENTIONS, "positions": POSITIONS}
+    CHOICES: ClassVar[dict] = {"attention": ATTENTIONS, "positions": POSITIONS, "residual": RESIDUALS}
 
     name: str = "tiny"
     """A built-in preset (the softmax model's tiny, small, production; HSTU's hstu, hstu-large), or a factory of
@@ -172,13 +173,18 @@ class JobModelSection:
     """The HSTU model's positions and time gaps: ``rab`` (a learned bias inside the attention, work per score),
     ``embeddings`` (learned input embeddings, a gather per token: recsys-examples' configuration), ``both`` or
     ``none``; unset: ``rab``. The HSTU presets' alone."""
+    residual: Optional[str] = None
+    """The HSTU model's residual stream under bf16 autocast (the CUDA default): ``fp32`` (unset) or ``bf16``, as
+    Megatron-based trainers keep it (half the bytes of every pass over it, each layer's sum rounded to bf16;
+    HSTUConfig.fp32_residual). The HSTU presets' alone."""
 
     def validate(self) -> None:
         check_choices(self.TABLE, self)
         if self.num_items is not None and self.num_items < 1:
             raise refuse("model.num_items", f"must be >= 1, got {self.num_items}")
-        if self.positions is not None and self.name not in HSTU_PRESETS:
-            raise refuse("model.positions", f"is the HSTU presets' ({', '.join(HSTU_PRESETS)}), not {self.name}'s")
+        for name in ("positions", "residual"):
+            if getattr(self, name) is not None and self.name not in HSTU_PRESETS:
+                raise refuse(f"model.{name}", f"is the HSTU presets' ({', '.join(HSTU_PRESETS)}), not {self.name}'s")
 
 
 @dataclass
