@@ -154,6 +154,8 @@ PY
     timeout 420 python3 -m benchmarks hstu --dims 128,256 --variants triton,triton-rab --json "$OUT/hstu_dims.json" 2>&1 | tail -20
     ;;
   hstu-step)
+    echo "== GPU test: fsembed's fused row update (the step's item table) against its torch twin"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/fsembed/test_optim.py 2>&1 | tail -2
     echo "== bench hstu-step: BENCHMARKS.md's table (hstu-large, B=32, Zipf(1.2) lengths to 4,096, 1-8 candidates), rab off/on, where the time goes"
     FLAGS="hstu-step --device cuda --preset hstu-large --batch-size 32 --compile on --reps 6 --warmup 2"
     timeout 250 python3 -m benchmarks $FLAGS --rab off,on --breakdown --gaps 6 --json "$OUT/hstu_step_default.json" 2>&1 | grep -v Warn | tail -70
