@@ -62,8 +62,10 @@ def kernel_and_range_times_ms(
     inside: dict[str, float] = {}
     stack = []
     for event in prof.events():
-        # A record_function range shows on the device's timeline too, spanning its kernels: not a kernel itself.
-        if event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+        # A record_function range shows on the device's timeline too, spanning its kernels: not a kernel itself
+        # (by its flag, and by its name for ``within`` where a torch lacks the flag).
+        annotation = getattr(event, "is_user_annotation", False) or (within is not None and event.name == within)
+        if event.device_type == DeviceType.CUDA and not annotation:
             totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
         elif within and event.name == within:
             stack.append(event)

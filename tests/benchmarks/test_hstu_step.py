@@ -172,6 +172,8 @@ def test_a_ranges_span_on_the_devices_timeline_is_no_kernel(monkeypatch):
     monkeypatch.setattr(torch.profiler, "profile", Profile)
     totals, inside = timing.kernel_and_range_times_ms(lambda: None, calls=1, within=bench.TABLE_UPDATE_RANGE)
     assert totals == {"_fwd_kernel": 4.0, "sort_kernel": 0.2} and inside == {"sort_kernel": 0.2}
+    del events[2].is_user_annotation  # a torch without the flag: the range's name tells
+    assert timing.kernel_and_range_times_ms(lambda: None, calls=1, within=bench.TABLE_UPDATE_RANGE)[0] == totals
 
 
 def test_the_gates_read_each_rows_rab_and_its_glue():
