@@ -23,7 +23,7 @@ OPTIONS = """
 -h --help --config --help-tuning --data --preset --num-samples --collision-rate --uih-cap --data-seed --id-overflow
 --drop-bad-samples --no-drop-bad-samples --unordered-timestamps --eval-data --model --num-items --dim --num-layers
 --max-uih --attention
---positions --residual
+--positions
 --batch-size --prefetch-depth --partitioner --alpha --autotune --no-autotune --min-gain --memory-budget --mode
 --embedding-optimizer --embedding-lr --nproc --nnodes --node-rank --rdzv-endpoint --steps --warmup-steps --lr --seed
 --device --precision --deterministic
@@ -33,7 +33,7 @@ OPTIONS = """
 --loader.pin-memory --loader.no-pin-memory --loader.background-stages --loader.no-background-stages
 --loader.worker-start --loader.stage-lookahead --loader.no-stage-lookahead
 --embeddings.early-start --embeddings.exclusive-start --embeddings.schedule
---dense-sync.allreduce-start --dense-sync.bucket-mb --kernels.attention-impl
+--dense-sync.allreduce-start --dense-sync.bucket-mb --kernels.attention-impl --model.residual
 --process.threads --process.gil-switch-ms --process.numa-binding
 """.split()
 

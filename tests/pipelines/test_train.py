@@ -98,6 +98,7 @@ def test_help_fits_a_screen_and_every_tuning_knob_is_documented(capsys, monkeypa
         "dense_sync.allreduce_start",
         "dense_sync.bucket_mb",
         "kernels.attention_impl",
+        "model.residual",
         "process.threads",
         "process.gil_switch_ms",
         "process.numa_binding",

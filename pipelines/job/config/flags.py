@@ -61,7 +61,7 @@ FLAGS = {
     "model.max_uih": Flag("override the preset's longest UIH in the encoder"),
     "model.attention": Flag(""),
     "model.positions": Flag("HSTU positions"),
-    "model.residual": Flag("HSTU residual stream under bf16 autocast"),
+    "model.residual": _knob("the HSTU model's residual stream under bf16 autocast: fp32 or bf16"),
     "loader.batch_size": Flag("local batch size per rank"),
     "loader.prefetch_depth": Flag("batches read ahead of the model"),
     "loader.pin_memory": _knob("pin host memory of batches (forced on when the trainer trains on CUDA)"),
