@@ -62,13 +62,12 @@ def kernel_and_range_times_ms(
     inside: dict[str, float] = {}
     stack = []
     for event in prof.events():
-        # A record_function range shows on the device's timeline too, spanning its kernels: not a kernel itself
-        # (by its flag, and by its name for ``within`` where a torch lacks the flag).
-        annotation = getattr(event, "is_user_annotation", False) or (within is not None and event.name == within)
-        if event.device_type == DeviceType.CUDA and not annotation:
+        on_device = event.device_type == DeviceType.CUDA
+        if within and event.name == within:
+            if not on_device:  # the range's host side; its span on the device's timeline is no kernel
+                stack.append(event)
+        elif on_device and not getattr(event, "is_user_annotation", False):  # another range's device-side span
             totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / calls
-        elif within and event.name == within:
-            stack.append(event)
     while stack:
         event = stack.pop()
         for kernel in event.kernels:
