@@ -284,10 +284,14 @@ def test_a_function_around_the_operator_compiles_once_for_every_token_count():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
-def _triton_model_and_batch(seed: int = 0):
-    """The tiny HSTU model with the Triton attention (run by the interpreter), one of its batches packed, and a
-    layer input that asks for its gradient: what the compiled-layer tests trace."""
+def test_the_models_layer_compiles_into_one_graph_through_the_operator():
+    """An HSTU layer with the Triton attention under torch.compile (dynamic shapes, AOTAutograd's trace) is one
+    graph with no break, for every token count: a break (kernels.hstu's checks once broke it on an f-string of a
+    symbolic size) splits the layer in two, and autograd then sums the input's two gradients in a separate pass
+    over the [N, d] activations per layer. Counted: no graph break, one graph, and no gradient sum outside it."""
     import numpy as np
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.hstu_step import synthetic_batch, uih_lengths
     from kernels.impl import Impl
@@ -296,26 +300,14 @@ def _triton_model_and_batch(seed: int = 0):
     config = HSTUConfig(**{**HSTU_PRESETS["hstu"], "num_items": 100, "head_dim": 16, "compile": False})
     model = HSTUModel(config).train()
     model.attention_impl = lambda device: Impl.TRITON
-    rng = np.random.default_rng(seed)
-    batch = synthetic_batch(uih_lengths("zipf", 3, 40, 1.2, rng), rng.integers(1, 3, 3), config, rng)
-    seq = model._pack(batch, truncate(batch, config.max_uih))
-    return model, seq, torch.randn(seq.attention.num_tokens, config.dim, requires_grad=True)
-
-
-def test_the_models_layer_compiles_into_one_graph_through_the_operator():
-    """An HSTU layer with the Triton attention under torch.compile (dynamic shapes, AOTAutograd's trace) is one
-    graph with no break, for every token count: a break (kernels.hstu's checks once broke it on an f-string of a
-    symbolic size) splits the layer in two, and autograd then sums the input's two gradients in a separate pass
-    over the [N, d] activations per layer. Counted: no graph break, one graph, and no gradient sum outside it."""
-    import torch._dynamo
-    from torch.profiler import ProfilerActivity, profile
-
-    model = _triton_model_and_batch()[0]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     layer = torch.compile(model.layers[0], dynamic=True, backend="aot_eager")
     for seed in (0, 1, 2):
-        _, seq, x = _triton_model_and_batch(seed)
+        rng = np.random.default_rng(seed)
+        batch = synthetic_batch(uih_lengths("zipf", 3, 40, 1.2, rng), rng.integers(1, 3, 3), config, rng)
+        seq = model._pack(batch, truncate(batch, config.max_uih))
+        x = torch.randn(seq.attention.num_tokens, config.dim, requires_grad=True)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             layer(x, seq).sum().backward()
         sums = [
