@@ -88,7 +88,7 @@ from kernels.hstu import hstu_attention
 from kernels.triton import triton_hstu_attention as hstu_kernels
 from pipelines.api.numerics import autocast
 from pipelines.metrics import binary_cross_entropy_sum
-from pipelines.models.hstu import HSTU_PRESETS, HSTUConfig, HSTUModel
+from pipelines.models.hstu import HSTU_PRESETS, RESIDUALS, HSTUConfig, HSTUModel
 from pipelines.models.softmax import truncate
 
 LENGTHS = ("zipf", "full")
@@ -181,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--residual",
-        choices=("fp32", "bf16"),
+        choices=RESIDUALS,
         default="fp32",
         help="under autocast, the residual stream between the layers (HSTUConfig.fp32_residual)",
     )

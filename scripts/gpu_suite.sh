@@ -23,7 +23,7 @@
 #                                        # vs freescale, 2 ranks sharing the GPU; then a job with --memory-budget auto (~8 min)
 #   bash scripts/gpu_suite.sh hstu-step  # the HSTU model's training step, hstu-large, B=32, rab on/off, the residual
 #                                        # stream in fp32 and bf16, the item table by rows and dense: TFLOP/s, MFU,
-#                                        # time by part (~9 min)
+#                                        # time by part (~4 min)
 #   bash scripts/gpu_suite.sh hstu-tiles # the attention's launch configurations at head dim 256, shape c, rab off with
 #                                        # dK/dV candidates beyond the table, then rab on (~6 min)
 #   bash scripts/gpu_suite.sh deterministic  # freescale = sync bit for bit in --deterministic, end to end, softmax and HSTU models (~6 min)

@@ -43,6 +43,8 @@ from pipelines.models.softmax import Kept, truncate
 SEQ_NORMS = ("max", "sample")
 #: The HSTU attention kernels a config may name (kernels.impl.Impl); None: the device's default.
 HSTU_ATTENTION_IMPLS = ("triton", "torch")
+#: The residual stream's dtype under autocast (:attr:`HSTUConfig.fp32_residual`), as the job and the bench name it.
+RESIDUALS = ("fp32", "bf16")
 
 #: ``--model`` presets of the HSTU model. ``hstu``: small enough for CPU CI. ``hstu-large``: the shape of
 #: NVIDIA recsys-examples' HSTU benchmarks (8 layers, width 1024, 4 heads of 256), for GPU benchmarks.

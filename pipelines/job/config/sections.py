@@ -48,7 +48,7 @@ from pipelines.api.numerics import PRECISIONS
 from pipelines.api.step import TrainStep
 from pipelines.api.wrap import EARLY_START, EXCLUSIVE_START
 from pipelines.job.run.schedule_probe import SCHEDULE_CHOICES
-from pipelines.models.hstu import HSTU_PRESETS
+from pipelines.models.hstu import HSTU_PRESETS, RESIDUALS
 from pipelines.models.softmax import ATTENTION_IMPLS
 
 # nccl-ce and peer (fscomm/experimental/) are not offered until they have run on the hardware they are written for
@@ -63,7 +63,6 @@ ATTENTIONS = ("jagged", "padded")
 #: How the HSTU model sees positions and time: ``rab`` (relative attention bias, inside the attention), ``embeddings``
 #: (learned input embeddings: recsys-examples' and generative-recommenders' preprocessors), ``both``, ``none``.
 POSITIONS = ("rab", "embeddings", "both", "none")
-RESIDUALS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
